@@ -1,0 +1,51 @@
+# ds4 build. `make` builds build/libds4.a, build/ds4 and the C tests; `make test` runs every test;
+# `make asan` builds and runs the C tests under AddressSanitizer + UBSan in build-asan/.
+BUILD   ?= build
+CC      ?= gcc
+OPT     ?= -O2 -march=native
+SAN     ?=
+CFLAGS  := -std=c17 -D_GNU_SOURCE -Wall -Wextra -Werror -fopenmp $(OPT) $(SAN) -g \
+           -Iinclude -Isrc -fno-fast-math -ffp-contract=off
+LDLIBS  := -lm -lcjson -lpcre2-8 -fopenmp $(SAN)
+
+LIB_SRC   := $(sort $(wildcard src/*/*.c src/*/*/*.c))
+LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/%.o)
+TEST_SRC  := $(sort $(wildcard tests/test_*.c))
+TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
+BENCH_SRC := $(sort $(wildcard bench/*.c))
+BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
+
+all: $(BUILD)/ds4 $(TEST_BIN) $(BENCH_BIN)
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
+
+$(BUILD)/libds4.a: $(LIB_OBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/ds4: $(BUILD)/tools/ds4.o $(BUILD)/libds4.a
+	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/libds4.a
+	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/bench/%: $(BUILD)/bench/%.o $(BUILD)/libds4.a
+	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
+
+test: all
+	BUILD=$(BUILD) bash tests/run.sh
+
+test-c: all
+	BUILD=$(BUILD) DS4_SKIP_PY=1 bash tests/run.sh
+
+asan:
+	$(MAKE) BUILD=build-asan OPT="-O1" SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test-c
+
+clean:
+	rm -rf build build-asan
+
+.PHONY: all test test-c asan clean
+.SECONDARY:
+-include $(LIB_OBJ:.o=.d) $(BUILD)/tools/ds4.d

@@ -1,0 +1,73 @@
+/* DeepSeek-V4 model configuration, read from a Hugging Face config.json.
+ * Key names are the HF ones (docs/dsv4-architecture.md §1.1); fields are named after them. */
+#ifndef DS4_CONFIG_H
+#define DS4_CONFIG_H
+
+#include "ds4/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DS4_MAX_LAYERS 256
+
+typedef struct {
+    int64_t vocab_size;            /* vocab_size */
+    int64_t dim;                   /* hidden_size */
+    int64_t n_layers;              /* num_hidden_layers */
+    int64_t n_mtp_layers;          /* num_nextn_predict_layers (0 or 1) */
+    int64_t n_heads;               /* num_attention_heads */
+    int64_t n_kv_heads;            /* num_key_value_heads, must be 1 */
+    int64_t head_dim;              /* head_dim */
+    int64_t rope_head_dim;         /* qk_rope_head_dim */
+    int64_t q_lora_rank;           /* q_lora_rank */
+    int64_t o_groups;              /* o_groups */
+    int64_t o_lora_rank;           /* o_lora_rank */
+    int64_t window;                /* sliding_window */
+    int64_t compress_ratios[DS4_MAX_LAYERS]; /* compress_ratios: n_layers + n_mtp_layers entries */
+    int64_t index_n_heads;         /* index_n_heads */
+    int64_t index_head_dim;        /* index_head_dim */
+    int64_t index_topk;            /* index_topk */
+    int64_t hc_mult;               /* hc_mult (4) */
+    int64_t hc_sinkhorn_iters;     /* hc_sinkhorn_iters */
+    double hc_eps;                 /* hc_eps */
+    int64_t n_routed_experts;      /* n_routed_experts */
+    int64_t n_shared_experts;      /* n_shared_experts */
+    int64_t n_activated_experts;   /* num_experts_per_tok */
+    int64_t moe_inter_dim;         /* moe_intermediate_size */
+    int64_t n_hash_layers;         /* num_hash_layers */
+    double route_scale;            /* routed_scaling_factor */
+    double swiglu_limit;           /* swiglu_limit (0 = no clamp) */
+    double rope_theta;             /* rope_theta */
+    double compress_rope_theta;    /* compress_rope_theta */
+    double rope_factor;            /* rope_scaling.factor (yarn) */
+    int64_t original_seq_len;      /* rope_scaling.original_max_position_embeddings (0 = no yarn) */
+    double beta_fast, beta_slow;   /* rope_scaling.beta_fast / beta_slow */
+    double norm_eps;               /* rms_norm_eps */
+    int64_t max_position_embeddings;
+    int64_t bos_token_id, eos_token_id;
+    /* training contract (docs/contract.md) */
+    double mtp_loss_weight;        /* default 0.3 */
+    double indexer_loss_coeff;     /* default 0.01 */
+    bool csa_dense;                /* default false */
+    /* checkpoint format */
+    bool quantized;                /* quantization_config present (fp8) */
+    bool expert_fp4;               /* expert_dtype == "fp4" */
+} ds4_config;
+
+/* Parses and validates; on error the message names `path` and the key. */
+ds4_status ds4_config_load(const char *path, ds4_config *cfg);
+ds4_status ds4_config_parse(const char *json_text, size_t len, const char *path_for_errors, ds4_config *cfg);
+/* Structural checks (head/rope dims, compress ratios, groups, ...). Called by load. */
+ds4_status ds4_config_validate(const ds4_config *cfg, const char *path_for_errors);
+/* Writes a config.json (HF keys) atomically. */
+ds4_status ds4_config_save(const ds4_config *cfg, const char *path);
+
+static inline int64_t ds4_layer_ratio(const ds4_config *c, int64_t layer) {
+    return c->compress_ratios[layer];
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif

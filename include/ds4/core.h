@@ -1,0 +1,149 @@
+/* ds4 core: status codes and error messages, counted memory, tensors, RNG, threads.
+ *
+ * Every library function that can fail returns a ds4_status and leaves a one-line message,
+ * with context (file, tensor, key, value seen, value expected), in a thread-local buffer read
+ * by ds4_errmsg(). The library never exits or aborts on bad input. */
+#ifndef DS4_CORE_H
+#define DS4_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- status */
+typedef enum {
+    DS4_OK = 0,
+    DS4_ERR_IO,          /* open/read/write/rename failed */
+    DS4_ERR_FORMAT,      /* a file's bytes do not follow its format */
+    DS4_ERR_CONFIG,      /* a config key is missing, unknown or inconsistent */
+    DS4_ERR_SHAPE,       /* a tensor has the wrong shape or dtype */
+    DS4_ERR_MISSING,     /* a named tensor or key is absent */
+    DS4_ERR_ARG,         /* bad argument / flag / input value */
+    DS4_ERR_OOM,         /* allocation failed */
+    DS4_ERR_UNSUPPORTED, /* recognised but not implemented */
+    DS4_ERR_INTERNAL,    /* an invariant of ds4 itself broke */
+} ds4_status;
+
+/* Sets the thread-local message (printf format) and returns `code`, so callers write
+ *   return ds4_fail(DS4_ERR_FORMAT, "%s: header length %llu exceeds file size", path, n); */
+ds4_status ds4_fail(ds4_status code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Prepends "prefix: " to the current message (adds context while unwinding). */
+ds4_status ds4_fail_prefix(ds4_status code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+const char *ds4_errmsg(void);
+const char *ds4_status_name(ds4_status s);
+
+#define DS4_TRY(expr)                          \
+    do {                                       \
+        ds4_status ds4_try_s_ = (expr);        \
+        if (ds4_try_s_ != DS4_OK) return ds4_try_s_; \
+    } while (0)
+
+/* ---------------------------------------------------------------- memory */
+/* One allocator, byte-exact accounting of live and peak bytes per category. */
+typedef enum {
+    DS4_MEM_PARAM = 0, /* model parameters (fp32 master weights) */
+    DS4_MEM_GRAD,      /* parameter gradients */
+    DS4_MEM_OPTIM,     /* optimizer state */
+    DS4_MEM_ACT,       /* activations saved for backward */
+    DS4_MEM_WORK,      /* temporary workspace inside one op or unit */
+    DS4_MEM_COMM,      /* communication buffers */
+    DS4_MEM_OTHER,     /* IO buffers, tables, everything else */
+    DS4_MEM_NCAT
+} ds4_mem_cat;
+
+const char *ds4_mem_cat_name(ds4_mem_cat c);
+
+/* 64-byte aligned, counted under `cat`. Returns NULL on failure (and sets the message).
+ * bytes == 0 returns a valid unique pointer counted as 0 bytes. */
+void *ds4_alloc(ds4_mem_cat cat, size_t bytes);
+void *ds4_calloc(ds4_mem_cat cat, size_t bytes);
+void ds4_free(void *p);             /* NULL is a no-op */
+size_t ds4_alloc_size(const void *p); /* bytes requested for p */
+
+typedef struct {
+    int64_t live[DS4_MEM_NCAT];
+    int64_t peak[DS4_MEM_NCAT];   /* peak of each category on its own */
+    int64_t live_total;
+    int64_t peak_total;           /* peak of the sum over categories */
+    int64_t n_allocs;             /* number of allocations made since start */
+} ds4_mem_stats;
+
+void ds4_mem_get(ds4_mem_stats *out);
+void ds4_mem_reset_peak(void);    /* peaks := current live */
+
+/* ---------------------------------------------------------------- dtypes */
+typedef enum {
+    DS4_F32 = 0, DS4_BF16, DS4_F16, DS4_F64, DS4_I8, DS4_U8, DS4_I16, DS4_I32, DS4_I64,
+    DS4_BOOL, DS4_F8_E4M3, DS4_F8_E5M2, DS4_F8_E8M0, DS4_DTYPE_COUNT
+} ds4_dtype;
+
+const char *ds4_dtype_name(ds4_dtype t);      /* safetensors spelling: "F32", "BF16", ... */
+bool ds4_dtype_from_name(const char *s, ds4_dtype *out);
+size_t ds4_dtype_size(ds4_dtype t);
+
+float ds4_bf16_to_f32(uint16_t h);
+uint16_t ds4_f32_to_bf16(float f);  /* round to nearest even, NaN kept NaN */
+float ds4_f16_to_f32(uint16_t h);
+
+/* ---------------------------------------------------------------- tensors */
+#define DS4_MAX_DIMS 6
+
+/* Refcounted storage. A storage can be released (data freed, bytes returned to the
+ * allocator) while tensors still point at it; `data == NULL` then and readers must
+ * refill it first (see src/memory). */
+typedef struct ds4_storage {
+    void *data;
+    size_t bytes;
+    ds4_mem_cat cat;
+    int refcount;
+} ds4_storage;
+
+/* A view: storage + element offset + shape (row-major, contiguous). */
+typedef struct {
+    ds4_storage *st;
+    size_t offset;          /* in elements */
+    ds4_dtype dtype;
+    int ndim;
+    int64_t shape[DS4_MAX_DIMS];
+} ds4_tensor;
+
+ds4_status ds4_tensor_new(ds4_tensor *t, ds4_mem_cat cat, ds4_dtype dt, int ndim, const int64_t *shape);
+ds4_status ds4_tensor_zeros(ds4_tensor *t, ds4_mem_cat cat, ds4_dtype dt, int ndim, const int64_t *shape);
+void ds4_tensor_free(ds4_tensor *t);   /* drops one reference; t becomes empty */
+ds4_tensor ds4_tensor_view(const ds4_tensor *t); /* new reference to the same storage */
+int64_t ds4_tensor_numel(const ds4_tensor *t);
+size_t ds4_tensor_bytes(const ds4_tensor *t);
+static inline float *ds4_f32(const ds4_tensor *t) {
+    return t->st && t->st->data ? (float *)t->st->data + t->offset : NULL;
+}
+static inline void *ds4_data(const ds4_tensor *t) {
+    return t->st && t->st->data ? (char *)t->st->data + t->offset * ds4_dtype_size(t->dtype) : NULL;
+}
+/* "[2, 3, 4]" into buf */
+const char *ds4_shape_str(const ds4_tensor *t, char *buf, size_t n);
+const char *ds4_dims_str(int ndim, const int64_t *shape, char *buf, size_t n);
+
+/* ---------------------------------------------------------------- RNG */
+/* Counter-based: every value is a pure function of (seed, stream, index), so any sub-range can
+ * be regenerated (replay, sharding) without state. */
+uint64_t ds4_rng_u64(uint64_t seed, uint64_t stream, uint64_t index);
+float ds4_rng_uniform(uint64_t seed, uint64_t stream, uint64_t index);  /* [0, 1) */
+float ds4_rng_normal(uint64_t seed, uint64_t stream, uint64_t index);   /* N(0, 1) */
+/* Hash of a string, used to derive a per-tensor stream from its name. */
+uint64_t ds4_hash_str(const char *s);
+
+/* ---------------------------------------------------------------- threads */
+void ds4_set_threads(int n);   /* <= 0: keep the OpenMP default */
+int ds4_get_threads(void);
+
+/* ---------------------------------------------------------------- time */
+double ds4_now(void);          /* seconds, monotonic */
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,96 @@
+/* The one allocator: 64-byte aligned blocks with a header recording size and category, so live
+ * and peak bytes per category are exact (requested bytes, not rounded sizes). */
+#include "ds4/core.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define HDR 64
+#define MAGIC 0x64733461ULL /* "ds4a" */
+
+typedef struct {
+    uint64_t magic;
+    uint64_t bytes;
+    uint32_t cat;
+} hdr_t;
+
+static _Atomic int64_t g_live[DS4_MEM_NCAT];
+static _Atomic int64_t g_peak[DS4_MEM_NCAT];
+static _Atomic int64_t g_live_total;
+static _Atomic int64_t g_peak_total;
+static _Atomic int64_t g_n_allocs;
+
+static void atomic_max(_Atomic int64_t *p, int64_t v) {
+    int64_t cur = atomic_load(p);
+    while (v > cur && !atomic_compare_exchange_weak(p, &cur, v)) {
+    }
+}
+
+const char *ds4_mem_cat_name(ds4_mem_cat c) {
+    static const char *names[DS4_MEM_NCAT] = {"params", "grads", "optim", "activations",
+                                              "workspace", "comm", "other"};
+    return (unsigned)c < DS4_MEM_NCAT ? names[c] : "?";
+}
+
+void *ds4_alloc(ds4_mem_cat cat, size_t bytes) {
+    if ((unsigned)cat >= DS4_MEM_NCAT) {
+        ds4_fail(DS4_ERR_ARG, "ds4_alloc: bad memory category %d", (int)cat);
+        return NULL;
+    }
+    size_t total = HDR + ((bytes + 63) & ~(size_t)63);
+    if (total < bytes) {
+        ds4_fail(DS4_ERR_OOM, "ds4_alloc: size %zu overflows", bytes);
+        return NULL;
+    }
+    void *base = aligned_alloc(64, total);
+    if (!base) {
+        ds4_fail(DS4_ERR_OOM, "out of memory allocating %zu bytes of %s", bytes, ds4_mem_cat_name(cat));
+        return NULL;
+    }
+    hdr_t *h = base;
+    h->magic = MAGIC;
+    h->bytes = bytes;
+    h->cat = (uint32_t)cat;
+    int64_t l = atomic_fetch_add(&g_live[cat], (int64_t)bytes) + (int64_t)bytes;
+    atomic_max(&g_peak[cat], l);
+    int64_t t = atomic_fetch_add(&g_live_total, (int64_t)bytes) + (int64_t)bytes;
+    atomic_max(&g_peak_total, t);
+    atomic_fetch_add(&g_n_allocs, 1);
+    return (char *)base + HDR;
+}
+
+void *ds4_calloc(ds4_mem_cat cat, size_t bytes) {
+    void *p = ds4_alloc(cat, bytes);
+    if (p) memset(p, 0, bytes);
+    return p;
+}
+
+void ds4_free(void *p) {
+    if (!p) return;
+    hdr_t *h = (hdr_t *)((char *)p - HDR);
+    if (h->magic != MAGIC) abort(); /* double free or foreign pointer: an internal bug, not input */
+    h->magic = 0;
+    atomic_fetch_sub(&g_live[h->cat], (int64_t)h->bytes);
+    atomic_fetch_sub(&g_live_total, (int64_t)h->bytes);
+    free(h);
+}
+
+size_t ds4_alloc_size(const void *p) {
+    return p ? ((const hdr_t *)((const char *)p - HDR))->bytes : 0;
+}
+
+void ds4_mem_get(ds4_mem_stats *out) {
+    for (int c = 0; c < DS4_MEM_NCAT; c++) {
+        out->live[c] = atomic_load(&g_live[c]);
+        out->peak[c] = atomic_load(&g_peak[c]);
+    }
+    out->live_total = atomic_load(&g_live_total);
+    out->peak_total = atomic_load(&g_peak_total);
+    out->n_allocs = atomic_load(&g_n_allocs);
+}
+
+void ds4_mem_reset_peak(void) {
+    for (int c = 0; c < DS4_MEM_NCAT; c++) atomic_store(&g_peak[c], atomic_load(&g_live[c]));
+    atomic_store(&g_peak_total, atomic_load(&g_live_total));
+}
