@@ -12,6 +12,8 @@ LIB_SRC   := $(sort $(wildcard src/*/*.c src/*/*/*.c))
 LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/%.o)
 TEST_SRC  := $(sort $(wildcard tests/test_*.c))
 TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
+TOOL_SRC  := $(sort $(wildcard tools/*.c))
+TOOL_OBJ  := $(TOOL_SRC:%.c=$(BUILD)/%.o)
 BENCH_SRC := $(sort $(wildcard bench/*.c))
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
@@ -25,7 +27,7 @@ $(BUILD)/libds4.a: $(LIB_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-$(BUILD)/ds4: $(BUILD)/tools/ds4.o $(BUILD)/libds4.a
+$(BUILD)/ds4: $(TOOL_OBJ) $(BUILD)/libds4.a
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
 $(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/libds4.a
@@ -48,4 +50,4 @@ clean:
 
 .PHONY: all test test-c asan clean
 .SECONDARY:
--include $(LIB_OBJ:.o=.d) $(BUILD)/tools/ds4.d
+-include $(LIB_OBJ:.o=.d) $(TOOL_OBJ:.o=.d)

@@ -1,14 +1,35 @@
-/* ds4 command line. */
-#include "ds4/core.h"
+/* ds4 command line: one subcommand per verb. */
+#include "cmds.h"
 
 #include <stdio.h>
 #include <string.h>
 
+typedef struct {
+    const char *name;
+    int (*fn)(int, char **);
+    const char *what;
+} command;
+
+static const command k_commands[] = {
+    {"init", cmd_init, "write a randomly initialised model directory"},
+    {"inspect", cmd_inspect, "list the tensors of a .safetensors file or model directory"},
+    {"debug-state", cmd_debug_state, "one forward+backward; write logits, losses, gradients, top-k"},
+};
+
+static void usage(void) {
+    fprintf(stderr, "usage: ds4 <command> [options]\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
+        fprintf(stderr, "  %-12s %s\n", k_commands[i].name, k_commands[i].what);
+}
+
 int main(int argc, char **argv) {
-    if (argc < 2) {
-        fprintf(stderr, "usage: ds4 <command> [options]\n");
-        return 2;
+    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+        usage();
+        return argc < 2 ? 2 : 0;
     }
+    for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
+        if (!strcmp(argv[1], k_commands[i].name)) return k_commands[i].fn(argc - 1, argv + 1);
     fprintf(stderr, "error: unknown command '%s'\n", argv[1]);
+    usage();
     return 2;
 }

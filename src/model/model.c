@@ -1,0 +1,395 @@
+/* The whole model, forward and backward (docs/dsv4-architecture.md §2, §2.1; docs/contract.md):
+ *   X0 = repeat(embed[ids], n) → blocks → hc_head → norm → head → CE (loss)
+ *   MTP: e_proj(enorm(embed[ids_next])) + h_proj(hnorm(X_L)) → MTP block → hc_head → norm → head → CE (mtp_loss)
+ *   indexer_loss: Σ over CSA layers of the mean KL over its rows.                                        */
+#include "model/block.h"
+
+#include <math.h>
+#include <string.h>
+
+/* Head of the main model or of the MTP block: y = hc_head(X), yn = norm(y), logits = head·yn. */
+typedef struct {
+    float *mixes, *rsqrt; /* [N, n], [N] */
+    float *y, *rstd, *yn; /* [N, D], [N], [N, D] */
+    float *logits;        /* [N, V] */
+    int32_t *targets;     /* [N], −1 = not scored */
+    double loss_sum;
+    int64_t n_scored;
+} head_acts;
+
+struct ds4_pass {
+    ds4_model *m;
+    ds4_pass_opts opts;
+    int64_t B, T, N;
+    int32_t *ids, *ids_next;  /* [N] */
+    float **X;                /* [n_layers + 1] boundary streams, [N, n, D] each */
+    block_acts *ba;           /* [n_blocks] */
+    head_acts head, mhead;
+    /* MTP input */
+    float *m_e, *m_en, *m_en_rstd; /* [N, D], [N, D], [N] */
+    float *m_hn, *m_hn_rstd;       /* [N, n, D], [N·n] */
+    float *m_X0, *m_X1;            /* [N, n, D] MTP block input / output */
+    int64_t *expert_load;     /* [n_blocks, E] */
+    double kl_sum[DS4_MAX_LAYERS];
+    int64_t kl_rows[DS4_MAX_LAYERS];
+    ds4_losses losses;
+    bool backward_done;
+};
+
+static float *pass_alloc(int64_t n) { return ds4_alloc(DS4_MEM_ACT, (size_t)n * sizeof(float)); }
+
+static void head_free(head_acts *h) {
+    ds4_free(h->mixes);
+    ds4_free(h->rsqrt);
+    ds4_free(h->y);
+    ds4_free(h->rstd);
+    ds4_free(h->yn);
+    ds4_free(h->logits);
+    ds4_free(h->targets);
+    double ls = h->loss_sum;
+    int64_t ns = h->n_scored;
+    memset(h, 0, sizeof *h);
+    h->loss_sum = ls; /* the loss outlives the buffers */
+    h->n_scored = ns;
+}
+
+void ds4_pass_free(ds4_pass *p) {
+    if (!p) return;
+    const ds4_config *c = &p->m->cfg;
+    if (p->X)
+        for (int64_t l = 0; l <= c->n_layers; l++) ds4_free(p->X[l]);
+    ds4_free(p->X);
+    if (p->ba)
+        for (int64_t l = 0; l < n_blocks(c); l++) block_acts_free(&p->ba[l]);
+    ds4_free(p->ba);
+    head_free(&p->head);
+    head_free(&p->mhead);
+    ds4_free(p->ids);
+    ds4_free(p->ids_next);
+    ds4_free(p->m_e);
+    ds4_free(p->m_en);
+    ds4_free(p->m_en_rstd);
+    ds4_free(p->m_hn);
+    ds4_free(p->m_hn_rstd);
+    ds4_free(p->m_X0);
+    ds4_free(p->m_X1);
+    ds4_free(p->expert_load);
+    ds4_free(p);
+}
+
+const ds4_losses *ds4_pass_losses(const ds4_pass *p) { return &p->losses; }
+const float *ds4_pass_logits(const ds4_pass *p) { return p->opts.keep_logits ? p->head.logits : NULL; }
+const float *ds4_pass_mtp_logits(const ds4_pass *p) { return p->opts.keep_logits ? p->mhead.logits : NULL; }
+const int32_t *ds4_pass_topk(const ds4_pass *p, int64_t layer) {
+    return layer >= 0 && layer < p->m->cfg.n_layers ? p->ba[layer].topk : NULL;
+}
+const int64_t *ds4_pass_expert_load(const ds4_pass *p, int64_t layer) {
+    return p->expert_load + layer * p->m->cfg.n_routed_experts;
+}
+
+/* Rope tables cover positions [0, T). */
+static ds4_status ensure_rope(ds4_model *m, int64_t T) {
+    if (m->rope_len >= T) return DS4_OK;
+    const ds4_config *c = &m->cfg;
+    rope_table_free(&m->rope_main);
+    rope_table_free(&m->rope_cmp);
+    m->rope_len = 0;
+    if (!rope_table_init(&m->rope_main, c->rope_head_dim, T, c->rope_theta, 1.0, 0, 0, 0) ||
+        !rope_table_init(&m->rope_cmp, c->rope_head_dim, T, c->compress_rope_theta, c->rope_factor,
+                         c->original_seq_len, c->beta_fast, c->beta_slow))
+        return ds4_fail(DS4_ERR_OOM, "out of memory building rope tables");
+    m->rope_len = T;
+    return DS4_OK;
+}
+
+static block_ctx make_ctx(ds4_pass *p, int64_t layer, const int32_t *ids) {
+    return (block_ctx){.m = p->m,
+                       .layer = layer,
+                       .B = p->B,
+                       .T = p->T,
+                       .ids = ids,
+                       .dense_csa = p->opts.csa_dense || p->m->cfg.csa_dense,
+                       .keep = p->opts.need_backward};
+}
+
+/* ------------------------------------------------------------------ head, forward / backward */
+static ds4_status head_fwd(ds4_pass *p, head_acts *h, const float *X, const float *fn, const float *scale,
+                           const float *base, const float *normw, int64_t shift) {
+    ds4_model *m = p->m;
+    const ds4_config *c = &m->cfg;
+    const int64_t N = p->N, D = c->dim, n = c->hc_mult, V = c->vocab_size;
+    h->mixes = pass_alloc(N * n);
+    h->rsqrt = pass_alloc(N);
+    h->y = pass_alloc(N * D);
+    h->rstd = pass_alloc(N);
+    h->yn = pass_alloc(N * D);
+    h->logits = pass_alloc(N * V);
+    h->targets = ds4_alloc(DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
+    if (!h->mixes || !h->rsqrt || !h->y || !h->rstd || !h->yn || !h->logits || !h->targets)
+        return ds4_fail(DS4_ERR_OOM, "out of memory in the head forward");
+    hc_head_fwd(h->y, h->mixes, h->rsqrt, X, fn, scale, base, N, n, D, (float)c->hc_eps, (float)c->norm_eps);
+    rmsnorm_fwd(h->yn, h->rstd, h->y, normw, N, D, (float)c->norm_eps);
+    linear_fwd(h->logits, h->yn, m->w.head, N, D, V);
+    /* position t predicts ids[t + shift] */
+    for (int64_t b = 0; b < p->B; b++)
+        for (int64_t t = 0; t < p->T; t++)
+            h->targets[b * p->T + t] = t + shift < p->T ? p->ids[b * p->T + t + shift] : -1;
+    cross_entropy_fwd_bwd(&h->loss_sum, &h->n_scored, NULL, h->logits, h->targets, N, V, 0.0f);
+    return DS4_OK;
+}
+
+/* dX += ∂(weight · mean CE)/∂X; head/norm/hc_head gradients accumulate. */
+static ds4_status head_bwd(ds4_pass *p, head_acts *h, const float *X, float *dX, double weight, float *g_fn,
+                           float *g_scale, float *g_base, float *g_norm, const float *fn, const float *scale,
+                           const float *base, const float *normw) {
+    ds4_model *m = p->m;
+    const ds4_config *c = &m->cfg;
+    const int64_t N = p->N, D = c->dim, n = c->hc_mult, V = c->vocab_size;
+    float *dlogits = ds4_alloc(DS4_MEM_WORK, (size_t)(N * V) * sizeof(float));
+    float *dyn = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
+    float *dy = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
+    ds4_status st = DS4_OK;
+    if (!dlogits || !dyn || !dy) {
+        st = ds4_fail(DS4_ERR_OOM, "out of memory in the head backward");
+        goto done;
+    }
+    double ls;
+    int64_t ns;
+    float gscale = h->n_scored > 0 ? (float)(weight / (double)h->n_scored) : 0.0f;
+    cross_entropy_fwd_bwd(&ls, &ns, dlogits, h->logits, h->targets, N, V, gscale);
+    linear_bwd(dyn, m->g.head, dlogits, h->yn, m->w.head, N, D, V);
+    rmsnorm_bwd(dy, g_norm, dyn, h->y, normw, h->rstd, N, D);
+    hc_head_bwd(dX, g_fn, g_scale, g_base, dy, X, fn, scale, base, h->mixes, h->rsqrt, N, n, D, (float)c->hc_eps,
+                (float)c->norm_eps);
+done:
+    ds4_free(dlogits);
+    ds4_free(dyn);
+    ds4_free(dy);
+    return st;
+}
+
+/* ------------------------------------------------------------------ MTP input */
+static ds4_status mtp_input_fwd(ds4_pass *p) {
+    ds4_model *m = p->m;
+    const ds4_config *c = &m->cfg;
+    const int64_t N = p->N, D = c->dim, n = c->hc_mult;
+    const float eps = (float)c->norm_eps;
+    p->m_e = pass_alloc(N * D);
+    p->m_en = pass_alloc(N * D);
+    p->m_en_rstd = pass_alloc(N);
+    p->m_hn = pass_alloc(N * n * D);
+    p->m_hn_rstd = pass_alloc(N * n);
+    p->m_X0 = pass_alloc(N * n * D);
+    p->m_X1 = pass_alloc(N * n * D);
+    float *ep = ds4_alloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
+    if (!p->m_e || !p->m_en || !p->m_en_rstd || !p->m_hn || !p->m_hn_rstd || !p->m_X0 || !p->m_X1 || !ep) {
+        ds4_free(ep);
+        return ds4_fail(DS4_ERR_OOM, "out of memory in the MTP input");
+    }
+    embedding_fwd(p->m_e, m->w.embed, p->ids_next, N, D);
+    rmsnorm_fwd(p->m_en, p->m_en_rstd, p->m_e, m->w.enorm, N, D, eps);
+    linear_fwd(ep, p->m_en, m->w.e_proj, N, D, D);
+    rmsnorm_fwd(p->m_hn, p->m_hn_rstd, p->X[c->n_layers], m->w.hnorm, N * n, D, eps);
+    linear_fwd(p->m_X0, p->m_hn, m->w.h_proj, N * n, D, D);
+    for (int64_t t = 0; t < N; t++)
+        for (int64_t k = 0; k < n; k++) {
+            float *dst = p->m_X0 + (t * n + k) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] += ep[t * D + d];
+        }
+    ds4_free(ep);
+    return DS4_OK;
+}
+
+/* dXL += ∂/∂X_L from the MTP input's gradient dX0; embed/enorm/e_proj/hnorm/h_proj grads accumulate. */
+static ds4_status mtp_input_bwd(ds4_pass *p, const float *dX0, float *dXL) {
+    ds4_model *m = p->m;
+    const ds4_config *c = &m->cfg;
+    const int64_t N = p->N, D = c->dim, n = c->hc_mult;
+    float *dep = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
+    float *den = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
+    float *de = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
+    float *dhn = ds4_calloc(DS4_MEM_WORK, (size_t)(N * n * D) * sizeof(float));
+    ds4_status st = DS4_OK;
+    if (!dep || !den || !de || !dhn) {
+        st = ds4_fail(DS4_ERR_OOM, "out of memory in the MTP input backward");
+        goto done;
+    }
+    for (int64_t t = 0; t < N; t++)
+        for (int64_t k = 0; k < n; k++)
+            for (int64_t d = 0; d < D; d++) dep[t * D + d] += dX0[(t * n + k) * D + d];
+    linear_bwd(den, m->g.e_proj, dep, p->m_en, m->w.e_proj, N, D, D);
+    rmsnorm_bwd(de, m->g.enorm, den, p->m_e, m->w.enorm, p->m_en_rstd, N, D);
+    embedding_bwd(m->g.embed, de, p->ids_next, N, D);
+    linear_bwd(dhn, m->g.h_proj, dX0, p->m_hn, m->w.h_proj, N * n, D, D);
+    rmsnorm_bwd(dXL, m->g.hnorm, dhn, p->X[c->n_layers], m->w.hnorm, p->m_hn_rstd, N * n, D);
+done:
+    ds4_free(dep);
+    ds4_free(den);
+    ds4_free(de);
+    ds4_free(dhn);
+    return st;
+}
+
+/* ------------------------------------------------------------------ pass */
+static ds4_status check_ids(const ds4_config *c, const int32_t *ids, int64_t B, int64_t T) {
+    for (int64_t i = 0; i < B * T; i++)
+        if (ids[i] < 0 || ids[i] >= c->vocab_size)
+            return ds4_fail(DS4_ERR_ARG, "input_ids[%lld, %lld] = %d is outside the vocabulary [0, %lld)",
+                            (long long)(i / T), (long long)(i % T), ids[i], (long long)c->vocab_size);
+    return DS4_OK;
+}
+
+static void finish_losses(ds4_pass *p) {
+    const ds4_config *c = &p->m->cfg;
+    ds4_losses *L = &p->losses;
+    L->loss = p->head.n_scored ? p->head.loss_sum / (double)p->head.n_scored : 0.0;
+    L->mtp_loss = c->n_mtp_layers && p->mhead.n_scored ? p->mhead.loss_sum / (double)p->mhead.n_scored : 0.0;
+    L->indexer_loss = 0;
+    for (int64_t l = 0; l < c->n_layers; l++)
+        if (p->kl_rows[l] > 0) L->indexer_loss += p->kl_sum[l] / (double)p->kl_rows[l];
+    L->total_loss = L->loss + c->mtp_loss_weight * L->mtp_loss + c->indexer_loss_coeff * L->indexer_loss;
+}
+
+ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, const ds4_pass_opts *opts,
+                       ds4_pass **out) {
+    *out = NULL;
+    const ds4_config *c = &m->cfg;
+    if (B <= 0 || T < 2) return ds4_fail(DS4_ERR_ARG, "forward: need B >= 1 and T >= 2 (got B=%lld, T=%lld)",
+                                         (long long)B, (long long)T);
+    DS4_TRY(check_ids(c, ids, B, T));
+    DS4_TRY(ensure_rope(m, T));
+    ds4_pass *p = ds4_calloc(DS4_MEM_OTHER, sizeof *p);
+    if (!p) return DS4_ERR_OOM;
+    p->m = m;
+    p->opts = *opts;
+    p->B = B;
+    p->T = T;
+    p->N = B * T;
+    const int64_t N = p->N, D = c->dim, n = c->hc_mult, nb = n_blocks(c);
+    ds4_status st = DS4_OK;
+    p->ids = ds4_alloc(DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
+    p->ids_next = ds4_alloc(DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
+    p->X = ds4_calloc(DS4_MEM_OTHER, (size_t)(c->n_layers + 1) * sizeof(float *));
+    p->ba = ds4_calloc(DS4_MEM_OTHER, (size_t)nb * sizeof(block_acts));
+    p->expert_load = ds4_calloc(DS4_MEM_OTHER, (size_t)(nb * c->n_routed_experts) * sizeof(int64_t));
+    if (!p->ids || !p->ids_next || !p->X || !p->ba || !p->expert_load) {
+        st = ds4_fail(DS4_ERR_OOM, "out of memory starting the forward pass");
+        goto fail;
+    }
+    memcpy(p->ids, ids, (size_t)N * sizeof(int32_t));
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) p->ids_next[b * T + t] = t + 1 < T ? ids[b * T + t + 1] : 0;
+
+    /* embedding into n identical streams: X0 [N, n, D] */
+    p->X[0] = pass_alloc(N * n * D);
+    if (!p->X[0]) {
+        st = ds4_fail(DS4_ERR_OOM, "out of memory for the embedding");
+        goto fail;
+    }
+    embedding_fwd(p->X[0], m->w.embed, p->ids, N, D);
+    for (int64_t t = N - 1; t >= 0; t--)
+        for (int64_t k = n - 1; k >= 0; k--)
+            memmove(p->X[0] + (t * n + k) * D, p->X[0] + t * D, (size_t)D * sizeof(float));
+    /* blocks */
+    for (int64_t l = 0; l < c->n_layers && st == DS4_OK; l++) {
+        p->X[l + 1] = pass_alloc(N * n * D);
+        if (!p->X[l + 1]) {
+            st = ds4_fail(DS4_ERR_OOM, "out of memory for the streams of layer %lld", (long long)l);
+            break;
+        }
+        block_ctx bc = make_ctx(p, l, p->ids);
+        st = block_fwd(&bc, &p->ba[l], p->X[l], p->X[l + 1], p->expert_load + l * c->n_routed_experts,
+                       &p->kl_sum[l], &p->kl_rows[l]);
+        if (st == DS4_OK && !opts->need_backward && l > 0) {
+            ds4_free(p->X[l]); /* eval: the previous boundary is no longer needed */
+            p->X[l] = NULL;
+        }
+    }
+    if (st != DS4_OK) goto fail;
+    st = head_fwd(p, &p->head, p->X[c->n_layers], m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base, m->w.norm,
+                  1);
+    if (st == DS4_OK && c->n_mtp_layers > 0) {
+        st = mtp_input_fwd(p);
+        int64_t l = c->n_layers;
+        block_ctx bc = make_ctx(p, l, p->ids_next);
+        if (st == DS4_OK)
+            st = block_fwd(&bc, &p->ba[l], p->m_X0, p->m_X1, p->expert_load + l * c->n_routed_experts,
+                           &p->kl_sum[l], &p->kl_rows[l]);
+        if (st == DS4_OK)
+            st = head_fwd(p, &p->mhead, p->m_X1, m->w.mtp_hc_head_fn, m->w.mtp_hc_head_scale, m->w.mtp_hc_head_base,
+                          m->w.mtp_norm, 2);
+    }
+    if (st != DS4_OK) goto fail;
+    finish_losses(p);
+    *out = p;
+    return DS4_OK;
+fail:
+    ds4_pass_free(p);
+    return st;
+}
+
+ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
+    const ds4_config *c = &m->cfg;
+    if (!p->opts.need_backward || p->backward_done)
+        return ds4_fail(DS4_ERR_ARG, "backward: the pass was not made for backward or was already used");
+    p->backward_done = true;
+    const int64_t N = p->N, D = c->dim, n = c->hc_mult, L = c->n_layers;
+    const size_t sbytes = (size_t)(N * n * D) * sizeof(float);
+    ds4_status st = DS4_OK;
+    float *dX = ds4_calloc(DS4_MEM_WORK, sbytes), *dprev = NULL;
+    if (!dX) return ds4_fail(DS4_ERR_OOM, "out of memory in backward");
+    memset(p->kl_sum, 0, sizeof p->kl_sum);
+    memset(p->kl_rows, 0, sizeof p->kl_rows);
+
+    st = head_bwd(p, &p->head, p->X[L], dX, 1.0, m->g.hc_head_fn, m->g.hc_head_scale, m->g.hc_head_base, m->g.norm,
+                  m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base, m->w.norm);
+    head_free(&p->head);
+    if (st == DS4_OK && c->n_mtp_layers > 0) {
+        float *dm1 = ds4_calloc(DS4_MEM_WORK, sbytes), *dm0 = ds4_calloc(DS4_MEM_WORK, sbytes);
+        if (!dm1 || !dm0) st = ds4_fail(DS4_ERR_OOM, "out of memory in MTP backward");
+        if (st == DS4_OK)
+            st = head_bwd(p, &p->mhead, p->m_X1, dm1, c->mtp_loss_weight, m->g.mtp_hc_head_fn, m->g.mtp_hc_head_scale,
+                          m->g.mtp_hc_head_base, m->g.mtp_norm, m->w.mtp_hc_head_fn, m->w.mtp_hc_head_scale,
+                          m->w.mtp_hc_head_base, m->w.mtp_norm);
+        head_free(&p->mhead);
+        block_ctx bc = make_ctx(p, L, p->ids_next);
+        if (st == DS4_OK) st = block_bwd(&bc, &p->ba[L], p->m_X0, dm1, dm0, &p->kl_sum[L], &p->kl_rows[L]);
+        block_acts_free(&p->ba[L]);
+        if (st == DS4_OK) st = mtp_input_bwd(p, dm0, dX);
+        ds4_free(dm1);
+        ds4_free(dm0);
+    }
+    for (int64_t l = L - 1; l >= 0 && st == DS4_OK; l--) {
+        dprev = ds4_calloc(DS4_MEM_WORK, sbytes);
+        if (!dprev) {
+            st = ds4_fail(DS4_ERR_OOM, "out of memory in backward of layer %lld", (long long)l);
+            break;
+        }
+        block_ctx bc = make_ctx(p, l, p->ids);
+        st = block_bwd(&bc, &p->ba[l], p->X[l], dX, dprev, &p->kl_sum[l], &p->kl_rows[l]);
+        block_acts_free(&p->ba[l]);
+        ds4_free(p->X[l + 1]);
+        p->X[l + 1] = NULL;
+        ds4_free(dX);
+        dX = dprev;
+        dprev = NULL;
+    }
+    if (st == DS4_OK) {
+        /* embedding: the n streams all started as the same row */
+        float *de = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
+        if (!de) st = ds4_fail(DS4_ERR_OOM, "out of memory in embedding backward");
+        else {
+            for (int64_t t = 0; t < N; t++)
+                for (int64_t k = 0; k < n; k++)
+                    for (int64_t d = 0; d < D; d++) de[t * D + d] += dX[(t * n + k) * D + d];
+            embedding_bwd(m->g.embed, de, p->ids, N, D);
+            ds4_free(de);
+        }
+    }
+    ds4_free(dX);
+    /* the router bias is not trained by gradients */
+    for (int64_t l = 0; l < n_blocks(c); l++)
+        if (m->g.blocks[l].gate_bias) memset(m->g.blocks[l].gate_bias, 0, (size_t)c->n_routed_experts * sizeof(float));
+    if (st == DS4_OK) finish_losses(p);
+    return st;
+}

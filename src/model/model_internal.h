@@ -1,0 +1,58 @@
+/* Internal layout of the model: typed pointers into the flat parameter / gradient buffers. */
+#ifndef DS4_MODEL_INTERNAL_H
+#define DS4_MODEL_INTERNAL_H
+
+#include "ds4/model.h"
+#include "kernels/kernels.h"
+
+/* One expert's SwiGLU weights. w1, w3: [I, D]; w2: [D, I]. */
+typedef struct {
+    float *w1, *w2, *w3;
+} expert_w;
+
+/* A compressor. wkv, wgate: [coff·d, D]; ape: [r, coff·d]; norm: [d]. */
+typedef struct {
+    float *wkv, *wgate, *ape, *norm;
+} compressor_w;
+
+/* One block (main layer or MTP block). Shapes in model/params.c. */
+typedef struct {
+    float *attn_norm, *ffn_norm;
+    float *hc_attn_fn, *hc_attn_base, *hc_attn_scale;
+    float *hc_ffn_fn, *hc_ffn_base, *hc_ffn_scale;
+    float *attn_sink, *wq_a, *q_norm, *wq_b, *wkv, *kv_norm, *wo_a, *wo_b;
+    compressor_w cmp;                 /* ratio > 0 */
+    float *idx_wq_b, *idx_weights_proj; /* ratio == 4 */
+    compressor_w idx_cmp;
+    float *gate, *gate_bias;          /* gate: [E, D]; bias [E] (score-routed layers) */
+    expert_w *experts;                /* [E] */
+    expert_w shared;                  /* [Is, D] / [D, Is] */
+} block_w;
+
+/* Weights of the whole model; the gradient view has the same layout. */
+typedef struct {
+    float *embed, *head, *norm;
+    float *hc_head_fn, *hc_head_base, *hc_head_scale;
+    block_w *blocks;                  /* [n_layers + n_mtp_layers] */
+    /* MTP extras */
+    float *e_proj, *h_proj, *enorm, *hnorm, *mtp_norm;
+    float *mtp_hc_head_fn, *mtp_hc_head_base, *mtp_hc_head_scale;
+} model_w;
+
+struct ds4_model {
+    ds4_config cfg;
+    int64_t nparams, cap;
+    ds4_param *params;
+    int64_t numel;
+    float *flat, *gflat;              /* [numel] */
+    int64_t **tid2eid;                /* [n_blocks] (NULL for score-routed) -> [V, K] */
+    model_w w, g;                     /* values / gradients */
+    ds4_rope rope_main, rope_cmp;     /* rebuilt when T grows */
+    int64_t rope_len;
+};
+
+static inline int64_t n_blocks(const ds4_config *c) { return c->n_layers + c->n_mtp_layers; }
+static inline int64_t mix_hc(const ds4_config *c) { return (2 + c->hc_mult) * c->hc_mult; }
+static inline bool block_is_hash(const ds4_config *c, int64_t l) { return l < c->n_hash_layers; }
+
+#endif

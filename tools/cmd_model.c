@@ -1,0 +1,249 @@
+/* Model subcommands: init, inspect, debug-state. */
+#include "cli.h"
+#include "cmds.h"
+#include "ds4/io.h"
+#include "ds4/model.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NFLAGS(f) ((int)(sizeof(f) / sizeof((f)[0])))
+
+static bool want_help(int argc, char **argv) {
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return true;
+    return false;
+}
+
+/* ------------------------------------------------------------------ ds4 init */
+int cmd_init(int argc, char **argv) {
+    cli_flag f[] = {{"config", false, NULL, "CONFIG.json (Hugging Face DeepSeek-V4 keys)"},
+                    {"seed", false, NULL, "random seed (default 0)"},
+                    {"out", false, NULL, "output model directory"},
+                    {"dtype", false, NULL, "f32 (default) or bf16"}};
+    const char *pos[1];
+    int npos;
+    if (want_help(argc, argv)) {
+        cli_usage("init", "--config CONFIG.json --seed N --out DIR", f, NFLAGS(f));
+        return 0;
+    }
+    if (!cli_parse("init", argc, argv, f, NFLAGS(f), pos, 0, &npos)) return 2;
+    const char *cfgp = cli_get(f, NFLAGS(f), "config"), *out = cli_get(f, NFLAGS(f), "out");
+    const char *seeds = cli_get(f, NFLAGS(f), "seed"), *dts = cli_get(f, NFLAGS(f), "dtype");
+    if (!cfgp || !out) {
+        fprintf(stderr, "error: ds4 init: --config and --out are required\n");
+        return 2;
+    }
+    int64_t seed = 0;
+    if (seeds && !cli_int("init", "seed", seeds, &seed)) return 2;
+    ds4_dtype dt = DS4_F32;
+    if (dts && !strcmp(dts, "bf16")) dt = DS4_BF16;
+    else if (dts && strcmp(dts, "f32")) {
+        fprintf(stderr, "error: ds4 init: --dtype must be f32 or bf16, got '%s'\n", dts);
+        return 2;
+    }
+    ds4_config cfg;
+    if (ds4_config_load(cfgp, &cfg) != DS4_OK) return cli_fail();
+    ds4_model *m;
+    if (ds4_model_create(&cfg, &m) != DS4_OK) return cli_fail();
+    ds4_model_init_random(m, (uint64_t)seed);
+    ds4_status st = ds4_model_save(m, out, dt);
+    if (st == DS4_OK)
+        printf("wrote %s: %lld tensors, %lld parameters\n", out, (long long)ds4_model_nparams(m),
+               (long long)ds4_model_numel(m));
+    ds4_model_free(m);
+    return st == DS4_OK ? 0 : cli_fail();
+}
+
+/* ------------------------------------------------------------------ ds4 inspect */
+static void inspect_file(const ds4_st_file *f, int64_t *total_bytes) {
+    for (int64_t i = 0; i < ds4_st_count(f); i++) {
+        const ds4_st_entry *e = ds4_st_entry_at(f, i);
+        char shape[128];
+        ds4_dims_str(e->ndim, e->shape, shape, sizeof shape);
+        printf("%-60s %-8s %-20s %12llu\n", e->name, ds4_dtype_name(e->dtype), shape,
+               (unsigned long long)(e->end - e->begin));
+        *total_bytes += (int64_t)(e->end - e->begin);
+    }
+}
+
+int cmd_inspect(int argc, char **argv) {
+    cli_flag f[] = {{"help", true, NULL, "this text"}};
+    const char *pos[1];
+    int npos;
+    if (want_help(argc, argv) || argc < 2) {
+        cli_usage("inspect", "FILE.safetensors|MODEL_DIR", f, 0);
+        return argc < 2 ? 2 : 0;
+    }
+    if (!cli_parse("inspect", argc, argv, f, NFLAGS(f), pos, 1, &npos)) return 2;
+    if (npos != 1) {
+        fprintf(stderr, "error: ds4 inspect: give one file or directory\n");
+        return 2;
+    }
+    int64_t total = 0, count = 0;
+    size_t len = strlen(pos[0]);
+    printf("%-60s %-8s %-20s %12s\n", "tensor", "dtype", "shape", "bytes");
+    if (len > 12 && !strcmp(pos[0] + len - 12, ".safetensors")) {
+        ds4_st_file *sf;
+        if (ds4_st_open(pos[0], &sf) != DS4_OK) return cli_fail();
+        inspect_file(sf, &total);
+        count = ds4_st_count(sf);
+        ds4_st_close(sf);
+    } else {
+        ds4_model_dir *d;
+        if (ds4_model_dir_open(pos[0], &d) != DS4_OK) return cli_fail();
+        for (int64_t i = 0; i < ds4_model_dir_nfiles(d); i++) {
+            inspect_file(ds4_model_dir_file(d, i), &total);
+            count += ds4_st_count(ds4_model_dir_file(d, i));
+        }
+        ds4_model_dir_close(d);
+    }
+    printf("%lld tensors, %lld bytes\n", (long long)count, (long long)total);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ ds4 debug-state */
+static ds4_status read_batch(const char *path, int32_t **ids, int64_t *B, int64_t *T) {
+    ds4_st_file *f;
+    DS4_TRY(ds4_st_open(path, &f));
+    const ds4_st_entry *e = ds4_st_find(f, "input_ids");
+    ds4_status st = DS4_OK;
+    if (!e) st = ds4_fail(DS4_ERR_MISSING, "%s: tensor input_ids not found", path);
+    else if (e->dtype != DS4_I32 || e->ndim != 2)
+        st = ds4_fail(DS4_ERR_SHAPE, "%s: tensor input_ids: expected I32 [B, T], got %s of rank %d", path,
+                      ds4_dtype_name(e->dtype), e->ndim);
+    if (st == DS4_OK) {
+        *B = e->shape[0];
+        *T = e->shape[1];
+        *ids = ds4_alloc(DS4_MEM_OTHER, (size_t)(*B * *T) * sizeof(int32_t));
+        if (!*ids) st = DS4_ERR_OOM;
+        else memcpy(*ids, ds4_st_bytes(f, e), (size_t)(*B * *T) * sizeof(int32_t));
+    }
+    ds4_st_close(f);
+    return st;
+}
+
+typedef struct {
+    void *bufs[4096];
+    int n;
+} owned_bufs;
+
+static void *own(owned_bufs *o, void *p) {
+    if (p && o->n < 4096) o->bufs[o->n++] = p;
+    return p;
+}
+
+static ds4_status add_scalar(ds4_st_writer *w, owned_bufs *o, const char *name, double v) {
+    float *x = own(o, ds4_alloc(DS4_MEM_OTHER, sizeof(float)));
+    if (!x) return DS4_ERR_OOM;
+    *x = (float)v;
+    int64_t one = 1;
+    return ds4_st_writer_add(w, name, DS4_F32, 1, &one, x);
+}
+
+static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, const char *out) {
+    const ds4_config *c = ds4_model_config(m);
+    const int64_t V = c->vocab_size, N = B * T, K = c->index_topk;
+    ds4_pass_opts opts = {.need_backward = true, .keep_logits = true};
+    ds4_pass *p;
+    DS4_TRY(ds4_forward(m, ids, B, T, &opts, &p));
+    owned_bufs *o = calloc(1, sizeof *o);
+    ds4_st_writer *w = NULL;
+    ds4_status st = o ? ds4_st_writer_new(&w) : DS4_ERR_OOM;
+    int64_t lshape[3] = {B, T, V}, kshape[3] = {B, T, K};
+    /* keep copies of what backward releases */
+    float *logits = own(o, ds4_alloc(DS4_MEM_OTHER, (size_t)(N * V) * sizeof(float)));
+    float *mtp = c->n_mtp_layers ? own(o, ds4_alloc(DS4_MEM_OTHER, (size_t)(N * V) * sizeof(float))) : NULL;
+    if (st == DS4_OK && (!logits || (c->n_mtp_layers && !mtp))) st = DS4_ERR_OOM;
+    if (st == DS4_OK) {
+        memcpy(logits, ds4_pass_logits(p), (size_t)(N * V) * sizeof(float));
+        st = ds4_st_writer_add(w, "logits", DS4_F32, 3, lshape, logits);
+    }
+    if (st == DS4_OK && mtp) {
+        memcpy(mtp, ds4_pass_mtp_logits(p), (size_t)(N * V) * sizeof(float));
+        st = ds4_st_writer_add(w, "mtp_logits", DS4_F32, 3, lshape, mtp);
+    }
+    static char names[DS4_MAX_LAYERS][48];
+    for (int64_t l = 0; st == DS4_OK && l < c->n_layers; l++) {
+        if (ds4_layer_ratio(c, l) != 4) continue;
+        int32_t *tk = own(o, ds4_alloc(DS4_MEM_OTHER, (size_t)(N * K) * sizeof(int32_t)));
+        if (!tk) {
+            st = DS4_ERR_OOM;
+            break;
+        }
+        memcpy(tk, ds4_pass_topk(p, l), (size_t)(N * K) * sizeof(int32_t));
+        snprintf(names[l], sizeof names[l], "indexer_topk.%lld", (long long)l);
+        st = ds4_st_writer_add(w, names[l], DS4_I32, 3, kshape, tk);
+    }
+    if (st == DS4_OK) {
+        ds4_model_zero_grad(m);
+        st = ds4_backward(m, p);
+    }
+    if (st == DS4_OK) {
+        const ds4_losses *L = ds4_pass_losses(p);
+        st = add_scalar(w, o, "loss", L->loss);
+        if (st == DS4_OK) st = add_scalar(w, o, "mtp_loss", L->mtp_loss);
+        if (st == DS4_OK) st = add_scalar(w, o, "indexer_loss", L->indexer_loss);
+        if (st == DS4_OK) st = add_scalar(w, o, "total_loss", L->total_loss);
+        printf("loss %.6f mtp_loss %.6f indexer_loss %.6f total_loss %.6f\n", L->loss, L->mtp_loss,
+               L->indexer_loss, L->total_loss);
+    }
+    char (*gnames)[120] = NULL;
+    if (st == DS4_OK) {
+        gnames = own(o, ds4_alloc(DS4_MEM_OTHER, (size_t)ds4_model_nparams(m) * 120));
+        if (!gnames) st = DS4_ERR_OOM;
+    }
+    for (int64_t i = 0; st == DS4_OK && i < ds4_model_nparams(m); i++) {
+        ds4_param *pr = ds4_model_param(m, i);
+        if (pr->is_int) continue;
+        snprintf(gnames[i], 120, "grad.%s", pr->name);
+        st = ds4_st_writer_add(w, gnames[i], DS4_F32, pr->ndim, pr->shape, pr->grad);
+    }
+    if (st == DS4_OK) st = ds4_st_writer_write(w, out);
+    ds4_st_writer_free(w);
+    ds4_pass_free(p);
+    if (o) {
+        for (int i = 0; i < o->n; i++) ds4_free(o->bufs[i]);
+        free(o);
+    }
+    return st;
+}
+
+int cmd_debug_state(int argc, char **argv) {
+    cli_flag f[] = {{"model", false, NULL, "model directory (config.json + *.safetensors)"},
+                    {"batch", false, NULL, "BATCH.safetensors with input_ids I32 [B, T]"},
+                    {"out", false, NULL, "OUT.safetensors"},
+                    {"threads", false, NULL, "OpenMP threads"}};
+    const char *pos[1];
+    int npos;
+    if (want_help(argc, argv)) {
+        cli_usage("debug-state", "--model DIR --batch BATCH.safetensors --out OUT.safetensors", f, NFLAGS(f));
+        return 0;
+    }
+    if (!cli_parse("debug-state", argc, argv, f, NFLAGS(f), pos, 0, &npos)) return 2;
+    const char *md = cli_get(f, NFLAGS(f), "model"), *bp = cli_get(f, NFLAGS(f), "batch");
+    const char *out = cli_get(f, NFLAGS(f), "out"), *th = cli_get(f, NFLAGS(f), "threads");
+    if (!md || !bp || !out) {
+        fprintf(stderr, "error: ds4 debug-state: --model, --batch and --out are required\n");
+        return 2;
+    }
+    if (th) {
+        int64_t n;
+        if (!cli_int("debug-state", "threads", th, &n)) return 2;
+        ds4_set_threads((int)n);
+    }
+    ds4_model_dir *d;
+    if (ds4_model_dir_open(md, &d) != DS4_OK) return cli_fail();
+    ds4_model *m = NULL;
+    int32_t *ids = NULL;
+    int64_t B = 0, T = 0;
+    ds4_status st = ds4_model_create(ds4_model_dir_config(d), &m);
+    if (st == DS4_OK) st = ds4_model_load(m, d);
+    ds4_model_dir_close(d);
+    if (st == DS4_OK) st = read_batch(bp, &ids, &B, &T);
+    if (st == DS4_OK) st = debug_state(m, ids, B, T, out);
+    ds4_free(ids);
+    ds4_model_free(m);
+    return st == DS4_OK ? 0 : cli_fail();
+}

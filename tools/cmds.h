@@ -1,0 +1,8 @@
+/* One entry point per `ds4` subcommand; each returns the process exit code. */
+#ifndef DS4_TOOLS_CMDS_H
+#define DS4_TOOLS_CMDS_H
+int cmd_init(int argc, char **argv);
+int cmd_inspect(int argc, char **argv);
+int cmd_debug_state(int argc, char **argv);
+int cmd_tokenize(int argc, char **argv);
+#endif
