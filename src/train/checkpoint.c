@@ -1,0 +1,183 @@
+/* Atomic training checkpoints: ROOT/step-NNNNNNNN/{config.json, model.safetensors, optim.safetensors,
+ * state.json}. Written into ROOT/.tmp-step-NNNNNNNN, each file fsynced, then the directory is renamed
+ * into place and ROOT fsynced. Only directories named step-* count, so a half-written one is ignored. */
+#include "ds4/io.h"
+#include "ds4/train.h"
+
+#include <cjson/cJSON.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static ds4_status fsync_path(const char *path) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open to fsync: %s", path, strerror(errno));
+    int rc = fsync(fd);
+    close(fd);
+    return rc == 0 ? DS4_OK : ds4_fail(DS4_ERR_IO, "%s: fsync failed: %s", path, strerror(errno));
+}
+
+/* Removes a checkpoint directory (only the files a checkpoint holds, then the directory). */
+static void remove_ckpt_dir(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *e;
+    char p[4096];
+    while ((e = readdir(d)) != NULL) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+        unlink(p);
+    }
+    closedir(d);
+    rmdir(dir);
+}
+
+/* Steps of the complete checkpoints under root, ascending. */
+static int64_t list_steps(const char *root, int64_t *steps, int64_t cap) {
+    DIR *d = opendir(root);
+    if (!d) return 0;
+    int64_t n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        long long s;
+        char tail;
+        if (sscanf(e->d_name, "step-%lld%c", &s, &tail) == 1 && n < cap) steps[n++] = s;
+    }
+    closedir(d);
+    for (int64_t i = 1; i < n; i++)
+        for (int64_t j = i; j > 0 && steps[j - 1] > steps[j]; j--) {
+            int64_t t = steps[j];
+            steps[j] = steps[j - 1];
+            steps[j - 1] = t;
+        }
+    return n;
+}
+
+static ds4_status write_optim(const char *path, const ds4_adamw *o) {
+    ds4_st_writer *w;
+    DS4_TRY(ds4_st_writer_new(&w));
+    int64_t shape[1] = {o->n}, one = 1;
+    ds4_status st = ds4_st_writer_add(w, "adamw.m", DS4_F32, 1, shape, o->m);
+    if (st == DS4_OK) st = ds4_st_writer_add(w, "adamw.v", DS4_F32, 1, shape, o->v);
+    if (st == DS4_OK) st = ds4_st_writer_add(w, "adamw.step", DS4_I64, 1, &one, &o->step);
+    if (st == DS4_OK) st = ds4_st_writer_write(w, path);
+    ds4_st_writer_free(w);
+    return st;
+}
+
+static ds4_status write_state(const char *path, const ds4_ckpt_meta *meta) {
+    cJSON *j = cJSON_CreateObject();
+    if (!j) return DS4_ERR_OOM;
+    char seed[32];
+    snprintf(seed, sizeof seed, "%llu", (unsigned long long)meta->seed);
+    cJSON_AddNumberToObject(j, "step", (double)meta->step);
+    cJSON_AddStringToObject(j, "seed", seed);
+    cJSON_AddStringToObject(j, "data_state", meta->data_state);
+    cJSON_AddStringToObject(j, "format", "ds4-checkpoint-1");
+    char *txt = cJSON_Print(j);
+    cJSON_Delete(j);
+    if (!txt) return DS4_ERR_OOM;
+    ds4_status st = ds4_write_file_atomic(path, txt, strlen(txt));
+    free(txt);
+    return st;
+}
+
+ds4_status ds4_checkpoint_save(const char *root, int64_t keep_latest_k, ds4_model *m, const ds4_adamw *o,
+                               const ds4_ckpt_meta *meta) {
+    if (mkdir(root, 0755) != 0 && errno != EEXIST)
+        return ds4_fail(DS4_ERR_IO, "%s: cannot create checkpoint folder: %s", root, strerror(errno));
+    char tmp[4096], fin[4096], p[4200];
+    snprintf(tmp, sizeof tmp, "%s/.tmp-step-%08lld", root, (long long)meta->step);
+    snprintf(fin, sizeof fin, "%s/step-%08lld", root, (long long)meta->step);
+    remove_ckpt_dir(tmp); /* leftovers of an interrupted save */
+    DS4_TRY(ds4_model_save(m, tmp, DS4_F32));
+    if (o) {
+        snprintf(p, sizeof p, "%s/optim.state", tmp);
+        DS4_TRY(write_optim(p, o));
+    }
+    snprintf(p, sizeof p, "%s/state.json", tmp);
+    DS4_TRY(write_state(p, meta)); /* state.json last: its presence marks a complete set */
+    DS4_TRY(fsync_path(tmp));
+    remove_ckpt_dir(fin); /* re-saving the same step replaces it */
+    if (rename(tmp, fin) != 0)
+        return ds4_fail(DS4_ERR_IO, "%s: cannot rename to %s: %s", tmp, fin, strerror(errno));
+    DS4_TRY(fsync_path(root));
+    if (keep_latest_k > 0) {
+        int64_t steps[4096];
+        int64_t n = list_steps(root, steps, 4096);
+        for (int64_t i = 0; i + keep_latest_k < n; i++) {
+            snprintf(p, sizeof p, "%s/step-%08lld", root, (long long)steps[i]);
+            remove_ckpt_dir(p);
+        }
+    }
+    return DS4_OK;
+}
+
+ds4_status ds4_checkpoint_find(const char *root, int64_t step, char *path, size_t n) {
+    int64_t steps[4096];
+    int64_t k = list_steps(root, steps, 4096);
+    if (k == 0) return ds4_fail(DS4_ERR_MISSING, "%s: no checkpoint found (no step-* folder)", root);
+    int64_t want = step >= 0 ? step : steps[k - 1];
+    for (int64_t i = 0; i < k; i++)
+        if (steps[i] == want) {
+            snprintf(path, n, "%s/step-%08lld", root, (long long)want);
+            return DS4_OK;
+        }
+    return ds4_fail(DS4_ERR_MISSING, "%s: no checkpoint for step %lld (latest is %lld)", root, (long long)want,
+                    (long long)steps[k - 1]);
+}
+
+static ds4_status read_state(const char *path, ds4_ckpt_meta *meta) {
+    char *txt;
+    size_t len;
+    DS4_TRY(ds4_read_file(path, &txt, &len));
+    cJSON *j = cJSON_ParseWithLength(txt, len);
+    ds4_free(txt);
+    if (!j) return ds4_fail(DS4_ERR_FORMAT, "%s: not valid JSON", path);
+    const cJSON *st = cJSON_GetObjectItemCaseSensitive(j, "step");
+    const cJSON *sd = cJSON_GetObjectItemCaseSensitive(j, "seed");
+    const cJSON *ds = cJSON_GetObjectItemCaseSensitive(j, "data_state");
+    ds4_status rc = DS4_OK;
+    if (!cJSON_IsNumber(st) || !cJSON_IsString(sd) || !cJSON_IsString(ds))
+        rc = ds4_fail(DS4_ERR_FORMAT, "%s: expected keys step (number), seed (string), data_state (string)", path);
+    else {
+        meta->step = (int64_t)st->valuedouble;
+        meta->seed = strtoull(sd->valuestring, NULL, 10);
+        snprintf(meta->data_state, sizeof meta->data_state, "%s", ds->valuestring);
+    }
+    cJSON_Delete(j);
+    return rc;
+}
+
+static ds4_status read_optim(const char *path, ds4_adamw *o) {
+    ds4_st_file *f;
+    DS4_TRY(ds4_st_open(path, &f));
+    int64_t shape[1] = {o->n}, one = 1, step = 0;
+    ds4_status st = ds4_st_read_f32(f, "adamw.m", 1, shape, o->m);
+    if (st == DS4_OK) st = ds4_st_read_f32(f, "adamw.v", 1, shape, o->v);
+    if (st == DS4_OK) st = ds4_st_read_i64(f, "adamw.step", 1, &one, &step);
+    if (st == DS4_OK) o->step = step;
+    ds4_st_close(f);
+    return st;
+}
+
+ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_adamw *o, ds4_ckpt_meta *meta) {
+    char p[4200];
+    snprintf(p, sizeof p, "%s/state.json", path);
+    DS4_TRY(read_state(p, meta));
+    ds4_model_dir *d;
+    DS4_TRY(ds4_model_dir_open(path, &d));
+    ds4_status st = ds4_model_load(m, d);
+    ds4_model_dir_close(d);
+    if (st != DS4_OK) return ds4_fail_prefix(st, "checkpoint %s", path);
+    if (o) {
+        snprintf(p, sizeof p, "%s/optim.state", path);
+        DS4_TRY(read_optim(p, o));
+    }
+    return DS4_OK;
+}
