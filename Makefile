@@ -43,11 +43,11 @@ test-c: all
 	BUILD=$(BUILD) DS4_SKIP_PY=1 bash tests/run.sh
 
 asan:
-	$(MAKE) BUILD=build-asan OPT="-O1" SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test-c
+	$(MAKE) BUILD=build-asan OPT="-O1 -march=native" SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test-c
 
 clean:
 	rm -rf build build-asan
 
 .PHONY: all test test-c asan clean
 .SECONDARY:
--include $(LIB_OBJ:.o=.d) $(TOOL_OBJ:.o=.d)
+-include $(LIB_OBJ:.o=.d) $(TOOL_OBJ:.o=.d) $(TEST_BIN:%=%.d) $(BENCH_BIN:%=%.d)

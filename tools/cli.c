@@ -67,3 +67,9 @@ int cli_fail(void) {
     fprintf(stderr, "error: %s\n", ds4_errmsg());
     return 1;
 }
+
+bool cli_want_help(int argc, char **argv) {
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return true;
+    return false;
+}

@@ -22,6 +22,8 @@ bool cli_parse(const char *cmd, int argc, char **argv, cli_flag *flags, int nfla
 const char *cli_get(const cli_flag *flags, int nflags, const char *name);
 bool cli_int(const char *cmd, const char *flag, const char *s, int64_t *out);
 void cli_usage(const char *cmd, const char *synopsis, const cli_flag *flags, int nflags);
+/* True when --help or -h is among the arguments. */
+bool cli_want_help(int argc, char **argv);
 /* Prints "error: <ds4_errmsg()>" and returns 1. */
 int cli_fail(void);
 

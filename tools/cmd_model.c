@@ -10,11 +10,6 @@
 
 #define NFLAGS(f) ((int)(sizeof(f) / sizeof((f)[0])))
 
-static bool want_help(int argc, char **argv) {
-    for (int i = 1; i < argc; i++)
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return true;
-    return false;
-}
 
 /* ------------------------------------------------------------------ ds4 init */
 int cmd_init(int argc, char **argv) {
@@ -24,7 +19,7 @@ int cmd_init(int argc, char **argv) {
                     {"dtype", false, NULL, "f32 (default) or bf16"}};
     const char *pos[1];
     int npos;
-    if (want_help(argc, argv)) {
+    if (cli_want_help(argc, argv)) {
         cli_usage("init", "--config CONFIG.json --seed N --out DIR", f, NFLAGS(f));
         return 0;
     }
@@ -54,53 +49,6 @@ int cmd_init(int argc, char **argv) {
                (long long)ds4_model_numel(m));
     ds4_model_free(m);
     return st == DS4_OK ? 0 : cli_fail();
-}
-
-/* ------------------------------------------------------------------ ds4 inspect */
-static void inspect_file(const ds4_st_file *f, int64_t *total_bytes) {
-    for (int64_t i = 0; i < ds4_st_count(f); i++) {
-        const ds4_st_entry *e = ds4_st_entry_at(f, i);
-        char shape[128];
-        ds4_dims_str(e->ndim, e->shape, shape, sizeof shape);
-        printf("%-60s %-8s %-20s %12llu\n", e->name, ds4_dtype_name(e->dtype), shape,
-               (unsigned long long)(e->end - e->begin));
-        *total_bytes += (int64_t)(e->end - e->begin);
-    }
-}
-
-int cmd_inspect(int argc, char **argv) {
-    cli_flag f[] = {{"help", true, NULL, "this text"}};
-    const char *pos[1];
-    int npos;
-    if (want_help(argc, argv) || argc < 2) {
-        cli_usage("inspect", "FILE.safetensors|MODEL_DIR", f, 0);
-        return argc < 2 ? 2 : 0;
-    }
-    if (!cli_parse("inspect", argc, argv, f, NFLAGS(f), pos, 1, &npos)) return 2;
-    if (npos != 1) {
-        fprintf(stderr, "error: ds4 inspect: give one file or directory\n");
-        return 2;
-    }
-    int64_t total = 0, count = 0;
-    size_t len = strlen(pos[0]);
-    printf("%-60s %-8s %-20s %12s\n", "tensor", "dtype", "shape", "bytes");
-    if (len > 12 && !strcmp(pos[0] + len - 12, ".safetensors")) {
-        ds4_st_file *sf;
-        if (ds4_st_open(pos[0], &sf) != DS4_OK) return cli_fail();
-        inspect_file(sf, &total);
-        count = ds4_st_count(sf);
-        ds4_st_close(sf);
-    } else {
-        ds4_model_dir *d;
-        if (ds4_model_dir_open(pos[0], &d) != DS4_OK) return cli_fail();
-        for (int64_t i = 0; i < ds4_model_dir_nfiles(d); i++) {
-            inspect_file(ds4_model_dir_file(d, i), &total);
-            count += ds4_st_count(ds4_model_dir_file(d, i));
-        }
-        ds4_model_dir_close(d);
-    }
-    printf("%lld tensors, %lld bytes\n", (long long)count, (long long)total);
-    return 0;
 }
 
 /* ------------------------------------------------------------------ ds4 debug-state */
@@ -217,7 +165,7 @@ int cmd_debug_state(int argc, char **argv) {
                     {"threads", false, NULL, "OpenMP threads"}};
     const char *pos[1];
     int npos;
-    if (want_help(argc, argv)) {
+    if (cli_want_help(argc, argv)) {
         cli_usage("debug-state", "--model DIR --batch BATCH.safetensors --out OUT.safetensors", f, NFLAGS(f));
         return 0;
     }

@@ -59,6 +59,10 @@ typedef struct {
     bool need_backward;     /* false: forward only (eval); no activations kept beyond use */
     bool keep_logits;       /* keep logits / mtp_logits for the caller (debug-state) */
     bool csa_dense;         /* attend all usable compressed entries on CSA layers */
+    /* Recompute: per main layer, a bit mask of units (ds4_unit_names order) whose outputs are released
+     * after their last forward read and replayed in backward. NULL: keep everything. The policy that
+     * chooses the masks lives outside the model (src/memory/recompute.c). */
+    const uint32_t *release_mask;
 } ds4_pass_opts;
 
 typedef struct ds4_pass ds4_pass;
@@ -76,6 +80,19 @@ const int32_t *ds4_pass_topk(const ds4_pass *p, int64_t layer); /* [B, T, index_
 /* Per-expert token counts of each MoE layer in the pass ([n_layers + n_mtp][E]), for load balancing. */
 const int64_t *ds4_pass_expert_load(const ds4_pass *p, int64_t layer);
 void ds4_pass_free(ds4_pass *p);
+
+/* ------------------------------------------------------------------ units (for policies and reports) */
+#define DS4_NUM_UNITS 15
+const char *ds4_unit_name(int unit);  /* "hc_pre_attn", "attn_norm", ..., "hc_post_ffn" */
+int ds4_unit_find(const char *name);  /* -1 if unknown */
+typedef struct {
+    int64_t bytes;          /* bytes of the unit's outputs (one copy) in this pass */
+    int64_t released;       /* releases after forward */
+    int64_t replays;        /* replays for backward */
+    double replay_seconds;
+} ds4_unit_report;
+/* Per (block, unit) figures of a pass; valid after forward (released) and after backward (replays). */
+ds4_unit_report ds4_pass_unit_report(const ds4_pass *p, int64_t layer, int unit);
 
 #ifdef __cplusplus
 }

@@ -1,38 +1,126 @@
-/* A DeepSeek-V4 block, forward and backward, unit by unit (docs/dsv4-architecture.md §2, §3, §4, §5):
- *   hc_pre_attn → attn_norm → q_path → kv_path → compressor → indexer → sparse_attn → o_proj → hc_post_attn
- *   hc_pre_ffn → ffn_norm → router → experts → shared_expert → hc_post_ffn
- * Backward runs the same units in reverse. Kernel conventions: forwards overwrite, backwards accumulate. */
+/* A DeepSeek-V4 block, forward and backward, unit by unit (docs/dsv4-architecture.md §2–§5):
+ *   hc_pre_attn → attn_norm → q_down → q_up → kv → compressor → indexer → sparse_attn → o_proj → hc_post_attn
+ *   hc_pre_ffn → ffn_norm → router → moe → hc_post_ffn
+ * Each unit forward reads its inputs from block_acts and allocates its own outputs, so the same
+ * function serves the first run and any replay. Kernel conventions: forwards overwrite, backwards
+ * accumulate. */
 #include "model/block.h"
 
 #include <math.h>
 #include <string.h>
 
-/* ------------------------------------------------------------------ allocation helpers */
-static float *act_alloc(block_acts *a, int64_t n, size_t elt) {
-    if (a->nowned >= BLOCK_MAX_ACTS) {
-        ds4_fail(DS4_ERR_INTERNAL, "block: too many saved activations");
+/* ================================================================== unit table */
+#define BIT(u) (1u << (u))
+
+/* Units whose outputs a unit's forward reads (replayed first when released). */
+static const uint32_t k_deps[U_COUNT] = {
+    [U_HC_PRE_ATTN] = 0,
+    [U_ATTN_NORM] = BIT(U_HC_PRE_ATTN),
+    [U_Q_DOWN] = BIT(U_ATTN_NORM),
+    [U_Q_UP] = BIT(U_Q_DOWN),
+    [U_KV] = BIT(U_ATTN_NORM),
+    [U_COMPRESSOR] = BIT(U_ATTN_NORM),
+    [U_INDEXER] = BIT(U_ATTN_NORM) | BIT(U_Q_DOWN),
+    [U_SPARSE_ATTN] = BIT(U_Q_UP) | BIT(U_KV) | BIT(U_COMPRESSOR) | BIT(U_INDEXER),
+    [U_O_PROJ] = BIT(U_SPARSE_ATTN),
+    [U_HC_POST_ATTN] = BIT(U_O_PROJ) | BIT(U_HC_PRE_ATTN),
+    [U_HC_PRE_FFN] = BIT(U_HC_POST_ATTN),
+    [U_FFN_NORM] = BIT(U_HC_PRE_FFN),
+    [U_ROUTER] = BIT(U_FFN_NORM),
+    [U_MOE] = BIT(U_FFN_NORM) | BIT(U_ROUTER),
+    [U_HC_POST_FFN] = BIT(U_MOE) | BIT(U_HC_POST_ATTN) | BIT(U_HC_PRE_FFN),
+};
+
+static const char *k_unit_names[U_COUNT] = {
+    "hc_pre_attn", "attn_norm", "q_down", "q_up", "kv", "compressor", "indexer", "sparse_attn",
+    "o_proj", "hc_post_attn", "hc_pre_ffn", "ffn_norm", "router", "moe", "hc_post_ffn",
+};
+
+const char *unit_name(unit_id u) { return (unsigned)u < U_COUNT ? k_unit_names[u] : "?"; }
+
+/* The last unit whose forward reads u: u may be released once that unit has run. */
+static unit_id last_forward_reader(unit_id u) {
+    unit_id last = u;
+    for (int v = (int)u + 1; v < U_COUNT; v++)
+        if (k_deps[v] & BIT(u)) last = (unit_id)v;
+    return last;
+}
+
+/* ================================================================== allocation helpers */
+static void *out_alloc(block_acts *a, unit_id u, int64_t n, size_t elt) {
+    if (a->nowned[u] >= UNIT_MAX_OUTS) {
+        ds4_fail(DS4_ERR_INTERNAL, "unit %s: too many outputs", unit_name(u));
         return NULL;
     }
     void *p = ds4_alloc(DS4_MEM_ACT, (size_t)n * elt);
-    if (p) a->owned[a->nowned++] = p;
+    if (p) a->owned[u][a->nowned[u]++] = p;
     return p;
 }
-#define ACT_F(a, n) act_alloc((a), (n), sizeof(float))
-#define ACT_I32(a, n) ((int32_t *)act_alloc((a), (n), sizeof(int32_t)))
-#define ACT_I64(a, n) ((int64_t *)act_alloc((a), (n), sizeof(int64_t)))
+#define OUT_F(u, n) ((float *)out_alloc(a, (u), (n), sizeof(float)))
+#define OUT_I32(u, n) ((int32_t *)out_alloc(a, (u), (n), sizeof(int32_t)))
+#define OUT_I64(u, n) ((int64_t *)out_alloc(a, (u), (n), sizeof(int64_t)))
+
+#define NEED(p)                                                                                  \
+    do {                                                                                         \
+        if (!(p)) return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer); \
+    } while (0)
+
+/* The field pointers each unit fills, so a release can clear them (reads of a released tensor then
+ * find NULL and crash loudly instead of reading stale memory). */
+static void clear_unit_fields(block_acts *a, unit_id u) {
+    switch (u) {
+    case U_HC_PRE_ATTN: a->hcA_mixes = a->hcA_rsqrt = a->hcA_post = a->hcA_comb = a->hcA_y = NULL; break;
+    case U_ATTN_NORM: a->xa = a->xa_rstd = NULL; break;
+    case U_Q_DOWN: a->qa = a->qa_rstd = a->qr = NULL; break;
+    case U_Q_UP: a->qraw = a->q_rstd = a->q = NULL; break;
+    case U_KV: a->kvraw = a->kv_rstd = a->kv = NULL; break;
+    case U_COMPRESSOR: a->ca = a->cz = a->cpool = a->c_rstd = a->kvc = NULL; break;
+    case U_INDEXER:
+        a->iqi = a->iwi = a->ica = a->icz = a->ipool = a->i_rstd = a->iki = NULL;
+        a->topk = NULL;
+        break;
+    case U_SPARSE_ATTN: a->o = a->lse = NULL; break;
+    case U_O_PROJ: a->o_r = a->z = a->attn_out = NULL; break;
+    case U_HC_POST_ATTN: a->X_mid = NULL; break;
+    case U_HC_PRE_FFN: a->hcF_mixes = a->hcF_rsqrt = a->hcF_post = a->hcF_comb = a->hcF_y = NULL; break;
+    case U_FFN_NORM: a->xf = a->xf_rstd = NULL; break;
+    case U_ROUTER:
+        a->glogits = a->gscores = a->gw = NULL;
+        a->gidx = a->etok = a->eslot = NULL;
+        a->eoff = NULL;
+        break;
+    case U_MOE: a->h1 = a->h3 = a->sh1 = a->sh3 = a->ffn_out = NULL; break;
+    default: break;
+    }
+}
+
+static int64_t unit_bytes(const block_acts *a, unit_id u) {
+    int64_t b = 0;
+    for (int i = 0; i < a->nowned[u]; i++) b += (int64_t)ds4_alloc_size(a->owned[u][i]);
+    return b;
+}
+
+/* Frees a unit's outputs; their bytes go back to the allocator at once. */
+static void unit_release(block_acts *a, unit_id u) {
+    for (int i = 0; i < a->nowned[u]; i++) ds4_free(a->owned[u][i]);
+    a->nowned[u] = 0;
+    a->present[u] = false;
+    clear_unit_fields(a, u);
+}
 
 void block_acts_free(block_acts *a) {
-    for (int i = 0; i < a->nowned; i++) ds4_free(a->owned[i]);
+    for (int u = 0; u < U_COUNT; u++) unit_release(a, (unit_id)u);
     memset(a, 0, sizeof *a);
+}
+
+int64_t block_acts_bytes(const block_acts *a) {
+    int64_t b = 0;
+    for (int u = 0; u < U_COUNT; u++) b += unit_bytes(a, (unit_id)u);
+    return b;
 }
 
 static float *work_zeros(int64_t n) { return ds4_calloc(DS4_MEM_WORK, (size_t)n * sizeof(float)); }
 static float *work(int64_t n) { return ds4_alloc(DS4_MEM_WORK, (size_t)n * sizeof(float)); }
-
-#define NEED(p)                                                           \
-    do {                                                                  \
-        if (!(p)) return ds4_fail(DS4_ERR_OOM, "out of memory in block forward/backward"); \
-    } while (0)
 
 static const ds4_rope *block_rope(const ds4_model *m, int64_t ratio) {
     return ratio > 0 ? &m->rope_cmp : &m->rope_main;
@@ -40,131 +128,186 @@ static const ds4_rope *block_rope(const ds4_model *m, int64_t ratio) {
 
 static int64_t usable_rows(int64_t B, int64_t T, int64_t r) { return T >= r ? B * (T - r + 1) : 0; }
 
-/* ================================================================== attention sub-layer, forward */
-static ds4_status attn_fwd(const block_ctx *bc, block_acts *a, const float *X_in, double *kl_sum,
-                           int64_t *kl_rows) {
-    ds4_model *m = bc->m;
-    const ds4_config *c = &m->cfg;
-    const block_w *W = &m->w.blocks[bc->layer];
-    const int64_t B = bc->B, T = bc->T, N = B * T, D = c->dim, n = c->hc_mult, M = mix_hc(c);
-    const int64_t H = c->n_heads, hd = c->head_dim, QR = c->q_lora_rank, r = a->ratio, Nc = a->Nc;
-    const float eps = (float)c->norm_eps;
-    const ds4_rope *rope = block_rope(m, r);
+static float attn_scale(const ds4_config *c) { return (float)(1.0 / sqrt((double)c->head_dim)); }
+static float indexer_wscale(const ds4_config *c) {
+    return (float)(1.0 / sqrt((double)c->index_head_dim) / sqrt((double)c->index_n_heads));
+}
 
-    /* hc_pre_attn: collapse the n streams */
-    NEED(a->hcA_mixes = ACT_F(a, N * M));
-    NEED(a->hcA_rsqrt = ACT_F(a, N));
-    NEED(a->hcA_post = ACT_F(a, N * n));
-    NEED(a->hcA_comb = ACT_F(a, N * n * n));
-    NEED(a->hcA_y = ACT_F(a, N * D));
-    hc_pre_fwd(a->hcA_y, a->hcA_post, a->hcA_comb, a->hcA_mixes, a->hcA_rsqrt, X_in, W->hc_attn_fn,
+/* Shorthands every unit uses. */
+#define UNIT_PROLOGUE                                                                            \
+    ds4_model *m = bc->m;                                                                        \
+    const ds4_config *c = &m->cfg;                                                               \
+    const block_w *W = &m->w.blocks[bc->layer];                                                  \
+    const int64_t B = bc->B, T = bc->T, N = B * T, D = c->dim, n = c->hc_mult;                    \
+    const float eps = (float)c->norm_eps;                                                        \
+    (void)W; (void)B; (void)T; (void)N; (void)D; (void)n; (void)eps
+
+/* ================================================================== unit forwards */
+static ds4_status u_hc_pre_attn(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t M = mix_hc(c);
+    unit_id u = U_HC_PRE_ATTN;
+    NEED(a->hcA_mixes = OUT_F(u, N * M));
+    NEED(a->hcA_rsqrt = OUT_F(u, N));
+    NEED(a->hcA_post = OUT_F(u, N * n));
+    NEED(a->hcA_comb = OUT_F(u, N * n * n));
+    NEED(a->hcA_y = OUT_F(u, N * D));
+    hc_pre_fwd(a->hcA_y, a->hcA_post, a->hcA_comb, a->hcA_mixes, a->hcA_rsqrt, a->X_in, W->hc_attn_fn,
                W->hc_attn_scale, W->hc_attn_base, N, n, D, c->hc_sinkhorn_iters, (float)c->hc_eps, eps);
-    /* attn_norm: xa [N, D] */
-    NEED(a->xa = ACT_F(a, N * D));
-    NEED(a->xa_rstd = ACT_F(a, N));
-    rmsnorm_fwd(a->xa, a->xa_rstd, a->hcA_y, W->attn_norm, N, D, eps);
-
-    /* q path: qr = q_norm(wq_a xa) [N, QR]; q = rope(headnorm(wq_b qr)) [N, H, hd] */
-    NEED(a->qa = ACT_F(a, N * QR));
-    NEED(a->qa_rstd = ACT_F(a, N));
-    NEED(a->qr = ACT_F(a, N * QR));
-    linear_fwd(a->qa, a->xa, W->wq_a, N, D, QR);
-    rmsnorm_fwd(a->qr, a->qa_rstd, a->qa, W->q_norm, N, QR, eps);
-    NEED(a->qraw = ACT_F(a, N * H * hd));
-    NEED(a->q_rstd = ACT_F(a, N * H));
-    NEED(a->q = ACT_F(a, N * H * hd));
-    linear_fwd(a->qraw, a->qr, W->wq_b, N, QR, H * hd);
-    rmsnorm_fwd(a->q, a->q_rstd, a->qraw, NULL, N * H, hd, eps);
-    rope_fwd(a->q, N, H, hd, T, 1, rope, false);
-
-    /* kv path: kv = rope(kv_norm(wkv xa)) [N, hd], the one shared K = V head */
-    NEED(a->kvraw = ACT_F(a, N * hd));
-    NEED(a->kv_rstd = ACT_F(a, N));
-    NEED(a->kv = ACT_F(a, N * hd));
-    linear_fwd(a->kvraw, a->xa, W->wkv, N, D, hd);
-    rmsnorm_fwd(a->kv, a->kv_rstd, a->kvraw, W->kv_norm, N, hd, eps);
-    rope_fwd(a->kv, N, 1, hd, T, 1, rope, false);
-
-    /* compressor: kvc [B, Nc, hd], entry i roped at position i·r */
-    if (r > 0) {
-        int64_t coff = r == 4 ? 2 : 1;
-        NEED(a->ca = ACT_F(a, N * coff * hd));
-        NEED(a->cz = ACT_F(a, N * coff * hd));
-        NEED(a->cpool = ACT_F(a, B * Nc * hd));
-        NEED(a->c_rstd = ACT_F(a, B * Nc));
-        NEED(a->kvc = ACT_F(a, B * Nc * hd));
-        linear_fwd(a->ca, a->xa, W->cmp.wkv, N, D, coff * hd);
-        linear_fwd(a->cz, a->xa, W->cmp.wgate, N, D, coff * hd);
-        compressor_pool_fwd(a->cpool, a->ca, a->cz, W->cmp.ape, B, T, r, hd, r == 4);
-        rmsnorm_fwd(a->kvc, a->c_rstd, a->cpool, W->cmp.norm, B * Nc, hd, eps);
-        rope_fwd(a->kvc, B * Nc, 1, hd, Nc, r, rope, false);
-    }
-
-    /* indexer (CSA): its own queries, weights and compressed keys from detached xa, qr; top-k */
-    const int64_t HI = c->index_n_heads, dI = c->index_head_dim, K = c->index_topk;
-    const float wscale = (float)(1.0 / sqrt((double)dI) / sqrt((double)HI));
-    if (r == 4) {
-        NEED(a->iqi = ACT_F(a, N * HI * dI));
-        NEED(a->iwi = ACT_F(a, N * HI));
-        NEED(a->ica = ACT_F(a, N * 2 * dI));
-        NEED(a->icz = ACT_F(a, N * 2 * dI));
-        NEED(a->ipool = ACT_F(a, B * Nc * dI));
-        NEED(a->i_rstd = ACT_F(a, B * Nc));
-        NEED(a->iki = ACT_F(a, B * Nc * dI));
-        NEED(a->topk = ACT_I32(a, N * K));
-        linear_fwd(a->iqi, a->qr, W->idx_wq_b, N, QR, HI * dI);
-        rope_fwd(a->iqi, N, HI, dI, T, 1, rope, false);
-        linear_fwd(a->iwi, a->xa, W->idx_weights_proj, N, D, HI);
-        linear_fwd(a->ica, a->xa, W->idx_cmp.wkv, N, D, 2 * dI);
-        linear_fwd(a->icz, a->xa, W->idx_cmp.wgate, N, D, 2 * dI);
-        compressor_pool_fwd(a->ipool, a->ica, a->icz, W->idx_cmp.ape, B, T, 4, dI, true);
-        rmsnorm_fwd(a->iki, a->i_rstd, a->ipool, W->idx_cmp.norm, B * Nc, dI, eps);
-        rope_fwd(a->iki, B * Nc, 1, dI, Nc, 4, rope, false);
-        indexer_topk_fwd(a->topk, a->iqi, a->iki, a->iwi, B, T, HI, dI, Nc, 4, K, wscale);
-    }
-
-    /* sparse attention over window + (selected | all usable) compressed entries, with the sink */
-    const float scale = (float)(1.0 / sqrt((double)hd));
-    const int32_t *sel = (r == 4 && !bc->dense_csa) ? a->topk : NULL;
-    NEED(a->o = ACT_F(a, N * H * hd));
-    NEED(a->lse = ACT_F(a, N * H));
-    sparse_attn_fwd(a->o, a->lse, a->q, a->kv, a->kvc, sel, W->attn_sink, B, T, H, hd, c->window, r, Nc,
-                    sel ? K : 0, scale);
-    if (r == 4 && !bc->keep) {
-        /* forward-only pass: the indexer KL cannot wait for backward */
-        double kl = 0;
-        int64_t rows = 0;
-        indexer_kl_fwd_bwd(&kl, &rows, NULL, NULL, NULL, a->iqi, a->iki, a->iwi, sel, a->q, a->kvc, a->lse, B,
-                           T, H, hd, HI, dI, Nc, 4, sel ? K : 0, scale, wscale, 0.0f);
-        *kl_sum += kl;
-        *kl_rows += rows;
-    }
-
-    /* o_proj: inverse rope at the query position, grouped wo_a, wo_b */
-    const int64_t G = c->o_groups, R = c->o_lora_rank;
-    NEED(a->o_r = ACT_F(a, N * H * hd));
-    NEED(a->z = ACT_F(a, N * G * R));
-    NEED(a->attn_out = ACT_F(a, N * D));
-    memcpy(a->o_r, a->o, (size_t)(N * H * hd) * sizeof(float));
-    rope_fwd(a->o_r, N, H, hd, T, 1, rope, true);
-    grouped_linear_fwd(a->z, a->o_r, W->wo_a, N, G, R, H * hd / G);
-    linear_fwd(a->attn_out, a->z, W->wo_b, N, G * R, D);
-
-    /* hc_post_attn: expand back to n streams with the residual mix */
-    NEED(a->X_mid = ACT_F(a, N * n * D));
-    hc_post_fwd(a->X_mid, a->attn_out, X_in, a->hcA_post, a->hcA_comb, N, n, D);
     return DS4_OK;
 }
 
-/* ================================================================== FFN sub-layer, forward */
+static ds4_status u_attn_norm(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    NEED(a->xa = OUT_F(U_ATTN_NORM, N * D));
+    NEED(a->xa_rstd = OUT_F(U_ATTN_NORM, N));
+    rmsnorm_fwd(a->xa, a->xa_rstd, a->hcA_y, W->attn_norm, N, D, eps);
+    return DS4_OK;
+}
+
+/* qr = q_norm(wq_a xa): [N, QR] — also the indexer's query latent */
+static ds4_status u_q_down(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t QR = c->q_lora_rank;
+    NEED(a->qa = OUT_F(U_Q_DOWN, N * QR));
+    NEED(a->qa_rstd = OUT_F(U_Q_DOWN, N));
+    NEED(a->qr = OUT_F(U_Q_DOWN, N * QR));
+    linear_fwd(a->qa, a->xa, W->wq_a, N, D, QR);
+    rmsnorm_fwd(a->qr, a->qa_rstd, a->qa, W->q_norm, N, QR, eps);
+    return DS4_OK;
+}
+
+/* q = rope(headnorm(wq_b qr)): [N, H, hd] */
+static ds4_status u_q_up(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t H = c->n_heads, hd = c->head_dim, QR = c->q_lora_rank;
+    NEED(a->qraw = OUT_F(U_Q_UP, N * H * hd));
+    NEED(a->q_rstd = OUT_F(U_Q_UP, N * H));
+    NEED(a->q = OUT_F(U_Q_UP, N * H * hd));
+    linear_fwd(a->qraw, a->qr, W->wq_b, N, QR, H * hd);
+    rmsnorm_fwd(a->q, a->q_rstd, a->qraw, NULL, N * H, hd, eps);
+    rope_fwd(a->q, N, H, hd, T, 1, block_rope(m, a->ratio), false);
+    return DS4_OK;
+}
+
+/* kv = rope(kv_norm(wkv xa)): [N, hd], the one shared K = V head */
+static ds4_status u_kv(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t hd = c->head_dim;
+    NEED(a->kvraw = OUT_F(U_KV, N * hd));
+    NEED(a->kv_rstd = OUT_F(U_KV, N));
+    NEED(a->kv = OUT_F(U_KV, N * hd));
+    linear_fwd(a->kvraw, a->xa, W->wkv, N, D, hd);
+    rmsnorm_fwd(a->kv, a->kv_rstd, a->kvraw, W->kv_norm, N, hd, eps);
+    rope_fwd(a->kv, N, 1, hd, T, 1, block_rope(m, a->ratio), false);
+    return DS4_OK;
+}
+
+/* One compressor: out [B, Nc, d] = rope(norm(pool(wkv xa, wgate xa))), entry i roped at i·r. */
+static ds4_status compress(const block_ctx *bc, block_acts *a, unit_id u, const compressor_w *cw, int64_t r,
+                           int64_t d, float **ca, float **cz, float **pool, float **rstd, float **out) {
+    UNIT_PROLOGUE;
+    const int64_t coff = r == 4 ? 2 : 1, Nc = a->Nc;
+    NEED(*ca = OUT_F(u, N * coff * d));
+    NEED(*cz = OUT_F(u, N * coff * d));
+    NEED(*pool = OUT_F(u, B * Nc * d));
+    NEED(*rstd = OUT_F(u, B * Nc));
+    NEED(*out = OUT_F(u, B * Nc * d));
+    linear_fwd(*ca, a->xa, cw->wkv, N, D, coff * d);
+    linear_fwd(*cz, a->xa, cw->wgate, N, D, coff * d);
+    compressor_pool_fwd(*pool, *ca, *cz, cw->ape, B, T, r, d, r == 4);
+    rmsnorm_fwd(*out, *rstd, *pool, cw->norm, B * Nc, d, eps);
+    rope_fwd(*out, B * Nc, 1, d, Nc, r, block_rope(m, r), false);
+    return DS4_OK;
+}
+
+static ds4_status u_compressor(const block_ctx *bc, block_acts *a) {
+    if (a->ratio == 0) return DS4_OK;
+    const block_w *W = &bc->m->w.blocks[bc->layer];
+    return compress(bc, a, U_COMPRESSOR, &W->cmp, a->ratio, bc->m->cfg.head_dim, &a->ca, &a->cz, &a->cpool,
+                    &a->c_rstd, &a->kvc);
+}
+
+/* Lightning indexer (CSA): queries, weights and compressed keys from xa, qr (detached in backward). */
+static ds4_status u_indexer(const block_ctx *bc, block_acts *a) {
+    if (a->ratio != 4) return DS4_OK;
+    UNIT_PROLOGUE;
+    const int64_t HI = c->index_n_heads, dI = c->index_head_dim, K = c->index_topk, QR = c->q_lora_rank;
+    NEED(a->iqi = OUT_F(U_INDEXER, N * HI * dI));
+    NEED(a->iwi = OUT_F(U_INDEXER, N * HI));
+    NEED(a->topk = OUT_I32(U_INDEXER, N * K));
+    linear_fwd(a->iqi, a->qr, W->idx_wq_b, N, QR, HI * dI);
+    rope_fwd(a->iqi, N, HI, dI, T, 1, &m->rope_cmp, false);
+    linear_fwd(a->iwi, a->xa, W->idx_weights_proj, N, D, HI);
+    DS4_TRY(compress(bc, a, U_INDEXER, &W->idx_cmp, 4, dI, &a->ica, &a->icz, &a->ipool, &a->i_rstd, &a->iki));
+    indexer_topk_fwd(a->topk, a->iqi, a->iki, a->iwi, B, T, HI, dI, a->Nc, 4, K, indexer_wscale(c));
+    return DS4_OK;
+}
+
+static const int32_t *attn_selection(const block_ctx *bc, const block_acts *a) {
+    return (a->ratio == 4 && !bc->dense_csa) ? a->topk : NULL;
+}
+
+/* Sparse attention over window + (selected | all usable) compressed entries, with the sink. */
+static ds4_status u_sparse_attn(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t H = c->n_heads, hd = c->head_dim;
+    const int32_t *sel = attn_selection(bc, a);
+    NEED(a->o = OUT_F(U_SPARSE_ATTN, N * H * hd));
+    NEED(a->lse = OUT_F(U_SPARSE_ATTN, N * H));
+    sparse_attn_fwd(a->o, a->lse, a->q, a->kv, a->kvc, sel, W->attn_sink, B, T, H, hd, c->window, a->ratio, a->Nc,
+                    sel ? c->index_topk : 0, attn_scale(c));
+    return DS4_OK;
+}
+
+/* o_proj: inverse rope at the query position, grouped wo_a, wo_b. attn_out: [N, D] */
+static ds4_status u_o_proj(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t H = c->n_heads, hd = c->head_dim, G = c->o_groups, R = c->o_lora_rank;
+    NEED(a->o_r = OUT_F(U_O_PROJ, N * H * hd));
+    NEED(a->z = OUT_F(U_O_PROJ, N * G * R));
+    NEED(a->attn_out = OUT_F(U_O_PROJ, N * D));
+    memcpy(a->o_r, a->o, (size_t)(N * H * hd) * sizeof(float));
+    rope_fwd(a->o_r, N, H, hd, T, 1, block_rope(m, a->ratio), true);
+    grouped_linear_fwd(a->z, a->o_r, W->wo_a, N, G, R, H * hd / G);
+    linear_fwd(a->attn_out, a->z, W->wo_b, N, G * R, D);
+    return DS4_OK;
+}
+
+static ds4_status u_hc_post_attn(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    NEED(a->X_mid = OUT_F(U_HC_POST_ATTN, N * n * D));
+    hc_post_fwd(a->X_mid, a->attn_out, a->X_in, a->hcA_post, a->hcA_comb, N, n, D);
+    return DS4_OK;
+}
+
+static ds4_status u_hc_pre_ffn(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t M = mix_hc(c);
+    unit_id u = U_HC_PRE_FFN;
+    NEED(a->hcF_mixes = OUT_F(u, N * M));
+    NEED(a->hcF_rsqrt = OUT_F(u, N));
+    NEED(a->hcF_post = OUT_F(u, N * n));
+    NEED(a->hcF_comb = OUT_F(u, N * n * n));
+    NEED(a->hcF_y = OUT_F(u, N * D));
+    hc_pre_fwd(a->hcF_y, a->hcF_post, a->hcF_comb, a->hcF_mixes, a->hcF_rsqrt, a->X_mid, W->hc_ffn_fn,
+               W->hc_ffn_scale, W->hc_ffn_base, N, n, D, c->hc_sinkhorn_iters, (float)c->hc_eps, eps);
+    return DS4_OK;
+}
+
+static ds4_status u_ffn_norm(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    NEED(a->xf = OUT_F(U_FFN_NORM, N * D));
+    NEED(a->xf_rstd = OUT_F(U_FFN_NORM, N));
+    rmsnorm_fwd(a->xf, a->xf_rstd, a->hcF_y, W->ffn_norm, N, D, eps);
+    return DS4_OK;
+}
+
 /* Groups the N·K (token, slot) assignments by expert, tokens ascending within an expert. */
-static ds4_status route_assignments(block_acts *a, int64_t N, int64_t E, int64_t K, int64_t *load) {
+static ds4_status route_assignments(block_acts *a, int64_t N, int64_t E, int64_t K) {
     memset(a->eoff, 0, (size_t)(E + 1) * sizeof(int64_t));
     for (int64_t i = 0; i < N * K; i++) a->eoff[a->gidx[i] + 1]++;
-    for (int64_t e = 0; e < E; e++) {
-        if (load) load[e] += a->eoff[e + 1];
-        a->eoff[e + 1] += a->eoff[e];
-    }
+    for (int64_t e = 0; e < E; e++) a->eoff[e + 1] += a->eoff[e];
     int64_t *fill = ds4_alloc(DS4_MEM_WORK, (size_t)E * sizeof(int64_t));
     if (!fill) return ds4_fail(DS4_ERR_OOM, "out of memory routing tokens to experts");
     memcpy(fill, a->eoff, (size_t)E * sizeof(int64_t));
@@ -178,85 +321,79 @@ static ds4_status route_assignments(block_acts *a, int64_t N, int64_t E, int64_t
     return DS4_OK;
 }
 
-static void gather_rows(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D) {
-    for (int64_t i = 0; i < n; i++) memcpy(dst + i * D, src + (int64_t)rows[i] * D, (size_t)D * sizeof(float));
-}
-
-/* act[i] = swiglu(h1[i], h3[i]) · gw[token i, slot i] for the assignments of one expert. */
-static void weighted_swiglu(float *act, const float *h1, const float *h3, const block_acts *a, int64_t j0,
-                            int64_t ne, int64_t I, int64_t K, float limit) {
-    swiglu_fwd(act, h1, h3, ne, I, limit);
-    for (int64_t i = 0; i < ne; i++) {
-        float w = a->gw[(int64_t)a->etok[j0 + i] * K + a->eslot[j0 + i]];
-        for (int64_t u = 0; u < I; u++) act[i * I + u] *= w;
-    }
-}
-
-static ds4_status ffn_fwd(const block_ctx *bc, block_acts *a, float *X_out, int64_t *load) {
-    ds4_model *m = bc->m;
-    const ds4_config *c = &m->cfg;
-    const block_w *W = &m->w.blocks[bc->layer];
-    const int64_t N = bc->B * bc->T, D = c->dim, n = c->hc_mult, M = mix_hc(c);
-    const int64_t E = c->n_routed_experts, K = c->n_activated_experts, I = c->moe_inter_dim;
-    const int64_t Is = I * c->n_shared_experts;
-    const float eps = (float)c->norm_eps, limit = (float)c->swiglu_limit;
-
-    NEED(a->hcF_mixes = ACT_F(a, N * M));
-    NEED(a->hcF_rsqrt = ACT_F(a, N));
-    NEED(a->hcF_post = ACT_F(a, N * n));
-    NEED(a->hcF_comb = ACT_F(a, N * n * n));
-    NEED(a->hcF_y = ACT_F(a, N * D));
-    hc_pre_fwd(a->hcF_y, a->hcF_post, a->hcF_comb, a->hcF_mixes, a->hcF_rsqrt, a->X_mid, W->hc_ffn_fn,
-               W->hc_ffn_scale, W->hc_ffn_base, N, n, D, c->hc_sinkhorn_iters, (float)c->hc_eps, eps);
-    NEED(a->xf = ACT_F(a, N * D));
-    NEED(a->xf_rstd = ACT_F(a, N));
-    rmsnorm_fwd(a->xf, a->xf_rstd, a->hcF_y, W->ffn_norm, N, D, eps);
-
-    /* router: sqrt-softplus scores, bias (selection only) or hash table, normalised weights */
-    NEED(a->glogits = ACT_F(a, N * E));
-    NEED(a->gscores = ACT_F(a, N * E));
-    NEED(a->gidx = ACT_I32(a, N * K));
-    NEED(a->gw = ACT_F(a, N * K));
+/* Router: sqrt-softplus scores, bias (selection only) or hash table, normalised weights. */
+static ds4_status u_router(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t E = c->n_routed_experts, K = c->n_activated_experts;
+    unit_id u = U_ROUTER;
+    NEED(a->glogits = OUT_F(u, N * E));
+    NEED(a->gscores = OUT_F(u, N * E));
+    NEED(a->gidx = OUT_I32(u, N * K));
+    NEED(a->gw = OUT_F(u, N * K));
+    NEED(a->eoff = OUT_I64(u, E + 1));
+    NEED(a->etok = OUT_I32(u, N * K));
+    NEED(a->eslot = OUT_I32(u, N * K));
     linear_fwd(a->glogits, a->xf, W->gate, N, D, E);
     bool hash = block_is_hash(c, bc->layer);
     moe_gate_fwd(a->gidx, a->gw, a->gscores, a->glogits, hash ? NULL : W->gate_bias,
                  hash ? m->tid2eid[bc->layer] : NULL, bc->ids, N, E, K, (float)c->route_scale);
+    return route_assignments(a, N, E, K);
+}
 
-    /* routed experts: y = Σ_k w_k · w2(swiglu(w1 x, w3 x)) */
-    NEED(a->eoff = ACT_I64(a, E + 1));
-    NEED(a->etok = ACT_I32(a, N * K));
-    NEED(a->eslot = ACT_I32(a, N * K));
-    NEED(a->h1 = ACT_F(a, N * K * I));
-    NEED(a->h3 = ACT_F(a, N * K * I));
-    NEED(a->ffn_out = ACT_F(a, N * D));
-    DS4_TRY(route_assignments(a, N, E, K, load));
+static void gather_rows(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D) {
+    for (int64_t i = 0; i < n; i++) memcpy(dst + i * D, src + (int64_t)rows[i] * D, (size_t)D * sizeof(float));
+}
+
+/* dst[rows[i]] += src[i], in row order (deterministic). */
+static void scatter_add_rows(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D) {
+    for (int64_t i = 0; i < n; i++) {
+        float *d = dst + (int64_t)rows[i] * D;
+        for (int64_t k = 0; k < D; k++) d[k] += src[i * D + k];
+    }
+}
+
+/* Routing weight of assignment j. */
+static float assignment_weight(const block_acts *a, int64_t j, int64_t K) {
+    return a->gw[(int64_t)a->etok[j] * K + a->eslot[j]];
+}
+
+/* MoE: ffn_out = Σ_k w_k · w2(swiglu(w1 x, w3 x)) over routed experts + the shared expert. */
+static ds4_status u_moe(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t E = c->n_routed_experts, K = c->n_activated_experts, I = c->moe_inter_dim;
+    const int64_t Is = I * c->n_shared_experts;
+    const float limit = (float)c->swiglu_limit;
+    unit_id u = U_MOE;
+    NEED(a->h1 = OUT_F(u, N * K * I));
+    NEED(a->h3 = OUT_F(u, N * K * I));
+    NEED(a->sh1 = OUT_F(u, N * Is));
+    NEED(a->sh3 = OUT_F(u, N * Is));
+    NEED(a->ffn_out = OUT_F(u, N * D));
     memset(a->ffn_out, 0, (size_t)(N * D) * sizeof(float));
-    float *xe = work(N * K * D), *act = work(N * K * (I > Is ? I : Is)), *ye = work(N * K * D);
+    float *xe = work(N * K * D), *act = work(N * (K * I > Is ? K * I : Is)), *ye = work(N * K * D);
     ds4_status st = (xe && act && ye) ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
     for (int64_t e = 0; st == DS4_OK && e < E; e++) {
         int64_t j0 = a->eoff[e], ne = a->eoff[e + 1] - j0;
         if (ne == 0) continue;
         const expert_w *ew = &W->experts[e];
+        float *h1 = a->h1 + j0 * I, *h3 = a->h3 + j0 * I;
         gather_rows(xe, a->xf, a->etok + j0, ne, D);
-        linear_fwd(a->h1 + j0 * I, xe, ew->w1, ne, D, I);
-        linear_fwd(a->h3 + j0 * I, xe, ew->w3, ne, D, I);
-        weighted_swiglu(act, a->h1 + j0 * I, a->h3 + j0 * I, a, j0, ne, I, K, limit);
-        linear_fwd(ye, act, ew->w2, ne, I, D);
+        linear_fwd(h1, xe, ew->w1, ne, D, I);
+        linear_fwd(h3, xe, ew->w3, ne, D, I);
+        swiglu_fwd(act, h1, h3, ne, I, limit);
         for (int64_t i = 0; i < ne; i++) {
-            float *dst = a->ffn_out + (int64_t)a->etok[j0 + i] * D;
-            for (int64_t d = 0; d < D; d++) dst[d] += ye[i * D + d];
+            float w = assignment_weight(a, j0 + i, K); /* routing weight before w2 */
+            for (int64_t k = 0; k < I; k++) act[i * I + k] *= w;
         }
+        linear_fwd(ye, act, ew->w2, ne, I, D);
+        scatter_add_rows(a->ffn_out, ye, a->etok + j0, ne, D);
     }
-    /* shared expert, always on, weight 1 */
     if (st == DS4_OK) {
-        NEED(a->sh1 = ACT_F(a, N * Is));
-        NEED(a->sh3 = ACT_F(a, N * Is));
         linear_fwd(a->sh1, a->xf, W->shared.w1, N, D, Is);
         linear_fwd(a->sh3, a->xf, W->shared.w3, N, D, Is);
         swiglu_fwd(act, a->sh1, a->sh3, N, Is, limit);
         linear_fwd(ye, act, W->shared.w2, N, Is, D);
         for (int64_t i = 0; i < N * D; i++) a->ffn_out[i] += ye[i];
-        hc_post_fwd(X_out, a->ffn_out, a->X_mid, a->hcF_post, a->hcF_comb, N, n, D);
     }
     ds4_free(xe);
     ds4_free(act);
@@ -264,55 +401,156 @@ static ds4_status ffn_fwd(const block_ctx *bc, block_acts *a, float *X_out, int6
     return st;
 }
 
-ds4_status block_fwd(const block_ctx *bc, block_acts *a, const float *X_in, float *X_out, int64_t *expert_load,
-                     double *kl_sum, int64_t *kl_rows) {
+static ds4_status u_hc_post_ffn(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    hc_post_fwd(a->X_out, a->ffn_out, a->X_mid, a->hcF_post, a->hcF_comb, N, n, D);
+    return DS4_OK;
+}
+
+typedef ds4_status (*unit_fwd_fn)(const block_ctx *, block_acts *);
+static const unit_fwd_fn k_fwd[U_COUNT] = {
+    u_hc_pre_attn, u_attn_norm, u_q_down, u_q_up, u_kv, u_compressor, u_indexer, u_sparse_attn,
+    u_o_proj, u_hc_post_attn, u_hc_pre_ffn, u_ffn_norm, u_router, u_moe, u_hc_post_ffn,
+};
+
+/* Makes unit u's outputs present, replaying it (and its released inputs, in forward order) if needed. */
+static ds4_status block_need(const block_ctx *bc, block_acts *a, unit_id u) {
+    if (a->present[u]) return DS4_OK;
+    if (u == U_HC_POST_FFN) return ds4_fail(DS4_ERR_INTERNAL, "hc_post_ffn is never replayed");
+    for (int d = 0; d < (int)u; d++)
+        if (k_deps[u] & BIT(d)) DS4_TRY(block_need(bc, a, (unit_id)d));
+    double t0 = ds4_now();
+    DS4_TRY(k_fwd[u](bc, a));
+    a->present[u] = true;
+    if (a->stats) {
+        a->stats[u].replays++;
+        a->stats[u].replay_seconds += ds4_now() - t0;
+    }
+    return DS4_OK;
+}
+
+static ds4_status need_all(const block_ctx *bc, block_acts *a, uint32_t units) {
+    for (int u = 0; u < U_COUNT; u++)
+        if (units & BIT(u)) DS4_TRY(block_need(bc, a, (unit_id)u));
+    return DS4_OK;
+}
+
+/* ================================================================== block forward */
+/* Forward-only pass: the indexer KL cannot wait for backward. */
+static void indexer_kl_forward_only(const block_ctx *bc, block_acts *a, double *kl_sum, int64_t *kl_rows) {
+    const ds4_config *c = &bc->m->cfg;
+    const int32_t *sel = attn_selection(bc, a);
+    double kl = 0;
+    int64_t rows = 0;
+    indexer_kl_fwd_bwd(&kl, &rows, NULL, NULL, NULL, a->iqi, a->iki, a->iwi, sel, a->q, a->kvc, a->lse, bc->B,
+                       bc->T, c->n_heads, c->head_dim, c->index_n_heads, c->index_head_dim, a->Nc, 4,
+                       sel ? c->index_topk : 0, attn_scale(c), indexer_wscale(c), 0.0f);
+    *kl_sum += kl;
+    *kl_rows += rows;
+}
+
+ds4_status block_fwd(const block_ctx *bc, block_acts *a, const float *X_in, float *X_out, uint32_t release_mask,
+                     unit_stats *stats, int64_t *expert_load, double *kl_sum, int64_t *kl_rows) {
     memset(a, 0, sizeof *a);
+    a->X_in = X_in;
+    a->X_out = X_out;
     a->ratio = ds4_layer_ratio(&bc->m->cfg, bc->layer);
     a->Nc = a->ratio > 0 ? bc->T / a->ratio : 0;
-    ds4_status st = attn_fwd(bc, a, X_in, kl_sum, kl_rows);
-    if (st == DS4_OK) st = ffn_fwd(bc, a, X_out, expert_load);
+    a->release_mask = bc->keep ? release_mask & ~BIT(U_HC_POST_FFN) : 0;
+    a->stats = stats;
+    ds4_status st = DS4_OK;
+    for (int u = 0; u < U_COUNT && st == DS4_OK; u++) {
+        st = k_fwd[u](bc, a);
+        a->present[u] = true;
+        if (st != DS4_OK) break;
+        if (stats) stats[u].bytes = unit_bytes(a, (unit_id)u);
+        if (u == U_SPARSE_ATTN && a->ratio == 4 && !bc->keep) indexer_kl_forward_only(bc, a, kl_sum, kl_rows);
+        if (u == U_ROUTER && expert_load) {
+            const int64_t E = bc->m->cfg.n_routed_experts;
+            for (int64_t e = 0; e < E; e++) expert_load[e] += a->eoff[e + 1] - a->eoff[e];
+        }
+        /* release every masked unit whose last forward reader has now run */
+        for (int v = 0; v <= u; v++)
+            if ((a->release_mask & BIT(v)) && a->present[v] && last_forward_reader((unit_id)v) == (unit_id)u) {
+                unit_release(a, (unit_id)v);
+                if (stats) stats[v].released++;
+            }
+    }
     if (st != DS4_OK || !bc->keep) block_acts_free(a);
     return st;
 }
 
-/* ================================================================== FFN sub-layer, backward */
-/* dX_mid += ∂/∂X_mid given dX_out. */
-static ds4_status ffn_bwd(const block_ctx *bc, block_acts *a, const float *dX_out, float *dX_mid) {
-    ds4_model *m = bc->m;
-    const ds4_config *c = &m->cfg;
-    const block_w *W = &m->w.blocks[bc->layer];
-    block_w *Gw = &m->g.blocks[bc->layer];
-    const int64_t N = bc->B * bc->T, D = c->dim, n = c->hc_mult, M = mix_hc(c);
-    const int64_t E = c->n_routed_experts, K = c->n_activated_experts, I = c->moe_inter_dim;
-    const int64_t Is = I * c->n_shared_experts, Imax = I > Is ? I : Is;
-    const float eps = (float)c->norm_eps, limit = (float)c->swiglu_limit;
-    (void)M;
+/* ================================================================== block backward */
+/* Gradient buffers of one block backward (workspace, zeroed). */
+typedef struct {
+    float *dX_mid;                   /* [N, n, D] */
+    float *dffn, *dpostF, *dcombF;   /* [N, D], [N, n], [N, n, n] */
+    float *dxf, *dyF;                /* [N, D] */
+    float *dattn, *dpostA, *dcombA;  /* [N, D], [N, n], [N, n, n] */
+    float *dz, *do_, *dq, *dkv, *dkvc;
+    float *dxa, *dyA;
+} block_grads;
 
-    float *dffn = work_zeros(N * D), *dpost = work_zeros(N * n), *dcomb = work_zeros(N * n * n);
-    float *dxf = work_zeros(N * D), *dy = work_zeros(N * D), *dgw = work_zeros(N * K);
-    float *dlog = work_zeros(N * E), *act = work(N * K * Imax), *dact = work(N * K * Imax);
-    float *dh1 = work(N * K * Imax), *dh3 = work(N * K * Imax), *xe = work(N * K * D), *dye = work(N * K * D);
+static void grads_free(block_grads *g) {
+    float **f = (float **)g;
+    for (size_t i = 0; i < sizeof *g / sizeof(float *); i++) ds4_free(f[i]);
+    memset(g, 0, sizeof *g);
+}
+
+static ds4_status grads_alloc(const block_ctx *bc, const block_acts *a, block_grads *g) {
+    const ds4_config *c = &bc->m->cfg;
+    const int64_t N = bc->B * bc->T, D = c->dim, n = c->hc_mult, H = c->n_heads, hd = c->head_dim;
+    memset(g, 0, sizeof *g);
+    g->dX_mid = work_zeros(N * n * D);
+    g->dffn = work_zeros(N * D);
+    g->dpostF = work_zeros(N * n);
+    g->dcombF = work_zeros(N * n * n);
+    g->dxf = work_zeros(N * D);
+    g->dyF = work_zeros(N * D);
+    g->dattn = work_zeros(N * D);
+    g->dpostA = work_zeros(N * n);
+    g->dcombA = work_zeros(N * n * n);
+    g->dz = work_zeros(N * c->o_groups * c->o_lora_rank);
+    g->do_ = work_zeros(N * H * hd);
+    g->dq = work_zeros(N * H * hd);
+    g->dkv = work_zeros(N * hd);
+    g->dkvc = work_zeros(bc->B * a->Nc * hd + 1);
+    g->dxa = work_zeros(N * D);
+    g->dyA = work_zeros(N * D);
+    float **f = (float **)g;
+    for (size_t i = 0; i < sizeof *g / sizeof(float *); i++)
+        if (!f[i]) {
+            grads_free(g);
+            return ds4_fail(DS4_ERR_OOM, "out of memory for the gradients of block %lld", (long long)bc->layer);
+        }
+    return DS4_OK;
+}
+
+/* Backward of the MoE unit: dxf += …, expert and router weights' gradients. */
+static ds4_status moe_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
+    UNIT_PROLOGUE;
+    block_w *Gw = &m->g.blocks[bc->layer];
+    const int64_t E = c->n_routed_experts, K = c->n_activated_experts, I = c->moe_inter_dim;
+    const int64_t Is = I * c->n_shared_experts, Imax = (K * I > Is ? K * I : Is);
+    const float limit = (float)c->swiglu_limit;
+    float *dgw = work_zeros(N * K), *dlog = work_zeros(N * E), *act = work(N * Imax), *dact = work(N * Imax);
+    float *dh1 = work(N * Imax), *dh3 = work(N * Imax), *xe = work(N * K * D), *dye = work(N * K * D);
     float *dxe = work(N * K * D);
     ds4_status st = DS4_OK;
-    if (!dffn || !dpost || !dcomb || !dxf || !dy || !dgw || !dlog || !act || !dact || !dh1 || !dh3 || !xe ||
-        !dye || !dxe) {
-        st = ds4_fail(DS4_ERR_OOM, "out of memory in FFN backward");
+    if (!dgw || !dlog || !act || !dact || !dh1 || !dh3 || !xe || !dye || !dxe) {
+        st = ds4_fail(DS4_ERR_OOM, "out of memory in MoE backward");
         goto done;
     }
-    /* hc_post_ffn */
-    hc_post_bwd(dffn, dX_mid, dpost, dcomb, dX_out, a->ffn_out, a->X_mid, a->hcF_post, a->hcF_comb, N, n, D);
-
     /* shared expert */
     swiglu_fwd(act, a->sh1, a->sh3, N, Is, limit);
     memset(dact, 0, (size_t)(N * Is) * sizeof(float));
-    linear_bwd(dact, Gw->shared.w2, dffn, act, W->shared.w2, N, Is, D);
+    linear_bwd(dact, Gw->shared.w2, g->dffn, act, W->shared.w2, N, Is, D);
     memset(dh1, 0, (size_t)(N * Is) * sizeof(float));
     memset(dh3, 0, (size_t)(N * Is) * sizeof(float));
     swiglu_bwd(dh1, dh3, dact, a->sh1, a->sh3, N, Is, limit);
-    linear_bwd(dxf, Gw->shared.w1, dh1, a->xf, W->shared.w1, N, D, Is);
-    linear_bwd(dxf, Gw->shared.w3, dh3, a->xf, W->shared.w3, N, D, Is);
-
-    /* routed experts, one at a time; scatter of dx in a fixed (expert, token) order */
+    linear_bwd(g->dxf, Gw->shared.w1, dh1, a->xf, W->shared.w1, N, D, Is);
+    linear_bwd(g->dxf, Gw->shared.w3, dh3, a->xf, W->shared.w3, N, D, Is);
+    /* routed experts, one at a time; dx scattered in a fixed (expert, token) order */
     for (int64_t e = 0; e < E; e++) {
         int64_t j0 = a->eoff[e], ne = a->eoff[e + 1] - j0;
         if (ne == 0) continue;
@@ -320,24 +558,22 @@ static ds4_status ffn_bwd(const block_ctx *bc, block_acts *a, const float *dX_ou
         expert_w *eg = &Gw->experts[e];
         const float *h1 = a->h1 + j0 * I, *h3 = a->h3 + j0 * I;
         gather_rows(xe, a->xf, a->etok + j0, ne, D);
-        gather_rows(dye, dffn, a->etok + j0, ne, D);
-        /* act = swiglu (unweighted); the weighted activation feeds w2 */
-        swiglu_fwd(act, h1, h3, ne, I, limit);
-        float *wact = dh1; /* scratch: weighted activation */
+        gather_rows(dye, g->dffn, a->etok + j0, ne, D);
+        swiglu_fwd(act, h1, h3, ne, I, limit); /* unweighted activation */
+        float *wact = dh1;                     /* scratch: the weighted activation that fed w2 */
         for (int64_t i = 0; i < ne; i++) {
-            float w = a->gw[(int64_t)a->etok[j0 + i] * K + a->eslot[j0 + i]];
-            for (int64_t u = 0; u < I; u++) wact[i * I + u] = act[i * I + u] * w;
+            float w = assignment_weight(a, j0 + i, K);
+            for (int64_t k = 0; k < I; k++) wact[i * I + k] = act[i * I + k] * w;
         }
         memset(dact, 0, (size_t)(ne * I) * sizeof(float));
         linear_bwd(dact, eg->w2, dye, wact, ew->w2, ne, I, D);
-        /* dweight = <d wact, act>; d act = d wact · weight */
+        /* d weight = ⟨d wact, act⟩; d act = d wact · weight */
         for (int64_t i = 0; i < ne; i++) {
             int64_t gi = (int64_t)a->etok[j0 + i] * K + a->eslot[j0 + i];
             double s = 0;
-            for (int64_t u = 0; u < I; u++) s += (double)dact[i * I + u] * act[i * I + u];
+            for (int64_t k = 0; k < I; k++) s += (double)dact[i * I + k] * act[i * I + k];
             dgw[gi] += (float)s;
-            float w = a->gw[gi];
-            for (int64_t u = 0; u < I; u++) dact[i * I + u] *= w;
+            for (int64_t k = 0; k < I; k++) dact[i * I + k] *= a->gw[gi];
         }
         memset(dh1, 0, (size_t)(ne * I) * sizeof(float));
         memset(dh3, 0, (size_t)(ne * I) * sizeof(float));
@@ -345,25 +581,12 @@ static ds4_status ffn_bwd(const block_ctx *bc, block_acts *a, const float *dX_ou
         memset(dxe, 0, (size_t)(ne * D) * sizeof(float));
         linear_bwd(dxe, eg->w1, dh1, xe, ew->w1, ne, D, I);
         linear_bwd(dxe, eg->w3, dh3, xe, ew->w3, ne, D, I);
-        for (int64_t i = 0; i < ne; i++) {
-            float *dst = dxf + (int64_t)a->etok[j0 + i] * D;
-            for (int64_t d = 0; d < D; d++) dst[d] += dxe[i * D + d];
-        }
+        scatter_add_rows(g->dxf, dxe, a->etok + j0, ne, D);
     }
     /* router */
     moe_gate_bwd(dlog, dgw, a->glogits, a->gscores, a->gidx, N, E, K, (float)c->route_scale);
-    linear_bwd(dxf, Gw->gate, dlog, a->xf, W->gate, N, D, E);
-    /* ffn_norm, hc_pre_ffn */
-    rmsnorm_bwd(dy, Gw->ffn_norm, dxf, a->hcF_y, W->ffn_norm, a->xf_rstd, N, D);
-    hc_pre_bwd(dX_mid, Gw->hc_ffn_fn, Gw->hc_ffn_scale, Gw->hc_ffn_base, dy, dpost, dcomb, a->X_mid, W->hc_ffn_fn,
-               W->hc_ffn_scale, W->hc_ffn_base, a->hcF_mixes, a->hcF_rsqrt, N, n, D, c->hc_sinkhorn_iters,
-               (float)c->hc_eps, eps);
+    linear_bwd(g->dxf, Gw->gate, dlog, a->xf, W->gate, N, D, E);
 done:
-    ds4_free(dffn);
-    ds4_free(dpost);
-    ds4_free(dcomb);
-    ds4_free(dxf);
-    ds4_free(dy);
     ds4_free(dgw);
     ds4_free(dlog);
     ds4_free(act);
@@ -376,151 +599,182 @@ done:
     return st;
 }
 
-/* ================================================================== attention sub-layer, backward */
-/* Compressor backward from d(normalised, roped entries): dxa += …; dkvc is consumed (rotated in place). */
-static void compressor_bwd(compressor_w *G, const compressor_w *W, float *dxa, float *dkvc, const float *a_,
-                           const float *z, const float *pool, const float *rstd, const float *xa, const ds4_rope *rope,
-                           int64_t B, int64_t T, int64_t r, int64_t d, int64_t D, int64_t Nc) {
-    int64_t N = B * T, coff = r == 4 ? 2 : 1;
+/* Compressor backward from d(normalised, roped entries) (dout is rotated in place); dxa += … */
+static ds4_status compressor_bwd(const block_ctx *bc, compressor_w *G, const compressor_w *W, float *dxa,
+                                 float *dout, const float *ca, const float *cz, const float *pool, const float *rstd,
+                                 const float *xa, int64_t r, int64_t d, int64_t Nc) {
+    const int64_t B = bc->B, T = bc->T, N = B * T, D = bc->m->cfg.dim, coff = r == 4 ? 2 : 1;
     float *dpool = work_zeros(B * Nc * d), *da = work_zeros(N * coff * d), *dz = work_zeros(N * coff * d);
-    if (!dpool || !da || !dz) goto done;
-    rope_bwd(dkvc, B * Nc, 1, d, Nc, r, rope, false);
-    rmsnorm_bwd(dpool, G->norm, dkvc, pool, W->norm, rstd, B * Nc, d);
-    compressor_pool_bwd(da, dz, G->ape, dpool, a_, z, W->ape, B, T, r, d, r == 4);
-    linear_bwd(dxa, G->wkv, da, xa, W->wkv, N, D, coff * d);
-    linear_bwd(dxa, G->wgate, dz, xa, W->wgate, N, D, coff * d);
-done:
+    ds4_status st = DS4_OK;
+    if (!dpool || !da || !dz) st = ds4_fail(DS4_ERR_OOM, "out of memory in compressor backward");
+    if (st == DS4_OK) {
+        rope_bwd(dout, B * Nc, 1, d, Nc, r, block_rope(bc->m, r), false);
+        rmsnorm_bwd(dpool, G->norm, dout, pool, W->norm, rstd, B * Nc, d);
+        compressor_pool_bwd(da, dz, G->ape, dpool, ca, cz, W->ape, B, T, r, d, r == 4);
+        linear_bwd(dxa, G->wkv, da, xa, W->wkv, N, D, coff * d);
+        linear_bwd(dxa, G->wgate, dz, xa, W->wgate, N, D, coff * d);
+    }
     ds4_free(dpool);
     ds4_free(da);
     ds4_free(dz);
-}
-
-/* Indexer KL loss and its gradient into the indexer's own parameters (inputs detached). */
-static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, double *kl_sum, int64_t *kl_rows) {
-    ds4_model *m = bc->m;
-    const ds4_config *c = &m->cfg;
-    const block_w *W = &m->w.blocks[bc->layer];
-    block_w *Gw = &m->g.blocks[bc->layer];
-    const int64_t B = bc->B, T = bc->T, N = B * T, D = c->dim, H = c->n_heads, hd = c->head_dim;
-    const int64_t HI = c->index_n_heads, dI = c->index_head_dim, K = c->index_topk, QR = c->q_lora_rank;
-    const int64_t Nc = a->Nc;
-    const float scale = (float)(1.0 / sqrt((double)hd));
-    const float wscale = (float)(1.0 / sqrt((double)dI) / sqrt((double)HI));
-    const int32_t *sel = bc->dense_csa ? NULL : a->topk;
-    int64_t rows = usable_rows(B, T, 4);
-    float gscale = rows > 0 ? (float)(c->indexer_loss_coeff / (double)rows) : 0.0f;
-    float *dqi = work_zeros(N * HI * dI), *dki = work_zeros(B * Nc * dI), *dwi = work_zeros(N * HI);
-    if (!dqi || !dki || !dwi) {
-        ds4_free(dqi);
-        ds4_free(dki);
-        ds4_free(dwi);
-        return ds4_fail(DS4_ERR_OOM, "out of memory in indexer backward");
-    }
-    double kl = 0;
-    int64_t got = 0;
-    indexer_kl_fwd_bwd(&kl, &got, dqi, dki, dwi, a->iqi, a->iki, a->iwi, sel, a->q, a->kvc, a->lse, B, T, H, hd,
-                       HI, dI, Nc, 4, sel ? K : 0, scale, wscale, gscale);
-    *kl_sum += kl;
-    *kl_rows += got;
-    /* detached inputs: only parameter gradients */
-    linear_bwd(NULL, Gw->idx_weights_proj, dwi, a->xa, W->idx_weights_proj, N, D, HI);
-    rope_bwd(dqi, N, HI, dI, T, 1, &m->rope_cmp, false);
-    linear_bwd(NULL, Gw->idx_wq_b, dqi, a->qr, W->idx_wq_b, N, QR, HI * dI);
-    compressor_bwd(&Gw->idx_cmp, &W->idx_cmp, NULL, dki, a->ica, a->icz, a->ipool, a->i_rstd, a->xa, &m->rope_cmp,
-                   B, T, 4, dI, D, Nc);
-    ds4_free(dqi);
-    ds4_free(dki);
-    ds4_free(dwi);
-    if (got != rows)
-        return ds4_fail(DS4_ERR_INTERNAL, "indexer loss: %lld rows counted, %lld expected", (long long)got,
-                        (long long)rows);
-    return DS4_OK;
-}
-
-static ds4_status attn_bwd(const block_ctx *bc, block_acts *a, const float *X_in, const float *dX_mid,
-                           float *dX_in, double *kl_sum, int64_t *kl_rows) {
-    ds4_model *m = bc->m;
-    const ds4_config *c = &m->cfg;
-    const block_w *W = &m->w.blocks[bc->layer];
-    block_w *Gw = &m->g.blocks[bc->layer];
-    const int64_t B = bc->B, T = bc->T, N = B * T, D = c->dim, n = c->hc_mult;
-    const int64_t H = c->n_heads, hd = c->head_dim, QR = c->q_lora_rank, r = a->ratio, Nc = a->Nc;
-    const int64_t G = c->o_groups, R = c->o_lora_rank, K = c->index_topk;
-    const float eps = (float)c->norm_eps, scale = (float)(1.0 / sqrt((double)hd));
-    const ds4_rope *rope = block_rope(m, r);
-    (void)eps;
-
-    float *dattn = work_zeros(N * D), *dpost = work_zeros(N * n), *dcomb = work_zeros(N * n * n);
-    float *dz = work_zeros(N * G * R), *do_ = work_zeros(N * H * hd), *dq = work_zeros(N * H * hd);
-    float *dkv = work_zeros(N * hd), *dkvc = r > 0 ? work_zeros(B * Nc * hd) : NULL;
-    float *dxa = work_zeros(N * D), *dqraw = work_zeros(N * H * hd), *dqr = work_zeros(N * QR);
-    float *dqa = work_zeros(N * QR), *dkvraw = work_zeros(N * hd), *dy = work_zeros(N * D);
-    ds4_status st = DS4_OK;
-    if (!dattn || !dpost || !dcomb || !dz || !do_ || !dq || !dkv || (r > 0 && !dkvc) || !dxa || !dqraw || !dqr ||
-        !dqa || !dkvraw || !dy) {
-        st = ds4_fail(DS4_ERR_OOM, "out of memory in attention backward");
-        goto done;
-    }
-    /* hc_post_attn */
-    hc_post_bwd(dattn, dX_in, dpost, dcomb, dX_mid, a->attn_out, X_in, a->hcA_post, a->hcA_comb, N, n, D);
-    /* o_proj */
-    linear_bwd(dz, Gw->wo_b, dattn, a->z, W->wo_b, N, G * R, D);
-    grouped_linear_bwd(do_, Gw->wo_a, dz, a->o_r, W->wo_a, N, G, R, H * hd / G);
-    rope_bwd(do_, N, H, hd, T, 1, rope, true);
-    /* indexer KL (CSA), from the saved lse, before the attention activations go */
-    if (r == 4) {
-        st = indexer_bwd(bc, a, kl_sum, kl_rows);
-        if (st != DS4_OK) goto done;
-    }
-    /* sparse attention */
-    const int32_t *sel = (r == 4 && !bc->dense_csa) ? a->topk : NULL;
-    sparse_attn_bwd(dq, dkv, dkvc, Gw->attn_sink, do_, a->o, a->lse, a->q, a->kv, a->kvc, sel, W->attn_sink, B, T,
-                    H, hd, c->window, r, Nc, sel ? K : 0, scale);
-    /* compressor */
-    if (r > 0)
-        compressor_bwd(&Gw->cmp, &W->cmp, dxa, dkvc, a->ca, a->cz, a->cpool, a->c_rstd, a->xa, rope, B, T, r, hd, D,
-                       Nc);
-    /* kv path */
-    rope_bwd(dkv, N, 1, hd, T, 1, rope, false);
-    rmsnorm_bwd(dkvraw, Gw->kv_norm, dkv, a->kvraw, W->kv_norm, a->kv_rstd, N, hd);
-    linear_bwd(dxa, Gw->wkv, dkvraw, a->xa, W->wkv, N, D, hd);
-    /* q path */
-    rope_bwd(dq, N, H, hd, T, 1, rope, false);
-    rmsnorm_bwd(dqraw, NULL, dq, a->qraw, NULL, a->q_rstd, N * H, hd);
-    linear_bwd(dqr, Gw->wq_b, dqraw, a->qr, W->wq_b, N, QR, H * hd);
-    rmsnorm_bwd(dqa, Gw->q_norm, dqr, a->qa, W->q_norm, a->qa_rstd, N, QR);
-    linear_bwd(dxa, Gw->wq_a, dqa, a->xa, W->wq_a, N, D, QR);
-    /* attn_norm, hc_pre_attn */
-    rmsnorm_bwd(dy, Gw->attn_norm, dxa, a->hcA_y, W->attn_norm, a->xa_rstd, N, D);
-    hc_pre_bwd(dX_in, Gw->hc_attn_fn, Gw->hc_attn_scale, Gw->hc_attn_base, dy, dpost, dcomb, X_in, W->hc_attn_fn,
-               W->hc_attn_scale, W->hc_attn_base, a->hcA_mixes, a->hcA_rsqrt, N, n, D, c->hc_sinkhorn_iters,
-               (float)c->hc_eps, (float)c->norm_eps);
-done:
-    ds4_free(dattn);
-    ds4_free(dpost);
-    ds4_free(dcomb);
-    ds4_free(dz);
-    ds4_free(do_);
-    ds4_free(dq);
-    ds4_free(dkv);
-    ds4_free(dkvc);
-    ds4_free(dxa);
-    ds4_free(dqraw);
-    ds4_free(dqr);
-    ds4_free(dqa);
-    ds4_free(dkvraw);
-    ds4_free(dy);
     return st;
 }
 
-ds4_status block_bwd(const block_ctx *bc, block_acts *a, const float *X_in, const float *dX_out, float *dX_in,
-                     double *kl_sum, int64_t *kl_rows) {
-    const ds4_config *c = &bc->m->cfg;
-    int64_t N = bc->B * bc->T;
-    float *dX_mid = work_zeros(N * c->hc_mult * c->dim);
-    if (!dX_mid) return ds4_fail(DS4_ERR_OOM, "out of memory in block backward");
-    ds4_status st = ffn_bwd(bc, a, dX_out, dX_mid);
-    if (st == DS4_OK) st = attn_bwd(bc, a, X_in, dX_mid, dX_in, kl_sum, kl_rows);
-    ds4_free(dX_mid);
+/* Indexer KL loss and its gradient into the indexer's own parameters (its inputs are detached). */
+static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, double *kl_sum, int64_t *kl_rows) {
+    UNIT_PROLOGUE;
+    block_w *Gw = &m->g.blocks[bc->layer];
+    const int64_t HI = c->index_n_heads, dI = c->index_head_dim, QR = c->q_lora_rank, Nc = a->Nc;
+    const int32_t *sel = attn_selection(bc, a);
+    const int64_t rows = usable_rows(B, T, 4);
+    const float gscale = rows > 0 ? (float)(c->indexer_loss_coeff / (double)rows) : 0.0f;
+    float *dqi = work_zeros(N * HI * dI), *dki = work_zeros(B * Nc * dI + 1), *dwi = work_zeros(N * HI);
+    ds4_status st = DS4_OK;
+    if (!dqi || !dki || !dwi) st = ds4_fail(DS4_ERR_OOM, "out of memory in indexer backward");
+    double kl = 0;
+    int64_t got = 0;
+    if (st == DS4_OK) {
+        indexer_kl_fwd_bwd(&kl, &got, dqi, dki, dwi, a->iqi, a->iki, a->iwi, sel, a->q, a->kvc, a->lse, B, T,
+                           c->n_heads, c->head_dim, HI, dI, Nc, 4, sel ? c->index_topk : 0, attn_scale(c),
+                           indexer_wscale(c), gscale);
+        *kl_sum += kl;
+        *kl_rows += got;
+        linear_bwd(NULL, Gw->idx_weights_proj, dwi, a->xa, W->idx_weights_proj, N, D, HI);
+        rope_bwd(dqi, N, HI, dI, T, 1, &m->rope_cmp, false);
+        linear_bwd(NULL, Gw->idx_wq_b, dqi, a->qr, W->idx_wq_b, N, QR, HI * dI);
+        st = compressor_bwd(bc, &Gw->idx_cmp, &W->idx_cmp, NULL, dki, a->ica, a->icz, a->ipool, a->i_rstd, a->xa, 4,
+                            dI, Nc);
+    }
+    ds4_free(dqi);
+    ds4_free(dki);
+    ds4_free(dwi);
+    if (st == DS4_OK && got != rows)
+        st = ds4_fail(DS4_ERR_INTERNAL, "indexer loss: %lld rows counted, %lld expected", (long long)got,
+                      (long long)rows);
+    return st;
+}
+
+/* Backward steps in order, each with the units whose outputs it reads. After the last step that
+ * reads a unit, the unit's outputs (saved or replayed) are freed. */
+typedef enum {
+    B_HC_POST_FFN, B_MOE, B_FFN_NORM, B_HC_PRE_FFN, B_HC_POST_ATTN, B_O_PROJ, B_INDEXER, B_SPARSE_ATTN,
+    B_COMPRESSOR, B_KV, B_Q_UP, B_Q_DOWN, B_ATTN_NORM, B_HC_PRE_ATTN, B_COUNT
+} bwd_step;
+
+static const uint32_t k_bwd_reads[B_COUNT] = {
+    [B_HC_POST_FFN] = BIT(U_MOE) | BIT(U_HC_POST_ATTN) | BIT(U_HC_PRE_FFN),
+    [B_MOE] = BIT(U_FFN_NORM) | BIT(U_ROUTER) | BIT(U_MOE),
+    [B_FFN_NORM] = BIT(U_HC_PRE_FFN) | BIT(U_FFN_NORM),
+    [B_HC_PRE_FFN] = BIT(U_HC_POST_ATTN) | BIT(U_HC_PRE_FFN),
+    [B_HC_POST_ATTN] = BIT(U_O_PROJ) | BIT(U_HC_PRE_ATTN),
+    [B_O_PROJ] = BIT(U_O_PROJ),
+    [B_INDEXER] = BIT(U_INDEXER) | BIT(U_Q_UP) | BIT(U_COMPRESSOR) | BIT(U_SPARSE_ATTN) | BIT(U_ATTN_NORM) |
+                  BIT(U_Q_DOWN),
+    [B_SPARSE_ATTN] = BIT(U_SPARSE_ATTN) | BIT(U_Q_UP) | BIT(U_KV) | BIT(U_COMPRESSOR) | BIT(U_INDEXER),
+    [B_COMPRESSOR] = BIT(U_COMPRESSOR) | BIT(U_ATTN_NORM),
+    [B_KV] = BIT(U_KV) | BIT(U_ATTN_NORM),
+    [B_Q_UP] = BIT(U_Q_UP) | BIT(U_Q_DOWN),
+    [B_Q_DOWN] = BIT(U_Q_DOWN) | BIT(U_ATTN_NORM),
+    [B_ATTN_NORM] = BIT(U_HC_PRE_ATTN) | BIT(U_ATTN_NORM),
+    [B_HC_PRE_ATTN] = BIT(U_HC_PRE_ATTN),
+};
+
+static ds4_status bwd_run_step(const block_ctx *bc, block_acts *a, block_grads *g, bwd_step s, float *dX_in,
+                               const float *dX_out, double *kl_sum, int64_t *kl_rows) {
+    UNIT_PROLOGUE;
+    block_w *Gw = &m->g.blocks[bc->layer];
+    const int64_t H = c->n_heads, hd = c->head_dim, QR = c->q_lora_rank, r = a->ratio;
+    const int64_t G = c->o_groups, R = c->o_lora_rank;
+    const ds4_rope *rope = block_rope(m, r);
+    switch (s) {
+    case B_HC_POST_FFN:
+        hc_post_bwd(g->dffn, g->dX_mid, g->dpostF, g->dcombF, dX_out, a->ffn_out, a->X_mid, a->hcF_post,
+                    a->hcF_comb, N, n, D);
+        return DS4_OK;
+    case B_MOE: return moe_bwd(bc, a, g);
+    case B_FFN_NORM: rmsnorm_bwd(g->dyF, Gw->ffn_norm, g->dxf, a->hcF_y, W->ffn_norm, a->xf_rstd, N, D); return DS4_OK;
+    case B_HC_PRE_FFN:
+        hc_pre_bwd(g->dX_mid, Gw->hc_ffn_fn, Gw->hc_ffn_scale, Gw->hc_ffn_base, g->dyF, g->dpostF, g->dcombF, a->X_mid,
+                   W->hc_ffn_fn, W->hc_ffn_scale, W->hc_ffn_base, a->hcF_mixes, a->hcF_rsqrt, N, n, D,
+                   c->hc_sinkhorn_iters, (float)c->hc_eps, eps);
+        return DS4_OK;
+    case B_HC_POST_ATTN:
+        hc_post_bwd(g->dattn, dX_in, g->dpostA, g->dcombA, g->dX_mid, a->attn_out, a->X_in, a->hcA_post, a->hcA_comb,
+                    N, n, D);
+        return DS4_OK;
+    case B_O_PROJ:
+        linear_bwd(g->dz, Gw->wo_b, g->dattn, a->z, W->wo_b, N, G * R, D);
+        grouped_linear_bwd(g->do_, Gw->wo_a, g->dz, a->o_r, W->wo_a, N, G, R, H * hd / G);
+        rope_bwd(g->do_, N, H, hd, T, 1, rope, true);
+        return DS4_OK;
+    case B_INDEXER: return r == 4 ? indexer_bwd(bc, a, kl_sum, kl_rows) : DS4_OK;
+    case B_SPARSE_ATTN: {
+        const int32_t *sel = attn_selection(bc, a);
+        sparse_attn_bwd(g->dq, g->dkv, r > 0 ? g->dkvc : NULL, Gw->attn_sink, g->do_, a->o, a->lse, a->q, a->kv,
+                        a->kvc, sel, W->attn_sink, B, T, H, hd, c->window, r, a->Nc, sel ? c->index_topk : 0,
+                        attn_scale(c));
+        return DS4_OK;
+    }
+    case B_COMPRESSOR:
+        if (r == 0) return DS4_OK;
+        return compressor_bwd(bc, &Gw->cmp, &W->cmp, g->dxa, g->dkvc, a->ca, a->cz, a->cpool, a->c_rstd, a->xa, r, hd,
+                              a->Nc);
+    case B_KV: {
+        float *dkvraw = work_zeros(N * hd);
+        if (!dkvraw) return ds4_fail(DS4_ERR_OOM, "out of memory in kv backward");
+        rope_bwd(g->dkv, N, 1, hd, T, 1, rope, false);
+        rmsnorm_bwd(dkvraw, Gw->kv_norm, g->dkv, a->kvraw, W->kv_norm, a->kv_rstd, N, hd);
+        linear_bwd(g->dxa, Gw->wkv, dkvraw, a->xa, W->wkv, N, D, hd);
+        ds4_free(dkvraw);
+        return DS4_OK;
+    }
+    case B_Q_UP: {
+        /* dq_down output flows through g->dkv-sized scratch: use a fresh buffer */
+        float *dqraw = work_zeros(N * H * hd);
+        if (!dqraw) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
+        rope_bwd(g->dq, N, H, hd, T, 1, rope, false);
+        rmsnorm_bwd(dqraw, NULL, g->dq, a->qraw, NULL, a->q_rstd, N * H, hd);
+        memset(g->dq, 0, (size_t)(N * QR) * sizeof(float)); /* reuse dq as d qr [N, QR] (QR <= H·hd) */
+        linear_bwd(g->dq, Gw->wq_b, dqraw, a->qr, W->wq_b, N, QR, H * hd);
+        ds4_free(dqraw);
+        return DS4_OK;
+    }
+    case B_Q_DOWN: {
+        float *dqa = work_zeros(N * QR);
+        if (!dqa) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
+        rmsnorm_bwd(dqa, Gw->q_norm, g->dq, a->qa, W->q_norm, a->qa_rstd, N, QR);
+        linear_bwd(g->dxa, Gw->wq_a, dqa, a->xa, W->wq_a, N, D, QR);
+        ds4_free(dqa);
+        return DS4_OK;
+    }
+    case B_ATTN_NORM: rmsnorm_bwd(g->dyA, Gw->attn_norm, g->dxa, a->hcA_y, W->attn_norm, a->xa_rstd, N, D); return DS4_OK;
+    case B_HC_PRE_ATTN:
+        hc_pre_bwd(dX_in, Gw->hc_attn_fn, Gw->hc_attn_scale, Gw->hc_attn_base, g->dyA, g->dpostA, g->dcombA, a->X_in,
+                   W->hc_attn_fn, W->hc_attn_scale, W->hc_attn_base, a->hcA_mixes, a->hcA_rsqrt, N, n, D,
+                   c->hc_sinkhorn_iters, (float)c->hc_eps, eps);
+        return DS4_OK;
+    default: return ds4_fail(DS4_ERR_INTERNAL, "unknown backward step %d", (int)s);
+    }
+}
+
+ds4_status block_bwd(const block_ctx *bc, block_acts *a, const float *dX_out, float *dX_in, double *kl_sum,
+                     int64_t *kl_rows) {
+    /* last backward step reading each unit */
+    int last[U_COUNT];
+    for (int u = 0; u < U_COUNT; u++) {
+        last[u] = -1;
+        for (int s = 0; s < B_COUNT; s++)
+            if (k_bwd_reads[s] & BIT(u)) last[u] = s;
+    }
+    block_grads g;
+    ds4_status st = grads_alloc(bc, a, &g);
+    for (int s = 0; s < B_COUNT && st == DS4_OK; s++) {
+        st = need_all(bc, a, k_bwd_reads[s]);
+        if (st == DS4_OK) st = bwd_run_step(bc, a, &g, (bwd_step)s, dX_in, dX_out, kl_sum, kl_rows);
+        for (int u = 0; u < U_COUNT; u++)
+            if (last[u] == s && a->present[u]) unit_release(a, (unit_id)u);
+    }
+    grads_free(&g);
+    block_acts_free(a);
     return st;
 }

@@ -30,6 +30,7 @@ struct ds4_pass {
     float *m_hn, *m_hn_rstd;       /* [N, n, D], [N·n] */
     float *m_X0, *m_X1;            /* [N, n, D] MTP block input / output */
     int64_t *expert_load;     /* [n_blocks, E] */
+    unit_stats *unit_stats;   /* [n_blocks, U_COUNT] */
     double kl_sum[DS4_MAX_LAYERS];
     int64_t kl_rows[DS4_MAX_LAYERS];
     ds4_losses losses;
@@ -74,6 +75,7 @@ void ds4_pass_free(ds4_pass *p) {
     ds4_free(p->m_X0);
     ds4_free(p->m_X1);
     ds4_free(p->expert_load);
+    ds4_free(p->unit_stats);
     ds4_free(p);
 }
 
@@ -272,7 +274,8 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     p->X = ds4_calloc(DS4_MEM_OTHER, (size_t)(c->n_layers + 1) * sizeof(float *));
     p->ba = ds4_calloc(DS4_MEM_OTHER, (size_t)nb * sizeof(block_acts));
     p->expert_load = ds4_calloc(DS4_MEM_OTHER, (size_t)(nb * c->n_routed_experts) * sizeof(int64_t));
-    if (!p->ids || !p->ids_next || !p->X || !p->ba || !p->expert_load) {
+    p->unit_stats = ds4_calloc(DS4_MEM_OTHER, (size_t)(nb * U_COUNT) * sizeof(unit_stats));
+    if (!p->ids || !p->ids_next || !p->X || !p->ba || !p->expert_load || !p->unit_stats) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory starting the forward pass");
         goto fail;
     }
@@ -298,8 +301,9 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
             break;
         }
         block_ctx bc = make_ctx(p, l, p->ids);
-        st = block_fwd(&bc, &p->ba[l], p->X[l], p->X[l + 1], p->expert_load + l * c->n_routed_experts,
-                       &p->kl_sum[l], &p->kl_rows[l]);
+        st = block_fwd(&bc, &p->ba[l], p->X[l], p->X[l + 1], p->opts.release_mask ? p->opts.release_mask[l] : 0,
+                       p->unit_stats + l * U_COUNT, p->expert_load + l * c->n_routed_experts, &p->kl_sum[l],
+                       &p->kl_rows[l]);
         if (st == DS4_OK && !opts->need_backward && l > 0) {
             ds4_free(p->X[l]); /* eval: the previous boundary is no longer needed */
             p->X[l] = NULL;
@@ -313,8 +317,9 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
         int64_t l = c->n_layers;
         block_ctx bc = make_ctx(p, l, p->ids_next);
         if (st == DS4_OK)
-            st = block_fwd(&bc, &p->ba[l], p->m_X0, p->m_X1, p->expert_load + l * c->n_routed_experts,
-                           &p->kl_sum[l], &p->kl_rows[l]);
+            st = block_fwd(&bc, &p->ba[l], p->m_X0, p->m_X1, 0 /* never recompute MTP */,
+                           p->unit_stats + l * U_COUNT, p->expert_load + l * c->n_routed_experts, &p->kl_sum[l],
+                           &p->kl_rows[l]);
         if (st == DS4_OK)
             st = head_fwd(p, &p->mhead, p->m_X1, m->w.mtp_hc_head_fn, m->w.mtp_hc_head_scale, m->w.mtp_hc_head_base,
                           m->w.mtp_norm, 2);
@@ -353,8 +358,7 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
                           m->w.mtp_hc_head_base, m->w.mtp_norm);
         head_free(&p->mhead);
         block_ctx bc = make_ctx(p, L, p->ids_next);
-        if (st == DS4_OK) st = block_bwd(&bc, &p->ba[L], p->m_X0, dm1, dm0, &p->kl_sum[L], &p->kl_rows[L]);
-        block_acts_free(&p->ba[L]);
+        if (st == DS4_OK) st = block_bwd(&bc, &p->ba[L], dm1, dm0, &p->kl_sum[L], &p->kl_rows[L]);
         if (st == DS4_OK) st = mtp_input_bwd(p, dm0, dX);
         ds4_free(dm1);
         ds4_free(dm0);
@@ -366,8 +370,7 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
             break;
         }
         block_ctx bc = make_ctx(p, l, p->ids);
-        st = block_bwd(&bc, &p->ba[l], p->X[l], dX, dprev, &p->kl_sum[l], &p->kl_rows[l]);
-        block_acts_free(&p->ba[l]);
+        st = block_bwd(&bc, &p->ba[l], dX, dprev, &p->kl_sum[l], &p->kl_rows[l]);
         ds4_free(p->X[l + 1]);
         p->X[l + 1] = NULL;
         ds4_free(dX);
@@ -392,4 +395,18 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
         if (m->g.blocks[l].gate_bias) memset(m->g.blocks[l].gate_bias, 0, (size_t)c->n_routed_experts * sizeof(float));
     if (st == DS4_OK) finish_losses(p);
     return st;
+}
+
+/* ------------------------------------------------------------------ unit reports */
+const char *ds4_unit_name(int unit) { return unit_name((unit_id)unit); }
+
+int ds4_unit_find(const char *name) {
+    for (int u = 0; u < U_COUNT; u++)
+        if (!strcmp(unit_name((unit_id)u), name)) return u;
+    return -1;
+}
+
+ds4_unit_report ds4_pass_unit_report(const ds4_pass *p, int64_t layer, int unit) {
+    const unit_stats *s = &p->unit_stats[layer * U_COUNT + unit];
+    return (ds4_unit_report){s->bytes, s->released, s->replays, s->replay_seconds};
 }
