@@ -1,0 +1,527 @@
+/* config.json (Hugging Face DeepSeek-V4 keys, docs/dsv4-architecture.md §1.1) <-> ds4_config.
+ *
+ * Every key of the official V4-Flash / V4-Pro config.json is known; a key outside that set is an
+ * error (with the nearest known key as a hint), so a typo never silently falls back to a default. */
+#include "ds4/io.h"
+
+#include <cjson/cJSON.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Known top-level keys. `req` = must be present. Keys marked boilerplate are read for their type only. */
+typedef enum { J_INT, J_NUM, J_BOOL, J_STR, J_STR_OR_NULL, J_OBJ, J_ARR, J_ANY } jkind;
+typedef struct {
+    const char *key;
+    jkind kind;
+    bool req;
+} known_key;
+
+static const known_key k_keys[] = {
+    {"vocab_size", J_INT, true},
+    {"hidden_size", J_INT, true},
+    {"num_hidden_layers", J_INT, true},
+    {"num_nextn_predict_layers", J_INT, true},
+    {"num_attention_heads", J_INT, true},
+    {"num_key_value_heads", J_INT, false},
+    {"head_dim", J_INT, true},
+    {"qk_rope_head_dim", J_INT, true},
+    {"q_lora_rank", J_INT, true},
+    {"o_groups", J_INT, true},
+    {"o_lora_rank", J_INT, true},
+    {"sliding_window", J_INT, true},
+    {"compress_ratios", J_ARR, true},
+    {"index_n_heads", J_INT, true},
+    {"index_head_dim", J_INT, true},
+    {"index_topk", J_INT, true},
+    {"hc_mult", J_INT, true},
+    {"hc_sinkhorn_iters", J_INT, true},
+    {"hc_eps", J_NUM, true},
+    {"n_routed_experts", J_INT, true},
+    {"n_shared_experts", J_INT, true},
+    {"num_experts_per_tok", J_INT, true},
+    {"moe_intermediate_size", J_INT, true},
+    {"num_hash_layers", J_INT, true},
+    {"scoring_func", J_STR, false},
+    {"routed_scaling_factor", J_NUM, true},
+    {"norm_topk_prob", J_BOOL, false},
+    {"topk_method", J_STR, false},
+    {"swiglu_limit", J_NUM, true},
+    {"rope_theta", J_NUM, true},
+    {"compress_rope_theta", J_NUM, true},
+    {"rope_scaling", J_ANY, false},          /* object or null */
+    {"rms_norm_eps", J_NUM, true},
+    {"max_position_embeddings", J_INT, false},
+    {"hidden_act", J_STR, false},
+    {"tie_word_embeddings", J_BOOL, false},
+    {"bos_token_id", J_INT, false},
+    {"eos_token_id", J_INT, false},
+    {"quantization_config", J_ANY, false},   /* object or null */
+    {"torch_dtype", J_STR, false},
+    {"expert_dtype", J_STR_OR_NULL, false},
+    /* ds4 training keys (docs/contract.md) */
+    {"mtp_loss_weight", J_NUM, false},
+    {"indexer_loss_coeff", J_NUM, false},
+    {"csa_dense", J_BOOL, false},
+    /* Hugging Face boilerplate: accepted, ignored */
+    {"architectures", J_ARR, false},
+    {"model_type", J_STR, false},
+    {"transformers_version", J_STR, false},
+    {"auto_map", J_OBJ, false},
+    {"attention_bias", J_BOOL, false},
+    {"attention_dropout", J_NUM, false},
+    {"initializer_range", J_NUM, false},
+    {"use_cache", J_BOOL, false},
+    {"pretraining_tp", J_INT, false},
+    {"first_k_dense_replace", J_INT, false},
+};
+#define N_KEYS ((int)(sizeof k_keys / sizeof k_keys[0]))
+
+static const char *kind_name(jkind k) {
+    switch (k) {
+    case J_INT: return "an integer";
+    case J_NUM: return "a number";
+    case J_BOOL: return "true or false";
+    case J_STR: return "a string";
+    case J_STR_OR_NULL: return "a string or null";
+    case J_OBJ: return "an object";
+    case J_ARR: return "an array";
+    default: return "a value";
+    }
+}
+
+/* Levenshtein distance, for the "did you mean" hint. */
+static int edit_distance(const char *a, const char *b) {
+    int la = (int)strlen(a), lb = (int)strlen(b);
+    if (la > 64 || lb > 64) return la > lb ? la : lb;
+    int row[65];
+    for (int j = 0; j <= lb; j++) row[j] = j;
+    for (int i = 1; i <= la; i++) {
+        int diag = row[0];
+        row[0] = i;
+        for (int j = 1; j <= lb; j++) {
+            int up = row[j];
+            int best = diag + (a[i - 1] != b[j - 1]);
+            if (up + 1 < best) best = up + 1;
+            if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+            row[j] = best;
+            diag = up;
+        }
+    }
+    return row[lb];
+}
+
+static const char *closest_key(const char *k) {
+    const char *best = k_keys[0].key;
+    int bd = 1 << 30;
+    for (int i = 0; i < N_KEYS; i++) {
+        int d = edit_distance(k, k_keys[i].key);
+        if (d < bd) bd = d, best = k_keys[i].key;
+    }
+    return best;
+}
+
+static bool is_int(const cJSON *j) {
+    if (!cJSON_IsNumber(j)) return false;
+    double v = j->valuedouble;
+    return fabs(v) <= 9007199254740992.0 && floor(v) == v;
+}
+
+static bool kind_ok(const cJSON *j, jkind k) {
+    switch (k) {
+    case J_INT: return is_int(j);
+    case J_NUM: return cJSON_IsNumber(j) && isfinite(j->valuedouble);
+    case J_BOOL: return cJSON_IsBool(j);
+    case J_STR: return cJSON_IsString(j);
+    case J_STR_OR_NULL: return cJSON_IsString(j) || cJSON_IsNull(j);
+    case J_OBJ: return cJSON_IsObject(j);
+    case J_ARR: return cJSON_IsArray(j);
+    default: return true;
+    }
+}
+
+static const cJSON *get(const cJSON *root, const char *key) { return cJSON_GetObjectItemCaseSensitive(root, key); }
+
+static int64_t get_int(const cJSON *root, const char *key, int64_t dflt) {
+    const cJSON *j = get(root, key);
+    return j ? (int64_t)j->valuedouble : dflt;
+}
+static double get_num(const cJSON *root, const char *key, double dflt) {
+    const cJSON *j = get(root, key);
+    return j ? j->valuedouble : dflt;
+}
+
+/* A string key that, when present, must have one value. */
+static ds4_status expect_str(const cJSON *root, const char *key, const char *want, const char *path) {
+    const cJSON *j = get(root, key);
+    if (j && strcmp(j->valuestring, want) != 0)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' is \"%.40s\", ds4 supports only \"%s\"", path, key, j->valuestring, want);
+    return DS4_OK;
+}
+static ds4_status expect_bool(const cJSON *root, const char *key, bool want, const char *path) {
+    const cJSON *j = get(root, key);
+    if (j && cJSON_IsTrue(j) != want)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' is %s, ds4 supports only %s", path, key, want ? "false" : "true",
+                        want ? "true" : "false");
+    return DS4_OK;
+}
+
+/* Checks every top-level key: known, right JSON type, no duplicates, required ones present. */
+static ds4_status check_keys(const cJSON *root, const char *path) {
+    for (const cJSON *c = root->child; c; c = c->next) {
+        int ki = -1;
+        for (int i = 0; i < N_KEYS; i++)
+            if (strcmp(c->string, k_keys[i].key) == 0) ki = i;
+        if (ki < 0)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: unknown key '%.80s' (did you mean '%s'?)", path, c->string, closest_key(c->string));
+        for (const cJSON *d = root->child; d != c; d = d->next)
+            if (strcmp(d->string, c->string) == 0) return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' appears twice", path, c->string);
+        if (!kind_ok(c, k_keys[ki].kind))
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' must be %s", path, c->string, kind_name(k_keys[ki].kind));
+    }
+    for (int i = 0; i < N_KEYS; i++)
+        if (k_keys[i].req && !get(root, k_keys[i].key))
+            return ds4_fail(DS4_ERR_CONFIG, "%s: required key '%s' is missing", path, k_keys[i].key);
+    return DS4_OK;
+}
+
+static ds4_status parse_rope_scaling(const cJSON *rs, const char *path, ds4_config *cfg) {
+    /* No YaRN unless rope_scaling says so. */
+    cfg->original_seq_len = 0;
+    cfg->rope_factor = 1.0;
+    cfg->beta_fast = cfg->beta_slow = 0.0;
+    if (!rs || cJSON_IsNull(rs)) return DS4_OK;
+    if (!cJSON_IsObject(rs)) return ds4_fail(DS4_ERR_CONFIG, "%s: key 'rope_scaling' must be an object or null", path);
+    static const char *const keys[] = {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"};
+    bool have[6] = {0};
+    for (const cJSON *c = rs->child; c; c = c->next) {
+        int ki = -1;
+        for (int i = 0; i < 6; i++)
+            if (strcmp(c->string, keys[i]) == 0) ki = i;
+        if (ki < 0) return ds4_fail(DS4_ERR_CONFIG, "%s: unknown key 'rope_scaling.%.80s'", path, c->string);
+        if (have[ki]) return ds4_fail(DS4_ERR_CONFIG, "%s: key 'rope_scaling.%s' appears twice", path, c->string);
+        have[ki] = true;
+        bool ok = ki <= 1 ? cJSON_IsString(c) : ki == 3 ? is_int(c) : (cJSON_IsNumber(c) && isfinite(c->valuedouble));
+        if (!ok)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'rope_scaling.%s' must be %s", path, c->string,
+                            ki <= 1 ? "a string" : ki == 3 ? "an integer" : "a number");
+        if (ki <= 1 && strcmp(c->valuestring, "yarn") != 0)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'rope_scaling.%s' is \"%.40s\", ds4 supports only \"yarn\"", path, c->string,
+                            c->valuestring);
+    }
+    if (!have[0] && !have[1]) return ds4_fail(DS4_ERR_CONFIG, "%s: required key 'rope_scaling.type' is missing", path);
+    for (int i = 2; i < 6; i++)
+        if (!have[i]) return ds4_fail(DS4_ERR_CONFIG, "%s: required key 'rope_scaling.%s' is missing", path, keys[i]);
+    cfg->rope_factor = get_num(rs, "factor", 1.0);
+    cfg->original_seq_len = get_int(rs, "original_max_position_embeddings", 0);
+    cfg->beta_fast = get_num(rs, "beta_fast", 0.0);
+    cfg->beta_slow = get_num(rs, "beta_slow", 0.0);
+    return DS4_OK;
+}
+
+static ds4_status parse_quant(const cJSON *q, const char *path, ds4_config *cfg) {
+    cfg->quantized = false;
+    if (!q || cJSON_IsNull(q)) return DS4_OK;
+    if (!cJSON_IsObject(q)) return ds4_fail(DS4_ERR_CONFIG, "%s: key 'quantization_config' must be an object or null", path);
+    cfg->quantized = true;
+    const cJSON *m = get(q, "quant_method"), *f = get(q, "fmt"), *b = get(q, "weight_block_size");
+    if (m && (!cJSON_IsString(m) || strcmp(m->valuestring, "fp8") != 0))
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key 'quantization_config.quant_method' must be \"fp8\"", path);
+    if (f && (!cJSON_IsString(f) || strcmp(f->valuestring, "e4m3") != 0))
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key 'quantization_config.fmt' must be \"e4m3\"", path);
+    if (b && !(cJSON_IsArray(b) && cJSON_GetArraySize(b) == 2 && is_int(b->child) && is_int(b->child->next) &&
+               b->child->valuedouble == 128 && b->child->next->valuedouble == 128))
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key 'quantization_config.weight_block_size' must be [128, 128]", path);
+    return DS4_OK;
+}
+
+ds4_status ds4_config_parse(const char *json_text, size_t len, const char *path, ds4_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    if (!path) path = "config";
+    /* NUL-terminated copy: the parser must not run past the caller's buffer. */
+    char *text = ds4_alloc(DS4_MEM_OTHER, len + 1);
+    if (!text) return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
+    memcpy(text, json_text, len);
+    text[len] = '\0';
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
+    ds4_status s = DS4_OK;
+    if (!root) {
+        const char *at = cJSON_GetErrorPtr();
+        size_t pos = at && at >= text && at <= text + len ? (size_t)(at - text) : 0;
+        s = ds4_fail(DS4_ERR_FORMAT, "%s: not valid JSON (near byte %zu)", path, pos);
+        goto out;
+    }
+    for (const char *q = end; q && q < text + len; q++)
+        if (*q != ' ' && *q != '\t' && *q != '\n' && *q != '\r') {
+            s = ds4_fail(DS4_ERR_FORMAT, "%s: trailing bytes after the JSON object (byte %zu)", path, (size_t)(q - text));
+            goto out;
+        }
+    if (!cJSON_IsObject(root)) {
+        s = ds4_fail(DS4_ERR_FORMAT, "%s: top level is not a JSON object", path);
+        goto out;
+    }
+    if ((s = check_keys(root, path)) != DS4_OK) goto out;
+
+    cfg->vocab_size = get_int(root, "vocab_size", 0);
+    cfg->dim = get_int(root, "hidden_size", 0);
+    cfg->n_layers = get_int(root, "num_hidden_layers", 0);
+    cfg->n_mtp_layers = get_int(root, "num_nextn_predict_layers", 0);
+    cfg->n_heads = get_int(root, "num_attention_heads", 0);
+    cfg->n_kv_heads = get_int(root, "num_key_value_heads", 1);
+    cfg->head_dim = get_int(root, "head_dim", 0);
+    cfg->rope_head_dim = get_int(root, "qk_rope_head_dim", 0);
+    cfg->q_lora_rank = get_int(root, "q_lora_rank", 0);
+    cfg->o_groups = get_int(root, "o_groups", 0);
+    cfg->o_lora_rank = get_int(root, "o_lora_rank", 0);
+    cfg->window = get_int(root, "sliding_window", 0);
+    cfg->index_n_heads = get_int(root, "index_n_heads", 0);
+    cfg->index_head_dim = get_int(root, "index_head_dim", 0);
+    cfg->index_topk = get_int(root, "index_topk", 0);
+    cfg->hc_mult = get_int(root, "hc_mult", 0);
+    cfg->hc_sinkhorn_iters = get_int(root, "hc_sinkhorn_iters", 0);
+    cfg->hc_eps = get_num(root, "hc_eps", 0);
+    cfg->n_routed_experts = get_int(root, "n_routed_experts", 0);
+    cfg->n_shared_experts = get_int(root, "n_shared_experts", 0);
+    cfg->n_activated_experts = get_int(root, "num_experts_per_tok", 0);
+    cfg->moe_inter_dim = get_int(root, "moe_intermediate_size", 0);
+    cfg->n_hash_layers = get_int(root, "num_hash_layers", 0);
+    cfg->route_scale = get_num(root, "routed_scaling_factor", 0);
+    cfg->swiglu_limit = get_num(root, "swiglu_limit", 0);
+    cfg->rope_theta = get_num(root, "rope_theta", 0);
+    cfg->compress_rope_theta = get_num(root, "compress_rope_theta", 0);
+    cfg->norm_eps = get_num(root, "rms_norm_eps", 0);
+    cfg->max_position_embeddings = get_int(root, "max_position_embeddings", 0);
+    cfg->bos_token_id = get_int(root, "bos_token_id", 0);
+    cfg->eos_token_id = get_int(root, "eos_token_id", 1);
+    cfg->mtp_loss_weight = get_num(root, "mtp_loss_weight", 0.3);
+    cfg->indexer_loss_coeff = get_num(root, "indexer_loss_coeff", 0.01);
+    const cJSON *cd = get(root, "csa_dense");
+    cfg->csa_dense = cd && cJSON_IsTrue(cd);
+
+    /* compress_ratios: one integer per layer, main layers then MTP layers */
+    const cJSON *cr = get(root, "compress_ratios");
+    int64_t nr = 0;
+    for (const cJSON *c = cr->child; c; c = c->next, nr++) {
+        if (nr >= DS4_MAX_LAYERS) {
+            s = ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has more than %d entries", path, DS4_MAX_LAYERS);
+            goto out;
+        }
+        if (!is_int(c)) {
+            s = ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' entry %" PRId64 " is not an integer", path, nr);
+            goto out;
+        }
+        cfg->compress_ratios[nr] = (int64_t)c->valuedouble;
+    }
+    if (nr != cfg->n_layers + cfg->n_mtp_layers) {
+        s = ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has %" PRId64 " entries, expected num_hidden_layers + num_nextn_predict_layers = %" PRId64,
+                     path, nr, cfg->n_layers + cfg->n_mtp_layers);
+        goto out;
+    }
+
+    if ((s = expect_str(root, "scoring_func", "sqrtsoftplus", path)) != DS4_OK) goto out;
+    if ((s = expect_str(root, "topk_method", "noaux_tc", path)) != DS4_OK) goto out;
+    if ((s = expect_str(root, "hidden_act", "silu", path)) != DS4_OK) goto out;
+    if ((s = expect_bool(root, "norm_topk_prob", true, path)) != DS4_OK) goto out;
+    if ((s = expect_bool(root, "tie_word_embeddings", false, path)) != DS4_OK) goto out;
+    const cJSON *ed = get(root, "expert_dtype");
+    if (ed && cJSON_IsString(ed)) {
+        if (strcmp(ed->valuestring, "fp4") == 0) cfg->expert_fp4 = true;
+        else if (strcmp(ed->valuestring, "fp8") != 0) {
+            s = ds4_fail(DS4_ERR_CONFIG, "%s: key 'expert_dtype' is \"%.40s\", expected \"fp4\", \"fp8\" or null", path, ed->valuestring);
+            goto out;
+        }
+    }
+    if ((s = parse_rope_scaling(get(root, "rope_scaling"), path, cfg)) != DS4_OK) goto out;
+    if ((s = parse_quant(get(root, "quantization_config"), path, cfg)) != DS4_OK) goto out;
+    s = ds4_config_validate(cfg, path);
+out:
+    cJSON_Delete(root);
+    ds4_free(text);
+    return s;
+}
+
+ds4_status ds4_config_load(const char *path, ds4_config *cfg) {
+    char *text;
+    size_t len;
+    DS4_TRY(ds4_read_file(path, &text, &len));
+    ds4_status s = ds4_config_parse(text, len, path, cfg);
+    ds4_free(text);
+    return s;
+}
+
+/* ---------------------------------------------------------------- validation */
+
+#define BAD(...) return ds4_fail(DS4_ERR_CONFIG, __VA_ARGS__)
+#define NEED_POS(field, key) \
+    if (c->field < 1) BAD("%s: key '%s' is %" PRId64 ", must be >= 1", path, key, c->field)
+
+ds4_status ds4_config_validate(const ds4_config *c, const char *path) {
+    if (!path) path = "config";
+    NEED_POS(vocab_size, "vocab_size");
+    NEED_POS(dim, "hidden_size");
+    NEED_POS(n_layers, "num_hidden_layers");
+    NEED_POS(n_heads, "num_attention_heads");
+    NEED_POS(head_dim, "head_dim");
+    NEED_POS(q_lora_rank, "q_lora_rank");
+    NEED_POS(o_groups, "o_groups");
+    NEED_POS(o_lora_rank, "o_lora_rank");
+    NEED_POS(window, "sliding_window");
+    NEED_POS(index_n_heads, "index_n_heads");
+    NEED_POS(index_head_dim, "index_head_dim");
+    NEED_POS(index_topk, "index_topk");
+    NEED_POS(hc_mult, "hc_mult");
+    NEED_POS(hc_sinkhorn_iters, "hc_sinkhorn_iters");
+    NEED_POS(n_routed_experts, "n_routed_experts");
+    NEED_POS(n_activated_experts, "num_experts_per_tok");
+    NEED_POS(moe_inter_dim, "moe_intermediate_size");
+    if (c->n_mtp_layers < 0 || c->n_mtp_layers > 1)
+        BAD("%s: key 'num_nextn_predict_layers' is %" PRId64 ", must be 0 or 1", path, c->n_mtp_layers);
+    if (c->n_layers + c->n_mtp_layers > DS4_MAX_LAYERS)
+        BAD("%s: num_hidden_layers + num_nextn_predict_layers = %" PRId64 " exceeds %d", path, c->n_layers + c->n_mtp_layers,
+            DS4_MAX_LAYERS);
+    if (c->n_kv_heads != 1)
+        BAD("%s: key 'num_key_value_heads' is %" PRId64 ", DeepSeek-V4 has one shared K=V head (must be 1)", path, c->n_kv_heads);
+    if (c->rope_head_dim < 2 || c->rope_head_dim % 2 != 0)
+        BAD("%s: key 'qk_rope_head_dim' is %" PRId64 ", must be even and >= 2", path, c->rope_head_dim);
+    if (c->rope_head_dim > c->head_dim)
+        BAD("%s: key 'qk_rope_head_dim' (%" PRId64 ") exceeds head_dim (%" PRId64 ")", path, c->rope_head_dim, c->head_dim);
+    if (c->rope_head_dim > c->index_head_dim)
+        BAD("%s: key 'qk_rope_head_dim' (%" PRId64 ") exceeds index_head_dim (%" PRId64 ")", path, c->rope_head_dim,
+            c->index_head_dim);
+    if ((c->n_heads * c->head_dim) % c->o_groups != 0)
+        BAD("%s: key 'o_groups' (%" PRId64 ") does not divide num_attention_heads * head_dim = %" PRId64, path, c->o_groups,
+            c->n_heads * c->head_dim);
+    for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers; l++) {
+        int64_t r = c->compress_ratios[l];
+        if (r < 0 || r == 1)
+            BAD("%s: key 'compress_ratios' entry %" PRId64 " is %" PRId64 ", must be 0 (window only) or >= 2", path, l, r);
+        if (l >= c->n_layers && r != 0)
+            BAD("%s: key 'compress_ratios' entry %" PRId64 " (MTP layer) is %" PRId64 ", must be 0", path, l, r);
+    }
+    if (c->n_shared_experts < 0) BAD("%s: key 'n_shared_experts' is %" PRId64 ", must be >= 0", path, c->n_shared_experts);
+    if (c->n_activated_experts > c->n_routed_experts)
+        BAD("%s: key 'num_experts_per_tok' (%" PRId64 ") exceeds n_routed_experts (%" PRId64 ")", path, c->n_activated_experts,
+            c->n_routed_experts);
+    if (c->n_hash_layers < 0 || c->n_hash_layers > c->n_layers)
+        BAD("%s: key 'num_hash_layers' is %" PRId64 ", must be in [0, num_hidden_layers = %" PRId64 "]", path, c->n_hash_layers,
+            c->n_layers);
+    if (!(c->hc_eps >= 0) || !isfinite(c->hc_eps)) BAD("%s: key 'hc_eps' is %g, must be finite and >= 0", path, c->hc_eps);
+    if (!(c->norm_eps > 0) || !isfinite(c->norm_eps)) BAD("%s: key 'rms_norm_eps' is %g, must be finite and > 0", path, c->norm_eps);
+    if (!(c->route_scale > 0) || !isfinite(c->route_scale))
+        BAD("%s: key 'routed_scaling_factor' is %g, must be finite and > 0", path, c->route_scale);
+    if (!(c->swiglu_limit >= 0) || !isfinite(c->swiglu_limit))
+        BAD("%s: key 'swiglu_limit' is %g, must be finite and >= 0 (0 = no clamp)", path, c->swiglu_limit);
+    if (!(c->rope_theta > 0) || !isfinite(c->rope_theta)) BAD("%s: key 'rope_theta' is %g, must be finite and > 0", path, c->rope_theta);
+    if (!(c->compress_rope_theta > 0) || !isfinite(c->compress_rope_theta))
+        BAD("%s: key 'compress_rope_theta' is %g, must be finite and > 0", path, c->compress_rope_theta);
+    if (c->original_seq_len < 0)
+        BAD("%s: key 'rope_scaling.original_max_position_embeddings' is %" PRId64 ", must be >= 0", path, c->original_seq_len);
+    if (c->original_seq_len > 0) {
+        if (!(c->rope_factor >= 1) || !isfinite(c->rope_factor))
+            BAD("%s: key 'rope_scaling.factor' is %g, must be finite and >= 1", path, c->rope_factor);
+        if (!(c->beta_slow > 0) || !(c->beta_fast >= c->beta_slow) || !isfinite(c->beta_fast))
+            BAD("%s: keys 'rope_scaling.beta_fast' (%g) and 'beta_slow' (%g) must satisfy beta_fast >= beta_slow > 0", path,
+                c->beta_fast, c->beta_slow);
+    }
+    if (c->max_position_embeddings < 0)
+        BAD("%s: key 'max_position_embeddings' is %" PRId64 ", must be >= 0", path, c->max_position_embeddings);
+    if (c->bos_token_id < 0 || c->bos_token_id >= c->vocab_size)
+        BAD("%s: key 'bos_token_id' is %" PRId64 ", must be in [0, vocab_size = %" PRId64 ")", path, c->bos_token_id, c->vocab_size);
+    if (c->eos_token_id < 0 || c->eos_token_id >= c->vocab_size)
+        BAD("%s: key 'eos_token_id' is %" PRId64 ", must be in [0, vocab_size = %" PRId64 ")", path, c->eos_token_id, c->vocab_size);
+    if (!(c->mtp_loss_weight >= 0) || !isfinite(c->mtp_loss_weight))
+        BAD("%s: key 'mtp_loss_weight' is %g, must be finite and >= 0", path, c->mtp_loss_weight);
+    if (!(c->indexer_loss_coeff >= 0) || !isfinite(c->indexer_loss_coeff))
+        BAD("%s: key 'indexer_loss_coeff' is %g, must be finite and >= 0", path, c->indexer_loss_coeff);
+    return DS4_OK;
+}
+
+/* ---------------------------------------------------------------- save */
+
+ds4_status ds4_config_save(const ds4_config *c, const char *path) {
+    DS4_TRY(ds4_config_validate(c, path));
+    cJSON *r = cJSON_CreateObject();
+    if (!r) return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
+    const char *arch[] = {"DeepseekV4ForCausalLM"};
+    cJSON_AddItemToObject(r, "architectures", cJSON_CreateStringArray(arch, 1));
+    cJSON_AddStringToObject(r, "model_type", "deepseek_v4");
+    cJSON_AddNumberToObject(r, "bos_token_id", (double)c->bos_token_id);
+    cJSON_AddNumberToObject(r, "eos_token_id", (double)c->eos_token_id);
+    if (c->expert_fp4) cJSON_AddStringToObject(r, "expert_dtype", "fp4");
+    cJSON_AddNumberToObject(r, "hc_eps", c->hc_eps);
+    cJSON_AddNumberToObject(r, "hc_mult", (double)c->hc_mult);
+    cJSON_AddNumberToObject(r, "hc_sinkhorn_iters", (double)c->hc_sinkhorn_iters);
+    cJSON_AddNumberToObject(r, "head_dim", (double)c->head_dim);
+    cJSON_AddStringToObject(r, "hidden_act", "silu");
+    cJSON_AddNumberToObject(r, "hidden_size", (double)c->dim);
+    cJSON_AddNumberToObject(r, "index_head_dim", (double)c->index_head_dim);
+    cJSON_AddNumberToObject(r, "index_n_heads", (double)c->index_n_heads);
+    cJSON_AddNumberToObject(r, "index_topk", (double)c->index_topk);
+    cJSON_AddNumberToObject(r, "max_position_embeddings", (double)c->max_position_embeddings);
+    cJSON_AddNumberToObject(r, "moe_intermediate_size", (double)c->moe_inter_dim);
+    cJSON_AddNumberToObject(r, "n_routed_experts", (double)c->n_routed_experts);
+    cJSON_AddNumberToObject(r, "n_shared_experts", (double)c->n_shared_experts);
+    cJSON_AddBoolToObject(r, "norm_topk_prob", 1);
+    cJSON_AddNumberToObject(r, "num_attention_heads", (double)c->n_heads);
+    cJSON_AddNumberToObject(r, "num_experts_per_tok", (double)c->n_activated_experts);
+    cJSON_AddNumberToObject(r, "num_hidden_layers", (double)c->n_layers);
+    cJSON_AddNumberToObject(r, "num_hash_layers", (double)c->n_hash_layers);
+    cJSON_AddNumberToObject(r, "num_key_value_heads", (double)c->n_kv_heads);
+    cJSON_AddNumberToObject(r, "num_nextn_predict_layers", (double)c->n_mtp_layers);
+    cJSON_AddNumberToObject(r, "o_groups", (double)c->o_groups);
+    cJSON_AddNumberToObject(r, "o_lora_rank", (double)c->o_lora_rank);
+    cJSON_AddNumberToObject(r, "q_lora_rank", (double)c->q_lora_rank);
+    cJSON_AddNumberToObject(r, "qk_rope_head_dim", (double)c->rope_head_dim);
+    if (c->quantized) {
+        cJSON *q = cJSON_AddObjectToObject(r, "quantization_config");
+        const int blk[2] = {128, 128};
+        cJSON_AddStringToObject(q, "activation_scheme", "dynamic");
+        cJSON_AddStringToObject(q, "fmt", "e4m3");
+        cJSON_AddStringToObject(q, "quant_method", "fp8");
+        cJSON_AddStringToObject(q, "scale_fmt", "ue8m0");
+        cJSON_AddItemToObject(q, "weight_block_size", cJSON_CreateIntArray(blk, 2));
+    }
+    cJSON_AddNumberToObject(r, "rms_norm_eps", c->norm_eps);
+    /* Written whenever it carries information, so load(save(cfg)) == cfg. */
+    if (c->original_seq_len > 0 || c->rope_factor != 1.0 || c->beta_fast != 0.0 || c->beta_slow != 0.0) {
+        cJSON *rs = cJSON_AddObjectToObject(r, "rope_scaling");
+        cJSON_AddNumberToObject(rs, "beta_fast", c->beta_fast);
+        cJSON_AddNumberToObject(rs, "beta_slow", c->beta_slow);
+        cJSON_AddNumberToObject(rs, "factor", c->rope_factor);
+        cJSON_AddNumberToObject(rs, "original_max_position_embeddings", (double)c->original_seq_len);
+        cJSON_AddStringToObject(rs, "type", "yarn");
+    }
+    cJSON_AddNumberToObject(r, "rope_theta", c->rope_theta);
+    cJSON_AddNumberToObject(r, "routed_scaling_factor", c->route_scale);
+    cJSON_AddStringToObject(r, "scoring_func", "sqrtsoftplus");
+    cJSON_AddNumberToObject(r, "sliding_window", (double)c->window);
+    cJSON_AddNumberToObject(r, "swiglu_limit", c->swiglu_limit);
+    cJSON_AddBoolToObject(r, "tie_word_embeddings", 0);
+    cJSON_AddStringToObject(r, "topk_method", "noaux_tc");
+    cJSON_AddNumberToObject(r, "vocab_size", (double)c->vocab_size);
+    cJSON_AddNumberToObject(r, "compress_rope_theta", c->compress_rope_theta);
+    cJSON *cr = cJSON_AddArrayToObject(r, "compress_ratios");
+    for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers; l++) cJSON_AddItemToArray(cr, cJSON_CreateNumber((double)c->compress_ratios[l]));
+    cJSON_AddNumberToObject(r, "mtp_loss_weight", c->mtp_loss_weight);
+    cJSON_AddNumberToObject(r, "indexer_loss_coeff", c->indexer_loss_coeff);
+    cJSON_AddBoolToObject(r, "csa_dense", c->csa_dense);
+    char *text = cJSON_Print(r);
+    cJSON_Delete(r);
+    if (!text) return ds4_fail(DS4_ERR_OOM, "%s: out of memory printing the config", path);
+    size_t n = strlen(text);
+    /* end with a newline, like a hand-written file */
+    ds4_status s = DS4_OK;
+    char *buf = ds4_alloc(DS4_MEM_OTHER, n + 2);
+    if (!buf) s = ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
+    else {
+        memcpy(buf, text, n);
+        buf[n] = '\n';
+        s = ds4_write_file_atomic(path, buf, n + 1);
+        ds4_free(buf);
+    }
+    cJSON_free(text);
+    return s;
+}

@@ -1,0 +1,155 @@
+/* Whole-file IO: read a file into memory, and write files atomically (temp file in the same
+ * directory, fsync, rename, fsync the directory), so a crash never leaves a half-written file. */
+#include "ds4/io.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static char *dup_str(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *p = ds4_alloc(DS4_MEM_OTHER, n);
+    if (p) memcpy(p, s, n);
+    return p;
+}
+
+ds4_status ds4_read_file(const char *path, char **data, size_t *len) {
+    *data = NULL;
+    *len = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return ds4_fail(DS4_ERR_IO, "%s: not a regular file", path);
+    }
+    size_t n = (size_t)st.st_size;
+    char *buf = ds4_alloc(DS4_MEM_OTHER, n + 1);
+    if (!buf) {
+        close(fd);
+        return ds4_fail(DS4_ERR_OOM, "%s: cannot allocate %zu bytes to read it", path, n + 1);
+    }
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = read(fd, buf + got, n - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            ds4_status s = ds4_fail(DS4_ERR_IO, "%s: read failed after %zu of %zu bytes: %s", path, got, n,
+                                    r < 0 ? strerror(errno) : "unexpected end of file");
+            ds4_free(buf);
+            close(fd);
+            return s;
+        }
+        got += (size_t)r;
+    }
+    close(fd);
+    buf[n] = '\0';
+    *data = buf;
+    *len = n;
+    return DS4_OK;
+}
+
+/* fsync the directory holding `path`, so the rename itself is durable. */
+static ds4_status fsync_parent_dir(const char *path) {
+    const char *slash = strrchr(path, '/');
+    char dir[4096];
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else if (slash == path) snprintf(dir, sizeof dir, "/");
+    else {
+        size_t n = (size_t)(slash - path);
+        if (n >= sizeof dir) return ds4_fail(DS4_ERR_ARG, "%s: path too long", path);
+        memcpy(dir, path, n);
+        dir[n] = '\0';
+    }
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open directory %s to fsync: %s", path, dir, strerror(errno));
+    int rc = fsync(fd);
+    int e = errno;
+    close(fd);
+    /* Some filesystems refuse fsync on directories; the rename has still happened. */
+    if (rc != 0 && e != EINVAL && e != EROFS)
+        return ds4_fail(DS4_ERR_IO, "%s: fsync of directory %s failed: %s", path, dir, strerror(e));
+    return DS4_OK;
+}
+
+ds4_status ds4_atomic_open(const char *path, ds4_atomic_file *af) {
+    static atomic_uint_fast64_t counter;
+    af->fd = -1;
+    af->path = af->tmp = NULL;
+    if (!path || !*path) return ds4_fail(DS4_ERR_ARG, "atomic write: empty path");
+    size_t n = strlen(path) + 64;
+    af->path = dup_str(path);
+    af->tmp = ds4_alloc(DS4_MEM_OTHER, n);
+    if (!af->path || !af->tmp) {
+        ds4_atomic_abort(af);
+        return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
+    }
+    /* pid + counter keep concurrent writers (threads, processes) apart. */
+    snprintf(af->tmp, n, "%s.tmp.%ld.%llu", path, (long)getpid(),
+             (unsigned long long)atomic_fetch_add(&counter, 1));
+    af->fd = open(af->tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (af->fd < 0) {
+        ds4_status s = ds4_fail(DS4_ERR_IO, "%s: cannot create temp file %s: %s", path, af->tmp, strerror(errno));
+        ds4_free(af->path);
+        ds4_free(af->tmp);
+        af->path = af->tmp = NULL;
+        return s;
+    }
+    return DS4_OK;
+}
+
+ds4_status ds4_atomic_write(ds4_atomic_file *af, const void *data, size_t len) {
+    const char *p = data;
+    while (len > 0) {
+        size_t chunk = len < ((size_t)1 << 30) ? len : ((size_t)1 << 30);
+        ssize_t w = write(af->fd, p, chunk);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+            ds4_status s = ds4_fail(DS4_ERR_IO, "%s: write failed: %s", af->path, w < 0 ? strerror(errno) : "no progress");
+            ds4_atomic_abort(af);
+            return s;
+        }
+        p += w;
+        len -= (size_t)w;
+    }
+    return DS4_OK;
+}
+
+ds4_status ds4_atomic_commit(ds4_atomic_file *af) {
+    ds4_status s = DS4_OK;
+    if (fsync(af->fd) != 0) s = ds4_fail(DS4_ERR_IO, "%s: fsync failed: %s", af->path, strerror(errno));
+    if (close(af->fd) != 0 && s == DS4_OK) s = ds4_fail(DS4_ERR_IO, "%s: close failed: %s", af->path, strerror(errno));
+    af->fd = -1;
+    if (s == DS4_OK && rename(af->tmp, af->path) != 0)
+        s = ds4_fail(DS4_ERR_IO, "%s: rename from %s failed: %s", af->path, af->tmp, strerror(errno));
+    if (s != DS4_OK) {
+        ds4_atomic_abort(af);
+        return s;
+    }
+    s = fsync_parent_dir(af->path);
+    ds4_free(af->path);
+    ds4_free(af->tmp);
+    af->path = af->tmp = NULL;
+    return s;
+}
+
+void ds4_atomic_abort(ds4_atomic_file *af) {
+    if (af->fd >= 0) close(af->fd);
+    af->fd = -1;
+    if (af->tmp) unlink(af->tmp);
+    ds4_free(af->path);
+    ds4_free(af->tmp);
+    af->path = af->tmp = NULL;
+}
+
+ds4_status ds4_write_file_atomic(const char *path, const void *data, size_t len) {
+    ds4_atomic_file af;
+    DS4_TRY(ds4_atomic_open(path, &af));
+    DS4_TRY(ds4_atomic_write(&af, data, len));
+    return ds4_atomic_commit(&af);
+}
