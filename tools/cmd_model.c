@@ -3,6 +3,7 @@
 #include "cmds.h"
 #include "ds4/io.h"
 #include "ds4/model.h"
+#include "ds4/recompute.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -90,10 +91,32 @@ static ds4_status add_scalar(ds4_st_writer *w, owned_bufs *o, const char *name, 
     return ds4_st_writer_add(w, name, DS4_F32, 1, &one, x);
 }
 
-static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, const char *out) {
+static void print_memory_report(const ds4_pass *p, const ds4_config *c) {
+    printf("memory report (per layer and unit: output bytes, kept or released, replays)\n");
+    for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers; l++)
+        for (int u = 0; u < DS4_NUM_UNITS; u++) {
+            ds4_unit_report r = ds4_pass_unit_report(p, l, u);
+            if (!r.bytes) continue;
+            printf("  layer %3lld %-13s %12lld B  %-8s replays %lld  %.3f ms\n", (long long)l, ds4_unit_name(u),
+                   (long long)r.bytes, r.released ? "released" : "kept", (long long)r.replays, 1e3 * r.replay_seconds);
+        }
+    ds4_mem_stats s;
+    ds4_mem_get(&s);
+    printf("peak by category:");
+    for (int k = 0; k < DS4_MEM_NCAT; k++) printf(" %s %lld", ds4_mem_cat_name((ds4_mem_cat)k), (long long)s.peak[k]);
+    printf("; total %lld bytes\n", (long long)s.peak_total);
+}
+
+static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, const char *out,
+                              const ds4_recompute_cfg *rc, bool report) {
     const ds4_config *c = ds4_model_config(m);
     const int64_t V = c->vocab_size, N = B * T, K = c->index_topk;
-    ds4_pass_opts opts = {.need_backward = true, .keep_logits = true};
+    uint32_t masks[DS4_MAX_LAYERS];
+    DS4_TRY(ds4_recompute_validate(rc, c));
+    ds4_recompute_masks(rc, c, masks);
+    ds4_pass_opts opts = {.need_backward = true, .keep_logits = true,
+                          .release_mask = ds4_recompute_any(rc) ? masks : NULL};
+    ds4_mem_reset_peak();
     ds4_pass *p;
     DS4_TRY(ds4_forward(m, ids, B, T, &opts, &p));
     owned_bufs *o = calloc(1, sizeof *o);
@@ -136,6 +159,7 @@ static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64
         if (st == DS4_OK) st = add_scalar(w, o, "total_loss", L->total_loss);
         printf("loss %.6f mtp_loss %.6f indexer_loss %.6f total_loss %.6f\n", L->loss, L->mtp_loss,
                L->indexer_loss, L->total_loss);
+        if (report) print_memory_report(p, c);
     }
     char (*gnames)[120] = NULL;
     if (st == DS4_OK) {
@@ -166,9 +190,26 @@ int cmd_debug_state(int argc, char **argv) {
     const char *pos[1];
     int npos;
     if (cli_want_help(argc, argv)) {
-        cli_usage("debug-state", "--model DIR --batch BATCH.safetensors --out OUT.safetensors", f, NFLAGS(f));
+        cli_usage("debug-state",
+                  "--model DIR --batch BATCH.safetensors --out OUT.safetensors [recompute flags] [--memory-report]", f,
+                  NFLAGS(f));
         return 0;
     }
+    /* the recompute flags first (MindSpeed names), then the plain ones */
+    ds4_recompute_cfg rc;
+    ds4_recompute_defaults(&rc);
+    bool report = false;
+    int kept = 1;
+    for (int i = 1; i < argc; i++) {
+        bool used = false;
+        if (!strcmp(argv[i], "--memory-report")) {
+            report = true;
+            continue;
+        }
+        if (ds4_recompute_parse_arg(&rc, argc, argv, &i, &used) != DS4_OK) return cli_fail();
+        if (!used) argv[kept++] = argv[i];
+    }
+    argc = kept;
     if (!cli_parse("debug-state", argc, argv, f, NFLAGS(f), pos, 0, &npos)) return 2;
     const char *md = cli_get(f, NFLAGS(f), "model"), *bp = cli_get(f, NFLAGS(f), "batch");
     const char *out = cli_get(f, NFLAGS(f), "out"), *th = cli_get(f, NFLAGS(f), "threads");
@@ -190,7 +231,7 @@ int cmd_debug_state(int argc, char **argv) {
     if (st == DS4_OK) st = ds4_model_load(m, d);
     ds4_model_dir_close(d);
     if (st == DS4_OK) st = read_batch(bp, &ids, &B, &T);
-    if (st == DS4_OK) st = debug_state(m, ids, B, T, out);
+    if (st == DS4_OK) st = debug_state(m, ids, B, T, out, &rc, report);
     ds4_free(ids);
     ds4_model_free(m);
     return st == DS4_OK ? 0 : cli_fail();

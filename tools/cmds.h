@@ -5,4 +5,5 @@ int cmd_init(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
 int cmd_debug_state(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
+int cmd_train(int argc, char **argv);
 #endif

@@ -13,6 +13,7 @@ typedef struct {
 static const command k_commands[] = {
     {"init", cmd_init, "write a randomly initialised model directory"},
     {"inspect", cmd_inspect, "list the tensors of a .safetensors file or model directory"},
+    {"train", cmd_train, "train a model from a TOML config"},
     {"debug-state", cmd_debug_state, "one forward+backward; write logits, losses, gradients, top-k"},
 };
 

@@ -1,0 +1,400 @@
+/* The training loop: data → forward/backward (with gradient accumulation and the recompute policy)
+ * → clip → AdamW → router bias update → metrics → checkpoints. Resumes bit-exactly. */
+#include "ds4/trainer.h"
+
+#include "ds4/data.h"
+#include "ds4/io.h"
+#include "kernels/kernels.h"
+
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ config */
+static const char *const k_known_keys[] = {
+    "model.dir", "model.config", "model.seed",
+    "training.steps", "training.seq_len", "training.global_batch_size", "training.micro_batch_size",
+    "training.seed", "training.threads", "training.max_norm", "training.mtp_loss_weight",
+    "training.indexer_loss_coeff", "training.csa_dense_steps", "training.router_bias_gamma",
+    "optimizer.name", "optimizer.lr", "optimizer.beta1", "optimizer.beta2", "optimizer.eps",
+    "optimizer.weight_decay",
+    "lr_scheduler.warmup_steps", "lr_scheduler.decay_type", "lr_scheduler.min_lr", "lr_scheduler.decay_steps",
+    "data.train", "data.val", "data.val_batches",
+    "checkpoint.folder", "checkpoint.interval", "checkpoint.keep_latest_k", "checkpoint.load_step",
+    "metrics.log_freq", "metrics.jsonl", "metrics.peak_tflops",
+};
+
+static ds4_status copy_str(const ds4_toml *t, const char *key, const char *def, char *dst, size_t n) {
+    const char *s;
+    DS4_TRY(ds4_toml_string_or(t, key, def, &s));
+    if (strlen(s) >= n) return ds4_fail(DS4_ERR_CONFIG, "key %s: value longer than %zu bytes", key, n - 1);
+    snprintf(dst, n, "%s", s);
+    return DS4_OK;
+}
+
+ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
+    memset(c, 0, sizeof *c);
+    ds4_recompute_defaults(&c->recompute);
+    DS4_TRY(ds4_toml_check_keys(t, k_known_keys, (int64_t)(sizeof k_known_keys / sizeof k_known_keys[0])));
+    DS4_TRY(copy_str(t, "model.dir", "", c->model_dir, sizeof c->model_dir));
+    DS4_TRY(copy_str(t, "model.config", "", c->model_config, sizeof c->model_config));
+    DS4_TRY(ds4_toml_int_or(t, "model.seed", 0, &c->init_seed));
+    DS4_TRY(ds4_toml_get_int(t, "training.steps", &c->steps));
+    DS4_TRY(ds4_toml_get_int(t, "training.seq_len", &c->seq_len));
+    DS4_TRY(ds4_toml_int_or(t, "training.micro_batch_size", 1, &c->micro_batch));
+    DS4_TRY(ds4_toml_int_or(t, "training.global_batch_size", c->micro_batch, &c->global_batch));
+    DS4_TRY(ds4_toml_int_or(t, "training.seed", 0, &c->seed));
+    DS4_TRY(ds4_toml_int_or(t, "training.threads", 0, &c->threads));
+    DS4_TRY(ds4_toml_float_or(t, "training.max_norm", 1.0, &c->max_norm));
+    DS4_TRY(ds4_toml_float_or(t, "training.mtp_loss_weight", -1, &c->mtp_loss_weight));
+    DS4_TRY(ds4_toml_float_or(t, "training.indexer_loss_coeff", -1, &c->indexer_loss_coeff));
+    DS4_TRY(ds4_toml_int_or(t, "training.csa_dense_steps", 0, &c->csa_dense_steps));
+    DS4_TRY(ds4_toml_float_or(t, "training.router_bias_gamma", 1e-3, &c->router_bias_gamma));
+    const char *opt;
+    DS4_TRY(ds4_toml_string_or(t, "optimizer.name", "AdamW", &opt));
+    if (strcmp(opt, "AdamW") && strcmp(opt, "adamw"))
+        return ds4_fail(DS4_ERR_CONFIG, "key optimizer.name: only AdamW is supported, got '%s'", opt);
+    DS4_TRY(ds4_toml_float_or(t, "optimizer.lr", 3e-4, &c->adamw.lr));
+    DS4_TRY(ds4_toml_float_or(t, "optimizer.beta1", 0.9, &c->adamw.beta1));
+    DS4_TRY(ds4_toml_float_or(t, "optimizer.beta2", 0.95, &c->adamw.beta2));
+    DS4_TRY(ds4_toml_float_or(t, "optimizer.eps", 1e-8, &c->adamw.eps));
+    DS4_TRY(ds4_toml_float_or(t, "optimizer.weight_decay", 0.1, &c->adamw.weight_decay));
+    c->sched.lr = c->adamw.lr;
+    DS4_TRY(ds4_toml_int_or(t, "lr_scheduler.decay_steps", c->steps, &c->sched.total_steps));
+    DS4_TRY(ds4_toml_int_or(t, "lr_scheduler.warmup_steps", 0, &c->sched.warmup_steps));
+    DS4_TRY(ds4_toml_float_or(t, "lr_scheduler.min_lr", 0.1 * c->adamw.lr, &c->sched.min_lr));
+    const char *dk;
+    DS4_TRY(ds4_toml_string_or(t, "lr_scheduler.decay_type", "cosine", &dk));
+    if (!strcmp(dk, "cosine")) c->sched.decay = DS4_DECAY_COSINE;
+    else if (!strcmp(dk, "linear")) c->sched.decay = DS4_DECAY_LINEAR;
+    else if (!strcmp(dk, "none")) c->sched.decay = DS4_DECAY_NONE;
+    else return ds4_fail(DS4_ERR_CONFIG, "key lr_scheduler.decay_type: expected cosine, linear or none, got '%s'", dk);
+    DS4_TRY(copy_str(t, "data.train", "", c->train_data, sizeof c->train_data));
+    DS4_TRY(copy_str(t, "data.val", "", c->val_data, sizeof c->val_data));
+    DS4_TRY(ds4_toml_int_or(t, "data.val_batches", 8, &c->val_batches));
+    DS4_TRY(copy_str(t, "checkpoint.folder", "", c->ckpt_folder, sizeof c->ckpt_folder));
+    DS4_TRY(ds4_toml_int_or(t, "checkpoint.interval", 0, &c->ckpt_interval));
+    DS4_TRY(ds4_toml_int_or(t, "checkpoint.keep_latest_k", 2, &c->keep_latest_k));
+    DS4_TRY(ds4_toml_int_or(t, "checkpoint.load_step", -1, &c->load_step));
+    DS4_TRY(ds4_toml_int_or(t, "metrics.log_freq", 1, &c->log_freq));
+    DS4_TRY(copy_str(t, "metrics.jsonl", "", c->jsonl, sizeof c->jsonl));
+    DS4_TRY(ds4_toml_float_or(t, "metrics.peak_tflops", 0, &c->peak_tflops));
+    return DS4_OK;
+}
+
+/* Checks that need only the config, so bad input fails before any work starts. */
+static ds4_status check_cfg(const ds4_train_cfg *c, const ds4_config *mc) {
+    if (!c->model_dir[0] == !c->model_config[0])
+        return ds4_fail(DS4_ERR_CONFIG, "[model]: set exactly one of model.dir (weights) or model.config (random init)");
+    if (c->steps < 1) return ds4_fail(DS4_ERR_CONFIG, "key training.steps: must be >= 1, got %lld", (long long)c->steps);
+    if (c->micro_batch < 1 || c->global_batch < 1 || c->global_batch % c->micro_batch)
+        return ds4_fail(DS4_ERR_CONFIG,
+                        "training.global_batch_size %lld is not a positive multiple of training.micro_batch_size %lld",
+                        (long long)c->global_batch, (long long)c->micro_batch);
+    if (c->seq_len < mc->window)
+        return ds4_fail(DS4_ERR_CONFIG, "key training.seq_len: %lld is shorter than the attention window %lld",
+                        (long long)c->seq_len, (long long)mc->window);
+    for (int64_t l = 0; l < mc->n_layers; l++)
+        if (mc->compress_ratios[l] > c->seq_len)
+            return ds4_fail(DS4_ERR_CONFIG, "key training.seq_len: %lld is shorter than layer %lld's compress ratio %lld",
+                            (long long)c->seq_len, (long long)l, (long long)mc->compress_ratios[l]);
+    if (!c->train_data[0]) return ds4_fail(DS4_ERR_CONFIG, "key data.train: missing (a shard file or glob)");
+    if (c->log_freq < 1) return ds4_fail(DS4_ERR_CONFIG, "key metrics.log_freq: must be >= 1");
+    if (c->ckpt_interval > 0 && !c->ckpt_folder[0])
+        return ds4_fail(DS4_ERR_CONFIG, "key checkpoint.interval set but checkpoint.folder is empty");
+    return ds4_recompute_validate(&c->recompute, mc);
+}
+
+/* ------------------------------------------------------------------ peak FLOP/s probe */
+double ds4_probe_peak_flops(void) {
+    const int64_t n = 512;
+    float *a = ds4_alloc(DS4_MEM_WORK, (size_t)(n * n) * sizeof(float));
+    float *b = ds4_alloc(DS4_MEM_WORK, (size_t)(n * n) * sizeof(float));
+    float *c = ds4_alloc(DS4_MEM_WORK, (size_t)(n * n) * sizeof(float));
+    double best = 0;
+    if (a && b && c) {
+        for (int64_t i = 0; i < n * n; i++) a[i] = b[i] = (float)((i % 7) - 3) * 0.01f;
+        gemm_nt(n, n, n, a, n, b, n, c, n, 0.0f); /* warm up */
+        for (int rep = 0; rep < 5; rep++) {
+            double t0 = ds4_now();
+            gemm_nt(n, n, n, a, n, b, n, c, n, 0.0f);
+            double dt = ds4_now() - t0;
+            double f = 2.0 * (double)n * n * n / dt;
+            if (f > best) best = f;
+        }
+    }
+    ds4_free(a);
+    ds4_free(b);
+    ds4_free(c);
+    return best;
+}
+
+/* ------------------------------------------------------------------ SIGINT: finish the step, save, exit 0 */
+static volatile sig_atomic_t g_stop;
+static void on_sigint(int sig) {
+    (void)sig;
+    g_stop = 1;
+}
+
+/* ------------------------------------------------------------------ data */
+static ds4_status loader_open(const char *pattern, int64_t B, int64_t T, uint64_t seed, bool shuffle, int64_t vocab,
+                              ds4_dataloader **out) {
+    ds4_data_opts o = ds4_data_defaults();
+    o.seq_len = T;
+    o.batch_size = B;
+    o.seed = seed;
+    o.shuffle = shuffle;
+    o.max_vocab = vocab;
+    const char *pats[1] = {pattern};
+    return ds4_data_open(pats, 1, &o, out);
+}
+
+static ds4_status loader_state_text(const ds4_dataloader *d, char *buf, size_t n) {
+    ds4_data_state s;
+    ds4_data_get_state(d, &s);
+    snprintf(buf, n, "%llu %llu %llu %llu", (unsigned long long)s.epoch, (unsigned long long)s.position,
+             (unsigned long long)s.seed, (unsigned long long)s.n_rows);
+    return DS4_OK;
+}
+
+static ds4_status loader_restore_text(ds4_dataloader *d, const char *txt) {
+    unsigned long long e, p, sd, nr;
+    if (sscanf(txt, "%llu %llu %llu %llu", &e, &p, &sd, &nr) != 4)
+        return ds4_fail(DS4_ERR_FORMAT, "checkpoint data_state '%s': expected 'epoch position seed rows'", txt);
+    ds4_data_state s = {.epoch = e, .position = p, .seed = sd, .n_rows = nr};
+    return ds4_data_set_state(d, &s);
+}
+
+/* ------------------------------------------------------------------ the loop */
+typedef struct {
+    const ds4_train_cfg *cfg;
+    ds4_model *m;
+    ds4_adamw opt;
+    ds4_dataloader *train;
+    uint32_t masks[DS4_MAX_LAYERS];
+    int32_t *ids;     /* [micro_batch, seq_len] */
+    int64_t *loads;   /* [n_blocks, E] */
+    FILE *jsonl;
+    double peak_flops, flops_per_token;
+} trainer;
+
+static ds4_status open_model(const ds4_train_cfg *c, ds4_model **out) {
+    ds4_config mc;
+    ds4_model_dir *d = NULL;
+    if (c->model_dir[0]) {
+        DS4_TRY(ds4_model_dir_open(c->model_dir, &d));
+        mc = *ds4_model_dir_config(d);
+    } else {
+        DS4_TRY(ds4_config_load(c->model_config, &mc));
+    }
+    if (c->mtp_loss_weight >= 0) mc.mtp_loss_weight = c->mtp_loss_weight;
+    if (c->indexer_loss_coeff >= 0) mc.indexer_loss_coeff = c->indexer_loss_coeff;
+    ds4_status st = check_cfg(c, &mc);
+    if (st == DS4_OK) st = ds4_model_create(&mc, out);
+    if (st == DS4_OK) {
+        if (d) st = ds4_model_load(*out, d);
+        else ds4_model_init_random(*out, (uint64_t)c->init_seed);
+    }
+    ds4_model_dir_close(d);
+    return st;
+}
+
+/* Losses of one step, summed over micro-batches. */
+typedef struct {
+    double loss, mtp, idx, total;
+} step_losses;
+
+static ds4_status train_step(trainer *tr, int64_t step, step_losses *sl) {
+    const ds4_train_cfg *c = tr->cfg;
+    const ds4_config *mc = ds4_model_config(tr->m);
+    const int64_t accum = c->global_batch / c->micro_batch, nb = mc->n_layers + mc->n_mtp_layers;
+    memset(sl, 0, sizeof *sl);
+    memset(tr->loads, 0, (size_t)(nb * mc->n_routed_experts) * sizeof(int64_t));
+    ds4_model_zero_grad(tr->m);
+    for (int64_t a = 0; a < accum; a++) {
+        DS4_TRY(ds4_data_next(tr->train, tr->ids));
+        ds4_pass_opts o = {.need_backward = true,
+                           .csa_dense = step <= c->csa_dense_steps,
+                           .release_mask = ds4_recompute_any(&c->recompute) ? tr->masks : NULL};
+        ds4_pass *p;
+        DS4_TRY(ds4_forward(tr->m, tr->ids, c->micro_batch, c->seq_len, &o, &p));
+        ds4_status st = ds4_backward(tr->m, p);
+        if (st == DS4_OK) {
+            const ds4_losses *L = ds4_pass_losses(p);
+            sl->loss += L->loss / (double)accum;
+            sl->mtp += L->mtp_loss / (double)accum;
+            sl->idx += L->indexer_loss / (double)accum;
+            sl->total += L->total_loss / (double)accum;
+            for (int64_t l = 0; l < nb; l++) {
+                const int64_t *ld = ds4_pass_expert_load(p, l);
+                for (int64_t e = 0; e < mc->n_routed_experts; e++) tr->loads[l * mc->n_routed_experts + e] += ld[e];
+            }
+            if (c->memory_report && a == 0) {
+                fprintf(stderr, "memory report, step %lld (per layer and unit: kept/released bytes, replays)\n",
+                        (long long)step);
+                for (int64_t l = 0; l < nb; l++)
+                    for (int u = 0; u < DS4_NUM_UNITS; u++) {
+                        ds4_unit_report r = ds4_pass_unit_report(p, l, u);
+                        if (!r.bytes) continue;
+                        fprintf(stderr, "  layer %2lld %-13s %10lld B %-8s replays %lld (%.3f ms)\n", (long long)l,
+                                ds4_unit_name(u), (long long)r.bytes, r.released ? "released" : "kept",
+                                (long long)r.replays, 1e3 * r.replay_seconds);
+                    }
+            }
+        }
+        ds4_pass_free(p);
+        DS4_TRY(st);
+    }
+    if (accum > 1) {
+        float *g = ds4_model_grads_flat(tr->m), s = 1.0f / (float)accum;
+        for (int64_t i = 0; i < ds4_model_numel(tr->m); i++) g[i] *= s;
+    }
+    return DS4_OK;
+}
+
+static void log_step(trainer *tr, int64_t step, const step_losses *sl, double gnorm, double lr, double dt) {
+    const ds4_train_cfg *c = tr->cfg;
+    ds4_mem_stats ms;
+    ds4_mem_get(&ms);
+    double tokens = (double)(c->global_batch * c->seq_len);
+    double tps = tokens / dt, tflops = tps * tr->flops_per_token / 1e12;
+    double mfu = tr->peak_flops > 0 ? 100.0 * tps * tr->flops_per_token / tr->peak_flops : 0;
+    double gib = (double)ms.peak_total / (1024.0 * 1024.0 * 1024.0);
+    if (step % c->log_freq == 0 || step == c->steps) {
+        printf("step %5lld  loss %7.4f  grad_norm %7.4f  memory %6.3fGiB  tps %8.0f  tflops %6.3f  mfu %5.2f%%\n",
+               (long long)step, sl->loss, gnorm, gib, tps, tflops, mfu);
+        fflush(stdout);
+        if (tr->jsonl) {
+            fprintf(tr->jsonl,
+                    "{\"step\": %lld, \"loss\": %.6f, \"mtp_loss\": %.6f, \"indexer_loss\": %.6f, \"total_loss\": %.6f, "
+                    "\"grad_norm\": %.6f, \"lr\": %.6g, \"memory_gib\": %.6f, \"memory_bytes\": %lld, "
+                    "\"activation_peak_bytes\": %lld, \"tps\": %.2f, \"tflops\": %.6f, \"mfu\": %.4f, \"step_time\": %.6f}\n",
+                    (long long)step, sl->loss, sl->mtp, sl->idx, sl->total, gnorm, lr, gib, (long long)ms.peak_total,
+                    (long long)ms.peak[DS4_MEM_ACT], tps, tflops, mfu, dt);
+            fflush(tr->jsonl);
+        }
+    }
+}
+
+static ds4_status save_ckpt(trainer *tr, int64_t step) {
+    ds4_ckpt_meta meta = {.step = step, .seed = (uint64_t)tr->cfg->seed};
+    DS4_TRY(loader_state_text(tr->train, meta.data_state, sizeof meta.data_state));
+    ds4_status st = ds4_checkpoint_save(tr->cfg->ckpt_folder, tr->cfg->keep_latest_k, tr->m, &tr->opt, &meta);
+    if (st == DS4_OK) printf("saved checkpoint step %lld to %s\n", (long long)step, tr->cfg->ckpt_folder);
+    return st;
+}
+
+/* Loads the requested checkpoint if the folder has one; returns the step to continue after. */
+static ds4_status maybe_resume(trainer *tr, int64_t *start) {
+    const ds4_train_cfg *c = tr->cfg;
+    *start = 0;
+    if (!c->ckpt_folder[0] || c->load_step == -2) return DS4_OK;
+    char path[4096];
+    if (ds4_checkpoint_find(c->ckpt_folder, c->load_step, path, sizeof path) != DS4_OK) {
+        if (c->load_step >= 0) return DS4_ERR_MISSING; /* asked for a step that is not there */
+        return DS4_OK;                                 /* nothing to resume: fresh run */
+    }
+    ds4_ckpt_meta meta;
+    DS4_TRY(ds4_checkpoint_load(path, tr->m, &tr->opt, &meta));
+    DS4_TRY(loader_restore_text(tr->train, meta.data_state));
+    *start = meta.step;
+    printf("resumed from %s (step %lld)\n", path, (long long)meta.step);
+    return DS4_OK;
+}
+
+static ds4_status run_validation(trainer *tr) {
+    const ds4_train_cfg *c = tr->cfg;
+    if (!c->val_data[0] || c->val_batches <= 0) return DS4_OK;
+    ds4_dataloader *v;
+    DS4_TRY(loader_open(c->val_data, c->micro_batch, c->seq_len, (uint64_t)c->seed, false,
+                        ds4_model_config(tr->m)->vocab_size, &v));
+    double sum = 0;
+    int64_t n = 0;
+    ds4_status st = DS4_OK;
+    for (int64_t b = 0; b < c->val_batches && st == DS4_OK; b++) {
+        st = ds4_data_next(v, tr->ids);
+        ds4_pass_opts o = {.need_backward = false};
+        ds4_pass *p = NULL;
+        if (st == DS4_OK) st = ds4_forward(tr->m, tr->ids, c->micro_batch, c->seq_len, &o, &p);
+        if (st == DS4_OK) {
+            sum += ds4_pass_losses(p)->loss;
+            n++;
+        }
+        ds4_pass_free(p);
+    }
+    ds4_data_close(v);
+    if (st == DS4_OK && n > 0)
+        printf("validation loss %.4f ppl %.2f (%lld batches)\n", sum / (double)n, exp(sum / (double)n), (long long)n);
+    return st;
+}
+
+static ds4_status train_loop(trainer *tr) {
+    const ds4_train_cfg *c = tr->cfg;
+    const ds4_config *mc = ds4_model_config(tr->m);
+    int64_t start;
+    DS4_TRY(maybe_resume(tr, &start));
+    tr->flops_per_token = ds4_train_flops_per_token(mc, c->seq_len);
+    tr->peak_flops = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : ds4_probe_peak_flops();
+    char rc[64];
+    printf("model: %lld parameters, %lld layers + %lld MTP; %.3f MFLOPs/token (train, sparse-aware); "
+           "peak %.1f GFLOP/s (%s); recompute %s; %d threads\n",
+           (long long)ds4_model_numel(tr->m), (long long)mc->n_layers, (long long)mc->n_mtp_layers,
+           tr->flops_per_token / 1e6, tr->peak_flops / 1e9, c->peak_tflops > 0 ? "config" : "GEMM probe",
+           ds4_recompute_describe(&c->recompute, rc, sizeof rc), ds4_get_threads());
+    signal(SIGINT, on_sigint);
+    ds4_status st = DS4_OK;
+    int64_t step = start;
+    while (step < c->steps && st == DS4_OK && !g_stop) {
+        step++;
+        double t0 = ds4_now(), lr = ds4_lr_at(&c->sched, step);
+        ds4_mem_reset_peak();
+        step_losses sl;
+        st = train_step(tr, step, &sl);
+        if (st != DS4_OK) break;
+        double gnorm = ds4_clip_grad_norm(tr->m, c->max_norm);
+        if (!isfinite(sl.total) || !isfinite(gnorm)) {
+            st = ds4_fail(DS4_ERR_INTERNAL, "step %lld: loss %g / grad norm %g is not finite", (long long)step,
+                          sl.total, gnorm);
+            break;
+        }
+        ds4_adamw_step(&tr->opt, tr->m, &c->adamw, lr);
+        ds4_router_bias_update(tr->m, tr->loads, c->router_bias_gamma);
+        log_step(tr, step, &sl, gnorm, lr, ds4_now() - t0);
+        if (c->ckpt_folder[0] && c->ckpt_interval > 0 && step % c->ckpt_interval == 0 && step < c->steps)
+            st = save_ckpt(tr, step);
+    }
+    if (st == DS4_OK && c->ckpt_folder[0] && step > start) st = save_ckpt(tr, step);
+    if (g_stop && st == DS4_OK) printf("interrupted: saved step %lld, exiting\n", (long long)step);
+    if (st == DS4_OK && !g_stop) st = run_validation(tr);
+    signal(SIGINT, SIG_DFL);
+    return st;
+}
+
+ds4_status ds4_train_run(const ds4_train_cfg *c) {
+    trainer tr = {.cfg = c};
+    g_stop = 0;
+    if (c->threads > 0) ds4_set_threads((int)c->threads);
+    DS4_TRY(open_model(c, &tr.m));
+    const ds4_config *mc = ds4_model_config(tr.m);
+    ds4_status st = ds4_adamw_init(&tr.opt, tr.m);
+    if (st == DS4_OK)
+        st = loader_open(c->train_data, c->micro_batch, c->seq_len, (uint64_t)c->seed, true, mc->vocab_size,
+                         &tr.train);
+    tr.ids = ds4_alloc(DS4_MEM_OTHER, (size_t)(c->micro_batch * c->seq_len) * sizeof(int32_t));
+    tr.loads = ds4_calloc(DS4_MEM_OTHER, (size_t)((mc->n_layers + mc->n_mtp_layers) * mc->n_routed_experts) *
+                                             sizeof(int64_t));
+    if (st == DS4_OK && (!tr.ids || !tr.loads)) st = DS4_ERR_OOM;
+    if (st == DS4_OK && c->jsonl[0] && !(tr.jsonl = fopen(c->jsonl, "a")))
+        st = ds4_fail(DS4_ERR_IO, "%s: cannot open the metrics file", c->jsonl);
+    if (st == DS4_OK) ds4_recompute_masks(&c->recompute, mc, tr.masks);
+    if (st == DS4_OK) st = train_loop(&tr);
+    if (tr.jsonl) fclose(tr.jsonl);
+    ds4_free(tr.ids);
+    ds4_free(tr.loads);
+    ds4_data_close(tr.train);
+    ds4_adamw_free(&tr.opt);
+    ds4_model_free(tr.m);
+    return st;
+}

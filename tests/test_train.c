@@ -1,0 +1,219 @@
+/* ds4 train end to end on tiny-a: bitwise resume, SIGINT save, kill -9 during saves, config and data
+ * errors before any work starts, learning on a learnable stream. */
+#include "ds4/shard.h"
+#include "ds4/trainer.h"
+#include "ds4/io.h"
+#include "test.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static char g_dir[256], g_ds4[1024];
+
+/* A shard of `ndocs` documents; tokens follow a noisy periodic pattern so the model can learn. */
+static void write_shard(const char *path, int64_t vocab, int64_t ndocs, int64_t len) {
+    ds4_shard_writer *w;
+    CHECK(ds4_shard_writer_open(path, vocab, -1, 1, &w) == DS4_OK, "%s", ds4_errmsg());
+    int32_t *doc = malloc((size_t)len * sizeof(int32_t));
+    for (int64_t d = 0; d < ndocs; d++) {
+        for (int64_t i = 0; i < len; i++) {
+            uint64_t r = ds4_rng_u64(7, (uint64_t)d, (uint64_t)i);
+            doc[i] = (int32_t)(r % 10 == 0 ? (int64_t)(2 + r % (uint64_t)(vocab - 2)) : 2 + (i * 7 + d) % 16);
+        }
+        CHECK(ds4_shard_writer_add(w, doc, len) == DS4_OK);
+    }
+    CHECK(ds4_shard_writer_close(w) == DS4_OK, "%s", ds4_errmsg());
+    free(doc);
+}
+
+static const char *k_base_toml =
+    "[model]\nconfig = \"tests/configs/tiny-a.json\"\nseed = 3\n"
+    "[training]\nsteps = 4\nseq_len = 64\nglobal_batch_size = 4\nmicro_batch_size = 2\nseed = 5\nmax_norm = 1.0\n"
+    "[optimizer]\nlr = 3e-3\n"
+    "[lr_scheduler]\nwarmup_steps = 1\ndecay_steps = 4\n"
+    "[data]\ntrain = \"%s/train.bin\"\n"
+    "[checkpoint]\nfolder = \"%s/%s\"\nkeep_latest_k = 3\n"
+    "[metrics]\nlog_freq = 1\njsonl = \"%s/%s.jsonl\"\npeak_tflops = 1.0\n";
+
+static ds4_status cfg_for(ds4_train_cfg *c, const char *run, const char *extra_key, const char *extra_val) {
+    char text[4096];
+    snprintf(text, sizeof text, k_base_toml, g_dir, g_dir, run, g_dir, run);
+    ds4_toml *t;
+    DS4_TRY(ds4_toml_parse(text, strlen(text), "test.toml", &t));
+    ds4_status st = extra_key ? ds4_toml_set(t, extra_key, extra_val) : DS4_OK;
+    if (st == DS4_OK) st = ds4_train_cfg_from_toml(t, c);
+    ds4_toml_free(t);
+    return st;
+}
+
+static bool files_equal(const char *a, const char *b) {
+    char *x, *y;
+    size_t nx, ny;
+    if (ds4_read_file(a, &x, &nx) != DS4_OK) return false;
+    if (ds4_read_file(b, &y, &ny) != DS4_OK) {
+        ds4_free(x);
+        return false;
+    }
+    bool eq = nx == ny && memcmp(x, y, nx) == 0;
+    ds4_free(x);
+    ds4_free(y);
+    return eq;
+}
+
+/* The "loss" of `step` in a JSONL file (last record of that step wins). */
+static double jsonl_loss(const char *path, int step) {
+    FILE *f = fopen(path, "r");
+    if (!f) return NAN;
+    char line[2048];
+    double v = NAN;
+    while (fgets(line, sizeof line, f)) {
+        int s;
+        double l;
+        if (sscanf(line, "{\"step\": %d, \"loss\": %lf", &s, &l) == 2 && s == step) v = l;
+    }
+    fclose(f);
+    return v;
+}
+
+static void test_resume_is_bitwise(void) {
+    ds4_train_cfg a, b;
+    CHECK(cfg_for(&a, "straight", NULL, NULL) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_train_run(&a) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(cfg_for(&b, "resumed", "training.steps", "2") == DS4_OK);
+    CHECK(ds4_train_run(&b) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(cfg_for(&b, "resumed", NULL, NULL) == DS4_OK);
+    CHECK(ds4_train_run(&b) == DS4_OK, "%s", ds4_errmsg());
+    char p1[512], p2[512];
+    for (int s = 1; s <= 4; s++) {
+        snprintf(p1, sizeof p1, "%s/straight.jsonl", g_dir);
+        snprintf(p2, sizeof p2, "%s/resumed.jsonl", g_dir);
+        double l1 = jsonl_loss(p1, s), l2 = jsonl_loss(p2, s);
+        CHECK(isfinite(l1) && l1 == l2, "step %d: loss %.9g straight vs %.9g resumed", s, l1, l2);
+    }
+    const char *files[] = {"model.safetensors", "optim.state"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(p1, sizeof p1, "%s/straight/step-00000004/%s", g_dir, files[i]);
+        snprintf(p2, sizeof p2, "%s/resumed/step-00000004/%s", g_dir, files[i]);
+        CHECK(files_equal(p1, p2), "%s differs between the straight and the resumed run", files[i]);
+    }
+    snprintf(p1, sizeof p1, "%s/resumed/step-00000002/state.json", g_dir);
+    CHECK(access(p1, F_OK) == 0, "the first leg's checkpoint is kept (keep_latest_k = 3)");
+}
+
+static void expect_error(const char *key, const char *val, const char *needle) {
+    ds4_train_cfg c;
+    ds4_status st = cfg_for(&c, "bad", key, val);
+    if (st == DS4_OK) st = ds4_train_run(&c);
+    CHECK(st != DS4_OK, "%s = %s accepted", key, val);
+    CHECK(strstr(ds4_errmsg(), needle) != NULL, "%s = %s: message '%s' lacks '%s'", key, val, ds4_errmsg(), needle);
+}
+
+static void test_bad_config_and_data(void) {
+    expect_error("training.seqlen", "64", "training.seq_len");                /* unknown key: closest named */
+    expect_error("training.seq_len", "8", "window");                          /* shorter than the window */
+    expect_error("training.global_batch_size", "3", "micro_batch_size");      /* contradictory batches */
+    expect_error("data.train", "/nonexistent/x.bin", "/nonexistent/x.bin");   /* missing data */
+    char p[512];
+    snprintf(p, sizeof p, "%s/big_vocab.bin", g_dir);
+    write_shard(p, 1000, 2, 300);
+    expect_error("data.train", p, "big_vocab.bin");                           /* shard from another vocab */
+    expect_error("optimizer.name", "SGD", "AdamW");
+    expect_error("lr_scheduler.decay_type", "step", "cosine");
+    /* a corrupt checkpoint is refused on resume, naming the file */
+    ds4_train_cfg c;
+    CHECK(cfg_for(&c, "corrupt", "training.steps", "1") == DS4_OK);
+    CHECK(ds4_train_run(&c) == DS4_OK, "%s", ds4_errmsg());
+    snprintf(p, sizeof p, "%s/corrupt/step-00000001/model.safetensors", g_dir);
+    CHECK(truncate(p, 100) == 0);
+    CHECK(cfg_for(&c, "corrupt", "training.steps", "2") == DS4_OK);
+    CHECK(ds4_train_run(&c) != DS4_OK, "a truncated checkpoint was loaded");
+    CHECK(strstr(ds4_errmsg(), "model.safetensors") != NULL, "%s", ds4_errmsg());
+}
+
+/* Runs `ds4 train` on the same config as a child process; returns its pid. */
+static pid_t spawn_train(const char *run, const char *steps, const char *interval) {
+    char cfgp[512], text[4096];
+    snprintf(cfgp, sizeof cfgp, "%s/%s.toml", g_dir, run);
+    snprintf(text, sizeof text, k_base_toml, g_dir, g_dir, run, g_dir, run);
+    FILE *f = fopen(cfgp, "w");
+    fputs(text, f);
+    fclose(f);
+    pid_t pid = fork();
+    if (pid == 0) {
+        int null = open("/dev/null", 1);
+        dup2(null, 1);
+        execl(g_ds4, g_ds4, "train", "--config", cfgp, "--training.steps", steps, "--lr_scheduler.decay_steps", steps,
+              "--checkpoint.interval", interval, "--training.threads", "1", (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+static void test_sigint_saves_and_exits_zero(void) {
+    pid_t pid = spawn_train("sigint", "100000", "0");
+    usleep(1500 * 1000);
+    kill(pid, SIGINT);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "exit status %d", status);
+    char root[512], path[600];
+    snprintf(root, sizeof root, "%s/sigint", g_dir);
+    CHECK(ds4_checkpoint_find(root, -1, path, sizeof path) == DS4_OK, "no checkpoint after SIGINT: %s", ds4_errmsg());
+}
+
+static void test_kill9_during_saves_keeps_a_loadable_checkpoint(void) {
+    ds4_config mc;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &mc) == DS4_OK);
+    char root[512], path[600];
+    snprintf(root, sizeof root, "%s/kill9", g_dir);
+    for (int trial = 0; trial < 4; trial++) {
+        pid_t pid = spawn_train("kill9", "100000", "1"); /* saves every step */
+        usleep((useconds_t)(800 + 230 * trial) * 1000);
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        if (ds4_checkpoint_find(root, -1, path, sizeof path) != DS4_OK) continue; /* killed before the first save */
+        ds4_model *m;
+        CHECK(ds4_model_create(&mc, &m) == DS4_OK);
+        ds4_ckpt_meta meta;
+        CHECK(ds4_checkpoint_load(path, m, NULL, &meta) == DS4_OK, "trial %d: %s", trial, ds4_errmsg());
+        ds4_model_free(m);
+    }
+    CHECK(ds4_checkpoint_find(root, -1, path, sizeof path) == DS4_OK, "no checkpoint was ever written");
+}
+
+static void test_loss_falls(void) {
+    ds4_train_cfg c;
+    CHECK(cfg_for(&c, "learn", "training.steps", "30") == DS4_OK);
+    c.sched.total_steps = 30;
+    c.ckpt_folder[0] = 0;
+    CHECK(ds4_train_run(&c) == DS4_OK, "%s", ds4_errmsg());
+    char p[512];
+    snprintf(p, sizeof p, "%s/learn.jsonl", g_dir);
+    double first = jsonl_loss(p, 1), last = jsonl_loss(p, 30);
+    CHECK(last < first - 1.0, "loss %g -> %g did not fall", first, last);
+}
+
+int main(int argc, char **argv) {
+    (void)argc;
+    snprintf(g_ds4, sizeof g_ds4, "%s", argv[0]);
+    char *slash = strstr(g_ds4, "/tests/");
+    if (slash) strcpy(slash, "/ds4");
+    snprintf(g_dir, sizeof g_dir, "/tmp/ds4-test-train-%d", (int)getpid());
+    mkdir(g_dir, 0755);
+    char p[512];
+    snprintf(p, sizeof p, "%s/train.bin", g_dir);
+    write_shard(p, 256, 8, 1500);
+    ds4_set_threads(2);
+    RUN(test_resume_is_bitwise);
+    RUN(test_bad_config_and_data);
+    RUN(test_sigint_saves_and_exits_zero);
+    RUN(test_kill9_during_saves_keeps_a_loadable_checkpoint);
+    RUN(test_loss_falls);
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", g_dir);
+    if (!t_failed && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    TEST_MAIN_END("test_train");
+}
