@@ -1,0 +1,20 @@
+/* Embedding in float (kernels.h) and double (kernels_f64.h). */
+#include <string.h>
+
+#include "kernels/kernels.h"
+#include "kernels/kernels_f64.h"
+
+#define EMBED_PAR_MIN ((int64_t)1 << 15) /* below this many elements, one thread */
+#define EMBED_COLS 64                    /* columns per thread block in backward */
+
+#define real float
+#define KFN(n) n
+#include "embed.inc"
+#undef real
+#undef KFN
+
+#define real double
+#define KFN(n) n##_f64
+#include "embed.inc"
+#undef real
+#undef KFN

@@ -1,0 +1,18 @@
+/* Reference GEMMs in float (gemm_*_ref, kernels.h) and double (gemm_*_ref_f64, kernels_f64.h). */
+#include "kernels/kernels.h"
+#include "kernels/kernels_f64.h"
+
+#define GEMM_REF_PAR_MIN ((int64_t)1 << 18) /* below this many multiply-adds, one thread */
+#define GEMM_REF_COLS 64                     /* columns accumulated together in nn / tn */
+
+#define real float
+#define KFN(n) n
+#include "gemm.inc"
+#undef real
+#undef KFN
+
+#define real double
+#define KFN(n) n##_f64
+#include "gemm.inc"
+#undef real
+#undef KFN

@@ -1,0 +1,20 @@
+/* RMSNorm in float (kernels.h) and double (kernels_f64.h). */
+#include <math.h>
+
+#include "kernels/kernels.h"
+#include "kernels/kernels_f64.h"
+
+#define NORM_PAR_MIN ((int64_t)1 << 15) /* below this many elements, one thread */
+#define NORM_COLS 128                   /* columns per thread block in the dw reduction */
+
+#define real float
+#define KFN(n) n
+#include "norm.inc"
+#undef real
+#undef KFN
+
+#define real double
+#define KFN(n) n##_f64
+#include "norm.inc"
+#undef real
+#undef KFN
