@@ -1,0 +1,38 @@
+/* Lightning indexer top-k and indexer KL loss: the code is indexer.inc, written over `real`;
+ * compiled here in float (kernels.h names) and in double (the _f64 twins of kernels_f64.h, used by
+ * the finite-difference tests). */
+#include "ds4/core.h"
+#include "kernels/kernels.h"
+#include "kernels/kernels_f64.h"
+
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+/* The vector helpers of the .inc pass GCC vector types by value; they are all static, so the
+ * note that this ABI changes without -mavx does not apply. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#define real float
+#define REAL_IS_F32 1
+#define KFN(n) n
+#define rexp expf
+#define rlog logf
+#include "indexer.inc"
+#undef real
+#undef REAL_IS_F32
+#undef KFN
+#undef rexp
+#undef rlog
+
+#define real double
+#define REAL_IS_F32 0
+#define KFN(n) n##_f64
+#define rexp exp
+#define rlog log
+#include "indexer.inc"
+#undef real
+#undef REAL_IS_F32
+#undef KFN
+#undef rexp
+#undef rlog
