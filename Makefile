@@ -45,9 +45,14 @@ test-c: all
 asan:
 	$(MAKE) BUILD=build-asan OPT="-O1 -march=native" SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test-c
 
+# The README's test command: all tests, then the C tests under ASan + UBSan.
+check:
+	$(MAKE) test
+	$(MAKE) asan
+
 clean:
 	rm -rf build build-asan
 
-.PHONY: all test test-c asan clean
+.PHONY: all test test-c asan check clean
 .SECONDARY:
 -include $(LIB_OBJ:.o=.d) $(TOOL_OBJ:.o=.d) $(TEST_BIN:%=%.d) $(BENCH_BIN:%=%.d)

@@ -3,7 +3,12 @@
 #define DS4_TOOLS_CMDS_H
 int cmd_init(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
+int cmd_convert(int argc, char **argv);
+int cmd_export(int argc, char **argv);
 int cmd_debug_state(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_train(int argc, char **argv);
+int cmd_generate(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
+int cmd_memplan(int argc, char **argv);
 #endif

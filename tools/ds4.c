@@ -12,8 +12,14 @@ typedef struct {
 
 static const command k_commands[] = {
     {"init", cmd_init, "write a randomly initialised model directory"},
-    {"inspect", cmd_inspect, "list the tensors of a .safetensors file or model directory"},
+    {"inspect", cmd_inspect, "list the tensors of a .safetensors file or model directory (--stats, --check)"},
+    {"convert", cmd_convert, "dequantize an official FP8/FP4 checkpoint to bf16/f32 (official or HF names)"},
+    {"export", cmd_export, "write a Hugging Face model directory from a ds4 checkpoint folder"},
+    {"tokenize", cmd_tokenize, "turn text / JSONL into token shards"},
     {"train", cmd_train, "train a model from a TOML config"},
+    {"eval", cmd_eval, "validation loss and perplexity of a model on held-out token shards"},
+    {"generate", cmd_generate, "continue a prompt with the cached decoder (greedy, temperature, top-p)"},
+    {"memplan", cmd_memplan, "peak memory of one training step, without running it"},
     {"debug-state", cmd_debug_state, "one forward+backward; write logits, losses, gradients, top-k"},
 };
 

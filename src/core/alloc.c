@@ -20,6 +20,10 @@ static _Atomic int64_t g_peak[DS4_MEM_NCAT];
 static _Atomic int64_t g_live_total;
 static _Atomic int64_t g_peak_total;
 static _Atomic int64_t g_n_allocs;
+static bool g_shape_only;
+
+void ds4_set_shape_only(bool on) { g_shape_only = on; }
+bool ds4_shape_only(void) { return g_shape_only; }
 
 static void atomic_max(_Atomic int64_t *p, int64_t v) {
     int64_t cur = atomic_load(p);
@@ -43,7 +47,9 @@ void *ds4_alloc(ds4_mem_cat cat, size_t bytes) {
         ds4_fail(DS4_ERR_OOM, "ds4_alloc: size %zu overflows", bytes);
         return NULL;
     }
-    void *base = aligned_alloc(64, total);
+    /* shape-only: only the header is real; the data pointer must never be dereferenced */
+    bool virt = g_shape_only && cat != DS4_MEM_OTHER;
+    void *base = aligned_alloc(64, virt ? HDR : total);
     if (!base) {
         ds4_fail(DS4_ERR_OOM, "out of memory allocating %zu bytes of %s", bytes, ds4_mem_cat_name(cat));
         return NULL;
@@ -62,7 +68,7 @@ void *ds4_alloc(ds4_mem_cat cat, size_t bytes) {
 
 void *ds4_calloc(ds4_mem_cat cat, size_t bytes) {
     void *p = ds4_alloc(cat, bytes);
-    if (p) memset(p, 0, bytes);
+    if (p && !(g_shape_only && cat != DS4_MEM_OTHER)) memset(p, 0, bytes);
     return p;
 }
 

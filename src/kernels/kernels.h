@@ -20,6 +20,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ds4/core.h"
+
+/* Every kernel starts with this (after allocating its workspace, if it has one, so that memplan's
+ * shape-only run counts the same bytes): in shape-only mode there is no data to compute on. */
+#define KERNEL_SHAPE_ONLY_RETURN(...)        \
+    do {                                     \
+        if (ds4_shape_only()) return __VA_ARGS__; \
+    } while (0)
+
 /* ================================================================ gemm (kernels/ref/gemm.c, x86/gemm.c)
  * beta is 0 (overwrite C) or 1 (accumulate into C). Leading dimensions in elements. */
 /* C[M,N] = beta*C + A[M,K] · B[N,K]^T        (linear forward: out = in · W^T) */
@@ -37,6 +46,11 @@ void gemm_nn_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, c
                  float *C, int64_t ldc, float beta);
 void gemm_tn_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
                  float *C, int64_t ldc, float beta);
+
+/* Packing workspace of the fast GEMM, reserved while a model exists (refcounted). Without it the GEMM
+ * allocates transient buffers per call. */
+void gemm_workspace_reserve(void);
+void gemm_workspace_release(void);
 
 /* Linear layer without bias. out: [N, OC], inp: [N, IC], w: [OC, IC]. */
 void linear_fwd(float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC);

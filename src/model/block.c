@@ -267,7 +267,7 @@ static ds4_status u_o_proj(const block_ctx *bc, block_acts *a) {
     NEED(a->o_r = OUT_F(U_O_PROJ, N * H * hd));
     NEED(a->z = OUT_F(U_O_PROJ, N * G * R));
     NEED(a->attn_out = OUT_F(U_O_PROJ, N * D));
-    memcpy(a->o_r, a->o, (size_t)(N * H * hd) * sizeof(float));
+    if (!ds4_shape_only()) memcpy(a->o_r, a->o, (size_t)(N * H * hd) * sizeof(float));
     rope_fwd(a->o_r, N, H, hd, T, 1, block_rope(m, a->ratio), true);
     grouped_linear_fwd(a->z, a->o_r, W->wo_a, N, G, R, H * hd / G);
     linear_fwd(a->attn_out, a->z, W->wo_b, N, G * R, D);
@@ -337,7 +337,7 @@ static ds4_status u_router(const block_ctx *bc, block_acts *a) {
     bool hash = block_is_hash(c, bc->layer);
     moe_gate_fwd(a->gidx, a->gw, a->gscores, a->glogits, hash ? NULL : W->gate_bias,
                  hash ? m->tid2eid[bc->layer] : NULL, bc->ids, N, E, K, (float)c->route_scale);
-    return route_assignments(a, N, E, K);
+    return ds4_shape_only() ? DS4_OK : route_assignments(a, N, E, K);
 }
 
 static void gather_rows(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D) {
@@ -369,10 +369,11 @@ static ds4_status u_moe(const block_ctx *bc, block_acts *a) {
     NEED(a->sh1 = OUT_F(u, N * Is));
     NEED(a->sh3 = OUT_F(u, N * Is));
     NEED(a->ffn_out = OUT_F(u, N * D));
-    memset(a->ffn_out, 0, (size_t)(N * D) * sizeof(float));
+    const bool shape = ds4_shape_only(); /* memplan: no routing data; the per-expert GEMMs allocate nothing */
+    if (!shape) memset(a->ffn_out, 0, (size_t)(N * D) * sizeof(float));
     float *xe = work(N * K * D), *act = work(N * (K * I > Is ? K * I : Is)), *ye = work(N * K * D);
     ds4_status st = (xe && act && ye) ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
-    for (int64_t e = 0; st == DS4_OK && e < E; e++) {
+    for (int64_t e = 0; st == DS4_OK && !shape && e < E; e++) {
         int64_t j0 = a->eoff[e], ne = a->eoff[e + 1] - j0;
         if (ne == 0) continue;
         const expert_w *ew = &W->experts[e];
@@ -393,7 +394,7 @@ static ds4_status u_moe(const block_ctx *bc, block_acts *a) {
         linear_fwd(a->sh3, a->xf, W->shared.w3, N, D, Is);
         swiglu_fwd(act, a->sh1, a->sh3, N, Is, limit);
         linear_fwd(ye, act, W->shared.w2, N, Is, D);
-        for (int64_t i = 0; i < N * D; i++) a->ffn_out[i] += ye[i];
+        for (int64_t i = 0; i < (shape ? 0 : N * D); i++) a->ffn_out[i] += ye[i];
     }
     ds4_free(xe);
     ds4_free(act);
@@ -465,7 +466,7 @@ ds4_status block_fwd(const block_ctx *bc, block_acts *a, const float *X_in, floa
         if (st != DS4_OK) break;
         if (stats) stats[u].bytes = unit_bytes(a, (unit_id)u);
         if (u == U_SPARSE_ATTN && a->ratio == 4 && !bc->keep) indexer_kl_forward_only(bc, a, kl_sum, kl_rows);
-        if (u == U_ROUTER && expert_load) {
+        if (u == U_ROUTER && expert_load && !ds4_shape_only()) {
             const int64_t E = bc->m->cfg.n_routed_experts;
             for (int64_t e = 0; e < E; e++) expert_load[e] += a->eoff[e + 1] - a->eoff[e];
         }
@@ -541,17 +542,18 @@ static ds4_status moe_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory in MoE backward");
         goto done;
     }
+    const bool shape = ds4_shape_only(); /* memplan: no data, and no routing to follow */
     /* shared expert */
     swiglu_fwd(act, a->sh1, a->sh3, N, Is, limit);
-    memset(dact, 0, (size_t)(N * Is) * sizeof(float));
+    if (!shape) memset(dact, 0, (size_t)(N * Is) * sizeof(float));
     linear_bwd(dact, Gw->shared.w2, g->dffn, act, W->shared.w2, N, Is, D);
-    memset(dh1, 0, (size_t)(N * Is) * sizeof(float));
-    memset(dh3, 0, (size_t)(N * Is) * sizeof(float));
+    if (!shape) memset(dh1, 0, (size_t)(N * Is) * sizeof(float));
+    if (!shape) memset(dh3, 0, (size_t)(N * Is) * sizeof(float));
     swiglu_bwd(dh1, dh3, dact, a->sh1, a->sh3, N, Is, limit);
     linear_bwd(g->dxf, Gw->shared.w1, dh1, a->xf, W->shared.w1, N, D, Is);
     linear_bwd(g->dxf, Gw->shared.w3, dh3, a->xf, W->shared.w3, N, D, Is);
     /* routed experts, one at a time; dx scattered in a fixed (expert, token) order */
-    for (int64_t e = 0; e < E; e++) {
+    for (int64_t e = 0; !shape && e < E; e++) {
         int64_t j0 = a->eoff[e], ne = a->eoff[e + 1] - j0;
         if (ne == 0) continue;
         const expert_w *ew = &W->experts[e];
@@ -648,7 +650,7 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, double *kl_sum
     ds4_free(dqi);
     ds4_free(dki);
     ds4_free(dwi);
-    if (st == DS4_OK && got != rows)
+    if (st == DS4_OK && got != rows && !ds4_shape_only())
         st = ds4_fail(DS4_ERR_INTERNAL, "indexer loss: %lld rows counted, %lld expected", (long long)got,
                       (long long)rows);
     return st;
@@ -734,7 +736,7 @@ static ds4_status bwd_run_step(const block_ctx *bc, block_acts *a, block_grads *
         if (!dqraw) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
         rope_bwd(g->dq, N, H, hd, T, 1, rope, false);
         rmsnorm_bwd(dqraw, NULL, g->dq, a->qraw, NULL, a->q_rstd, N * H, hd);
-        memset(g->dq, 0, (size_t)(N * QR) * sizeof(float)); /* reuse dq as d qr [N, QR] (QR <= H·hd) */
+        if (!ds4_shape_only()) memset(g->dq, 0, (size_t)(N * QR) * sizeof(float)); /* reuse dq as d qr [N, QR] */
         linear_bwd(g->dq, Gw->wq_b, dqraw, a->qr, W->wq_b, N, QR, H * hd);
         ds4_free(dqraw);
         return DS4_OK;

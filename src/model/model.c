@@ -133,7 +133,7 @@ static ds4_status head_fwd(ds4_pass *p, head_acts *h, const float *X, const floa
     rmsnorm_fwd(h->yn, h->rstd, h->y, normw, N, D, (float)c->norm_eps);
     linear_fwd(h->logits, h->yn, m->w.head, N, D, V);
     /* position t predicts ids[t + shift] */
-    for (int64_t b = 0; b < p->B; b++)
+    for (int64_t b = 0; b < (ds4_shape_only() ? 0 : p->B); b++)
         for (int64_t t = 0; t < p->T; t++)
             h->targets[b * p->T + t] = t + shift < p->T ? p->ids[b * p->T + t + shift] : -1;
     cross_entropy_fwd_bwd(&h->loss_sum, &h->n_scored, NULL, h->logits, h->targets, N, V, 0.0f);
@@ -193,7 +193,7 @@ static ds4_status mtp_input_fwd(ds4_pass *p) {
     linear_fwd(ep, p->m_en, m->w.e_proj, N, D, D);
     rmsnorm_fwd(p->m_hn, p->m_hn_rstd, p->X[c->n_layers], m->w.hnorm, N * n, D, eps);
     linear_fwd(p->m_X0, p->m_hn, m->w.h_proj, N * n, D, D);
-    for (int64_t t = 0; t < N; t++)
+    for (int64_t t = 0; t < (ds4_shape_only() ? 0 : N); t++)
         for (int64_t k = 0; k < n; k++) {
             float *dst = p->m_X0 + (t * n + k) * D;
             for (int64_t d = 0; d < D; d++) dst[d] += ep[t * D + d];
@@ -216,7 +216,7 @@ static ds4_status mtp_input_bwd(ds4_pass *p, const float *dX0, float *dXL) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory in the MTP input backward");
         goto done;
     }
-    for (int64_t t = 0; t < N; t++)
+    for (int64_t t = 0; t < (ds4_shape_only() ? 0 : N); t++)
         for (int64_t k = 0; k < n; k++)
             for (int64_t d = 0; d < D; d++) dep[t * D + d] += dX0[(t * n + k) * D + d];
     linear_bwd(den, m->g.e_proj, dep, p->m_en, m->w.e_proj, N, D, D);
@@ -279,9 +279,12 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
         st = ds4_fail(DS4_ERR_OOM, "out of memory starting the forward pass");
         goto fail;
     }
-    memcpy(p->ids, ids, (size_t)N * sizeof(int32_t));
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t t = 0; t < T; t++) p->ids_next[b * T + t] = t + 1 < T ? ids[b * T + t + 1] : 0;
+    const bool shape = ds4_shape_only(); /* memplan: allocate as usual, touch no data */
+    if (!shape) {
+        memcpy(p->ids, ids, (size_t)N * sizeof(int32_t));
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t t = 0; t < T; t++) p->ids_next[b * T + t] = t + 1 < T ? ids[b * T + t + 1] : 0;
+    }
 
     /* embedding into n identical streams: X0 [N, n, D] */
     p->X[0] = pass_alloc(N * n * D);
@@ -290,7 +293,7 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
         goto fail;
     }
     embedding_fwd(p->X[0], m->w.embed, p->ids, N, D);
-    for (int64_t t = N - 1; t >= 0; t--)
+    for (int64_t t = shape ? -1 : N - 1; t >= 0; t--)
         for (int64_t k = n - 1; k >= 0; k--)
             memmove(p->X[0] + (t * n + k) * D, p->X[0] + t * D, (size_t)D * sizeof(float));
     /* blocks */
@@ -382,7 +385,7 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
         float *de = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
         if (!de) st = ds4_fail(DS4_ERR_OOM, "out of memory in embedding backward");
         else {
-            for (int64_t t = 0; t < N; t++)
+            for (int64_t t = 0; t < (ds4_shape_only() ? 0 : N); t++)
                 for (int64_t k = 0; k < n; k++)
                     for (int64_t d = 0; d < D; d++) de[t * D + d] += dX[(t * n + k) * D + d];
             embedding_bwd(m->g.embed, de, p->ids, N, D);
@@ -392,7 +395,7 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
     ds4_free(dX);
     /* the router bias is not trained by gradients */
     for (int64_t l = 0; l < n_blocks(c); l++)
-        if (m->g.blocks[l].gate_bias) memset(m->g.blocks[l].gate_bias, 0, (size_t)c->n_routed_experts * sizeof(float));
+        if (m->g.blocks[l].gate_bias && !ds4_shape_only()) memset(m->g.blocks[l].gate_bias, 0, (size_t)c->n_routed_experts * sizeof(float));
     if (st == DS4_OK) finish_losses(p);
     return st;
 }
@@ -410,3 +413,7 @@ ds4_unit_report ds4_pass_unit_report(const ds4_pass *p, int64_t layer, int unit)
     const unit_stats *s = &p->unit_stats[layer * U_COUNT + unit];
     return (ds4_unit_report){s->bytes, s->released, s->replays, s->replay_seconds};
 }
+
+/* ------------------------------------------------------------------ incremental decoding (model/decode.c) */
+/* Rope tables covering positions [0, T), for callers that run the blocks' math outside a pass. */
+ds4_status model_ensure_rope(ds4_model *m, int64_t T) { return ensure_rope(m, T); }

@@ -49,7 +49,11 @@ struct ds4_model {
     model_w w, g;                     /* values / gradients */
     ds4_rope rope_main, rope_cmp;     /* rebuilt when T grows */
     int64_t rope_len;
+    bool gemm_ws;                     /* holds a reference on the GEMM packing workspace */
 };
+
+/* Rope tables for positions [0, T) (model.c; grows only). For model/decode.c. */
+ds4_status model_ensure_rope(ds4_model *m, int64_t T);
 
 static inline int64_t n_blocks(const ds4_config *c) { return c->n_layers + c->n_mtp_layers; }
 static inline int64_t mix_hc(const ds4_config *c) { return (2 + c->hc_mult) * c->hc_mult; }

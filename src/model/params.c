@@ -207,6 +207,8 @@ ds4_status ds4_model_create(const ds4_config *cfg, ds4_model **out) {
         ds4_free(tb.binds);
         goto oom;
     }
+    gemm_workspace_reserve();
+    m->gemm_ws = true;
     m->flat = ds4_calloc(DS4_MEM_PARAM, (size_t)m->numel * sizeof(float));
     m->gflat = ds4_calloc(DS4_MEM_GRAD, (size_t)m->numel * sizeof(float));
     if (!m->flat || !m->gflat) {
@@ -255,6 +257,7 @@ void ds4_model_free(ds4_model *m) {
     ds4_free(m->gflat);
     rope_table_free(&m->rope_main);
     rope_table_free(&m->rope_cmp);
+    if (m->gemm_ws) gemm_workspace_release();
     ds4_free(m);
 }
 
@@ -264,7 +267,9 @@ ds4_param *ds4_model_param(ds4_model *m, int64_t i) { return &m->params[i]; }
 int64_t ds4_model_numel(const ds4_model *m) { return m->numel; }
 float *ds4_model_params_flat(ds4_model *m) { return m->flat; }
 float *ds4_model_grads_flat(ds4_model *m) { return m->gflat; }
-void ds4_model_zero_grad(ds4_model *m) { memset(m->gflat, 0, (size_t)m->numel * sizeof(float)); }
+void ds4_model_zero_grad(ds4_model *m) {
+    if (!ds4_shape_only()) memset(m->gflat, 0, (size_t)m->numel * sizeof(float));
+}
 
 ds4_param *ds4_model_find(ds4_model *m, const char *name) {
     for (int64_t i = 0; i < m->nparams; i++)
@@ -307,6 +312,7 @@ static void init_tid2eid(ds4_param *p, uint64_t seed, uint64_t stream, int64_t E
 }
 
 void ds4_model_init_random(ds4_model *m, uint64_t seed) {
+    if (ds4_shape_only()) return;
     for (int64_t i = 0; i < m->nparams; i++) {
         ds4_param *p = &m->params[i];
         uint64_t stream = ds4_hash_str(p->name);

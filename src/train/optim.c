@@ -2,6 +2,7 @@
 #include "ds4/train.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 ds4_status ds4_adamw_init(ds4_adamw *o, ds4_model *m) {
@@ -17,7 +18,7 @@ ds4_status ds4_adamw_init(ds4_adamw *o, ds4_model *m) {
         return ds4_fail(DS4_ERR_OOM, "out of memory for the optimizer state (%lld parameters)", (long long)n);
     }
     const float *base = ds4_model_params_flat(m);
-    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+    for (int64_t i = 0; i < (ds4_shape_only() ? 0 : ds4_model_nparams(m)); i++) {
         ds4_param *p = ds4_model_param(m, i);
         if (p->is_int) continue;
         int64_t off = p->data - base;
@@ -36,6 +37,7 @@ void ds4_adamw_free(ds4_adamw *o) {
 }
 
 void ds4_adamw_step(ds4_adamw *o, ds4_model *m, const ds4_adamw_cfg *c, double lr) {
+    if (ds4_shape_only()) return;
     float *w = ds4_model_params_flat(m);
     const float *g = ds4_model_grads_flat(m);
     o->step++;
@@ -62,6 +64,10 @@ double ds4_clip_grad_norm(ds4_model *m, double max_norm) {
     const int64_t chunk = 1 << 16, nchunks = (n + chunk - 1) / chunk;
     double *part = ds4_calloc(DS4_MEM_WORK, (size_t)(nchunks > 0 ? nchunks : 1) * sizeof(double));
     if (!part) return NAN;
+    if (ds4_shape_only()) {
+        ds4_free(part);
+        return 0;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < nchunks; c++) {
         double s = 0;

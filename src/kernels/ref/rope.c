@@ -46,7 +46,7 @@ bool rope_table_init(ds4_rope *r, int64_t rd, int64_t max_pos, double base, doub
                  (long long)max_pos);
         return false;
     }
-    double *theta = ds4_alloc(DS4_MEM_WORK, (size_t)half * sizeof(double));
+    double *theta = ds4_alloc(DS4_MEM_OTHER, (size_t)half * sizeof(double)); /* real even in shape-only mode */
     r->cos = ds4_alloc(DS4_MEM_OTHER, (size_t)(max_pos * half) * sizeof(float));
     r->sin = ds4_alloc(DS4_MEM_OTHER, (size_t)(max_pos * half) * sizeof(float));
     if (!theta || !r->cos || !r->sin) {

@@ -168,10 +168,40 @@ static void task_shape(int64_t M, int64_t N, int nth, int64_t *mc, int64_t *nt) 
     while (cdiv(M, *mc) * cdiv(N, *nt) < 4 * nth && *mc > 4 * MR) *mc = MR * (*mc / MR / 2);
 }
 
+/* Packing workspace reserved for a model's lifetime: GEMMs inside a pass then allocate nothing, so a
+ * pass's memory (and memplan's prediction of it) does not depend on the routing of tokens to experts.
+ * Sized for the largest slice (KC × NC of B, KC × MC of A per thread). */
+static struct {
+    float *bp, *ap;
+    int threads;
+    int refs;
+    bool shape_only; /* reserved in shape-only mode: counted, no memory behind it */
+} g_ws;
+
+void gemm_workspace_reserve(void) {
+    if (g_ws.refs++ > 0) return;
+    g_ws.threads = omp_get_max_threads();
+    g_ws.shape_only = ds4_shape_only();
+    g_ws.bp = ds4_alloc(DS4_MEM_WORK, (size_t)KC * NC * sizeof(float));
+    g_ws.ap = ds4_alloc(DS4_MEM_WORK, (size_t)g_ws.threads * KC * MC * sizeof(float));
+}
+
+void gemm_workspace_release(void) {
+    if (g_ws.refs <= 0 || --g_ws.refs > 0) return;
+    ds4_free(g_ws.bp);
+    ds4_free(g_ws.ap);
+    memset(&g_ws, 0, sizeof g_ws);
+}
+
+static bool workspace_usable(int nth) {
+    return g_ws.bp && g_ws.ap && nth <= g_ws.threads && g_ws.shape_only == ds4_shape_only() && !omp_in_parallel();
+}
+
 /* C[M,N] = beta·C + A·B with A viewed M×K and B viewed K×N. Returns false (nothing written) when
  * the packing buffers cannot be allocated. */
 static bool gemm_fast(int64_t M, int64_t N, int64_t K, view A, view B, float *C, int64_t ldc, float beta) {
     if (M <= 0 || N <= 0) return true;
+    if (K <= 0 && ds4_shape_only()) return true;
     if (K <= 0) { /* empty sum: C = beta·C */
         for (int64_t i = 0; i < M; i++)
             for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta == 0 ? 0 : beta * C[i * ldc + j];
@@ -182,12 +212,23 @@ static bool gemm_fast(int64_t M, int64_t N, int64_t K, view A, view B, float *C,
     task_shape(M, nc_max, nth, &mc, &nt);
     if (nth > cdiv(M, mc) * cdiv(nc_max, nt)) nth = (int)(cdiv(M, mc) * cdiv(nc_max, nt));
     int64_t ap_len = kc_max * cdiv(min64(M, mc), MR) * MR; /* floats of packed A per thread */
-    float *bp = ds4_alloc(DS4_MEM_WORK, (size_t)(kc_max * cdiv(nc_max, NR) * NR) * sizeof(float));
-    float *ap = ds4_alloc(DS4_MEM_WORK, (size_t)nth * (size_t)ap_len * sizeof(float));
-    if (!bp || !ap) {
-        ds4_free(bp);
-        ds4_free(ap);
-        return false;
+    float *bp, *ap;
+    bool pooled = workspace_usable(nth);
+    if (pooled) {
+        bp = g_ws.bp;
+        ap = g_ws.ap;
+        ap_len = KC * MC; /* the pool's per-thread stride */
+    } else {
+        bp = ds4_alloc(DS4_MEM_WORK, (size_t)(kc_max * cdiv(nc_max, NR) * NR) * sizeof(float));
+        ap = ds4_alloc(DS4_MEM_WORK, (size_t)nth * (size_t)ap_len * sizeof(float));
+    }
+    if (!bp || !ap || ds4_shape_only()) { /* shape-only: the buffers were counted, nothing is computed */
+        bool ok = bp && ap;
+        if (!pooled) {
+            ds4_free(bp);
+            ds4_free(ap);
+        }
+        return ok;
     }
 #pragma omp parallel num_threads(nth)
     {
@@ -225,8 +266,10 @@ static bool gemm_fast(int64_t M, int64_t N, int64_t K, view A, view B, float *C,
             }
         }
     }
-    ds4_free(bp);
-    ds4_free(ap);
+    if (!pooled) {
+        ds4_free(bp);
+        ds4_free(ap);
+    }
     return true;
 }
 

@@ -1,0 +1,56 @@
+/* memplan: one training step's memory, measured on the real code path in shape-only mode. */
+#include "ds4/memplan.h"
+
+#include "ds4/model.h"
+#include "ds4/train.h"
+
+#include <string.h>
+
+static ds4_status step(const ds4_config *c, int64_t B, int64_t T, const uint32_t *masks, int32_t *ids,
+                       ds4_mem_stats *end) {
+    ds4_model *m;
+    DS4_TRY(ds4_model_create(c, &m));
+    ds4_model_init_random(m, 1);
+    ds4_adamw opt;
+    ds4_status st = ds4_adamw_init(&opt, m);
+    if (st != DS4_OK) {
+        ds4_model_free(m);
+        return st;
+    }
+    ds4_pass_opts o = {.need_backward = true, .release_mask = masks};
+    ds4_pass *p = NULL;
+    st = ds4_forward(m, ids, B, T, &o, &p);
+    if (st == DS4_OK) st = ds4_backward(m, p);
+    ds4_pass_free(p);
+    if (st == DS4_OK) {
+        ds4_clip_grad_norm(m, 1.0);
+        ds4_adamw_cfg ac = {.lr = 1e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+        ds4_adamw_step(&opt, m, &ac, 1e-4);
+    }
+    ds4_mem_get(end); /* what stays between steps: parameters, gradients, optimizer state */
+    ds4_adamw_free(&opt);
+    ds4_model_free(m);
+    return st;
+}
+
+ds4_status ds4_step_memory_run(const ds4_config *c, int64_t B, int64_t T, const uint32_t *masks, bool shape_only,
+                               ds4_step_memory *out) {
+    memset(out, 0, sizeof *out);
+    /* token ids are metadata-sized and real in both modes (the forward validates them) */
+    int32_t *ids = ds4_calloc(DS4_MEM_OTHER, (size_t)(B * T) * sizeof(int32_t));
+    if (!ids) return ds4_fail(DS4_ERR_OOM, "memplan: out of memory for %lld token ids", (long long)(B * T));
+    double t0 = ds4_now();
+    ds4_mem_stats s0, s1, end = {0};
+    ds4_mem_reset_peak();
+    ds4_mem_get(&s0);
+    ds4_set_shape_only(shape_only);
+    ds4_status st = step(c, B, T, masks, ids, &end);
+    ds4_set_shape_only(false);
+    ds4_mem_get(&s1);
+    for (int k = 0; k < DS4_MEM_NCAT; k++) out->peak[k] = s1.peak[k] - s0.live[k];
+    out->peak_total = s1.peak_total - s0.live_total;
+    out->after_step = end.live_total - s0.live_total;
+    out->seconds = ds4_now() - t0;
+    ds4_free(ids);
+    return st;
+}
