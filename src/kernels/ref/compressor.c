@@ -31,18 +31,5 @@ static inline bool cp_slot(int64_t s, int64_t i, int64_t r, int64_t d, bool over
 /* Elementwise loops (no reductions): vectorised without changing any result bit. */
 #define CP_SIMD _Pragma("omp simd")
 
-#define real float
-#define KFN(n) n
-#define EXP expf
-#include "compressor.inc"
-#undef real
-#undef KFN
-#undef EXP
-
-#define real double
-#define KFN(n) n##_f64
-#define EXP exp
-#include "compressor.inc"
-#undef real
-#undef KFN
-#undef EXP
+#define KERNEL_TEMPLATE "compressor.inc"
+#include "twin.h"

@@ -7,14 +7,5 @@
 #define EMBED_PAR_MIN ((int64_t)1 << 15) /* below this many elements, one thread */
 #define EMBED_COLS 64                    /* columns per thread block in backward */
 
-#define real float
-#define KFN(n) n
-#include "embed.inc"
-#undef real
-#undef KFN
-
-#define real double
-#define KFN(n) n##_f64
-#include "embed.inc"
-#undef real
-#undef KFN
+#define KERNEL_TEMPLATE "embed.inc"
+#include "twin.h"

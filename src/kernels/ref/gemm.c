@@ -5,14 +5,5 @@
 #define GEMM_REF_PAR_MIN ((int64_t)1 << 18) /* below this many multiply-adds, one thread */
 #define GEMM_REF_COLS 64                     /* columns accumulated together in nn / tn */
 
-#define real float
-#define KFN(n) n
-#include "gemm.inc"
-#undef real
-#undef KFN
-
-#define real double
-#define KFN(n) n##_f64
-#include "gemm.inc"
-#undef real
-#undef KFN
+#define KERNEL_TEMPLATE "gemm.inc"
+#include "twin.h"

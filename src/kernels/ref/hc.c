@@ -25,22 +25,5 @@ static inline int64_t hc_chunk_tokens(int64_t W) { return HC_CHUNK_REALS / W > 0
 #define HC_SIMD _Pragma("omp simd")
 #define HC_INLINE static inline __attribute__((always_inline))
 
-#define real float
-#define KFN(n) n
-#define EXP expf
-#define SQRT sqrtf
-#include "hc.inc"
-#undef real
-#undef KFN
-#undef EXP
-#undef SQRT
-
-#define real double
-#define KFN(n) n##_f64
-#define EXP exp
-#define SQRT sqrt
-#include "hc.inc"
-#undef real
-#undef KFN
-#undef EXP
-#undef SQRT
+#define KERNEL_TEMPLATE "hc.inc"
+#include "twin.h"

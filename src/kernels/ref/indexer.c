@@ -13,26 +13,5 @@
  * note that this ABI changes without -mavx does not apply. */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#define real float
-#define REAL_IS_F32 1
-#define KFN(n) n
-#define rexp expf
-#define rlog logf
-#include "indexer.inc"
-#undef real
-#undef REAL_IS_F32
-#undef KFN
-#undef rexp
-#undef rlog
-
-#define real double
-#define REAL_IS_F32 0
-#define KFN(n) n##_f64
-#define rexp exp
-#define rlog log
-#include "indexer.inc"
-#undef real
-#undef REAL_IS_F32
-#undef KFN
-#undef rexp
-#undef rlog
+#define KERNEL_TEMPLATE "indexer.inc"
+#include "twin.h"

@@ -2,18 +2,5 @@
 #include "kernels/kernels.h"
 #include "kernels/kernels_f64.h"
 
-#define real float
-#define KFN(n) n
-#define KGEMM(op) gemm_##op
-#include "linear.inc"
-#undef real
-#undef KFN
-#undef KGEMM
-
-#define real double
-#define KFN(n) n##_f64
-#define KGEMM(op) gemm_##op##_ref_f64
-#include "linear.inc"
-#undef real
-#undef KFN
-#undef KGEMM
+#define KERNEL_TEMPLATE "linear.inc"
+#include "twin.h"

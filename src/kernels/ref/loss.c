@@ -9,14 +9,5 @@
 #define CE_PAR_MIN ((int64_t)1 << 15) /* below this many logits, one thread */
 #define CE_CHUNKS 64                  /* fixed row ranges: partial sums independent of threads */
 
-#define real float
-#define KFN(n) n
-#include "loss.inc"
-#undef real
-#undef KFN
-
-#define real double
-#define KFN(n) n##_f64
-#include "loss.inc"
-#undef real
-#undef KFN
+#define KERNEL_TEMPLATE "loss.inc"
+#include "twin.h"

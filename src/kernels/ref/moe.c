@@ -7,14 +7,5 @@
 
 #define MOE_PAR_MIN ((int64_t)1 << 15) /* below this many elements, one thread */
 
-#define real float
-#define KFN(n) n
-#include "moe.inc"
-#undef real
-#undef KFN
-
-#define real double
-#define KFN(n) n##_f64
-#include "moe.inc"
-#undef real
-#undef KFN
+#define KERNEL_TEMPLATE "moe.inc"
+#include "twin.h"

@@ -7,14 +7,5 @@
 #define NORM_PAR_MIN ((int64_t)1 << 15) /* below this many elements, one thread */
 #define NORM_COLS 128                   /* columns per thread block in the dw reduction */
 
-#define real float
-#define KFN(n) n
-#include "norm.inc"
-#undef real
-#undef KFN
-
-#define real double
-#define KFN(n) n##_f64
-#include "norm.inc"
-#undef real
-#undef KFN
+#define KERNEL_TEMPLATE "norm.inc"
+#include "twin.h"

@@ -71,14 +71,5 @@ void rope_table_free(ds4_rope *r) {
     r->cos = r->sin = NULL;
 }
 
-#define real float
-#define KFN(n) n
-#include "rope.inc"
-#undef real
-#undef KFN
-
-#define real double
-#define KFN(n) n##_f64
-#include "rope.inc"
-#undef real
-#undef KFN
+#define KERNEL_TEMPLATE "rope.inc"
+#include "twin.h"

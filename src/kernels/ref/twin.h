@@ -1,0 +1,38 @@
+/* Compiles the kernel template KERNEL_TEMPLATE (a .inc written with the type `real`, the name macro
+ * KFN and the math macros below) twice: in float under the kernels.h names, and in double under the
+ * `_f64` names of kernels_f64.h that the finite-difference tests differentiate. Include it last. */
+#ifndef KERNEL_TEMPLATE
+#error "define KERNEL_TEMPLATE before including twin.h"
+#endif
+
+#define real float
+#define REAL_IS_F32 1
+#define KFN(n) n
+#define KGEMM(op) gemm_##op
+#define EXP expf
+#define LOG logf
+#define SQRT sqrtf
+#include KERNEL_TEMPLATE
+#undef real
+#undef REAL_IS_F32
+#undef KFN
+#undef KGEMM
+#undef EXP
+#undef LOG
+#undef SQRT
+
+#define real double
+#define REAL_IS_F32 0
+#define KFN(n) n##_f64
+#define KGEMM(op) gemm_##op##_ref_f64
+#define EXP exp
+#define LOG log
+#define SQRT sqrt
+#include KERNEL_TEMPLATE
+#undef real
+#undef REAL_IS_F32
+#undef KFN
+#undef KGEMM
+#undef EXP
+#undef LOG
+#undef SQRT
