@@ -143,18 +143,26 @@ static float indexer_wscale(const ds4_config *c) {
     (void)W; (void)B; (void)T; (void)N; (void)D; (void)n; (void)eps
 
 /* ================================================================== unit forwards */
-static ds4_status u_hc_pre_attn(const block_ctx *bc, block_acts *a) {
+/* mHC pre of one sub-layer: y [N, D], post [N, n], comb [N, n, n] (+ mixes [N, M], rsqrt [N]) from X. */
+static ds4_status hc_pre_unit(const block_ctx *bc, block_acts *a, unit_id u, const float *X, const float *fn,
+                              const float *scale, const float *base, float **mixes, float **rsqrt, float **post,
+                              float **comb, float **y) {
     UNIT_PROLOGUE;
     const int64_t M = mix_hc(c);
-    unit_id u = U_HC_PRE_ATTN;
-    NEED(a->hcA_mixes = OUT_F(u, N * M));
-    NEED(a->hcA_rsqrt = OUT_F(u, N));
-    NEED(a->hcA_post = OUT_F(u, N * n));
-    NEED(a->hcA_comb = OUT_F(u, N * n * n));
-    NEED(a->hcA_y = OUT_F(u, N * D));
-    hc_pre_fwd(a->hcA_y, a->hcA_post, a->hcA_comb, a->hcA_mixes, a->hcA_rsqrt, a->X_in, W->hc_attn_fn,
-               W->hc_attn_scale, W->hc_attn_base, N, n, D, c->hc_sinkhorn_iters, (float)c->hc_eps, eps);
+    NEED(*mixes = OUT_F(u, N * M));
+    NEED(*rsqrt = OUT_F(u, N));
+    NEED(*post = OUT_F(u, N * n));
+    NEED(*comb = OUT_F(u, N * n * n));
+    NEED(*y = OUT_F(u, N * D));
+    hc_pre_fwd(*y, *post, *comb, *mixes, *rsqrt, X, fn, scale, base, N, n, D, c->hc_sinkhorn_iters,
+               (float)c->hc_eps, eps);
     return DS4_OK;
+}
+
+static ds4_status u_hc_pre_attn(const block_ctx *bc, block_acts *a) {
+    const block_w *W = &bc->m->w.blocks[bc->layer];
+    return hc_pre_unit(bc, a, U_HC_PRE_ATTN, a->X_in, W->hc_attn_fn, W->hc_attn_scale, W->hc_attn_base,
+                       &a->hcA_mixes, &a->hcA_rsqrt, &a->hcA_post, &a->hcA_comb, &a->hcA_y);
 }
 
 static ds4_status u_attn_norm(const block_ctx *bc, block_acts *a) {
@@ -282,17 +290,9 @@ static ds4_status u_hc_post_attn(const block_ctx *bc, block_acts *a) {
 }
 
 static ds4_status u_hc_pre_ffn(const block_ctx *bc, block_acts *a) {
-    UNIT_PROLOGUE;
-    const int64_t M = mix_hc(c);
-    unit_id u = U_HC_PRE_FFN;
-    NEED(a->hcF_mixes = OUT_F(u, N * M));
-    NEED(a->hcF_rsqrt = OUT_F(u, N));
-    NEED(a->hcF_post = OUT_F(u, N * n));
-    NEED(a->hcF_comb = OUT_F(u, N * n * n));
-    NEED(a->hcF_y = OUT_F(u, N * D));
-    hc_pre_fwd(a->hcF_y, a->hcF_post, a->hcF_comb, a->hcF_mixes, a->hcF_rsqrt, a->X_mid, W->hc_ffn_fn,
-               W->hc_ffn_scale, W->hc_ffn_base, N, n, D, c->hc_sinkhorn_iters, (float)c->hc_eps, eps);
-    return DS4_OK;
+    const block_w *W = &bc->m->w.blocks[bc->layer];
+    return hc_pre_unit(bc, a, U_HC_PRE_FFN, a->X_mid, W->hc_ffn_fn, W->hc_ffn_scale, W->hc_ffn_base, &a->hcF_mixes,
+                       &a->hcF_rsqrt, &a->hcF_post, &a->hcF_comb, &a->hcF_y);
 }
 
 static ds4_status u_ffn_norm(const block_ctx *bc, block_acts *a) {
