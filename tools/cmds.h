@@ -8,6 +8,7 @@ int cmd_export(int argc, char **argv);
 int cmd_debug_state(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_train(int argc, char **argv);
+int cmd_plot(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
 int cmd_memplan(int argc, char **argv);

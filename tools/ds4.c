@@ -17,6 +17,7 @@ static const command k_commands[] = {
     {"export", cmd_export, "write a Hugging Face model directory from a ds4 checkpoint folder"},
     {"tokenize", cmd_tokenize, "turn text / JSONL into token shards"},
     {"train", cmd_train, "train a model from a TOML config"},
+    {"plot", cmd_plot, "render loss / memory curves from the train metrics JSONL to SVG (or PNG)"},
     {"eval", cmd_eval, "validation loss and perplexity of a model on held-out token shards"},
     {"generate", cmd_generate, "continue a prompt with the cached decoder (greedy, temperature, top-p)"},
     {"memplan", cmd_memplan, "peak memory of one training step, without running it"},

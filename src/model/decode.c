@@ -37,14 +37,18 @@ typedef struct {
     cmp_state icmp;       /* indexer compressor (ratio == 4) */
 } layer_cache;
 
-#define DEC_MAX_BUFS 96
+/* Below this many multiply-adds in the largest linear of a token (the head), the fast GEMM runs on
+ * one thread anyway, and the other one-token kernels' thread teams cost more than they save: such a
+ * model decodes on one thread (results do not depend on the thread count). */
+#define DEC_PAR_MIN ((int64_t)1 << 20)
 
 struct ds4_decoder {
     ds4_model *m;
     int64_t max_len, pos;
+    bool serial;          /* run each step on one thread */
     layer_cache *layers;  /* [n_layers] */
-    void *bufs[DEC_MAX_BUFS];
-    int nbufs;
+    void **bufs;          /* [cap] every allocation below, freed together */
+    int64_t nbufs, cap;
     /* one-token scratch */
     float *X, *Xmid, *Xnext;            /* [n, D] streams */
     float *mixes, *rsqrt, *post, *comb; /* [M], [1], [n], [n, n] */
@@ -65,8 +69,8 @@ struct ds4_decoder {
 
 /* ------------------------------------------------------------------ allocation */
 static void *dec_alloc(ds4_decoder *d, int64_t n, size_t elt) {
-    if (d->nbufs >= DEC_MAX_BUFS) {
-        ds4_fail(DS4_ERR_INTERNAL, "decoder: more than %d buffers", DEC_MAX_BUFS);
+    if (d->nbufs >= d->cap) {
+        ds4_fail(DS4_ERR_INTERNAL, "decoder: more than %lld buffers", (long long)d->cap);
         return NULL;
     }
     void *p = ds4_calloc(DS4_MEM_ACT, (size_t)(n > 0 ? n : 1) * elt);
@@ -77,14 +81,15 @@ static void *dec_alloc(ds4_decoder *d, int64_t n, size_t elt) {
 
 void ds4_decoder_free(ds4_decoder *dec) {
     if (!dec) return;
-    for (int i = 0; i < dec->nbufs; i++) ds4_free(dec->bufs[i]);
+    for (int64_t i = 0; i < dec->nbufs; i++) ds4_free(dec->bufs[i]);
+    ds4_free(dec->bufs);
     ds4_free(dec->layers);
     ds4_free(dec);
 }
 
 int64_t ds4_decoder_bytes(const ds4_decoder *dec) {
-    int64_t b = (int64_t)ds4_alloc_size(dec) + (int64_t)ds4_alloc_size(dec->layers);
-    for (int i = 0; i < dec->nbufs; i++) b += (int64_t)ds4_alloc_size(dec->bufs[i]);
+    int64_t b = (int64_t)(ds4_alloc_size(dec) + ds4_alloc_size(dec->layers) + ds4_alloc_size(dec->bufs));
+    for (int64_t i = 0; i < dec->nbufs; i++) b += (int64_t)ds4_alloc_size(dec->bufs[i]);
     return b;
 }
 
@@ -114,18 +119,22 @@ ds4_status ds4_decoder_new(ds4_model *m, int64_t max_len, ds4_decoder **out) {
     *out = NULL;
     const ds4_config *c = &m->cfg;
     if (max_len < 1) return ds4_fail(DS4_ERR_ARG, "decoder: max_len must be >= 1, got %lld", (long long)max_len);
-    if (c->window < 1) return ds4_fail(DS4_ERR_CONFIG, "decoder: sliding_window must be >= 1, got %lld", (long long)c->window);
+    if (c->window < 1)
+        return ds4_fail(DS4_ERR_CONFIG, "decoder: sliding_window must be >= 1, got %lld", (long long)c->window);
     DS4_TRY(model_ensure_rope(m, max_len));
     ds4_decoder *dec = ds4_calloc(DS4_MEM_ACT, sizeof *dec);
     if (!dec) return DS4_ERR_OOM;
     dec->m = m;
     dec->max_len = max_len;
+    dec->serial = c->vocab_size * c->dim < DEC_PAR_MIN;
     const int64_t L = c->n_layers, D = c->dim, n = c->hc_mult, H = c->n_heads, hd = c->head_dim;
     const int64_t QR = c->q_lora_rank, HI = c->index_n_heads, dI = c->index_head_dim, W = c->window;
     const int64_t E = c->n_routed_experts, K = c->n_activated_experts, I = c->moe_inter_dim;
     const int64_t Is = I * c->n_shared_experts, Imax = I > Is ? I : Is;
     const bool dense = c->csa_dense;
-    bool ok = (dec->layers = ds4_calloc(DS4_MEM_ACT, (size_t)L * sizeof(layer_cache))) != NULL;
+    dec->cap = 6 * L + 64; /* per layer at most keys + 2 × (a, z) + indexer entries; the scratch */
+    bool ok = (dec->layers = ds4_calloc(DS4_MEM_ACT, (size_t)L * sizeof(layer_cache))) != NULL &&
+              (dec->bufs = ds4_calloc(DS4_MEM_ACT, (size_t)dec->cap * sizeof(void *))) != NULL;
     int64_t ncap4 = 0, max_ck = 0; /* indexer entries; compressed keys one query can attend */
     for (int64_t l = 0; ok && l < L; l++) {
         layer_cache *lc = &dec->layers[l];
@@ -147,7 +156,8 @@ ds4_status ds4_decoder_new(ds4_model *m, int64_t max_len, ds4_decoder **out) {
     ok = ok && (dec->lse = DF(H)) && (dec->kvraw = DF(hd)) && (dec->pool = DF(pw));
     ok = ok && (dec->zlo = DF(c->o_groups * c->o_lora_rank)) && (dec->attn_out = DF(D));
     ok = ok && (dec->qi = DF(HI * dI)) && (dec->wi = DF(HI)) && (dec->iscore = DF(ncap4));
-    ok = ok && (dec->ikey = dec_alloc(dec, ncap4, sizeof(uint64_t))) && (dec->isort = dec_alloc(dec, ncap4, sizeof(uint64_t)));
+    ok = ok && (dec->ikey = dec_alloc(dec, ncap4, sizeof(uint64_t)));
+    ok = ok && (dec->isort = dec_alloc(dec, ncap4, sizeof(uint64_t)));
     ok = ok && (dec->topk = dec_alloc(dec, c->index_topk, sizeof(int32_t)));
     ok = ok && (dec->ids = dec_alloc(dec, W + max_ck, sizeof(int32_t)));
     ok = ok && (dec->xf = DF(D)) && (dec->glog = DF(E)) && (dec->gsc = DF(E)) && (dec->gw = DF(K));
@@ -384,6 +394,8 @@ ds4_status ds4_decoder_step(ds4_decoder *dec, int32_t token, float *logits_out) 
         return ds4_fail(DS4_ERR_ARG, "decoder: position %lld is past max_len %lld", (long long)p,
                         (long long)dec->max_len);
     DS4_TRY(model_ensure_rope(m, dec->max_len)); /* a no-op unless the tables were never this long */
+    const int threads = ds4_get_threads();
+    if (dec->serial) ds4_set_threads(1);
     /* embedding into n identical streams: X [n, D] */
     embedding_fwd(dec->X, m->w.embed, &token, 1, D);
     for (int64_t k = 1; k < n; k++) memcpy(dec->X + k * D, dec->X, (size_t)D * sizeof(float));
@@ -398,6 +410,7 @@ ds4_status ds4_decoder_step(ds4_decoder *dec, int32_t token, float *logits_out) 
                 D, (float)c->hc_eps, (float)c->norm_eps);
     rmsnorm_fwd(dec->hyn, dec->rstd, dec->hy, m->w.norm, 1, D, (float)c->norm_eps);
     linear_fwd(logits_out, dec->hyn, m->w.head, 1, D, c->vocab_size); // [V]
+    if (dec->serial) ds4_set_threads(threads);
     dec->pos = p + 1;
     return DS4_OK;
 }
