@@ -231,7 +231,10 @@ int cmd_debug_state(int argc, char **argv) {
     if (st == DS4_OK) st = ds4_model_load(m, d);
     ds4_model_dir_close(d);
     if (st == DS4_OK) st = read_batch(bp, &ids, &B, &T);
-    if (st == DS4_OK) st = debug_state(m, ids, B, T, out, &rc, report);
+    if (st == DS4_OK) {
+        st = debug_state(m, ids, B, T, out, &rc, report);
+        if (st == DS4_ERR_ARG && strstr(ds4_errmsg(), "input_ids")) ds4_fail_prefix(st, "%s", bp);
+    }
     ds4_free(ids);
     ds4_model_free(m);
     return st == DS4_OK ? 0 : cli_fail();

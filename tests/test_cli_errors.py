@@ -1,0 +1,113 @@
+"""Bad input to the ds4 CLI: each case exits non-zero with one `error:` line that names the file and
+the tensor or key, and never crashes (no signal, no sanitizer report)."""
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "ref"))
+import safetensors_io as st  # noqa: E402
+import torch  # noqa: E402
+
+build = sys.argv[sys.argv.index("--build") + 1] if "--build" in sys.argv else "build"
+ds4 = os.path.join(build, "ds4")
+passed = failed = 0
+
+
+def run(*args):
+    return subprocess.run([ds4, *args], capture_output=True, text=True, timeout=120)
+
+
+def expect_error(name, args, *needles):
+    global passed, failed
+    r = run(*args)
+    err = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    ok = r.returncode not in (0,) and r.returncode > 0 and len(err) == 1 and all(n in err[0] for n in needles)
+    ok = ok and "Sanitizer" not in r.stderr and "runtime error" not in r.stderr
+    if ok:
+        passed += 1
+    else:
+        failed += 1
+        print(f"FAIL {name}: rc={r.returncode} stderr={r.stderr.strip()[:400]!r} wanted {needles}")
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    model = os.path.join(tmp, "model")
+    r = run("init", "--config", "tests/configs/tiny-a.json", "--seed", "1", "--out", model)
+    assert r.returncode == 0, r.stderr
+    good = os.path.join(tmp, "b.safetensors")
+    st.save(good, {"input_ids": torch.randint(0, 256, (1, 40), dtype=torch.int32)})
+    out = os.path.join(tmp, "o.safetensors")
+
+    bad_ids = os.path.join(tmp, "bad_ids.safetensors")
+    ids = torch.randint(0, 256, (1, 40), dtype=torch.int32)
+    ids[0, 7] = 256
+    st.save(bad_ids, {"input_ids": ids})
+    expect_error("token id >= vocab", ["debug-state", "--model", model, "--batch", bad_ids, "--out", out],
+                 "bad_ids.safetensors", "input_ids[0, 7]", "256")
+
+    no_ids = os.path.join(tmp, "no_ids.safetensors")
+    st.save(no_ids, {"tokens": torch.zeros((1, 8), dtype=torch.int32)})
+    expect_error("missing input_ids", ["debug-state", "--model", model, "--batch", no_ids, "--out", out],
+                 "no_ids.safetensors", "input_ids")
+
+    f64_ids = os.path.join(tmp, "f_ids.safetensors")
+    st.save(f64_ids, {"input_ids": torch.zeros((1, 8), dtype=torch.int64)})
+    expect_error("input_ids wrong dtype", ["debug-state", "--model", model, "--batch", f64_ids, "--out", out],
+                 "f_ids.safetensors", "input_ids", "I32")
+
+    expect_error("missing model dir", ["debug-state", "--model", os.path.join(tmp, "nope"), "--batch", good,
+                                       "--out", out], "nope")
+
+    # a model dir whose safetensors lost a tensor
+    broken = os.path.join(tmp, "broken")
+    os.makedirs(broken)
+    tensors = st.load(os.path.join(model, "model.safetensors"))
+    del tensors["layers.1.attn.indexer.wq_b.weight"]
+    st.save(os.path.join(broken, "model.safetensors"), tensors)
+    with open(os.path.join(model, "config.json")) as f, open(os.path.join(broken, "config.json"), "w") as g:
+        g.write(f.read())
+    expect_error("missing tensor", ["debug-state", "--model", broken, "--batch", good, "--out", out],
+                 "layers.1.attn.indexer.wq_b.weight")
+
+    # a tensor with the wrong shape
+    tensors["layers.1.attn.indexer.wq_b.weight"] = torch.zeros((3, 3))
+    st.save(os.path.join(broken, "model.safetensors"), tensors)
+    expect_error("wrong shape", ["debug-state", "--model", broken, "--batch", good, "--out", out],
+                 "layers.1.attn.indexer.wq_b.weight", "[3, 3]")
+
+    # truncated safetensors
+    path = os.path.join(broken, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    expect_error("truncated file", ["debug-state", "--model", broken, "--batch", good, "--out", out],
+                 "model.safetensors")
+
+    # malformed config.json
+    with open(os.path.join(broken, "config.json"), "w") as g:
+        g.write('{"hidden_size": 64,, }')
+    expect_error("malformed config", ["debug-state", "--model", broken, "--batch", good, "--out", out],
+                 "config.json")
+
+    # an unknown config key
+    cfg = os.path.join(tmp, "cfg.json")
+    with open("tests/configs/tiny-a.json") as f:
+        text = f.read().replace('"hidden_size"', '"hiden_size"')
+    with open(cfg, "w") as g:
+        g.write(text)
+    expect_error("unknown config key", ["init", "--config", cfg, "--out", os.path.join(tmp, "m2")],
+                 "hiden_size", "hidden_size")
+
+    expect_error("unknown flag", ["debug-state", "--modle", model], "--modle")
+    expect_error("incompatible recompute flags",
+                 ["debug-state", "--model", model, "--batch", good, "--out", out, "--recompute-method", "block"],
+                 "--recompute-method")
+    # nothing was written by the failing runs
+    if os.path.exists(out):
+        failed += 1
+        print("FAIL a failing run left an output file")
+    else:
+        passed += 1
+
+print(f"test_cli_errors: {passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
