@@ -14,7 +14,7 @@
 
 /* ------------------------------------------------------------------ config */
 static const char *const k_known_keys[] = {
-    "model.dir", "model.config", "model.seed",
+    "model.dir", "model.config", "model.preset", "model.seed",
     "training.steps", "training.seq_len", "training.global_batch_size", "training.micro_batch_size",
     "training.seed", "training.threads", "training.max_norm", "training.mtp_loss_weight",
     "training.indexer_loss_coeff", "training.csa_dense_steps", "training.router_bias_gamma",
@@ -40,6 +40,15 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(ds4_toml_check_keys(t, k_known_keys, (int64_t)(sizeof k_known_keys / sizeof k_known_keys[0])));
     DS4_TRY(copy_str(t, "model.dir", "", c->model_dir, sizeof c->model_dir));
     DS4_TRY(copy_str(t, "model.config", "", c->model_config, sizeof c->model_config));
+    const char *preset;
+    DS4_TRY(ds4_toml_string_or(t, "model.preset", "", &preset));
+    if (preset[0]) { /* a named config shipped in configs/: deepseek-v4-flash, ds4-demo-small, ... */
+        if (c->model_config[0])
+            return ds4_fail(DS4_ERR_CONFIG, "[model]: set model.preset or model.config, not both");
+        if (strchr(preset, '/') || strchr(preset, '.'))
+            return ds4_fail(DS4_ERR_CONFIG, "key model.preset: '%s' is not a preset name (a file in configs/)", preset);
+        snprintf(c->model_config, sizeof c->model_config, "configs/%s.json", preset);
+    }
     DS4_TRY(ds4_toml_int_or(t, "model.seed", 0, &c->init_seed));
     DS4_TRY(ds4_toml_get_int(t, "training.steps", &c->steps));
     DS4_TRY(ds4_toml_get_int(t, "training.seq_len", &c->seq_len));
@@ -178,6 +187,7 @@ typedef struct {
     int64_t *loads;   /* [n_blocks, E] */
     FILE *jsonl;
     double peak_flops, flops_per_token;
+    bool report_pending; /* --memory-report: print it for the run's first step */
 } trainer;
 
 static ds4_status open_model(const ds4_train_cfg *c, ds4_model **out) {
@@ -231,7 +241,7 @@ static ds4_status train_step(trainer *tr, int64_t step, step_losses *sl) {
                 const int64_t *ld = ds4_pass_expert_load(p, l);
                 for (int64_t e = 0; e < mc->n_routed_experts; e++) tr->loads[l * mc->n_routed_experts + e] += ld[e];
             }
-            if (c->memory_report && a == 0) {
+            if (c->memory_report && a == 0 && tr->report_pending) {
                 fprintf(stderr, "memory report, step %lld (per layer and unit: kept/released bytes, replays)\n",
                         (long long)step);
                 for (int64_t l = 0; l < nb; l++)
@@ -360,6 +370,15 @@ static ds4_status train_loop(trainer *tr) {
             break;
         }
         ds4_adamw_step(&tr->opt, tr->m, &c->adamw, lr);
+        if (tr->report_pending) {
+            ds4_mem_stats ms;
+            ds4_mem_get(&ms);
+            fprintf(stderr, "  step %lld peak by category:", (long long)step);
+            for (int k = 0; k < DS4_MEM_NCAT; k++)
+                fprintf(stderr, " %s %lld", ds4_mem_cat_name((ds4_mem_cat)k), (long long)ms.peak[k]);
+            fprintf(stderr, "; total %lld bytes\n", (long long)ms.peak_total);
+            tr->report_pending = false;
+        }
         ds4_router_bias_update(tr->m, tr->loads, c->router_bias_gamma);
         log_step(tr, step, &sl, gnorm, lr, ds4_now() - t0);
         if (c->ckpt_folder[0] && c->ckpt_interval > 0 && step % c->ckpt_interval == 0 && step < c->steps)
@@ -373,7 +392,7 @@ static ds4_status train_loop(trainer *tr) {
 }
 
 ds4_status ds4_train_run(const ds4_train_cfg *c) {
-    trainer tr = {.cfg = c};
+    trainer tr = {.cfg = c, .report_pending = c->memory_report};
     g_stop = 0;
     if (c->threads > 0) ds4_set_threads((int)c->threads);
     DS4_TRY(open_model(c, &tr.m));
