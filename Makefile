@@ -45,10 +45,11 @@ test-c: all
 asan:
 	$(MAKE) BUILD=build-asan OPT="-O1 -march=native" SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test-c
 
-# The README's test command: all tests, then the C tests under ASan + UBSan.
+# The README's test command: all tests, the C tests under ASan + UBSan, then the fuzzers for 45 s.
 check:
 	$(MAKE) test
 	$(MAKE) asan
+	$(MAKE) fuzz FUZZ_SECONDS=45
 
 clean:
 	rm -rf build build-asan
@@ -56,3 +57,9 @@ clean:
 .PHONY: all test test-c asan check clean
 .SECONDARY:
 -include $(LIB_OBJ:.o=.d) $(TOOL_OBJ:.o=.d) $(TEST_BIN:%=%.d) $(BENCH_BIN:%=%.d)
+
+# libFuzzer targets (clang): replays tests/fuzz/regressions, then fuzzes FUZZ_SECONDS in total (<= 60).
+FUZZ_SECONDS ?= 60
+fuzz:
+	bash tests/fuzz/run.sh $(FUZZ_SECONDS)
+.PHONY: fuzz

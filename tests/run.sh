@@ -17,7 +17,7 @@ run_one() {
         crashed=$((crashed + 1)); return
     fi
     local p f
-    p=$(printf '%s' "$line" | sed -E 's/.*[^0-9]?([0-9]+) passed.*/\1/')
+    p=$(printf '%s' "$line" | sed -E 's/^(.*[^0-9])?([0-9]+) passed.*/\2/')
     f=$(printf '%s' "$line" | sed -E 's/.* ([0-9]+) failed.*/\1/')
     passed=$((passed + p)); failed=$((failed + f))
     if [ "$f" != 0 ] || [ $rc != 0 ]; then

@@ -171,7 +171,9 @@ void ds4_model_dir_close(ds4_model_dir *d) {
     ds4_free(d);
 }
 
-ds4_status ds4_model_dir_open(const char *dir, ds4_model_dir **out) {
+/* Opens dir with the shards listed by its index (or all *.safetensors), or exactly `shards[nshards]`
+ * when shards != NULL. */
+static ds4_status open_dir(const char *dir, const char *const *shards, int64_t nshards, ds4_model_dir **out) {
     *out = NULL;
     ds4_model_dir *d = ds4_calloc(DS4_MEM_OTHER, sizeof *d);
     if (!d || !(d->path = dup_str(dir))) {
@@ -187,8 +189,14 @@ ds4_status ds4_model_dir_open(const char *dir, ds4_model_dir **out) {
     int64_t n = 0;
     char ipath[4096];
     snprintf(ipath, sizeof ipath, "%s/model.safetensors.index.json", dir);
-    if (s == DS4_OK) s = read_index(ipath, &index, &wm);
-    if (s == DS4_OK) s = list_shards(dir, wm, &names, &n);
+    if (s == DS4_OK && !shards) s = read_index(ipath, &index, &wm);
+    if (s == DS4_OK && !shards) s = list_shards(dir, wm, &names, &n);
+    if (s == DS4_OK && shards) {
+        names = ds4_calloc(DS4_MEM_OTHER, (size_t)(nshards ? nshards : 1) * sizeof(char *));
+        if (!names) s = ds4_fail(DS4_ERR_OOM, "%s: out of memory", dir);
+        for (int64_t i = 0; s == DS4_OK && i < nshards; i++, n++)
+            if (!(names[i] = dup_str(shards[i]))) s = ds4_fail(DS4_ERR_OOM, "%s: out of memory", dir);
+    }
     if (s == DS4_OK && n == 0) s = ds4_fail(DS4_ERR_MISSING, "%s: no *.safetensors files", dir);
     if (s == DS4_OK) {
         d->files = ds4_calloc(DS4_MEM_OTHER, (size_t)n * sizeof(ds4_st_file *));
@@ -220,36 +228,15 @@ ds4_status ds4_model_dir_open(const char *dir, ds4_model_dir **out) {
     return DS4_OK;
 }
 
+ds4_status ds4_model_dir_open(const char *dir, ds4_model_dir **out) { return open_dir(dir, NULL, 0, out); }
+
+ds4_status ds4_model_dir_open_shards(const char *dir, const char *const *shards, int64_t n, ds4_model_dir **out) {
+    return open_dir(dir, shards, n, out);
+}
+
 const ds4_config *ds4_model_dir_config(const ds4_model_dir *d) { return &d->cfg; }
 const char *ds4_model_dir_path(const ds4_model_dir *d) { return d->path; }
 int64_t ds4_model_dir_nfiles(const ds4_model_dir *d) { return d->nfiles; }
 const ds4_st_file *ds4_model_dir_file(const ds4_model_dir *d, int64_t i) {
     return i >= 0 && i < d->nfiles ? d->files[i] : NULL;
-}
-
-/* "x.weight" -> "x.scale", otherwise "x" -> "x.scale". */
-static void scale_name(const char *name, char *buf, size_t n) {
-    size_t len = strlen(name);
-    if (len >= 7 && strcmp(name + len - 7, ".weight") == 0) snprintf(buf, n, "%.*s.scale", (int)(len - 7), name);
-    else snprintf(buf, n, "%s.scale", name);
-}
-
-ds4_status ds4_model_dir_read_f32(const ds4_model_dir *d, const char *name, int ndim, const int64_t *shape, float *out) {
-    const ds4_st_entry *e;
-    const ds4_st_file *f = ds4_model_dir_find(d, name, &e);
-    if (!f) return ds4_fail(DS4_ERR_MISSING, "%s: tensor '%s' not found in any shard", d->path, name);
-    if (e->dtype == DS4_F8_E4M3 || e->dtype == DS4_I8) {
-        char sn[1024];
-        scale_name(name, sn, sizeof sn);
-        const ds4_st_entry *se;
-        const ds4_st_file *sf = ds4_model_dir_find(d, sn, &se);
-        if (sf) return ds4_st_read_dequant(f, e, sf, se, ndim, shape, out);
-    }
-    return ds4_st_read_f32(f, name, ndim, shape, out);
-}
-
-ds4_status ds4_model_dir_read_i64(const ds4_model_dir *d, const char *name, int ndim, const int64_t *shape, int64_t *out) {
-    const ds4_st_file *f = ds4_model_dir_find(d, name, NULL);
-    if (!f) return ds4_fail(DS4_ERR_MISSING, "%s: tensor '%s' not found in any shard", d->path, name);
-    return ds4_st_read_i64(f, name, ndim, shape, out);
 }

@@ -22,8 +22,9 @@
 
 struct ds4_st_file {
     char *path;
-    uint8_t *map;           /* whole file, read-only */
+    uint8_t *map;           /* whole file, read-only (or an owned copy of a memory image) */
     size_t map_len;
+    bool owned;             /* map is a ds4_alloc'ed copy, not an mmap */
     const uint8_t *data;    /* start of the data section */
     uint64_t data_len;
     int64_t n;
@@ -97,7 +98,8 @@ void ds4_st_close(ds4_st_file *f) {
     for (int64_t i = 0; i < f->n; i++) ds4_free(f->entries[i].name);
     ds4_free(f->entries);
     ds4_free(f->slots);
-    if (f->map) munmap(f->map, f->map_len);
+    if (f->map && f->owned) ds4_free(f->map);
+    else if (f->map) munmap(f->map, f->map_len);
     ds4_free(f->path);
     ds4_free(f);
 }
@@ -232,6 +234,41 @@ done:
     return s;
 }
 
+/* Validates the length field and parses the header of f->map[0, map_len). */
+static ds4_status st_parse(ds4_st_file *f) {
+    const char *path = f->path;
+    uint64_t size = f->map_len;
+    if (size < 8)
+        return ds4_fail(DS4_ERR_FORMAT, "%s: file is %" PRIu64 " bytes, too short for the 8-byte header length", path, size);
+    uint64_t hlen = 0;
+    for (int i = 0; i < 8; i++) hlen |= (uint64_t)f->map[i] << (8 * i);
+    if (hlen > ST_MAX_HEADER)
+        return ds4_fail(DS4_ERR_FORMAT, "%s: header length %" PRIu64 " exceeds the 100 MB limit", path, hlen);
+    if (hlen > size - 8)
+        return ds4_fail(DS4_ERR_FORMAT, "%s: header length %" PRIu64 " exceeds the file size %" PRIu64 " (truncated file?)", path,
+                        hlen, size);
+    if (hlen < 2) return ds4_fail(DS4_ERR_FORMAT, "%s: header length %" PRIu64 " is too short for a JSON object", path, hlen);
+    f->data = f->map + 8 + hlen;
+    f->data_len = size - 8 - hlen;
+    /* NUL-terminated copy: the parser never reads past the mapped header. */
+    char *text = ds4_alloc(DS4_MEM_OTHER, (size_t)hlen + 1);
+    if (!text) return ds4_fail(DS4_ERR_OOM, "%s: out of memory for a %" PRIu64 "-byte header", path, hlen);
+    memcpy(text, f->map + 8, (size_t)hlen);
+    text[hlen] = '\0';
+    ds4_status s = parse_header(f, text, (size_t)hlen);
+    ds4_free(text);
+    return s;
+}
+
+static ds4_st_file *st_new(const char *path) {
+    ds4_st_file *f = ds4_calloc(DS4_MEM_OTHER, sizeof *f);
+    if (f && !(f->path = dup_str(path))) {
+        ds4_free(f);
+        f = NULL;
+    }
+    return f;
+}
+
 ds4_status ds4_st_open(const char *path, ds4_st_file **out) {
     *out = NULL;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -246,9 +283,8 @@ ds4_status ds4_st_open(const char *path, ds4_st_file **out) {
         close(fd);
         return ds4_fail(DS4_ERR_FORMAT, "%s: file is %" PRIu64 " bytes, too short for the 8-byte header length", path, size);
     }
-    ds4_st_file *f = ds4_calloc(DS4_MEM_OTHER, sizeof *f);
-    if (!f || !(f->path = dup_str(path))) {
-        ds4_free(f);
+    ds4_st_file *f = st_new(path);
+    if (!f) {
         close(fd);
         return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
     }
@@ -261,46 +297,48 @@ ds4_status ds4_st_open(const char *path, ds4_st_file **out) {
     }
     f->map = m;
     f->map_len = (size_t)size;
-    uint64_t hlen = 0;
-    for (int i = 0; i < 8; i++) hlen |= (uint64_t)f->map[i] << (8 * i);
-    ds4_status s = DS4_OK;
-    if (hlen > ST_MAX_HEADER)
-        s = ds4_fail(DS4_ERR_FORMAT, "%s: header length %" PRIu64 " exceeds the 100 MB limit", path, hlen);
-    else if (hlen > size - 8)
-        s = ds4_fail(DS4_ERR_FORMAT, "%s: header length %" PRIu64 " exceeds the file size %" PRIu64 " (truncated file?)", path,
-                     hlen, size);
-    else if (hlen < 2)
-        s = ds4_fail(DS4_ERR_FORMAT, "%s: header length %" PRIu64 " is too short for a JSON object", path, hlen);
-    if (s == DS4_OK) {
-        f->data = f->map + 8 + hlen;
-        f->data_len = size - 8 - hlen;
-        /* NUL-terminated copy: the parser never reads past the mapped header. */
-        char *text = ds4_alloc(DS4_MEM_OTHER, (size_t)hlen + 1);
-        if (!text) s = ds4_fail(DS4_ERR_OOM, "%s: out of memory for a %" PRIu64 "-byte header", path, hlen);
-        else {
-            memcpy(text, f->map + 8, (size_t)hlen);
-            text[hlen] = '\0';
-            s = parse_header(f, text, (size_t)hlen);
-            ds4_free(text);
-        }
-    }
+    ds4_status s = st_parse(f);
     if (s != DS4_OK) {
         ds4_st_close(f);
         return s;
     }
-    madvise(f->map, f->map_len, MADV_WILLNEED);
+    /* Read-ahead of the whole file only when it is small; a 4 GB shard is paged in as it is read. */
+    if (f->map_len <= ((size_t)64 << 20)) madvise(f->map, f->map_len, MADV_WILLNEED);
     *out = f;
     return DS4_OK;
 }
 
-/* ---------------------------------------------------------------- typed reads */
-
-/* The `.scale` sibling of a quantized weight: "x.weight" -> "x.scale", otherwise "x" -> "x.scale". */
-static void scale_name(const char *name, char *buf, size_t n) {
-    size_t len = strlen(name);
-    if (len >= 7 && strcmp(name + len - 7, ".weight") == 0) snprintf(buf, n, "%.*s.scale", (int)(len - 7), name);
-    else snprintf(buf, n, "%s.scale", name);
+ds4_status ds4_st_open_memory(const void *data, size_t len, const char *name, ds4_st_file **out) {
+    *out = NULL;
+    ds4_st_file *f = st_new(name);
+    if (!f || !(f->map = ds4_alloc(DS4_MEM_OTHER, len))) {
+        ds4_st_close(f);
+        return ds4_fail(DS4_ERR_OOM, "%s: out of memory for a %zu-byte image", name, len);
+    }
+    f->owned = true;
+    f->map_len = len;
+    if (len) memcpy(f->map, data, len);
+    ds4_status s = st_parse(f);
+    if (s != DS4_OK) {
+        ds4_st_close(f);
+        return s;
+    }
+    *out = f;
+    return DS4_OK;
 }
+
+void ds4_st_release(const ds4_st_file *f, uint64_t begin, uint64_t end) {
+    if (!f || f->owned || end <= begin || end > f->data_len) return;
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t a = (uintptr_t)(f->data + begin) & ~(page - 1);
+    uintptr_t b = ((uintptr_t)(f->data + end) + page - 1) & ~(page - 1);
+    uintptr_t lim = ((uintptr_t)f->map + f->map_len + page - 1) & ~(page - 1);
+    if (b > lim) b = lim;
+    /* Read-only private mapping, never written: dropped pages are re-read from the file. */
+    madvise((void *)a, (size_t)(b - a), MADV_DONTNEED);
+}
+
+/* ---------------------------------------------------------------- shapes */
 
 ds4_status ds4_st_check_shape(const ds4_st_file *f, const ds4_st_entry *e, int ndim, const int64_t *shape) {
     bool ok = e->ndim == ndim;
@@ -311,61 +349,6 @@ ds4_status ds4_st_check_shape(const ds4_st_file *f, const ds4_st_entry *e, int n
                     ds4_dims_str(e->ndim, e->shape, got, sizeof got), ds4_dims_str(ndim, shape, want, sizeof want));
 }
 
-static bool is_quant_dtype(ds4_dtype t) { return t == DS4_F8_E4M3 || t == DS4_I8; }
-
-/* Converts a checked float tensor's bytes into out (unaligned-safe). */
-static void convert_f32(const ds4_st_entry *e, const uint8_t *src, float *out) {
-    int64_t n = ds4_st_entry_numel(e);
-    if (e->dtype == DS4_F32) {
-        memcpy(out, src, (size_t)n * 4);
-        return;
-    }
-    #pragma omp parallel for schedule(static) if (n > (1 << 16))
-    for (int64_t i = 0; i < n; i++) {
-        uint16_t h;
-        memcpy(&h, src + 2 * i, 2);
-        out[i] = e->dtype == DS4_BF16 ? ds4_bf16_to_f32(h) : ds4_f16_to_f32(h);
-    }
-}
-
-ds4_status ds4_st_read_f32(const ds4_st_file *f, const char *name, int ndim, const int64_t *shape, float *out) {
-    const ds4_st_entry *e = ds4_st_find(f, name);
-    if (!e) return ds4_fail(DS4_ERR_MISSING, "%s: tensor '%s' not found", f->path, name);
-    if (is_quant_dtype(e->dtype)) {
-        char sn[1024];
-        scale_name(name, sn, sizeof sn);
-        const ds4_st_entry *se = ds4_st_find(f, sn);
-        if (se) return ds4_st_read_dequant(f, e, f, se, ndim, shape, out);
-        if (e->dtype == DS4_F8_E4M3)
-            return ds4_fail(DS4_ERR_UNSUPPORTED, "%s: tensor '%s' is F8_E4M3 and needs dequantization, but its scale '%s' is absent",
-                            f->path, name, sn);
-    }
-    if (e->dtype != DS4_F32 && e->dtype != DS4_BF16 && e->dtype != DS4_F16)
-        return ds4_fail(DS4_ERR_SHAPE, "%s: tensor '%s' has dtype %s, expected F32, BF16 or F16", f->path, name,
-                        ds4_dtype_name(e->dtype));
-    DS4_TRY(ds4_st_check_shape(f, e, ndim, shape));
-    convert_f32(e, ds4_st_bytes(f, e), out);
-    return DS4_OK;
-}
-
-ds4_status ds4_st_read_i64(const ds4_st_file *f, const char *name, int ndim, const int64_t *shape, int64_t *out) {
-    const ds4_st_entry *e = ds4_st_find(f, name);
-    if (!e) return ds4_fail(DS4_ERR_MISSING, "%s: tensor '%s' not found", f->path, name);
-    if (e->dtype != DS4_I32 && e->dtype != DS4_I64)
-        return ds4_fail(DS4_ERR_SHAPE, "%s: tensor '%s' has dtype %s, expected I32 or I64", f->path, name, ds4_dtype_name(e->dtype));
-    DS4_TRY(ds4_st_check_shape(f, e, ndim, shape));
-    const uint8_t *src = ds4_st_bytes(f, e);
-    int64_t n = ds4_st_entry_numel(e);
-    if (e->dtype == DS4_I64) memcpy(out, src, (size_t)n * 8);
-    else
-        for (int64_t i = 0; i < n; i++) {
-            int32_t v;
-            memcpy(&v, src + 4 * i, 4);
-            out[i] = v;
-        }
-    return DS4_OK;
-}
-
 /* ---------------------------------------------------------------- writer */
 
 typedef struct {
@@ -373,7 +356,7 @@ typedef struct {
     ds4_dtype dtype;
     int ndim;
     int64_t shape[DS4_MAX_DIMS];
-    const void *data;
+    const void *data;   /* NULL for a declared (streamed) tensor */
     uint64_t bytes;
     int64_t order;      /* insertion index */
 } st_wentry;
@@ -381,22 +364,29 @@ typedef struct {
 struct ds4_st_writer {
     st_wentry *e;
     int64_t n, cap;
+    bool streaming;       /* tensors were declared: data comes through put */
+    bool begun;
+    ds4_atomic_file af;
+    uint64_t total, done; /* data-section bytes expected / written so far */
 };
 
 ds4_status ds4_st_writer_new(ds4_st_writer **w) {
     *w = ds4_calloc(DS4_MEM_OTHER, sizeof **w);
+    if (*w) (*w)->af.fd = -1;
     return *w ? DS4_OK : ds4_fail(DS4_ERR_OOM, "safetensors writer: out of memory");
 }
 
 void ds4_st_writer_free(ds4_st_writer *w) {
     if (!w) return;
+    if (w->begun) ds4_atomic_abort(&w->af);
     for (int64_t i = 0; i < w->n; i++) ds4_free(w->e[i].name);
     ds4_free(w->e);
     ds4_free(w);
 }
 
-ds4_status ds4_st_writer_add(ds4_st_writer *w, const char *name, ds4_dtype dt, int ndim, const int64_t *shape,
-                             const void *data) {
+static ds4_status writer_push(ds4_st_writer *w, const char *name, ds4_dtype dt, int ndim, const int64_t *shape,
+                              const void *data, bool need_data) {
+    if (w->begun) return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s' added after begin", name ? name : "(null)");
     if (!name || !*name || strcmp(name, "__metadata__") == 0)
         return ds4_fail(DS4_ERR_ARG, "safetensors writer: bad tensor name '%s'", name ? name : "(null)");
     if ((unsigned)dt >= DS4_DTYPE_COUNT) return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': bad dtype %d", name, (int)dt);
@@ -410,7 +400,7 @@ ds4_status ds4_st_writer_add(ds4_st_writer *w, const char *name, ds4_dtype dt, i
     uint64_t bytes;
     if (__builtin_mul_overflow(numel, (uint64_t)ds4_dtype_size(dt), &bytes))
         return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': byte size overflows", name);
-    if (bytes > 0 && !data) return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': NULL data", name);
+    if (need_data && bytes > 0 && !data) return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': NULL data", name);
     if (w->n == w->cap) {
         int64_t cap = w->cap ? 2 * w->cap : 64;
         st_wentry *ne = ds4_alloc(DS4_MEM_OTHER, (size_t)cap * sizeof *ne);
@@ -430,6 +420,19 @@ ds4_status ds4_st_writer_add(ds4_st_writer *w, const char *name, ds4_dtype dt, i
     e->bytes = bytes;
     e->order = w->n++;
     return DS4_OK;
+}
+
+ds4_status ds4_st_writer_add(ds4_st_writer *w, const char *name, ds4_dtype dt, int ndim, const int64_t *shape,
+                             const void *data) {
+    if (w->streaming) return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': add and declare cannot be mixed", name);
+    return writer_push(w, name, dt, ndim, shape, data, true);
+}
+
+ds4_status ds4_st_writer_declare(ds4_st_writer *w, const char *name, ds4_dtype dt, int ndim, const int64_t *shape) {
+    if (w->n > 0 && !w->streaming)
+        return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': add and declare cannot be mixed", name);
+    w->streaming = true;
+    return writer_push(w, name, dt, ndim, shape, NULL, false);
 }
 
 /* Growable text buffer for the header. */
@@ -486,7 +489,10 @@ static int cmp_name(const void *a, const void *b) {
     return strcmp((*(st_wentry *const *)a)->name, (*(st_wentry *const *)b)->name);
 }
 
-ds4_status ds4_st_writer_write(ds4_st_writer *w, const char *path) {
+/* Checks names are unique, builds the header for data in the order ord[0..n), opens the temp file
+ * and writes length + header. On success *ord_out (caller frees) holds the data order. */
+static ds4_status writer_start(ds4_st_writer *w, const char *path, bool layout_sort, st_wentry ***ord_out) {
+    *ord_out = NULL;
     st_wentry **ord = ds4_alloc(DS4_MEM_OTHER, (size_t)(w->n ? w->n : 1) * sizeof *ord);
     if (!ord) return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
     for (int64_t i = 0; i < w->n; i++) ord[i] = &w->e[i];
@@ -497,7 +503,9 @@ ds4_status ds4_st_writer_write(ds4_st_writer *w, const char *path) {
             ds4_free(ord);
             return s;
         }
-    qsort(ord, (size_t)w->n, sizeof *ord, cmp_layout);
+    if (layout_sort) qsort(ord, (size_t)w->n, sizeof *ord, cmp_layout);
+    else
+        for (int64_t i = 0; i < w->n; i++) ord[i] = &w->e[i];
 
     sbuf b = {0};
     sb_str(&b, "{\"__metadata__\":{\"format\":\"pt\"}");
@@ -522,17 +530,72 @@ ds4_status ds4_st_writer_write(ds4_st_writer *w, const char *path) {
     ds4_status s = DS4_OK;
     if (b.oom) s = ds4_fail(DS4_ERR_OOM, "%s: out of memory building the header", path);
     else if (b.len > ST_MAX_HEADER) s = ds4_fail(DS4_ERR_ARG, "%s: header of %zu bytes exceeds the 100 MB limit", path, b.len);
-    ds4_atomic_file af;
-    if (s == DS4_OK) s = ds4_atomic_open(path, &af);
+    if (s == DS4_OK) s = ds4_atomic_open(path, &w->af);
     if (s == DS4_OK) {
         uint8_t len8[8];
         for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)b.len >> (8 * i));
-        s = ds4_atomic_write(&af, len8, 8);
-        if (s == DS4_OK) s = ds4_atomic_write(&af, b.p, b.len);
-        for (int64_t i = 0; s == DS4_OK && i < w->n; i++) s = ds4_atomic_write(&af, ord[i]->data, ord[i]->bytes);
-        if (s == DS4_OK) s = ds4_atomic_commit(&af);
+        s = ds4_atomic_write(&w->af, len8, 8);
+        if (s == DS4_OK) s = ds4_atomic_write(&w->af, b.p, b.len);
+        /* a failed write has already aborted the temp file */
     }
     ds4_free(b.p);
+    if (s != DS4_OK) {
+        ds4_free(ord);
+        return s;
+    }
+    w->begun = true;
+    w->total = off;
+    w->done = 0;
+    *ord_out = ord;
+    return DS4_OK;
+}
+
+ds4_status ds4_st_writer_write(ds4_st_writer *w, const char *path) {
+    if (w->streaming || w->begun) return ds4_fail(DS4_ERR_ARG, "%s: writer holds declared tensors; use begin/put/finish", path);
+    st_wentry **ord;
+    DS4_TRY(writer_start(w, path, true, &ord));
+    ds4_status s = DS4_OK;
+    for (int64_t i = 0; s == DS4_OK && i < w->n; i++) s = ds4_atomic_write(&w->af, ord[i]->data, ord[i]->bytes);
+    if (s == DS4_OK) s = ds4_atomic_commit(&w->af);
+    w->begun = false;   /* committed, or aborted by the failing call */
     ds4_free(ord);
     return s;
+}
+
+ds4_status ds4_st_writer_begin(ds4_st_writer *w, const char *path) {
+    if (w->begun) return ds4_fail(DS4_ERR_ARG, "%s: safetensors writer already begun", path);
+    st_wentry **ord;
+    DS4_TRY(writer_start(w, path, false, &ord));
+    ds4_free(ord);
+    return DS4_OK;
+}
+
+ds4_status ds4_st_writer_put(ds4_st_writer *w, const void *data, size_t len) {
+    if (!w->begun) return ds4_fail(DS4_ERR_ARG, "safetensors writer: put before begin");
+    if (len > w->total - w->done) {
+        ds4_status s = ds4_fail(DS4_ERR_ARG, "%s: %zu bytes put past the end of the declared data (%" PRIu64 " of %" PRIu64 " written)",
+                                w->af.path, len, w->done, w->total);
+        ds4_atomic_abort(&w->af);
+        w->begun = false;
+        return s;
+    }
+    ds4_status s = ds4_atomic_write(&w->af, data, len);
+    if (s != DS4_OK) {
+        w->begun = false;
+        return s;
+    }
+    w->done += len;
+    return DS4_OK;
+}
+
+ds4_status ds4_st_writer_finish(ds4_st_writer *w) {
+    if (!w->begun) return ds4_fail(DS4_ERR_ARG, "safetensors writer: finish before begin");
+    w->begun = false;
+    if (w->done != w->total) {
+        ds4_status s = ds4_fail(DS4_ERR_ARG, "%s: only %" PRIu64 " of %" PRIu64 " declared data bytes were put", w->af.path, w->done,
+                                w->total);
+        ds4_atomic_abort(&w->af);
+        return s;
+    }
+    return ds4_atomic_commit(&w->af);
 }

@@ -1,0 +1,148 @@
+/* Official checkpoint names <-> Hugging Face transformers DeepSeek-V4 names (§8.1, §8.2).
+ *
+ *   official                                   HF
+ *   embed.weight                               model.embed_tokens.weight
+ *   norm.weight / head.weight                  model.norm.weight / lm_head.weight
+ *   hc_head_{fn,base,scale}                    model.hc_head.hc_{fn,base,scale}
+ *   layers.L.<suffix>                          model.layers.L.<hf suffix>      (table below)
+ *   layers.L.ffn.experts.E.w1.weight           model.layers.L.mlp.experts.gate_up_proj[E, 0:I]
+ *   layers.L.ffn.experts.E.w3.weight           model.layers.L.mlp.experts.gate_up_proj[E, I:2I]
+ *   layers.L.ffn.experts.E.w2.weight           model.layers.L.mlp.experts.down_proj[E]
+ *   mtp.0.*                                    (none: HF does not load MTP; the name is kept)
+ */
+#include "ds4/io.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const char *official, *hf;
+} name_pair;
+
+/* Whole-model tensors. */
+static const name_pair k_global[] = {
+    {"embed.weight", "model.embed_tokens.weight"},
+    {"norm.weight", "model.norm.weight"},
+    {"head.weight", "lm_head.weight"},
+    {"hc_head_fn", "model.hc_head.hc_fn"},
+    {"hc_head_base", "model.hc_head.hc_base"},
+    {"hc_head_scale", "model.hc_head.hc_scale"},
+};
+
+/* Per-layer tensors: suffix after "layers.L." / after "model.layers.L.". */
+static const name_pair k_layer[] = {
+    {"attn_norm.weight", "input_layernorm.weight"},
+    {"ffn_norm.weight", "post_attention_layernorm.weight"},
+    {"hc_attn_fn", "attn_hc.fn"},
+    {"hc_attn_base", "attn_hc.base"},
+    {"hc_attn_scale", "attn_hc.scale"},
+    {"hc_ffn_fn", "ffn_hc.fn"},
+    {"hc_ffn_base", "ffn_hc.base"},
+    {"hc_ffn_scale", "ffn_hc.scale"},
+    {"attn.attn_sink", "self_attn.sinks"},
+    {"attn.wq_a.weight", "self_attn.q_a_proj.weight"},
+    {"attn.q_norm.weight", "self_attn.q_a_norm.weight"},
+    {"attn.wq_b.weight", "self_attn.q_b_proj.weight"},
+    {"attn.wkv.weight", "self_attn.kv_proj.weight"},
+    {"attn.kv_norm.weight", "self_attn.kv_norm.weight"},
+    {"attn.wo_a.weight", "self_attn.o_a_proj.weight"},
+    {"attn.wo_b.weight", "self_attn.o_b_proj.weight"},
+    {"attn.compressor.wkv.weight", "self_attn.compressor.kv_proj.weight"},
+    {"attn.compressor.wgate.weight", "self_attn.compressor.gate_proj.weight"},
+    {"attn.compressor.ape", "self_attn.compressor.position_bias"},
+    {"attn.compressor.norm.weight", "self_attn.compressor.kv_norm.weight"},
+    {"attn.indexer.wq_b.weight", "self_attn.compressor.indexer.q_b_proj.weight"},
+    {"attn.indexer.weights_proj.weight", "self_attn.compressor.indexer.scorer.weights_proj.weight"},
+    {"attn.indexer.compressor.wkv.weight", "self_attn.compressor.indexer.kv_proj.weight"},
+    {"attn.indexer.compressor.wgate.weight", "self_attn.compressor.indexer.gate_proj.weight"},
+    {"attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"},
+    {"attn.indexer.compressor.norm.weight", "self_attn.compressor.indexer.kv_norm.weight"},
+    {"ffn.gate.weight", "mlp.gate.weight"},
+    {"ffn.gate.bias", "mlp.gate.e_score_correction_bias"},
+    {"ffn.gate.tid2eid", "mlp.gate.tid2eid"},
+    {"ffn.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight"},
+    {"ffn.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight"},
+    {"ffn.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight"},
+};
+
+#define COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+/* "PREFIX<digits>.rest": the layer index and a pointer to rest; false otherwise. Leading zeros and
+ * empty digit runs are refused so the mapping stays one-to-one. */
+static bool split_layer(const char *name, const char *prefix, int64_t *layer, const char **rest) {
+    size_t pl = strlen(prefix);
+    if (strncmp(name, prefix, pl) != 0) return false;
+    const char *p = name + pl;
+    if (*p < '0' || *p > '9' || (p[0] == '0' && p[1] >= '0' && p[1] <= '9')) return false;
+    int64_t v = 0;
+    for (; *p >= '0' && *p <= '9'; p++) {
+        if (v > (INT64_MAX - 9) / 10) return false;
+        v = 10 * v + (*p - '0');
+    }
+    if (*p != '.') return false;
+    *layer = v;
+    *rest = p + 1;
+    return true;
+}
+
+/* snprintf result w into a buffer of n bytes: true when nothing was cut. */
+static bool fits(size_t n, int w) { return w >= 0 && (size_t)w < n; }
+
+bool ds4_name_to_hf(const char *official, ds4_hf_ref *ref) {
+    memset(ref, 0, sizeof *ref);
+    ref->expert = -1;
+    for (int i = 0; i < COUNT(k_global); i++)
+        if (strcmp(official, k_global[i].official) == 0)
+            return fits(sizeof ref->name, snprintf(ref->name, sizeof ref->name, "%s", k_global[i].hf));
+    int64_t l;
+    const char *rest;
+    if (!split_layer(official, "layers.", &l, &rest)) return false;
+    for (int i = 0; i < COUNT(k_layer); i++)
+        if (strcmp(rest, k_layer[i].official) == 0)
+            return fits(sizeof ref->name,
+                       snprintf(ref->name, sizeof ref->name, "model.layers.%" PRId64 ".%s", l, k_layer[i].hf));
+    /* routed experts: ffn.experts.E.w{1,2,3}.weight */
+    int64_t e;
+    const char *w;
+    if (!split_layer(rest, "ffn.experts.", &e, &w)) return false;
+    const char *fused;
+    if (strcmp(w, "w1.weight") == 0) fused = "gate_up_proj", ref->part = 0, ref->nparts = 2;
+    else if (strcmp(w, "w3.weight") == 0) fused = "gate_up_proj", ref->part = 1, ref->nparts = 2;
+    else if (strcmp(w, "w2.weight") == 0) fused = "down_proj", ref->part = 0, ref->nparts = 1;
+    else return false;
+    ref->expert = e;
+    return fits(sizeof ref->name, snprintf(ref->name, sizeof ref->name, "model.layers.%" PRId64 ".mlp.experts.%s", l, fused));
+}
+
+bool ds4_name_from_hf(const char *hf, char *official, size_t n) {
+    for (int i = 0; i < COUNT(k_global); i++)
+        if (strcmp(hf, k_global[i].hf) == 0) return fits(n, snprintf(official, n, "%s", k_global[i].official));
+    int64_t l;
+    const char *rest;
+    if (!split_layer(hf, "model.layers.", &l, &rest)) return false;
+    for (int i = 0; i < COUNT(k_layer); i++)
+        if (strcmp(rest, k_layer[i].hf) == 0)
+            return fits(n, snprintf(official, n, "layers.%" PRId64 ".%s", l, k_layer[i].official));
+    return false;
+}
+
+int ds4_name_hf_fused_parts(const char *hf) {
+    int64_t l;
+    const char *rest;
+    if (!split_layer(hf, "model.layers.", &l, &rest)) return 0;
+    if (strcmp(rest, "mlp.experts.gate_up_proj") == 0) return 2;
+    if (strcmp(rest, "mlp.experts.down_proj") == 0) return 1;
+    return 0;
+}
+
+bool ds4_name_hf_fused_part(const char *hf, int64_t expert, int part, char *official, size_t n) {
+    int np = ds4_name_hf_fused_parts(hf);
+    if (np == 0 || part < 0 || part >= np || expert < 0) return false;
+    int64_t l;
+    const char *rest;
+    split_layer(hf, "model.layers.", &l, &rest);
+    const char *w = np == 1 ? "w2" : part == 0 ? "w1" : "w3";
+    return fits(n, snprintf(official, n, "layers.%" PRId64 ".ffn.experts.%" PRId64 ".%s.weight", l, expert, w));
+}

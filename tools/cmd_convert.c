@@ -1,0 +1,90 @@
+/* ds4 convert: official FP8/FP4 (or HF-named) model directory -> BF16/F32, official or HF names.
+ * ds4 export: a ds4 checkpoint folder -> a Hugging Face model directory (weights and config only). */
+#include "cli.h"
+#include "cmds.h"
+#include "ds4/io.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#define NFLAGS(f) ((int)(sizeof(f) / sizeof((f)[0])))
+
+static bool parse_dtype(const char *cmd, const char *s, ds4_dtype *dt) {
+    if (!s || !strcmp(s, "bf16")) *dt = DS4_BF16;
+    else if (!strcmp(s, "f32")) *dt = DS4_F32;
+    else {
+        fprintf(stderr, "error: ds4 %s: --dtype must be bf16 or f32, got '%s'\n", cmd, s);
+        return false;
+    }
+    return true;
+}
+
+static bool parse_names(const char *cmd, const char *s, bool dflt_hf, bool *hf) {
+    if (!s) *hf = dflt_hf;
+    else if (!strcmp(s, "hf")) *hf = true;
+    else if (!strcmp(s, "official")) *hf = false;
+    else {
+        fprintf(stderr, "error: ds4 %s: --names must be official or hf, got '%s'\n", cmd, s);
+        return false;
+    }
+    return true;
+}
+
+static int run(const char *cmd, ds4_convert_opts *o) {
+    ds4_convert_report r;
+    if (ds4_convert(o, &r) != DS4_OK) return cli_fail();
+    double s = r.seconds > 0 ? r.seconds : 1e-9;
+    printf("%s: %s -> %s: %lld shards (%lld already complete), %lld tensors written, %.3f GB read, %.3f GB written in %.2f s "
+           "(%.2f GB/s in, %.2f GB/s out)\n",
+           cmd, o->in_dir, o->out_dir, (long long)r.shards, (long long)r.shards_skipped, (long long)r.tensors, (double)r.bytes_in / 1e9,
+           (double)r.bytes_out / 1e9, r.seconds, (double)r.bytes_in / 1e9 / s, (double)r.bytes_out / 1e9 / s);
+    return 0;
+}
+
+int cmd_convert(int argc, char **argv) {
+    cli_flag f[] = {{"in", false, NULL, "input model directory (config.json + *.safetensors [+ index])"},
+                    {"out", false, NULL, "output directory (created; resumes a conversion left unfinished)"},
+                    {"dtype", false, NULL, "bf16 (default) or f32"},
+                    {"names", false, NULL, "official (default) or hf"},
+                    {"quiet", true, NULL, "no progress bar"}};
+    const char *pos[1];
+    int npos;
+    if (cli_want_help(argc, argv)) {
+        cli_usage("convert", "--in DIR --out DIR [--dtype bf16|f32] [--names official|hf]", f, NFLAGS(f));
+        return 0;
+    }
+    if (!cli_parse("convert", argc, argv, f, NFLAGS(f), pos, 0, &npos)) return 2;
+    ds4_convert_opts o = {.in_dir = cli_get(f, NFLAGS(f), "in"), .out_dir = cli_get(f, NFLAGS(f), "out"),
+                          .progress = !cli_get(f, NFLAGS(f), "quiet")};
+    if (!o.in_dir || !o.out_dir) {
+        fprintf(stderr, "error: ds4 convert: --in and --out are required\n");
+        return 2;
+    }
+    if (!parse_dtype("convert", cli_get(f, NFLAGS(f), "dtype"), &o.dtype)) return 2;
+    if (!parse_names("convert", cli_get(f, NFLAGS(f), "names"), false, &o.hf_names)) return 2;
+    return run("convert", &o);
+}
+
+int cmd_export(int argc, char **argv) {
+    cli_flag f[] = {{"checkpoint", false, NULL, "ds4 checkpoint folder (config.json + model.safetensors; optimizer state is not exported)"},
+                    {"out", false, NULL, "output Hugging Face model directory"},
+                    {"dtype", false, NULL, "bf16 (default) or f32"},
+                    {"names", false, NULL, "hf (default) or official"},
+                    {"quiet", true, NULL, "no progress bar"}};
+    const char *pos[1];
+    int npos;
+    if (cli_want_help(argc, argv)) {
+        cli_usage("export", "--checkpoint DIR --out DIR [--dtype bf16|f32] [--names hf|official]", f, NFLAGS(f));
+        return 0;
+    }
+    if (!cli_parse("export", argc, argv, f, NFLAGS(f), pos, 0, &npos)) return 2;
+    ds4_convert_opts o = {.in_dir = cli_get(f, NFLAGS(f), "checkpoint"), .out_dir = cli_get(f, NFLAGS(f), "out"),
+                          .progress = !cli_get(f, NFLAGS(f), "quiet"), .model_shards_only = true};
+    if (!o.in_dir || !o.out_dir) {
+        fprintf(stderr, "error: ds4 export: --checkpoint and --out are required\n");
+        return 2;
+    }
+    if (!parse_dtype("export", cli_get(f, NFLAGS(f), "dtype"), &o.dtype)) return 2;
+    if (!parse_names("export", cli_get(f, NFLAGS(f), "names"), true, &o.hf_names)) return 2;
+    return run("export", &o);
+}

@@ -1,0 +1,109 @@
+/* ds4 inspect: the tensors of a .safetensors file or model directory (dtype, shape, bytes), with
+ * --stats their values after dequantization, with --check whether a directory holds exactly what
+ * its config needs. */
+#include "cli.h"
+#include "cmds.h"
+#include "ds4/io.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define NFLAGS(f) ((int)(sizeof(f) / sizeof((f)[0])))
+
+typedef struct {
+    bool stats;
+    int64_t count, bytes, failed;
+} listing;
+
+static void print_stats(const ds4_tensor_loc *loc, listing *ls) {
+    ds4_tensor_stats st;
+    if (ds4_tensor_loc_stats(loc, &st) != DS4_OK) {
+        printf("  (%s)", ds4_errmsg());
+        ls->failed++;
+        return;
+    }
+    printf(" %13.6g %13.6g %13.6g %9lld", st.min, st.max, st.mean, (long long)st.nan);
+}
+
+/* One line per stored tensor. d != NULL: locate across the directory (scales in other shards). */
+static void list_file(const ds4_model_dir *d, const ds4_st_file *f, listing *ls) {
+    for (int64_t i = 0; i < ds4_st_count(f); i++) {
+        const ds4_st_entry *e = ds4_st_entry_at(f, i);
+        char shape[128];
+        ds4_dims_str(e->ndim, e->shape, shape, sizeof shape);
+        printf("%-64s %-8s %-20s %12llu", e->name, ds4_dtype_name(e->dtype), shape, (unsigned long long)(e->end - e->begin));
+        ls->count++;
+        ls->bytes += (int64_t)(e->end - e->begin);
+        if (ls->stats) {
+            ds4_tensor_loc loc;
+            ds4_status s = d ? ds4_model_dir_locate(d, e->name, &loc) : ds4_st_locate(f, e->name, &loc);
+            if (s != DS4_OK) {
+                printf("  (%s)", ds4_errmsg());
+                ls->failed++;
+            } else print_stats(&loc, ls);
+        }
+        putchar('\n');
+    }
+}
+
+static void on_problem(void *ctx, const char *what, const char *name, const char *detail) {
+    (void)ctx;
+    printf("%-8s %s: %s\n", what, name, detail);
+}
+
+static int run_check(const ds4_model_dir *d) {
+    int64_t n;
+    if (ds4_model_dir_check(d, on_problem, NULL, &n) != DS4_OK) return cli_fail();
+    if (n == 0) printf("check: %s holds every tensor its config needs, with the right shapes, and nothing else\n", ds4_model_dir_path(d));
+    else printf("check: %lld problem%s in %s\n", (long long)n, n == 1 ? "" : "s", ds4_model_dir_path(d));
+    return n == 0 ? 0 : 1;
+}
+
+int cmd_inspect(int argc, char **argv) {
+    cli_flag f[] = {{"stats", true, NULL, "add min / max / mean / NaN count of each tensor after dequantization"},
+                    {"check", true, NULL, "MODEL_DIR: verify every tensor the config needs is there with its shape; list missing and extra"},
+                    {"help", true, NULL, "this text"}};
+    const char *pos[1];
+    int npos;
+    if (cli_want_help(argc, argv) || argc < 2) {
+        cli_usage("inspect", "FILE.safetensors|MODEL_DIR [--stats] [--check]", f, NFLAGS(f) - 1);
+        return argc < 2 ? 2 : 0;
+    }
+    if (!cli_parse("inspect", argc, argv, f, NFLAGS(f), pos, 1, &npos)) return 2;
+    if (npos != 1) {
+        fprintf(stderr, "error: ds4 inspect: give one file or directory\n");
+        return 2;
+    }
+    listing ls = {.stats = cli_get(f, NFLAGS(f), "stats") != NULL};
+    bool check = cli_get(f, NFLAGS(f), "check") != NULL;
+    struct stat st;
+    bool is_dir = stat(pos[0], &st) == 0 && S_ISDIR(st.st_mode);
+    if (check && !is_dir) {
+        fprintf(stderr, "error: ds4 inspect: --check needs a model directory (config.json + shards), got '%s'\n", pos[0]);
+        return 2;
+    }
+    if (check) {
+        ds4_model_dir *d;
+        if (ds4_model_dir_open(pos[0], &d) != DS4_OK) return cli_fail();
+        int rc = run_check(d);
+        ds4_model_dir_close(d);
+        return rc;
+    }
+    printf("%-64s %-8s %-20s %12s", "tensor", "dtype", "shape", "bytes");
+    if (ls.stats) printf(" %13s %13s %13s %9s", "min", "max", "mean", "nan");
+    putchar('\n');
+    if (!is_dir) {
+        ds4_st_file *sf;
+        if (ds4_st_open(pos[0], &sf) != DS4_OK) return cli_fail();
+        list_file(NULL, sf, &ls);
+        ds4_st_close(sf);
+    } else {
+        ds4_model_dir *d;
+        if (ds4_model_dir_open(pos[0], &d) != DS4_OK) return cli_fail();
+        for (int64_t i = 0; i < ds4_model_dir_nfiles(d); i++) list_file(d, ds4_model_dir_file(d, i), &ls);
+        ds4_model_dir_close(d);
+    }
+    printf("%lld tensors, %lld bytes\n", (long long)ls.count, (long long)ls.bytes);
+    return ls.failed ? 1 : 0;
+}
