@@ -82,7 +82,7 @@ const int64_t *ds4_pass_expert_load(const ds4_pass *p, int64_t layer);
 void ds4_pass_free(ds4_pass *p);
 
 /* ------------------------------------------------------------------ units (for policies and reports) */
-#define DS4_NUM_UNITS 15
+#define DS4_NUM_UNITS 16
 const char *ds4_unit_name(int unit);  /* "hc_pre_attn", "attn_norm", ..., "hc_post_ffn" */
 int ds4_unit_find(const char *name);  /* -1 if unknown */
 typedef struct {

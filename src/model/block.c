@@ -21,7 +21,8 @@ static const uint32_t k_deps[U_COUNT] = {
     [U_KV] = BIT(U_ATTN_NORM),
     [U_COMPRESSOR] = BIT(U_ATTN_NORM),
     [U_INDEXER] = BIT(U_ATTN_NORM) | BIT(U_Q_DOWN),
-    [U_SPARSE_ATTN] = BIT(U_Q_UP) | BIT(U_KV) | BIT(U_COMPRESSOR) | BIT(U_INDEXER),
+    [U_INDEXER_TOPK] = BIT(U_INDEXER),
+    [U_SPARSE_ATTN] = BIT(U_Q_UP) | BIT(U_KV) | BIT(U_COMPRESSOR) | BIT(U_INDEXER_TOPK),
     [U_O_PROJ] = BIT(U_SPARSE_ATTN),
     [U_HC_POST_ATTN] = BIT(U_O_PROJ) | BIT(U_HC_PRE_ATTN),
     [U_HC_PRE_FFN] = BIT(U_HC_POST_ATTN),
@@ -32,7 +33,7 @@ static const uint32_t k_deps[U_COUNT] = {
 };
 
 static const char *k_unit_names[U_COUNT] = {
-    "hc_pre_attn", "attn_norm", "q_down", "q_up", "kv", "compressor", "indexer", "sparse_attn",
+    "hc_pre_attn", "attn_norm", "q_down", "q_up", "kv", "compressor", "indexer", "indexer_topk", "sparse_attn",
     "o_proj", "hc_post_attn", "hc_pre_ffn", "ffn_norm", "router", "moe", "hc_post_ffn",
 };
 
@@ -75,12 +76,10 @@ static void clear_unit_fields(block_acts *a, unit_id u) {
     case U_Q_UP: a->qraw = a->q_rstd = a->q = NULL; break;
     case U_KV: a->kvraw = a->kv_rstd = a->kv = NULL; break;
     case U_COMPRESSOR: a->ca = a->cz = a->cpool = a->c_rstd = a->kvc = NULL; break;
-    case U_INDEXER:
-        a->iqi = a->iwi = a->ica = a->icz = a->ipool = a->i_rstd = a->iki = NULL;
-        a->topk = NULL;
-        break;
+    case U_INDEXER: a->iqi = a->iwi = a->ica = a->icz = a->ipool = a->i_rstd = a->iki = NULL; break;
+    case U_INDEXER_TOPK: a->topk = NULL; break;
     case U_SPARSE_ATTN: a->o = a->lse = NULL; break;
-    case U_O_PROJ: a->o_r = a->z = a->attn_out = NULL; break;
+    case U_O_PROJ: a->z = a->attn_out = NULL; break;
     case U_HC_POST_ATTN: a->X_mid = NULL; break;
     case U_HC_PRE_FFN: a->hcF_mixes = a->hcF_rsqrt = a->hcF_post = a->hcF_comb = a->hcF_y = NULL; break;
     case U_FFN_NORM: a->xf = a->xf_rstd = NULL; break;
@@ -240,15 +239,23 @@ static ds4_status u_compressor(const block_ctx *bc, block_acts *a) {
 static ds4_status u_indexer(const block_ctx *bc, block_acts *a) {
     if (a->ratio != 4) return DS4_OK;
     UNIT_PROLOGUE;
-    const int64_t HI = c->index_n_heads, dI = c->index_head_dim, K = c->index_topk, QR = c->q_lora_rank;
+    const int64_t HI = c->index_n_heads, dI = c->index_head_dim, QR = c->q_lora_rank;
     NEED(a->iqi = OUT_F(U_INDEXER, N * HI * dI));
     NEED(a->iwi = OUT_F(U_INDEXER, N * HI));
-    NEED(a->topk = OUT_I32(U_INDEXER, N * K));
     linear_fwd(a->iqi, a->qr, W->idx_wq_b, N, QR, HI * dI);
     rope_fwd(a->iqi, N, HI, dI, T, 1, &m->rope_cmp, false);
     linear_fwd(a->iwi, a->xa, W->idx_weights_proj, N, D, HI);
-    DS4_TRY(compress(bc, a, U_INDEXER, &W->idx_cmp, 4, dI, &a->ica, &a->icz, &a->ipool, &a->i_rstd, &a->iki));
-    indexer_topk_fwd(a->topk, a->iqi, a->iki, a->iwi, B, T, HI, dI, a->Nc, 4, K, indexer_wscale(c));
+    return compress(bc, a, U_INDEXER, &W->idx_cmp, 4, dI, &a->ica, &a->icz, &a->ipool, &a->i_rstd, &a->iki);
+}
+
+/* Top-k of the indexer scores: [N, index_topk], ties to the lower index. */
+static ds4_status u_indexer_topk(const block_ctx *bc, block_acts *a) {
+    if (a->ratio != 4) return DS4_OK;
+    UNIT_PROLOGUE;
+    const int64_t K = c->index_topk;
+    NEED(a->topk = OUT_I32(U_INDEXER_TOPK, N * K));
+    indexer_topk_fwd(a->topk, a->iqi, a->iki, a->iwi, B, T, c->index_n_heads, c->index_head_dim, a->Nc, 4, K,
+                     indexer_wscale(c));
     return DS4_OK;
 }
 
@@ -268,17 +275,29 @@ static ds4_status u_sparse_attn(const block_ctx *bc, block_acts *a) {
     return DS4_OK;
 }
 
+/* Workspace copy of o with the inverse rope at the query position: [N, H, hd]. Cheap to rebuild, so
+ * o_proj keeps only its GEMM outputs. */
+static float *inverse_roped_o(const block_ctx *bc, const block_acts *a) {
+    const ds4_config *c = &bc->m->cfg;
+    const int64_t N = bc->B * bc->T, H = c->n_heads, hd = c->head_dim;
+    float *o_r = work(N * H * hd);
+    if (!o_r) return NULL;
+    if (!ds4_shape_only()) memcpy(o_r, a->o, (size_t)(N * H * hd) * sizeof(float));
+    rope_fwd(o_r, N, H, hd, bc->T, 1, block_rope(bc->m, a->ratio), true);
+    return o_r;
+}
+
 /* o_proj: inverse rope at the query position, grouped wo_a, wo_b. attn_out: [N, D] */
 static ds4_status u_o_proj(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
     const int64_t H = c->n_heads, hd = c->head_dim, G = c->o_groups, R = c->o_lora_rank;
-    NEED(a->o_r = OUT_F(U_O_PROJ, N * H * hd));
     NEED(a->z = OUT_F(U_O_PROJ, N * G * R));
     NEED(a->attn_out = OUT_F(U_O_PROJ, N * D));
-    if (!ds4_shape_only()) memcpy(a->o_r, a->o, (size_t)(N * H * hd) * sizeof(float));
-    rope_fwd(a->o_r, N, H, hd, T, 1, block_rope(m, a->ratio), true);
-    grouped_linear_fwd(a->z, a->o_r, W->wo_a, N, G, R, H * hd / G);
+    float *o_r = inverse_roped_o(bc, a);
+    NEED(o_r);
+    grouped_linear_fwd(a->z, o_r, W->wo_a, N, G, R, H * hd / G);
     linear_fwd(a->attn_out, a->z, W->wo_b, N, G * R, D);
+    ds4_free(o_r);
     return DS4_OK;
 }
 
@@ -410,7 +429,7 @@ static ds4_status u_hc_post_ffn(const block_ctx *bc, block_acts *a) {
 
 typedef ds4_status (*unit_fwd_fn)(const block_ctx *, block_acts *);
 static const unit_fwd_fn k_fwd[U_COUNT] = {
-    u_hc_pre_attn, u_attn_norm, u_q_down, u_q_up, u_kv, u_compressor, u_indexer, u_sparse_attn,
+    u_hc_pre_attn, u_attn_norm, u_q_down, u_q_up, u_kv, u_compressor, u_indexer, u_indexer_topk, u_sparse_attn,
     u_o_proj, u_hc_post_attn, u_hc_pre_ffn, u_ffn_norm, u_router, u_moe, u_hc_post_ffn,
 };
 
@@ -669,10 +688,10 @@ static const uint32_t k_bwd_reads[B_COUNT] = {
     [B_FFN_NORM] = BIT(U_HC_PRE_FFN) | BIT(U_FFN_NORM),
     [B_HC_PRE_FFN] = BIT(U_HC_POST_ATTN) | BIT(U_HC_PRE_FFN),
     [B_HC_POST_ATTN] = BIT(U_O_PROJ) | BIT(U_HC_PRE_ATTN),
-    [B_O_PROJ] = BIT(U_O_PROJ),
-    [B_INDEXER] = BIT(U_INDEXER) | BIT(U_Q_UP) | BIT(U_COMPRESSOR) | BIT(U_SPARSE_ATTN) | BIT(U_ATTN_NORM) |
-                  BIT(U_Q_DOWN),
-    [B_SPARSE_ATTN] = BIT(U_SPARSE_ATTN) | BIT(U_Q_UP) | BIT(U_KV) | BIT(U_COMPRESSOR) | BIT(U_INDEXER),
+    [B_O_PROJ] = BIT(U_O_PROJ) | BIT(U_SPARSE_ATTN),
+    [B_INDEXER] = BIT(U_INDEXER) | BIT(U_INDEXER_TOPK) | BIT(U_Q_UP) | BIT(U_COMPRESSOR) | BIT(U_SPARSE_ATTN) |
+                  BIT(U_ATTN_NORM) | BIT(U_Q_DOWN),
+    [B_SPARSE_ATTN] = BIT(U_SPARSE_ATTN) | BIT(U_Q_UP) | BIT(U_KV) | BIT(U_COMPRESSOR) | BIT(U_INDEXER_TOPK),
     [B_COMPRESSOR] = BIT(U_COMPRESSOR) | BIT(U_ATTN_NORM),
     [B_KV] = BIT(U_KV) | BIT(U_ATTN_NORM),
     [B_Q_UP] = BIT(U_Q_UP) | BIT(U_Q_DOWN),
@@ -704,11 +723,15 @@ static ds4_status bwd_run_step(const block_ctx *bc, block_acts *a, block_grads *
         hc_post_bwd(g->dattn, dX_in, g->dpostA, g->dcombA, g->dX_mid, a->attn_out, a->X_in, a->hcA_post, a->hcA_comb,
                     N, n, D);
         return DS4_OK;
-    case B_O_PROJ:
+    case B_O_PROJ: {
+        float *o_r = inverse_roped_o(bc, a);
+        if (!o_r) return ds4_fail(DS4_ERR_OOM, "out of memory in o_proj backward");
         linear_bwd(g->dz, Gw->wo_b, g->dattn, a->z, W->wo_b, N, G * R, D);
-        grouped_linear_bwd(g->do_, Gw->wo_a, g->dz, a->o_r, W->wo_a, N, G, R, H * hd / G);
+        grouped_linear_bwd(g->do_, Gw->wo_a, g->dz, o_r, W->wo_a, N, G, R, H * hd / G);
         rope_bwd(g->do_, N, H, hd, T, 1, rope, true);
+        ds4_free(o_r);
         return DS4_OK;
+    }
     case B_INDEXER: return r == 4 ? indexer_bwd(bc, a, kl_sum, kl_rows) : DS4_OK;
     case B_SPARSE_ATTN: {
         const int32_t *sel = attn_selection(bc, a);

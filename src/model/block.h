@@ -18,7 +18,8 @@ typedef enum {
     U_Q_UP,            /* q = rope(head_norm(wq_b qr)) */
     U_KV,              /* kv = rope(kv_norm(wkv xa)) */
     U_COMPRESSOR,      /* kvc = rope(norm(pool(wkv xa, wgate xa))) */
-    U_INDEXER,         /* indexer queries, weights, keys, top-k */
+    U_INDEXER,         /* indexer queries, weights, compressed keys */
+    U_INDEXER_TOPK,    /* the indexer's top-k selection (small: saved even when the indexer is released) */
     U_SPARSE_ATTN,     /* o, lse */
     U_O_PROJ,          /* attn_out = wo_b(wo_a(inverse_rope(o))) */
     U_HC_POST_ATTN,    /* X_mid */
@@ -71,11 +72,12 @@ typedef struct {
     float *iqi, *iwi;              /* [N, HI, dI] (roped), [N, HI] */
     float *ica, *icz;              /* [N, 2·dI] */
     float *ipool, *i_rstd, *iki;   /* [B, Nc, dI], [B·Nc], [B, Nc, dI] */
+    /* U_INDEXER_TOPK */
     int32_t *topk;                 /* [N, index_topk] */
     /* U_SPARSE_ATTN */
     float *o, *lse;                /* [N, H, c], [N, H] */
     /* U_O_PROJ */
-    float *o_r, *z, *attn_out;     /* [N, H, c], [N, G·R], [N, D] */
+    float *z, *attn_out;           /* [N, G·R], [N, D] (the inverse-roped o is rebuilt from o when needed) */
     /* U_HC_POST_ATTN */
     float *X_mid;                  /* [N, n, D] */
     /* U_HC_PRE_FFN, U_FFN_NORM */
