@@ -115,6 +115,7 @@ static ds4_status generate(ds4_model *m, const ds4_tokenizer *tk, const ds4_toke
     }
     double dt = ds4_now() - t0;
     printf("\n");
+    fflush(stdout);
     if (st == DS4_OK)
         fprintf(stderr, "generated %lld tokens in %.3f s (%.1f tokens/s; prompt %lld tokens)\n", (long long)made, dt,
                 dt > 0 ? (double)made / dt : 0.0, (long long)P);

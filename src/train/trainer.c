@@ -272,7 +272,7 @@ static void log_step(trainer *tr, int64_t step, const step_losses *sl, double gn
     double tps = tokens / dt, tflops = tps * tr->flops_per_token / 1e12;
     double mfu = tr->peak_flops > 0 ? 100.0 * tps * tr->flops_per_token / tr->peak_flops : 0;
     double gib = (double)ms.peak_total / (1024.0 * 1024.0 * 1024.0);
-    if (step % c->log_freq == 0 || step == c->steps) {
+    if (step == 1 || step % c->log_freq == 0 || step == c->steps) {
         printf("step %5lld  loss %7.4f  grad_norm %7.4f  memory %6.3fGiB  tps %8.0f  tflops %6.3f  mfu %5.2f%%\n",
                (long long)step, sl->loss, gnorm, gib, tps, tflops, mfu);
         fflush(stdout);
