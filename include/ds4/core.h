@@ -62,6 +62,11 @@ const char *ds4_mem_cat_name(ds4_mem_cat c);
 void *ds4_alloc(ds4_mem_cat cat, size_t bytes);
 void *ds4_calloc(ds4_mem_cat cat, size_t bytes);
 void ds4_free(void *p);             /* NULL is a no-op */
+/* Grows *arr (elements of `elem` bytes, counted as DS4_MEM_OTHER) to hold at least `need`,
+ * doubling from 16; keeps the contents. False on allocation failure (*arr unchanged). */
+bool ds4_grow(void **arr, int64_t *cap, int64_t need, size_t elem);
+/* NUL-terminated copy of n bytes (DS4_MEM_OTHER); NULL on allocation failure. */
+char *ds4_strndup(const char *s, size_t n);
 size_t ds4_alloc_size(const void *p); /* bytes requested for p */
 
 typedef struct {

@@ -100,3 +100,26 @@ void ds4_mem_reset_peak(void) {
     for (int c = 0; c < DS4_MEM_NCAT; c++) atomic_store(&g_peak[c], atomic_load(&g_live[c]));
     atomic_store(&g_peak_total, atomic_load(&g_live_total));
 }
+
+bool ds4_grow(void **arr, int64_t *cap, int64_t need, size_t elem) {
+    if (need <= *cap) return true;
+    int64_t nc = *cap ? *cap : 16;
+    while (nc < need) nc *= 2;
+    void *n = ds4_alloc(DS4_MEM_OTHER, (size_t)nc * elem);
+    if (!n) return false;
+    if (*arr) {
+        memcpy(n, *arr, (size_t)*cap * elem);
+        ds4_free(*arr);
+    }
+    *arr = n;
+    *cap = nc;
+    return true;
+}
+
+char *ds4_strndup(const char *s, size_t n) {
+    char *d = ds4_alloc(DS4_MEM_OTHER, n + 1);
+    if (!d) return NULL;
+    memcpy(d, s, n);
+    d[n] = 0;
+    return d;
+}

@@ -158,21 +158,6 @@ struct ds4_shard_writer {
     int64_t n_docs, off_cap;
 };
 
-static bool grow(void **arr, int64_t *cap, int64_t need, size_t elem) {
-    if (need <= *cap) return true;
-    int64_t nc = *cap ? *cap : 1024;
-    while (nc < need) nc *= 2;
-    void *n = ds4_alloc(DS4_MEM_OTHER, (size_t)nc * elem);
-    if (!n) return false;
-    if (*arr) {
-        memcpy(n, *arr, (size_t)*cap * elem);
-        ds4_free(*arr);
-    }
-    *arr = n;
-    *cap = nc;
-    return true;
-}
-
 void ds4_shard_writer_abort(ds4_shard_writer *w) {
     if (!w) return;
     ds4_free(w->path);
@@ -191,7 +176,7 @@ ds4_status ds4_shard_writer_open(const char *path, int64_t vocab_size, int32_t b
     ds4_shard_writer *w = ds4_calloc(DS4_MEM_OTHER, sizeof *w);
     size_t n = strlen(path) + 1;
     if (w) w->path = ds4_alloc(DS4_MEM_OTHER, n);
-    if (!w || !w->path || !grow((void **)&w->offsets, &w->off_cap, 1, sizeof(uint64_t))) {
+    if (!w || !w->path || !ds4_grow((void **)&w->offsets, &w->off_cap, 1, sizeof(uint64_t))) {
         ds4_shard_writer_abort(w);
         return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
     }
@@ -210,8 +195,8 @@ ds4_status ds4_shard_writer_add(ds4_shard_writer *w, const int32_t *tokens, int6
         if (tokens[i] < 0 || tokens[i] >= w->vocab_size)
             return ds4_fail(DS4_ERR_ARG, "%s: document %lld token %lld is id %d, outside the vocab [0, %lld)", w->path,
                             (long long)w->n_docs, (long long)i, tokens[i], (long long)w->vocab_size);
-    if (!grow((void **)&w->tokens, &w->tok_cap, (w->n_tokens + n) * w->width, 1) ||
-        !grow((void **)&w->offsets, &w->off_cap, w->n_docs + 2, sizeof(uint64_t)))
+    if (!ds4_grow((void **)&w->tokens, &w->tok_cap, (w->n_tokens + n) * w->width, 1) ||
+        !ds4_grow((void **)&w->offsets, &w->off_cap, w->n_docs + 2, sizeof(uint64_t)))
         return ds4_fail(DS4_ERR_OOM, "%s: out of memory holding %lld tokens", w->path, (long long)(w->n_tokens + n));
     uint8_t *dst = w->tokens + w->n_tokens * w->width;
     if (w->width == 2)

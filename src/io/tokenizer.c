@@ -68,29 +68,6 @@ struct ds4_tokenizer {
 
 /* ---------------------------------------------------------------- small helpers */
 
-static char *dup_n(const char *s, size_t n) {
-    char *d = ds4_alloc(DS4_MEM_OTHER, n + 1);
-    if (!d) return NULL;
-    memcpy(d, s, n);
-    d[n] = 0;
-    return d;
-}
-
-static bool grow(void **arr, int64_t *cap, int64_t need, size_t elem) {
-    if (need <= *cap) return true;
-    int64_t nc = *cap ? *cap : 16;
-    while (nc < need) nc *= 2;
-    void *n = ds4_alloc(DS4_MEM_OTHER, (size_t)nc * elem);
-    if (!n) return false;
-    if (*arr) {
-        memcpy(n, *arr, (size_t)*cap * elem);
-        ds4_free(*arr);
-    }
-    *arr = n;
-    *cap = nc;
-    return true;
-}
-
 void ds4_tokens_free(ds4_tokens *t) {
     ds4_free(t->ids);
     t->ids = NULL;
@@ -98,7 +75,7 @@ void ds4_tokens_free(ds4_tokens *t) {
 }
 
 ds4_status ds4_tokens_push(ds4_tokens *t, int32_t id) {
-    if (t->n == t->cap && !grow((void **)&t->ids, &t->cap, t->n + 1, sizeof(int32_t)))
+    if (t->n == t->cap && !ds4_grow((void **)&t->ids, &t->cap, t->n + 1, sizeof(int32_t)))
         return ds4_fail(DS4_ERR_OOM, "out of memory growing a token list to %lld ids", (long long)t->n + 1);
     t->ids[t->n++] = id;
     return DS4_OK;
@@ -253,7 +230,7 @@ static void index_added(ds4_tokenizer *t) {
 ds4_status ds4_tokenizer_byte(ds4_tokenizer **out) {
     *out = NULL;
     ds4_tokenizer *t = ds4_calloc(DS4_MEM_OTHER, sizeof *t);
-    if (!t || !(t->name = dup_n("byte", 4))) {
+    if (!t || !(t->name = ds4_strndup("byte", 4))) {
         ds4_free(t);
         return ds4_fail(DS4_ERR_OOM, "byte tokenizer: out of memory");
     }
@@ -263,15 +240,15 @@ ds4_status ds4_tokenizer_byte(ds4_tokenizer **out) {
     if (!st && !t->added) st = ds4_fail(DS4_ERR_OOM, "byte tokenizer: out of memory");
     for (int b = 0; b < 256 && !st; b++) {
         char c = (char)b;
-        if (!(t->tok[b] = dup_n(&c, 1))) st = ds4_fail(DS4_ERR_OOM, "byte tokenizer: out of memory");
+        if (!(t->tok[b] = ds4_strndup(&c, 1))) st = ds4_fail(DS4_ERR_OOM, "byte tokenizer: out of memory");
         t->tok_len[b] = 1;
         t->tok_mergeable[b] = true;
         t->byte_id[b] = b;
     }
     for (int i = 0; i < 2 && !st; i++) {
         size_t n = strlen(specials[i]);
-        t->tok[256 + i] = dup_n(specials[i], n);
-        t->added[i].s = dup_n(specials[i], n);
+        t->tok[256 + i] = ds4_strndup(specials[i], n);
+        t->added[i].s = ds4_strndup(specials[i], n);
         if (!t->tok[256 + i] || !t->added[i].s) { st = ds4_fail(DS4_ERR_OOM, "byte tokenizer: out of memory"); break; }
         t->tok_len[256 + i] = (int64_t)n;
         t->added[i].n = (int64_t)n;
@@ -462,12 +439,12 @@ static ds4_status parse_vocab(ds4_tokenizer *t, const cJSON *model, const cJSON 
                 return jfail(t, DS4_ERR_FORMAT, "added_tokens[%lld]: id %d is already the vocab token \"%.*s\"",
                              (long long)t->n_added, id, (int)(t->tok_len[id] < 80 ? t->tok_len[id] : 80), t->tok[id]);
             added_tok *a = &t->added[t->n_added];
-            if (!(a->s = dup_n(content, (size_t)n))) return jfail(t, DS4_ERR_OOM, "out of memory");
+            if (!(a->s = ds4_strndup(content, (size_t)n))) return jfail(t, DS4_ERR_OOM, "out of memory");
             a->n = n;
             a->id = id;
             t->n_added++;
             ds4_free(t->tok[id]); /* an added token decodes to its content */
-            if (!(t->tok[id] = dup_n(content, (size_t)n))) return jfail(t, DS4_ERR_OOM, "out of memory");
+            if (!(t->tok[id] = ds4_strndup(content, (size_t)n))) return jfail(t, DS4_ERR_OOM, "out of memory");
             t->tok_len[id] = n;
             t->tok_mergeable[id] = false;
         }
@@ -617,7 +594,7 @@ ds4_status ds4_tokenizer_parse(const char *json, size_t len, const char *name, c
     *out = NULL;
     if (!name) name = "<tokenizer.json>";
     ds4_tokenizer *t = ds4_calloc(DS4_MEM_OTHER, sizeof *t);
-    if (!t || !(t->name = dup_n(name, strlen(name)))) {
+    if (!t || !(t->name = ds4_strndup(name, strlen(name)))) {
         ds4_free(t);
         return ds4_fail(DS4_ERR_OOM, "%s: out of memory", name);
     }
@@ -734,7 +711,7 @@ static ds4_status enc_oom(const enc_ctx *c) { return ds4_fail(DS4_ERR_OOM, "%s: 
 static bool cand_less(cand a, cand b) { return a.rank != b.rank ? a.rank < b.rank : a.pos < b.pos; }
 
 static bool heap_push(enc_ctx *c, cand x) {
-    if (!grow((void **)&c->heap, &c->heap_cap, c->heap_n + 1, sizeof(cand))) return false;
+    if (!ds4_grow((void **)&c->heap, &c->heap_cap, c->heap_n + 1, sizeof(cand))) return false;
     int64_t i = c->heap_n++;
     while (i > 0 && cand_less(x, c->heap[(i - 1) / 2])) {
         c->heap[i] = c->heap[(i - 1) / 2];
@@ -788,8 +765,8 @@ static ds4_status bpe_piece(enc_ctx *c, const char *p, int64_t n) {
     if (n > INT32_MAX) return ds4_fail(DS4_ERR_ARG, "%s: a single piece of %lld bytes is too long", t->name, (long long)n);
     if (n > c->sym_cap) {
         int64_t cap = c->sym_cap, cap2 = c->sym_cap, cap3 = c->sym_cap;
-        if (!grow((void **)&c->sym, &cap, n, sizeof(int32_t)) || !grow((void **)&c->prev, &cap2, n, sizeof(int32_t)) ||
-            !grow((void **)&c->next, &cap3, n, sizeof(int32_t)))
+        if (!ds4_grow((void **)&c->sym, &cap, n, sizeof(int32_t)) || !ds4_grow((void **)&c->prev, &cap2, n, sizeof(int32_t)) ||
+            !ds4_grow((void **)&c->next, &cap3, n, sizeof(int32_t)))
             return enc_oom(c);
         c->sym_cap = cap;
     }
@@ -823,7 +800,7 @@ static ds4_status find_segments(enc_ctx *c, int k, const char *p, int64_t n, int
     uint32_t opts = 0;
 #define PUSH_SEG(a, b, m)                                                                              \
     do {                                                                                               \
-        if (!grow((void **)&c->segs[k], &c->segs_cap[k], ns + 1, sizeof(span))) return enc_oom(c);     \
+        if (!ds4_grow((void **)&c->segs[k], &c->segs_cap[k], ns + 1, sizeof(span))) return enc_oom(c);     \
         c->segs[k][ns++] = (span){(a), (b) - (a), (m)};                                                \
     } while (0)
     while (off < n) {
@@ -901,7 +878,7 @@ static ds4_status split_pieces(enc_ctx *c, int k, const char *p, int64_t n) {
     const pretok_step *s = &c->t->steps[k];
     int64_t ns;
     DS4_TRY(find_segments(c, k, p, n, &ns));
-    if (!grow((void **)&c->pieces[k], &c->pieces_cap[k], ns, sizeof(span))) return enc_oom(c);
+    if (!ds4_grow((void **)&c->pieces[k], &c->pieces_cap[k], ns, sizeof(span))) return enc_oom(c);
     int64_t np = fold_segments(c->segs[k], ns, s->behavior, s->invert, c->pieces[k]);
     for (int64_t i = 0; i < np; i++) {
         span pc = c->pieces[k][i]; /* deeper steps use their own arrays, so this one stays valid */

@@ -26,37 +26,13 @@ typedef struct {
 
 /* ---------------------------------------------------------------- small helpers */
 
-static char *dup_n(const char *s, size_t n) {
-    char *d = ds4_alloc(DS4_MEM_OTHER, n + 1);
-    if (!d) return NULL;
-    memcpy(d, s, n);
-    d[n] = 0;
-    return d;
-}
-
-/* Grows *arr (elements of `elem` bytes) to hold at least `need`. */
-static bool grow(void **arr, int64_t *cap, int64_t need, size_t elem) {
-    if (need <= *cap) return true;
-    int64_t nc = *cap ? *cap : 4;
-    while (nc < need) nc *= 2;
-    void *n = ds4_alloc(DS4_MEM_OTHER, (size_t)nc * elem);
-    if (!n) return false;
-    if (*arr) {
-        memcpy(n, *arr, (size_t)*cap * elem);
-        ds4_free(*arr);
-    }
-    *arr = n;
-    *cap = nc;
-    return true;
-}
-
 typedef struct {
     char *d;
     int64_t n, cap;
 } sbuf;
 
 static bool sb_put(sbuf *b, const char *s, int64_t n) {
-    if (!grow((void **)&b->d, &b->cap, b->n + n + 1, 1)) return false;
+    if (!ds4_grow((void **)&b->d, &b->cap, b->n + n + 1, 1)) return false;
     memcpy(b->d + b->n, s, (size_t)n);
     b->n += n;
     b->d[b->n] = 0;
@@ -140,7 +116,7 @@ void ds4_toml_free(ds4_toml *n) {
 }
 
 static bool node_append(ds4_toml *parent, ds4_toml *kid) {
-    if (!grow((void **)&parent->kids, &parent->cap_kids, parent->n_kids + 1, sizeof(ds4_toml *)))
+    if (!ds4_grow((void **)&parent->kids, &parent->cap_kids, parent->n_kids + 1, sizeof(ds4_toml *)))
         return false;
     parent->kids[parent->n_kids++] = kid;
     return true;
@@ -356,7 +332,7 @@ static ds4_status parse_simple_key(parser *P, char **out) {
         char buf[24];
         return perr(P, "expected a key, got %s", got(P, buf));
     }
-    *out = dup_n(s, (size_t)(P->p - s));
+    *out = ds4_strndup(s, (size_t)(P->p - s));
     return *out ? DS4_OK : oom(P);
 }
 
@@ -595,7 +571,7 @@ static ds4_status insert_dotted(parser *P, ds4_toml *t, char **parts, int n, ds4
         ds4_toml *c = table_find(t, parts[i]);
         if (!c) {
             c = node_new(DS4_TOML_TABLE, val->line, val->col);
-            if (!c || !(c->key = dup_n(parts[i], strlen(parts[i]))) || !node_append(t, c)) {
+            if (!c || !(c->key = ds4_strndup(parts[i], strlen(parts[i]))) || !node_append(t, c)) {
                 ds4_toml_free(c);
                 return oom(P);
             }
@@ -612,7 +588,7 @@ static ds4_status insert_dotted(parser *P, ds4_toml *t, char **parts, int n, ds4
     ds4_toml *old = table_find(t, parts[n - 1]);
     if (old)
         return perr_at(P, val->line, val->col, "duplicate key '%s' (first defined at line %d)", join_key(parts, n, key, sizeof key), old->line);
-    if (!(val->key = dup_n(parts[n - 1], strlen(parts[n - 1])))) return oom(P);
+    if (!(val->key = ds4_strndup(parts[n - 1], strlen(parts[n - 1])))) return oom(P);
     if (!node_append(t, val)) return oom(P);
     return DS4_OK;
 }
@@ -665,7 +641,7 @@ static ds4_status parse_header(parser *P, ds4_toml *root, ds4_toml **cur) {
         bool last = i == n - 1;
         if (!c) {
             c = node_new(DS4_TOML_TABLE, line, col);
-            if (!c || !(c->key = dup_n(parts[i], strlen(parts[i]))) || !node_append(t, c)) {
+            if (!c || !(c->key = ds4_strndup(parts[i], strlen(parts[i]))) || !node_append(t, c)) {
                 ds4_toml_free(c);
                 st = oom(P);
                 break;
@@ -719,7 +695,7 @@ ds4_status ds4_toml_parse(const char *text, size_t len, const char *name, ds4_to
     parser P = {.p = text, .end = text + len, .line_start = text, .line = 1, .name = name};
     if (len >= 3 && memcmp(text, "\xef\xbb\xbf", 3) == 0) P.p += 3, P.line_start = P.p; /* BOM */
     ds4_toml *root = node_new(DS4_TOML_TABLE, 1, 1);
-    if (!root || !(root->src = dup_n(name, strlen(name)))) {
+    if (!root || !(root->src = ds4_strndup(name, strlen(name)))) {
         ds4_toml_free(root);
         return ds4_fail(DS4_ERR_OOM, "%s: out of memory", name);
     }
@@ -865,7 +841,7 @@ ds4_status ds4_toml_set(ds4_toml *root, const char *dotted, const char *value) {
     ds4_toml *val = parse_override_value(value);
     if (!val) {
         val = node_new(DS4_TOML_STRING, 0, 0);
-        if (!val || !(val->v.s = dup_n(value, strlen(value)))) {
+        if (!val || !(val->v.s = ds4_strndup(value, strlen(value)))) {
             ds4_toml_free(val);
             return ds4_fail(DS4_ERR_OOM, "--%s: out of memory", dotted);
         }
@@ -878,7 +854,7 @@ ds4_status ds4_toml_set(ds4_toml *root, const char *dotted, const char *value) {
         const char *dot = strchr(s, '.');
         size_t n = dot ? (size_t)(dot - s) : strlen(s);
         if (n == 0) { st = ds4_fail(DS4_ERR_ARG, "--%s: empty part in key", dotted); break; }
-        char *part = dup_n(s, n);
+        char *part = ds4_strndup(s, n);
         if (!part) { st = ds4_fail(DS4_ERR_OOM, "--%s: out of memory", dotted); break; }
         ds4_toml *c = table_find(t, part);
         if (!dot) { /* the leaf */
