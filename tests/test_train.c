@@ -152,9 +152,21 @@ static pid_t spawn_train(const char *run, const char *steps, const char *interva
     return pid;
 }
 
+/* Waits (up to 120 s) until `path` exists: the child is past start-up. */
+static bool wait_for(const char *path) {
+    for (int i = 0; i < 2400; i++) {
+        if (access(path, F_OK) == 0) return true;
+        usleep(50 * 1000);
+    }
+    return false;
+}
+
 static void test_sigint_saves_and_exits_zero(void) {
     pid_t pid = spawn_train("sigint", "100000", "0");
-    usleep(1500 * 1000);
+    char jl[512];
+    snprintf(jl, sizeof jl, "%s/sigint.jsonl", g_dir);
+    CHECK(wait_for(jl), "training never logged a step");
+    usleep(300 * 1000);
     kill(pid, SIGINT);
     int status = 0;
     waitpid(pid, &status, 0);
@@ -169,9 +181,12 @@ static void test_kill9_during_saves_keeps_a_loadable_checkpoint(void) {
     CHECK(ds4_config_load("tests/configs/tiny-a.json", &mc) == DS4_OK);
     char root[512], path[600];
     snprintf(root, sizeof root, "%s/kill9", g_dir);
+    char first[600];
+    snprintf(first, sizeof first, "%s/step-00000001/state.json", root);
     for (int trial = 0; trial < 4; trial++) {
         pid_t pid = spawn_train("kill9", "100000", "1"); /* saves every step */
-        usleep((useconds_t)(800 + 230 * trial) * 1000);
+        if (trial == 0) CHECK(wait_for(first), "no checkpoint was written"); /* later trials resume and save at once */
+        usleep((useconds_t)(37 + 61 * trial) * 1000); /* land at different moments of a save */
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
         if (ds4_checkpoint_find(root, -1, path, sizeof path) != DS4_OK) continue; /* killed before the first save */
