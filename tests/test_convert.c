@@ -1024,6 +1024,90 @@ static void test_corrupt(void) {
           msg_has("'model.norm.weight'"), "%s", ds4_errmsg());
 }
 
+/* ---------------------------------------------------------------- export: transformers config keys */
+
+static bool json_has(const cJSON *r, const char *k) { return cJSON_GetObjectItemCaseSensitive(r, k) != NULL; }
+
+/* Exact parameter and integer-table equality of two models of one config. */
+static int params_differ(ds4_model *a, ds4_model *b) {
+    int bad = memcmp(ds4_model_params_flat(a), ds4_model_params_flat(b), (size_t)ds4_model_numel(a) * 4) != 0;
+    for (int64_t i = 0; i < ds4_model_nparams(a); i++) {
+        ds4_param *p = ds4_model_param(a, i), *q = ds4_model_param(b, i);
+        if (p->is_int) bad += memcmp(p->idata, q->idata, (size_t)p->numel * 8) != 0;
+    }
+    return bad;
+}
+
+/* The model in `dir` has config c (memcmp) and loads to the parameters of m (bitwise). `hf`: its
+ * config.json is in the transformers spelling, else in DeepSeek's. */
+static void check_loads_back(const char *dir, bool hf, const ds4_config *c, ds4_model *m) {
+    char p[600];
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    cJSON *r;
+    CHECK(read_json(p, &r));
+    if (!r) return;
+    bool hf_keys = json_has(r, "layer_types") && json_has(r, "compress_rates") && json_has(r, "mlp_layer_types") &&
+                   json_has(r, "partial_rotary_factor") && json_has(r, "rope_parameters");
+    bool ds_keys = json_has(r, "compress_ratios") || json_has(r, "num_hash_layers") || json_has(r, "qk_rope_head_dim") ||
+                   json_has(r, "rope_scaling");
+    CHECK(hf ? hf_keys && !ds_keys : ds_keys && !json_has(r, "layer_types"), "%s: config.json in the wrong spelling", dir);
+    if (hf) CHECK(!strcmp(cJSON_GetObjectItemCaseSensitive(r, "model_type")->valuestring, "deepseek_v4"));
+    cJSON_Delete(r);
+    ds4_config back;
+    CHECK(ds4_config_load(p, &back) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(memcmp(c, &back, sizeof back) == 0, "%s: config differs after export", dir);
+    ds4_model_dir *d;
+    CHECK(ds4_model_dir_open(dir, &d) == DS4_OK, "%s", ds4_errmsg());
+    if (!d) return;
+    ds4_model *m2;
+    CHECK(ds4_model_create(ds4_model_dir_config(d), &m2) == DS4_OK);
+    CHECK(ds4_model_load(m2, d) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(params_differ(m, m2) == 0, "%s: parameters differ", dir);
+    int64_t np;
+    CHECK(ds4_model_dir_check(d, NULL, NULL, &np) == DS4_OK && np == 0, "%lld problems", (long long)np);
+    ds4_model_free(m2);
+    ds4_model_dir_close(d);
+}
+
+/* ds4 export --names hf writes the transformers config spelling, and the export loads back (config
+ * and every tensor) to the same model; converting it back with official names returns DeepSeek's
+ * spelling. A config the transformers spelling cannot carry fails before any shard is written. */
+static void test_export_hf_config(void) {
+    ds4_config c;
+    CHECK(ds4_config_load(find_file("tests/configs/tiny-a.json"), &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *m;
+    if (ds4_model_create(&c, &m) != DS4_OK) return;
+    ds4_model_init_random(m, 23);
+    const char *ck = tpath("hfc_ckpt"), *hf = tpath("hfc_hf"), *off = tpath("hfc_off");
+    CHECK(ds4_model_save(m, ck, DS4_F32) == DS4_OK, "%s", ds4_errmsg());
+    ds4_convert_opts o = {.in_dir = ck, .out_dir = hf, .dtype = DS4_F32, .hf_names = true, .model_shards_only = true};
+    ds4_convert_report r;
+    CHECK(ds4_convert(&o, &r) == DS4_OK, "%s", ds4_errmsg());
+    check_loads_back(hf, true, &c, m);
+    CHECK(convert(hf, off, DS4_F32, false, &r) == DS4_OK, "%s", ds4_errmsg());
+    check_loads_back(off, false, &c, m);
+    ds4_model_free(m);
+
+    /* HCA layers of two ratios */
+    c.compress_ratios[3] = 8;
+    if (ds4_model_create(&c, &m) != DS4_OK) return;
+    ds4_model_init_random(m, 24);
+    const char *ck2 = tpath("hfc_ckpt2"), *hf2 = tpath("hfc_hf2");
+    CHECK(ds4_model_save(m, ck2, DS4_F32) == DS4_OK, "%s", ds4_errmsg());
+    o.in_dir = ck2, o.out_dir = hf2;
+    CHECK(ds4_convert(&o, &r) == DS4_ERR_CONFIG && msg_has("config.json") && msg_has("one rate"), "%s", ds4_errmsg());
+    char p[600];
+    snprintf(p, sizeof p, "%s/config.json", hf2);
+    CHECK(access(p, F_OK) != 0);
+    snprintf(p, sizeof p, "%s/model.safetensors", hf2);
+    CHECK(access(p, F_OK) != 0, "a shard was written before the config failed");
+    /* official names keep DeepSeek's spelling, which carries it */
+    o.hf_names = false;
+    CHECK(ds4_convert(&o, &r) == DS4_OK, "%s", ds4_errmsg());
+    check_loads_back(hf2, false, &c, m);
+    ds4_model_free(m);
+}
+
 static void test_no_leaks(void) {
     ds4_mem_stats m;
     ds4_mem_get(&m);
@@ -1051,6 +1135,7 @@ int main(void) {
     RUN(test_export);
     RUN(test_check);
     RUN(test_corrupt);
+    RUN(test_export_hf_config);
     RUN(test_no_leaks);
     if (!getenv("DS4_TEST_KEEP")) nftw(g_dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
     TEST_MAIN_END("test_convert");

@@ -1,6 +1,7 @@
 /* IO tests: safetensors writer -> reader for every dtype, every malformed-header case, truncation,
  * model directories with shards and an index, atomic writes, config.json parsing / validation /
- * save round trip, and a deterministic mutation fuzz of both parsers. */
+ * save round trip, a deterministic mutation fuzz of both parsers, and the transformers spelling of
+ * config.json (same struct as DeepSeek's, its own errors, respelling both ways). */
 #include "ds4/io.h"
 #include "test.h"
 
@@ -747,6 +748,325 @@ static void test_fuzz(void) {
     ds4_free(cfg);
 }
 
+/* ---------------------------------------------------------------- transformers config spelling */
+
+/* tests/configs/tiny-a.json in the spelling of the transformers DeepseekV4Config, plus the keys
+ * transformers writes that ds4 ignores. compress_ratios [0, 4, 16, 4, 0] -> layer_types (no MTP
+ * entry) + compress_rates; num_hash_layers 1 -> mlp_layer_types; qk_rope_head_dim 8 of head_dim 32
+ * -> partial_rotary_factor 0.25; rope_scaling -> rope_parameters (YaRN on the compressed layers). */
+static const char k_tiny_a_hf[] =
+    "{\"architectures\": [\"DeepseekV4ForCausalLM\"], \"model_type\": \"deepseek_v4\", \"transformers_version\": \"5.0.0\","
+    " \"vocab_size\": 256, \"hidden_size\": 64, \"num_hidden_layers\": 4, \"num_nextn_predict_layers\": 1,"
+    " \"num_attention_heads\": 4, \"num_key_value_heads\": 1, \"head_dim\": 32, \"q_lora_rank\": 32,"
+    " \"o_groups\": 2, \"o_lora_rank\": 16, \"sliding_window\": 16,"
+    " \"layer_types\": [\"sliding_attention\", \"compressed_sparse_attention\", \"heavily_compressed_attention\","
+    " \"compressed_sparse_attention\"],"
+    " \"compress_rates\": {\"compressed_sparse_attention\": 4, \"heavily_compressed_attention\": 16},"
+    " \"mlp_layer_types\": [\"hash_moe\", \"moe\", \"moe\", \"moe\"],"
+    " \"partial_rotary_factor\": 0.25,"
+    " \"index_n_heads\": 2, \"index_head_dim\": 16, \"index_topk\": 4,"
+    " \"n_routed_experts\": 8, \"n_shared_experts\": 1, \"num_experts_per_tok\": 2, \"moe_intermediate_size\": 32,"
+    " \"scoring_func\": \"sqrtsoftplus\", \"norm_topk_prob\": true, \"routed_scaling_factor\": 1.5, \"swiglu_limit\": 10.0,"
+    " \"hc_mult\": 4, \"hc_sinkhorn_iters\": 20, \"hc_eps\": 1e-6, \"rms_norm_eps\": 1e-6,"
+    " \"rope_theta\": 10000, \"compress_rope_theta\": 160000,"
+    " \"rope_parameters\": {\"main\": {\"rope_type\": \"default\", \"rope_theta\": 10000, \"partial_rotary_factor\": 0.25},"
+    " \"compress\": {\"rope_type\": \"yarn\", \"factor\": 4, \"original_max_position_embeddings\": 16, \"beta_fast\": 32,"
+    " \"beta_slow\": 1, \"rope_theta\": 160000, \"partial_rotary_factor\": 0.25, \"attention_factor\": 1.0}},"
+    " \"max_position_embeddings\": 4096, \"bos_token_id\": 0, \"eos_token_id\": 1, \"pad_token_id\": null,"
+    " \"hidden_act\": \"silu\", \"tie_word_embeddings\": false, \"dtype\": \"float32\", \"use_cache\": true,"
+    " \"attention_bias\": false, \"mlp_bias\": false, \"attention_dropout\": 0.0, \"initializer_range\": 0.02,"
+    " \"output_router_logits\": false, \"router_aux_loss_coef\": 0.001, \"router_jitter_noise\": 0.0,"
+    " \"mtp_loss_weight\": 0.3, \"indexer_loss_coeff\": 0.01, \"csa_dense\": false}";
+
+#define YARN_COMPRESS "\"compress\": {\"rope_type\": \"yarn\", \"factor\": 4, \"original_max_position_embeddings\": 16, " \
+                      "\"beta_fast\": 32, \"beta_slow\": 1}"
+
+/* The transformers spelling loads to the very struct of the DeepSeek spelling; so do the other
+ * rope_parameters forms transformers accepts. */
+static void test_hf_config_equivalent(void) {
+    ds4_config a, b;
+    CHECK(ds4_config_load(find_config("tests/configs/tiny-a.json"), &a) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_config_parse(k_tiny_a_hf, strlen(k_tiny_a_hf), "hf.json", &b) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(memcmp(&a, &b, sizeof a) == 0, "transformers-spelled tiny-a differs from tiny-a");
+    CHECK(b.compress_ratios[2] == 16 && b.compress_ratios[4] == 0 && b.n_hash_layers == 1 && b.rope_head_dim == 8);
+    CHECK(b.original_seq_len == 16 && b.rope_factor == 4 && b.beta_fast == 32 && b.beta_slow == 1);
+    static const mutation same[] = {
+        /* flat: the YaRN keys of the compressed layers only */
+        {M_RAW, "rope_parameters", 0, "{\"rope_type\": \"yarn\", \"factor\": 4, \"original_max_position_embeddings\": 16, "
+                                      "\"beta_fast\": 32, \"beta_slow\": 1}", DS4_OK, ""},
+        /* nested, with the top-level rope_type leftover, "type" for "rope_type", no theta / factor copies */
+        {M_RAW, "rope_parameters", 0, "{\"rope_type\": \"default\", \"main\": {\"type\": \"default\"}, " YARN_COMPRESS "}", DS4_OK, ""},
+    };
+    for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
+        cJSON *r = cJSON_Parse(k_tiny_a_hf);
+        cJSON_ReplaceItemInObjectCaseSensitive(r, same[i].key, cJSON_CreateRaw(same[i].str));
+        char *t = cJSON_PrintUnformatted(r);
+        cJSON_Delete(r);
+        memset(&b, 0xa5, sizeof b);
+        CHECK(ds4_config_parse(t, strlen(t), "hf.json", &b) == DS4_OK && memcmp(&a, &b, sizeof a) == 0, "variant %zu: %s", i,
+              ds4_errmsg());
+        cJSON_free(t);
+    }
+    /* rope_parameters null: no YaRN anywhere */
+    mutation m = {M_RAW, "rope_parameters", 0, "null", DS4_OK, ""};
+    CHECK(parse_mutated(k_tiny_a_hf, &m) == DS4_OK, "%s", ds4_errmsg());
+}
+
+/* Every transformers-specific rule fails with a message that names the key. */
+static void test_hf_config_errors(void) {
+    static const mutation ms[] = {
+        /* both spellings of one setting */
+        {M_ADD_RAW, "compress_ratios", 0, "[0, 4, 16, 4, 0]", DS4_ERR_CONFIG,
+         "key 'compress_ratios' (DeepSeek spelling) and key 'layer_types' (transformers spelling)"},
+        {M_ADD_RAW, "num_hash_layers", 0, "1", DS4_ERR_CONFIG, "key 'num_hash_layers' (DeepSeek spelling) and key 'mlp_layer_types'"},
+        {M_ADD_RAW, "qk_rope_head_dim", 0, "8", DS4_ERR_CONFIG, "key 'qk_rope_head_dim' (DeepSeek spelling) and key 'partial_rotary_factor'"},
+        {M_ADD_RAW, "rope_scaling", 0, "null", DS4_ERR_CONFIG, "key 'rope_scaling' (DeepSeek spelling) and key 'rope_parameters'"},
+        /* unknown keys: the hint comes from the transformers spelling */
+        {M_ADD_RAW, "mlp_layer_type", 0, "[]", DS4_ERR_CONFIG, "unknown key 'mlp_layer_type' (did you mean 'mlp_layer_types'?)"},
+        {M_ADD_RAW, "compress_rate", 0, "{}", DS4_ERR_CONFIG, "did you mean 'compress_rates'"},
+        {M_ADD_RAW, "rope_parameter", 0, "{}", DS4_ERR_CONFIG, "did you mean 'rope_parameters'"},
+        {M_ADD_RAW, "index_top_k", 0, "4", DS4_ERR_CONFIG, "did you mean 'index_topk'"},
+        /* required keys */
+        {M_DEL, "compress_rates", 0, 0, DS4_ERR_CONFIG, "required key 'compress_rates' is missing"},
+        {M_DEL, "mlp_layer_types", 0, 0, DS4_ERR_CONFIG, "required key 'mlp_layer_types' is missing"},
+        {M_DEL, "partial_rotary_factor", 0, 0, DS4_ERR_CONFIG, "required key 'partial_rotary_factor' is missing"},
+        {M_DEL, "model_type", 0, 0, DS4_ERR_CONFIG, "model_type \"deepseek_v4\""},
+        {M_STR, "model_type", 0, "deepseek_v3", DS4_ERR_CONFIG, "model_type \"deepseek_v4\""},
+        /* layer_types / compress_rates */
+        {M_RAW, "layer_types", 0, "[\"sliding_attention\"]", DS4_ERR_CONFIG, "'layer_types' has 1 entries, expected num_hidden_layers = 4"},
+        {M_RAW, "layer_types", 0, "[\"sliding_attention\", \"compressed_sparse_attention\", \"heavily_compressed_attention\", "
+                                  "\"compressed_sparse_attention\", \"sliding_attention\"]", DS4_ERR_CONFIG, "has 5 entries"},
+        {M_RAW, "layer_types", 0, "[\"sliding_attention\", \"full_attention\", \"sliding_attention\", \"sliding_attention\"]",
+         DS4_ERR_CONFIG, "'layer_types' entry 1 must be"},
+        {M_RAW, "layer_types", 0, "[0, 4, 16, 4]", DS4_ERR_CONFIG, "'layer_types' entry 0 must be"},
+        {M_RAW, "layer_types", 0, "{}", DS4_ERR_CONFIG, "'layer_types' must be an array"},
+        {M_RAW, "compress_rates", 0, "{\"compressed_sparse_attention\": 8, \"heavily_compressed_attention\": 16}", DS4_ERR_CONFIG,
+         "'compress_rates.compressed_sparse_attention' is 8, ds4 runs compressed sparse attention at ratio 4 only"},
+        {M_RAW, "compress_rates", 0, "{\"compressed_sparse_attention\": 4, \"heavily_compressed_attention\": 4}", DS4_ERR_CONFIG,
+         "'compress_rates.heavily_compressed_attention' is 4, must be >= 2 and not 4"},
+        {M_RAW, "compress_rates", 0, "{\"compressed_sparse_attention\": 4, \"heavily_compressed_attention\": 1}", DS4_ERR_CONFIG,
+         "'compress_rates.heavily_compressed_attention' is 1"},
+        {M_RAW, "compress_rates", 0, "{\"compressed_sparse_attention\": 4}", DS4_ERR_CONFIG,
+         "required key 'compress_rates.heavily_compressed_attention' is missing"},
+        {M_RAW, "compress_rates", 0, "{\"compressed_sparse_attention\": 4, \"heavily_compressed_attention\": 16, \"sliding_attention\": 0}",
+         DS4_ERR_CONFIG, "unknown key 'compress_rates.sliding_attention'"},
+        {M_RAW, "compress_rates", 0, "{\"compressed_sparse_attention\": \"4\", \"heavily_compressed_attention\": 16}", DS4_ERR_CONFIG,
+         "'compress_rates.compressed_sparse_attention' must be an integer"},
+        /* mlp_layer_types */
+        {M_RAW, "mlp_layer_types", 0, "[\"moe\", \"hash_moe\", \"moe\", \"moe\"]", DS4_ERR_CONFIG,
+         "'mlp_layer_types' entry 1 is \"hash_moe\" after a \"moe\" layer"},
+        {M_RAW, "mlp_layer_types", 0, "[\"hash_moe\", \"dense\", \"moe\", \"moe\"]", DS4_ERR_CONFIG,
+         "'mlp_layer_types' entry 1 must be \"hash_moe\" or \"moe\""},
+        {M_RAW, "mlp_layer_types", 0, "[\"hash_moe\", \"moe\", \"moe\"]", DS4_ERR_CONFIG, "'mlp_layer_types' has 3 entries"},
+        /* partial_rotary_factor (validation names it, not qk_rope_head_dim) */
+        {M_NUM, "partial_rotary_factor", 0.3, 0, DS4_ERR_CONFIG, "is not a whole number of channels"},
+        {M_NUM, "partial_rotary_factor", 0, 0, DS4_ERR_CONFIG, "'partial_rotary_factor' is 0, must be in (0, 1]"},
+        {M_NUM, "partial_rotary_factor", 1.5, 0, DS4_ERR_CONFIG, "must be in (0, 1]"},
+        {M_NUM, "partial_rotary_factor", 0.15625, 0, DS4_ERR_CONFIG,
+         "'rope_parameters.main.partial_rotary_factor' (0.25) disagrees with key 'partial_rotary_factor' (0.15625)"},
+        /* rope_parameters */
+        {M_RAW, "rope_parameters", 0, "{\"main\": {\"rope_theta\": 5000}, " YARN_COMPRESS "}", DS4_ERR_CONFIG,
+         "'rope_parameters.main.rope_theta' (5000) disagrees with key 'rope_theta' (10000)"},
+        {M_RAW, "rope_parameters", 0, "{\"main\": {}, \"compress\": {\"rope_theta\": 10000}}", DS4_ERR_CONFIG,
+         "'rope_parameters.compress.rope_theta' (10000) disagrees with key 'compress_rope_theta'"},
+        {M_RAW, "rope_parameters", 0, "{\"main\": {\"partial_rotary_factor\": 0.5}, " YARN_COMPRESS "}", DS4_ERR_CONFIG,
+         "'rope_parameters.main.partial_rotary_factor' (0.5) disagrees"},
+        {M_RAW, "rope_parameters", 0, "{\"main\": {\"rope_type\": \"yarn\"}, " YARN_COMPRESS "}", DS4_ERR_CONFIG,
+         "'rope_parameters.main.rope_type' is \"yarn\""},
+        {M_RAW, "rope_parameters", 0, "{\"main\": {\"factor\": 4}, " YARN_COMPRESS "}", DS4_ERR_CONFIG,
+         "unknown key 'rope_parameters.main.factor'"},
+        {M_RAW, "rope_parameters", 0, "{\"main\": {}, \"compress\": {\"rope_type\": \"yarn\", \"factor\": 4, "
+                                      "\"original_max_position_embeddings\": 16, \"beta_fast\": 32}}", DS4_ERR_CONFIG,
+         "required key 'rope_parameters.compress.beta_slow' is missing"},
+        {M_RAW, "rope_parameters", 0, "{\"main\": {}, \"compress\": {\"factor\": 4}}", DS4_ERR_CONFIG,
+         "'rope_parameters.compress.factor' is set but 'rope_parameters.compress.rope_type' is \"default\""},
+        {M_RAW, "rope_parameters", 0, "{\"main\": {}, \"compress\": {\"rope_type\": \"yarn\", \"factor\": 4, "
+                                      "\"original_max_position_embeddings\": 16, \"beta_fast\": 32, \"beta_slow\": 1, "
+                                      "\"attention_factor\": 1.2772588722239781}}", DS4_ERR_CONFIG,
+         "'rope_parameters.compress.attention_factor' is 1.27726"},
+        {M_RAW, "rope_parameters", 0, "{\"main\": {}, \"compress\": {\"rope_type\": \"yarn\", \"factor\": 4, "
+                                      "\"original_max_position_embeddings\": 16, \"beta_fast\": 32, \"beta_slow\": 1, \"mscale\": 1}}",
+         DS4_ERR_CONFIG, "unknown key 'rope_parameters.compress.mscale'"},
+        {M_RAW, "rope_parameters", 0, "{\"main\": {}, " YARN_COMPRESS ", \"truncate\": false}", DS4_ERR_CONFIG,
+         "unknown key 'rope_parameters.truncate'"},
+        {M_RAW, "rope_parameters", 0, "{\"main\": {}}", DS4_ERR_CONFIG, "required key 'rope_parameters.compress' is missing"},
+        {M_RAW, "rope_parameters", 0, "{\"rope_type\": \"linear\", \"factor\": 2}", DS4_ERR_CONFIG,
+         "'rope_parameters.rope_type' is \"linear\""},
+        {M_RAW, "rope_parameters", 0, "{\"rope_type\": \"yarn\", \"type\": \"default\"}", DS4_ERR_CONFIG,
+         "'rope_parameters.rope_type' and 'rope_parameters.type' disagree"},
+        {M_RAW, "rope_parameters", 0, "[]", DS4_ERR_CONFIG, "'rope_parameters' must be an object or null"},
+        /* shared rules still hold, and the ignored transformers keys are type-checked */
+        {M_BOOL, "mlp_bias", 1, 0, DS4_ERR_CONFIG, "mlp_bias"},
+        {M_STR, "pad_token_id", 0, "0", DS4_ERR_CONFIG, "'pad_token_id' must be an integer or null"},
+        {M_NUM, "num_key_value_heads", 8, 0, DS4_ERR_CONFIG, "num_key_value_heads"},
+        {M_NUM, "num_hidden_layers", 3, 0, DS4_ERR_CONFIG, "'layer_types' has 4 entries, expected num_hidden_layers = 3"},
+        /* accepted */
+        {M_NUM, "pad_token_id", 3, 0, DS4_OK, ""},
+        {M_DEL, "dtype", 0, 0, DS4_OK, ""},
+        {M_DEL, "rope_parameters", 0, 0, DS4_OK, ""},
+    };
+    for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++) {
+        ds4_status s = parse_mutated(k_tiny_a_hf, &ms[i]);
+        CHECK(s == ms[i].code, "hf mutation %zu (%s): got %s: %s", i, ms[i].key, ds4_status_name(s), ds4_errmsg());
+        if (s != DS4_OK) CHECK(msg_has("mut.json") && msg_has(ms[i].needle), "hf mutation %zu: '%s' lacks '%s'", i, ds4_errmsg(),
+                               ms[i].needle);
+    }
+    /* validation names partial_rotary_factor where DeepSeek's config would say qk_rope_head_dim */
+    cJSON *flat = cJSON_Parse(k_tiny_a_hf);
+    cJSON_ReplaceItemInObjectCaseSensitive(flat, "rope_parameters", cJSON_CreateNull());
+    char *flat_text = cJSON_PrintUnformatted(flat);
+    cJSON_Delete(flat);
+    mutation odd = {M_NUM, "partial_rotary_factor", 0.15625, 0, DS4_ERR_CONFIG, ""};
+    CHECK(parse_mutated(flat_text, &odd) == DS4_ERR_CONFIG && msg_has("key 'partial_rotary_factor' * 'head_dim' is 5, must be even"),
+          "%s", ds4_errmsg());
+    mutation wide = {M_NUM, "partial_rotary_factor", 1.0, 0, DS4_ERR_CONFIG, ""};
+    CHECK(parse_mutated(flat_text, &wide) == DS4_ERR_CONFIG &&
+          msg_has("key 'partial_rotary_factor' * 'head_dim' (32) exceeds index_head_dim (16)"), "%s", ds4_errmsg());
+    cJSON_free(flat_text);
+    /* a typo of a DeepSeek-only key in a transformers config is not "corrected" into a mixed config */
+    mutation typo = {M_ADD_RAW, "qk_rope_head_dims", 0, "8", DS4_ERR_CONFIG, ""};
+    CHECK(parse_mutated(k_tiny_a_hf, &typo) == DS4_ERR_CONFIG && msg_has("unknown key 'qk_rope_head_dims'") &&
+          !msg_has("'qk_rope_head_dim'"), "%s", ds4_errmsg());
+    /* a transformers key in DeepSeek's config makes it a transformers config: the DeepSeek keys then clash */
+    char *off;
+    size_t n;
+    CHECK(ds4_read_file(find_config("tests/configs/tiny-a.json"), &off, &n) == DS4_OK);
+    if (!off) return;
+    mutation add_mlp = {M_ADD_RAW, "mlp_layer_types", 0, "[\"hash_moe\", \"moe\", \"moe\", \"moe\"]", DS4_ERR_CONFIG, ""};
+    CHECK(parse_mutated(off, &add_mlp) == DS4_ERR_CONFIG &&
+          msg_has("key 'num_hash_layers' (DeepSeek spelling) and key 'mlp_layer_types' (transformers spelling)"), "%s", ds4_errmsg());
+    mutation add_prf = {M_ADD_RAW, "partial_rotary_factor", 0, "0.25", DS4_ERR_CONFIG, ""};
+    CHECK(parse_mutated(off, &add_prf) == DS4_ERR_CONFIG &&
+          msg_has("key 'num_hash_layers' is DeepSeek's spelling, but this config uses the transformers spelling (key "
+                  "'partial_rotary_factor'); write 'mlp_layer_types' instead"), "%s", ds4_errmsg());
+    /* and DeepSeek's config still hints DeepSeek keys */
+    mutation ds_typo = {M_ADD_RAW, "compress_ratio", 0, "[]", DS4_ERR_CONFIG, ""};
+    CHECK(parse_mutated(off, &ds_typo) == DS4_ERR_CONFIG && msg_has("did you mean 'compress_ratios'"), "%s", ds4_errmsg());
+    ds4_free(off);
+}
+
+/* Parses printed JSON of r into c. */
+static ds4_status parse_tree(const cJSON *r, ds4_config *c) {
+    char *t = cJSON_PrintUnformatted(r);
+    ds4_status s = ds4_config_parse(t, strlen(t), "tree.json", c);
+    cJSON_free(t);
+    return s;
+}
+
+static cJSON *load_tree(const char *path) {
+    char *t;
+    size_t n;
+    if (ds4_read_file(path, &t, &n) != DS4_OK) return NULL;
+    cJSON *r = cJSON_ParseWithLength(t, n);
+    ds4_free(t);
+    return r;
+}
+
+static const char *str_at(const cJSON *arr, int i) {
+    const cJSON *e = cJSON_GetArrayItem(arr, i);
+    return cJSON_IsString(e) ? e->valuestring : "";
+}
+
+/* ds4_config_json_respell: DeepSeek -> transformers -> DeepSeek keeps the struct, writes what
+ * transformers' DeepseekV4Config reads, and refuses what it cannot carry. */
+static void test_hf_config_respell(void) {
+    const char *files[] = {"configs/deepseek-v4-flash.json", "configs/deepseek-v4-pro.json", "tests/configs/tiny-a.json",
+                           "tests/configs/tiny-b.json"};
+    for (int f = 0; f < 4; f++) {
+        ds4_config a, b;
+        CHECK(ds4_config_load(find_config(files[f]), &a) == DS4_OK, "%s", ds4_errmsg());
+        cJSON *r = load_tree(find_config(files[f]));
+        CHECK(r != NULL);
+        if (!r) continue;
+        CHECK(ds4_config_json_respell(r, true, files[f]) == DS4_OK, "%s: %s", files[f], ds4_errmsg());
+        CHECK(!cJSON_GetObjectItem(r, "compress_ratios") && !cJSON_GetObjectItem(r, "num_hash_layers") &&
+              !cJSON_GetObjectItem(r, "qk_rope_head_dim") && !cJSON_GetObjectItem(r, "rope_scaling"), "%s", files[f]);
+        CHECK(parse_tree(r, &b) == DS4_OK && memcmp(&a, &b, sizeof a) == 0, "%s: transformers spelling differs: %s", files[f],
+              ds4_errmsg());
+        /* respelling into the spelling it has changes nothing */
+        char *t1 = cJSON_PrintUnformatted(r);
+        CHECK(ds4_config_json_respell(r, true, files[f]) == DS4_OK);
+        char *t2 = cJSON_PrintUnformatted(r);
+        CHECK(strcmp(t1, t2) == 0);
+        cJSON_free(t1);
+        cJSON_free(t2);
+        CHECK(ds4_config_json_respell(r, false, files[f]) == DS4_OK, "%s", ds4_errmsg());
+        CHECK(!cJSON_GetObjectItem(r, "layer_types") && !cJSON_GetObjectItem(r, "compress_rates") &&
+              !cJSON_GetObjectItem(r, "mlp_layer_types") && !cJSON_GetObjectItem(r, "partial_rotary_factor") &&
+              !cJSON_GetObjectItem(r, "rope_parameters"), "%s", files[f]);
+        memset(&b, 0, sizeof b);
+        CHECK(parse_tree(r, &b) == DS4_OK && memcmp(&a, &b, sizeof a) == 0, "%s: back in DeepSeek's spelling differs", files[f]);
+        cJSON_Delete(r);
+    }
+    /* Flash: the layer schedule transformers derives from compress_ratios (0/4/128 -> SWA/CSA/HCA) */
+    cJSON *r = load_tree(find_config("configs/deepseek-v4-flash.json"));
+    if (!r) return;
+    CHECK(ds4_config_json_respell(r, true, "flash") == DS4_OK);
+    const cJSON *lt = cJSON_GetObjectItem(r, "layer_types"), *mt = cJSON_GetObjectItem(r, "mlp_layer_types");
+    const cJSON *cr = cJSON_GetObjectItem(r, "compress_rates"), *rp = cJSON_GetObjectItem(r, "rope_parameters");
+    CHECK(cJSON_GetArraySize(lt) == 43 && cJSON_GetArraySize(mt) == 43);
+    CHECK(!strcmp(str_at(lt, 0), "sliding_attention") && !strcmp(str_at(lt, 1), "sliding_attention") &&
+          !strcmp(str_at(lt, 2), "compressed_sparse_attention") && !strcmp(str_at(lt, 3), "heavily_compressed_attention") &&
+          !strcmp(str_at(lt, 42), "compressed_sparse_attention"));
+    CHECK(!strcmp(str_at(mt, 2), "hash_moe") && !strcmp(str_at(mt, 3), "moe"));
+    CHECK(cJSON_GetObjectItem(cr, "compressed_sparse_attention")->valuedouble == 4 &&
+          cJSON_GetObjectItem(cr, "heavily_compressed_attention")->valuedouble == 128);
+    CHECK(cJSON_GetObjectItem(r, "partial_rotary_factor")->valuedouble == 0.125);
+    const cJSON *cmp = cJSON_GetObjectItem(rp, "compress"), *mn = cJSON_GetObjectItem(rp, "main");
+    CHECK(cmp && !strcmp(cJSON_GetObjectItem(cmp, "rope_type")->valuestring, "yarn") &&
+          cJSON_GetObjectItem(cmp, "attention_factor")->valuedouble == 1.0 &&
+          cJSON_GetObjectItem(cmp, "rope_theta")->valuedouble == 160000 && cJSON_GetObjectItem(cmp, "factor")->valuedouble == 16 &&
+          cJSON_GetObjectItem(cmp, "original_max_position_embeddings")->valuedouble == 65536);
+    CHECK(mn && !strcmp(cJSON_GetObjectItem(mn, "rope_type")->valuestring, "default") &&
+          cJSON_GetObjectItem(mn, "rope_theta")->valuedouble == 10000 && !cJSON_GetObjectItem(mn, "factor"));
+    CHECK(!strcmp(cJSON_GetObjectItem(r, "model_type")->valuestring, "deepseek_v4"));
+    cJSON_Delete(r);
+    /* two HCA ratios: the transformers spelling has one rate per layer type; the tree stays as it was */
+    r = load_tree(find_config("tests/configs/tiny-a.json"));
+    if (!r) return;
+    cJSON_ReplaceItemInObjectCaseSensitive(r, "compress_ratios", cJSON_Parse("[0, 4, 16, 8, 0]"));
+    char *before = cJSON_PrintUnformatted(r);
+    CHECK(ds4_config_json_respell(r, true, "two.json") == DS4_ERR_CONFIG && msg_has("two.json") && msg_has("layers 2 and 3") &&
+          msg_has("one rate"), "%s", ds4_errmsg());
+    char *after = cJSON_PrintUnformatted(r);
+    CHECK(strcmp(before, after) == 0);
+    cJSON_free(before);
+    cJSON_free(after);
+    /* an invalid config is refused, not respelled */
+    cJSON_ReplaceItemInObjectCaseSensitive(r, "compress_ratios", cJSON_Parse("[0, 4]"));
+    CHECK(ds4_config_json_respell(r, true, "bad.json") == DS4_ERR_CONFIG && msg_has("compress_ratios"));
+    cJSON_Delete(r);
+    /* a config without YaRN: rope_parameters.compress stays "default" */
+    ds4_config a, b;
+    CHECK(ds4_config_load(find_config("tests/configs/tiny-a.json"), &a) == DS4_OK);
+    a.original_seq_len = 0, a.rope_factor = 1, a.beta_fast = a.beta_slow = 0;
+    CHECK(ds4_config_save(&a, tpath("noyarn.json")) == DS4_OK);
+    r = load_tree(tpath("noyarn.json"));
+    if (!r) return;
+    CHECK(ds4_config_json_respell(r, true, "noyarn") == DS4_OK, "%s", ds4_errmsg());
+    cmp = cJSON_GetObjectItem(cJSON_GetObjectItem(r, "rope_parameters"), "compress");
+    CHECK(cmp && !strcmp(cJSON_GetObjectItem(cmp, "rope_type")->valuestring, "default") && !cJSON_GetObjectItem(cmp, "factor"));
+    CHECK(parse_tree(r, &b) == DS4_OK && memcmp(&a, &b, sizeof a) == 0);
+    cJSON_Delete(r);
+}
+
+/* The mutation fuzz of the config parser, on the transformers spelling. */
+static void test_hf_config_fuzz(void) {
+    size_t n0 = strlen(k_tiny_a_hf), cap = n0 + 256;
+    uint8_t *buf = malloc(cap);
+    fz_state = 777;
+    int ok = 0, err = 0, bad = 0;
+    for (int it = 0; it < 2000; it++) {
+        memcpy(buf, k_tiny_a_hf, n0);
+        size_t n = mutate(buf, n0, cap, false);
+        ds4_config c;
+        if (ds4_config_parse((const char *)buf, n, "fzh.json", &c) == DS4_OK) ok++, bad += ds4_config_validate(&c, "fzh.json") != DS4_OK;
+        else err++, bad += !msg_has("fzh.json");
+    }
+    CHECK(bad == 0 && ok > 0 && err > 0, "hf config fuzz: ok %d err %d bad %d", ok, err, bad);
+    free(buf);
+}
+
 /* Every allocation made by the IO code, on success and error paths alike, was returned. */
 static void test_no_leaks(void) {
     ds4_mem_stats m;
@@ -773,6 +1093,10 @@ int main(void) {
     RUN(test_config_validate);
     RUN(test_model_dir);
     RUN(test_fuzz);
+    RUN(test_hf_config_equivalent);
+    RUN(test_hf_config_errors);
+    RUN(test_hf_config_respell);
+    RUN(test_hf_config_fuzz);
     RUN(test_no_leaks);
     nftw(g_dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
     TEST_MAIN_END("test_io");

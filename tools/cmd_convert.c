@@ -1,5 +1,7 @@
 /* ds4 convert: official FP8/FP4 (or HF-named) model directory -> BF16/F32, official or HF names.
- * ds4 export: a ds4 checkpoint folder -> a Hugging Face model directory (weights and config only). */
+ * ds4 export: a ds4 checkpoint folder -> a Hugging Face model directory (weights and config only).
+ * With --names hf the config.json keys are the transformers spelling (layer_types, compress_rates,
+ * mlp_layer_types, partial_rotary_factor, rope_parameters), with --names official DeepSeek's. */
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/io.h"
@@ -45,7 +47,7 @@ int cmd_convert(int argc, char **argv) {
     cli_flag f[] = {{"in", false, NULL, "input model directory (config.json + *.safetensors [+ index])"},
                     {"out", false, NULL, "output directory (created; resumes a conversion left unfinished)"},
                     {"dtype", false, NULL, "bf16 (default) or f32"},
-                    {"names", false, NULL, "official (default) or hf"},
+                    {"names", false, NULL, "official (default) or hf: tensor names and config.json keys (hf: transformers spelling)"},
                     {"quiet", true, NULL, "no progress bar"}};
     const char *pos[1];
     int npos;
@@ -69,7 +71,7 @@ int cmd_export(int argc, char **argv) {
     cli_flag f[] = {{"checkpoint", false, NULL, "ds4 checkpoint folder (config.json + model.safetensors; optimizer state is not exported)"},
                     {"out", false, NULL, "output Hugging Face model directory"},
                     {"dtype", false, NULL, "bf16 (default) or f32"},
-                    {"names", false, NULL, "hf (default) or official"},
+                    {"names", false, NULL, "hf (default) or official: tensor names and config.json keys (hf: transformers spelling)"},
                     {"quiet", true, NULL, "no progress bar"}};
     const char *pos[1];
     int npos;

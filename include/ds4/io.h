@@ -230,6 +230,14 @@ typedef struct {
 } ds4_convert_report;
 ds4_status ds4_convert(const ds4_convert_opts *opts, ds4_convert_report *report);
 
+/* Rewrites a config.json object (a cJSON tree) into the transformers key spelling (hf) or
+ * DeepSeek's: compress_ratios <-> layer_types + compress_rates, num_hash_layers <-> mlp_layer_types,
+ * qk_rope_head_dim <-> partial_rotary_factor, rope_scaling <-> rope_parameters; other keys stay.
+ * Already in that spelling: untouched. Fails, tree untouched, when it is not a valid config or the
+ * target spelling cannot carry it (HCA layers of different ratios, in the transformers spelling). */
+struct cJSON;
+ds4_status ds4_config_json_respell(struct cJSON *root, bool hf, const char *path_for_errors);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,7 +1,12 @@
 /* config.json (Hugging Face DeepSeek-V4 keys, docs/dsv4-architecture.md §1.1) <-> ds4_config.
  *
- * Every key of the official V4-Flash / V4-Pro config.json is known; a key outside that set is an
- * error (with the nearest known key as a hint), so a typo never silently falls back to a default. */
+ * Two spellings are read. DeepSeek's official config.json (compress_ratios, num_hash_layers,
+ * qk_rope_head_dim, rope_scaling) and the one the transformers port writes (DeepseekV4Config:
+ * layer_types + compress_rates, mlp_layer_types, partial_rotary_factor, rope_parameters). A config
+ * is in the transformers spelling when it has one of those transformers-only keys; it must then not
+ * use DeepSeek's key for the same setting. Every key of either spelling is known; a key outside that
+ * set is an error (with the nearest known key of the config's spelling as a hint), so a typo never
+ * silently falls back to a default. */
 #include "ds4/io.h"
 
 #include <cjson/cJSON.h>
@@ -11,71 +16,88 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Known top-level keys. `req` = must be present. Keys marked boilerplate are read for their type only. */
-typedef enum { J_INT, J_NUM, J_BOOL, J_STR, J_STR_OR_NULL, J_OBJ, J_ARR, J_ANY } jkind;
+/* Known top-level keys. `req` = must be present (in the spelling the key belongs to). Keys marked
+ * boilerplate are read for their type only. `sp`: which spelling the key belongs to; `alt`: the key
+ * of the other spelling that carries the same setting. */
+typedef enum { J_INT, J_NUM, J_BOOL, J_STR, J_STR_OR_NULL, J_INT_OR_NULL, J_OBJ, J_ARR, J_ANY } jkind;
+typedef enum { SP_ANY, SP_DS, SP_HF } spelling;
 typedef struct {
     const char *key;
     jkind kind;
     bool req;
+    spelling sp;
+    const char *alt;
 } known_key;
 
 static const known_key k_keys[] = {
-    {"vocab_size", J_INT, true},
-    {"hidden_size", J_INT, true},
-    {"num_hidden_layers", J_INT, true},
-    {"num_nextn_predict_layers", J_INT, true},
-    {"num_attention_heads", J_INT, true},
-    {"num_key_value_heads", J_INT, false},
-    {"head_dim", J_INT, true},
-    {"qk_rope_head_dim", J_INT, true},
-    {"q_lora_rank", J_INT, true},
-    {"o_groups", J_INT, true},
-    {"o_lora_rank", J_INT, true},
-    {"sliding_window", J_INT, true},
-    {"compress_ratios", J_ARR, true},
-    {"index_n_heads", J_INT, true},
-    {"index_head_dim", J_INT, true},
-    {"index_topk", J_INT, true},
-    {"hc_mult", J_INT, true},
-    {"hc_sinkhorn_iters", J_INT, true},
-    {"hc_eps", J_NUM, true},
-    {"n_routed_experts", J_INT, true},
-    {"n_shared_experts", J_INT, true},
-    {"num_experts_per_tok", J_INT, true},
-    {"moe_intermediate_size", J_INT, true},
-    {"num_hash_layers", J_INT, true},
-    {"scoring_func", J_STR, false},
-    {"routed_scaling_factor", J_NUM, true},
-    {"norm_topk_prob", J_BOOL, false},
-    {"topk_method", J_STR, false},
-    {"swiglu_limit", J_NUM, true},
-    {"rope_theta", J_NUM, true},
-    {"compress_rope_theta", J_NUM, true},
-    {"rope_scaling", J_ANY, false},          /* object or null */
-    {"rms_norm_eps", J_NUM, true},
-    {"max_position_embeddings", J_INT, false},
-    {"hidden_act", J_STR, false},
-    {"tie_word_embeddings", J_BOOL, false},
-    {"bos_token_id", J_INT, false},
-    {"eos_token_id", J_INT, false},
-    {"quantization_config", J_ANY, false},   /* object or null */
-    {"torch_dtype", J_STR, false},
-    {"expert_dtype", J_STR_OR_NULL, false},
+    {"vocab_size", J_INT, true, SP_ANY, NULL},
+    {"hidden_size", J_INT, true, SP_ANY, NULL},
+    {"num_hidden_layers", J_INT, true, SP_ANY, NULL},
+    {"num_nextn_predict_layers", J_INT, true, SP_ANY, NULL},
+    {"num_attention_heads", J_INT, true, SP_ANY, NULL},
+    {"num_key_value_heads", J_INT, false, SP_ANY, NULL},
+    {"head_dim", J_INT, true, SP_ANY, NULL},
+    {"qk_rope_head_dim", J_INT, true, SP_DS, "partial_rotary_factor"},
+    {"q_lora_rank", J_INT, true, SP_ANY, NULL},
+    {"o_groups", J_INT, true, SP_ANY, NULL},
+    {"o_lora_rank", J_INT, true, SP_ANY, NULL},
+    {"sliding_window", J_INT, true, SP_ANY, NULL},
+    {"compress_ratios", J_ARR, true, SP_DS, "layer_types"},
+    {"index_n_heads", J_INT, true, SP_ANY, NULL},
+    {"index_head_dim", J_INT, true, SP_ANY, NULL},
+    {"index_topk", J_INT, true, SP_ANY, NULL},
+    {"hc_mult", J_INT, true, SP_ANY, NULL},
+    {"hc_sinkhorn_iters", J_INT, true, SP_ANY, NULL},
+    {"hc_eps", J_NUM, true, SP_ANY, NULL},
+    {"n_routed_experts", J_INT, true, SP_ANY, NULL},
+    {"n_shared_experts", J_INT, true, SP_ANY, NULL},
+    {"num_experts_per_tok", J_INT, true, SP_ANY, NULL},
+    {"moe_intermediate_size", J_INT, true, SP_ANY, NULL},
+    {"num_hash_layers", J_INT, true, SP_DS, "mlp_layer_types"},
+    {"scoring_func", J_STR, false, SP_ANY, NULL},
+    {"routed_scaling_factor", J_NUM, true, SP_ANY, NULL},
+    {"norm_topk_prob", J_BOOL, false, SP_ANY, NULL},
+    {"topk_method", J_STR, false, SP_ANY, NULL},
+    {"swiglu_limit", J_NUM, true, SP_ANY, NULL},
+    {"rope_theta", J_NUM, true, SP_ANY, NULL},
+    {"compress_rope_theta", J_NUM, true, SP_ANY, NULL},
+    {"rope_scaling", J_ANY, false, SP_DS, "rope_parameters"},  /* object or null */
+    {"rms_norm_eps", J_NUM, true, SP_ANY, NULL},
+    {"max_position_embeddings", J_INT, false, SP_ANY, NULL},
+    {"hidden_act", J_STR, false, SP_ANY, NULL},
+    {"tie_word_embeddings", J_BOOL, false, SP_ANY, NULL},
+    {"bos_token_id", J_INT, false, SP_ANY, NULL},
+    {"eos_token_id", J_INT, false, SP_ANY, NULL},
+    {"quantization_config", J_ANY, false, SP_ANY, NULL},   /* object or null */
+    {"torch_dtype", J_STR, false, SP_ANY, NULL},
+    {"expert_dtype", J_STR_OR_NULL, false, SP_ANY, NULL},
     /* ds4 training keys (docs/contract.md) */
-    {"mtp_loss_weight", J_NUM, false},
-    {"indexer_loss_coeff", J_NUM, false},
-    {"csa_dense", J_BOOL, false},
+    {"mtp_loss_weight", J_NUM, false, SP_ANY, NULL},
+    {"indexer_loss_coeff", J_NUM, false, SP_ANY, NULL},
+    {"csa_dense", J_BOOL, false, SP_ANY, NULL},
     /* Hugging Face boilerplate: accepted, ignored */
-    {"architectures", J_ARR, false},
-    {"model_type", J_STR, false},
-    {"transformers_version", J_STR, false},
-    {"auto_map", J_OBJ, false},
-    {"attention_bias", J_BOOL, false},
-    {"attention_dropout", J_NUM, false},
-    {"initializer_range", J_NUM, false},
-    {"use_cache", J_BOOL, false},
-    {"pretraining_tp", J_INT, false},
-    {"first_k_dense_replace", J_INT, false},
+    {"architectures", J_ARR, false, SP_ANY, NULL},
+    {"model_type", J_STR, false, SP_ANY, NULL},
+    {"transformers_version", J_STR, false, SP_ANY, NULL},
+    {"auto_map", J_OBJ, false, SP_ANY, NULL},
+    {"attention_bias", J_BOOL, false, SP_ANY, NULL},
+    {"attention_dropout", J_NUM, false, SP_ANY, NULL},
+    {"initializer_range", J_NUM, false, SP_ANY, NULL},
+    {"use_cache", J_BOOL, false, SP_ANY, NULL},
+    {"pretraining_tp", J_INT, false, SP_ANY, NULL},
+    {"first_k_dense_replace", J_INT, false, SP_ANY, NULL},
+    {"dtype", J_STR, false, SP_ANY, NULL},                   /* newer transformers' torch_dtype */
+    {"pad_token_id", J_INT_OR_NULL, false, SP_ANY, NULL},
+    {"output_router_logits", J_BOOL, false, SP_ANY, NULL},
+    {"router_aux_loss_coef", J_NUM, false, SP_ANY, NULL},
+    {"router_jitter_noise", J_NUM, false, SP_ANY, NULL},
+    {"mlp_bias", J_BOOL, false, SP_ANY, NULL},
+    /* the transformers spelling (DeepseekV4Config) of four DeepSeek settings */
+    {"layer_types", J_ARR, true, SP_HF, "compress_ratios"},
+    {"compress_rates", J_OBJ, true, SP_HF, "compress_ratios"},
+    {"mlp_layer_types", J_ARR, true, SP_HF, "num_hash_layers"},
+    {"partial_rotary_factor", J_NUM, true, SP_HF, "qk_rope_head_dim"},
+    {"rope_parameters", J_ANY, false, SP_HF, "rope_scaling"},  /* object or null */
 };
 #define N_KEYS ((int)(sizeof k_keys / sizeof k_keys[0]))
 
@@ -86,6 +108,7 @@ static const char *kind_name(jkind k) {
     case J_BOOL: return "true or false";
     case J_STR: return "a string";
     case J_STR_OR_NULL: return "a string or null";
+    case J_INT_OR_NULL: return "an integer or null";
     case J_OBJ: return "an object";
     case J_ARR: return "an array";
     default: return "a value";
@@ -113,14 +136,24 @@ static int edit_distance(const char *a, const char *b) {
     return row[lb];
 }
 
-static const char *closest_key(const char *k) {
+/* Whether key i belongs to the config's spelling (hf = transformers). */
+static bool in_spelling(int i, bool hf) { return k_keys[i].sp == SP_ANY || (k_keys[i].sp == SP_HF) == hf; }
+
+static const char *closest_key(const char *k, bool hf) {
     const char *best = k_keys[0].key;
     int bd = 1 << 30;
     for (int i = 0; i < N_KEYS; i++) {
+        if (!in_spelling(i, hf)) continue;
         int d = edit_distance(k, k_keys[i].key);
         if (d < bd) bd = d, best = k_keys[i].key;
     }
     return best;
+}
+
+static int find_key(const char *k) {
+    for (int i = 0; i < N_KEYS; i++)
+        if (strcmp(k, k_keys[i].key) == 0) return i;
+    return -1;
 }
 
 static bool is_int(const cJSON *j) {
@@ -136,6 +169,7 @@ static bool kind_ok(const cJSON *j, jkind k) {
     case J_BOOL: return cJSON_IsBool(j);
     case J_STR: return cJSON_IsString(j);
     case J_STR_OR_NULL: return cJSON_IsString(j) || cJSON_IsNull(j);
+    case J_INT_OR_NULL: return is_int(j) || cJSON_IsNull(j);
     case J_OBJ: return cJSON_IsObject(j);
     case J_ARR: return cJSON_IsArray(j);
     default: return true;
@@ -168,22 +202,56 @@ static ds4_status expect_bool(const cJSON *root, const char *key, bool want, con
     return DS4_OK;
 }
 
-/* Checks every top-level key: known, right JSON type, no duplicates, required ones present. */
-static ds4_status check_keys(const cJSON *root, const char *path) {
+/* The transformers key that makes `root` a transformers-spelled config; NULL for DeepSeek's spelling. */
+static const char *hf_marker(const cJSON *root) {
     for (const cJSON *c = root->child; c; c = c->next) {
-        int ki = -1;
-        for (int i = 0; i < N_KEYS; i++)
-            if (strcmp(c->string, k_keys[i].key) == 0) ki = i;
+        int ki = find_key(c->string);
+        if (ki >= 0 && k_keys[ki].sp == SP_HF) return c->string;
+    }
+    return NULL;
+}
+
+/* DeepSeek key k_keys[ki] in a transformers-spelled config: names the transformers key it collides
+ * with, or the one that set the spelling. */
+static ds4_status mixed_spelling(const cJSON *root, int ki, const char *marker, const char *path) {
+    const char *ds = k_keys[ki].key;
+    for (int i = 0; i < N_KEYS; i++)
+        if (k_keys[i].sp == SP_HF && strcmp(k_keys[i].alt, ds) == 0 && get(root, k_keys[i].key))
+            return ds4_fail(DS4_ERR_CONFIG,
+                            "%s: key '%s' (DeepSeek spelling) and key '%s' (transformers spelling) both set the same thing; "
+                            "keep one spelling",
+                            path, ds, k_keys[i].key);
+    return ds4_fail(DS4_ERR_CONFIG,
+                    "%s: key '%s' is DeepSeek's spelling, but this config uses the transformers spelling (key '%s'); write '%s' "
+                    "instead",
+                    path, ds, marker, k_keys[ki].alt);
+}
+
+/* Checks every top-level key: known, of the config's spelling, right JSON type, no duplicates,
+ * required ones present. *hf: the config uses the transformers spelling. */
+static ds4_status check_keys(const cJSON *root, const char *path, bool *hf) {
+    const char *marker = hf_marker(root);
+    *hf = marker != NULL;
+    for (const cJSON *c = root->child; c; c = c->next) {
+        int ki = find_key(c->string);
         if (ki < 0)
-            return ds4_fail(DS4_ERR_CONFIG, "%s: unknown key '%.80s' (did you mean '%s'?)", path, c->string, closest_key(c->string));
+            return ds4_fail(DS4_ERR_CONFIG, "%s: unknown key '%.80s' (did you mean '%s'?)", path, c->string,
+                            closest_key(c->string, *hf));
+        if (!in_spelling(ki, *hf)) return mixed_spelling(root, ki, marker, path);
         for (const cJSON *d = root->child; d != c; d = d->next)
             if (strcmp(d->string, c->string) == 0) return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' appears twice", path, c->string);
         if (!kind_ok(c, k_keys[ki].kind))
             return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' must be %s", path, c->string, kind_name(k_keys[ki].kind));
     }
     for (int i = 0; i < N_KEYS; i++)
-        if (k_keys[i].req && !get(root, k_keys[i].key))
+        if (k_keys[i].req && in_spelling(i, *hf) && !get(root, k_keys[i].key))
             return ds4_fail(DS4_ERR_CONFIG, "%s: required key '%s' is missing", path, k_keys[i].key);
+    if (*hf) {
+        const cJSON *mt = get(root, "model_type");
+        if (!mt || strcmp(mt->valuestring, "deepseek_v4") != 0)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: transformers-spelled config (key '%s') needs model_type \"deepseek_v4\"", path,
+                            marker);
+    }
     return DS4_OK;
 }
 
@@ -237,34 +305,169 @@ static ds4_status parse_quant(const cJSON *q, const char *path, ds4_config *cfg)
     return DS4_OK;
 }
 
-ds4_status ds4_config_parse(const char *json_text, size_t len, const char *path, ds4_config *cfg) {
-    memset(cfg, 0, sizeof *cfg);
-    if (!path) path = "config";
-    /* NUL-terminated copy: the parser must not run past the caller's buffer. */
-    char *text = ds4_alloc(DS4_MEM_OTHER, len + 1);
-    if (!text) return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
-    memcpy(text, json_text, len);
-    text[len] = '\0';
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
-    ds4_status s = DS4_OK;
-    if (!root) {
-        const char *at = cJSON_GetErrorPtr();
-        size_t pos = at && at >= text && at <= text + len ? (size_t)(at - text) : 0;
-        s = ds4_fail(DS4_ERR_FORMAT, "%s: not valid JSON (near byte %zu)", path, pos);
-        goto out;
-    }
-    for (const char *q = end; q && q < text + len; q++)
-        if (*q != ' ' && *q != '\t' && *q != '\n' && *q != '\r') {
-            s = ds4_fail(DS4_ERR_FORMAT, "%s: trailing bytes after the JSON object (byte %zu)", path, (size_t)(q - text));
-            goto out;
-        }
-    if (!cJSON_IsObject(root)) {
-        s = ds4_fail(DS4_ERR_FORMAT, "%s: top level is not a JSON object", path);
-        goto out;
-    }
-    if ((s = check_keys(root, path)) != DS4_OK) goto out;
+/* ---------------------------------------------------------------- the transformers spelling */
 
+static const char k_swa[] = "sliding_attention", k_csa[] = "compressed_sparse_attention", k_hca[] = "heavily_compressed_attention";
+
+/* compress_rates {CSA: m, HCA: m'} + layer_types[num_hidden_layers] -> compress_ratios. The
+ * transformers config lists no MTP layer; ds4's MTP entries stay 0 (the MTP block is SWA-only).
+ * ds4 tells CSA from HCA by the ratio (4 = CSA: overlapping compressor + indexer), so the CSA rate
+ * must be 4 and the HCA rate anything else >= 2. */
+static ds4_status parse_hf_layers(const cJSON *root, const char *path, ds4_config *cfg) {
+    int64_t rate[2] = {0, 0};   /* CSA, HCA */
+    bool have[2] = {false, false};
+    for (const cJSON *c = get(root, "compress_rates")->child; c; c = c->next) {
+        int k = strcmp(c->string, k_csa) == 0 ? 0 : strcmp(c->string, k_hca) == 0 ? 1 : -1;
+        if (k < 0)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: unknown key 'compress_rates.%.80s' (expected '%s' or '%s')", path, c->string, k_csa,
+                            k_hca);
+        if (have[k]) return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_rates.%s' appears twice", path, c->string);
+        if (!is_int(c)) return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_rates.%s' must be an integer", path, c->string);
+        have[k] = true;
+        rate[k] = (int64_t)c->valuedouble;
+    }
+    for (int k = 0; k < 2; k++)
+        if (!have[k]) return ds4_fail(DS4_ERR_CONFIG, "%s: required key 'compress_rates.%s' is missing", path, k ? k_hca : k_csa);
+    if (rate[0] != 4)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_rates.%s' is %" PRId64 ", ds4 runs compressed sparse attention at ratio 4 only",
+                        path, k_csa, rate[0]);
+    if (rate[1] < 2 || rate[1] == 4)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_rates.%s' is %" PRId64 ", must be >= 2 and not 4 (ratio 4 is CSA in ds4)",
+                        path, k_hca, rate[1]);
+    int64_t n = 0;
+    for (const cJSON *c = get(root, "layer_types")->child; c; c = c->next, n++) {
+        if (n >= DS4_MAX_LAYERS)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'layer_types' has more than %d entries", path, DS4_MAX_LAYERS);
+        const char *t = cJSON_IsString(c) ? c->valuestring : "";
+        if (strcmp(t, k_swa) == 0) cfg->compress_ratios[n] = 0;
+        else if (strcmp(t, k_csa) == 0) cfg->compress_ratios[n] = rate[0];
+        else if (strcmp(t, k_hca) == 0) cfg->compress_ratios[n] = rate[1];
+        else
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'layer_types' entry %" PRId64 " must be \"%s\", \"%s\" or \"%s\"", path, n, k_swa,
+                            k_csa, k_hca);
+    }
+    if (n != cfg->n_layers)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key 'layer_types' has %" PRId64 " entries, expected num_hidden_layers = %" PRId64
+                        " (no MTP entry)", path, n, cfg->n_layers);
+    for (int64_t l = n; l < n + cfg->n_mtp_layers && l < DS4_MAX_LAYERS; l++) cfg->compress_ratios[l] = 0;
+    return DS4_OK;
+}
+
+/* mlp_layer_types[num_hidden_layers]: "hash_moe" for the first num_hash_layers layers, then "moe". */
+static ds4_status parse_hf_hash(const cJSON *root, const char *path, ds4_config *cfg) {
+    int64_t n = 0, n_hash = 0;
+    for (const cJSON *c = get(root, "mlp_layer_types")->child; c; c = c->next, n++) {
+        const char *t = cJSON_IsString(c) ? c->valuestring : "";
+        bool hash = strcmp(t, "hash_moe") == 0;
+        if (!hash && strcmp(t, "moe") != 0)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'mlp_layer_types' entry %" PRId64 " must be \"hash_moe\" or \"moe\"", path, n);
+        if (hash && n_hash < n)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'mlp_layer_types' entry %" PRId64 " is \"hash_moe\" after a \"moe\" layer; "
+                            "ds4 hash-routes the first layers only", path, n);
+        n_hash += hash;
+    }
+    if (n != cfg->n_layers)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key 'mlp_layer_types' has %" PRId64 " entries, expected num_hidden_layers = %" PRId64,
+                        path, n, cfg->n_layers);
+    cfg->n_hash_layers = n_hash;
+    return DS4_OK;
+}
+
+/* partial_rotary_factor = qk_rope_head_dim / head_dim; the product must be a whole channel count. */
+static ds4_status parse_hf_rotary(const cJSON *root, const char *path, ds4_config *cfg) {
+    double f = get_num(root, "partial_rotary_factor", 0), x = f * (double)cfg->head_dim;
+    if (!(f > 0 && f <= 1))
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key 'partial_rotary_factor' is %g, must be in (0, 1]", path, f);
+    double r = nearbyint(x);
+    if (fabs(x - r) > 1e-9 * fmax(1.0, x))
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key 'partial_rotary_factor' (%g) * head_dim (%" PRId64 ") = %g is not a whole number of channels",
+                        path, f, cfg->head_dim, x);
+    cfg->rope_head_dim = (int64_t)r;
+    return DS4_OK;
+}
+
+/* One rope dict of rope_parameters (`label` names it in messages). Its rope_theta and
+ * partial_rotary_factor, when given, must equal the top-level ones (`theta_key`); YaRN keys only
+ * where yarn_ok, required when rope_type is "yarn", and then applied to cfg. */
+static ds4_status parse_rope_dict(const cJSON *root, const cJSON *d, const char *label, const char *theta_key, bool yarn_ok,
+                                  const char *path, ds4_config *cfg) {
+    if (!cJSON_IsObject(d)) return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' must be an object", path, label);
+    static const char *const keys[] = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "attention_factor",
+                                       "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"};
+    enum { NK = sizeof keys / sizeof keys[0], FIRST_YARN = 4 };
+    const cJSON *v[NK] = {0};
+    for (const cJSON *c = d->child; c; c = c->next) {
+        int ki = -1;
+        for (int i = 0; i < NK; i++)
+            if (strcmp(c->string, keys[i]) == 0) ki = i;
+        if (ki < 0 || (ki >= FIRST_YARN && !yarn_ok)) return ds4_fail(DS4_ERR_CONFIG, "%s: unknown key '%s.%.80s'", path, label, c->string);
+        if (v[ki]) return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s.%s' appears twice", path, label, c->string);
+        bool ok = ki <= 1 ? cJSON_IsString(c) : ki == 6 ? is_int(c) : (cJSON_IsNumber(c) && isfinite(c->valuedouble));
+        if (!ok)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s.%s' must be %s", path, label, c->string,
+                            ki <= 1 ? "a string" : ki == 6 ? "an integer" : "a number");
+        v[ki] = c;
+    }
+    const char *type = v[0] ? v[0]->valuestring : v[1] ? v[1]->valuestring : "default";
+    if (v[0] && v[1] && strcmp(v[0]->valuestring, v[1]->valuestring) != 0)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: keys '%s.rope_type' and '%s.type' disagree", path, label, label);
+    bool yarn = strcmp(type, "yarn") == 0;
+    if (!(strcmp(type, "default") == 0 || (yarn && yarn_ok)))
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s.rope_type' is \"%.40s\", ds4 supports only \"default\"%s", path, label, type,
+                        yarn_ok ? " or \"yarn\"" : " here");
+    if (v[2] && v[2]->valuedouble != get_num(root, theta_key, 0))
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s.rope_theta' (%g) disagrees with key '%s' (%g)", path, label, v[2]->valuedouble,
+                        theta_key, get_num(root, theta_key, 0));
+    if (v[3] && v[3]->valuedouble != get_num(root, "partial_rotary_factor", 0))
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s.partial_rotary_factor' (%g) disagrees with key 'partial_rotary_factor' (%g)", path,
+                        label, v[3]->valuedouble, get_num(root, "partial_rotary_factor", 0));
+    if (v[4] && v[4]->valuedouble != 1.0)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s.attention_factor' is %g, DeepSeek-V4 scales no attention (must be 1)", path, label,
+                        v[4]->valuedouble);
+    for (int i = 5; i < NK; i++) {
+        if (yarn && !v[i]) return ds4_fail(DS4_ERR_CONFIG, "%s: required key '%s.%s' is missing", path, label, keys[i]);
+        if (!yarn && v[i])
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s.%s' is set but '%s.rope_type' is \"default\"", path, label, keys[i], label);
+    }
+    if (yarn) {
+        cfg->rope_factor = v[5]->valuedouble;
+        cfg->original_seq_len = (int64_t)v[6]->valuedouble;
+        cfg->beta_fast = v[7]->valuedouble;
+        cfg->beta_slow = v[8]->valuedouble;
+    }
+    return DS4_OK;
+}
+
+/* rope_parameters: null/absent (no YaRN), the nested {"main": ..., "compress": ...} transformers
+ * writes (YaRN only on the compressed layers, as in ds4), or one flat dict that holds the YaRN keys
+ * of the compressed layers. */
+static ds4_status parse_hf_rope(const cJSON *root, const char *path, ds4_config *cfg) {
+    DS4_TRY(parse_rope_scaling(NULL, path, cfg));   /* the no-YaRN defaults */
+    const cJSON *rp = get(root, "rope_parameters");
+    if (!rp || cJSON_IsNull(rp)) return DS4_OK;
+    if (!cJSON_IsObject(rp)) return ds4_fail(DS4_ERR_CONFIG, "%s: key 'rope_parameters' must be an object or null", path);
+    const cJSON *main = get(rp, "main"), *cmp = get(rp, "compress");
+    if (!main && !cmp) return parse_rope_dict(root, rp, "rope_parameters", "rope_theta", true, path, cfg);
+    for (const cJSON *c = rp->child; c; c = c->next) {
+        bool known = !strcmp(c->string, "main") || !strcmp(c->string, "compress");
+        bool leftover = (!strcmp(c->string, "rope_type") || !strcmp(c->string, "type")) && cJSON_IsString(c);
+        if (!known && !leftover)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: unknown key 'rope_parameters.%.80s' (expected 'main' and 'compress')", path, c->string);
+    }
+    if (!main || !cmp)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: required key 'rope_parameters.%s' is missing", path, main ? "compress" : "main");
+    DS4_TRY(parse_rope_dict(root, main, "rope_parameters.main", "rope_theta", false, path, cfg));
+    return parse_rope_dict(root, cmp, "rope_parameters.compress", "compress_rope_theta", true, path, cfg);
+}
+
+/* ---------------------------------------------------------------- parse */
+
+static ds4_status validate(const ds4_config *c, const char *path, bool hf);
+
+/* The checked JSON object -> cfg (validated). *hf: it was in the transformers spelling. */
+static ds4_status parse_root(const cJSON *root, const char *path, ds4_config *cfg, bool *hf) {
+    memset(cfg, 0, sizeof *cfg);
+    DS4_TRY(check_keys(root, path, hf));
     cfg->vocab_size = get_int(root, "vocab_size", 0);
     cfg->dim = get_int(root, "hidden_size", 0);
     cfg->n_layers = get_int(root, "num_hidden_layers", 0);
@@ -272,7 +475,6 @@ ds4_status ds4_config_parse(const char *json_text, size_t len, const char *path,
     cfg->n_heads = get_int(root, "num_attention_heads", 0);
     cfg->n_kv_heads = get_int(root, "num_key_value_heads", 1);
     cfg->head_dim = get_int(root, "head_dim", 0);
-    cfg->rope_head_dim = get_int(root, "qk_rope_head_dim", 0);
     cfg->q_lora_rank = get_int(root, "q_lora_rank", 0);
     cfg->o_groups = get_int(root, "o_groups", 0);
     cfg->o_lora_rank = get_int(root, "o_lora_rank", 0);
@@ -287,7 +489,6 @@ ds4_status ds4_config_parse(const char *json_text, size_t len, const char *path,
     cfg->n_shared_experts = get_int(root, "n_shared_experts", 0);
     cfg->n_activated_experts = get_int(root, "num_experts_per_tok", 0);
     cfg->moe_inter_dim = get_int(root, "moe_intermediate_size", 0);
-    cfg->n_hash_layers = get_int(root, "num_hash_layers", 0);
     cfg->route_scale = get_num(root, "routed_scaling_factor", 0);
     cfg->swiglu_limit = get_num(root, "swiglu_limit", 0);
     cfg->rope_theta = get_num(root, "rope_theta", 0);
@@ -301,45 +502,78 @@ ds4_status ds4_config_parse(const char *json_text, size_t len, const char *path,
     const cJSON *cd = get(root, "csa_dense");
     cfg->csa_dense = cd && cJSON_IsTrue(cd);
 
-    /* compress_ratios: one integer per layer, main layers then MTP layers */
-    const cJSON *cr = get(root, "compress_ratios");
-    int64_t nr = 0;
-    for (const cJSON *c = cr->child; c; c = c->next, nr++) {
-        if (nr >= DS4_MAX_LAYERS) {
-            s = ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has more than %d entries", path, DS4_MAX_LAYERS);
-            goto out;
+    if (*hf) {
+        DS4_TRY(parse_hf_layers(root, path, cfg));
+        DS4_TRY(parse_hf_hash(root, path, cfg));
+        DS4_TRY(parse_hf_rotary(root, path, cfg));
+        DS4_TRY(parse_hf_rope(root, path, cfg));
+    } else {
+        cfg->rope_head_dim = get_int(root, "qk_rope_head_dim", 0);
+        cfg->n_hash_layers = get_int(root, "num_hash_layers", 0);
+        /* compress_ratios: one integer per layer, main layers then MTP layers */
+        int64_t nr = 0;
+        for (const cJSON *c = get(root, "compress_ratios")->child; c; c = c->next, nr++) {
+            if (nr >= DS4_MAX_LAYERS)
+                return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has more than %d entries", path, DS4_MAX_LAYERS);
+            if (!is_int(c)) return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' entry %" PRId64 " is not an integer", path, nr);
+            cfg->compress_ratios[nr] = (int64_t)c->valuedouble;
         }
-        if (!is_int(c)) {
-            s = ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' entry %" PRId64 " is not an integer", path, nr);
-            goto out;
-        }
-        cfg->compress_ratios[nr] = (int64_t)c->valuedouble;
-    }
-    if (nr != cfg->n_layers + cfg->n_mtp_layers) {
-        s = ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has %" PRId64 " entries, expected num_hidden_layers + num_nextn_predict_layers = %" PRId64,
-                     path, nr, cfg->n_layers + cfg->n_mtp_layers);
-        goto out;
+        if (nr != cfg->n_layers + cfg->n_mtp_layers)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has %" PRId64 " entries, expected num_hidden_layers + "
+                            "num_nextn_predict_layers = %" PRId64, path, nr, cfg->n_layers + cfg->n_mtp_layers);
+        DS4_TRY(parse_rope_scaling(get(root, "rope_scaling"), path, cfg));
     }
 
-    if ((s = expect_str(root, "scoring_func", "sqrtsoftplus", path)) != DS4_OK) goto out;
-    if ((s = expect_str(root, "topk_method", "noaux_tc", path)) != DS4_OK) goto out;
-    if ((s = expect_str(root, "hidden_act", "silu", path)) != DS4_OK) goto out;
-    if ((s = expect_bool(root, "norm_topk_prob", true, path)) != DS4_OK) goto out;
-    if ((s = expect_bool(root, "tie_word_embeddings", false, path)) != DS4_OK) goto out;
+    DS4_TRY(expect_str(root, "scoring_func", "sqrtsoftplus", path));
+    DS4_TRY(expect_str(root, "topk_method", "noaux_tc", path));
+    DS4_TRY(expect_str(root, "hidden_act", "silu", path));
+    DS4_TRY(expect_bool(root, "norm_topk_prob", true, path));
+    DS4_TRY(expect_bool(root, "tie_word_embeddings", false, path));
+    DS4_TRY(expect_bool(root, "mlp_bias", false, path));
     const cJSON *ed = get(root, "expert_dtype");
     if (ed && cJSON_IsString(ed)) {
         if (strcmp(ed->valuestring, "fp4") == 0) cfg->expert_fp4 = true;
-        else if (strcmp(ed->valuestring, "fp8") != 0) {
-            s = ds4_fail(DS4_ERR_CONFIG, "%s: key 'expert_dtype' is \"%.40s\", expected \"fp4\", \"fp8\" or null", path, ed->valuestring);
-            goto out;
-        }
+        else if (strcmp(ed->valuestring, "fp8") != 0)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'expert_dtype' is \"%.40s\", expected \"fp4\", \"fp8\" or null", path, ed->valuestring);
     }
-    if ((s = parse_rope_scaling(get(root, "rope_scaling"), path, cfg)) != DS4_OK) goto out;
-    if ((s = parse_quant(get(root, "quantization_config"), path, cfg)) != DS4_OK) goto out;
-    s = ds4_config_validate(cfg, path);
-out:
-    cJSON_Delete(root);
+    DS4_TRY(parse_quant(get(root, "quantization_config"), path, cfg));
+    return validate(cfg, path, *hf);
+}
+
+/* Parses text into a JSON object tree (*root, cJSON_Delete it) or fails naming path. */
+static ds4_status parse_json(const char *json_text, size_t len, const char *path, cJSON **root) {
+    *root = NULL;
+    /* NUL-terminated copy: the parser must not run past the caller's buffer. */
+    char *text = ds4_alloc(DS4_MEM_OTHER, len + 1);
+    if (!text) return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
+    memcpy(text, json_text, len);
+    text[len] = '\0';
+    const char *end = NULL;
+    cJSON *r = cJSON_ParseWithLengthOpts(text, len, &end, 0);
+    ds4_status s = DS4_OK;
+    if (!r) {
+        const char *at = cJSON_GetErrorPtr();
+        size_t pos = at && at >= text && at <= text + len ? (size_t)(at - text) : 0;
+        s = ds4_fail(DS4_ERR_FORMAT, "%s: not valid JSON (near byte %zu)", path, pos);
+    }
+    for (const char *q = end; s == DS4_OK && q && q < text + len; q++)
+        if (*q != ' ' && *q != '\t' && *q != '\n' && *q != '\r')
+            s = ds4_fail(DS4_ERR_FORMAT, "%s: trailing bytes after the JSON object (byte %zu)", path, (size_t)(q - text));
+    if (s == DS4_OK && !cJSON_IsObject(r)) s = ds4_fail(DS4_ERR_FORMAT, "%s: top level is not a JSON object", path);
     ds4_free(text);
+    if (s == DS4_OK) *root = r;
+    else cJSON_Delete(r);
+    return s;
+}
+
+ds4_status ds4_config_parse(const char *json_text, size_t len, const char *path, ds4_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    if (!path) path = "config";
+    cJSON *root;
+    DS4_TRY(parse_json(json_text, len, path, &root));
+    bool hf;
+    ds4_status s = parse_root(root, path, cfg, &hf);
+    cJSON_Delete(root);
     return s;
 }
 
@@ -358,8 +592,10 @@ ds4_status ds4_config_load(const char *path, ds4_config *cfg) {
 #define NEED_POS(field, key) \
     if (c->field < 1) BAD("%s: key '%s' is %" PRId64 ", must be >= 1", path, key, c->field)
 
-ds4_status ds4_config_validate(const ds4_config *c, const char *path) {
+/* hf: name the transformers key where a message would name a DeepSeek-only one. */
+static ds4_status validate(const ds4_config *c, const char *path, bool hf) {
     if (!path) path = "config";
+    const char *rk = hf ? "partial_rotary_factor' * 'head_dim" : "qk_rope_head_dim";
     NEED_POS(vocab_size, "vocab_size");
     NEED_POS(dim, "hidden_size");
     NEED_POS(n_layers, "num_hidden_layers");
@@ -385,11 +621,11 @@ ds4_status ds4_config_validate(const ds4_config *c, const char *path) {
     if (c->n_kv_heads != 1)
         BAD("%s: key 'num_key_value_heads' is %" PRId64 ", DeepSeek-V4 has one shared K=V head (must be 1)", path, c->n_kv_heads);
     if (c->rope_head_dim < 2 || c->rope_head_dim % 2 != 0)
-        BAD("%s: key 'qk_rope_head_dim' is %" PRId64 ", must be even and >= 2", path, c->rope_head_dim);
+        BAD("%s: key '%s' is %" PRId64 ", must be even and >= 2", path, rk, c->rope_head_dim);
     if (c->rope_head_dim > c->head_dim)
-        BAD("%s: key 'qk_rope_head_dim' (%" PRId64 ") exceeds head_dim (%" PRId64 ")", path, c->rope_head_dim, c->head_dim);
+        BAD("%s: key '%s' (%" PRId64 ") exceeds head_dim (%" PRId64 ")", path, rk, c->rope_head_dim, c->head_dim);
     if (c->rope_head_dim > c->index_head_dim)
-        BAD("%s: key 'qk_rope_head_dim' (%" PRId64 ") exceeds index_head_dim (%" PRId64 ")", path, c->rope_head_dim,
+        BAD("%s: key '%s' (%" PRId64 ") exceeds index_head_dim (%" PRId64 ")", path, rk, c->rope_head_dim,
             c->index_head_dim);
     if ((c->n_heads * c->head_dim) % c->o_groups != 0)
         BAD("%s: key 'o_groups' (%" PRId64 ") does not divide num_attention_heads * head_dim = %" PRId64, path, c->o_groups,
@@ -438,6 +674,8 @@ ds4_status ds4_config_validate(const ds4_config *c, const char *path) {
         BAD("%s: key 'indexer_loss_coeff' is %g, must be finite and >= 0", path, c->indexer_loss_coeff);
     return DS4_OK;
 }
+
+ds4_status ds4_config_validate(const ds4_config *c, const char *path) { return validate(c, path, false); }
 
 /* ---------------------------------------------------------------- save */
 
@@ -524,4 +762,99 @@ ds4_status ds4_config_save(const ds4_config *c, const char *path) {
     }
     cJSON_free(text);
     return s;
+}
+
+/* ---------------------------------------------------------------- respell */
+
+/* The one HCA rate of c (compress_rates has one rate per layer type); 128 when no layer is HCA. */
+static ds4_status hca_rate(const ds4_config *c, const char *path, int64_t *rate) {
+    int64_t first = -1;
+    *rate = 128;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        int64_t r = c->compress_ratios[l];
+        if (r == 0 || r == 4) continue;
+        if (first >= 0 && r != *rate)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: layers %" PRId64 " and %" PRId64 " compress by %" PRId64 " and %" PRId64 "; the "
+                            "transformers spelling has one rate for all %s layers", path, first, l, *rate, r, k_hca);
+        if (first < 0) first = l, *rate = r;
+    }
+    return DS4_OK;
+}
+
+static void add_num(cJSON *o, const char *k, double v) { cJSON_AddNumberToObject(o, k, v); }
+
+static void add_hf_spelling(cJSON *r, const ds4_config *c, int64_t hca) {
+    cJSON *lt = cJSON_AddArrayToObject(r, "layer_types");
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        int64_t x = c->compress_ratios[l];
+        cJSON_AddItemToArray(lt, cJSON_CreateString(x == 0 ? k_swa : x == 4 ? k_csa : k_hca));
+    }
+    cJSON *cr = cJSON_AddObjectToObject(r, "compress_rates");
+    add_num(cr, k_csa, 4);
+    add_num(cr, k_hca, (double)hca);
+    cJSON *mt = cJSON_AddArrayToObject(r, "mlp_layer_types");
+    for (int64_t l = 0; l < c->n_layers; l++) cJSON_AddItemToArray(mt, cJSON_CreateString(l < c->n_hash_layers ? "hash_moe" : "moe"));
+    double prf = (double)c->rope_head_dim / (double)c->head_dim;
+    add_num(r, "partial_rotary_factor", prf);
+    cJSON *rp = cJSON_AddObjectToObject(r, "rope_parameters");
+    cJSON *m = cJSON_AddObjectToObject(rp, "main");
+    cJSON_AddStringToObject(m, "rope_type", "default");
+    add_num(m, "rope_theta", c->rope_theta);
+    add_num(m, "partial_rotary_factor", prf);
+    /* YaRN on the compressed layers only, and without an attention factor, as in ds4 */
+    cJSON *k = cJSON_AddObjectToObject(rp, "compress");
+    cJSON_AddStringToObject(k, "rope_type", c->original_seq_len > 0 ? "yarn" : "default");
+    add_num(k, "rope_theta", c->compress_rope_theta);
+    add_num(k, "partial_rotary_factor", prf);
+    if (c->original_seq_len > 0) {
+        add_num(k, "factor", c->rope_factor);
+        add_num(k, "original_max_position_embeddings", (double)c->original_seq_len);
+        add_num(k, "beta_fast", c->beta_fast);
+        add_num(k, "beta_slow", c->beta_slow);
+        add_num(k, "attention_factor", 1.0);
+    }
+    cJSON_DeleteItemFromObjectCaseSensitive(r, "model_type");
+    cJSON_AddStringToObject(r, "model_type", "deepseek_v4");
+}
+
+static void add_ds_spelling(cJSON *r, const ds4_config *c) {
+    cJSON *cr = cJSON_AddArrayToObject(r, "compress_ratios");
+    for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers; l++) cJSON_AddItemToArray(cr, cJSON_CreateNumber((double)c->compress_ratios[l]));
+    add_num(r, "num_hash_layers", (double)c->n_hash_layers);
+    add_num(r, "qk_rope_head_dim", (double)c->rope_head_dim);
+    if (c->original_seq_len > 0) {
+        cJSON *rs = cJSON_AddObjectToObject(r, "rope_scaling");
+        add_num(rs, "beta_fast", c->beta_fast);
+        add_num(rs, "beta_slow", c->beta_slow);
+        add_num(rs, "factor", c->rope_factor);
+        add_num(rs, "original_max_position_embeddings", (double)c->original_seq_len);
+        cJSON_AddStringToObject(rs, "type", "yarn");
+    }
+}
+
+/* YaRN factor and betas do nothing without original_seq_len; neither spelling needs to keep them. */
+static bool same_model(ds4_config a, ds4_config b) {
+    if (a.original_seq_len == 0) a.rope_factor = b.rope_factor = 1.0, a.beta_fast = b.beta_fast = a.beta_slow = b.beta_slow = 0.0;
+    return memcmp(&a, &b, sizeof a) == 0;
+}
+
+ds4_status ds4_config_json_respell(cJSON *root, bool hf, const char *path) {
+    if (!path) path = "config";
+    if (!cJSON_IsObject(root)) return ds4_fail(DS4_ERR_FORMAT, "%s: top level is not a JSON object", path);
+    ds4_config c, back;
+    bool was_hf, now_hf;
+    DS4_TRY(parse_root(root, path, &c, &was_hf));
+    if (was_hf == hf) return DS4_OK;
+    int64_t hca = 128;
+    if (hf) DS4_TRY(hca_rate(&c, path, &hca));
+    for (int i = 0; i < N_KEYS; i++)
+        if (k_keys[i].sp == (hf ? SP_DS : SP_HF)) cJSON_DeleteItemFromObjectCaseSensitive(root, k_keys[i].key);
+    if (hf) add_hf_spelling(root, &c, hca);
+    else add_ds_spelling(root, &c);
+    /* the rewrite must read back as the same model */
+    DS4_TRY(parse_root(root, path, &back, &now_hf));
+    if (now_hf != hf || !same_model(c, back))
+        return ds4_fail(DS4_ERR_CONFIG, "%s: the %s spelling of this config does not read back as the same model", path,
+                        hf ? "transformers" : "DeepSeek");
+    return DS4_OK;
 }

@@ -1,4 +1,5 @@
-/* ds4 convert / ds4 export: rewrite a model directory as BF16 or F32, official or HF names.
+/* ds4 convert / ds4 export: rewrite a model directory as BF16 or F32, official or HF names (and the
+ * config.json keys in DeepSeek's or the transformers spelling to match).
  *
  * Plan, then stream:
  *   1. sources: every stored tensor of the input as logical tensors under official names (scale
@@ -530,12 +531,15 @@ static ds4_status write_index(const plan *p) {
     return s;
 }
 
-/* config.json without quantization_config; expert_dtype null; torch_dtype the output dtype. */
-static ds4_status write_config(const ds4_convert_opts *o) {
-    char in[4096], out[4096], *text;
+/* The output config.json: the input's without quantization_config; expert_dtype null; torch_dtype
+ * the output dtype; its keys in the transformers spelling with HF names, DeepSeek's with official
+ * ones (ds4_config_json_respell). Built before any shard is written, so a config the target
+ * spelling cannot carry fails the conversion up front. */
+static ds4_status make_config(const ds4_convert_opts *o, cJSON **out) {
+    char in[4096], *text;
     size_t len;
+    *out = NULL;
     snprintf(in, sizeof in, "%s/config.json", o->in_dir);
-    snprintf(out, sizeof out, "%s/config.json", o->out_dir);
     DS4_TRY(ds4_read_file(in, &text, &len));
     cJSON *r = cJSON_ParseWithLength(text, len);
     ds4_free(text);
@@ -547,9 +551,16 @@ static ds4_status write_config(const ds4_convert_opts *o) {
     if (cJSON_GetObjectItemCaseSensitive(r, "expert_dtype")) cJSON_ReplaceItemInObjectCaseSensitive(r, "expert_dtype", cJSON_CreateNull());
     cJSON_DeleteItemFromObjectCaseSensitive(r, "torch_dtype");
     cJSON_AddStringToObject(r, "torch_dtype", o->dtype == DS4_BF16 ? "bfloat16" : "float32");
-    ds4_status s = write_json(out, r);
-    cJSON_Delete(r);
+    ds4_status s = ds4_config_json_respell(r, o->hf_names, in);
+    if (s == DS4_OK) *out = r;
+    else cJSON_Delete(r);
     return s;
+}
+
+static ds4_status write_config(const ds4_convert_opts *o, cJSON *cfg) {
+    char out[4096];
+    snprintf(out, sizeof out, "%s/config.json", o->out_dir);
+    return write_json(out, cfg);
 }
 
 /* Tokenizer and generation files travel with the model; nothing else (never optimizer state). */
@@ -645,7 +656,9 @@ ds4_status ds4_convert(const ds4_convert_opts *o, ds4_convert_report *rep) {
     DS4_TRY(check_opts(o));
     plan p = {.o = o};
     DS4_TRY(open_input(o, &p.d));
-    ds4_status s = collect_sources(&p);
+    cJSON *cfg = NULL;
+    ds4_status s = make_config(o, &cfg);
+    if (s == DS4_OK) s = collect_sources(&p);
     if (s == DS4_OK) s = build_outputs(&p);
     int64_t nf = ds4_model_dir_nfiles(p.d);
     rep->shards = nf;
@@ -693,7 +706,8 @@ ds4_status ds4_convert(const ds4_convert_opts *o, ds4_convert_report *rep) {
     progress_show(&pg, true);
     if (s == DS4_OK) s = write_index(&p);
     if (s == DS4_OK) s = copy_side_files(o);
-    if (s == DS4_OK) s = write_config(o);   /* last: a config.json marks a complete directory */
+    if (s == DS4_OK) s = write_config(o, cfg);   /* last: a config.json marks a complete directory */
+    cJSON_Delete(cfg);
     ds4_free(buf.f);
     ds4_free(buf.h);
     ds4_free(todo);
