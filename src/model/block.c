@@ -508,6 +508,7 @@ typedef struct {
     float *dxf, *dyF;                /* [N, D] */
     float *dattn, *dpostA, *dcombA;  /* [N, D], [N, n], [N, n, n] */
     float *dz, *do_, *dq, *dkv, *dkvc;
+    float *dqr;                      /* [N, QR] */
     float *dxa, *dyA;
 } block_grads;
 
@@ -535,6 +536,7 @@ static ds4_status grads_alloc(const block_ctx *bc, const block_acts *a, block_gr
     g->dq = work_zeros(N * H * hd);
     g->dkv = work_zeros(N * hd);
     g->dkvc = work_zeros(bc->B * a->Nc * hd + 1);
+    g->dqr = work_zeros(N * c->q_lora_rank);
     g->dxa = work_zeros(N * D);
     g->dyA = work_zeros(N * D);
     float **f = (float **)g;
@@ -754,20 +756,18 @@ static ds4_status bwd_run_step(const block_ctx *bc, block_acts *a, block_grads *
         return DS4_OK;
     }
     case B_Q_UP: {
-        /* dq_down output flows through g->dkv-sized scratch: use a fresh buffer */
         float *dqraw = work_zeros(N * H * hd);
         if (!dqraw) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
         rope_bwd(g->dq, N, H, hd, T, 1, rope, false);
         rmsnorm_bwd(dqraw, NULL, g->dq, a->qraw, NULL, a->q_rstd, N * H, hd);
-        if (!ds4_shape_only()) memset(g->dq, 0, (size_t)(N * QR) * sizeof(float)); /* reuse dq as d qr [N, QR] */
-        linear_bwd(g->dq, Gw->wq_b, dqraw, a->qr, W->wq_b, N, QR, H * hd);
+        linear_bwd(g->dqr, Gw->wq_b, dqraw, a->qr, W->wq_b, N, QR, H * hd);
         ds4_free(dqraw);
         return DS4_OK;
     }
     case B_Q_DOWN: {
         float *dqa = work_zeros(N * QR);
         if (!dqa) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
-        rmsnorm_bwd(dqa, Gw->q_norm, g->dq, a->qa, W->q_norm, a->qa_rstd, N, QR);
+        rmsnorm_bwd(dqa, Gw->q_norm, g->dqr, a->qa, W->q_norm, a->qa_rstd, N, QR);
         linear_bwd(g->dxa, Gw->wq_a, dqa, a->xa, W->wq_a, N, D, QR);
         ds4_free(dqa);
         return DS4_OK;
