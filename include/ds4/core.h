@@ -68,6 +68,9 @@ bool ds4_grow(void **arr, int64_t *cap, int64_t need, size_t elem);
 /* NUL-terminated copy of n bytes (DS4_MEM_OTHER); NULL on allocation failure. */
 char *ds4_strndup(const char *s, size_t n);
 size_t ds4_alloc_size(const void *p); /* bytes requested for p */
+/* Counts memory that is managed outside ds4_alloc (pages of a reserved range made resident or released
+ * again, e.g. FSDP's gathered layer weights): delta bytes, positive or negative, under `cat`. */
+void ds4_mem_track(ds4_mem_cat cat, int64_t delta);
 
 typedef struct {
     int64_t live[DS4_MEM_NCAT];

@@ -33,6 +33,10 @@ typedef struct {
 typedef struct ds4_model ds4_model;
 
 ds4_status ds4_model_create(const ds4_config *cfg, ds4_model **out);  /* params zero */
+/* A model whose flat value and gradient buffers are reserved address ranges with no memory behind
+ * them (for FSDP / EP wrappers): a wrapper makes a range resident with ds4_model_map before the model
+ * reads or writes it and gives it back with ds4_model_unmap. Every region starts on a page. */
+ds4_status ds4_model_create_unmapped(const ds4_config *cfg, ds4_model **out);
 void ds4_model_free(ds4_model *m);
 const ds4_config *ds4_model_config(const ds4_model *m);
 int64_t ds4_model_nparams(const ds4_model *m);                          /* number of named tensors */
@@ -45,10 +49,72 @@ void ds4_model_zero_grad(ds4_model *m);
 
 /* docs/contract.md init rules, every value a function of (seed, tensor name, index). */
 void ds4_model_init_random(ds4_model *m, uint64_t seed);
+void ds4_model_init_param(ds4_model *m, int64_t i, uint64_t seed); /* one tensor of the table */
+/* Reads tensor i of the table from a model directory (checks shape and, for tid2eid, the ids). */
+ds4_status ds4_model_load_param(ds4_model *m, const ds4_model_dir *d, int64_t i);
 /* Loads every tensor by its official name; each must exist with the right shape. */
 ds4_status ds4_model_load(ds4_model *m, const ds4_model_dir *d);
 /* Writes DIR/config.json + DIR/model.safetensors (F32 or BF16 floats; tid2eid I64). */
 ds4_status ds4_model_save(ds4_model *m, const char *dir, ds4_dtype float_dtype);
+
+/* ------------------------------------------------------------------ parameter groups and regions
+ * The parameters fall into groups in the order a pass uses them: 0 = embed, 1 + l = layers.l,
+ * n_layers + 1 = the final norm, head and hc_head, n_layers + 2 = the MTP block with its extras.
+ * A region is a contiguous flat range [start, end) of one group: dense (expert = -1) or one routed
+ * expert's w1, w2, w3. Regions cover every float parameter; a parameter lies in exactly one. */
+typedef struct {
+    int64_t group, expert;
+    int64_t start, end;
+} ds4_region;
+
+int64_t ds4_model_ngroups(const ds4_model *m);
+int64_t ds4_model_nregions(const ds4_model *m);
+const ds4_region *ds4_model_region(const ds4_model *m, int64_t i);
+/* Unmapped models: makes flat values (grad = false) or gradients [start, end) resident and zero,
+ * counted as DS4_MEM_PARAM / DS4_MEM_GRAD; unmap returns the pages (contents are lost). Both must
+ * cover whole regions. A no-op count-only in shape-only mode. */
+ds4_status ds4_model_map(ds4_model *m, int64_t start, int64_t end, bool grad);
+void ds4_model_unmap(ds4_model *m, int64_t start, int64_t end, bool grad);
+
+/* Expert parallelism as the MoE unit sees it. The routed assignments of a pass (expert-major,
+ * counts cnt[E]) travel to the ranks owning the experts; each rank runs its experts [e0, e1) on the
+ * rows it received and sends the results back. Received rows are laid out expert-major, then by
+ * source rank, so each (expert, source) pair is a contiguous block. */
+typedef struct {
+    int nsrc;                /* ranks of the EP group */
+    int64_t e0, e1;          /* this rank's experts */
+    int64_t rows;            /* rows received in total */
+    int64_t *recv_cnt;       /* [(e1 - e0) · nsrc]: rows of expert e0 + i from source s at [i·nsrc + s] */
+    int64_t *send_cnt;       /* [nsrc] rows this rank sends to each peer */
+    int64_t *recv_from;      /* [nsrc] rows this rank receives from each peer */
+} ds4_ep_route;
+
+typedef struct {
+    void *ctx;
+    int64_t e0, e1;          /* this rank's experts */
+    /* Exchanges the per-expert counts cnt[E] of this rank's assignments (a collective of the EP group).
+     * In shape-only mode the counts are those of balanced routing. Free with ds4_ep_route_free. */
+    ds4_status (*route)(void *ctx, const int64_t *cnt, ds4_ep_route **out);
+    /* rows [N·K, width] in assignment order → recv [rows, width] (dispatch) and back (combine). */
+    ds4_status (*dispatch)(void *ctx, const ds4_ep_route *r, const float *send, float *recv, int64_t width);
+    ds4_status (*combine)(void *ctx, const ds4_ep_route *r, const float *recv, float *send, int64_t width);
+} ds4_ep_ops;
+
+/* A route with zeroed counts (arrays counted as DS4_MEM_OTHER); NULL on allocation failure. */
+ds4_ep_route *ds4_ep_route_new(int nsrc, int64_t e0, int64_t e1);
+void ds4_ep_route_free(ds4_ep_route *r);
+
+/* What a parallel wrapper does around the model (NULL members: nothing). The model calls gather
+ * before it reads a group's weights and drop after its last read; grad_begin before the first
+ * gradient of a group accumulates and grad_end once the group's gradients of the pass are complete. */
+typedef struct {
+    void *ctx;
+    ds4_status (*gather)(void *ctx, int64_t group);
+    void (*drop)(void *ctx, int64_t group);
+    ds4_status (*grad_begin)(void *ctx, int64_t group);
+    ds4_status (*grad_end)(void *ctx, int64_t group);
+    const ds4_ep_ops *ep;    /* NULL: every expert is local */
+} ds4_param_hooks;
 
 /* ------------------------------------------------------------------ one pass */
 typedef struct {
@@ -63,6 +129,10 @@ typedef struct {
      * after their last forward read and replayed in backward. NULL: keep everything. The policy that
      * chooses the masks lives outside the model (src/memory/recompute.c). */
     const uint32_t *release_mask;
+    const ds4_param_hooks *hooks; /* NULL: the whole model is resident and local */
+    /* Benchmarks and memplan checks (TorchTitan's moe_force_load_balance): slot k of token t goes to
+     * expert (t·K + k) mod E, weighted by its normalised score; gradients follow that choice. */
+    bool moe_force_balance;
 } ds4_pass_opts;
 
 typedef struct ds4_pass ds4_pass;

@@ -37,6 +37,17 @@ const char *ds4_mem_cat_name(ds4_mem_cat c) {
     return (unsigned)c < DS4_MEM_NCAT ? names[c] : "?";
 }
 
+static void count(ds4_mem_cat cat, int64_t delta) {
+    int64_t l = atomic_fetch_add(&g_live[cat], delta) + delta;
+    atomic_max(&g_peak[cat], l);
+    int64_t t = atomic_fetch_add(&g_live_total, delta) + delta;
+    atomic_max(&g_peak_total, t);
+}
+
+void ds4_mem_track(ds4_mem_cat cat, int64_t delta) {
+    if ((unsigned)cat < DS4_MEM_NCAT) count(cat, delta);
+}
+
 void *ds4_alloc(ds4_mem_cat cat, size_t bytes) {
     if ((unsigned)cat >= DS4_MEM_NCAT) {
         ds4_fail(DS4_ERR_ARG, "ds4_alloc: bad memory category %d", (int)cat);
@@ -58,10 +69,7 @@ void *ds4_alloc(ds4_mem_cat cat, size_t bytes) {
     h->magic = MAGIC;
     h->bytes = bytes;
     h->cat = (uint32_t)cat;
-    int64_t l = atomic_fetch_add(&g_live[cat], (int64_t)bytes) + (int64_t)bytes;
-    atomic_max(&g_peak[cat], l);
-    int64_t t = atomic_fetch_add(&g_live_total, (int64_t)bytes) + (int64_t)bytes;
-    atomic_max(&g_peak_total, t);
+    count(cat, (int64_t)bytes);
     atomic_fetch_add(&g_n_allocs, 1);
     return (char *)base + HDR;
 }

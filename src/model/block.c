@@ -88,7 +88,11 @@ static void clear_unit_fields(block_acts *a, unit_id u) {
         a->gidx = a->etok = a->eslot = NULL;
         a->eoff = NULL;
         break;
-    case U_MOE: a->h1 = a->h3 = a->sh1 = a->sh3 = a->ffn_out = NULL; break;
+    case U_MOE:
+        a->h1 = a->h3 = a->sh1 = a->sh3 = a->ffn_out = a->xr = a->wr = NULL;
+        ds4_ep_route_free(a->route);
+        a->route = NULL;
+        break;
     default: break;
     }
 }
@@ -354,8 +358,27 @@ static ds4_status u_router(const block_ctx *bc, block_acts *a) {
     NEED(a->eslot = OUT_I32(u, N * K));
     linear_fwd(a->glogits, a->xf, W->gate, N, D, E);
     bool hash = block_is_hash(c, bc->layer);
-    moe_gate_fwd(a->gidx, a->gw, a->gscores, a->glogits, hash ? NULL : W->gate_bias,
-                 hash ? m->tid2eid[bc->layer] : NULL, bc->ids, N, E, K, (float)c->route_scale);
+    const int64_t *table = hash ? m->tid2eid[bc->layer] : NULL;
+    const int32_t *ids = bc->ids;
+    int64_t *forced = NULL; /* force_balance: a per-token table [N, K] read through ids = 0, 1, ..., N-1 */
+    int32_t *iota = NULL;
+    if (bc->force_balance) {
+        forced = ds4_alloc(DS4_MEM_WORK, (size_t)(N * K) * sizeof(int64_t));
+        iota = ds4_alloc(DS4_MEM_WORK, (size_t)N * sizeof(int32_t));
+        if (!forced || !iota) {
+            ds4_free(forced);
+            ds4_free(iota);
+            return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer);
+        }
+        for (int64_t j = 0; j < (ds4_shape_only() ? 0 : N * K); j++) forced[j] = j % E;
+        for (int64_t t = 0; t < (ds4_shape_only() ? 0 : N); t++) iota[t] = (int32_t)t;
+        table = forced;
+        ids = iota;
+    }
+    moe_gate_fwd(a->gidx, a->gw, a->gscores, a->glogits, table ? NULL : W->gate_bias, table, ids, N, E, K,
+                 (float)c->route_scale);
+    ds4_free(forced);
+    ds4_free(iota);
     return ds4_shape_only() ? DS4_OK : route_assignments(a, N, E, K);
 }
 
@@ -376,38 +399,145 @@ static float assignment_weight(const block_acts *a, int64_t j, int64_t K) {
     return a->gw[(int64_t)a->etok[j] * K + a->eslot[j]];
 }
 
+/* One expert on ne rows: x [ne, D] with routing weights w [ne] → h1, h3 [ne, I] (saved for backward)
+ * and y [ne, D] = w2(w · swiglu(h1, h3)). act: [ne, I] scratch. */
+static void expert_fwd(const expert_w *ew, const float *x, const float *w, int64_t ne, int64_t D, int64_t I,
+                       float limit, float *h1, float *h3, float *act, float *y) {
+    linear_fwd(h1, x, ew->w1, ne, D, I);
+    linear_fwd(h3, x, ew->w3, ne, D, I);
+    swiglu_fwd(act, h1, h3, ne, I, limit);
+    for (int64_t i = 0; i < ne; i++)
+        for (int64_t k = 0; k < I; k++) act[i * I + k] *= w[i]; /* routing weight before w2 */
+    linear_fwd(y, act, ew->w2, ne, I, D);
+}
+
+ds4_ep_route *ds4_ep_route_new(int nsrc, int64_t e0, int64_t e1) {
+    ds4_ep_route *r = ds4_calloc(DS4_MEM_OTHER, sizeof *r);
+    if (!r) return NULL;
+    r->nsrc = nsrc;
+    r->e0 = e0;
+    r->e1 = e1;
+    r->recv_cnt = ds4_calloc(DS4_MEM_OTHER, (size_t)((e1 - e0) * nsrc + 1) * sizeof(int64_t));
+    r->send_cnt = ds4_calloc(DS4_MEM_OTHER, (size_t)nsrc * sizeof(int64_t));
+    r->recv_from = ds4_calloc(DS4_MEM_OTHER, (size_t)nsrc * sizeof(int64_t));
+    if (!r->recv_cnt || !r->send_cnt || !r->recv_from) {
+        ds4_ep_route_free(r);
+        return NULL;
+    }
+    return r;
+}
+
+void ds4_ep_route_free(ds4_ep_route *r) {
+    if (!r) return;
+    ds4_free(r->recv_cnt);
+    ds4_free(r->send_cnt);
+    ds4_free(r->recv_from);
+    ds4_free(r);
+}
+
+/* Per-expert assignment counts of the pass: from the routing, or those of balanced routing in
+ * shape-only mode (slot j → expert j mod E, as force_balance routes). cnt: [E] */
+static void assignment_counts(const block_acts *a, int64_t N, int64_t E, int64_t K, int64_t *cnt) {
+    for (int64_t e = 0; e < E; e++)
+        cnt[e] = ds4_shape_only() ? N * K / E + (e < N * K % E) : a->eoff[e + 1] - a->eoff[e];
+}
+
+/* Expert parallelism: tells the experts' owners how many rows are coming (a collective). */
+static ds4_status moe_route(const block_ctx *bc, block_acts *a) {
+    const ds4_config *c = &bc->m->cfg;
+    const int64_t E = c->n_routed_experts, N = bc->B * bc->T;
+    int64_t *cnt = ds4_alloc(DS4_MEM_OTHER, (size_t)E * sizeof(int64_t));
+    if (!cnt) return ds4_fail(DS4_ERR_OOM, "out of memory routing block %lld", (long long)bc->layer);
+    assignment_counts(a, N, E, c->n_activated_experts, cnt);
+    ds4_status st = bc->ep->route(bc->ep->ctx, cnt, &a->route);
+    ds4_free(cnt);
+    return st;
+}
+
+/* Rows of local expert i in the received layout: first row and count (all sources). */
+static int64_t route_expert_rows(const ds4_ep_route *r, int64_t i, int64_t *first) {
+    int64_t o = 0, n = 0;
+    for (int64_t j = 0; j <= i; j++)
+        for (int s = 0; s < r->nsrc; s++) {
+            if (j < i) o += r->recv_cnt[j * r->nsrc + s];
+            else n += r->recv_cnt[j * r->nsrc + s];
+        }
+    *first = o;
+    return n;
+}
+
+/* Routed experts, every expert local: ffn_out += Σ over assignments (expert-major, then token order). */
+static void moe_routed_fwd_local(const block_ctx *bc, block_acts *a, const float *wj, float *xe, float *act, float *ye) {
+    UNIT_PROLOGUE;
+    const int64_t E = c->n_routed_experts, I = c->moe_inter_dim;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t j0 = a->eoff[e], ne = a->eoff[e + 1] - j0;
+        if (ne == 0) continue;
+        gather_rows(xe, a->xf, a->etok + j0, ne, D);
+        expert_fwd(&W->experts[e], xe, wj + j0, ne, D, I, (float)c->swiglu_limit, a->h1 + j0 * I, a->h3 + j0 * I,
+                   act, ye);
+        scatter_add_rows(a->ffn_out, ye, a->etok + j0, ne, D);
+    }
+}
+
+/* Routed experts over EP: rows (x | weight) go to the experts' owners, the owners run their experts on
+ * everything they received (saving x and the weights for backward), results come back in assignment
+ * order and are added in that order, so every rank's output is what a single process computes. */
+static ds4_status moe_routed_fwd_ep(const block_ctx *bc, block_acts *a, const float *wj, float *act) {
+    UNIT_PROLOGUE;
+    const int64_t K = c->n_activated_experts, I = c->moe_inter_dim, NK = N * K, R = a->route->rows;
+    const bool shape = ds4_shape_only();
+    NEED(a->xr = OUT_F(U_MOE, R * D));
+    NEED(a->wr = OUT_F(U_MOE, R));
+    float *send = work(NK * (D + 1)), *recv = work(R * (D + 1)), *yr = work(R * D), *ys = work(NK * D);
+    ds4_status st = send && recv && yr && ys ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
+    for (int64_t j = 0; st == DS4_OK && !shape && j < NK; j++) {
+        memcpy(send + j * (D + 1), a->xf + (int64_t)a->etok[j] * D, (size_t)D * sizeof(float));
+        send[j * (D + 1) + D] = wj[j];
+    }
+    if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, a->route, send, recv, D + 1);
+    for (int64_t i = 0; st == DS4_OK && !shape && i < R; i++) {
+        memcpy(a->xr + i * D, recv + i * (D + 1), (size_t)D * sizeof(float));
+        a->wr[i] = recv[i * (D + 1) + D];
+    }
+    for (int64_t i = 0; st == DS4_OK && !shape && i < a->route->e1 - a->route->e0; i++) {
+        int64_t o, ne = route_expert_rows(a->route, i, &o);
+        if (ne > 0)
+            expert_fwd(&W->experts[a->route->e0 + i], a->xr + o * D, a->wr + o, ne, D, I, (float)c->swiglu_limit,
+                       a->h1 + o * I, a->h3 + o * I, act, yr + o * D);
+    }
+    if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, a->route, yr, ys, D);
+    if (st == DS4_OK && !shape) scatter_add_rows(a->ffn_out, ys, a->etok, NK, D);
+    ds4_free(send);
+    ds4_free(recv);
+    ds4_free(yr);
+    ds4_free(ys);
+    return st;
+}
+
 /* MoE: ffn_out = Σ_k w_k · w2(swiglu(w1 x, w3 x)) over routed experts + the shared expert. */
 static ds4_status u_moe(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
-    const int64_t E = c->n_routed_experts, K = c->n_activated_experts, I = c->moe_inter_dim;
+    const int64_t K = c->n_activated_experts, I = c->moe_inter_dim;
     const int64_t Is = I * c->n_shared_experts;
     const float limit = (float)c->swiglu_limit;
     unit_id u = U_MOE;
-    NEED(a->h1 = OUT_F(u, N * K * I));
-    NEED(a->h3 = OUT_F(u, N * K * I));
+    const bool shape = ds4_shape_only(); /* memplan: no routing data; the per-expert GEMMs allocate nothing */
+    if (bc->ep) DS4_TRY(moe_route(bc, a));
+    const int64_t R = bc->ep ? a->route->rows : N * K; /* routed rows computed here */
+    NEED(a->h1 = OUT_F(u, R * I));
+    NEED(a->h3 = OUT_F(u, R * I));
     NEED(a->sh1 = OUT_F(u, N * Is));
     NEED(a->sh3 = OUT_F(u, N * Is));
     NEED(a->ffn_out = OUT_F(u, N * D));
-    const bool shape = ds4_shape_only(); /* memplan: no routing data; the per-expert GEMMs allocate nothing */
     if (!shape) memset(a->ffn_out, 0, (size_t)(N * D) * sizeof(float));
-    float *xe = work(N * K * D), *act = work(N * (K * I > Is ? K * I : Is)), *ye = work(N * K * D);
-    ds4_status st = (xe && act && ye) ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
-    for (int64_t e = 0; st == DS4_OK && !shape && e < E; e++) {
-        int64_t j0 = a->eoff[e], ne = a->eoff[e + 1] - j0;
-        if (ne == 0) continue;
-        const expert_w *ew = &W->experts[e];
-        float *h1 = a->h1 + j0 * I, *h3 = a->h3 + j0 * I;
-        gather_rows(xe, a->xf, a->etok + j0, ne, D);
-        linear_fwd(h1, xe, ew->w1, ne, D, I);
-        linear_fwd(h3, xe, ew->w3, ne, D, I);
-        swiglu_fwd(act, h1, h3, ne, I, limit);
-        for (int64_t i = 0; i < ne; i++) {
-            float w = assignment_weight(a, j0 + i, K); /* routing weight before w2 */
-            for (int64_t k = 0; k < I; k++) act[i * I + k] *= w;
-        }
-        linear_fwd(ye, act, ew->w2, ne, I, D);
-        scatter_add_rows(a->ffn_out, ye, a->etok + j0, ne, D);
-    }
+    const int64_t Rmax = R > N * K ? R : N * K;
+    float *wj = work(N * K), *act = work(Rmax * I > N * Is ? Rmax * I : N * Is), *ye = work(N * (K * D > D ? K * D : D));
+    float *xe = bc->ep ? NULL : work(N * K * D);
+    ds4_status st = (wj && act && ye && (bc->ep || xe)) ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
+    for (int64_t j = 0; st == DS4_OK && !shape && j < N * K; j++) wj[j] = assignment_weight(a, j, K);
+    if (st == DS4_OK && bc->ep) st = moe_routed_fwd_ep(bc, a, wj, act);
+    else if (st == DS4_OK && !shape) moe_routed_fwd_local(bc, a, wj, xe, act, ye);
     if (st == DS4_OK) {
         linear_fwd(a->sh1, a->xf, W->shared.w1, N, D, Is);
         linear_fwd(a->sh3, a->xf, W->shared.w3, N, D, Is);
@@ -415,6 +545,7 @@ static ds4_status u_moe(const block_ctx *bc, block_acts *a) {
         linear_fwd(ye, act, W->shared.w2, N, Is, D);
         for (int64_t i = 0; i < (shape ? 0 : N * D); i++) a->ffn_out[i] += ye[i];
     }
+    ds4_free(wj);
     ds4_free(xe);
     ds4_free(act);
     ds4_free(ye);
@@ -548,6 +679,116 @@ static ds4_status grads_alloc(const block_ctx *bc, const block_acts *a, block_gr
     return DS4_OK;
 }
 
+/* Backward of one expert on ne rows (expert_fwd's inputs x, w, saved h1, h3; dy = d of its output):
+ * dx [ne, D] and dw [ne] (d routing weight) are overwritten; weight gradients accumulate into eg.
+ * Scratch act, dact, dh1, dh3: [ne, I]. */
+static void expert_bwd(const expert_w *ew, expert_w *eg, const float *x, const float *dy, const float *w,
+                       const float *h1, const float *h3, int64_t ne, int64_t D, int64_t I, float limit, float *dx,
+                       float *dw, float *act, float *dact, float *dh1, float *dh3) {
+    swiglu_fwd(act, h1, h3, ne, I, limit); /* unweighted activation */
+    float *wact = dh1;                     /* scratch: the weighted activation that fed w2 */
+    for (int64_t i = 0; i < ne; i++)
+        for (int64_t k = 0; k < I; k++) wact[i * I + k] = act[i * I + k] * w[i];
+    memset(dact, 0, (size_t)(ne * I) * sizeof(float));
+    linear_bwd(dact, eg->w2, dy, wact, ew->w2, ne, I, D);
+    /* d weight = ⟨d wact, act⟩; d act = d wact · weight */
+    for (int64_t i = 0; i < ne; i++) {
+        double s = 0;
+        for (int64_t k = 0; k < I; k++) s += (double)dact[i * I + k] * act[i * I + k];
+        dw[i] = (float)s;
+        for (int64_t k = 0; k < I; k++) dact[i * I + k] *= w[i];
+    }
+    memset(dh1, 0, (size_t)(ne * I) * sizeof(float));
+    memset(dh3, 0, (size_t)(ne * I) * sizeof(float));
+    swiglu_bwd(dh1, dh3, dact, h1, h3, ne, I, limit);
+    memset(dx, 0, (size_t)(ne * D) * sizeof(float));
+    linear_bwd(dx, eg->w1, dh1, x, ew->w1, ne, D, I);
+    linear_bwd(dx, eg->w3, dh3, x, ew->w3, ne, D, I);
+}
+
+/* Scratch of the routed-expert backward, each big enough for the rows one expert gets from one source. */
+typedef struct {
+    float *act, *dact, *dh1, *dh3; /* [N·K, I] */
+    float *xe, *dye, *dxe, *dwe;   /* [N·K, D] ×3, [N·K] */
+    float *wj;                     /* [N·K] routing weight of each assignment */
+} moe_scratch;
+
+/* Routed experts, every expert local, one at a time; dx scattered in a fixed (expert, token) order. */
+static void moe_routed_bwd_local(const block_ctx *bc, block_acts *a, block_grads *g, float *dgw, const moe_scratch *s) {
+    UNIT_PROLOGUE;
+    block_w *Gw = &m->g.blocks[bc->layer];
+    const int64_t E = c->n_routed_experts, K = c->n_activated_experts, I = c->moe_inter_dim;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t j0 = a->eoff[e], ne = a->eoff[e + 1] - j0;
+        if (ne == 0) continue;
+        gather_rows(s->xe, a->xf, a->etok + j0, ne, D);
+        gather_rows(s->dye, g->dffn, a->etok + j0, ne, D);
+        expert_bwd(&W->experts[e], &Gw->experts[e], s->xe, s->dye, s->wj + j0, a->h1 + j0 * I, a->h3 + j0 * I, ne,
+                   D, I, (float)c->swiglu_limit, s->dxe, s->dwe, s->act, s->dact, s->dh1, s->dh3);
+        for (int64_t i = 0; i < ne; i++) dgw[(int64_t)a->etok[j0 + i] * K + a->eslot[j0 + i]] += s->dwe[i];
+        scatter_add_rows(g->dxf, s->dxe, a->etok + j0, ne, D);
+    }
+}
+
+/* Adds n floats of src into dst, in index order. */
+static void add_into(float *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] += src[i];
+}
+
+/* Routed experts over EP. The output gradients travel to the experts' owners; each (expert, source)
+ * block is differentiated on its own — weight gradients into a zeroed buffer that is then added to the
+ * expert's gradient in source order — so the expert gradient is the rank-ordered sum of what each
+ * source alone would give; (dx | d weight) rows come back in assignment order. */
+static ds4_status moe_routed_bwd_ep(const block_ctx *bc, block_acts *a, block_grads *g, float *dgw,
+                                    const moe_scratch *s) {
+    UNIT_PROLOGUE;
+    block_w *Gw = &m->g.blocks[bc->layer];
+    const int64_t K = c->n_activated_experts, I = c->moe_inter_dim, NK = N * K;
+    const ds4_ep_route *r = a->route;
+    const int64_t R = r->rows;
+    const bool shape = ds4_shape_only(), split = r->nsrc > 1;
+    float *dys = work(NK * D), *dyr = work(R * D), *dxr = work(R * (D + 1)), *dxs = work(NK * (D + 1));
+    float *tmp = split ? work(3 * I * D) : NULL;
+    ds4_status st = dys && dyr && dxr && dxs && (!split || tmp) ? DS4_OK
+                                                                 : ds4_fail(DS4_ERR_OOM, "out of memory in MoE backward");
+    if (st == DS4_OK && !shape) gather_rows(dys, g->dffn, a->etok, NK, D);
+    if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, r, dys, dyr, D);
+    expert_w tg = {tmp, tmp ? tmp + I * D : NULL, tmp ? tmp + 2 * I * D : NULL};
+    for (int64_t i = 0, o = 0; st == DS4_OK && !shape && i < r->e1 - r->e0; i++) {
+        const int64_t e = r->e0 + i;
+        for (int src = 0; src < r->nsrc; o += r->recv_cnt[i * r->nsrc + src], src++) {
+            const int64_t ne = r->recv_cnt[i * r->nsrc + src];
+            if (ne == 0) continue;
+            if (split) memset(tmp, 0, (size_t)(3 * I * D) * sizeof(float));
+            expert_bwd(&W->experts[e], split ? &tg : &Gw->experts[e], a->xr + o * D, dyr + o * D, a->wr + o,
+                       a->h1 + o * I, a->h3 + o * I, ne, D, I, (float)c->swiglu_limit, s->dxe, s->dwe, s->act, s->dact,
+                       s->dh1, s->dh3);
+            if (split) {
+                add_into(Gw->experts[e].w1, tg.w1, I * D);
+                add_into(Gw->experts[e].w2, tg.w2, I * D);
+                add_into(Gw->experts[e].w3, tg.w3, I * D);
+            }
+            for (int64_t q = 0; q < ne; q++) {
+                memcpy(dxr + (o + q) * (D + 1), s->dxe + q * D, (size_t)D * sizeof(float));
+                dxr[(o + q) * (D + 1) + D] = s->dwe[q];
+            }
+        }
+    }
+    if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, r, dxr, dxs, D + 1);
+    for (int64_t j = 0; st == DS4_OK && !shape && j < NK; j++) {
+        float *d = g->dxf + (int64_t)a->etok[j] * D;
+        const float *src = dxs + j * (D + 1);
+        for (int64_t k = 0; k < D; k++) d[k] += src[k];
+        dgw[(int64_t)a->etok[j] * K + a->eslot[j]] += src[D];
+    }
+    ds4_free(dys);
+    ds4_free(dyr);
+    ds4_free(dxr);
+    ds4_free(dxs);
+    ds4_free(tmp);
+    return st;
+}
+
 /* Backward of the MoE unit: dxf += …, expert and router weights' gradients. */
 static ds4_status moe_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
@@ -555,70 +796,46 @@ static ds4_status moe_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     const int64_t E = c->n_routed_experts, K = c->n_activated_experts, I = c->moe_inter_dim;
     const int64_t Is = I * c->n_shared_experts, Imax = (K * I > Is ? K * I : Is);
     const float limit = (float)c->swiglu_limit;
-    float *dgw = work_zeros(N * K), *dlog = work_zeros(N * E), *act = work(N * Imax), *dact = work(N * Imax);
-    float *dh1 = work(N * Imax), *dh3 = work(N * Imax), *xe = work(N * K * D), *dye = work(N * K * D);
-    float *dxe = work(N * K * D);
+    float *dgw = work_zeros(N * K), *dlog = work_zeros(N * E);
+    moe_scratch s = {.act = work(N * Imax), .dact = work(N * Imax), .dh1 = work(N * Imax), .dh3 = work(N * Imax),
+                     .xe = bc->ep ? NULL : work(N * K * D), .dye = bc->ep ? NULL : work(N * K * D),
+                     .dxe = work(N * K * D), .dwe = work(N * K), .wj = work(N * K)};
     ds4_status st = DS4_OK;
-    if (!dgw || !dlog || !act || !dact || !dh1 || !dh3 || !xe || !dye || !dxe) {
+    if (!dgw || !dlog || !s.act || !s.dact || !s.dh1 || !s.dh3 || (!bc->ep && (!s.xe || !s.dye)) || !s.dxe ||
+        !s.dwe || !s.wj) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory in MoE backward");
         goto done;
     }
     const bool shape = ds4_shape_only(); /* memplan: no data, and no routing to follow */
     /* shared expert */
-    swiglu_fwd(act, a->sh1, a->sh3, N, Is, limit);
-    if (!shape) memset(dact, 0, (size_t)(N * Is) * sizeof(float));
-    linear_bwd(dact, Gw->shared.w2, g->dffn, act, W->shared.w2, N, Is, D);
-    if (!shape) memset(dh1, 0, (size_t)(N * Is) * sizeof(float));
-    if (!shape) memset(dh3, 0, (size_t)(N * Is) * sizeof(float));
-    swiglu_bwd(dh1, dh3, dact, a->sh1, a->sh3, N, Is, limit);
-    linear_bwd(g->dxf, Gw->shared.w1, dh1, a->xf, W->shared.w1, N, D, Is);
-    linear_bwd(g->dxf, Gw->shared.w3, dh3, a->xf, W->shared.w3, N, D, Is);
-    /* routed experts, one at a time; dx scattered in a fixed (expert, token) order */
-    for (int64_t e = 0; !shape && e < E; e++) {
-        int64_t j0 = a->eoff[e], ne = a->eoff[e + 1] - j0;
-        if (ne == 0) continue;
-        const expert_w *ew = &W->experts[e];
-        expert_w *eg = &Gw->experts[e];
-        const float *h1 = a->h1 + j0 * I, *h3 = a->h3 + j0 * I;
-        gather_rows(xe, a->xf, a->etok + j0, ne, D);
-        gather_rows(dye, g->dffn, a->etok + j0, ne, D);
-        swiglu_fwd(act, h1, h3, ne, I, limit); /* unweighted activation */
-        float *wact = dh1;                     /* scratch: the weighted activation that fed w2 */
-        for (int64_t i = 0; i < ne; i++) {
-            float w = assignment_weight(a, j0 + i, K);
-            for (int64_t k = 0; k < I; k++) wact[i * I + k] = act[i * I + k] * w;
-        }
-        memset(dact, 0, (size_t)(ne * I) * sizeof(float));
-        linear_bwd(dact, eg->w2, dye, wact, ew->w2, ne, I, D);
-        /* d weight = ⟨d wact, act⟩; d act = d wact · weight */
-        for (int64_t i = 0; i < ne; i++) {
-            int64_t gi = (int64_t)a->etok[j0 + i] * K + a->eslot[j0 + i];
-            double s = 0;
-            for (int64_t k = 0; k < I; k++) s += (double)dact[i * I + k] * act[i * I + k];
-            dgw[gi] += (float)s;
-            for (int64_t k = 0; k < I; k++) dact[i * I + k] *= a->gw[gi];
-        }
-        memset(dh1, 0, (size_t)(ne * I) * sizeof(float));
-        memset(dh3, 0, (size_t)(ne * I) * sizeof(float));
-        swiglu_bwd(dh1, dh3, dact, h1, h3, ne, I, limit);
-        memset(dxe, 0, (size_t)(ne * D) * sizeof(float));
-        linear_bwd(dxe, eg->w1, dh1, xe, ew->w1, ne, D, I);
-        linear_bwd(dxe, eg->w3, dh3, xe, ew->w3, ne, D, I);
-        scatter_add_rows(g->dxf, dxe, a->etok + j0, ne, D);
-    }
+    swiglu_fwd(s.act, a->sh1, a->sh3, N, Is, limit);
+    if (!shape) memset(s.dact, 0, (size_t)(N * Is) * sizeof(float));
+    linear_bwd(s.dact, Gw->shared.w2, g->dffn, s.act, W->shared.w2, N, Is, D);
+    if (!shape) memset(s.dh1, 0, (size_t)(N * Is) * sizeof(float));
+    if (!shape) memset(s.dh3, 0, (size_t)(N * Is) * sizeof(float));
+    swiglu_bwd(s.dh1, s.dh3, s.dact, a->sh1, a->sh3, N, Is, limit);
+    linear_bwd(g->dxf, Gw->shared.w1, s.dh1, a->xf, W->shared.w1, N, D, Is);
+    linear_bwd(g->dxf, Gw->shared.w3, s.dh3, a->xf, W->shared.w3, N, D, Is);
+    /* routed experts */
+    for (int64_t j = 0; !shape && j < N * K; j++) s.wj[j] = assignment_weight(a, j, K);
+    if (bc->ep) st = moe_routed_bwd_ep(bc, a, g, dgw, &s);
+    else if (!shape) moe_routed_bwd_local(bc, a, g, dgw, &s);
+    if (st != DS4_OK) goto done;
     /* router */
     moe_gate_bwd(dlog, dgw, a->glogits, a->gscores, a->gidx, N, E, K, (float)c->route_scale);
     linear_bwd(g->dxf, Gw->gate, dlog, a->xf, W->gate, N, D, E);
 done:
     ds4_free(dgw);
     ds4_free(dlog);
-    ds4_free(act);
-    ds4_free(dact);
-    ds4_free(dh1);
-    ds4_free(dh3);
-    ds4_free(xe);
-    ds4_free(dye);
-    ds4_free(dxe);
+    ds4_free(s.act);
+    ds4_free(s.dact);
+    ds4_free(s.dh1);
+    ds4_free(s.dh3);
+    ds4_free(s.xe);
+    ds4_free(s.dye);
+    ds4_free(s.dxe);
+    ds4_free(s.dwe);
+    ds4_free(s.wj);
     return st;
 }
 

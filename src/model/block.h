@@ -90,7 +90,9 @@ typedef struct {
     int64_t *eoff;                 /* [E + 1] offsets into the assignment list */
     int32_t *etok, *eslot;         /* [N·K] token and top-k slot of each assignment, grouped by expert */
     /* U_MOE */
-    float *h1, *h3;                /* [N·K, I] routed w1 / w3 outputs */
+    ds4_ep_route *route;           /* expert parallelism: where the assignments went (NULL: all local) */
+    float *xr, *wr;                /* EP: received rows [R, D] and their routing weights [R] */
+    float *h1, *h3;                /* [R, I] routed w1 / w3 outputs (R = N·K without EP) */
     float *sh1, *sh3;              /* [N, Is] shared expert w1 / w3 outputs */
     float *ffn_out;                /* [N, D] */
 } block_acts;
@@ -103,6 +105,8 @@ typedef struct {
     const int32_t *ids; /* [B, T] ids for hash routing */
     bool dense_csa;
     bool keep;          /* keep activations for backward */
+    const ds4_ep_ops *ep; /* expert parallelism (NULL: every expert local) */
+    bool force_balance; /* route slot k of token t to expert (t·K + k) mod E */
 } block_ctx;
 
 /* X_out: [N, n, D] from X_in: [N, n, D] (both owned by the caller, X_in kept until backward).

@@ -111,7 +111,42 @@ static block_ctx make_ctx(ds4_pass *p, int64_t layer, const int32_t *ids) {
                        .T = p->T,
                        .ids = ids,
                        .dense_csa = p->opts.csa_dense || p->m->cfg.csa_dense,
-                       .keep = p->opts.need_backward};
+                       .keep = p->opts.need_backward,
+                       .ep = p->opts.hooks ? p->opts.hooks->ep : NULL,
+                       .force_balance = p->opts.moe_force_balance};
+}
+
+/* Parallel wrappers (ds4_param_hooks): no hooks means the whole model is resident. */
+static ds4_status gather(ds4_pass *p, int64_t group) {
+    const ds4_param_hooks *h = p->opts.hooks;
+    return h && h->gather ? h->gather(h->ctx, group) : DS4_OK;
+}
+static void drop(ds4_pass *p, int64_t group) {
+    const ds4_param_hooks *h = p->opts.hooks;
+    if (h && h->drop) h->drop(h->ctx, group);
+}
+static ds4_status grad_begin(ds4_pass *p, int64_t group) {
+    const ds4_param_hooks *h = p->opts.hooks;
+    return h && h->grad_begin ? h->grad_begin(h->ctx, group) : DS4_OK;
+}
+static ds4_status grad_end(ds4_pass *p, int64_t group) {
+    const ds4_param_hooks *h = p->opts.hooks;
+    return h && h->grad_end ? h->grad_end(h->ctx, group) : DS4_OK;
+}
+/* Weights and a gradient buffer of a group, for its backward. */
+static ds4_status gather_for_backward(ds4_pass *p, int64_t group) {
+    DS4_TRY(gather(p, group));
+    return grad_begin(p, group);
+}
+/* After a group's backward: the router bias is not trained by gradients; reduce; drop the weights. */
+static ds4_status finish_backward(ds4_pass *p, int64_t group) {
+    const ds4_config *c = &p->m->cfg;
+    int64_t l = group == group_mtp(c) ? c->n_layers : group - 1;
+    if (l >= 0 && l < n_blocks(c) && group != group_head(c) && p->m->g.blocks[l].gate_bias && !ds4_shape_only())
+        memset(p->m->g.blocks[l].gate_bias, 0, (size_t)c->n_routed_experts * sizeof(float));
+    ds4_status st = grad_end(p, group);
+    drop(p, group);
+    return st;
 }
 
 /* ------------------------------------------------------------------ head, forward / backward */
@@ -232,6 +267,49 @@ done:
     return st;
 }
 
+/* MTP input, block and head (the main head's weights are gathered by the caller). */
+static ds4_status mtp_fwd(ds4_pass *p) {
+    ds4_model *m = p->m;
+    const ds4_config *c = &m->cfg;
+    int64_t l = c->n_layers;
+    DS4_TRY(gather(p, group_mtp(c)));
+    ds4_status st = gather(p, 0);
+    if (st == DS4_OK) st = mtp_input_fwd(p);
+    drop(p, 0);
+    block_ctx bc = make_ctx(p, l, p->ids_next);
+    if (st == DS4_OK)
+        st = block_fwd(&bc, &p->ba[l], p->m_X0, p->m_X1, 0 /* never recompute MTP */, p->unit_stats + l * U_COUNT,
+                       p->expert_load + l * c->n_routed_experts, &p->kl_sum[l], &p->kl_rows[l]);
+    if (st == DS4_OK)
+        st = head_fwd(p, &p->mhead, p->m_X1, m->w.mtp_hc_head_fn, m->w.mtp_hc_head_scale, m->w.mtp_hc_head_base,
+                      m->w.mtp_norm, 2);
+    drop(p, group_mtp(c));
+    return st;
+}
+
+/* MTP backward: dXL += ∂(weighted mtp loss)/∂X_L. The head group's gradients are open (caller). */
+static ds4_status mtp_bwd(ds4_pass *p, float *dXL) {
+    ds4_model *m = p->m;
+    const ds4_config *c = &m->cfg;
+    const size_t sbytes = (size_t)(p->N * c->hc_mult * c->dim) * sizeof(float);
+    float *dm1 = ds4_calloc(DS4_MEM_WORK, sbytes), *dm0 = ds4_calloc(DS4_MEM_WORK, sbytes);
+    ds4_status st = dm1 && dm0 ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MTP backward");
+    if (st == DS4_OK) st = gather_for_backward(p, group_mtp(c));
+    if (st == DS4_OK)
+        st = head_bwd(p, &p->mhead, p->m_X1, dm1, c->mtp_loss_weight, m->g.mtp_hc_head_fn, m->g.mtp_hc_head_scale,
+                      m->g.mtp_hc_head_base, m->g.mtp_norm, m->w.mtp_hc_head_fn, m->w.mtp_hc_head_scale,
+                      m->w.mtp_hc_head_base, m->w.mtp_norm);
+    head_free(&p->mhead);
+    block_ctx bc = make_ctx(p, c->n_layers, p->ids_next);
+    if (st == DS4_OK) st = block_bwd(&bc, &p->ba[c->n_layers], dm1, dm0, &p->kl_sum[c->n_layers], &p->kl_rows[c->n_layers]);
+    if (st == DS4_OK) st = grad_begin(p, 0); /* the MTP input embeds the next tokens */
+    if (st == DS4_OK) st = mtp_input_bwd(p, dm0, dXL);
+    if (st == DS4_OK) st = finish_backward(p, group_mtp(c));
+    ds4_free(dm1);
+    ds4_free(dm0);
+    return st;
+}
+
 /* ------------------------------------------------------------------ pass */
 static ds4_status check_ids(const ds4_config *c, const int32_t *ids, int64_t B, int64_t T) {
     for (int64_t i = 0; i < B * T; i++)
@@ -292,7 +370,9 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
         st = ds4_fail(DS4_ERR_OOM, "out of memory for the embedding");
         goto fail;
     }
+    if ((st = gather(p, 0)) != DS4_OK) goto fail;
     embedding_fwd(p->X[0], m->w.embed, p->ids, N, D);
+    drop(p, 0);
     for (int64_t t = shape ? -1 : N - 1; t >= 0; t--)
         for (int64_t k = n - 1; k >= 0; k--)
             memmove(p->X[0] + (t * n + k) * D, p->X[0] + t * D, (size_t)D * sizeof(float));
@@ -304,29 +384,23 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
             break;
         }
         block_ctx bc = make_ctx(p, l, p->ids);
+        if ((st = gather(p, group_of_layer(l))) != DS4_OK) break;
         st = block_fwd(&bc, &p->ba[l], p->X[l], p->X[l + 1], p->opts.release_mask ? p->opts.release_mask[l] : 0,
                        p->unit_stats + l * U_COUNT, p->expert_load + l * c->n_routed_experts, &p->kl_sum[l],
                        &p->kl_rows[l]);
+        drop(p, group_of_layer(l));
         if (st == DS4_OK && !opts->need_backward && l > 0) {
             ds4_free(p->X[l]); /* eval: the previous boundary is no longer needed */
             p->X[l] = NULL;
         }
     }
     if (st != DS4_OK) goto fail;
+    /* the head (also the MTP head's output projection) stays gathered until the MTP head is done */
+    if ((st = gather(p, group_head(c))) != DS4_OK) goto fail;
     st = head_fwd(p, &p->head, p->X[c->n_layers], m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base, m->w.norm,
                   1);
-    if (st == DS4_OK && c->n_mtp_layers > 0) {
-        st = mtp_input_fwd(p);
-        int64_t l = c->n_layers;
-        block_ctx bc = make_ctx(p, l, p->ids_next);
-        if (st == DS4_OK)
-            st = block_fwd(&bc, &p->ba[l], p->m_X0, p->m_X1, 0 /* never recompute MTP */,
-                           p->unit_stats + l * U_COUNT, p->expert_load + l * c->n_routed_experts, &p->kl_sum[l],
-                           &p->kl_rows[l]);
-        if (st == DS4_OK)
-            st = head_fwd(p, &p->mhead, p->m_X1, m->w.mtp_hc_head_fn, m->w.mtp_hc_head_scale, m->w.mtp_hc_head_base,
-                          m->w.mtp_norm, 2);
-    }
+    if (st == DS4_OK && c->n_mtp_layers > 0) st = mtp_fwd(p);
+    drop(p, group_head(c));
     if (st != DS4_OK) goto fail;
     finish_losses(p);
     *out = p;
@@ -349,23 +423,14 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
     memset(p->kl_sum, 0, sizeof p->kl_sum);
     memset(p->kl_rows, 0, sizeof p->kl_rows);
 
-    st = head_bwd(p, &p->head, p->X[L], dX, 1.0, m->g.hc_head_fn, m->g.hc_head_scale, m->g.hc_head_base, m->g.norm,
-                  m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base, m->w.norm);
+    st = gather_for_backward(p, group_head(c));
+    if (st == DS4_OK)
+        st = head_bwd(p, &p->head, p->X[L], dX, 1.0, m->g.hc_head_fn, m->g.hc_head_scale, m->g.hc_head_base,
+                      m->g.norm, m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base, m->w.norm);
     head_free(&p->head);
-    if (st == DS4_OK && c->n_mtp_layers > 0) {
-        float *dm1 = ds4_calloc(DS4_MEM_WORK, sbytes), *dm0 = ds4_calloc(DS4_MEM_WORK, sbytes);
-        if (!dm1 || !dm0) st = ds4_fail(DS4_ERR_OOM, "out of memory in MTP backward");
-        if (st == DS4_OK)
-            st = head_bwd(p, &p->mhead, p->m_X1, dm1, c->mtp_loss_weight, m->g.mtp_hc_head_fn, m->g.mtp_hc_head_scale,
-                          m->g.mtp_hc_head_base, m->g.mtp_norm, m->w.mtp_hc_head_fn, m->w.mtp_hc_head_scale,
-                          m->w.mtp_hc_head_base, m->w.mtp_norm);
-        head_free(&p->mhead);
-        block_ctx bc = make_ctx(p, L, p->ids_next);
-        if (st == DS4_OK) st = block_bwd(&bc, &p->ba[L], dm1, dm0, &p->kl_sum[L], &p->kl_rows[L]);
-        if (st == DS4_OK) st = mtp_input_bwd(p, dm0, dX);
-        ds4_free(dm1);
-        ds4_free(dm0);
-    }
+    if (st == DS4_OK && c->n_mtp_layers > 0) st = mtp_bwd(p, dX);
+    else if (st == DS4_OK) st = grad_begin(p, 0);
+    if (st == DS4_OK) st = finish_backward(p, group_head(c));
     for (int64_t l = L - 1; l >= 0 && st == DS4_OK; l--) {
         dprev = ds4_calloc(DS4_MEM_WORK, sbytes);
         if (!dprev) {
@@ -373,7 +438,9 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
             break;
         }
         block_ctx bc = make_ctx(p, l, p->ids);
-        st = block_bwd(&bc, &p->ba[l], dX, dprev, &p->kl_sum[l], &p->kl_rows[l]);
+        st = gather_for_backward(p, group_of_layer(l));
+        if (st == DS4_OK) st = block_bwd(&bc, &p->ba[l], dX, dprev, &p->kl_sum[l], &p->kl_rows[l]);
+        if (st == DS4_OK) st = finish_backward(p, group_of_layer(l));
         ds4_free(p->X[l + 1]);
         p->X[l + 1] = NULL;
         ds4_free(dX);
@@ -390,12 +457,10 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
                     for (int64_t d = 0; d < D; d++) de[t * D + d] += dX[(t * n + k) * D + d];
             embedding_bwd(m->g.embed, de, p->ids, N, D);
             ds4_free(de);
+            st = grad_end(p, 0);
         }
     }
     ds4_free(dX);
-    /* the router bias is not trained by gradients */
-    for (int64_t l = 0; l < n_blocks(c); l++)
-        if (m->g.blocks[l].gate_bias && !ds4_shape_only()) memset(m->g.blocks[l].gate_bias, 0, (size_t)c->n_routed_experts * sizeof(float));
     if (st == DS4_OK) finish_losses(p);
     return st;
 }

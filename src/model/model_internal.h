@@ -50,12 +50,21 @@ struct ds4_model {
     ds4_rope rope_main, rope_cmp;     /* rebuilt when T grows */
     int64_t rope_len;
     bool gemm_ws;                     /* holds a reference on the GEMM packing workspace */
+    ds4_region *regions;              /* [nregions] in flat order */
+    int64_t nregions;
+    bool unmapped;                    /* flat / gflat are reserved ranges (ds4_model_create_unmapped) */
+    size_t reserved_bytes;            /* bytes of each reservation */
 };
+
+/* Parameter groups (ds4/model.h): embed, layers, head, MTP. */
+static inline int64_t group_of_layer(int64_t l) { return 1 + l; }
 
 /* Rope tables for positions [0, T) (model.c; grows only). For model/decode.c. */
 ds4_status model_ensure_rope(ds4_model *m, int64_t T);
 
 static inline int64_t n_blocks(const ds4_config *c) { return c->n_layers + c->n_mtp_layers; }
+static inline int64_t group_head(const ds4_config *c) { return c->n_layers + 1; }
+static inline int64_t group_mtp(const ds4_config *c) { return c->n_layers + 2; }
 static inline int64_t mix_hc(const ds4_config *c) { return (2 + c->hc_mult) * c->hc_mult; }
 static inline bool block_is_hash(const ds4_config *c, int64_t l) { return l < c->n_hash_layers; }
 

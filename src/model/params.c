@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <sys/mman.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -21,8 +22,32 @@ typedef struct {
     ds4_model *m;
     binding *binds;
     int64_t nbind, capbind;
+    int64_t capreg;
     ds4_status st;
 } table_builder;
+
+/* Floats per page: in an unmapped model every region starts on a page, so mapping or unmapping one
+ * region never touches its neighbours. */
+#define REGION_ALIGN 1024
+
+/* Starts a new region of `group` (expert -1: dense) at the current end of the flat layout. */
+static void region_begin(table_builder *tb, int64_t group, int64_t expert) {
+    ds4_model *m = tb->m;
+    if (tb->st != DS4_OK) return;
+    if (m->unmapped) m->numel = (m->numel + REGION_ALIGN - 1) / REGION_ALIGN * REGION_ALIGN;
+    if (m->nregions > 0) m->regions[m->nregions - 1].end = m->numel;
+    if (!ds4_grow((void **)&m->regions, &tb->capreg, m->nregions + 1, sizeof *m->regions)) {
+        tb->st = DS4_ERR_OOM;
+        return;
+    }
+    m->regions[m->nregions++] = (ds4_region){group, expert, m->numel, m->numel};
+}
+
+static void regions_finish(table_builder *tb) {
+    ds4_model *m = tb->m;
+    if (m->unmapped) m->numel = (m->numel + REGION_ALIGN - 1) / REGION_ALIGN * REGION_ALIGN;
+    if (m->nregions > 0) m->regions[m->nregions - 1].end = m->numel;
+}
 
 static ds4_param *add_entry(table_builder *tb, int ndim, const int64_t *shape, const char *fmt, va_list ap) {
     ds4_model *m = tb->m;
@@ -105,8 +130,9 @@ static void reg_compressor(table_builder *tb, compressor_w *W, compressor_w *G, 
     mark_no_decay(REGW(norm, 1, d, 0, 0, "%s.norm.weight", pre));
 }
 
-static void reg_block(table_builder *tb, block_w *W, block_w *G, int64_t l, const char *pre) {
+static void reg_block(table_builder *tb, block_w *W, block_w *G, int64_t l, const char *pre, int64_t group) {
     const ds4_config *c = &tb->m->cfg;
+    region_begin(tb, group, -1);
     int64_t D = c->dim, n = c->hc_mult, M = mix_hc(c), H = c->n_heads, hd = c->head_dim;
     int64_t r = ds4_layer_ratio(c, l), E = c->n_routed_experts, I = c->moe_inter_dim;
     int64_t Is = I * c->n_shared_experts, GR = c->o_groups * c->o_lora_rank;
@@ -146,10 +172,12 @@ static void reg_block(table_builder *tb, block_w *W, block_w *G, int64_t l, cons
         reg_int(tb, c->vocab_size, c->n_activated_experts, "%s.ffn.gate.tid2eid", pre);
     }
     for (int64_t e = 0; e < E; e++) {
+        region_begin(tb, group, e);
         REGW(experts[e].w1, 2, I, D, 0, "%s.ffn.experts.%lld.w1.weight", pre, (long long)e);
         REGW(experts[e].w2, 2, D, I, 0, "%s.ffn.experts.%lld.w2.weight", pre, (long long)e);
         REGW(experts[e].w3, 2, I, D, 0, "%s.ffn.experts.%lld.w3.weight", pre, (long long)e);
     }
+    region_begin(tb, group, -1);
     REGW(shared.w1, 2, Is, D, 0, "%s.ffn.shared_experts.w1.weight", pre);
     REGW(shared.w2, 2, D, Is, 0, "%s.ffn.shared_experts.w2.weight", pre);
     REGW(shared.w3, 2, Is, D, 0, "%s.ffn.shared_experts.w3.weight", pre);
@@ -160,12 +188,14 @@ static void reg_model(table_builder *tb) {
     const ds4_config *c = &m->cfg;
     model_w *W = &m->w, *G = &m->g;
     int64_t D = c->dim, V = c->vocab_size, n = c->hc_mult;
+    region_begin(tb, 0, -1);
     REGW(embed, 2, V, D, 0, "embed.weight");
     for (int64_t l = 0; l < c->n_layers; l++) {
         char pre[32];
         snprintf(pre, sizeof pre, "layers.%lld", (long long)l);
-        reg_block(tb, &W->blocks[l], &G->blocks[l], l, pre);
+        reg_block(tb, &W->blocks[l], &G->blocks[l], l, pre, group_of_layer(l));
     }
+    region_begin(tb, group_head(c), -1);
     mark_no_decay(REGW(norm, 1, D, 0, 0, "norm.weight"));
     REGW(head, 2, V, D, 0, "head.weight");
     REGW(hc_head_fn, 2, n, n * D, 0, "hc_head_fn");
@@ -173,7 +203,8 @@ static void reg_model(table_builder *tb) {
     mark_no_decay(REGW(hc_head_scale, 1, 1, 0, 0, "hc_head_scale"));
     if (c->n_mtp_layers > 0) {
         int64_t l = c->n_layers;
-        reg_block(tb, &W->blocks[l], &G->blocks[l], l, "mtp.0");
+        reg_block(tb, &W->blocks[l], &G->blocks[l], l, "mtp.0", group_mtp(c));
+        region_begin(tb, group_mtp(c), -1);
         REGW(e_proj, 2, D, D, 0, "mtp.0.e_proj.weight");
         REGW(h_proj, 2, D, D, 0, "mtp.0.h_proj.weight");
         mark_no_decay(REGW(enorm, 1, D, 0, 0, "mtp.0.enorm.weight"));
@@ -183,14 +214,22 @@ static void reg_model(table_builder *tb) {
         mark_no_decay(REGW(mtp_hc_head_base, 1, n, 0, 0, "mtp.0.hc_head_base"));
         mark_no_decay(REGW(mtp_hc_head_scale, 1, 1, 0, 0, "mtp.0.hc_head_scale"));
     }
+    regions_finish(tb);
 }
 
-ds4_status ds4_model_create(const ds4_config *cfg, ds4_model **out) {
+/* An address range of `bytes` with no memory behind it (pages are made resident by ds4_model_map). */
+static float *reserve_range(size_t bytes) {
+    void *p = mmap(NULL, bytes ? bytes : 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static ds4_status model_create(const ds4_config *cfg, bool unmapped, ds4_model **out) {
     *out = NULL;
     DS4_TRY(ds4_config_validate(cfg, "config"));
     ds4_model *m = ds4_calloc(DS4_MEM_OTHER, sizeof *m);
     if (!m) return DS4_ERR_OOM;
     m->cfg = *cfg;
+    m->unmapped = unmapped;
     int64_t nb = n_blocks(cfg), E = cfg->n_routed_experts;
     m->w.blocks = ds4_calloc(DS4_MEM_OTHER, (size_t)nb * sizeof(block_w));
     m->g.blocks = ds4_calloc(DS4_MEM_OTHER, (size_t)nb * sizeof(block_w));
@@ -209,8 +248,14 @@ ds4_status ds4_model_create(const ds4_config *cfg, ds4_model **out) {
     }
     gemm_workspace_reserve();
     m->gemm_ws = true;
-    m->flat = ds4_calloc(DS4_MEM_PARAM, (size_t)m->numel * sizeof(float));
-    m->gflat = ds4_calloc(DS4_MEM_GRAD, (size_t)m->numel * sizeof(float));
+    if (unmapped) {
+        m->reserved_bytes = (size_t)m->numel * sizeof(float);
+        m->flat = reserve_range(m->reserved_bytes);
+        m->gflat = reserve_range(m->reserved_bytes);
+    } else {
+        m->flat = ds4_calloc(DS4_MEM_PARAM, (size_t)m->numel * sizeof(float));
+        m->gflat = ds4_calloc(DS4_MEM_GRAD, (size_t)m->numel * sizeof(float));
+    }
     if (!m->flat || !m->gflat) {
         ds4_free(tb.binds);
         goto oom;
@@ -242,6 +287,15 @@ oom:
     return ds4_fail(DS4_ERR_OOM, "out of memory creating the model parameter table");
 }
 
+ds4_status ds4_model_create(const ds4_config *cfg, ds4_model **out) { return model_create(cfg, false, out); }
+ds4_status ds4_model_create_unmapped(const ds4_config *cfg, ds4_model **out) { return model_create(cfg, true, out); }
+
+static void free_range(float *p, size_t bytes, bool unmapped) {
+    if (!p) return;
+    if (unmapped) munmap(p, bytes ? bytes : 4096);
+    else ds4_free(p);
+}
+
 void ds4_model_free(ds4_model *m) {
     if (!m) return;
     for (int64_t i = 0; i < m->nparams; i++) ds4_free(m->params[i].idata);
@@ -253,8 +307,9 @@ void ds4_model_free(ds4_model *m) {
     ds4_free(m->w.blocks);
     ds4_free(m->g.blocks);
     ds4_free(m->tid2eid);
-    ds4_free(m->flat);
-    ds4_free(m->gflat);
+    free_range(m->flat, m->reserved_bytes, m->unmapped);
+    free_range(m->gflat, m->reserved_bytes, m->unmapped);
+    ds4_free(m->regions);
     rope_table_free(&m->rope_main);
     rope_table_free(&m->rope_cmp);
     if (m->gemm_ws) gemm_workspace_release();
@@ -268,7 +323,41 @@ int64_t ds4_model_numel(const ds4_model *m) { return m->numel; }
 float *ds4_model_params_flat(ds4_model *m) { return m->flat; }
 float *ds4_model_grads_flat(ds4_model *m) { return m->gflat; }
 void ds4_model_zero_grad(ds4_model *m) {
-    if (!ds4_shape_only()) memset(m->gflat, 0, (size_t)m->numel * sizeof(float));
+    if (!ds4_shape_only() && !m->unmapped) memset(m->gflat, 0, (size_t)m->numel * sizeof(float));
+}
+
+int64_t ds4_model_ngroups(const ds4_model *m) { return m->cfg.n_layers + 2 + (m->cfg.n_mtp_layers > 0); }
+int64_t ds4_model_nregions(const ds4_model *m) { return m->nregions; }
+const ds4_region *ds4_model_region(const ds4_model *m, int64_t i) { return &m->regions[i]; }
+
+static ds4_status check_range(const ds4_model *m, int64_t start, int64_t end) {
+    if (!m->unmapped || start < 0 || end > m->numel || start > end || start % REGION_ALIGN ||
+        (end % REGION_ALIGN && end != m->numel))
+        return ds4_fail(DS4_ERR_INTERNAL, "model map: [%lld, %lld) is not a page-aligned range of an unmapped model",
+                        (long long)start, (long long)end);
+    return DS4_OK;
+}
+
+ds4_status ds4_model_map(ds4_model *m, int64_t start, int64_t end, bool grad) {
+    DS4_TRY(check_range(m, start, end));
+    size_t bytes = (size_t)(end - start) * sizeof(float);
+    if (bytes == 0) return DS4_OK;
+    if (!ds4_shape_only() && mprotect((grad ? m->gflat : m->flat) + start, bytes, PROT_READ | PROT_WRITE) != 0)
+        return ds4_fail(DS4_ERR_OOM, "out of memory mapping %zu bytes of %s", bytes, grad ? "gradients" : "parameters");
+    ds4_mem_track(grad ? DS4_MEM_GRAD : DS4_MEM_PARAM, (int64_t)bytes);
+    return DS4_OK;
+}
+
+void ds4_model_unmap(ds4_model *m, int64_t start, int64_t end, bool grad) {
+    if (check_range(m, start, end) != DS4_OK) return;
+    size_t bytes = (size_t)(end - start) * sizeof(float);
+    if (bytes == 0) return;
+    if (!ds4_shape_only()) {
+        float *p = (grad ? m->gflat : m->flat) + start;
+        madvise(p, bytes, MADV_DONTNEED); /* the pages go back; the next map reads zeros */
+        mprotect(p, bytes, PROT_NONE);     /* a read after unmap faults instead of seeing stale data */
+    }
+    ds4_mem_track(grad ? DS4_MEM_GRAD : DS4_MEM_PARAM, -(int64_t)bytes);
 }
 
 ds4_param *ds4_model_find(ds4_model *m, const char *name) {
@@ -311,35 +400,36 @@ static void init_tid2eid(ds4_param *p, uint64_t seed, uint64_t stream, int64_t E
     ds4_free(perm);
 }
 
-void ds4_model_init_random(ds4_model *m, uint64_t seed) {
+void ds4_model_init_param(ds4_model *m, int64_t i, uint64_t seed) {
     if (ds4_shape_only()) return;
-    for (int64_t i = 0; i < m->nparams; i++) {
-        ds4_param *p = &m->params[i];
-        uint64_t stream = ds4_hash_str(p->name);
-        if (p->is_int) {
-            init_tid2eid(p, seed, stream, m->cfg.n_routed_experts);
-            continue;
-        }
-#pragma omp parallel for schedule(static)
-        for (int64_t k = 0; k < p->numel; k++) p->data[k] = init_value(p, seed, stream, k);
+    ds4_param *p = &m->params[i];
+    uint64_t stream = ds4_hash_str(p->name);
+    if (p->is_int) {
+        init_tid2eid(p, seed, stream, m->cfg.n_routed_experts);
+        return;
     }
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < p->numel; k++) p->data[k] = init_value(p, seed, stream, k);
+}
+
+void ds4_model_init_random(ds4_model *m, uint64_t seed) {
+    for (int64_t i = 0; i < m->nparams; i++) ds4_model_init_param(m, i, seed);
 }
 
 /* ------------------------------------------------------------------ load / save */
+ds4_status ds4_model_load_param(ds4_model *m, const ds4_model_dir *d, int64_t i) {
+    ds4_param *p = &m->params[i];
+    if (!p->is_int) return ds4_model_dir_read_f32(d, p->name, p->ndim, p->shape, p->data);
+    DS4_TRY(ds4_model_dir_read_i64(d, p->name, p->ndim, p->shape, p->idata));
+    for (int64_t k = 0; k < p->numel; k++)
+        if (p->idata[k] < 0 || p->idata[k] >= m->cfg.n_routed_experts)
+            return ds4_fail(DS4_ERR_FORMAT, "%s: tensor %s: expert id %lld out of range [0, %lld)",
+                            ds4_model_dir_path(d), p->name, (long long)p->idata[k], (long long)m->cfg.n_routed_experts);
+    return DS4_OK;
+}
+
 ds4_status ds4_model_load(ds4_model *m, const ds4_model_dir *d) {
-    for (int64_t i = 0; i < m->nparams; i++) {
-        ds4_param *p = &m->params[i];
-        if (p->is_int) {
-            DS4_TRY(ds4_model_dir_read_i64(d, p->name, p->ndim, p->shape, p->idata));
-            for (int64_t k = 0; k < p->numel; k++)
-                if (p->idata[k] < 0 || p->idata[k] >= m->cfg.n_routed_experts)
-                    return ds4_fail(DS4_ERR_FORMAT, "%s: tensor %s: expert id %lld out of range [0, %lld)",
-                                    ds4_model_dir_path(d), p->name, (long long)p->idata[k],
-                                    (long long)m->cfg.n_routed_experts);
-        } else {
-            DS4_TRY(ds4_model_dir_read_f32(d, p->name, p->ndim, p->shape, p->data));
-        }
-    }
+    for (int64_t i = 0; i < m->nparams; i++) DS4_TRY(ds4_model_load_param(m, d, i));
     return DS4_OK;
 }
 
