@@ -15,7 +15,8 @@
 /* Pending binding of a float parameter to its value/gradient slots. */
 typedef struct {
     float **wslot, **gslot;
-    int64_t offset;
+    int64_t offset; /* in the flat layout, region padding included */
+    int64_t param;  /* index in the table */
 } binding;
 
 typedef struct {
@@ -98,7 +99,7 @@ static ds4_param *reg(table_builder *tb, float **w, float **g, int ndim, int64_t
         tb->binds = nb;
         tb->capbind = cap;
     }
-    tb->binds[tb->nbind++] = (binding){w, g, tb->m->numel};
+    tb->binds[tb->nbind++] = (binding){w, g, tb->m->numel, tb->m->nparams - 1};
     tb->m->numel += p->numel;
     return p;
 }
@@ -260,25 +261,21 @@ static ds4_status model_create(const ds4_config *cfg, bool unmapped, ds4_model *
         ds4_free(tb.binds);
         goto oom;
     }
+    /* the table and the named slots point at the same place (offsets include the region padding) */
     for (int64_t i = 0; i < tb.nbind; i++) {
-        *tb.binds[i].wslot = m->flat + tb.binds[i].offset;
-        *tb.binds[i].gslot = m->gflat + tb.binds[i].offset;
+        ds4_param *p = &m->params[tb.binds[i].param];
+        p->data = *tb.binds[i].wslot = m->flat + tb.binds[i].offset;
+        p->grad = *tb.binds[i].gslot = m->gflat + tb.binds[i].offset;
     }
     ds4_free(tb.binds);
-    /* attach data pointers to the table and allocate the integer tables */
-    int64_t off = 0;
+    /* the integer tables */
     for (int64_t i = 0; i < m->nparams; i++) {
         ds4_param *p = &m->params[i];
-        if (p->is_int) {
-            p->idata = ds4_calloc(DS4_MEM_PARAM, (size_t)p->numel * sizeof(int64_t));
-            if (!p->idata) goto oom;
-            int64_t l = -1;
-            if (sscanf(p->name, "layers.%lld.", (long long *)&l) == 1 && l >= 0 && l < nb) m->tid2eid[l] = p->idata;
-            continue;
-        }
-        p->data = m->flat + off;
-        p->grad = m->gflat + off;
-        off += p->numel;
+        if (!p->is_int) continue;
+        p->idata = ds4_calloc(DS4_MEM_PARAM, (size_t)p->numel * sizeof(int64_t));
+        if (!p->idata) goto oom;
+        int64_t l = -1;
+        if (sscanf(p->name, "layers.%lld.", (long long *)&l) == 1 && l >= 0 && l < nb) m->tid2eid[l] = p->idata;
     }
     *out = m;
     return DS4_OK;
@@ -398,6 +395,12 @@ static void init_tid2eid(ds4_param *p, uint64_t seed, uint64_t stream, int64_t E
         }
     }
     ds4_free(perm);
+}
+
+void ds4_param_init_values(const ds4_param *p, uint64_t seed, int64_t k0, int64_t k1, float *out) {
+    uint64_t stream = ds4_hash_str(p->name);
+#pragma omp parallel for schedule(static)
+    for (int64_t k = k0; k < k1; k++) out[k - k0] = init_value(p, seed, stream, k);
 }
 
 void ds4_model_init_param(ds4_model *m, int64_t i, uint64_t seed) {
