@@ -7,6 +7,13 @@ SAN     ?=
 CFLAGS  := -std=c17 -D_GNU_SOURCE -Wall -Wextra -Werror -fopenmp $(OPT) $(SAN) -g \
            -Iinclude -Isrc -fno-fast-math -ffp-contract=off
 LDLIBS  := -lm -lcjson -lpcre2-8 -fopenmp $(SAN)
+# Open MPI (scripts/install-deps.sh installs it); without it ds4 runs as one process only.
+MPI_CFLAGS := $(shell mpicc --showme:compile 2>/dev/null)
+MPI_LIBS   := $(shell mpicc --showme:link 2>/dev/null)
+ifneq ($(MPI_CFLAGS),)
+CFLAGS  += $(MPI_CFLAGS) -DDS4_HAVE_MPI
+LDLIBS  += $(MPI_LIBS)
+endif
 
 LIB_SRC   := $(sort $(wildcard src/*/*.c src/*/*/*.c))
 LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/%.o)

@@ -23,6 +23,13 @@ typedef struct {
 ds4_status ds4_step_memory_run(const ds4_config *c, int64_t B, int64_t T, const uint32_t *masks, bool shape_only,
                                ds4_step_memory *out);
 
+/* The same step on one rank of FSDP + expert parallelism (ds4/dist.h): comm is the world (a real run,
+ * every rank calls it) or a plan communicator (ds4_comm_plan: shape_only must be true; routing is
+ * then balanced, as force_balance makes a real run). Micro-batch [B, T] per rank. */
+typedef struct ds4_comm ds4_comm;
+ds4_status ds4_step_memory_run_dist(const ds4_config *c, int64_t B, int64_t T, const uint32_t *masks, bool shape_only,
+                                    ds4_comm *comm, int ep, bool force_balance, ds4_step_memory *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -50,6 +50,8 @@ void ds4_model_zero_grad(ds4_model *m);
 /* docs/contract.md init rules, every value a function of (seed, tensor name, index). */
 void ds4_model_init_random(ds4_model *m, uint64_t seed);
 void ds4_model_init_param(ds4_model *m, int64_t i, uint64_t seed); /* one tensor of the table */
+/* Elements [k0, k1) of float parameter p under the init rules, into out [k1 - k0]. */
+void ds4_param_init_values(const ds4_param *p, uint64_t seed, int64_t k0, int64_t k1, float *out);
 /* Reads tensor i of the table from a model directory (checks shape and, for tid2eid, the ids). */
 ds4_status ds4_model_load_param(ds4_model *m, const ds4_model_dir *d, int64_t i);
 /* Loads every tensor by its official name; each must exist with the right shape. */

@@ -24,6 +24,10 @@ typedef struct {
 } ds4_adamw;
 
 ds4_status ds4_adamw_init(ds4_adamw *o, ds4_model *m);
+/* State for n elements with zero masks (the caller fills decay / frozen, e.g. for an FSDP shard). */
+ds4_status ds4_adamw_init_n(ds4_adamw *o, int64_t n);
+/* The AdamW update on w [n] with gradients g [n]. */
+void ds4_adamw_step_flat(ds4_adamw *o, float *w, const float *g, const ds4_adamw_cfg *c, double lr);
 void ds4_adamw_free(ds4_adamw *o);
 /* One decoupled-weight-decay Adam step with learning rate lr on the model's gradients. */
 void ds4_adamw_step(ds4_adamw *o, ds4_model *m, const ds4_adamw_cfg *c, double lr);

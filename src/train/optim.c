@@ -5,9 +5,8 @@
 #include <stdio.h>
 #include <string.h>
 
-ds4_status ds4_adamw_init(ds4_adamw *o, ds4_model *m) {
+ds4_status ds4_adamw_init_n(ds4_adamw *o, int64_t n) {
     memset(o, 0, sizeof *o);
-    int64_t n = ds4_model_numel(m);
     o->n = n;
     o->m = ds4_calloc(DS4_MEM_OPTIM, (size_t)n * sizeof(float));
     o->v = ds4_calloc(DS4_MEM_OPTIM, (size_t)n * sizeof(float));
@@ -17,6 +16,11 @@ ds4_status ds4_adamw_init(ds4_adamw *o, ds4_model *m) {
         ds4_adamw_free(o);
         return ds4_fail(DS4_ERR_OOM, "out of memory for the optimizer state (%lld parameters)", (long long)n);
     }
+    return DS4_OK;
+}
+
+ds4_status ds4_adamw_init(ds4_adamw *o, ds4_model *m) {
+    DS4_TRY(ds4_adamw_init_n(o, ds4_model_numel(m)));
     const float *base = ds4_model_params_flat(m);
     for (int64_t i = 0; i < (ds4_shape_only() ? 0 : ds4_model_nparams(m)); i++) {
         ds4_param *p = ds4_model_param(m, i);
@@ -37,9 +41,11 @@ void ds4_adamw_free(ds4_adamw *o) {
 }
 
 void ds4_adamw_step(ds4_adamw *o, ds4_model *m, const ds4_adamw_cfg *c, double lr) {
+    ds4_adamw_step_flat(o, ds4_model_params_flat(m), ds4_model_grads_flat(m), c, lr);
+}
+
+void ds4_adamw_step_flat(ds4_adamw *o, float *w, const float *g, const ds4_adamw_cfg *c, double lr) {
     if (ds4_shape_only()) return;
-    float *w = ds4_model_params_flat(m);
-    const float *g = ds4_model_grads_flat(m);
     o->step++;
     const double bc1 = 1.0 - pow(c->beta1, (double)o->step), bc2 = 1.0 - pow(c->beta2, (double)o->step);
     const float b1 = (float)c->beta1, b2 = (float)c->beta2, eps = (float)c->eps;

@@ -1,0 +1,77 @@
+/* Many processes: communicators (single process | MPI | a simulated world for memplan), and FSDP with
+ * expert parallelism around the model (DESIGN.md idea 6). The model sees full tensors of one group at a
+ * time through ds4_param_hooks; this layer gathers them before use, reduce-scatters gradients after, and
+ * moves MoE token rows to the experts' owners with all-to-all on a communicator of its own (the
+ * practice report's fix: FSDP's all-gather / reduce-scatter never queue behind EP's all-to-all). */
+#ifndef DS4_DIST_H
+#define DS4_DIST_H
+
+#include "ds4/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ds4_comm ds4_comm;
+
+/* Starts MPI when the process was launched by mpirun (Open MPI / PMIx / PMI environment), else nothing.
+ * Errors if launched by mpirun but built without MPI. */
+ds4_status ds4_dist_init(void);
+void ds4_dist_finalize(void);
+ds4_comm *ds4_comm_world(void); /* the world; a one-rank communicator without mpirun */
+/* A simulated world of `size` ranks seen from `rank` (memplan): collectives move no data. */
+ds4_status ds4_comm_plan(int size, int rank, ds4_comm **out);
+/* Ranks of c with the same color form a new communicator, ordered by key. Always a new one, also when
+ * it has the same ranks as c. */
+ds4_status ds4_comm_split(ds4_comm *c, int color, int key, ds4_comm **out);
+void ds4_comm_free(ds4_comm *c); /* not the world */
+int ds4_comm_rank(const ds4_comm *c);
+int ds4_comm_size(const ds4_comm *c);
+bool ds4_comm_is_plan(const ds4_comm *c);
+
+/* Collectives (all ranks of c call them in the same order). Counts and displacements in elements of
+ * `elem` bytes. */
+ds4_status ds4_comm_allgatherv(ds4_comm *c, const void *send, int64_t scount, void *recv, const int64_t *rcounts,
+                               const int64_t *rdispls, size_t elem);
+ds4_status ds4_comm_alltoallv(ds4_comm *c, const void *send, const int64_t *scounts, const int64_t *sdispls,
+                              void *recv, const int64_t *rcounts, const int64_t *rdispls, size_t elem);
+ds4_status ds4_comm_gatherv(ds4_comm *c, const void *send, int64_t scount, void *recv, const int64_t *rcounts,
+                            const int64_t *rdispls, size_t elem, int root);
+/* x [n] := Σ over ranks, added in rank order: the same bits on every rank and every run. */
+ds4_status ds4_comm_sum_f64(ds4_comm *c, double *x, int64_t n);
+ds4_status ds4_comm_sum_i64(ds4_comm *c, int64_t *x, int64_t n);
+ds4_status ds4_comm_barrier(ds4_comm *c);
+
+/* ------------------------------------------------------------------ FSDP + EP */
+/* World of W ranks, EP degree ep (divides W and n_routed_experts). Dense regions are sharded over all W
+ * ranks (the FSDP communicator); expert e lives on EP rank e / (E / ep) of each EP group (ranks
+ * [g·ep, (g+1)·ep)) and is sharded over the W / ep ranks holding it. Each rank keeps only its shard of
+ * parameters, gradients and optimizer state; a group's full weights exist only between gather and drop. */
+typedef struct ds4_fsdp ds4_fsdp;
+
+ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out); /* m: unmapped */
+void ds4_fsdp_free(ds4_fsdp *f);
+const ds4_param_hooks *ds4_fsdp_hooks(ds4_fsdp *f);
+int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f);
+float *ds4_fsdp_shard_params(ds4_fsdp *f); /* [shard_numel] DS4_MEM_PARAM */
+float *ds4_fsdp_shard_grads(ds4_fsdp *f);  /* [shard_numel] DS4_MEM_GRAD, accumulated by grad_end */
+void ds4_fsdp_zero_grads(ds4_fsdp *f);
+/* Fills this rank's shard: the init rules of docs/contract.md (the same values as a single process)
+ * or a model directory; the integer tables are filled on every rank. */
+ds4_status ds4_fsdp_init_random(ds4_fsdp *f, uint64_t seed);
+ds4_status ds4_fsdp_load(ds4_fsdp *f, const ds4_model_dir *d);
+/* Per shard element: 1 where weight decay applies / where the parameter is not trained by gradients. */
+void ds4_fsdp_masks(const ds4_fsdp *f, uint8_t *decay, uint8_t *frozen);
+/* The full flat parameters (grads = false) or gradients on rank `root` (out: [ds4_model_numel] there,
+ * ignored elsewhere); a collective. */
+ds4_status ds4_fsdp_collect(ds4_fsdp *f, bool grads, float *out, int root);
+/* Global L2 norm of the sharded gradients (Σ of per-rank squares in rank order); clips like
+ * ds4_clip_grad_norm when max_norm > 0. */
+ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm);
+/* ds4_router_bias_update on the shards; loads: [n_blocks, E] summed over all ranks. */
+void ds4_fsdp_router_bias_update(ds4_fsdp *f, const int64_t *loads, double gamma);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,505 @@
+/* FSDP + expert parallelism around an unmapped model (ds4/dist.h).
+ *
+ * Every region of the model's flat layout is cut into equal chunks over the ranks that hold it: dense
+ * regions over the FSDP communicator (all ranks), expert regions over the ranks holding that expert
+ * (one per EP group). A rank's pieces, concatenated, are its shard of parameters, gradients and
+ * optimizer state. gather = all-gather of a group's pieces into the model's (mapped) flat range;
+ * grad_end = reduce-scatter by all-to-all of the group's full gradients, each rank adding what it
+ * receives in rank order (so the sum is the same bits whatever the MPI library does).
+ * Communicators: FSDP, EP (all-to-all of token rows) and expert replicas are three separate ones. */
+#include "ds4/dist.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int64_t region, group;
+    int64_t start, end, map_end; /* the region, and the end of its last page */
+    bool expert;                 /* sharded over the expert-replica communicator, else FSDP */
+    int64_t chunk;               /* elements of every rank's piece (the last ones may be shorter) */
+    int64_t off, len;            /* this rank's piece: flat [start + off, start + off + len) */
+    int64_t shard_off;           /* where it lives in the shard buffers */
+} piece;
+
+struct ds4_fsdp {
+    ds4_model *m;
+    ds4_comm *world, *fsdp, *ep, *rep; /* rep: ranks holding the same experts (one per EP group) */
+    int W, rank, ep_size, ep_rank;
+    int64_t e0, e1, eloc;
+    piece *pieces;
+    int64_t npieces;
+    int64_t *piece_of_region;          /* [nregions] piece index or -1 */
+    bool *w_mapped, *g_mapped;         /* [ngroups] */
+    float *sp, *sg;                    /* [ns] */
+    int64_t ns;
+    ds4_param_hooks hooks;
+    ds4_ep_ops ops;
+};
+
+static ds4_comm *piece_comm(const ds4_fsdp *f, const piece *p) { return p->expert ? f->rep : f->fsdp; }
+
+/* Length of rank r's piece of a region of len elements cut in chunks. */
+static int64_t piece_len(int64_t len, int64_t chunk, int r) {
+    int64_t a = (int64_t)r * chunk, b = a + chunk < len ? a + chunk : len;
+    return b > a ? b - a : 0;
+}
+
+/* counts/displs [n] of the pieces of one region over a communicator of n ranks. */
+static void piece_layout(const piece *p, int n, int64_t *counts, int64_t *displs) {
+    for (int r = 0; r < n; r++) {
+        counts[r] = piece_len(p->end - p->start, p->chunk, r);
+        displs[r] = (int64_t)r * p->chunk;
+    }
+}
+
+/* ------------------------------------------------------------------ hooks: FSDP */
+static ds4_status hook_gather(void *ctx, int64_t group) {
+    ds4_fsdp *f = ctx;
+    if (f->w_mapped[group]) return DS4_OK;
+    float *flat = ds4_model_params_flat(f->m);
+    ds4_status st = DS4_OK;
+    for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++) {
+        piece *p = &f->pieces[i];
+        if (p->group != group) continue;
+        ds4_comm *c = piece_comm(f, p);
+        int n = ds4_comm_size(c);
+        int64_t *cd = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)n);
+        if (!cd) return DS4_ERR_OOM;
+        piece_layout(p, n, cd, cd + n);
+        st = ds4_model_map(f->m, p->start, p->map_end, false);
+        if (st == DS4_OK) st = ds4_comm_allgatherv(c, f->sp + p->shard_off, p->len, flat + p->start, cd, cd + n, sizeof(float));
+        ds4_free(cd);
+    }
+    f->w_mapped[group] = true;
+    return st;
+}
+
+static void hook_drop(void *ctx, int64_t group) {
+    ds4_fsdp *f = ctx;
+    if (!f->w_mapped[group]) return;
+    for (int64_t i = 0; i < f->npieces; i++)
+        if (f->pieces[i].group == group) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, false);
+    f->w_mapped[group] = false;
+}
+
+static ds4_status hook_grad_begin(void *ctx, int64_t group) {
+    ds4_fsdp *f = ctx;
+    if (f->g_mapped[group]) return DS4_OK;
+    for (int64_t i = 0; i < f->npieces; i++)
+        if (f->pieces[i].group == group) DS4_TRY(ds4_model_map(f->m, f->pieces[i].start, f->pieces[i].map_end, true));
+    f->g_mapped[group] = true;
+    return DS4_OK;
+}
+
+/* Reduce-scatter of one region's full gradient: piece q goes to rank q; this rank adds the n versions
+ * of its piece it receives, in rank order, into its shard gradient. */
+static ds4_status reduce_piece(ds4_fsdp *f, const piece *p) {
+    ds4_comm *c = piece_comm(f, p);
+    int n = ds4_comm_size(c);
+    int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 4 * (size_t)n);
+    float *recv = ds4_alloc(DS4_MEM_COMM, (size_t)(n * p->len) * sizeof(float));
+    ds4_status st = v && recv ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory reducing gradients");
+    if (st == DS4_OK) {
+        piece_layout(p, n, v, v + n);
+        for (int r = 0; r < n; r++) {
+            v[2 * n + r] = p->len;
+            v[3 * n + r] = (int64_t)r * p->len;
+        }
+        st = ds4_comm_alltoallv(c, ds4_model_grads_flat(f->m) + p->start, v, v + n, recv, v + 2 * n, v + 3 * n,
+                                sizeof(float));
+    }
+    if (st == DS4_OK && !ds4_shape_only()) {
+        float *g = f->sg + p->shard_off;
+        for (int r = 0; r < n; r++)
+            for (int64_t i = 0; i < p->len; i++) g[i] += recv[(int64_t)r * p->len + i];
+    }
+    ds4_free(v);
+    ds4_free(recv);
+    return st;
+}
+
+static ds4_status hook_grad_end(void *ctx, int64_t group) {
+    ds4_fsdp *f = ctx;
+    if (!f->g_mapped[group]) return DS4_OK;
+    ds4_status st = DS4_OK;
+    for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++)
+        if (f->pieces[i].group == group) st = reduce_piece(f, &f->pieces[i]);
+    for (int64_t i = 0; i < f->npieces; i++)
+        if (f->pieces[i].group == group) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, true);
+    f->g_mapped[group] = false;
+    return st;
+}
+
+/* ------------------------------------------------------------------ hooks: EP */
+/* EP rank owning expert e. */
+static int expert_owner(const ds4_fsdp *f, int64_t e) { return (int)(e / f->eloc); }
+
+static ds4_status ep_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
+    ds4_fsdp *f = ctx;
+    const int n = f->ep_size;
+    const int64_t L = f->eloc;
+    ds4_ep_route *r = ds4_ep_route_new(n, f->e0, f->e1);
+    int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * (size_t)(4 * n + (int64_t)n * L + 1));
+    if (!r || !v) {
+        ds4_ep_route_free(r);
+        ds4_free(v);
+        return ds4_fail(DS4_ERR_OOM, "out of memory routing tokens");
+    }
+    int64_t *sc = v, *sd = v + n, *rc = v + 2 * n, *rd = v + 3 * n, *got = v + 4 * n; /* got: [n][L] */
+    for (int q = 0; q < n; q++) {
+        sc[q] = rc[q] = L;
+        sd[q] = (int64_t)q * L;
+        rd[q] = (int64_t)q * L;
+        r->send_cnt[q] = 0;
+        for (int64_t e = q * L; e < (q + 1) * L; e++) r->send_cnt[q] += cnt[e];
+    }
+    ds4_status st = DS4_OK;
+    if (ds4_shape_only()) { /* balanced routing: every source sends what this rank's counts say */
+        for (int s = 0; s < n; s++)
+            for (int64_t i = 0; i < L; i++) got[(int64_t)s * L + i] = cnt[f->e0 + i];
+    } else {
+        bool shape = ds4_shape_only();
+        ds4_set_shape_only(false);
+        st = ds4_comm_alltoallv(f->ep, cnt, sc, sd, got, rc, rd, sizeof(int64_t));
+        ds4_set_shape_only(shape);
+    }
+    r->rows = 0;
+    for (int s = 0; s < n; s++) {
+        r->recv_from[s] = 0;
+        for (int64_t i = 0; i < L; i++) {
+            r->recv_cnt[i * n + s] = got[(int64_t)s * L + i];
+            r->recv_from[s] += got[(int64_t)s * L + i];
+        }
+        r->rows += r->recv_from[s];
+    }
+    ds4_free(v);
+    if (st != DS4_OK) {
+        ds4_ep_route_free(r);
+        return st;
+    }
+    *out = r;
+    return DS4_OK;
+}
+
+/* Moves blocks between the wire layout (by source: that source's rows expert by expert) and the
+ * expert-major layout the experts run on. to_expert: wire → expert-major. */
+static void ep_permute(const ds4_ep_route *r, const float *src, float *dst, int64_t width, bool to_expert) {
+    const int n = r->nsrc;
+    const int64_t L = r->e1 - r->e0;
+    int64_t wire = 0;
+    for (int s = 0; s < n; s++)
+        for (int64_t i = 0; i < L; i++) {
+            int64_t cnt = r->recv_cnt[i * n + s], exp_off = 0;
+            for (int64_t j = 0; j < i; j++)
+                for (int q = 0; q < n; q++) exp_off += r->recv_cnt[j * n + q];
+            for (int q = 0; q < s; q++) exp_off += r->recv_cnt[i * n + q];
+            size_t bytes = (size_t)(cnt * width) * sizeof(float);
+            if (to_expert) memcpy(dst + exp_off * width, src + wire * width, bytes);
+            else memcpy(dst + wire * width, src + exp_off * width, bytes);
+            wire += cnt;
+        }
+}
+
+/* Counts and displacements of the assignment-order side (by destination) and the wire side (by source). */
+static int64_t *ep_layout(const ds4_ep_route *r, int64_t **sc, int64_t **sd, int64_t **rc, int64_t **rd) {
+    const int n = r->nsrc;
+    int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 4 * (size_t)n);
+    if (!v) return NULL;
+    *sc = v, *sd = v + n, *rc = v + 2 * n, *rd = v + 3 * n;
+    int64_t so = 0, ro = 0;
+    for (int q = 0; q < n; q++) {
+        (*sc)[q] = r->send_cnt[q];
+        (*sd)[q] = so;
+        so += r->send_cnt[q];
+        (*rc)[q] = r->recv_from[q];
+        (*rd)[q] = ro;
+        ro += r->recv_from[q];
+    }
+    return v;
+}
+
+static ds4_status ep_dispatch(void *ctx, const ds4_ep_route *r, const float *send, float *recv, int64_t width) {
+    ds4_fsdp *f = ctx;
+    int64_t *sc, *sd, *rc, *rd, *v = ep_layout(r, &sc, &sd, &rc, &rd);
+    float *wire = ds4_alloc(DS4_MEM_COMM, (size_t)(r->rows * width) * sizeof(float));
+    ds4_status st = v && wire ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory dispatching tokens");
+    if (st == DS4_OK) {
+        for (int q = 0; q < r->nsrc; q++) {
+            sc[q] *= width, sd[q] *= width, rc[q] *= width, rd[q] *= width;
+        }
+        st = ds4_comm_alltoallv(f->ep, send, sc, sd, wire, rc, rd, sizeof(float));
+    }
+    if (st == DS4_OK && !ds4_shape_only()) ep_permute(r, wire, recv, width, true);
+    ds4_free(v);
+    ds4_free(wire);
+    return st;
+}
+
+static ds4_status ep_combine(void *ctx, const ds4_ep_route *r, const float *recv, float *send, int64_t width) {
+    ds4_fsdp *f = ctx;
+    int64_t *sc, *sd, *rc, *rd, *v = ep_layout(r, &sc, &sd, &rc, &rd);
+    float *wire = ds4_alloc(DS4_MEM_COMM, (size_t)(r->rows * width) * sizeof(float));
+    ds4_status st = v && wire ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory combining tokens");
+    if (st == DS4_OK && !ds4_shape_only()) ep_permute(r, recv, wire, width, false);
+    if (st == DS4_OK) {
+        for (int q = 0; q < r->nsrc; q++) {
+            sc[q] *= width, sd[q] *= width, rc[q] *= width, rd[q] *= width;
+        }
+        st = ds4_comm_alltoallv(f->ep, wire, rc, rd, send, sc, sd, sizeof(float)); /* the reverse direction */
+    }
+    ds4_free(v);
+    ds4_free(wire);
+    return st;
+}
+
+/* ------------------------------------------------------------------ create */
+/* A sub-communicator: split of a real world, or a simulated one of `size` ranks at `rank`. */
+static ds4_status sub_comm(ds4_comm *world, int color, int key, int size, int rank, ds4_comm **out) {
+    if (ds4_comm_is_plan(world)) return ds4_comm_plan(size, rank, out);
+    return ds4_comm_split(world, color, key, out);
+}
+
+static ds4_status build_pieces(ds4_fsdp *f) {
+    ds4_model *m = f->m;
+    int64_t nr = ds4_model_nregions(m), numel = ds4_model_numel(m);
+    f->pieces = ds4_calloc(DS4_MEM_OTHER, (size_t)(nr + 1) * sizeof(piece));
+    f->piece_of_region = ds4_alloc(DS4_MEM_OTHER, (size_t)(nr + 1) * sizeof(int64_t));
+    if (!f->pieces || !f->piece_of_region) return DS4_ERR_OOM;
+    for (int64_t i = 0; i < nr; i++) {
+        const ds4_region *g = ds4_model_region(m, i);
+        f->piece_of_region[i] = -1;
+        bool expert = g->expert >= 0;
+        if (expert && (g->expert < f->e0 || g->expert >= f->e1)) continue; /* another EP rank's expert */
+        ds4_comm *c = expert ? f->rep : f->fsdp;
+        int n = ds4_comm_size(c), r = ds4_comm_rank(c);
+        piece *p = &f->pieces[f->npieces];
+        int64_t len = g->end - g->start;
+        int64_t next = i + 1 < nr ? ds4_model_region(m, i + 1)->start : numel;
+        *p = (piece){.region = i, .group = g->group, .start = g->start, .end = g->end, .map_end = next,
+                     .expert = expert, .chunk = (len + n - 1) / n};
+        p->off = (int64_t)r * p->chunk;
+        p->len = piece_len(len, p->chunk, r);
+        p->shard_off = f->ns;
+        f->ns += p->len;
+        f->piece_of_region[i] = f->npieces++;
+    }
+    f->sp = ds4_calloc(DS4_MEM_PARAM, (size_t)f->ns * sizeof(float));
+    f->sg = ds4_calloc(DS4_MEM_GRAD, (size_t)f->ns * sizeof(float));
+    return f->sp && f->sg ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory for a shard of %lld parameters", (long long)f->ns);
+}
+
+ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out) {
+    *out = NULL;
+    const ds4_config *c = ds4_model_config(m);
+    int W = ds4_comm_size(world), rank = ds4_comm_rank(world);
+    if (ep < 1 || W % ep || c->n_routed_experts % ep)
+        return ds4_fail(DS4_ERR_ARG, "--ep %d must divide the number of ranks (%d) and of routed experts (%lld)", ep, W,
+                        (long long)c->n_routed_experts);
+    ds4_fsdp *f = ds4_calloc(DS4_MEM_OTHER, sizeof *f);
+    if (!f) return DS4_ERR_OOM;
+    f->m = m;
+    f->world = world;
+    f->W = W;
+    f->rank = rank;
+    f->ep_size = ep;
+    f->ep_rank = rank % ep;
+    f->eloc = c->n_routed_experts / ep;
+    f->e0 = f->ep_rank * f->eloc;
+    f->e1 = f->e0 + f->eloc;
+    int64_t ng = ds4_model_ngroups(m);
+    f->w_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
+    f->g_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
+    ds4_status st = f->w_mapped && f->g_mapped ? DS4_OK : DS4_ERR_OOM;
+    /* three communicators of their own: FSDP (all ranks), EP groups, expert replicas */
+    if (st == DS4_OK) st = sub_comm(world, 0, rank, W, rank, &f->fsdp);
+    if (st == DS4_OK) st = sub_comm(world, rank / ep, rank, ep, rank % ep, &f->ep);
+    if (st == DS4_OK) st = sub_comm(world, rank % ep, rank, W / ep, rank / ep, &f->rep);
+    if (st == DS4_OK) st = build_pieces(f);
+    if (st != DS4_OK) {
+        ds4_fsdp_free(f);
+        return st;
+    }
+    f->hooks = (ds4_param_hooks){.ctx = f, .gather = hook_gather, .drop = hook_drop, .grad_begin = hook_grad_begin,
+                                 .grad_end = hook_grad_end, .ep = ep > 1 ? &f->ops : NULL};
+    f->ops = (ds4_ep_ops){.ctx = f, .e0 = f->e0, .e1 = f->e1, .route = ep_route, .dispatch = ep_dispatch,
+                          .combine = ep_combine};
+    *out = f;
+    return DS4_OK;
+}
+
+void ds4_fsdp_free(ds4_fsdp *f) {
+    if (!f) return;
+    int64_t ng = ds4_model_ngroups(f->m);
+    for (int64_t g = 0; f->w_mapped && g < ng; g++) {
+        hook_drop(f, g);
+        if (f->g_mapped[g]) {
+            for (int64_t i = 0; i < f->npieces; i++)
+                if (f->pieces[i].group == g) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, true);
+            f->g_mapped[g] = false;
+        }
+    }
+    ds4_comm_free(f->fsdp);
+    ds4_comm_free(f->ep);
+    ds4_comm_free(f->rep);
+    ds4_free(f->pieces);
+    ds4_free(f->piece_of_region);
+    ds4_free(f->w_mapped);
+    ds4_free(f->g_mapped);
+    ds4_free(f->sp);
+    ds4_free(f->sg);
+    ds4_free(f);
+}
+
+const ds4_param_hooks *ds4_fsdp_hooks(ds4_fsdp *f) { return &f->hooks; }
+int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f) { return f->ns; }
+float *ds4_fsdp_shard_params(ds4_fsdp *f) { return f->sp; }
+float *ds4_fsdp_shard_grads(ds4_fsdp *f) { return f->sg; }
+void ds4_fsdp_zero_grads(ds4_fsdp *f) {
+    if (!ds4_shape_only()) memset(f->sg, 0, (size_t)f->ns * sizeof(float));
+}
+
+/* ------------------------------------------------------------------ shards: init, load, masks */
+/* Calls fn for every (float parameter, piece) overlap: elements [k0, k1) of the parameter are shard
+ * elements [s0, s0 + k1 - k0). */
+typedef void (*overlap_fn)(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0);
+static void for_each_overlap(const ds4_fsdp *f, overlap_fn fn, void *ctx) {
+    ds4_model *m = f->m;
+    const float *flat = ds4_model_params_flat(m);
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+        ds4_param *p = ds4_model_param(m, i);
+        if (p->is_int) continue;
+        int64_t a = p->data - flat, b = a + p->numel;
+        for (int64_t j = 0; j < f->npieces; j++) {
+            const piece *q = &f->pieces[j];
+            int64_t lo = q->start + q->off, hi = lo + q->len;
+            int64_t x = a > lo ? a : lo, y = b < hi ? b : hi;
+            if (x < y) fn(ctx, p, x - a, y - a, q->shard_off + (x - lo));
+        }
+    }
+}
+
+typedef struct {
+    ds4_fsdp *f;
+    uint64_t seed;
+} init_ctx;
+static void init_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
+    init_ctx *c = ctx;
+    ds4_param_init_values(p, c->seed, k0, k1, c->f->sp + s0);
+}
+
+ds4_status ds4_fsdp_init_random(ds4_fsdp *f, uint64_t seed) {
+    if (ds4_shape_only()) return DS4_OK;
+    init_ctx c = {f, seed};
+    for_each_overlap(f, init_overlap, &c);
+    for (int64_t i = 0; i < ds4_model_nparams(f->m); i++)
+        if (ds4_model_param(f->m, i)->is_int) ds4_model_init_param(f->m, i, seed);
+    return DS4_OK;
+}
+
+ds4_status ds4_fsdp_load(ds4_fsdp *f, const ds4_model_dir *d) {
+    ds4_model *m = f->m;
+    const float *flat = ds4_model_params_flat(m);
+    for (int64_t j = 0; j < f->npieces; j++) { /* one region resident at a time */
+        const piece *q = &f->pieces[j];
+        DS4_TRY(ds4_model_map(m, q->start, q->map_end, false));
+        ds4_status st = DS4_OK;
+        for (int64_t i = 0; st == DS4_OK && i < ds4_model_nparams(m); i++) {
+            ds4_param *p = ds4_model_param(m, i);
+            int64_t a = p->is_int ? -1 : p->data - flat;
+            if (a >= q->start && a < q->end) st = ds4_model_load_param(m, d, i);
+        }
+        if (st == DS4_OK && !ds4_shape_only())
+            memcpy(f->sp + q->shard_off, flat + q->start + q->off, (size_t)q->len * sizeof(float));
+        ds4_model_unmap(m, q->start, q->map_end, false);
+        DS4_TRY(st);
+    }
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++)
+        if (ds4_model_param(m, i)->is_int) DS4_TRY(ds4_model_load_param(m, d, i));
+    return DS4_OK;
+}
+
+typedef struct {
+    uint8_t *decay, *frozen;
+} mask_ctx;
+static void mask_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
+    mask_ctx *c = ctx;
+    memset(c->decay + s0, p->no_decay ? 0 : 1, (size_t)(k1 - k0));
+    memset(c->frozen + s0, p->no_grad ? 1 : 0, (size_t)(k1 - k0));
+}
+
+void ds4_fsdp_masks(const ds4_fsdp *f, uint8_t *decay, uint8_t *frozen) {
+    if (ds4_shape_only()) return;
+    mask_ctx c = {decay, frozen};
+    for_each_overlap(f, mask_overlap, &c);
+}
+
+/* ------------------------------------------------------------------ whole-model views */
+ds4_status ds4_fsdp_collect(ds4_fsdp *f, bool grads, float *out, int root) {
+    ds4_model *m = f->m;
+    const int W = f->W;
+    int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)W);
+    if (!v) return DS4_ERR_OOM;
+    ds4_status st = DS4_OK;
+    for (int64_t i = 0; st == DS4_OK && i < ds4_model_nregions(m); i++) {
+        const ds4_region *g = ds4_model_region(m, i);
+        int64_t len = g->end - g->start;
+        /* who holds which piece: dense over all ranks; expert e over the ranks of its EP rank */
+        int64_t n = g->expert >= 0 ? W / f->ep_size : W, chunk = (len + n - 1) / n;
+        for (int w = 0; w < W; w++) {
+            bool holds = g->expert < 0 || expert_owner(f, g->expert) == w % f->ep_size;
+            int idx = g->expert < 0 ? w : w / f->ep_size;
+            v[w] = holds ? piece_len(len, chunk, idx) : 0;
+            v[W + w] = holds ? (int64_t)idx * chunk : 0;
+        }
+        int64_t j = f->piece_of_region[i];
+        const float *mine = j >= 0 ? (grads ? f->sg : f->sp) + f->pieces[j].shard_off : NULL;
+        st = ds4_comm_gatherv(f->world, mine, j >= 0 ? f->pieces[j].len : 0, out ? out + g->start : NULL, v, v + W,
+                              sizeof(float), root);
+    }
+    ds4_free(v);
+    return st;
+}
+
+ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm) {
+    double s = 0;
+    for (int64_t i = 0; i < (ds4_shape_only() ? 0 : f->ns); i++) s += (double)f->sg[i] * f->sg[i];
+    DS4_TRY(ds4_comm_sum_f64(f->world, &s, 1));
+    *norm = sqrt(s);
+    if (max_norm > 0 && *norm > max_norm && !ds4_shape_only()) {
+        float k = (float)(max_norm / (*norm + 1e-6));
+        for (int64_t i = 0; i < f->ns; i++) f->sg[i] *= k;
+    }
+    return DS4_OK;
+}
+
+typedef struct {
+    ds4_fsdp *f;
+    const int64_t *loads;
+    double gamma;
+} bias_ctx;
+static void bias_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
+    bias_ctx *c = ctx;
+    const ds4_config *cfg = ds4_model_config(c->f->m);
+    const int64_t E = cfg->n_routed_experts;
+    int64_t l = -1;
+    const char *dot = strstr(p->name, ".ffn.gate.bias");
+    if (!p->no_grad || !dot) return;
+    if (!strncmp(p->name, "layers.", 7)) l = strtoll(p->name + 7, NULL, 10);
+    else if (!strncmp(p->name, "mtp.", 4)) l = cfg->n_layers + strtoll(p->name + 4, NULL, 10);
+    if (l < 0) return;
+    const int64_t *ld = c->loads + l * E;
+    double mean = 0;
+    for (int64_t e = 0; e < E; e++) mean += (double)ld[e];
+    mean /= (double)E;
+    for (int64_t e = k0; e < k1; e++) {
+        double d = mean - (double)ld[e];
+        c->f->sp[s0 + e - k0] += (float)(c->gamma * (d > 0 ? 1.0 : d < 0 ? -1.0 : 0.0));
+    }
+}
+
+void ds4_fsdp_router_bias_update(ds4_fsdp *f, const int64_t *loads, double gamma) {
+    if (ds4_shape_only()) return;
+    bias_ctx c = {f, loads, gamma};
+    for_each_overlap(f, bias_overlap, &c);
+}

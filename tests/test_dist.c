@@ -1,0 +1,239 @@
+/* FSDP + expert parallelism over MPI. Run plainly, the test first checks FSDP on a world of one
+ * process (where the sanitizers see every allocation), then launches itself under `mpirun -np 2`;
+ * each rank then checks:
+ *  - the sharded initialisation equals a single process's parameters, bit for bit;
+ *  - each rank's losses equal a single process's losses on that rank's micro-batch, bit for bit;
+ *  - the reduce-scattered gradients equal the rank-ordered sum of the single-process gradients of the
+ *    ranks' micro-batches, bit for bit (FSDP alone, and FSDP + EP over both ranks);
+ *  - memplan's per-rank plan (a simulated world, shape-only) equals the measured memory of the real
+ *    step on that rank, byte for byte per category (balanced routing in both).
+ * Without mpirun on the machine the test fails: Open MPI is a dependency (scripts/install-deps.sh). */
+#include "ds4/dist.h"
+#include "ds4/memplan.h"
+#include "ds4/recompute.h"
+#include "test.h"
+
+#include <unistd.h>
+
+#define W_RANKS 2
+static const int64_t kB = 1, kT = 64;
+
+static void batch_ids(const ds4_config *c, int rank, int32_t *ids) {
+    for (int64_t i = 0; i < kB * kT; i++)
+        ids[i] = (int32_t)(ds4_rng_u64(99, (uint64_t)rank, (uint64_t)i) % (uint64_t)c->vocab_size);
+}
+
+/* Single-process reference: losses of every rank's batch and the rank-ordered sum of their gradients. */
+typedef struct {
+    ds4_model *m;
+    float *gsum;            /* [numel] Σ_r g_r, added in rank order */
+    double total[W_RANKS];  /* total_loss of each rank's batch */
+} reference;
+
+static bool reference_run(const ds4_config *c, int ranks, reference *ref) {
+    memset(ref, 0, sizeof *ref);
+    if (ds4_model_create(c, &ref->m) != DS4_OK) return false;
+    ds4_model_init_random(ref->m, 7);
+    int64_t n = ds4_model_numel(ref->m);
+    ref->gsum = calloc((size_t)n, sizeof(float));
+    int32_t ids[64];
+    for (int r = 0; r < ranks; r++) {
+        batch_ids(c, r, ids);
+        ds4_model_zero_grad(ref->m);
+        ds4_pass_opts o = {.need_backward = true};
+        ds4_pass *p = NULL;
+        if (ds4_forward(ref->m, ids, kB, kT, &o, &p) != DS4_OK || ds4_backward(ref->m, p) != DS4_OK) {
+            ds4_pass_free(p);
+            return false;
+        }
+        ref->total[r] = ds4_pass_losses(p)->total_loss;
+        ds4_pass_free(p);
+        const float *g = ds4_model_grads_flat(ref->m);
+        for (int64_t i = 0; i < n; i++) ref->gsum[i] += g[i];
+    }
+    return true;
+}
+
+/* Parameter-by-parameter bitwise comparison of a collected flat buffer (the unmapped layout of fm)
+ * with the reference layout. Returns the number of differing elements. */
+static int64_t compare_params(ds4_model *fm, const float *got, ds4_model *rm, const float *want, const char **first) {
+    int64_t bad = 0;
+    const float *fb = ds4_model_params_flat(fm), *rb = ds4_model_params_flat(rm);
+    for (int64_t i = 0; i < ds4_model_nparams(fm); i++) {
+        ds4_param *p = ds4_model_param(fm, i), *q = ds4_model_param(rm, i);
+        if (p->is_int) continue;
+        const float *a = got + (p->data - fb), *b = want + (q->data - rb);
+        for (int64_t k = 0; k < p->numel; k++)
+            if (memcmp(&a[k], &b[k], sizeof(float))) {
+                if (!bad) *first = p->name;
+                bad++;
+            }
+    }
+    return bad;
+}
+
+static void fsdp_matches_reference(const char *cfg_path, int ep) {
+    ds4_comm *world = ds4_comm_world();
+    int rank = ds4_comm_rank(world);
+    ds4_config c;
+    CHECK(ds4_config_load(cfg_path, &c) == DS4_OK, "%s", ds4_errmsg());
+    reference ref;
+    CHECK(reference_run(&c, ds4_comm_size(world), &ref), "%s", ds4_errmsg());
+    ds4_model *m = NULL;
+    ds4_fsdp *f = NULL;
+    CHECK(ds4_model_create_unmapped(&c, &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_fsdp_create(m, world, ep, &f) == DS4_OK, "%s", ds4_errmsg());
+    if (!f) return;
+    CHECK(ds4_fsdp_init_random(f, 7) == DS4_OK);
+    int64_t n = ds4_model_numel(m);
+    float *full = rank == 0 ? calloc((size_t)n, sizeof(float)) : NULL;
+    const char *first = "";
+    CHECK(ds4_fsdp_collect(f, false, full, 0) == DS4_OK, "%s", ds4_errmsg());
+    if (rank == 0) {
+        int64_t bad = compare_params(m, full, ref.m, ds4_model_params_flat(ref.m), &first);
+        CHECK(bad == 0, "ep=%d: %lld parameters differ from a single process's init (first %s)", ep, (long long)bad,
+              first);
+    }
+    int32_t ids[64];
+    batch_ids(&c, rank, ids);
+    ds4_pass_opts o = {.need_backward = true, .hooks = ds4_fsdp_hooks(f)};
+    ds4_pass *p = NULL;
+    CHECK(ds4_forward(m, ids, kB, kT, &o, &p) == DS4_OK, "%s", ds4_errmsg());
+    if (p) {
+        CHECK(ds4_backward(m, p) == DS4_OK, "%s", ds4_errmsg());
+        double got = ds4_pass_losses(p)->total_loss;
+        CHECK(got == ref.total[rank], "ep=%d rank %d: total loss %.17g, single process %.17g", ep, rank, got,
+              ref.total[rank]);
+    }
+    ds4_pass_free(p);
+    CHECK(ds4_fsdp_collect(f, true, full, 0) == DS4_OK, "%s", ds4_errmsg());
+    if (rank == 0) {
+        int64_t bad = compare_params(m, full, ref.m, ref.gsum, &first);
+        CHECK(bad == 0, "ep=%d: %lld gradient elements differ from the rank-ordered sum (first %s)", ep, (long long)bad,
+              first);
+    }
+    /* the global gradient norm is the same on every rank */
+    double norm = 0;
+    CHECK(ds4_fsdp_clip_grad_norm(f, 0, &norm) == DS4_OK);
+    double all[1] = {norm};
+    CHECK(ds4_comm_sum_f64(world, all, 1) == DS4_OK);
+    CHECK(all[0] == ds4_comm_size(world) * norm, "grad norm differs between ranks");
+    free(full);
+    ds4_fsdp_free(f);
+    ds4_model_free(m);
+    ds4_model_free(ref.m);
+    free(ref.gsum);
+}
+
+static void test_fsdp_tiny_a(void) { fsdp_matches_reference("tests/configs/tiny-a.json", 1); }
+static void test_fsdp_ep_tiny_a(void) { fsdp_matches_reference("tests/configs/tiny-a.json", 2); }
+static void test_fsdp_ep_tiny_b(void) { fsdp_matches_reference("tests/configs/tiny-b.json", 2); }
+
+/* memplan of this rank == the measured real step on this rank. */
+static void memplan_matches(const char *cfg_path, int ep, bool recompute) {
+    ds4_comm *world = ds4_comm_world();
+    ds4_config c;
+    CHECK(ds4_config_load(cfg_path, &c) == DS4_OK, "%s", ds4_errmsg());
+    uint32_t masks[64] = {0};
+    if (recompute) {
+        ds4_recompute_cfg rc;
+        ds4_recompute_defaults(&rc);
+        rc.csa_attention = rc.mhc = true;
+        ds4_recompute_masks(&rc, &c, masks);
+    }
+    ds4_step_memory real, plan;
+    CHECK(ds4_step_memory_run_dist(&c, kB, kT, masks, false, world, ep, true, &real) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm *sim = NULL;
+    CHECK(ds4_comm_plan(ds4_comm_size(world), ds4_comm_rank(world), &sim) == DS4_OK);
+    CHECK(ds4_step_memory_run_dist(&c, kB, kT, masks, true, sim, ep, true, &plan) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm_free(sim);
+    for (int k = 0; k < DS4_MEM_NCAT; k++)
+        if (k != DS4_MEM_OTHER)
+            CHECK(real.peak[k] == plan.peak[k], "ep=%d rank %d %s: measured %lld, planned %lld", ep,
+                  ds4_comm_rank(world), ds4_mem_cat_name((ds4_mem_cat)k), (long long)real.peak[k],
+                  (long long)plan.peak[k]);
+    CHECK(real.peak[DS4_MEM_PARAM] > 0 && real.peak[DS4_MEM_COMM] > 0, "the step has shards and communication");
+}
+
+static void test_memplan_fsdp(void) { memplan_matches("tests/configs/tiny-a.json", 1, false); }
+static void test_memplan_fsdp_ep(void) { memplan_matches("tests/configs/tiny-a.json", 2, false); }
+static void test_memplan_fsdp_ep_recompute(void) { memplan_matches("tests/configs/tiny-b.json", 2, true); }
+static void test_memplan_fsdp_recompute(void) { memplan_matches("tests/configs/tiny-b.json", 1, true); }
+
+/* Sharding really shrinks each rank's persistent state: params + grads + AdamW of a rank are about a
+ * half of one process's (plus the replicated integer tables and per-region rounding). */
+static void test_shard_sizes(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-b.json", &c) == DS4_OK);
+    ds4_model *m = NULL;
+    ds4_fsdp *f = NULL;
+    CHECK(ds4_model_create_unmapped(&c, &m) == DS4_OK);
+    CHECK(ds4_fsdp_create(m, ds4_comm_world(), 2, &f) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *full = NULL;
+    CHECK(ds4_model_create(&c, &full) == DS4_OK);
+    if (f && full) {
+        double ratio = (double)ds4_fsdp_shard_numel(f) / (double)ds4_model_numel(full);
+        CHECK(ratio > 0.45 && ratio < 0.55, "shard holds %.3f of the parameters", ratio);
+    }
+    ds4_fsdp_free(f);
+    ds4_model_free(m);
+    ds4_model_free(full);
+}
+
+static int child_main(void) {
+    CHECK(ds4_dist_init() == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm *world = ds4_comm_world();
+    if (ds4_comm_size(world) != W_RANKS) {
+        fprintf(stderr, "test_dist: expected %d ranks, got %d\n", W_RANKS, ds4_comm_size(world));
+        return 1;
+    }
+    RUN(test_fsdp_tiny_a);
+    RUN(test_fsdp_ep_tiny_a);
+    RUN(test_fsdp_ep_tiny_b);
+    RUN(test_memplan_fsdp);
+    RUN(test_memplan_fsdp_ep);
+    RUN(test_memplan_fsdp_ep_recompute);
+    RUN(test_shard_sizes);
+    fprintf(stderr, "rank %d: %d ok, %d not ok\n", ds4_comm_rank(world), t_passed, t_failed);
+    ds4_dist_finalize();
+    return t_failed ? 1 : 0;
+}
+
+/* The parent: runs the ranks under mpirun and checks that every rank passed. */
+static void test_under_mpirun(void) {
+    char self[4096];
+    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+    CHECK(k > 0);
+    if (k <= 0) return;
+    self[k] = 0;
+    char cmd[8192];
+    /* Open MPI keeps some of its own allocations to the end of the process: leak checks stay on in the
+     * one-process tests above, off for the ranks */
+    snprintf(cmd, sizeof cmd,
+             "ASAN_OPTIONS=detect_leaks=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 "
+             "OMP_NUM_THREADS=1 mpirun -np %d --bind-to none '%s' --child 2>&1",
+             W_RANKS, self);
+    FILE *pf = popen(cmd, "r");
+    CHECK(pf != NULL, "cannot run mpirun");
+    if (!pf) return;
+    char line[4096];
+    int ok_ranks = 0;
+    while (fgets(line, sizeof line, pf)) {
+        fputs(line, stderr);
+        int r, a, b;
+        if (sscanf(line, "rank %d: %d ok, %d not ok", &r, &a, &b) == 3 && b == 0 && a == 7) ok_ranks++;
+    }
+    int rc = pclose(pf);
+    CHECK(rc == 0, "mpirun exited with %d", rc);
+    CHECK(ok_ranks == W_RANKS, "%d of %d ranks passed every check", ok_ranks, W_RANKS);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "--child")) return child_main();
+    /* a world of one process: sharding, hooks and the plan communicator without MPI */
+    RUN(test_fsdp_tiny_a);
+    RUN(test_memplan_fsdp);
+    RUN(test_memplan_fsdp_recompute);
+    RUN(test_under_mpirun);
+    TEST_MAIN_END("test_dist");
+}
