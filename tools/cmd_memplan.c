@@ -1,6 +1,8 @@
-/* ds4 memplan --model DIR|CONFIG.json --seq T --micro-batch B [recompute flags] [--threads N] */
+/* ds4 memplan --model DIR|CONFIG.json --seq T --micro-batch B [--world N --ep E [--rank R]]
+ *              [recompute flags] [--threads N] */
 #include "cli.h"
 #include "cmds.h"
+#include "ds4/dist.h"
 #include "ds4/io.h"
 #include "ds4/memplan.h"
 #include "ds4/recompute.h"
@@ -21,15 +23,19 @@ static ds4_status load_config(const char *path, ds4_config *c) {
 int cmd_memplan(int argc, char **argv) {
     if (cli_want_help(argc, argv)) {
         fprintf(stderr, "usage: ds4 memplan --model DIR|CONFIG.json --seq T --micro-batch B [--threads N]\n"
+                        "       [--world N --ep E [--rank R]]\n"
                         "       [--recompute-csa-attention] [--mhc-recompute] [--recompute-norm ...]\n"
                         "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
-                        "Peak memory of one training step by category, from a shape-only run of the real code path.\n");
+                        "Peak memory of one training step by category, from a shape-only run of the real code path.\n"
+                        "--world N --ep E: one rank (--rank, default 0) of N processes with FSDP over all N and\n"
+                        "expert parallelism of degree E (as mpirun -np N ds4 train ... --parallel.ep E), balanced\n"
+                        "routing; --micro-batch is per rank.\n");
         return 0;
     }
     ds4_recompute_cfg rc;
     ds4_recompute_defaults(&rc);
     const char *model = NULL;
-    int64_t T = 0, B = 1, threads = 0;
+    int64_t T = 0, B = 1, threads = 0, world = 1, ep = 1, rank = 0;
     for (int i = 1; i < argc; i++) {
         bool used;
         if (ds4_recompute_parse_arg(&rc, argc, argv, &i, &used) != DS4_OK) return cli_fail();
@@ -45,6 +51,12 @@ int cmd_memplan(int argc, char **argv) {
             if (!cli_int("memplan", "seq", v, &T)) return 2;
         } else if (!strcmp(a, "--micro-batch")) {
             if (!cli_int("memplan", "micro-batch", v, &B)) return 2;
+        } else if (!strcmp(a, "--world")) {
+            if (!cli_int("memplan", "world", v, &world)) return 2;
+        } else if (!strcmp(a, "--ep")) {
+            if (!cli_int("memplan", "ep", v, &ep)) return 2;
+        } else if (!strcmp(a, "--rank")) {
+            if (!cli_int("memplan", "rank", v, &rank)) return 2;
         } else if (!strcmp(a, "--threads")) {
             if (!cli_int("memplan", "threads", v, &threads)) return 2;
         } else {
@@ -56,16 +68,32 @@ int cmd_memplan(int argc, char **argv) {
         fprintf(stderr, "error: ds4 memplan: --model, --seq (>= 2) and --micro-batch (>= 1) are required\n");
         return 2;
     }
+    if (world < 1 || world > 1 << 20 || ep < 1 || rank < 0 || rank >= world) {
+        fprintf(stderr, "error: ds4 memplan: --world %lld --ep %lld --rank %lld: need world >= 1, ep >= 1 and "
+                        "0 <= rank < world\n", (long long)world, (long long)ep, (long long)rank);
+        return 2;
+    }
     if (threads > 0) ds4_set_threads((int)threads);
     ds4_config c;
     if (load_config(model, &c) != DS4_OK || ds4_recompute_validate(&rc, &c) != DS4_OK) return cli_fail();
     uint32_t masks[DS4_MAX_LAYERS];
     ds4_recompute_masks(&rc, &c, masks);
+    const uint32_t *mk = ds4_recompute_any(&rc) ? masks : NULL;
+    const bool dist = world > 1 || ep > 1;
     ds4_step_memory r;
-    if (ds4_step_memory_run(&c, B, T, ds4_recompute_any(&rc) ? masks : NULL, true, &r) != DS4_OK) return cli_fail();
-    char desc[64];
-    printf("memplan: %s, seq %lld, micro-batch %lld, recompute %s, %d threads (one process)\n", model, (long long)T,
-           (long long)B, ds4_recompute_describe(&rc, desc, sizeof desc), ds4_get_threads());
+    ds4_comm *sim = NULL;
+    ds4_status st = dist ? ds4_comm_plan((int)world, (int)rank, &sim) : DS4_OK;
+    if (st == DS4_OK)
+        st = dist ? ds4_step_memory_run_dist(&c, B, T, mk, true, sim, (int)ep, true, &r)
+                  : ds4_step_memory_run(&c, B, T, mk, true, &r);
+    ds4_comm_free(sim);
+    if (st != DS4_OK) return cli_fail();
+    char desc[64], where[96] = "one process";
+    if (dist)
+        snprintf(where, sizeof where, "rank %lld of %lld, FSDP %lld, EP %lld, balanced routing", (long long)rank,
+                 (long long)world, (long long)world, (long long)ep);
+    printf("memplan: %s, seq %lld, micro-batch %lld, recompute %s, %d threads (%s)\n", model, (long long)T,
+           (long long)B, ds4_recompute_describe(&rc, desc, sizeof desc), ds4_get_threads(), where);
     printf("  %-12s %20s %12s\n", "category", "peak bytes", "GiB");
     for (int k = 0; k < DS4_MEM_NCAT; k++)
         printf("  %-12s %20lld %12.3f\n", ds4_mem_cat_name((ds4_mem_cat)k), (long long)r.peak[k], gib(r.peak[k]));
