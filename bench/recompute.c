@@ -9,14 +9,21 @@
  * --threads N for an idle machine. --budget S: stop timing after the round that would pass S
  * seconds (a warning says how many steps the medians hold).
  *
+ * A second table plans the same policies for one device of a large run with memplan (a shape-only run
+ * of the same step on one rank of a simulated FSDP + EP world): by default DeepSeek-V4-Flash at 4K,
+ * micro-batch 1, FSDP 128 + EP 128 as in the practice report (--plan none skips it).
+ *
  * Usage: recompute [--config bench/configs/recompute-1k.json] [--seq 1024] [--batch 1] [--steps 5]
- *                  [--threads 1] [--budget 170] */
+ *                  [--threads 1] [--budget 170]
+ *                  [--plan configs/deepseek-v4-flash.json|none] [--plan-seq 4096] [--plan-world 128] [--plan-ep 128] */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ds4/config.h"
 #include "ds4/core.h"
+#include "ds4/dist.h"
+#include "ds4/memplan.h"
 #include "ds4/model.h"
 #include "ds4/recompute.h"
 
@@ -110,10 +117,53 @@ static double minimum(const double *t, int n) {
 
 static double mib(int64_t bytes) { return (double)bytes / (1024.0 * 1024.0); }
 
+static double gib(int64_t bytes) { return (double)bytes / (1024.0 * 1024.0 * 1024.0); }
+
 static void usage(const char *prog) {
     fprintf(stderr,
-            "usage: %s [--config FILE.json] [--seq T] [--batch B] [--steps N (5..%d)] [--threads N] [--budget S]\n",
+            "usage: %s [--config FILE.json] [--seq T] [--batch B] [--steps N (5..%d)] [--threads N] [--budget S]\n"
+            "          [--plan CONFIG.json|none] [--plan-seq T] [--plan-world N] [--plan-ep E]\n",
             prog, MAX_STEPS);
+}
+
+/* What to plan per device. */
+typedef struct {
+    const char *config;
+    int64_t T, world, ep;
+} plan_args;
+
+/* memplan of every policy on rank 0 of the simulated world, micro-batch 1; Markdown on stdout. */
+static ds4_status plan_table(const plan_args *a) {
+    ds4_config c;
+    DS4_TRY(ds4_config_load(a->config, &c));
+    ds4_comm *sim;
+    DS4_TRY(ds4_comm_plan((int)a->world, 0, &sim));
+    ds4_step_memory r[NPOL];
+    ds4_status st = DS4_OK;
+    for (int k = 0; k < NPOL && st == DS4_OK; k++) {
+        uint32_t masks[DS4_MAX_LAYERS];
+        st = policy_masks(&k_policies[k], &c, masks);
+        if (st == DS4_OK) st = ds4_step_memory_run_dist(&c, 1, a->T, masks, true, sim, (int)a->ep, true, &r[k]);
+    }
+    ds4_comm_free(sim);
+    DS4_TRY(st);
+    printf("\n## memplan per device: %s, T=%lld, micro-batch 1, rank 0 of FSDP %lld + EP %lld (balanced routing), "
+           "fp32 weights, grads and AdamW\n\n",
+           a->config, (long long)a->T, (long long)a->world, (long long)a->ep);
+    printf("| policy | params GiB | grads GiB | optim GiB | ACT peak GiB | ACT vs off | workspace GiB | comm GiB "
+           "| step peak GiB | step peak vs off | planned in (s) |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (int k = 0; k < NPOL; k++) {
+        const int64_t *p = r[k].peak, *p0 = r[0].peak;
+        printf("| %s | %.2f | %.2f | %.2f | %.2f | %+.1f%% | %.2f | %.2f | %.2f | %+.1f%% | %.2f |\n",
+               k_policies[k].name, gib(p[DS4_MEM_PARAM]), gib(p[DS4_MEM_GRAD]), gib(p[DS4_MEM_OPTIM]),
+               gib(p[DS4_MEM_ACT]), 100.0 * ((double)p[DS4_MEM_ACT] / (double)p0[DS4_MEM_ACT] - 1.0),
+               gib(p[DS4_MEM_WORK]), gib(p[DS4_MEM_COMM]), gib(r[k].peak_total),
+               100.0 * ((double)r[k].peak_total / (double)r[0].peak_total - 1.0), r[k].seconds);
+    }
+    printf("\nparams / grads: the rank's shard plus the groups gathered at the worst moment; optim: AdamW m, v and "
+           "masks of the shard; step peak = peak of the sum of all categories.\n");
+    return DS4_OK;
 }
 
 int main(int argc, char **argv) {
@@ -121,6 +171,7 @@ int main(int argc, char **argv) {
     int64_t T = 1024, B = 1;
     int steps = 5, threads = 1;
     double budget = 170;
+    plan_args plan = {"configs/deepseek-v4-flash.json", 4096, 128, 128};
     for (int i = 1; i < argc; i++) {
         bool has = i + 1 < argc;
         if (!strcmp(argv[i], "--config") && has) cfg_path = argv[++i];
@@ -129,12 +180,17 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--steps") && has) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && has) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--budget") && has) budget = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--plan") && has) plan.config = argv[++i];
+        else if (!strcmp(argv[i], "--plan-seq") && has) plan.T = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--plan-world") && has) plan.world = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--plan-ep") && has) plan.ep = atoll(argv[++i]);
         else {
             usage(argv[0]);
             return 2;
         }
     }
-    if (T < 1 || B < 1 || steps < 5 || steps > MAX_STEPS) {
+    if (T < 1 || B < 1 || steps < 5 || steps > MAX_STEPS || plan.T < 2 || plan.world < 1 || plan.world > 1 << 20 ||
+        plan.ep < 1) {
         usage(argv[0]);
         return 2;
     }
@@ -205,5 +261,9 @@ int main(int argc, char **argv) {
     free(res);
     free(ids);
     ds4_model_free(m);
+    if (strcmp(plan.config, "none") && plan_table(&plan) != DS4_OK) {
+        fprintf(stderr, "error: %s\n", ds4_errmsg());
+        return 1;
+    }
     return all_same ? 0 : 1;
 }

@@ -102,6 +102,9 @@ with tempfile.TemporaryDirectory() as tmp:
     expect_error("incompatible recompute flags",
                  ["debug-state", "--model", model, "--batch", good, "--out", out, "--recompute-method", "block"],
                  "--recompute-method")
+    plan = ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--micro-batch", "1"]
+    expect_error("memplan: ep does not divide the world", plan + ["--world", "2", "--ep", "3"], "--ep 3", "ranks (2)")
+    expect_error("memplan: rank outside the world", plan + ["--world", "2", "--rank", "2"], "--rank 2")
     # nothing was written by the failing runs
     if os.path.exists(out):
         failed += 1
