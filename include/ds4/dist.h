@@ -46,7 +46,10 @@ ds4_status ds4_comm_barrier(ds4_comm *c);
 /* World of W ranks, EP degree ep (divides W and n_routed_experts). Dense regions are sharded over all W
  * ranks (the FSDP communicator); expert e lives on EP rank e / (E / ep) of each EP group (ranks
  * [g·ep, (g+1)·ep)) and is sharded over the W / ep ranks holding it. Each rank keeps only its shard of
- * parameters, gradients and optimizer state; a group's full weights exist only between gather and drop. */
+ * parameters, gradients and optimizer state; a group's full weights exist only between gather and drop.
+ * Gradients are summed in a fixed order, so N ranks give the same bits on every run: a dense parameter
+ * over all ranks in rank order; a routed expert first over the sources of each EP group in rank order
+ * (its owner accumulates their rows), then over the EP groups in order. */
 typedef struct ds4_fsdp ds4_fsdp;
 
 ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out); /* m: unmapped */
