@@ -1,6 +1,7 @@
 /* memplan: the shape-only run of one training step predicts the measured peak of a real step byte
  * for byte, per category, on the small configs and under recompute policies; and it plans the real
  * DeepSeek-V4-Flash and -Pro configurations at 4K and 64K quickly. */
+#include "ds4/dist.h"
 #include "ds4/io.h"
 #include "ds4/memplan.h"
 #include "ds4/recompute.h"
@@ -48,6 +49,72 @@ static void test_plan_equals_measured_tiny_b(void) {
     plan_equals_measured("tests/configs/tiny-b.json", 2, 150, csa_mhc, 2);
 }
 
+/* With the offload options, plan and measured step agree per category in both tiers. */
+static void swap_plan_equals_measured(const char *cfg, int64_t B, int64_t T, ds4_step_opts so, const char *what) {
+    ds4_config c;
+    CHECK(ds4_config_load(cfg, &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_step_memory plan, real;
+    CHECK(ds4_step_memory_run_opts(&c, B, T, &so, true, &plan) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_step_memory_run_opts(&c, B, T, &so, false, &real) == DS4_OK, "%s", ds4_errmsg());
+    for (int k = 0; k < DS4_MEM_NCAT; k++) {
+        CHECK(plan.peak[k] == real.peak[k], "%s %s: %s planned %lld, measured %lld", cfg, what,
+              ds4_mem_cat_name((ds4_mem_cat)k), (long long)plan.peak[k], (long long)real.peak[k]);
+        CHECK(plan.offload_peak[k] == real.offload_peak[k], "%s %s: offloaded %s planned %lld, measured %lld", cfg,
+              what, ds4_mem_cat_name((ds4_mem_cat)k), (long long)plan.offload_peak[k], (long long)real.offload_peak[k]);
+    }
+    CHECK(plan.peak_total == real.peak_total && plan.after_step == real.after_step, "%s %s: totals", cfg, what);
+    CHECK(plan.offload_peak_total == real.offload_peak_total && plan.offload_peak_total > 0 &&
+              plan.offload_after_step == real.offload_after_step, "%s %s: offload total planned %lld, measured %lld",
+          cfg, what, (long long)plan.offload_peak_total, (long long)real.offload_peak_total);
+}
+
+static void test_swap_plan_equals_measured(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    const char *full[] = {"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"};
+    uint32_t masks[DS4_MAX_LAYERS];
+    masks_for(&c, full, 6, masks);
+    ds4_step_memory off, opt, act;
+    swap_plan_equals_measured("tests/configs/tiny-a.json", 2, 64, (ds4_step_opts){.swap_optimizer = true}, "swap-opt");
+    swap_plan_equals_measured("tests/configs/tiny-a.json", 2, 64, (ds4_step_opts){.swap_layer_input = true}, "swap-in");
+    swap_plan_equals_measured("tests/configs/tiny-a.json", 1, 100,
+                              (ds4_step_opts){.masks = masks, .swap_optimizer = true, .swap_layer_input = true,
+                                              .swap_chunk_bytes = 1 << 16}, "full+both");
+    swap_plan_equals_measured("tests/configs/tiny-b.json", 2, 150,
+                              (ds4_step_opts){.swap_optimizer = true, .swap_layer_input = true}, "both");
+    /* what each option moves: the optimizer's 10 B/param, one [N, n, D] stream per main layer */
+    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &(ds4_step_opts){0}, true, &off) == DS4_OK);
+    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &(ds4_step_opts){.swap_optimizer = true}, true, &opt) == DS4_OK);
+    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &(ds4_step_opts){.swap_layer_input = true}, true, &act) == DS4_OK);
+    CHECK(opt.offload_peak[DS4_MEM_OPTIM] == off.peak[DS4_MEM_OPTIM], "the whole optimizer state goes out");
+    CHECK(off.after_step - opt.after_step >= off.peak[DS4_MEM_OPTIM] - 8192,
+          "and none of it stays resident (but the store's few KiB of metadata): %lld -> %lld",
+          (long long)off.after_step, (long long)opt.after_step);
+    CHECK(act.offload_peak[DS4_MEM_ACT] == c.n_layers * 2 * 64 * c.hc_mult * c.dim * (int64_t)sizeof(float));
+    CHECK(act.peak[DS4_MEM_ACT] < off.peak[DS4_MEM_ACT] && act.offload_after_step == 0);
+}
+
+/* The FSDP + EP path: a one-rank world measured against its plan, with both options. */
+static void test_swap_plan_equals_measured_dist(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm *sim = NULL;
+    CHECK(ds4_comm_plan(1, 0, &sim) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_step_opts so = {.swap_optimizer = true, .swap_layer_input = true};
+    ds4_step_memory plan, real;
+    CHECK(ds4_step_memory_run_dist_opts(&c, 2, 64, &so, false, ds4_comm_world(), 1, true, &real) == DS4_OK, "%s",
+          ds4_errmsg());
+    CHECK(ds4_step_memory_run_dist_opts(&c, 2, 64, &so, true, sim, 1, true, &plan) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm_free(sim);
+    for (int k = 0; k < DS4_MEM_NCAT; k++)
+        CHECK(plan.peak[k] == real.peak[k] && plan.offload_peak[k] == real.offload_peak[k],
+              "dist %s: planned %lld + %lld offloaded, measured %lld + %lld", ds4_mem_cat_name((ds4_mem_cat)k),
+              (long long)plan.peak[k], (long long)plan.offload_peak[k], (long long)real.peak[k],
+              (long long)real.offload_peak[k]);
+    CHECK(plan.peak_total == real.peak_total && plan.offload_peak_total == real.offload_peak_total &&
+          real.offload_peak[DS4_MEM_OPTIM] > 0 && real.offload_peak[DS4_MEM_ACT] > 0);
+}
+
 /* The real configurations plan in seconds; activations grow with T, parameters do not. */
 static void test_plans_flash_and_pro(void) {
     const char *cfgs[] = {"configs/deepseek-v4-flash.json", "configs/deepseek-v4-pro.json"};
@@ -74,6 +141,8 @@ int main(void) {
     ds4_set_threads(2);
     RUN(test_plan_equals_measured_tiny_a);
     RUN(test_plan_equals_measured_tiny_b);
+    RUN(test_swap_plan_equals_measured);
+    RUN(test_swap_plan_equals_measured_dist);
     RUN(test_plans_flash_and_pro);
     TEST_MAIN_END("test_memplan");
 }

@@ -1,5 +1,5 @@
 /* ds4 memplan --model DIR|CONFIG.json --seq T --micro-batch B [--world N --ep E [--rank R]]
- *              [recompute flags] [--threads N] */
+ *              [recompute flags] [--swap-optimizer] [--swap-layer-input] [--threads N] */
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/dist.h"
@@ -26,7 +26,11 @@ int cmd_memplan(int argc, char **argv) {
                         "       [--world N --ep E [--rank R]]\n"
                         "       [--recompute-csa-attention] [--mhc-recompute] [--recompute-norm ...]\n"
                         "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
+                        "       [--swap-optimizer] [--swap-layer-input]\n"
                         "Peak memory of one training step by category, from a shape-only run of the real code path.\n"
+                        "--swap-optimizer: AdamW state in the offload tier between updates; --swap-layer-input: each\n"
+                        "layer's input stream in the offload tier from its forward to its backward. The offload\n"
+                        "tier's peak is printed apart.\n"
                         "--world N --ep E: one rank (--rank, default 0) of N processes with FSDP over all N and\n"
                         "expert parallelism of degree E (as mpirun -np N ds4 train ... --parallel.ep E), balanced\n"
                         "routing; --micro-batch is per rank.\n");
@@ -36,11 +40,20 @@ int cmd_memplan(int argc, char **argv) {
     ds4_recompute_defaults(&rc);
     const char *model = NULL;
     int64_t T = 0, B = 1, threads = 0, world = 1, ep = 1, rank = 0;
+    ds4_step_opts so = {0};
     for (int i = 1; i < argc; i++) {
         bool used;
         if (ds4_recompute_parse_arg(&rc, argc, argv, &i, &used) != DS4_OK) return cli_fail();
         if (used) continue;
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--swap-optimizer")) { /* flags without a value */
+            so.swap_optimizer = true;
+            continue;
+        }
+        if (!strcmp(a, "--swap-layer-input")) {
+            so.swap_layer_input = true;
+            continue;
+        }
         if (!v) {
             fprintf(stderr, "error: ds4 memplan: '%s' needs a value or is unknown\n", a);
             return 2;
@@ -78,27 +91,39 @@ int cmd_memplan(int argc, char **argv) {
     if (load_config(model, &c) != DS4_OK || ds4_recompute_validate(&rc, &c) != DS4_OK) return cli_fail();
     uint32_t masks[DS4_MAX_LAYERS];
     ds4_recompute_masks(&rc, &c, masks);
-    const uint32_t *mk = ds4_recompute_any(&rc) ? masks : NULL;
+    so.masks = ds4_recompute_any(&rc) ? masks : NULL;
     const bool dist = world > 1 || ep > 1;
     ds4_step_memory r;
     ds4_comm *sim = NULL;
     ds4_status st = dist ? ds4_comm_plan((int)world, (int)rank, &sim) : DS4_OK;
     if (st == DS4_OK)
-        st = dist ? ds4_step_memory_run_dist(&c, B, T, mk, true, sim, (int)ep, true, &r)
-                  : ds4_step_memory_run(&c, B, T, mk, true, &r);
+        st = dist ? ds4_step_memory_run_dist_opts(&c, B, T, &so, true, sim, (int)ep, true, &r)
+                  : ds4_step_memory_run_opts(&c, B, T, &so, true, &r);
     ds4_comm_free(sim);
     if (st != DS4_OK) return cli_fail();
     char desc[64], where[96] = "one process";
     if (dist)
         snprintf(where, sizeof where, "rank %lld of %lld, FSDP %lld, EP %lld, balanced routing", (long long)rank,
                  (long long)world, (long long)world, (long long)ep);
-    printf("memplan: %s, seq %lld, micro-batch %lld, recompute %s, %d threads (%s)\n", model, (long long)T,
-           (long long)B, ds4_recompute_describe(&rc, desc, sizeof desc), ds4_get_threads(), where);
+    printf("memplan: %s, seq %lld, micro-batch %lld, recompute %s, swap %s, %d threads (%s)\n", model, (long long)T,
+           (long long)B, ds4_recompute_describe(&rc, desc, sizeof desc),
+           so.swap_optimizer ? (so.swap_layer_input ? "optimizer+layer-input" : "optimizer")
+                             : (so.swap_layer_input ? "layer-input" : "off"),
+           ds4_get_threads(), where);
     printf("  %-12s %20s %12s\n", "category", "peak bytes", "GiB");
     for (int k = 0; k < DS4_MEM_NCAT; k++)
         printf("  %-12s %20lld %12.3f\n", ds4_mem_cat_name((ds4_mem_cat)k), (long long)r.peak[k], gib(r.peak[k]));
     printf("  %-12s %20lld %12.3f\n", "peak total", (long long)r.peak_total, gib(r.peak_total));
     printf("  %-12s %20lld %12.3f\n", "resident", (long long)r.after_step, gib(r.after_step));
+    if (so.swap_optimizer || so.swap_layer_input) {
+        printf("  offload tier (outside memory)\n");
+        for (int k = 0; k < DS4_MEM_NCAT; k++)
+            if (r.offload_peak[k])
+                printf("  %-12s %20lld %12.3f\n", ds4_mem_cat_name((ds4_mem_cat)k), (long long)r.offload_peak[k],
+                       gib(r.offload_peak[k]));
+        printf("  %-12s %20lld %12.3f\n", "peak total", (long long)r.offload_peak_total, gib(r.offload_peak_total));
+        printf("  %-12s %20lld %12.3f\n", "resident", (long long)r.offload_after_step, gib(r.offload_after_step));
+    }
     printf("(planned in %.2f s)\n", r.seconds);
     return 0;
 }

@@ -3,6 +3,7 @@
 #include "cmds.h"
 #include "ds4/io.h"
 #include "ds4/model.h"
+#include "ds4/offload.h"
 #include "ds4/recompute.h"
 
 #include <stdio.h>
@@ -104,18 +105,18 @@ static void print_memory_report(const ds4_pass *p, const ds4_config *c) {
     ds4_mem_get(&s);
     printf("peak by category:");
     for (int k = 0; k < DS4_MEM_NCAT; k++) printf(" %s %lld", ds4_mem_cat_name((ds4_mem_cat)k), (long long)s.peak[k]);
-    printf("; total %lld bytes\n", (long long)s.peak_total);
+    printf("; total %lld bytes; offload tier %lld bytes\n", (long long)s.peak_total, (long long)s.offload_peak_total);
 }
 
 static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, const char *out,
-                              const ds4_recompute_cfg *rc, bool report) {
+                              const ds4_recompute_cfg *rc, bool report, const ds4_act_hooks *act) {
     const ds4_config *c = ds4_model_config(m);
     const int64_t V = c->vocab_size, N = B * T, K = c->index_topk;
     uint32_t masks[DS4_MAX_LAYERS];
     DS4_TRY(ds4_recompute_validate(rc, c));
     ds4_recompute_masks(rc, c, masks);
     ds4_pass_opts opts = {.need_backward = true, .keep_logits = true,
-                          .release_mask = ds4_recompute_any(rc) ? masks : NULL};
+                          .release_mask = ds4_recompute_any(rc) ? masks : NULL, .act = act};
     ds4_mem_reset_peak();
     ds4_pass *p;
     DS4_TRY(ds4_forward(m, ids, B, T, &opts, &p));
@@ -138,6 +139,10 @@ static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64
     static char names[DS4_MAX_LAYERS][48];
     for (int64_t l = 0; st == DS4_OK && l < c->n_layers; l++) {
         if (ds4_layer_ratio(c, l) != 4) continue;
+        if (!ds4_pass_topk(p, l)) { /* full recompute released it: backward replays it, nothing to write */
+            fprintf(stderr, "note: indexer_topk.%lld not written (released by recompute)\n", (long long)l);
+            continue;
+        }
         int32_t *tk = own(o, ds4_alloc(DS4_MEM_OTHER, (size_t)(N * K) * sizeof(int32_t)));
         if (!tk) {
             st = DS4_ERR_OOM;
@@ -186,12 +191,15 @@ int cmd_debug_state(int argc, char **argv) {
     cli_flag f[] = {{"model", false, NULL, "model directory (config.json + *.safetensors)"},
                     {"batch", false, NULL, "BATCH.safetensors with input_ids I32 [B, T]"},
                     {"out", false, NULL, "OUT.safetensors"},
-                    {"threads", false, NULL, "OpenMP threads"}};
+                    {"threads", false, NULL, "OpenMP threads"},
+                    {"swap-layer-input", true, NULL, "offload each layer's input stream from forward to backward"},
+                    {"offload-dir", false, NULL, "directory of the offload file (default $TMPDIR or /tmp)"}};
     const char *pos[1];
     int npos;
     if (cli_want_help(argc, argv)) {
         cli_usage("debug-state",
-                  "--model DIR --batch BATCH.safetensors --out OUT.safetensors [recompute flags] [--memory-report]", f,
+                  "--model DIR --batch BATCH.safetensors --out OUT.safetensors [recompute flags] [--memory-report]\n"
+                  "       [--swap-layer-input [--offload-dir DIR]]", f,
                   NFLAGS(f));
         return 0;
     }
@@ -231,10 +239,18 @@ int cmd_debug_state(int argc, char **argv) {
     if (st == DS4_OK) st = ds4_model_load(m, d);
     ds4_model_dir_close(d);
     if (st == DS4_OK) st = read_batch(bp, &ids, &B, &T);
+    ds4_offload *store = NULL;
+    ds4_act_offload *act = NULL;
+    if (st == DS4_OK && cli_get(f, NFLAGS(f), "swap-layer-input")) {
+        st = ds4_offload_open(cli_get(f, NFLAGS(f), "offload-dir"), &store);
+        if (st == DS4_OK) st = ds4_act_offload_new(store, &act);
+    }
     if (st == DS4_OK) {
-        st = debug_state(m, ids, B, T, out, &rc, report);
+        st = debug_state(m, ids, B, T, out, &rc, report, act ? ds4_act_offload_hooks(act) : NULL);
         if (st == DS4_ERR_ARG && strstr(ds4_errmsg(), "input_ids")) ds4_fail_prefix(st, "%s", bp);
     }
+    ds4_act_offload_free(act);
+    ds4_offload_close(store);
     ds4_free(ids);
     ds4_model_free(m);
     return st == DS4_OK ? 0 : cli_fail();

@@ -71,6 +71,9 @@ size_t ds4_alloc_size(const void *p); /* bytes requested for p */
 /* Counts memory that is managed outside ds4_alloc (pages of a reserved range made resident or released
  * again, e.g. FSDP's gathered layer weights): delta bytes, positive or negative, under `cat`. */
 void ds4_mem_track(ds4_mem_cat cat, int64_t delta);
+/* The offload tier (DESIGN.md idea 3): bytes of `cat` that live outside memory, in an offload store
+ * (ds4/offload.h). Counted on their own: they never enter live/peak/live_total/peak_total above. */
+void ds4_mem_track_offload(ds4_mem_cat cat, int64_t delta);
 
 typedef struct {
     int64_t live[DS4_MEM_NCAT];
@@ -78,6 +81,11 @@ typedef struct {
     int64_t live_total;
     int64_t peak_total;           /* peak of the sum over categories */
     int64_t n_allocs;             /* number of allocations made since start */
+    /* offload tier (ds4_mem_track_offload): live and peak bytes per category, and of their sum */
+    int64_t offload_live[DS4_MEM_NCAT];
+    int64_t offload_peak[DS4_MEM_NCAT];
+    int64_t offload_live_total;
+    int64_t offload_peak_total;
 } ds4_mem_stats;
 
 void ds4_mem_get(ds4_mem_stats *out);
@@ -87,7 +95,7 @@ void ds4_mem_get(ds4_mem_stats *out);
  * or writes tensor data checks ds4_shape_only() and skips. Metadata (DS4_MEM_OTHER) stays real. */
 void ds4_set_shape_only(bool on);
 bool ds4_shape_only(void);
-void ds4_mem_reset_peak(void);    /* peaks := current live */
+void ds4_mem_reset_peak(void);    /* peaks := current live (both tiers) */
 
 /* ---------------------------------------------------------------- dtypes */
 typedef enum {
@@ -153,6 +161,17 @@ uint64_t ds4_hash_str(const char *s);
 /* ---------------------------------------------------------------- threads */
 void ds4_set_threads(int n);   /* <= 0: keep the OpenMP default */
 int ds4_get_threads(void);
+
+/* ---------------------------------------------------------------- matmul precision */
+/* Process-wide precision of the GEMM kernels (gemm_nt/nn/tn). FP32 (the default): fp32 operands and
+ * arithmetic. BF16: operands rounded to bf16 (nearest even), exact products accumulated in fp32 on
+ * the CPU's AMX tiles, fp32 output. Set it before work starts, not while GEMMs run. Setting BF16
+ * checks the CPU (AMX-BF16) and asks Linux for the AMX tile-data permission; on failure the
+ * precision stays as it was and the message names what is missing. */
+typedef enum { DS4_MATMUL_FP32 = 0, DS4_MATMUL_BF16 } ds4_matmul_precision;
+ds4_status ds4_set_matmul_precision(ds4_matmul_precision p);
+ds4_matmul_precision ds4_get_matmul_precision(void);
+const char *ds4_matmul_precision_name(ds4_matmul_precision p); /* "fp32", "bf16" */
 
 /* ---------------------------------------------------------------- time */
 double ds4_now(void);          /* seconds, monotonic */

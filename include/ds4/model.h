@@ -1,7 +1,7 @@
 /* The DeepSeek-V4 model: parameter table with the official tensor names, initialisation, load/save,
  * and one forward + backward pass producing the contract's losses and gradients.
  *
- * The model knows nothing about parallelism, offload or recompute policy: those wrap it. */
+ * The model knows nothing about parallelism, offload or recompute policy: those wrap it (hooks). */
 #ifndef DS4_MODEL_H
 #define DS4_MODEL_H
 
@@ -118,6 +118,20 @@ typedef struct {
     const ds4_ep_ops *ep;    /* NULL: every expert is local */
 } ds4_param_hooks;
 
+/* What an activation offload policy does around the model (--swap-layer-input, ds4/offload.h; NULL
+ * members: nothing). In a training pass, once block `layer`'s forward (the last forward reader of its
+ * input stream X[layer], [N, n, D] floats = `bytes`) is done, the model calls offload for each main
+ * layer; the hook may move the stream out (free *buf, set it NULL). Before block `layer`'s backward,
+ * and so before any recompute replay that reads X[layer], the model calls restore, which must leave
+ * *buf holding the same bytes (a new DS4_MEM_ACT buffer) if offload moved it. discard: the pass is
+ * being freed, forget anything still held for `layer`. X[n_layers] is never offered. */
+typedef struct {
+    void *ctx;
+    ds4_status (*offload)(void *ctx, int64_t layer, float **buf, size_t bytes);
+    ds4_status (*restore)(void *ctx, int64_t layer, float **buf, size_t bytes);
+    void (*discard)(void *ctx, int64_t layer);
+} ds4_act_hooks;
+
 /* ------------------------------------------------------------------ one pass */
 typedef struct {
     double loss, mtp_loss, indexer_loss, total_loss;
@@ -135,6 +149,7 @@ typedef struct {
     /* Benchmarks and memplan checks (TorchTitan's moe_force_load_balance): slot k of token t goes to
      * expert (t·K + k) mod E, weighted by its normalised score; gradients follow that choice. */
     bool moe_force_balance;
+    const ds4_act_hooks *act;     /* NULL: every saved activation stays in memory */
 } ds4_pass_opts;
 
 typedef struct ds4_pass ds4_pass;

@@ -14,23 +14,54 @@ typedef struct {
     double lr, beta1, beta2, eps, weight_decay;
 } ds4_adamw_cfg;
 
+typedef struct ds4_offload ds4_offload; /* ds4/offload.h */
+
 /* fp32 first and second moments for every float parameter of the model (flat layout). */
 typedef struct {
     int64_t n;       /* = ds4_model_numel */
     int64_t step;    /* optimizer steps taken */
-    float *m, *v;    /* [n] each, DS4_MEM_OPTIM */
+    float *m, *v;    /* [n] each, DS4_MEM_OPTIM; NULL while in the offload store */
     uint8_t *decay;  /* [n] 1 where weight decay applies, 0 for norms, biases, mHC base/scale, sinks, ape */
     uint8_t *frozen; /* [n] 1 for parameters not trained by gradients (router bias) */
+    /* --swap-optimizer: arrays that are NULL above live in `store` under these handles */
+    ds4_offload *store;
+    int64_t h_m, h_v, h_decay, h_frozen;
+    int64_t chunk;   /* elements per update chunk while swapped */
 } ds4_adamw;
 
 ds4_status ds4_adamw_init(ds4_adamw *o, ds4_model *m);
 /* State for n elements with zero masks (the caller fills decay / frozen, e.g. for an FSDP shard). */
 ds4_status ds4_adamw_init_n(ds4_adamw *o, int64_t n);
-/* The AdamW update on w [n] with gradients g [n]. */
-void ds4_adamw_step_flat(ds4_adamw *o, float *w, const float *g, const ds4_adamw_cfg *c, double lr);
+/* The AdamW update on w [n] with gradients g [n]. Fails only on offload store I/O. */
+ds4_status ds4_adamw_step_flat(ds4_adamw *o, float *w, const float *g, const ds4_adamw_cfg *c, double lr);
 void ds4_adamw_free(ds4_adamw *o);
 /* One decoupled-weight-decay Adam step with learning rate lr on the model's gradients. */
-void ds4_adamw_step(ds4_adamw *o, ds4_model *m, const ds4_adamw_cfg *c, double lr);
+ds4_status ds4_adamw_step(ds4_adamw *o, ds4_model *m, const ds4_adamw_cfg *c, double lr);
+
+/* --swap-optimizer (MindSpeed's name). Between updates the state lives in an offload store; the update
+ * streams it through buffers of at most chunk_bytes (0: DS4_ADAMW_SWAP_CHUNK), element by element the
+ * same arithmetic as the resident update, so the bits are the same. The store must stay open until
+ * ds4_adamw_free. */
+#define DS4_ADAMW_SWAP_CHUNK ((size_t)4 << 20)
+/* Like ds4_adamw_init_n with m and v created zero in the store (never resident); the masks stay
+ * resident for the caller to fill, then ds4_adamw_swap_out moves them too. */
+ds4_status ds4_adamw_init_n_swapped(ds4_adamw *o, int64_t n, ds4_offload *store, size_t chunk_bytes);
+/* Like ds4_adamw_init with everything built in the store (nothing beyond one chunk ever resident). */
+ds4_status ds4_adamw_init_swapped(ds4_adamw *o, ds4_model *m, ds4_offload *store, size_t chunk_bytes);
+/* Moves whatever of m, v, decay, frozen is resident into `store` (or o->store if already set; a second
+ * store is an error) and frees it. chunk_bytes 0: keep the chunk already set, else the default. */
+ds4_status ds4_adamw_swap_out(ds4_adamw *o, ds4_offload *store, size_t chunk_bytes);
+/* Brings m and v back into memory (the masks stay in the store), as MindSpeed does around checkpoints:
+ * e.g. before gathering a sharded state's moments; ds4_adamw_swap_out(o, NULL, 0) puts them back. A
+ * step with the moments resident and the masks swapped is the same update. */
+ds4_status ds4_adamw_swap_in(ds4_adamw *o);
+/* Elements [i0, i0 + n) of the first (which = 0) or second (which = 1) moment, resident or swapped. */
+ds4_status ds4_adamw_moment_read(const ds4_adamw *o, int which, int64_t i0, int64_t n, float *dst);
+ds4_status ds4_adamw_moment_write(ds4_adamw *o, int which, int64_t i0, int64_t n, const float *src);
+/* The checkpoint's optim.state (safetensors: adamw.m, adamw.v F32 [n], adamw.step I64 [1]), written and
+ * read in chunks through the accessors above, whether the state is resident or swapped. */
+ds4_status ds4_adamw_state_save(const ds4_adamw *o, const char *path);
+ds4_status ds4_adamw_state_load(ds4_adamw *o, const char *path);
 
 /* Global L2 norm of the gradients (fp64 accumulation, fixed order); if max_norm > 0 and the norm
  * exceeds it, scales gradients by max_norm / norm. Returns the norm before clipping. */
@@ -73,6 +104,11 @@ ds4_status ds4_checkpoint_save(const char *root, int64_t keep_latest_k, ds4_mode
 ds4_status ds4_checkpoint_find(const char *root, int64_t step, char *path, size_t n);
 /* Loads model weights, optimizer state (o may be NULL) and meta; checks every shape. */
 ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_adamw *o, ds4_ckpt_meta *meta);
+/* Its pieces, for callers holding the model in shards (the model weights: ds4_model_dir_open(path)):
+ * the meta of PATH/state.json, and one AdamW moment ("adamw.m" or "adamw.v", out [n] in the flat layout
+ * of a whole model) with the optimizer step from PATH/optim.state. */
+ds4_status ds4_checkpoint_load_meta(const char *path, ds4_ckpt_meta *meta);
+ds4_status ds4_checkpoint_load_moment(const char *path, const char *name, int64_t n, float *out, int64_t *step);
 
 #ifdef __cplusplus
 }

@@ -20,6 +20,11 @@ static _Atomic int64_t g_peak[DS4_MEM_NCAT];
 static _Atomic int64_t g_live_total;
 static _Atomic int64_t g_peak_total;
 static _Atomic int64_t g_n_allocs;
+/* the offload tier, counted apart from memory */
+static _Atomic int64_t g_off_live[DS4_MEM_NCAT];
+static _Atomic int64_t g_off_peak[DS4_MEM_NCAT];
+static _Atomic int64_t g_off_live_total;
+static _Atomic int64_t g_off_peak_total;
 static bool g_shape_only;
 
 void ds4_set_shape_only(bool on) { g_shape_only = on; }
@@ -46,6 +51,12 @@ static void count(ds4_mem_cat cat, int64_t delta) {
 
 void ds4_mem_track(ds4_mem_cat cat, int64_t delta) {
     if ((unsigned)cat < DS4_MEM_NCAT) count(cat, delta);
+}
+
+void ds4_mem_track_offload(ds4_mem_cat cat, int64_t delta) {
+    if ((unsigned)cat >= DS4_MEM_NCAT) return;
+    atomic_max(&g_off_peak[cat], atomic_fetch_add(&g_off_live[cat], delta) + delta);
+    atomic_max(&g_off_peak_total, atomic_fetch_add(&g_off_live_total, delta) + delta);
 }
 
 void *ds4_alloc(ds4_mem_cat cat, size_t bytes) {
@@ -98,15 +109,23 @@ void ds4_mem_get(ds4_mem_stats *out) {
     for (int c = 0; c < DS4_MEM_NCAT; c++) {
         out->live[c] = atomic_load(&g_live[c]);
         out->peak[c] = atomic_load(&g_peak[c]);
+        out->offload_live[c] = atomic_load(&g_off_live[c]);
+        out->offload_peak[c] = atomic_load(&g_off_peak[c]);
     }
+    out->offload_live_total = atomic_load(&g_off_live_total);
+    out->offload_peak_total = atomic_load(&g_off_peak_total);
     out->live_total = atomic_load(&g_live_total);
     out->peak_total = atomic_load(&g_peak_total);
     out->n_allocs = atomic_load(&g_n_allocs);
 }
 
 void ds4_mem_reset_peak(void) {
-    for (int c = 0; c < DS4_MEM_NCAT; c++) atomic_store(&g_peak[c], atomic_load(&g_live[c]));
+    for (int c = 0; c < DS4_MEM_NCAT; c++) {
+        atomic_store(&g_peak[c], atomic_load(&g_live[c]));
+        atomic_store(&g_off_peak[c], atomic_load(&g_off_live[c]));
+    }
     atomic_store(&g_peak_total, atomic_load(&g_live_total));
+    atomic_store(&g_off_peak_total, atomic_load(&g_off_live_total));
 }
 
 bool ds4_grow(void **arr, int64_t *cap, int64_t need, size_t elem) {

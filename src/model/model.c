@@ -57,6 +57,8 @@ static void head_free(head_acts *h) {
 void ds4_pass_free(ds4_pass *p) {
     if (!p) return;
     const ds4_config *c = &p->m->cfg;
+    const ds4_act_hooks *ah = p->opts.act;
+    for (int64_t l = 0; ah && ah->discard && l < c->n_layers; l++) ah->discard(ah->ctx, l);
     if (p->X)
         for (int64_t l = 0; l <= c->n_layers; l++) ds4_free(p->X[l]);
     ds4_free(p->X);
@@ -133,6 +135,34 @@ static ds4_status grad_end(ds4_pass *p, int64_t group) {
     const ds4_param_hooks *h = p->opts.hooks;
     return h && h->grad_end ? h->grad_end(h->ctx, group) : DS4_OK;
 }
+/* Activation offload (ds4_act_hooks): the block that reads stream X[l] as input, and the one that wrote
+ * it, must see where it lives now. */
+static void stream_rebind(ds4_pass *p, int64_t l) {
+    p->ba[l].X_in = p->X[l];
+    if (l > 0) p->ba[l - 1].X_out = p->X[l];
+}
+static size_t stream_bytes(const ds4_pass *p) {
+    return (size_t)(p->N * p->m->cfg.hc_mult * p->m->cfg.dim) * sizeof(float);
+}
+/* After block l's forward, its last reader of X[l]. */
+static ds4_status act_offload(ds4_pass *p, int64_t l) {
+    const ds4_act_hooks *h = p->opts.act;
+    if (!h || !h->offload || !p->opts.need_backward) return DS4_OK;
+    ds4_status st = h->offload(h->ctx, l, &p->X[l], stream_bytes(p));
+    stream_rebind(p, l);
+    return st;
+}
+/* Before block l's backward (and its replays), the first reader of X[l] in backward. */
+static ds4_status act_restore(ds4_pass *p, int64_t l) {
+    const ds4_act_hooks *h = p->opts.act;
+    if (!h || !h->restore) return DS4_OK;
+    ds4_status st = h->restore(h->ctx, l, &p->X[l], stream_bytes(p));
+    stream_rebind(p, l);
+    if (st == DS4_OK && !p->X[l])
+        st = ds4_fail(DS4_ERR_INTERNAL, "activation restore left layer %lld's input stream missing", (long long)l);
+    return st;
+}
+
 /* Weights and a gradient buffer of a group, for its backward. */
 static ds4_status gather_for_backward(ds4_pass *p, int64_t group) {
     DS4_TRY(gather(p, group));
@@ -393,6 +423,7 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
             ds4_free(p->X[l]); /* eval: the previous boundary is no longer needed */
             p->X[l] = NULL;
         }
+        if (st == DS4_OK) st = act_offload(p, l);
     }
     if (st != DS4_OK) goto fail;
     /* the head (also the MTP head's output projection) stays gathered until the MTP head is done */
@@ -438,7 +469,8 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
             break;
         }
         block_ctx bc = make_ctx(p, l, p->ids);
-        st = gather_for_backward(p, group_of_layer(l));
+        st = act_restore(p, l);
+        if (st == DS4_OK) st = gather_for_backward(p, group_of_layer(l));
         if (st == DS4_OK) st = block_bwd(&bc, &p->ba[l], dX, dprev, &p->kl_sum[l], &p->kl_rows[l]);
         if (st == DS4_OK) st = finish_backward(p, group_of_layer(l));
         ds4_free(p->X[l + 1]);

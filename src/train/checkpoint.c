@@ -59,6 +59,7 @@ static int64_t list_steps(const char *root, int64_t *steps, int64_t cap) {
 }
 
 static ds4_status write_optim(const char *path, const ds4_adamw *o) {
+    if (o->store) return ds4_adamw_state_save(o, path); /* --swap-optimizer: streamed from the offload store */
     ds4_st_writer *w;
     DS4_TRY(ds4_st_writer_new(&w));
     int64_t shape[1] = {o->n}, one = 1;
@@ -155,6 +156,7 @@ static ds4_status read_state(const char *path, ds4_ckpt_meta *meta) {
 }
 
 static ds4_status read_optim(const char *path, ds4_adamw *o) {
+    if (o->store) return ds4_adamw_state_load(o, path); /* --swap-optimizer: streamed into the offload store */
     ds4_st_file *f;
     DS4_TRY(ds4_st_open(path, &f));
     int64_t shape[1] = {o->n}, one = 1, step = 0;
@@ -166,10 +168,27 @@ static ds4_status read_optim(const char *path, ds4_adamw *o) {
     return st;
 }
 
-ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_adamw *o, ds4_ckpt_meta *meta) {
+ds4_status ds4_checkpoint_load_meta(const char *path, ds4_ckpt_meta *meta) {
     char p[4200];
     snprintf(p, sizeof p, "%s/state.json", path);
-    DS4_TRY(read_state(p, meta));
+    return read_state(p, meta);
+}
+
+ds4_status ds4_checkpoint_load_moment(const char *path, const char *name, int64_t n, float *out, int64_t *step) {
+    char p[4200];
+    snprintf(p, sizeof p, "%s/optim.state", path);
+    ds4_st_file *f;
+    DS4_TRY(ds4_st_open(p, &f));
+    int64_t shape[1] = {n}, one = 1;
+    ds4_status st = ds4_st_read_f32(f, name, 1, shape, out);
+    if (st == DS4_OK) st = ds4_st_read_i64(f, "adamw.step", 1, &one, step);
+    ds4_st_close(f);
+    return st;
+}
+
+ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_adamw *o, ds4_ckpt_meta *meta) {
+    char p[4200];
+    DS4_TRY(ds4_checkpoint_load_meta(path, meta));
     ds4_model_dir *d;
     DS4_TRY(ds4_model_dir_open(path, &d));
     ds4_status st = ds4_model_load(m, d);
