@@ -52,6 +52,43 @@ void gemm_tn_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, c
 void gemm_workspace_reserve(void);
 void gemm_workspace_release(void);
 
+/* Mixed precision (ds4_set_matmul_precision(DS4_MATMUL_BF16)): gemm_nt/nn/tn round A and B to bf16
+ * (gemm_bf16_round) and accumulate their exact products in fp32 on AMX tiles; C stays fp32.
+ * The references below round the same way and accumulate in double (x86/gemm_amx.c, ref/gemm_bf16.c). */
+typedef void gemm_signature(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+                            int64_t ldb, float *C, int64_t ldc, float beta); /* that of every gemm above */
+gemm_signature gemm_nt_bf16_ref, gemm_nn_bf16_ref, gemm_tn_bf16_ref;        /* the layouts of gemm_nt/nn/tn */
+/* The operand rounding of the bf16 GEMM, as the CPU's VCVTNE2PS2BF16 does it: round to nearest even,
+ * NaN stays a (quiet) NaN, ±Inf stays, fp32 denormals become ±0 (AMX treats bf16 denormals as 0 anyway). */
+uint16_t gemm_bf16_bits(float x);
+float gemm_bf16_round(float x); /* gemm_bf16_bits widened back to float */
+
+/* Internal to kernels/x86: the blocked driver of x86/gemm.c runs either its own fp32 AVX-512 engine
+ * or the bf16 AMX engine of x86/gemm_amx.c; an engine is its blocking sizes, packers and tile kernel. */
+typedef struct {
+    const float *p;
+    int64_t rs, cs; /* element (r, c) at p[r·rs + c·cs] */
+} gemm_view;
+typedef struct {
+    int64_t mr, nr;     /* tile kernel rows, columns */
+    int64_t kc;         /* K slice depth: fixes the summation order of every element */
+    int64_t mc, nt, nc; /* rows and columns per task at most; columns of B packed per slice */
+    int64_t kalign;     /* packed K of a slice is rounded up to a multiple of this (zero filled) */
+    size_t elem;        /* bytes of one packed element */
+    /* dst: A rows [i0, i0+mr) × k [k0, k0+kc) in the engine's panel layout, rows >= mr zero. */
+    void (*pack_a)(void *dst, gemm_view A, int64_t i0, int64_t mr, int64_t k0, int64_t kc);
+    /* dst: B (viewed K×N) rows [k0, k0+kc) × columns [j0, j0+nr), columns >= nr zero. */
+    void (*pack_b)(void *dst, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr);
+    /* C tile [mr, nr] = cscale·C + a·b over one packed slice (kc as passed to the packers). */
+    void (*tile)(int64_t kc, const void *a, const void *b, float *C, int64_t ldc, int64_t mr, int64_t nr,
+                 float cscale);
+    void (*thread_begin)(void), (*thread_end)(void); /* around a thread's tiles; NULL: nothing */
+} gemm_engine;
+/* The AMX engine, or NULL when this build has no AMX code (the precision switch then refuses bf16). */
+const gemm_engine *gemm_amx_engine(void);
+/* Tests only: pretend the CPU lacks AMX-BF16 (1) or Linux refuses the tile permission (2); 0: real. */
+void gemm_amx_simulate_missing(int what);
+
 /* Linear layer without bias. out: [N, OC], inp: [N, IC], w: [OC, IC]. */
 void linear_fwd(float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC);
 /* dinp += dout · w; dw += dout^T · inp. */

@@ -1,0 +1,57 @@
+/* Reference of the bf16 (mixed precision) GEMMs: operands rounded to bf16 exactly as the AMX packer
+ * rounds them, products (exact) summed in double, one rounding to float at the end. The oracle of
+ * x86/gemm_amx.c: the AMX result differs from it only by fp32 accumulation error. */
+#include <string.h>
+
+#include "kernels/kernels.h"
+
+#define GEMM_BF16_REF_PAR_MIN ((int64_t)1 << 18) /* below this many multiply-adds, one thread */
+
+/* Same results as VCVTNE2PS2BF16 (Intel SDM, convert_fp32_to_bfloat16): zero and denormal inputs
+ * give a zero of the same sign, Inf passes, NaN keeps its top bits with the quiet bit set, and
+ * normal numbers round to nearest even (which may overflow to Inf, as it should). */
+uint16_t gemm_bf16_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);         /* ±0, denormal */
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN: quiet */
+    if ((u & 0x7fffffffu) == 0x7f800000u) return (uint16_t)(u >> 16);          /* ±Inf */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+float gemm_bf16_round(float x) { return ds4_bf16_to_f32(gemm_bf16_bits(x)); }
+
+/* C[M,N] = beta·C + A·B with A[i,k] = A[i·ars + k·acs], B[k,j] = B[k·brs + j·bcs]; beta 0 does not
+ * read C. Each element: double sum over k ascending of bf16(A)·bf16(B). */
+static void gemm_bf16_strided(int64_t M, int64_t N, int64_t K, const float *A, int64_t ars, int64_t acs,
+                              const float *B, int64_t brs, int64_t bcs, float *C, int64_t ldc, float beta) {
+    KERNEL_SHAPE_ONLY_RETURN();
+#pragma omp parallel for schedule(static) if (M * N * K > GEMM_BF16_REF_PAR_MIN)
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            double acc = 0;
+            for (int64_t k = 0; k < K; k++)
+                acc += (double)gemm_bf16_round(A[i * ars + k * acs]) * gemm_bf16_round(B[k * brs + j * bcs]);
+            float *c = &C[i * ldc + j];
+            *c = beta == 0 ? (float)acc : (float)((double)beta * *c + acc);
+        }
+}
+
+/* C[M,N] = beta*C + A[M,K] · B[N,K]^T */
+void gemm_nt_bf16_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float *C, int64_t ldc, float beta) {
+    gemm_bf16_strided(M, N, K, A, lda, 1, B, 1, ldb, C, ldc, beta);
+}
+
+/* C[M,N] = beta*C + A[M,K] · B[K,N] */
+void gemm_nn_bf16_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float *C, int64_t ldc, float beta) {
+    gemm_bf16_strided(M, N, K, A, lda, 1, B, ldb, 1, C, ldc, beta);
+}
+
+/* C[M,N] = beta*C + A[K,M]^T · B[K,N] */
+void gemm_tn_bf16_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float *C, int64_t ldc, float beta) {
+    gemm_bf16_strided(M, N, K, A, 1, lda, B, ldb, 1, C, ldc, beta);
+}

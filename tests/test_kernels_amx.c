@@ -1,0 +1,409 @@
+/* The bf16 (AMX) matmul precision: operand rounding, the AMX GEMM against its bf16 reference on edge
+ * shapes, determinism over threads and runs, the precision switch and its errors, and memory that
+ * does not depend on the data (shape-only runs count the same bytes). */
+#include <float.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include "ds4/core.h"
+#include "kernels/kernels.h"
+#include "test.h"
+
+static float *falloc(int64_t n) { return calloc((size_t)(n > 0 ? n : 1), sizeof(float)); }
+
+static float f_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static uint32_t u_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* Whether this machine runs the AMX tests; set by main (the switch to bf16 succeeded). */
+static int g_amx;
+
+typedef void (*gemm_fn)(int64_t, int64_t, int64_t, const float *, int64_t, const float *, int64_t, float *,
+                        int64_t, float);
+enum { OP_NT, OP_NN, OP_TN };
+static const char *OP_NAME[] = {"nt", "nn", "tn"};
+static gemm_fn fast_of(int op) { return op == OP_NT ? gemm_nt : op == OP_NN ? gemm_nn : gemm_tn; }
+static gemm_fn bf16_ref_of(int op) {
+    return op == OP_NT ? gemm_nt_bf16_ref : op == OP_NN ? gemm_nn_bf16_ref : gemm_tn_bf16_ref;
+}
+
+/* Stored shapes (rows × cols) of A and B for an op. */
+static void ab_shape(int op, int64_t M, int64_t N, int64_t K, int64_t *ar, int64_t *ac, int64_t *br, int64_t *bc) {
+    *ar = op == OP_TN ? K : M;
+    *ac = op == OP_TN ? M : K;
+    *br = op == OP_NT ? N : K;
+    *bc = op == OP_NT ? K : N;
+}
+/* A[i,k] and B[k,j] of an op's stored operands. */
+static float a_at(int op, const float *A, int64_t lda, int64_t i, int64_t k) {
+    return op == OP_TN ? A[k * lda + i] : A[i * lda + k];
+}
+static float b_at(int op, const float *B, int64_t ldb, int64_t k, int64_t j) {
+    return op == OP_NT ? B[j * ldb + k] : B[k * ldb + j];
+}
+
+/* ---------------------------------------------------------------- rounding */
+
+/* Hand-picked values: ties go to even, NaN stays NaN (quiet), Inf stays, overflow rounds to Inf,
+ * denormals become zero of the same sign (as VCVTNE2PS2BF16 does). */
+static void test_bf16_rounding_values(void) {
+    static const struct {
+        uint32_t in;
+        uint16_t out;
+    } cases[] = {
+        {0x3f800000u, 0x3f80}, /* 1 */
+        {0x3f808000u, 0x3f80}, /* 1 + 2^-8: tie, even stays down */
+        {0x3f818000u, 0x3f82}, /* tie with odd low bit: up to even */
+        {0x3f808001u, 0x3f81}, /* just above the tie: up */
+        {0x3f807fffu, 0x3f80}, /* just below the tie: down */
+        {0xbfc00000u, 0xbfc0}, /* -1.5 exact */
+        {0xbf80c000u, 0xbf81}, /* negative, above tie: away from zero */
+        {0x7f800000u, 0x7f80}, /* +Inf */
+        {0xff800000u, 0xff80}, /* -Inf */
+        {0x7fc00000u, 0x7fc0}, /* quiet NaN */
+        {0x7f800001u, 0x7fc0}, /* signalling NaN with a low payload: stays NaN, made quiet */
+        {0xffa12345u, 0xffe1}, /* negative NaN keeps sign and top payload */
+        {0x7f7fffffu, 0x7f80}, /* FLT_MAX rounds up to Inf */
+        {0x7f7f7fffu, 0x7f7f}, /* largest that stays finite */
+        {0x00800000u, 0x0080}, /* smallest normal */
+        {0x00000001u, 0x0000}, /* denormal → +0 */
+        {0x807fffffu, 0x8000}, /* negative denormal → -0 */
+        {0x80000000u, 0x8000}, /* -0 */
+        {0x00000000u, 0x0000}, /* +0 */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        uint16_t got = gemm_bf16_bits(f_of(cases[i].in));
+        CHECK(got == cases[i].out, "bf16(0x%08x) = 0x%04x, expected 0x%04x", cases[i].in, got, cases[i].out);
+        CHECK(u_of(gemm_bf16_round(f_of(cases[i].in))) == (uint32_t)cases[i].out << 16, "gemm_bf16_round(0x%08x)",
+              cases[i].in);
+    }
+    /* On normal numbers it is the library's bf16 conversion (safetensors writer) exactly. */
+    for (uint32_t i = 0; i < 100000; i++) {
+        uint32_t u = (uint32_t)ds4_rng_u64(5, 1, i);
+        if ((u & 0x7f800000u) == 0 || (u & 0x7f800000u) == 0x7f800000u) continue;
+        CHECK(gemm_bf16_bits(f_of(u)) == ds4_f32_to_bf16(f_of(u)), "0x%08x", u);
+    }
+}
+
+/* Through the AMX path, K = 1 with the other operand 1.0: C = bf16(x)·1 + 0 exactly, so C shows the
+ * packer's rounding of every value (ties, Inf, NaN, overflow to Inf, denormal to 0; the sign of a
+ * zero is lost in the + 0), for A and for B of each layout (different packing code). */
+static void test_amx_packer_rounding(void) {
+    if (!g_amx) return;
+    enum { NV = 517 }; /* odd, several 32-tiles and a partial one */
+    float v[NV];
+    for (int i = 0; i < NV; i++) {
+        uint32_t u = (uint32_t)ds4_rng_u64(6, 2, (uint64_t)i);
+        if (i % 3 == 0) u = (u & 0xffff0000u) | 0x8000u;        /* exact ties */
+        if (i % 7 == 0) u = (u & 0x807fffffu) | 0x3f000000u;    /* moderate magnitudes */
+        if ((u & 0x7f800000u) == 0x7f800000u) u &= 0xbfffffffu; /* Inf and NaN only where placed below */
+        v[i] = f_of(u);
+        if (i % 11 == 0) v[i] = f_of(0x3f808000u + ((uint32_t)i << 16)); /* tie at various exponents */
+    }
+    v[5] = INFINITY, v[6] = -INFINITY, v[100] = NAN, v[200] = f_of(0x7f7fffffu), v[300] = f_of(0x00000003u);
+    float one[NV], C[NV];
+    for (int i = 0; i < NV; i++) one[i] = 1.0f;
+    for (int op = 0; op < 3; op++)
+        for (int side = 0; side < 2; side++) {
+            /* side 0: A holds the values (M = NV, N = 1); side 1: B holds them (M = 1, N = NV). With K = 1
+             * every stored layout is a plain vector, leading dimension 1 or the vector length. */
+            int64_t M = side ? 1 : NV, N = side ? NV : 1;
+            const float *A = side ? one : v, *B = side ? v : one;
+            int64_t lda = op == OP_TN ? M : 1, ldb = op == OP_NT ? 1 : N;
+            for (int i = 0; i < NV; i++) C[i] = NAN;
+            fast_of(op)(M, N, 1, A, lda, B, ldb, C, N, 0.0f);
+            int bad = 0;
+            for (int i = 0; i < NV; i++)
+                if (u_of(C[i]) != u_of(gemm_bf16_round(v[i])) && !(isnan(C[i]) && isnan(v[i])) &&
+                    !(C[i] == 0 && gemm_bf16_round(v[i]) == 0) && bad++ < 3) /* 0 + (-0) is +0 */
+                    t_note("  0x%08x -> 0x%08x, expected 0x%08x", u_of(v[i]), u_of(C[i]), u_of(gemm_bf16_round(v[i])));
+            CHECK(bad == 0, "gemm_%s %s packer: %d of %d values not rounded like gemm_bf16_bits", OP_NAME[op],
+                  side ? "B" : "A", bad, NV);
+        }
+}
+
+/* ---------------------------------------------------------------- accuracy against the reference */
+
+/* AMX vs the bf16 reference on one shape, padded leading dimensions, beta 0 (C preset to NaN: must
+ * not be read) or 1. Bound per element: the products of bf16 operands are exact in fp32, and the AMX
+ * result is an fp32 sum of those K products and beta·C in some fixed order: the classical recursive
+ * summation bound (Higham, Accuracy and Stability, eq. 4.4) gives |err| <= γ_K·S with S = Σ_k |ã_ik·b̃_kj|
+ * + |beta·C_ij| and γ_K = K·u/(1 − K·u), u = 2^-24. The reference is the exact sum rounded once (u·S).
+ * So |C − ref| <= (K + 2)·u·S (γ's denominator is below 1.0001 for K < 1700). The same bound would
+ * fail for an engine that did not round its operands to bf16 (errors ~2^-9·S). */
+static void amx_case(int op, int64_t M, int64_t N, int64_t K, int64_t pad, float beta, double *worst_ratio) {
+    int64_t ar, ac, br, bc;
+    ab_shape(op, M, N, K, &ar, &ac, &br, &bc);
+    int64_t lda = ac + pad, ldb = bc + pad, ldc = N + pad;
+    float *A = falloc(ar * lda), *B = falloc(br * ldb), *Cf = falloc(M * ldc), *Cr = falloc(M * ldc),
+          *C0 = falloc(M * ldc);
+    t_fill(A, ar * lda, (unsigned)(M * 31 + K), 1.0f);
+    t_fill(B, br * ldb, (unsigned)(N * 17 + K + 5), 1.0f);
+    t_fill(C0, M * ldc, 99, 4.0f);
+    for (int64_t e = 0; e < M * ldc; e++) /* padding: a sentinel; with beta 0, C must not be read: NaN */
+        if (e % ldc >= N || beta == 0) C0[e] = e % ldc >= N ? 12345.0f : NAN;
+    memcpy(Cf, C0, (size_t)(M * ldc) * sizeof(float));
+    memcpy(Cr, C0, (size_t)(M * ldc) * sizeof(float));
+    bf16_ref_of(op)(M, N, K, A, lda, B, ldb, Cr, ldc, beta);
+    fast_of(op)(M, N, K, A, lda, B, ldb, Cf, ldc, beta);
+    int bad = 0, bad_pad = 0;
+    for (int64_t i = 0; i < M; i++) {
+        for (int64_t j = 0; j < N; j++) {
+            double s = beta == 0 ? 0 : fabs((double)C0[i * ldc + j]);
+            for (int64_t k = 0; k < K; k++)
+                s += fabs((double)gemm_bf16_round(a_at(op, A, lda, i, k)) * gemm_bf16_round(b_at(op, B, ldb, k, j)));
+            double bound = (double)(K + 2) * 0x1p-24 * s * 1.0001, err = fabs((double)Cf[i * ldc + j] - Cr[i * ldc + j]);
+            if (!(err <= bound)) {
+                if (bad++ < 3)
+                    t_note("  gemm_%s M=%lld N=%lld K=%lld [%lld,%lld]: %.9g vs ref %.9g, err %.3g > bound %.3g",
+                           OP_NAME[op], (long long)M, (long long)N, (long long)K, (long long)i, (long long)j,
+                           Cf[i * ldc + j], Cr[i * ldc + j], err, bound);
+            } else if (bound > 0 && err / bound > *worst_ratio) {
+                *worst_ratio = err / bound;
+            }
+        }
+        for (int64_t j = N; j < ldc; j++) bad_pad += Cf[i * ldc + j] != 12345.0f;
+    }
+    CHECK(bad == 0, "gemm_%s M=%lld N=%lld K=%lld pad=%lld beta=%g: %d elements beyond the bound", OP_NAME[op],
+          (long long)M, (long long)N, (long long)K, (long long)pad, beta, bad);
+    CHECK(bad_pad == 0, "gemm_%s M=%lld N=%lld K=%lld: %d elements beyond column N written", OP_NAME[op],
+          (long long)M, (long long)N, (long long)K, bad_pad);
+    free(A), free(B), free(Cf), free(Cr), free(C0);
+}
+
+static void test_amx_edge_shapes(void) {
+    if (!g_amx) return;
+    /* around the AMX tile (16), the output tile (32), the K chunk (32), the K slice (512) and the
+     * row block (224); K = 1 and odd K exercise the zero-padded pair of the VNNI layout */
+    static const int64_t MS[] = {1, 2, 15, 16, 17, 33, 64, 225};
+    static const int64_t NS[] = {1, 3, 16, 17, 31, 32, 33, 70, 513};
+    static const int64_t KS[] = {1, 2, 3, 31, 32, 33, 63, 511, 513, 1025};
+    double worst = 0;
+    int64_t n_cases = 0;
+    for (int op = 0; op < 3; op++)
+        for (size_t a = 0; a < sizeof MS / sizeof *MS; a++)
+            for (size_t b = 0; b < sizeof NS / sizeof *NS; b++) {
+                size_t c = (a * 3 + b * 7 + (size_t)op) % (sizeof KS / sizeof *KS);
+                int64_t M = MS[a], N = NS[b], K = KS[c];
+                if (M * N * K > 4000000) K = 33;
+                amx_case(op, M, N, K, (a + b) % 2 ? 3 : 0, (a + b + c) % 2 ? 1.0f : 0.0f, &worst);
+                n_cases++;
+            }
+    /* every K on a shape with full and partial tiles, both betas */
+    for (int op = 0; op < 3; op++)
+        for (size_t c = 0; c < sizeof KS / sizeof *KS; c++) {
+            amx_case(op, 40, 45, KS[c], 2, 0.0f, &worst);
+            amx_case(op, 40, 45, KS[c], 0, 1.0f, &worst);
+        }
+    /* wider than one packed B block (8192 columns); several K slices and row blocks, threaded */
+    for (int op = 0; op < 3; op++) {
+        amx_case(op, 3, 8200, 7, 1, 1.0f, &worst);
+        amx_case(op, 460, 40, 1100, 0, 0.0f, &worst);
+    }
+    CHECK(n_cases == 3 * 8 * 9);
+    t_note("  amx vs bf16 reference: worst err/bound %.3g", worst);
+}
+
+/* In bf16 mode too: K = 0 is the empty sum (C = beta·C; beta 0 writes zeros without reading C),
+ * M or N = 0 write nothing, and a 1×1×1 product of bf16 values accumulates exactly. */
+static void test_amx_degenerate(void) {
+    if (!g_amx) return;
+    const float A[4] = {0}, B[4] = {0}, before[6] = {1, 2, 3, 4, 5, 6};
+    for (int op = 0; op < 3; op++)
+        for (int beta = 0; beta <= 1; beta++) {
+            float c[6];
+            for (int i = 0; i < 6; i++) c[i] = beta ? before[i] : NAN;
+            fast_of(op)(2, 3, 0, A, 1, B, 3, c, 3, (float)beta);
+            int bad = 0;
+            for (int i = 0; i < 6; i++) bad += c[i] != (beta ? before[i] : 0.0f);
+            fast_of(op)(0, 3, 2, A, 2, B, 3, c, 3, 0.0f); /* M = 0 */
+            fast_of(op)(2, 0, 2, A, 2, B, 2, c, 3, 0.0f); /* N = 0 */
+            for (int i = 0; i < 6; i++) bad += c[i] != (beta ? before[i] : 0.0f);
+            CHECK(bad == 0, "gemm_%s beta=%d: K = 0 or M, N = 0 gave the wrong C", OP_NAME[op], beta);
+        }
+    float a = 3, b = -2, c = 0.5f;
+    gemm_nt(1, 1, 1, &a, 1, &b, 1, &c, 1, 1.0f);
+    CHECK(c == -5.5f, "1x1x1 accumulate: %g", c);
+}
+
+/* ---------------------------------------------------------------- determinism */
+
+/* A fixed C plus A·B, computed on `threads` OpenMP threads (a new array). */
+static float *product_on(int threads, int op, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                         const float *B, int64_t ldb) {
+    float *C = falloc(M * N);
+    t_fill(C, M * N, 9, 1.0f);
+    int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    fast_of(op)(M, N, K, A, lda, B, ldb, C, N, 1.0f);
+    omp_set_num_threads(saved);
+    return C;
+}
+
+/* Same inputs → same bits: run to run, and for 1, 2 and 3 threads (tasks split differently); and
+ * the three layouts compute the same bits from transposed storage (their packers agree). */
+static void test_amx_deterministic(void) {
+    if (!g_amx) return;
+    const int64_t M = 300, N = 200, K = 1100; /* 66M multiply-adds: threaded, 3 K slices */
+    float *ref = falloc(M * N);
+    for (int op = 0; op < 3; op++) {
+        int64_t ar, ac, br, bc;
+        ab_shape(op, M, N, K, &ar, &ac, &br, &bc);
+        float *A = falloc(ar * ac), *B = falloc(br * bc), *C[4];
+        /* the same logical A and B for every op, stored per layout */
+        float *Al = falloc(M * K), *Bl = falloc(K * N);
+        t_fill(Al, M * K, 7, 1.0f);
+        t_fill(Bl, K * N, 8, 1.0f);
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t k = 0; k < K; k++) A[op == OP_TN ? k * M + i : i * K + k] = Al[i * K + k];
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < N; j++) B[op == OP_NT ? j * K + k : k * N + j] = Bl[k * N + j];
+        for (int r = 0; r < 4; r++) C[r] = product_on(r == 0 ? 1 : r, op, M, N, K, A, ac, B, bc);
+        size_t bytes = (size_t)(M * N) * sizeof(float);
+        CHECK(memcmp(C[0], C[1], bytes) == 0, "gemm_%s: run to run differs", OP_NAME[op]);
+        CHECK(memcmp(C[1], C[2], bytes) == 0, "gemm_%s: 1 vs 2 threads differ", OP_NAME[op]);
+        CHECK(memcmp(C[1], C[3], bytes) == 0, "gemm_%s: 1 vs 3 threads differ", OP_NAME[op]);
+        if (op == 0) memcpy(ref, C[1], bytes);
+        else CHECK(memcmp(ref, C[1], bytes) == 0, "gemm_%s vs gemm_nt: different bits", OP_NAME[op]);
+        for (int r = 0; r < 4; r++) free(C[r]);
+        free(A), free(B), free(Al), free(Bl);
+    }
+    free(ref);
+}
+
+/* Called from inside a parallel region (each thread its own GEMM, as a caller parallel over experts
+ * would): every thread configures and releases its own tiles, and gets the serial bits. */
+static void test_amx_nested_parallel(void) {
+    if (!g_amx) return;
+    const int64_t M = 130, N = 70, K = 600;
+    float *A = falloc(M * K), *B = falloc(N * K), *ref = falloc(M * N), *C[2] = {falloc(M * N), falloc(M * N)};
+    t_fill(A, M * K, 51, 1.0f);
+    t_fill(B, N * K, 52, 1.0f);
+    gemm_nt(M, N, K, A, K, B, K, ref, N, 0);
+#pragma omp parallel num_threads(2)
+    {
+        int t = omp_get_thread_num();
+        if (t < 2) gemm_nt(M, N, K, A, K, B, K, C[t], N, 0);
+    }
+    for (int t = 0; t < 2; t++)
+        CHECK(memcmp(ref, C[t], (size_t)(M * N) * sizeof(float)) == 0, "nested call on thread %d differs", t);
+    free(A), free(B), free(ref), free(C[0]), free(C[1]);
+}
+
+/* ---------------------------------------------------------------- the switch */
+
+/* Errors leave the precision as it was and say what is missing; switching to bf16 and back leaves
+ * the fp32 results bit for bit as they were. */
+static void test_precision_switch(void) {
+    ds4_matmul_precision was = ds4_get_matmul_precision();
+    CHECK(ds4_set_matmul_precision(DS4_MATMUL_FP32) == DS4_OK);
+    CHECK(ds4_set_matmul_precision((ds4_matmul_precision)7) == DS4_ERR_ARG);
+    CHECK(strstr(ds4_errmsg(), "unknown") != NULL, "%s", ds4_errmsg());
+    CHECK(ds4_get_matmul_precision() == DS4_MATMUL_FP32);
+    /* a CPU without AMX-BF16, then Linux refusing the tile permission (simulated); a build without
+     * AMX code says so first */
+    static const char *expect[] = {"lacks AMX-BF16", "ARCH_REQ_XCOMP_PERM"};
+    for (int what = 1; what <= 2; what++) {
+        gemm_amx_simulate_missing(what);
+        CHECK(ds4_set_matmul_precision(DS4_MATMUL_BF16) == DS4_ERR_UNSUPPORTED);
+        const char *want = gemm_amx_engine() ? expect[what - 1] : "no AMX code";
+        CHECK(strstr(ds4_errmsg(), want) && strstr(ds4_errmsg(), "stays fp32"), "%s", ds4_errmsg());
+        CHECK(ds4_get_matmul_precision() == DS4_MATMUL_FP32);
+    }
+    gemm_amx_simulate_missing(0);
+    CHECK(!strcmp(ds4_matmul_precision_name(DS4_MATMUL_BF16), "bf16"));
+
+    const int64_t M = 70, N = 90, K = 300;
+    float *A = falloc(M * K), *B = falloc(N * K), *c0 = falloc(M * N), *c1 = falloc(M * N), *c2 = falloc(M * N);
+    t_fill(A, M * K, 31, 1.0f);
+    t_fill(B, N * K, 32, 1.0f);
+    gemm_nt(M, N, K, A, K, B, K, c0, N, 0);
+    if (g_amx) {
+        CHECK(ds4_set_matmul_precision(DS4_MATMUL_BF16) == DS4_OK, "%s", ds4_errmsg());
+        gemm_nt(M, N, K, A, K, B, K, c1, N, 0);
+        CHECK(memcmp(c0, c1, (size_t)(M * N) * sizeof(float)) != 0, "bf16 mode gave the fp32 bits");
+        /* bf16 mode is the bf16 product (fp32 accumulation error only); fp32 mode is far from it
+         * (operand rounding, ~2^-9 relative per operand) */
+        float *r = falloc(M * N);
+        gemm_nt_bf16_ref(M, N, K, A, K, B, K, r, N, 0);
+        CHECK(t_rel_err(c1, r, M * N) < 1e-6, "bf16 mode vs bf16 reference: %.3g", t_rel_err(c1, r, M * N));
+        CHECK(t_rel_err(c0, r, M * N) > 1e-4, "fp32 mode vs bf16 reference: %.3g", t_rel_err(c0, r, M * N));
+        free(r);
+        CHECK(ds4_set_matmul_precision(DS4_MATMUL_FP32) == DS4_OK);
+    }
+    gemm_nt(M, N, K, A, K, B, K, c2, N, 0);
+    CHECK(memcmp(c0, c2, (size_t)(M * N) * sizeof(float)) == 0, "fp32 bits changed after bf16 and back");
+    /* fp32 mode is the fp32 kernel, not a bf16 one: within the fp32 tolerance of the fp32 reference */
+    gemm_nt_ref(M, N, K, A, K, B, K, c1, N, 0);
+    CHECK(t_rel_err(c2, c1, M * N) < 1e-6, "fp32 mode error %.3g", t_rel_err(c2, c1, M * N));
+    free(A), free(B), free(c0), free(c1), free(c2);
+    CHECK(ds4_set_matmul_precision(was) == DS4_OK);
+}
+
+/* ---------------------------------------------------------------- memory */
+
+/* WORK bytes (peak above live) of one bf16 GEMM, real or shape-only, with the workspace reserved (in
+ * the same mode, as a model does) or not. */
+static int64_t work_peak_of(int op, bool shape_only, bool reserve, const float *A, const float *B, float *C,
+                            int64_t M, int64_t N, int64_t K) {
+    ds4_mem_stats s0, s1;
+    ds4_set_shape_only(shape_only);
+    if (reserve) gemm_workspace_reserve();
+    ds4_mem_reset_peak();
+    ds4_mem_get(&s0);
+    int64_t lda = op == OP_TN ? M : K, ldb = op == OP_NT ? K : N;
+    fast_of(op)(M, N, K, A, lda, B, ldb, C, N, 0.0f);
+    ds4_mem_get(&s1);
+    if (reserve) gemm_workspace_release();
+    ds4_set_shape_only(false);
+    return s1.peak[DS4_MEM_WORK] - s0.live[DS4_MEM_WORK];
+}
+
+/* The packing buffers depend on the shape only: a shape-only run (memplan) counts what a real run
+ * allocates; with the workspace reserved the bf16 slices fit in it (nothing more allocated) and the
+ * result bits do not depend on which buffers were used. */
+static void test_amx_memory(void) {
+    if (!g_amx) return;
+    const int64_t M = 500, N = 300, K = 700;
+    float *A = falloc(M * K), *B = falloc(K * N), *c1 = falloc(M * N), *c2 = falloc(M * N);
+    t_fill(A, M * K, 41, 1.0f);
+    t_fill(B, K * N, 42, 1.0f);
+    for (int op = 0; op < 3; op++) {
+        int64_t real = work_peak_of(op, false, false, A, B, c1, M, N, K);
+        int64_t plan = work_peak_of(op, true, false, A, B, c2, M, N, K);
+        CHECK(real > 0 && real == plan, "gemm_%s: real run %lld WORK bytes, shape-only %lld", OP_NAME[op],
+              (long long)real, (long long)plan);
+        int64_t pooled = work_peak_of(op, false, true, A, B, c2, M, N, K);
+        int64_t pooled_plan = work_peak_of(op, true, true, A, B, c2, M, N, K);
+        CHECK(pooled == 0 && pooled_plan == 0, "gemm_%s with the reserved workspace: %lld / %lld bytes more",
+              OP_NAME[op], (long long)pooled, (long long)pooled_plan);
+        CHECK(memcmp(c1, c2, (size_t)(M * N) * sizeof(float)) == 0, "gemm_%s: pooled vs transient buffers differ",
+              OP_NAME[op]);
+    }
+    free(A), free(B), free(c1), free(c2);
+}
+
+int main(void) {
+    /* the AMX tests run wherever the switch to bf16 works (CPU with AMX-BF16, Linux grants tiles) */
+    g_amx = ds4_set_matmul_precision(DS4_MATMUL_BF16) == DS4_OK;
+    if (!g_amx) t_note("test_kernels_amx: SKIP the AMX tests: %s", ds4_errmsg());
+    ds4_set_matmul_precision(DS4_MATMUL_FP32);
+    RUN(test_bf16_rounding_values);
+    RUN(test_precision_switch);
+    if (g_amx) ds4_set_matmul_precision(DS4_MATMUL_BF16);
+    RUN(test_amx_packer_rounding);
+    RUN(test_amx_edge_shapes);
+    RUN(test_amx_degenerate);
+    RUN(test_amx_deterministic);
+    RUN(test_amx_nested_parallel);
+    RUN(test_amx_memory);
+    ds4_set_matmul_precision(DS4_MATMUL_FP32);
+    TEST_MAIN_END("test_kernels_amx");
+}
