@@ -103,6 +103,40 @@ static void test_resume_is_bitwise(void) {
     CHECK(access(p1, F_OK) == 0, "the first leg's checkpoint is kept (keep_latest_k = 3)");
 }
 
+/* Offload changes no bit: each swap alone against the straight run of test_resume_is_bitwise, the
+ * swapped optimizer also resumed half way (its moments load from the checkpoint into the store). */
+static void test_swap_is_bitwise(void) {
+    const char *runs[][3] = {{"swap_opt", "memory.swap_optimizer", "true"},
+                             {"swap_in", "memory.swap_layer_input", "true"}};
+    ds4_train_cfg c;
+    for (int r = 0; r < 2; r++) {
+        CHECK(cfg_for(&c, runs[r][0], runs[r][1], runs[r][2]) == DS4_OK, "%s", ds4_errmsg());
+        if (r == 0) {
+            c.steps = 2;
+            CHECK(ds4_train_run(&c) == DS4_OK, "%s", ds4_errmsg());
+            c.steps = 4;
+        }
+        CHECK(ds4_train_run(&c) == DS4_OK, "%s", ds4_errmsg());
+        char p1[512], p2[512];
+        snprintf(p1, sizeof p1, "%s/straight.jsonl", g_dir);
+        snprintf(p2, sizeof p2, "%s/%s.jsonl", g_dir, runs[r][0]);
+        for (int s = 1; s <= 4; s++) {
+            double l1 = jsonl_loss(p1, s), l2 = jsonl_loss(p2, s);
+            CHECK(isfinite(l1) && l1 == l2, "%s: step %d: loss %.9g straight vs %.9g", runs[r][0], s, l1, l2);
+        }
+        const char *files[] = {"model.safetensors", "optim.state"};
+        for (int i = 0; i < 2; i++) {
+            snprintf(p1, sizeof p1, "%s/straight/step-00000004/%s", g_dir, files[i]);
+            snprintf(p2, sizeof p2, "%s/%s/step-00000004/%s", g_dir, runs[r][0], files[i]);
+            CHECK(files_equal(p1, p2), "%s: %s differs from the straight run", runs[r][0], files[i]);
+        }
+    }
+    CHECK(cfg_for(&c, "bad_dir", "memory.offload_dir", "/nonexistent/ds4") == DS4_OK);
+    c.swap_optimizer = true;
+    ds4_status st = ds4_train_run(&c);
+    CHECK(st != DS4_OK && strstr(ds4_errmsg(), "/nonexistent/ds4"), "a missing offload dir: %s", ds4_errmsg());
+}
+
 static void expect_error(const char *key, const char *val, const char *needle) {
     ds4_train_cfg c;
     ds4_status st = cfg_for(&c, "bad", key, val);
@@ -223,6 +257,7 @@ int main(int argc, char **argv) {
     write_shard(p, 256, 8, 1500);
     ds4_set_threads(2);
     RUN(test_resume_is_bitwise);
+    RUN(test_swap_is_bitwise);
     RUN(test_bad_config_and_data);
     RUN(test_sigint_saves_and_exits_zero);
     RUN(test_kill9_during_saves_keeps_a_loadable_checkpoint);

@@ -1,4 +1,7 @@
-/* ds4 train --config FILE.toml [--section.key value ...] [recompute flags] [--memory-report] */
+/* ds4 train --config FILE.toml [--section.key value ...] [recompute flags] [--memory-report]
+ * Under mpirun every rank runs this; a failure every rank shares (bad flags or config, a failed start
+ * or save) is printed once, by rank 0, and every rank exits 1. A failure only one rank knows (inside a
+ * step) is printed by that rank, which then aborts the world: the others may wait in a collective. */
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/trainer.h"
@@ -6,18 +9,44 @@
 #include <stdio.h>
 #include <string.h>
 
+#ifdef DS4_HAVE_MPI
+#include <mpi.h>
+#endif
+
+/* A failure every rank returns alike: rank 0 prints it. `code`: the exit code. */
+static int fail_all(int code) {
+    if (ds4_comm_rank(ds4_comm_world()) == 0) fprintf(stderr, "error: %s\n", ds4_errmsg());
+    return code;
+}
+
+/* A failure of this rank alone. */
+static int fail_alone(void) {
+    ds4_comm *w = ds4_comm_world();
+    if (ds4_comm_size(w) == 1) return cli_fail();
+    fprintf(stderr, "error: rank %d: %s\n", ds4_comm_rank(w), ds4_errmsg());
+    fflush(stderr);
+#ifdef DS4_HAVE_MPI
+    MPI_Abort(MPI_COMM_WORLD, 1);
+#endif
+    return 1;
+}
+
 static void train_usage(void) {
     fprintf(stderr,
             "usage: ds4 train --config FILE.toml [--section.key value ...] [options]\n"
             "  --config FILE.toml              training config ([model] [training] [optimizer] [lr_scheduler]\n"
-            "                                  [data] [checkpoint] [metrics])\n"
+            "                                  [data] [checkpoint] [metrics] [parallel])\n"
             "  --section.key VALUE             override one config key (TorchTitan style)\n"
             "  --recompute-csa-attention       release and replay q-up, compressor, indexer, sparse attention, o-proj\n"
             "  --mhc-recompute                 release and replay mHC pre (attn, ffn) and mHC post (attn)\n"
             "  --recompute-norm                release and replay attn_norm / ffn_norm\n"
             "  --recompute-norm-num-layers N   ... on the first N layers by recompute priority\n"
             "  --recompute-granularity full|selective, --recompute-method uniform|block, --recompute-num-layers N\n"
-            "  --memory-report                 per layer and unit: bytes kept/released, replays (first step)\n");
+            "  --memory-report                 per layer and unit: bytes kept/released, replays (first step)\n"
+            "  --parallel.ep E                 under mpirun -np N: FSDP over the N ranks, experts over E of them\n"
+            "  --swap-optimizer                AdamW state in the offload store between updates ([memory])\n"
+            "  --swap-layer-input              layer inputs in the offload store from forward to backward\n"
+            "  --offload-dir DIR               the offload store's directory (default $TMPDIR, else /tmp)\n");
 }
 
 int cmd_train(int argc, char **argv) {
@@ -29,19 +58,19 @@ int cmd_train(int argc, char **argv) {
     for (int i = 1; i + 1 < argc; i++)
         if (!strcmp(argv[i], "--config")) cfg_path = argv[i + 1];
     if (!cfg_path) {
-        fprintf(stderr, "error: ds4 train: --config FILE.toml is required\n");
-        return 2;
+        ds4_fail(DS4_ERR_ARG, "ds4 train: --config FILE.toml is required");
+        return fail_all(2);
     }
     ds4_toml *t;
-    if (ds4_toml_load(cfg_path, &t) != DS4_OK) return cli_fail();
+    if (ds4_toml_load(cfg_path, &t) != DS4_OK) return fail_all(1);
     if (ds4_toml_apply_overrides(t, &argc, argv) != DS4_OK) {
         ds4_toml_free(t);
-        return cli_fail();
+        return fail_all(1);
     }
     ds4_train_cfg cfg;
     ds4_status st = ds4_train_cfg_from_toml(t, &cfg);
     ds4_toml_free(t);
-    if (st != DS4_OK) return cli_fail();
+    if (st != DS4_OK) return fail_all(1);
     for (int i = 1; i < argc; i++) {
         bool used = false;
         if (!strcmp(argv[i], "--config")) {
@@ -52,12 +81,29 @@ int cmd_train(int argc, char **argv) {
             cfg.memory_report = true;
             continue;
         }
-        if (ds4_recompute_parse_arg(&cfg.recompute, argc, argv, &i, &used) != DS4_OK) return cli_fail();
+        if (!strcmp(argv[i], "--swap-optimizer")) {
+            cfg.swap_optimizer = true;
+            continue;
+        }
+        if (!strcmp(argv[i], "--swap-layer-input")) {
+            cfg.swap_layer_input = true;
+            continue;
+        }
+        if (!strcmp(argv[i], "--offload-dir")) {
+            if (i + 1 >= argc) {
+                ds4_fail(DS4_ERR_ARG, "ds4 train: --offload-dir needs a directory");
+                return fail_all(2);
+            }
+            snprintf(cfg.offload_dir, sizeof cfg.offload_dir, "%s", argv[++i]);
+            continue;
+        }
+        if (ds4_recompute_parse_arg(&cfg.recompute, argc, argv, &i, &used) != DS4_OK) return fail_all(1);
         if (!used) {
-            fprintf(stderr, "error: ds4 train: unknown argument '%s' (see ds4 train --help)\n", argv[i]);
-            return 2;
+            ds4_fail(DS4_ERR_ARG, "ds4 train: unknown argument '%s' (see ds4 train --help)", argv[i]);
+            return fail_all(2);
         }
     }
-    if (ds4_train_run(&cfg) != DS4_OK) return cli_fail();
+    bool agreed = true;
+    if (ds4_train_run_world(&cfg, &agreed) != DS4_OK) return agreed ? fail_all(1) : fail_alone();
     return 0;
 }

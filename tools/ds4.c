@@ -1,5 +1,6 @@
 /* ds4 command line: one subcommand per verb. */
 #include "cmds.h"
+#include "ds4/dist.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -30,7 +31,7 @@ static void usage(void) {
         fprintf(stderr, "  %-12s %s\n", k_commands[i].name, k_commands[i].what);
 }
 
-int main(int argc, char **argv) {
+static int run_command(int argc, char **argv) {
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         usage();
         return argc < 2 ? 2 : 0;
@@ -40,4 +41,16 @@ int main(int argc, char **argv) {
     fprintf(stderr, "error: unknown command '%s'\n", argv[1]);
     usage();
     return 2;
+}
+
+/* MPI starts here when mpirun launched us (a no-op otherwise) and ends after the command, whatever it
+ * returned. */
+int main(int argc, char **argv) {
+    if (ds4_dist_init() != DS4_OK) {
+        fprintf(stderr, "error: %s\n", ds4_errmsg());
+        return 1;
+    }
+    int rc = run_command(argc, argv);
+    ds4_dist_finalize();
+    return rc;
 }

@@ -68,9 +68,22 @@ void ds4_fsdp_masks(const ds4_fsdp *f, uint8_t *decay, uint8_t *frozen);
 /* The full flat parameters (grads = false) or gradients on rank `root` (out: [ds4_model_numel] there,
  * ignored elsewhere); a collective. */
 ds4_status ds4_fsdp_collect(ds4_fsdp *f, bool grads, float *out, int root);
+/* The same for any shard buffer [shard_numel] laid out like the parameters (e.g. AdamW moments). */
+ds4_status ds4_fsdp_collect_buf(ds4_fsdp *f, const float *shard, float *out, int root);
+/* The packed layout: the float parameters back to back in table order, without region padding (the
+ * flat layout of a whole model made by ds4_model_create, and of checkpoints). */
+int64_t ds4_fsdp_packed_numel(const ds4_fsdp *f);
+/* A shard buffer gathered on root into out [packed_numel] (ignored elsewhere), one region at a time
+ * (root holds one region beyond out); a collective. */
+ds4_status ds4_fsdp_collect_packed(ds4_fsdp *f, const float *shard, float *out, int root);
+/* The inverse, on this rank alone: this rank's elements of packed [packed_numel] into shard [shard_numel]. */
+ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, const float *packed, float *shard);
 /* Global L2 norm of the sharded gradients (Σ of per-rank squares in rank order); clips like
  * ds4_clip_grad_norm when max_norm > 0. */
 ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm);
+/* The same with the squares summed exactly (a fixed-point accumulator): the norm has the same bits for
+ * any EP degree, any split of the shards and any thread count. NaN when a gradient is not finite. */
+ds4_status ds4_fsdp_clip_grad_norm_exact(ds4_fsdp *f, double max_norm, double *norm);
 /* ds4_router_bias_update on the shards; loads: [n_blocks, E] summed over all ranks. */
 void ds4_fsdp_router_bias_update(ds4_fsdp *f, const int64_t *loads, double gamma);
 

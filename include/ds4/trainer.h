@@ -1,9 +1,16 @@
 /* `ds4 train`: the training loop, configured by a TOML file in the TorchTitan manner
- * ([model], [training], [optimizer], [lr_scheduler], [data], [checkpoint], [metrics]) with
- * `--section.key value` overrides and the MindSpeed recompute flags. */
+ * ([model], [training], [optimizer], [lr_scheduler], [data], [checkpoint], [metrics], [parallel]) with
+ * `--section.key value` overrides and the MindSpeed recompute flags.
+ *
+ * Under `mpirun -np W` the loop runs FSDP + expert parallelism (ds4/dist.h) with TorchTitan's meaning
+ * of the batch: training.global_batch_size rows per step over all ranks, each rank running
+ * global_batch / (micro_batch_size · W) micro-batches. The data loader's order is the one of a single
+ * process; of every W consecutive micro-batches of it, rank r takes the r-th (ds4/data.h dp_rank). The
+ * logged loss is the mean over ranks; rank 0 alone logs, writes the JSONL and checkpoints. */
 #ifndef DS4_TRAINER_H
 #define DS4_TRAINER_H
 
+#include "ds4/dist.h"
 #include "ds4/recompute.h"
 #include "ds4/toml.h"
 #include "ds4/train.h"
@@ -35,6 +42,12 @@ typedef struct {
     int64_t log_freq;
     char jsonl[1024];
     double peak_tflops;       /* <= 0: measure with a GEMM probe */
+    /* [parallel] */
+    int64_t ep;               /* expert-parallel degree (divides the ranks and the routed experts) */
+    /* [memory] (also --swap-optimizer, --swap-layer-input, --offload-dir) */
+    bool swap_optimizer;      /* AdamW state in the offload store between updates */
+    bool swap_layer_input;    /* layer input streams in the offload store between forward and backward */
+    char offload_dir[1024];   /* the store's directory ("": $TMPDIR, else /tmp) */
     /* command line */
     ds4_recompute_cfg recompute;
     bool memory_report;
@@ -42,8 +55,52 @@ typedef struct {
 
 /* Fills cfg from the TOML tree (after overrides); unknown keys are errors naming the closest key. */
 ds4_status ds4_train_cfg_from_toml(const ds4_toml *root, ds4_train_cfg *cfg);
-/* Runs training; returns DS4_OK also when interrupted by SIGINT (after saving a checkpoint). */
+/* Runs training on the world (ds4_comm_world: one process, or every rank of mpirun); returns DS4_OK also
+ * when interrupted by SIGINT (after saving a checkpoint). */
 ds4_status ds4_train_run(const ds4_train_cfg *cfg);
+/* The same; on failure *agreed tells whether every rank returns this same failure and message (bad
+ * config, a failed start, resume or save: report it once and return) or only this rank knows it (a
+ * failure inside a step: other ranks may wait in a collective, so the caller aborts the world). */
+ds4_status ds4_train_run_world(const ds4_train_cfg *cfg, bool *agreed);
+
+/* ------------------------------------------------------------------ the trained state
+ * What a step updates, behind one interface: the whole model in this process (one rank, ep = 1) or this
+ * rank's FSDP + EP shard of it. With a shard, every function below is a collective of the world except
+ * model / hooks / numel / zero / scale / adamw. src/train/state.c. */
+typedef struct ds4_train_state ds4_train_state;
+
+typedef struct {
+    int ep;                                 /* expert-parallel degree */
+    bool swap_optimizer, swap_layer_input;  /* the offload policies (ds4/offload.h) */
+    const char *offload_dir;                /* NULL or "": $TMPDIR, else /tmp */
+} ds4_train_state_opts;
+
+/* Weights from d (a model directory), else the init rules with seed. */
+ds4_status ds4_train_state_open(const ds4_config *mc, const ds4_model_dir *d, uint64_t seed, ds4_comm *world,
+                                const ds4_train_state_opts *opts, ds4_train_state **out);
+void ds4_train_state_free(ds4_train_state *s);
+ds4_model *ds4_train_state_model(ds4_train_state *s);               /* what ds4_forward runs on */
+const ds4_param_hooks *ds4_train_state_hooks(ds4_train_state *s);  /* for ds4_pass_opts; NULL: whole */
+const ds4_act_hooks *ds4_train_state_act(ds4_train_state *s);      /* training passes; NULL: no swap */
+int64_t ds4_train_state_numel(const ds4_train_state *s);           /* parameters of the whole model */
+void ds4_train_state_zero_grads(ds4_train_state *s);
+/* Gradients /= micro_batches (all ranks' micro-batches of the step): the mean over the global batch. */
+void ds4_train_state_scale_grads(ds4_train_state *s, int64_t micro_batches);
+/* x [n] := the mean over ranks (rank-ordered sum / W); unchanged when whole. */
+ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n);
+/* Global gradient norm before clipping to max_norm (> 0). Sharded, it is exact (the same bits for any EP). */
+ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *norm);
+ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c, double lr);
+/* The router bias rule with loads [n_blocks, E] of this rank (summed over ranks in place first). */
+ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, double gamma);
+/* Checkpoints in the single-process format (ds4/train.h); save writes on rank 0 and every rank returns
+ * its outcome; load reads on every rank. */
+ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t keep_latest_k, const ds4_ckpt_meta *meta);
+ds4_status ds4_train_state_load(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta);
+
+/* st of every rank → the first failure in rank order on every rank (its message, "rank R: ..." when it
+ * is another rank's), DS4_OK when none failed; a collective of the world. */
+ds4_status ds4_train_agree(ds4_comm *world, ds4_status st);
 
 /* Peak fp32 FLOP/s of this machine with the given threads, measured by a GEMM probe (~0.3 s). */
 double ds4_probe_peak_flops(void);

@@ -92,8 +92,10 @@ static ds4_status hook_grad_begin(void *ctx, int64_t group) {
     return DS4_OK;
 }
 
-/* Reduce-scatter of one region's full gradient: piece q goes to rank q; this rank adds the n versions
- * of its piece it receives, in rank order, into its shard gradient. */
+/* Reduce-scatter of one region's full gradient: piece q goes to rank q; this rank sums the n versions
+ * of its piece it receives, in rank order, and adds the sum to its shard gradient. Summing the pass
+ * first makes the accumulation over micro-batches the same bits for any EP degree: with EP an expert's
+ * gradient of the pass arrives already summed over the source ranks (in rank order). */
 static ds4_status reduce_piece(ds4_fsdp *f, const piece *p) {
     ds4_comm *c = piece_comm(f, p);
     int n = ds4_comm_size(c);
@@ -111,8 +113,11 @@ static ds4_status reduce_piece(ds4_fsdp *f, const piece *p) {
     }
     if (st == DS4_OK && !ds4_shape_only()) {
         float *g = f->sg + p->shard_off;
-        for (int r = 0; r < n; r++)
-            for (int64_t i = 0; i < p->len; i++) g[i] += recv[(int64_t)r * p->len + i];
+        for (int64_t i = 0; i < p->len; i++) {
+            float t = recv[i];
+            for (int r = 1; r < n; r++) t += recv[(int64_t)r * p->len + i];
+            g[i] += t;
+        }
     }
     ds4_free(v);
     ds4_free(recv);
@@ -435,30 +440,120 @@ void ds4_fsdp_masks(const ds4_fsdp *f, uint8_t *decay, uint8_t *frozen) {
 }
 
 /* ------------------------------------------------------------------ whole-model views */
-ds4_status ds4_fsdp_collect(ds4_fsdp *f, bool grads, float *out, int root) {
-    ds4_model *m = f->m;
+/* Gathers region i of a shard buffer on root into dst [end - start of the region] (root only). Who
+ * holds which piece: dense regions over all ranks; expert e over the ranks of its EP rank. v: [2W]. */
+static ds4_status gather_region(ds4_fsdp *f, int64_t i, const float *shard, float *dst, int root, int64_t *v) {
+    const ds4_region *g = ds4_model_region(f->m, i);
     const int W = f->W;
-    int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)W);
+    int64_t len = g->end - g->start;
+    int64_t n = g->expert >= 0 ? W / f->ep_size : W, chunk = (len + n - 1) / n;
+    for (int w = 0; w < W; w++) {
+        bool holds = g->expert < 0 || expert_owner(f, g->expert) == w % f->ep_size;
+        int idx = g->expert < 0 ? w : w / f->ep_size;
+        v[w] = holds ? piece_len(len, chunk, idx) : 0;
+        v[W + w] = holds ? (int64_t)idx * chunk : 0;
+    }
+    int64_t j = f->piece_of_region[i];
+    const float *mine = j >= 0 ? shard + f->pieces[j].shard_off : NULL;
+    return ds4_comm_gatherv(f->world, mine, j >= 0 ? f->pieces[j].len : 0, dst, v, v + W, sizeof(float), root);
+}
+
+ds4_status ds4_fsdp_collect_buf(ds4_fsdp *f, const float *shard, float *out, int root) {
+    ds4_model *m = f->m;
+    int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)f->W);
     if (!v) return DS4_ERR_OOM;
     ds4_status st = DS4_OK;
-    for (int64_t i = 0; st == DS4_OK && i < ds4_model_nregions(m); i++) {
-        const ds4_region *g = ds4_model_region(m, i);
-        int64_t len = g->end - g->start;
-        /* who holds which piece: dense over all ranks; expert e over the ranks of its EP rank */
-        int64_t n = g->expert >= 0 ? W / f->ep_size : W, chunk = (len + n - 1) / n;
-        for (int w = 0; w < W; w++) {
-            bool holds = g->expert < 0 || expert_owner(f, g->expert) == w % f->ep_size;
-            int idx = g->expert < 0 ? w : w / f->ep_size;
-            v[w] = holds ? piece_len(len, chunk, idx) : 0;
-            v[W + w] = holds ? (int64_t)idx * chunk : 0;
-        }
-        int64_t j = f->piece_of_region[i];
-        const float *mine = j >= 0 ? (grads ? f->sg : f->sp) + f->pieces[j].shard_off : NULL;
-        st = ds4_comm_gatherv(f->world, mine, j >= 0 ? f->pieces[j].len : 0, out ? out + g->start : NULL, v, v + W,
-                              sizeof(float), root);
-    }
+    for (int64_t i = 0; st == DS4_OK && i < ds4_model_nregions(m); i++)
+        st = gather_region(f, i, shard, out ? out + ds4_model_region(m, i)->start : NULL, root, v);
     ds4_free(v);
     return st;
+}
+
+ds4_status ds4_fsdp_collect(ds4_fsdp *f, bool grads, float *out, int root) {
+    return ds4_fsdp_collect_buf(f, grads ? f->sg : f->sp, out, root);
+}
+
+/* Offset of every float parameter in the packed layout ([nparams], -1 for integer tables). */
+static int64_t *packed_offsets(ds4_model *m) {
+    int64_t np = ds4_model_nparams(m), off = 0;
+    int64_t *o = ds4_alloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(int64_t));
+    for (int64_t i = 0; o && i < np; i++) {
+        ds4_param *p = ds4_model_param(m, i);
+        o[i] = p->is_int ? -1 : off;
+        off += p->is_int ? 0 : p->numel;
+    }
+    return o;
+}
+
+int64_t ds4_fsdp_packed_numel(const ds4_fsdp *f) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < ds4_model_nparams(f->m); i++) {
+        const ds4_param *p = ds4_model_param(f->m, i);
+        n += p->is_int ? 0 : p->numel;
+    }
+    return n;
+}
+
+/* Region by region: gather into a region-sized buffer on root, then copy each parameter of the region
+ * to its packed place (the region padding is dropped). Parameters and regions are both in flat order. */
+ds4_status ds4_fsdp_collect_packed(ds4_fsdp *f, const float *shard, float *out, int root) {
+    ds4_model *m = f->m;
+    const bool here = f->rank == root && out;
+    const float *flat = ds4_model_params_flat(m);
+    int64_t maxlen = 0, np = ds4_model_nparams(m), pi = 0;
+    for (int64_t i = 0; i < ds4_model_nregions(m); i++) {
+        const ds4_region *g = ds4_model_region(m, i);
+        if (g->end - g->start > maxlen) maxlen = g->end - g->start;
+    }
+    int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)f->W);
+    int64_t *poff = packed_offsets(m);
+    float *tmp = here ? ds4_alloc(DS4_MEM_COMM, (size_t)(maxlen > 0 ? maxlen : 1) * sizeof(float)) : NULL;
+    ds4_status st = v && poff && (tmp || !here) ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory collecting a shard");
+    for (int64_t i = 0; st == DS4_OK && i < ds4_model_nregions(m); i++) {
+        const ds4_region *g = ds4_model_region(m, i);
+        st = gather_region(f, i, shard, tmp, root, v);
+        for (; st == DS4_OK && pi < np; pi++) { /* the parameters that start in this region */
+            ds4_param *p = ds4_model_param(m, pi);
+            if (p->is_int) continue;
+            int64_t a = p->data - flat;
+            if (a >= g->end) break;
+            if (here) memcpy(out + poff[pi], tmp + (a - g->start), (size_t)p->numel * sizeof(float));
+        }
+    }
+    ds4_free(tmp);
+    ds4_free(poff);
+    ds4_free(v);
+    return st;
+}
+
+typedef struct {
+    ds4_model *m;
+    const int64_t *poff;
+    const float *packed;
+    float *shard;
+} scatter_ctx;
+static void scatter_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
+    scatter_ctx *c = ctx;
+    int64_t i = p - ds4_model_param(c->m, 0);
+    memcpy(c->shard + s0, c->packed + c->poff[i] + k0, (size_t)(k1 - k0) * sizeof(float));
+}
+
+ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, const float *packed, float *shard) {
+    if (ds4_shape_only()) return DS4_OK;
+    int64_t *poff = packed_offsets(f->m);
+    if (!poff) return ds4_fail(DS4_ERR_OOM, "out of memory scattering into a shard");
+    scatter_ctx c = {f->m, poff, packed, shard};
+    for_each_overlap(f, scatter_overlap, &c);
+    ds4_free(poff);
+    return DS4_OK;
+}
+
+/* Scales the shard gradients when the global norm exceeds max_norm (as ds4_clip_grad_norm). */
+static void clip_shard(ds4_fsdp *f, double max_norm, double norm) {
+    if (max_norm > 0 && norm > max_norm && !ds4_shape_only()) {
+        float k = (float)(max_norm / (norm + 1e-6));
+        for (int64_t i = 0; i < f->ns; i++) f->sg[i] *= k;
+    }
 }
 
 ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm) {
@@ -466,10 +561,78 @@ ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm) {
     for (int64_t i = 0; i < (ds4_shape_only() ? 0 : f->ns); i++) s += (double)f->sg[i] * f->sg[i];
     DS4_TRY(ds4_comm_sum_f64(f->world, &s, 1));
     *norm = sqrt(s);
-    if (max_norm > 0 && *norm > max_norm && !ds4_shape_only()) {
-        float k = (float)(max_norm / (*norm + 1e-6));
-        for (int64_t i = 0; i < f->ns; i++) f->sg[i] *= k;
+    clip_shard(f, max_norm, *norm);
+    return DS4_OK;
+}
+
+/* An exact Σ x² of floats. x = mant·2^e with mant < 2^24, so x² = mant²·2^(2e) with mant² < 2^48; it is
+ * added into a fixed-point number of 32-bit limbs whose lowest bit is 2^-298 (the square of the smallest
+ * subnormal). Integer addition is associative: the sum does not depend on the order or on how the
+ * elements are split over threads and ranks. */
+#define SQ_LIMBS 20 /* 640 bits: x² spans bits [0, 554), leaving 86 bits of headroom for the count */
+typedef struct {
+    int64_t limb[SQ_LIMBS + 1]; /* the last one counts non-finite elements */
+} sq_acc;
+
+static void sq_add(sq_acc *a, float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    uint32_t e = (bits >> 23) & 0xffu, frac = bits & 0x7fffffu;
+    if (e == 255) {
+        a->limb[SQ_LIMBS]++;
+        return;
     }
+    uint64_t mant = e ? (frac | 0x800000u) : frac, sq = mant * mant;
+    int64_t pos = 2 * ((e ? (int64_t)e : 1) - 150) + 298; /* bit of x²'s lowest mantissa bit, in [0, 506] */
+    int64_t b = pos / 32, s = pos % 32;
+    uint64_t lo = (sq & 0xffffffffu) << s, hi = (sq >> 32) << s; /* lo < 2^64, hi < 2^47 */
+    a->limb[b] += (int64_t)(lo & 0xffffffffu);
+    a->limb[b + 1] += (int64_t)((lo >> 32) + (hi & 0xffffffffu));
+    a->limb[b + 2] += (int64_t)(hi >> 32);
+}
+
+/* Carries so that every limb but the top one is in [0, 2^32): a unique form of the same number. */
+static void sq_normalize(sq_acc *a) {
+    for (int i = 0; i + 1 < SQ_LIMBS; i++) {
+        a->limb[i + 1] += a->limb[i] >> 32;
+        a->limb[i] &= 0xffffffff;
+    }
+}
+
+static void sq_merge(sq_acc *a, const sq_acc *b) {
+    for (int i = 0; i <= SQ_LIMBS; i++) a->limb[i] += b->limb[i];
+}
+
+/* Σ x² over x [n]: chunks of 2^28 elements (each limb gains < 2^34 per element: no overflow), merged in
+ * any order. */
+static void sq_sum(const float *x, int64_t n, sq_acc *out) {
+    memset(out, 0, sizeof *out);
+    const int64_t chunk = (int64_t)1 << 28;
+    for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+        int64_t c1 = c0 + chunk < n ? c0 + chunk : n;
+#pragma omp parallel
+        {
+            sq_acc t;
+            memset(&t, 0, sizeof t);
+#pragma omp for schedule(static)
+            for (int64_t i = c0; i < c1; i++) sq_add(&t, x[i]);
+            sq_normalize(&t);
+#pragma omp critical(ds4_sq_merge)
+            sq_merge(out, &t);
+        }
+        sq_normalize(out);
+    }
+}
+
+ds4_status ds4_fsdp_clip_grad_norm_exact(ds4_fsdp *f, double max_norm, double *norm) {
+    sq_acc a;
+    sq_sum(f->sg, ds4_shape_only() ? 0 : f->ns, &a);
+    DS4_TRY(ds4_comm_sum_i64(f->world, a.limb, SQ_LIMBS + 1));
+    sq_normalize(&a);
+    double s = 0; /* from the top limb down: one rounding sequence for the one normalized form */
+    for (int i = SQ_LIMBS - 1; i >= 0; i--) s += ldexp((double)a.limb[i], 32 * i - 298);
+    *norm = a.limb[SQ_LIMBS] ? NAN : sqrt(s);
+    clip_shard(f, max_norm, *norm);
     return DS4_OK;
 }
 

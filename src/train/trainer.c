@@ -1,5 +1,6 @@
 /* The training loop: data → forward/backward (with gradient accumulation and the recompute policy)
- * → clip → AdamW → router bias update → metrics → checkpoints. Resumes bit-exactly. */
+ * → clip → AdamW → router bias update → metrics → checkpoints. Resumes bit-exactly. The loop does
+ * not know whether it holds the whole model or an FSDP + EP shard: ds4_train_state (state.c) does. */
 #include "ds4/trainer.h"
 
 #include "ds4/data.h"
@@ -24,6 +25,8 @@ static const char *const k_known_keys[] = {
     "data.train", "data.val", "data.val_batches",
     "checkpoint.folder", "checkpoint.interval", "checkpoint.keep_latest_k", "checkpoint.load_step",
     "metrics.log_freq", "metrics.jsonl", "metrics.peak_tflops",
+    "parallel.ep",
+    "memory.swap_optimizer", "memory.swap_layer_input", "memory.offload_dir",
 };
 
 static ds4_status copy_str(const ds4_toml *t, const char *key, const char *def, char *dst, size_t n) {
@@ -90,6 +93,10 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(ds4_toml_int_or(t, "metrics.log_freq", 1, &c->log_freq));
     DS4_TRY(copy_str(t, "metrics.jsonl", "", c->jsonl, sizeof c->jsonl));
     DS4_TRY(ds4_toml_float_or(t, "metrics.peak_tflops", 0, &c->peak_tflops));
+    DS4_TRY(ds4_toml_int_or(t, "parallel.ep", 1, &c->ep));
+    DS4_TRY(ds4_toml_bool_or(t, "memory.swap_optimizer", false, &c->swap_optimizer));
+    DS4_TRY(ds4_toml_bool_or(t, "memory.swap_layer_input", false, &c->swap_layer_input));
+    DS4_TRY(copy_str(t, "memory.offload_dir", "", c->offload_dir, sizeof c->offload_dir));
     return DS4_OK;
 }
 
@@ -114,6 +121,20 @@ static ds4_status check_cfg(const ds4_train_cfg *c, const ds4_config *mc) {
     if (c->ckpt_interval > 0 && !c->ckpt_folder[0])
         return ds4_fail(DS4_ERR_CONFIG, "key checkpoint.interval set but checkpoint.folder is empty");
     return ds4_recompute_validate(&c->recompute, mc);
+}
+
+/* Checks of the config against the world of W ranks (the same on every rank: all fail alike). */
+static ds4_status check_parallel(const ds4_train_cfg *c, const ds4_config *mc, int W) {
+    if (c->ep < 1 || W % c->ep || mc->n_routed_experts % c->ep)
+        return ds4_fail(DS4_ERR_CONFIG,
+                        "key parallel.ep: %lld must be >= 1 and divide the number of ranks (%d) and of routed experts "
+                        "(%lld)",
+                        (long long)c->ep, W, (long long)mc->n_routed_experts);
+    if (c->global_batch % (c->micro_batch * W))
+        return ds4_fail(DS4_ERR_CONFIG,
+                        "training.global_batch_size %lld is not a multiple of training.micro_batch_size %lld x %d ranks",
+                        (long long)c->global_batch, (long long)c->micro_batch, W);
+    return DS4_OK;
 }
 
 /* ------------------------------------------------------------------ peak FLOP/s probe */
@@ -148,9 +169,12 @@ static void on_sigint(int sig) {
 }
 
 /* ------------------------------------------------------------------ data */
+/* rank / W: of every W consecutive micro-batches of the one order, this rank takes the rank-th. */
 static ds4_status loader_open(const char *pattern, int64_t B, int64_t T, uint64_t seed, bool shuffle, int64_t vocab,
-                              ds4_dataloader **out) {
+                              int rank, int W, ds4_dataloader **out) {
     ds4_data_opts o = ds4_data_defaults();
+    o.dp_rank = rank;
+    o.dp_size = W;
     o.seq_len = T;
     o.batch_size = B;
     o.seed = seed;
@@ -179,8 +203,11 @@ static ds4_status loader_restore_text(ds4_dataloader *d, const char *txt) {
 /* ------------------------------------------------------------------ the loop */
 typedef struct {
     const ds4_train_cfg *cfg;
-    ds4_model *m;
-    ds4_adamw opt;
+    ds4_train_state *s;
+    ds4_model *m;     /* the state's model */
+    ds4_comm *world;
+    int rank, W;
+    bool lead;        /* rank 0: prints, logs, writes the JSONL */
     ds4_dataloader *train;
     uint32_t masks[DS4_MAX_LAYERS];
     int32_t *ids;     /* [micro_batch, seq_len] */
@@ -188,9 +215,10 @@ typedef struct {
     FILE *jsonl;
     double peak_flops, flops_per_token;
     bool report_pending; /* --memory-report: print it for the run's first step */
+    bool stopped;        /* SIGINT reached some rank: every rank stops after the same step */
 } trainer;
 
-static ds4_status open_model(const ds4_train_cfg *c, ds4_model **out) {
+static ds4_status open_model(const ds4_train_cfg *c, trainer *tr) {
     ds4_config mc;
     ds4_model_dir *d = NULL;
     if (c->model_dir[0]) {
@@ -202,11 +230,11 @@ static ds4_status open_model(const ds4_train_cfg *c, ds4_model **out) {
     if (c->mtp_loss_weight >= 0) mc.mtp_loss_weight = c->mtp_loss_weight;
     if (c->indexer_loss_coeff >= 0) mc.indexer_loss_coeff = c->indexer_loss_coeff;
     ds4_status st = check_cfg(c, &mc);
-    if (st == DS4_OK) st = ds4_model_create(&mc, out);
-    if (st == DS4_OK) {
-        if (d) st = ds4_model_load(*out, d);
-        else ds4_model_init_random(*out, (uint64_t)c->init_seed);
-    }
+    if (st == DS4_OK) st = check_parallel(c, &mc, tr->W);
+    ds4_train_state_opts so = {.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
+                               .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir};
+    if (st == DS4_OK) st = ds4_train_state_open(&mc, d, (uint64_t)c->init_seed, tr->world, &so, &tr->s);
+    if (st == DS4_OK) tr->m = ds4_train_state_model(tr->s);
     ds4_model_dir_close(d);
     return st;
 }
@@ -219,15 +247,17 @@ typedef struct {
 static ds4_status train_step(trainer *tr, int64_t step, step_losses *sl) {
     const ds4_train_cfg *c = tr->cfg;
     const ds4_config *mc = ds4_model_config(tr->m);
-    const int64_t accum = c->global_batch / c->micro_batch, nb = mc->n_layers + mc->n_mtp_layers;
+    const int64_t accum = c->global_batch / (c->micro_batch * tr->W), nb = mc->n_layers + mc->n_mtp_layers;
     memset(sl, 0, sizeof *sl);
     memset(tr->loads, 0, (size_t)(nb * mc->n_routed_experts) * sizeof(int64_t));
-    ds4_model_zero_grad(tr->m);
+    ds4_train_state_zero_grads(tr->s);
     for (int64_t a = 0; a < accum; a++) {
         DS4_TRY(ds4_data_next(tr->train, tr->ids));
         ds4_pass_opts o = {.need_backward = true,
                            .csa_dense = step <= c->csa_dense_steps,
-                           .release_mask = ds4_recompute_any(&c->recompute) ? tr->masks : NULL};
+                           .release_mask = ds4_recompute_any(&c->recompute) ? tr->masks : NULL,
+                           .hooks = ds4_train_state_hooks(tr->s),
+                           .act = ds4_train_state_act(tr->s)};
         ds4_pass *p;
         DS4_TRY(ds4_forward(tr->m, tr->ids, c->micro_batch, c->seq_len, &o, &p));
         ds4_status st = ds4_backward(tr->m, p);
@@ -241,7 +271,7 @@ static ds4_status train_step(trainer *tr, int64_t step, step_losses *sl) {
                 const int64_t *ld = ds4_pass_expert_load(p, l);
                 for (int64_t e = 0; e < mc->n_routed_experts; e++) tr->loads[l * mc->n_routed_experts + e] += ld[e];
             }
-            if (c->memory_report && a == 0 && tr->report_pending) {
+            if (c->memory_report && a == 0 && tr->report_pending && tr->lead) {
                 fprintf(stderr, "memory report, step %lld (per layer and unit: kept/released bytes, replays)\n",
                         (long long)step);
                 for (int64_t l = 0; l < nb; l++)
@@ -257,10 +287,10 @@ static ds4_status train_step(trainer *tr, int64_t step, step_losses *sl) {
         ds4_pass_free(p);
         DS4_TRY(st);
     }
-    if (accum > 1) {
-        float *g = ds4_model_grads_flat(tr->m), s = 1.0f / (float)accum;
-        for (int64_t i = 0; i < ds4_model_numel(tr->m); i++) g[i] *= s;
-    }
+    ds4_train_state_scale_grads(tr->s, accum * tr->W); /* the mean over the global batch */
+    double v[4] = {sl->loss, sl->mtp, sl->idx, sl->total};
+    DS4_TRY(ds4_train_state_mean(tr->s, v, 4)); /* the mean over ranks */
+    *sl = (step_losses){v[0], v[1], v[2], v[3]};
     return DS4_OK;
 }
 
@@ -268,11 +298,11 @@ static void log_step(trainer *tr, int64_t step, const step_losses *sl, double gn
     const ds4_train_cfg *c = tr->cfg;
     ds4_mem_stats ms;
     ds4_mem_get(&ms);
-    double tokens = (double)(c->global_batch * c->seq_len);
+    double tokens = (double)(c->global_batch * c->seq_len) / (double)tr->W; /* per rank, as TorchTitan */
     double tps = tokens / dt, tflops = tps * tr->flops_per_token / 1e12;
     double mfu = tr->peak_flops > 0 ? 100.0 * tps * tr->flops_per_token / tr->peak_flops : 0;
     double gib = (double)ms.peak_total / (1024.0 * 1024.0 * 1024.0);
-    if (step == 1 || step % c->log_freq == 0 || step == c->steps) {
+    if (tr->lead && (step == 1 || step % c->log_freq == 0 || step == c->steps)) {
         printf("step %5lld  loss %7.4f  grad_norm %7.4f  memory %6.3fGiB  tps %8.0f  tflops %6.3f  mfu %5.2f%%\n",
                (long long)step, sl->loss, gnorm, gib, tps, tflops, mfu);
         fflush(stdout);
@@ -291,8 +321,8 @@ static void log_step(trainer *tr, int64_t step, const step_losses *sl, double gn
 static ds4_status save_ckpt(trainer *tr, int64_t step) {
     ds4_ckpt_meta meta = {.step = step, .seed = (uint64_t)tr->cfg->seed};
     DS4_TRY(loader_state_text(tr->train, meta.data_state, sizeof meta.data_state));
-    ds4_status st = ds4_checkpoint_save(tr->cfg->ckpt_folder, tr->cfg->keep_latest_k, tr->m, &tr->opt, &meta);
-    if (st == DS4_OK) printf("saved checkpoint step %lld to %s\n", (long long)step, tr->cfg->ckpt_folder);
+    ds4_status st = ds4_train_state_save(tr->s, tr->cfg->ckpt_folder, tr->cfg->keep_latest_k, &meta);
+    if (st == DS4_OK && tr->lead) printf("saved checkpoint step %lld to %s\n", (long long)step, tr->cfg->ckpt_folder);
     return st;
 }
 
@@ -307,10 +337,10 @@ static ds4_status maybe_resume(trainer *tr, int64_t *start) {
         return DS4_OK;                                 /* nothing to resume: fresh run */
     }
     ds4_ckpt_meta meta;
-    DS4_TRY(ds4_checkpoint_load(path, tr->m, &tr->opt, &meta));
+    DS4_TRY(ds4_train_state_load(tr->s, path, &meta));
     DS4_TRY(loader_restore_text(tr->train, meta.data_state));
     *start = meta.step;
-    printf("resumed from %s (step %lld)\n", path, (long long)meta.step);
+    if (tr->lead) printf("resumed from %s (step %lld)\n", path, (long long)meta.step);
     return DS4_OK;
 }
 
@@ -319,13 +349,13 @@ static ds4_status run_validation(trainer *tr) {
     if (!c->val_data[0] || c->val_batches <= 0) return DS4_OK;
     ds4_dataloader *v;
     DS4_TRY(loader_open(c->val_data, c->micro_batch, c->seq_len, (uint64_t)c->seed, false,
-                        ds4_model_config(tr->m)->vocab_size, &v));
+                        ds4_model_config(tr->m)->vocab_size, 0, 1, &v)); /* every rank: the same batches */
     double sum = 0;
     int64_t n = 0;
     ds4_status st = DS4_OK;
     for (int64_t b = 0; b < c->val_batches && st == DS4_OK; b++) {
         st = ds4_data_next(v, tr->ids);
-        ds4_pass_opts o = {.need_backward = false};
+        ds4_pass_opts o = {.need_backward = false, .hooks = ds4_train_state_hooks(tr->s)};
         ds4_pass *p = NULL;
         if (st == DS4_OK) st = ds4_forward(tr->m, tr->ids, c->micro_batch, c->seq_len, &o, &p);
         if (st == DS4_OK) {
@@ -335,85 +365,141 @@ static ds4_status run_validation(trainer *tr) {
         ds4_pass_free(p);
     }
     ds4_data_close(v);
-    if (st == DS4_OK && n > 0)
+    if (st == DS4_OK && n > 0 && tr->lead)
         printf("validation loss %.4f ppl %.2f (%lld batches)\n", sum / (double)n, exp(sum / (double)n), (long long)n);
     return st;
 }
 
-static ds4_status train_loop(trainer *tr) {
+/* SIGINT on any rank stops every rank after the same step (a collective when sharded). */
+static ds4_status check_stop(trainer *tr) {
+    int64_t any = g_stop ? 1 : 0;
+    if (tr->W > 1) DS4_TRY(ds4_comm_sum_i64(tr->world, &any, 1));
+    tr->stopped = any > 0;
+    return DS4_OK;
+}
+
+static void print_model_line(trainer *tr) {
     const ds4_train_cfg *c = tr->cfg;
     const ds4_config *mc = ds4_model_config(tr->m);
-    int64_t start;
-    DS4_TRY(maybe_resume(tr, &start));
-    tr->flops_per_token = ds4_train_flops_per_token(mc, c->seq_len);
-    tr->peak_flops = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : ds4_probe_peak_flops();
     char rc[64];
     printf("model: %lld parameters, %lld layers + %lld MTP; %.3f MFLOPs/token (train, sparse-aware); "
            "peak %.1f GFLOP/s (%s); recompute %s; %d threads\n",
-           (long long)ds4_model_numel(tr->m), (long long)mc->n_layers, (long long)mc->n_mtp_layers,
+           (long long)ds4_train_state_numel(tr->s), (long long)mc->n_layers, (long long)mc->n_mtp_layers,
            tr->flops_per_token / 1e6, tr->peak_flops / 1e9, c->peak_tflops > 0 ? "config" : "GEMM probe",
            ds4_recompute_describe(&c->recompute, rc, sizeof rc), ds4_get_threads());
-    signal(SIGINT, on_sigint);
+    if (c->swap_optimizer || c->swap_layer_input)
+        printf("offload: %s%s%s to %s\n", c->swap_optimizer ? "optimizer state" : "",
+               c->swap_optimizer && c->swap_layer_input ? ", " : "", c->swap_layer_input ? "layer inputs" : "",
+               c->offload_dir[0] ? c->offload_dir : "$TMPDIR or /tmp");
+    if (tr->W > 1)
+        printf("parallel: %d ranks, FSDP over %d, expert parallel %lld (%lld micro-batches per rank per step)\n", tr->W,
+               tr->W, (long long)c->ep, (long long)(c->global_batch / (c->micro_batch * tr->W)));
+}
+
+/* The steps after `start`. On failure *agreed says whether every rank failed the same way: a
+ * non-finite loss or norm (both global) and a failed save (ds4_train_state_save agrees) are; anything
+ * else may be this rank's alone. */
+static ds4_status run_steps(trainer *tr, int64_t start, int64_t *last, bool *agreed) {
+    const ds4_train_cfg *c = tr->cfg;
     ds4_status st = DS4_OK;
     int64_t step = start;
-    while (step < c->steps && st == DS4_OK && !g_stop) {
+    *agreed = false;
+    while (step < c->steps && st == DS4_OK && !tr->stopped) {
         step++;
         double t0 = ds4_now(), lr = ds4_lr_at(&c->sched, step);
         ds4_mem_reset_peak();
         step_losses sl;
+        double gnorm = 0;
         st = train_step(tr, step, &sl);
+        if (st == DS4_OK) st = ds4_train_state_clip(tr->s, c->max_norm, &gnorm);
         if (st != DS4_OK) break;
-        double gnorm = ds4_clip_grad_norm(tr->m, c->max_norm);
         if (!isfinite(sl.total) || !isfinite(gnorm)) {
+            *agreed = true;
             st = ds4_fail(DS4_ERR_INTERNAL, "step %lld: loss %g / grad norm %g is not finite", (long long)step,
                           sl.total, gnorm);
             break;
         }
-        ds4_adamw_step(&tr->opt, tr->m, &c->adamw, lr);
-        if (tr->report_pending) {
+        st = ds4_train_state_adamw_step(tr->s, &c->adamw, lr);
+        if (st != DS4_OK) break;
+        if (tr->report_pending && tr->lead) {
             ds4_mem_stats ms;
             ds4_mem_get(&ms);
             fprintf(stderr, "  step %lld peak by category:", (long long)step);
             for (int k = 0; k < DS4_MEM_NCAT; k++)
                 fprintf(stderr, " %s %lld", ds4_mem_cat_name((ds4_mem_cat)k), (long long)ms.peak[k]);
             fprintf(stderr, "; total %lld bytes\n", (long long)ms.peak_total);
-            tr->report_pending = false;
         }
-        ds4_router_bias_update(tr->m, tr->loads, c->router_bias_gamma);
+        tr->report_pending = false;
+        st = ds4_train_state_router_bias(tr->s, tr->loads, c->router_bias_gamma);
+        if (st != DS4_OK) break;
         log_step(tr, step, &sl, gnorm, lr, ds4_now() - t0);
-        if (c->ckpt_folder[0] && c->ckpt_interval > 0 && step % c->ckpt_interval == 0 && step < c->steps)
+        if (c->ckpt_folder[0] && c->ckpt_interval > 0 && step % c->ckpt_interval == 0 && step < c->steps) {
             st = save_ckpt(tr, step);
+            *agreed = st != DS4_OK;
+            if (st != DS4_OK) break;
+        }
+        st = check_stop(tr);
     }
-    if (st == DS4_OK && c->ckpt_folder[0] && step > start) st = save_ckpt(tr, step);
-    if (g_stop && st == DS4_OK) printf("interrupted: saved step %lld, exiting\n", (long long)step);
-    if (st == DS4_OK && !g_stop) st = run_validation(tr);
+    *last = step;
+    return st;
+}
+
+static ds4_status train_loop(trainer *tr, bool *agreed) {
+    const ds4_train_cfg *c = tr->cfg;
+    int64_t start = 0, step;
+    ds4_status st = ds4_train_agree(tr->world, maybe_resume(tr, &start));
+    if (st != DS4_OK) return st;
+    tr->flops_per_token = ds4_train_flops_per_token(ds4_model_config(tr->m), c->seq_len);
+    tr->peak_flops = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : ds4_probe_peak_flops();
+    if (tr->lead) print_model_line(tr);
+    signal(SIGINT, on_sigint);
+    st = run_steps(tr, start, &step, agreed);
+    if (st == DS4_OK && c->ckpt_folder[0] && step > start) {
+        st = save_ckpt(tr, step);
+        *agreed = true;
+    }
+    if (tr->stopped && st == DS4_OK && tr->lead) printf("interrupted: saved step %lld, exiting\n", (long long)step);
+    if (st == DS4_OK && !tr->stopped) {
+        *agreed = false;
+        st = run_validation(tr);
+    }
     signal(SIGINT, SIG_DFL);
     return st;
 }
 
-ds4_status ds4_train_run(const ds4_train_cfg *c) {
-    trainer tr = {.cfg = c, .report_pending = c->memory_report};
+ds4_status ds4_train_run_world(const ds4_train_cfg *c, bool *agreed) {
+    ds4_comm *world = ds4_comm_world();
+    trainer tr = {.cfg = c, .report_pending = c->memory_report, .world = world, .rank = ds4_comm_rank(world),
+                  .W = ds4_comm_size(world)};
+    tr.lead = tr.rank == 0;
+    *agreed = true;
     g_stop = 0;
     if (c->threads > 0) ds4_set_threads((int)c->threads);
-    DS4_TRY(open_model(c, &tr.m));
-    const ds4_config *mc = ds4_model_config(tr.m);
-    ds4_status st = ds4_adamw_init(&tr.opt, tr.m);
+    ds4_status st = open_model(c, &tr);
+    const ds4_config *mc = tr.m ? ds4_model_config(tr.m) : NULL;
     if (st == DS4_OK)
-        st = loader_open(c->train_data, c->micro_batch, c->seq_len, (uint64_t)c->seed, true, mc->vocab_size,
-                         &tr.train);
-    tr.ids = ds4_alloc(DS4_MEM_OTHER, (size_t)(c->micro_batch * c->seq_len) * sizeof(int32_t));
-    tr.loads = ds4_calloc(DS4_MEM_OTHER, (size_t)((mc->n_layers + mc->n_mtp_layers) * mc->n_routed_experts) *
-                                             sizeof(int64_t));
-    if (st == DS4_OK && (!tr.ids || !tr.loads)) st = DS4_ERR_OOM;
-    if (st == DS4_OK && c->jsonl[0] && !(tr.jsonl = fopen(c->jsonl, "a")))
+        st = loader_open(c->train_data, c->micro_batch, c->seq_len, (uint64_t)c->seed, true, mc->vocab_size, tr.rank,
+                         tr.W, &tr.train);
+    if (st == DS4_OK) {
+        tr.ids = ds4_alloc(DS4_MEM_OTHER, (size_t)(c->micro_batch * c->seq_len) * sizeof(int32_t));
+        tr.loads = ds4_calloc(DS4_MEM_OTHER, (size_t)((mc->n_layers + mc->n_mtp_layers) * mc->n_routed_experts) *
+                                                 sizeof(int64_t));
+        if (!tr.ids || !tr.loads) st = DS4_ERR_OOM;
+    }
+    if (st == DS4_OK && tr.lead && c->jsonl[0] && !(tr.jsonl = fopen(c->jsonl, "a")))
         st = ds4_fail(DS4_ERR_IO, "%s: cannot open the metrics file", c->jsonl);
     if (st == DS4_OK) ds4_recompute_masks(&c->recompute, mc, tr.masks);
-    if (st == DS4_OK) st = train_loop(&tr);
+    st = ds4_train_agree(world, st); /* a rank that cannot start stops them all */
+    if (st == DS4_OK) st = train_loop(&tr, agreed);
     if (tr.jsonl) fclose(tr.jsonl);
     ds4_free(tr.ids);
     ds4_free(tr.loads);
     ds4_data_close(tr.train);
-    ds4_adamw_free(&tr.opt);
-    ds4_model_free(tr.m);
+    ds4_train_state_free(tr.s);
     return st;
+}
+
+ds4_status ds4_train_run(const ds4_train_cfg *c) {
+    bool agreed;
+    return ds4_train_run_world(c, &agreed);
 }

@@ -1,0 +1,247 @@
+/* The state a training step updates, in one of two forms behind one interface (ds4/trainer.h):
+ *  - whole: the model and its AdamW state in this process (one rank, ep = 1: the single-process path,
+ *    the same calls in the same order as before there was a second form, so the same bits);
+ *  - sharded: this rank's FSDP + EP shard (ds4/dist.h). The model is unmapped; the hooks gather a
+ *    group's weights around its use and reduce-scatter its gradients into the shard, where they
+ *    accumulate over micro-batches. AdamW, clipping and the router bias rule run on the shard.
+ * Checkpoints keep the single-process format in both forms: rank 0 gathers the packed parameters and
+ * moments and writes them with ds4_checkpoint_save; on load every rank reads the files and keeps its
+ * elements. So a run saved by N ranks resumes on any number of ranks.
+ * Offload (--swap-optimizer, --swap-layer-input) puts the AdamW state and the layer input streams in one
+ * offload store (ds4/offload.h) owned here; the moments come back to memory only around checkpoints. */
+#include "ds4/io.h"
+#include "ds4/offload.h"
+#include "ds4/trainer.h"
+
+#include <stdio.h>
+#include <string.h>
+
+struct ds4_train_state {
+    ds4_model *m;     /* whole, or unmapped behind the FSDP hooks */
+    ds4_fsdp *f;      /* NULL: whole */
+    ds4_comm *world;
+    ds4_adamw opt;    /* [numel] whole, [shard_numel] sharded */
+    ds4_offload *store;     /* NULL: no offload */
+    ds4_act_offload *act;   /* --swap-layer-input */
+};
+
+/* ------------------------------------------------------------------ agreement between ranks */
+/* What one rank tells the others about how a phase ended. */
+typedef struct {
+    int64_t status;
+    char msg[504];
+} rank_outcome;
+
+ds4_status ds4_train_agree(ds4_comm *world, ds4_status st) {
+    const int W = ds4_comm_size(world);
+    if (W == 1) return st;
+    rank_outcome mine = {.status = st};
+    if (st != DS4_OK) snprintf(mine.msg, sizeof mine.msg, "%s", ds4_errmsg());
+    rank_outcome *all = ds4_calloc(DS4_MEM_OTHER, (size_t)W * sizeof *all);
+    int64_t *cd = ds4_alloc(DS4_MEM_OTHER, 2 * (size_t)W * sizeof(int64_t));
+    ds4_status rc = all && cd ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory exchanging the ranks' status");
+    for (int r = 0; rc == DS4_OK && r < W; r++) {
+        cd[r] = 1;
+        cd[W + r] = r;
+    }
+    if (rc == DS4_OK) rc = ds4_comm_allgatherv(world, &mine, 1, all, cd, cd + W, sizeof mine);
+    for (int r = 0; rc == DS4_OK && r < W; r++) {
+        if (all[r].status == DS4_OK) continue;
+        if (r == ds4_comm_rank(world)) rc = st; /* keep this rank's own message */
+        else rc = ds4_fail((ds4_status)all[r].status, "rank %d: %s", r, all[r].msg);
+        break;
+    }
+    ds4_free(all);
+    ds4_free(cd);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ open / free */
+static ds4_status open_whole(ds4_train_state *s, const ds4_config *mc, const ds4_model_dir *d, uint64_t seed,
+                             bool swap_optimizer) {
+    DS4_TRY(ds4_model_create(mc, &s->m));
+    if (d) DS4_TRY(ds4_model_load(s->m, d));
+    else ds4_model_init_random(s->m, seed);
+    return swap_optimizer ? ds4_adamw_init_swapped(&s->opt, s->m, s->store, 0) : ds4_adamw_init(&s->opt, s->m);
+}
+
+static ds4_status open_sharded(ds4_train_state *s, const ds4_config *mc, const ds4_model_dir *d, uint64_t seed,
+                               int ep, bool swap_optimizer) {
+    DS4_TRY(ds4_model_create_unmapped(mc, &s->m));
+    DS4_TRY(ds4_fsdp_create(s->m, s->world, ep, &s->f));
+    DS4_TRY(d ? ds4_fsdp_load(s->f, d) : ds4_fsdp_init_random(s->f, seed));
+    int64_t n = ds4_fsdp_shard_numel(s->f);
+    DS4_TRY(swap_optimizer ? ds4_adamw_init_n_swapped(&s->opt, n, s->store, 0) : ds4_adamw_init_n(&s->opt, n));
+    ds4_fsdp_masks(s->f, s->opt.decay, s->opt.frozen);
+    return swap_optimizer ? ds4_adamw_swap_out(&s->opt, s->store, 0) : DS4_OK;
+}
+
+/* The offload store and the layer-input hooks, when a swap policy asks for them. */
+static ds4_status open_offload(ds4_train_state *s, const ds4_train_state_opts *o) {
+    if (!o->swap_optimizer && !o->swap_layer_input) return DS4_OK;
+    DS4_TRY(ds4_offload_open(o->offload_dir, &s->store));
+    return o->swap_layer_input ? ds4_act_offload_new(s->store, &s->act) : DS4_OK;
+}
+
+ds4_status ds4_train_state_open(const ds4_config *mc, const ds4_model_dir *d, uint64_t seed, ds4_comm *world,
+                                const ds4_train_state_opts *opts, ds4_train_state **out) {
+    *out = NULL;
+    ds4_train_state *s = ds4_calloc(DS4_MEM_OTHER, sizeof *s);
+    if (!s) return DS4_ERR_OOM;
+    s->world = world;
+    bool sharded = ds4_comm_size(world) > 1 || opts->ep > 1;
+    ds4_status st = open_offload(s, opts);
+    if (st == DS4_OK)
+        st = sharded ? open_sharded(s, mc, d, seed, opts->ep, opts->swap_optimizer)
+                     : open_whole(s, mc, d, seed, opts->swap_optimizer);
+    if (st != DS4_OK) {
+        ds4_train_state_free(s);
+        return st;
+    }
+    *out = s;
+    return DS4_OK;
+}
+
+void ds4_train_state_free(ds4_train_state *s) {
+    if (!s) return;
+    ds4_act_offload_free(s->act);
+    ds4_adamw_free(&s->opt);
+    ds4_offload_close(s->store); /* after everything it holds */
+    ds4_fsdp_free(s->f);
+    ds4_model_free(s->m);
+    ds4_free(s);
+}
+
+ds4_model *ds4_train_state_model(ds4_train_state *s) { return s->m; }
+const ds4_param_hooks *ds4_train_state_hooks(ds4_train_state *s) { return s->f ? ds4_fsdp_hooks(s->f) : NULL; }
+const ds4_act_hooks *ds4_train_state_act(ds4_train_state *s) { return s->act ? ds4_act_offload_hooks(s->act) : NULL; }
+int64_t ds4_train_state_numel(const ds4_train_state *s) {
+    return s->f ? ds4_fsdp_packed_numel(s->f) : ds4_model_numel(s->m);
+}
+
+/* ------------------------------------------------------------------ one step */
+void ds4_train_state_zero_grads(ds4_train_state *s) {
+    if (s->f) ds4_fsdp_zero_grads(s->f);
+    else ds4_model_zero_grad(s->m);
+}
+
+void ds4_train_state_scale_grads(ds4_train_state *s, int64_t micro_batches) {
+    if (micro_batches <= 1) return;
+    float *g = s->f ? ds4_fsdp_shard_grads(s->f) : ds4_model_grads_flat(s->m), k = 1.0f / (float)micro_batches;
+    int64_t n = s->f ? ds4_fsdp_shard_numel(s->f) : ds4_model_numel(s->m);
+    for (int64_t i = 0; i < n; i++) g[i] *= k;
+}
+
+ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n) {
+    const int W = ds4_comm_size(s->world);
+    if (!s->f || W == 1) return DS4_OK;
+    DS4_TRY(ds4_comm_sum_f64(s->world, x, n));
+    for (int64_t i = 0; i < n; i++) x[i] /= (double)W;
+    return DS4_OK;
+}
+
+ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *norm) {
+    if (s->f) return ds4_fsdp_clip_grad_norm_exact(s->f, max_norm, norm);
+    *norm = ds4_clip_grad_norm(s->m, max_norm);
+    return DS4_OK;
+}
+
+ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c, double lr) {
+    if (s->f) return ds4_adamw_step_flat(&s->opt, ds4_fsdp_shard_params(s->f), ds4_fsdp_shard_grads(s->f), c, lr);
+    return ds4_adamw_step(&s->opt, s->m, c, lr);
+}
+
+ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, double gamma) {
+    if (!s->f) {
+        ds4_router_bias_update(s->m, loads, gamma);
+        return DS4_OK;
+    }
+    const ds4_config *c = ds4_model_config(s->m);
+    DS4_TRY(ds4_comm_sum_i64(s->world, loads, (c->n_layers + c->n_mtp_layers) * c->n_routed_experts));
+    ds4_fsdp_router_bias_update(s->f, loads, gamma);
+    return DS4_OK;
+}
+
+/* ------------------------------------------------------------------ checkpoints */
+/* Rank 0 builds the whole model and AdamW state the single-process format holds: packed parameters and
+ * moments gathered from the shards, the integer tables (every rank has them). */
+/* --swap-optimizer: the moments come back to memory around a checkpoint (as MindSpeed does) and go back
+ * to the store after it, also after a failure (a resident state steps the same, so nothing is lost). */
+static ds4_status moments_in(ds4_train_state *s) { return s->opt.store ? ds4_adamw_swap_in(&s->opt) : DS4_OK; }
+static ds4_status moments_out(ds4_train_state *s, ds4_status st) {
+    ds4_status out = s->opt.store ? ds4_adamw_swap_out(&s->opt, NULL, 0) : DS4_OK;
+    return st != DS4_OK ? st : out;
+}
+
+static ds4_status collect_moments(ds4_train_state *s, ds4_model *whole, ds4_adamw *o) {
+    ds4_status st = moments_in(s);
+    if (st == DS4_OK) st = ds4_fsdp_collect_packed(s->f, s->opt.m, whole ? o->m : NULL, 0);
+    if (st == DS4_OK) st = ds4_fsdp_collect_packed(s->f, s->opt.v, whole ? o->v : NULL, 0);
+    return moments_out(s, st);
+}
+
+static ds4_status gather_whole(ds4_train_state *s, ds4_model *whole, ds4_adamw *o) {
+    ds4_fsdp *f = s->f;
+    DS4_TRY(ds4_fsdp_collect_packed(f, ds4_fsdp_shard_params(f), whole ? ds4_model_params_flat(whole) : NULL, 0));
+    DS4_TRY(collect_moments(s, whole, o));
+    for (int64_t i = 0; whole && i < ds4_model_nparams(s->m); i++) {
+        const ds4_param *p = ds4_model_param(s->m, i);
+        if (p->is_int) memcpy(ds4_model_param(whole, i)->idata, p->idata, (size_t)p->numel * sizeof(int64_t));
+    }
+    if (whole) o->step = s->opt.step;
+    return DS4_OK;
+}
+
+static ds4_status save_sharded(ds4_train_state *s, const char *root, int64_t keep, const ds4_ckpt_meta *meta) {
+    const bool writer = ds4_comm_rank(s->world) == 0;
+    ds4_model *whole = NULL;
+    ds4_adamw o = {0};
+    ds4_status st = DS4_OK;
+    if (writer) {
+        st = ds4_model_create(ds4_model_config(s->m), &whole);
+        if (st == DS4_OK) st = ds4_adamw_init_n(&o, ds4_model_numel(whole));
+    }
+    st = ds4_train_agree(s->world, st); /* nobody enters the gathers when rank 0 cannot take them */
+    if (st == DS4_OK) st = gather_whole(s, whole, &o);
+    if (st == DS4_OK && writer) st = ds4_checkpoint_save(root, keep, whole, &o, meta);
+    ds4_adamw_free(&o);
+    ds4_model_free(whole);
+    return ds4_train_agree(s->world, st); /* the others wait for the write and share its outcome */
+}
+
+ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t keep_latest_k, const ds4_ckpt_meta *meta) {
+    if (!s->f) return ds4_checkpoint_save(root, keep_latest_k, s->m, &s->opt, meta);
+    return save_sharded(s, root, keep_latest_k, meta);
+}
+
+/* One packed moment of the checkpoint → this rank's elements of it (one packed buffer resident). */
+static ds4_status load_moment(ds4_train_state *s, const char *path, const char *name, float *shard, int64_t *step) {
+    int64_t n = ds4_fsdp_packed_numel(s->f);
+    float *full = ds4_alloc(DS4_MEM_WORK, (size_t)n * sizeof(float));
+    if (!full) return ds4_fail(DS4_ERR_OOM, "out of memory reading %s of checkpoint %s", name, path);
+    ds4_status st = ds4_checkpoint_load_moment(path, name, n, full, step);
+    if (st == DS4_OK) st = ds4_fsdp_scatter_packed(s->f, full, shard);
+    ds4_free(full);
+    return st;
+}
+
+static ds4_status load_sharded(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta) {
+    DS4_TRY(ds4_checkpoint_load_meta(path, meta));
+    ds4_model_dir *d;
+    DS4_TRY(ds4_model_dir_open(path, &d));
+    ds4_status st = ds4_fsdp_load(s->f, d); /* one region resident at a time */
+    ds4_model_dir_close(d);
+    if (st != DS4_OK) return ds4_fail_prefix(st, "checkpoint %s", path);
+    int64_t step = 0;
+    st = moments_in(s);
+    if (st == DS4_OK) st = load_moment(s, path, "adamw.m", s->opt.m, &step);
+    if (st == DS4_OK) st = load_moment(s, path, "adamw.v", s->opt.v, &step);
+    DS4_TRY(moments_out(s, st));
+    s->opt.step = step;
+    return DS4_OK;
+}
+
+ds4_status ds4_train_state_load(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta) {
+    if (!s->f) return ds4_checkpoint_load(path, s->m, &s->opt, meta);
+    return load_sharded(s, path, meta);
+}

@@ -1,0 +1,243 @@
+/* `mpirun -np 2 ds4 train` end to end on tiny-a (FSDP, and FSDP + EP over both ranks):
+ *  (a) two identical 2-rank runs log the same losses and write the same checkpoint bytes;
+ *  (b) ep 1 and ep 2 log the same losses and write the same checkpoint bytes (EP changes no math);
+ *  (c) 4 steps straight == 2 steps + resume + 2 steps under 2 ranks (losses, model and optimizer bytes);
+ *  (d) a checkpoint written by 2 ranks resumes in one process; its next loss is close to the 2-rank one;
+ *  (e) the first loss of 2 ranks is close to one process's with the same global batch;
+ *  (g) --swap-optimizer --swap-layer-input, resumed half way: the same losses and checkpoint bytes;
+ *  (f) --parallel.ep 3 on 2 ranks: one `error:` line naming parallel.ep, a non-zero exit, no hang.
+ * Runs build/ds4 (next to the tests folder) under mpirun; the one-process runs happen in this process. */
+#include "ds4/shard.h"
+#include "ds4/io.h"
+#include "ds4/trainer.h"
+#include "test.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define MAX_STEPS 8
+static char g_dir[256], g_ds4[1024], g_toml[512];
+
+/* Global batch 4 as micro-batches of 1: two per rank on 2 ranks, four in one process. */
+static const char *k_toml =
+    "[model]\nconfig = \"tests/configs/tiny-a.json\"\nseed = 11\n"
+    "[training]\nsteps = 4\nseq_len = 64\nglobal_batch_size = 4\nmicro_batch_size = 1\nseed = 2\nthreads = 1\n"
+    "[optimizer]\nlr = 3e-3\n"
+    "[lr_scheduler]\nwarmup_steps = 1\ndecay_steps = 4\n"
+    "[data]\ntrain = \"%s/train.bin\"\n"
+    "[checkpoint]\ninterval = 2\nkeep_latest_k = 3\n"
+    "[metrics]\npeak_tflops = 1.0\n";
+
+/* build/ds4 (next to build/tests/), a fresh folder, a shard of random documents over the vocabulary of
+ * tiny-a and base.toml. */
+static void setup(const char *argv0) {
+    const char *tests = strstr(argv0, "/tests/");
+    snprintf(g_ds4, sizeof g_ds4, "%.*s/ds4", tests ? (int)(tests - argv0) : 5, tests ? argv0 : "build");
+    snprintf(g_dir, sizeof g_dir, "/tmp/ds4-test-train-dist-%d", (int)getpid());
+    mkdir(g_dir, 0755);
+    char p[512];
+    snprintf(p, sizeof p, "%s/train.bin", g_dir);
+    ds4_shard_writer *w;
+    CHECK(ds4_shard_writer_open(p, 256, -1, 1, &w) == DS4_OK, "%s", ds4_errmsg());
+    int32_t doc[700];
+    for (uint64_t d = 0; d < 6; d++) {
+        for (uint64_t i = 0; i < 700; i++) doc[i] = (int32_t)(2 + ds4_rng_u64(31, d, i) % 254);
+        CHECK(ds4_shard_writer_add(w, doc, 700) == DS4_OK);
+    }
+    CHECK(ds4_shard_writer_close(w) == DS4_OK, "%s", ds4_errmsg());
+    char text[2048];
+    snprintf(text, sizeof text, k_toml, g_dir);
+    snprintf(g_toml, sizeof g_toml, "%s/base.toml", g_dir);
+    CHECK(ds4_write_file_atomic(g_toml, text, strlen(text)) == DS4_OK, "%s", ds4_errmsg());
+}
+
+/* Runs `mpirun -np 2 ds4 train --config base.toml` for run `name` (its own checkpoint folder and JSONL)
+ * with extra flags; returns the exit status, the output in out (may be NULL). */
+static int mpi_train(const char *name, const char *extra, char *out, size_t n) {
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd,
+             "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 "
+             "OMP_NUM_THREADS=1 ASAN_OPTIONS=detect_leaks=0 timeout 120 mpirun -np 2 --bind-to none '%s' train "
+             "--config '%s' --checkpoint.folder '%s/%s' --metrics.jsonl '%s/%s.jsonl' %s 2>&1",
+             g_ds4, g_toml, g_dir, name, g_dir, name, extra);
+    FILE *pf = popen(cmd, "r");
+    CHECK(pf != NULL, "cannot run mpirun");
+    if (!pf) return -1;
+    size_t len = 0;
+    char line[4096];
+    while (fgets(line, sizeof line, pf)) {
+        if (out && len + strlen(line) < n) {
+            memcpy(out + len, line, strlen(line) + 1);
+            len += strlen(line);
+        }
+        if (getenv("DS4_TEST_VERBOSE")) fputs(line, stderr);
+    }
+    int rc = pclose(pf);
+    if (rc != 0 && out) fprintf(stderr, "%s", out);
+    return rc;
+}
+
+/* The JSONL of a run: per step, the logged text of "loss" and the value (steps without a record: NAN). */
+typedef struct {
+    char text[MAX_STEPS + 1][32];
+    double loss[MAX_STEPS + 1];
+} run_log;
+
+static void read_log(const char *name, run_log *l) {
+    for (int s = 0; s <= MAX_STEPS; s++) {
+        l->text[s][0] = 0;
+        l->loss[s] = NAN;
+    }
+    char p[512], line[2048];
+    snprintf(p, sizeof p, "%s/%s.jsonl", g_dir, name);
+    FILE *f = fopen(p, "r");
+    CHECK(f != NULL, "%s: no metrics", p);
+    while (f && fgets(line, sizeof line, f)) {
+        const char *ls = strstr(line, "\"loss\": ");
+        int step = atoi(line + strlen("{\"step\": "));
+        if (!ls || step < 1 || step > MAX_STEPS) continue;
+        ls += strlen("\"loss\": ");
+        snprintf(l->text[step], sizeof l->text[step], "%.*s", (int)strcspn(ls, ","), ls);
+        l->loss[step] = strtod(ls, NULL);
+    }
+    if (f) fclose(f);
+}
+
+/* Losses of steps [from, to] logged with the same text (and finite). */
+static void same_losses(const char *a, const char *b, int from, int to) {
+    run_log x, y;
+    read_log(a, &x);
+    read_log(b, &y);
+    for (int s = from; s <= to; s++)
+        CHECK(isfinite(x.loss[s]) && !strcmp(x.text[s], y.text[s]), "step %d: loss %s (%s) vs %s (%s)", s, x.text[s], a,
+              y.text[s], b);
+}
+
+static bool same_file(const char *run_a, const char *run_b, int step, const char *file) {
+    char pa[600], pb[600];
+    snprintf(pa, sizeof pa, "%s/%s/step-%08d/%s", g_dir, run_a, step, file);
+    snprintf(pb, sizeof pb, "%s/%s/step-%08d/%s", g_dir, run_b, step, file);
+    char *x = NULL, *y = NULL;
+    size_t nx = 0, ny = 0;
+    bool ok = ds4_read_file(pa, &x, &nx) == DS4_OK && ds4_read_file(pb, &y, &ny) == DS4_OK && nx == ny &&
+              !memcmp(x, y, nx);
+    ds4_free(x);
+    ds4_free(y);
+    return ok;
+}
+
+static void same_checkpoint(const char *a, const char *b, int step) {
+    CHECK(same_file(a, b, step, "model.safetensors"), "step %d: model.safetensors of %s and %s differ", step, a, b);
+    CHECK(same_file(a, b, step, "optim.state"), "step %d: optim.state of %s and %s differ", step, a, b);
+}
+
+/* A one-process run of base.toml in this process: run `name`, plus one override. */
+static ds4_status local_train(const char *name, const char *key, const char *val) {
+    char text[2048], v[600];
+    snprintf(text, sizeof text, k_toml, g_dir);
+    ds4_toml *t;
+    DS4_TRY(ds4_toml_parse(text, strlen(text), "base.toml", &t));
+    snprintf(v, sizeof v, "%s/%s", g_dir, name);
+    ds4_status st = ds4_toml_set(t, "checkpoint.folder", v);
+    snprintf(v, sizeof v, "%s/%s.jsonl", g_dir, name);
+    if (st == DS4_OK) st = ds4_toml_set(t, "metrics.jsonl", v);
+    if (st == DS4_OK && key) st = ds4_toml_set(t, key, val);
+    ds4_train_cfg c;
+    if (st == DS4_OK) st = ds4_train_cfg_from_toml(t, &c);
+    ds4_toml_free(t);
+    return st == DS4_OK ? ds4_train_run(&c) : st;
+}
+
+/* The runs the checks share: "fsdp" (ep 1, 4 steps, checkpoints at 2 and 4). */
+static bool g_have_fsdp;
+
+static void test_two_runs_are_bitwise_equal(void) {
+    g_have_fsdp = mpi_train("fsdp", "", NULL, 0) == 0;
+    CHECK(g_have_fsdp, "mpirun -np 2 ds4 train failed");
+    CHECK(mpi_train("fsdp_again", "", NULL, 0) == 0);
+    same_losses("fsdp", "fsdp_again", 1, 4);
+    same_checkpoint("fsdp", "fsdp_again", 4);
+}
+
+static void test_ep_changes_no_math(void) {
+    char out[16384];
+    CHECK(mpi_train("ep2", "--parallel.ep 2", out, sizeof out) == 0);
+    CHECK(strstr(out, "expert parallel 2") != NULL, "the run does not report EP 2");
+    same_losses("fsdp", "ep2", 1, 4);
+    same_checkpoint("fsdp", "ep2", 2);
+    same_checkpoint("fsdp", "ep2", 4);
+}
+
+/* Offload changes no bit: both swaps, resumed half way (the swapped moments load from the checkpoint). */
+static void test_swap_changes_no_math(void) {
+    char out[16384];
+    CHECK(mpi_train("swap", "--swap-optimizer --swap-layer-input --training.steps 2", out, sizeof out) == 0);
+    CHECK(strstr(out, "offload: optimizer state, layer inputs") != NULL, "the run does not report its offload");
+    CHECK(mpi_train("swap", "--swap-optimizer --swap-layer-input", NULL, 0) == 0);
+    same_losses("fsdp", "swap", 1, 4);
+    same_checkpoint("fsdp", "swap", 2);
+    same_checkpoint("fsdp", "swap", 4);
+}
+
+static void test_resume_is_bitwise_under_two_ranks(void) {
+    CHECK(mpi_train("resumed", "--training.steps 2", NULL, 0) == 0);
+    char out[16384];
+    CHECK(mpi_train("resumed", "", out, sizeof out) == 0);
+    CHECK(strstr(out, "resumed from") != NULL, "the second leg did not resume");
+    same_losses("fsdp", "resumed", 1, 4);
+    same_checkpoint("fsdp", "resumed", 4);
+}
+
+/* The 2-rank checkpoint of step 2, copied, continues in one process for a step. */
+static void test_two_rank_checkpoint_loads_in_one_process(void) {
+    if (!g_have_fsdp) return;
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "mkdir -p %s/single && cp -r %s/fsdp/step-00000002 %s/single/", g_dir, g_dir, g_dir);
+    CHECK(system(cmd) == 0);
+    CHECK(local_train("single", "training.steps", "3") == DS4_OK, "%s", ds4_errmsg());
+    run_log two, one;
+    read_log("fsdp", &two);
+    read_log("single", &one);
+    CHECK(isnan(one.loss[2]), "the one-process run did not resume after step 2");
+    CHECK(isfinite(one.loss[3]), "no loss for step 3");
+    CHECK_CLOSE(one.loss[3], two.loss[3], 1e-5, 1e-3);
+}
+
+static void test_first_loss_matches_one_process(void) {
+    CHECK(local_train("one", "training.steps", "1") == DS4_OK, "%s", ds4_errmsg());
+    run_log two, one;
+    read_log("fsdp", &two);
+    read_log("one", &one);
+    CHECK(isfinite(one.loss[1]) && isfinite(two.loss[1]));
+    CHECK_CLOSE(one.loss[1], two.loss[1], 1e-5, 1e-3);
+}
+
+static void test_bad_ep_fails_on_every_rank(void) {
+    char out[16384] = "";
+    int rc = mpi_train("bad", "--parallel.ep 3", out, sizeof out);
+    CHECK(rc != 0, "--parallel.ep 3 on 2 ranks was accepted");
+    int errors = 0;
+    for (const char *l = out; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
+        if (!strncmp(l, "error:", 6)) {
+            errors++;
+            CHECK(strstr(l, "parallel.ep") != NULL && strstr(l, "3") != NULL, "message: %.200s", l);
+        }
+    CHECK(errors == 1, "%d error lines (one expected):\n%s", errors, out);
+}
+
+int main(int argc, char **argv) {
+    (void)argc;
+    ds4_set_threads(1);
+    setup(argv[0]);
+    RUN(test_two_runs_are_bitwise_equal);
+    RUN(test_ep_changes_no_math);
+    RUN(test_swap_changes_no_math);
+    RUN(test_resume_is_bitwise_under_two_ranks);
+    RUN(test_two_rank_checkpoint_loads_in_one_process);
+    RUN(test_first_loss_matches_one_process);
+    RUN(test_bad_ep_fails_on_every_rank);
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", g_dir); /* kept after a failure, to look at */
+    if (!t_failed && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+    TEST_MAIN_END("test_train_dist");
+}
