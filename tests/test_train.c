@@ -145,6 +145,33 @@ static void expect_error(const char *key, const char *val, const char *needle) {
     CHECK(strstr(ds4_errmsg(), needle) != NULL, "%s = %s: message '%s' lacks '%s'", key, val, ds4_errmsg(), needle);
 }
 
+static void expect_error(const char *key, const char *val, const char *needle);
+
+/* training.matmul_precision = "bf16" (AMX): a different computation (not the fp32 bits) that stays close
+ * to fp32 and is itself deterministic; a bad value is a config error naming the key. */
+static void test_bf16_matmul(void) {
+    ds4_train_cfg c;
+    const char *runs[] = {"bf16", "bf16_again"};
+    for (int r = 0; r < 2; r++) {
+        CHECK(cfg_for(&c, runs[r], "training.matmul_precision", "bf16") == DS4_OK, "%s", ds4_errmsg());
+        CHECK(ds4_train_run(&c) == DS4_OK, "%s", ds4_errmsg());
+    }
+    CHECK(ds4_get_matmul_precision() == DS4_MATMUL_FP32, "the run left the matmul precision switched");
+    char ps[512], pb[512], pa[512];
+    snprintf(ps, sizeof ps, "%s/straight.jsonl", g_dir);
+    snprintf(pb, sizeof pb, "%s/bf16.jsonl", g_dir);
+    snprintf(pa, sizeof pa, "%s/bf16_again.jsonl", g_dir);
+    int same_as_fp32 = 0;
+    for (int s = 1; s <= 4; s++) {
+        double f = jsonl_loss(ps, s), b = jsonl_loss(pb, s), b2 = jsonl_loss(pa, s);
+        CHECK(isfinite(b) && b == b2, "step %d: bf16 loss %.9g, again %.9g", s, b, b2);
+        CHECK_CLOSE(b, f, 2e-2, 1.0);
+        same_as_fp32 += b == f;
+    }
+    CHECK(same_as_fp32 < 4, "bf16 losses equal the fp32 ones at every step: the switch did nothing");
+    expect_error("training.matmul_precision", "fp8", "training.matmul_precision");
+}
+
 static void test_bad_config_and_data(void) {
     expect_error("training.seqlen", "64", "training.seq_len");                /* unknown key: closest named */
     expect_error("training.seq_len", "8", "window");                          /* shorter than the window */
@@ -258,6 +285,7 @@ int main(int argc, char **argv) {
     ds4_set_threads(2);
     RUN(test_resume_is_bitwise);
     RUN(test_swap_is_bitwise);
+    RUN(test_bf16_matmul);
     RUN(test_bad_config_and_data);
     RUN(test_sigint_saves_and_exits_zero);
     RUN(test_kill9_during_saves_keeps_a_loadable_checkpoint);

@@ -19,6 +19,7 @@ static const char *const k_known_keys[] = {
     "training.steps", "training.seq_len", "training.global_batch_size", "training.micro_batch_size",
     "training.seed", "training.threads", "training.max_norm", "training.mtp_loss_weight",
     "training.indexer_loss_coeff", "training.csa_dense_steps", "training.router_bias_gamma",
+    "training.matmul_precision",
     "optimizer.name", "optimizer.lr", "optimizer.beta1", "optimizer.beta2", "optimizer.eps",
     "optimizer.weight_decay",
     "lr_scheduler.warmup_steps", "lr_scheduler.decay_type", "lr_scheduler.min_lr", "lr_scheduler.decay_steps",
@@ -94,6 +95,11 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(copy_str(t, "metrics.jsonl", "", c->jsonl, sizeof c->jsonl));
     DS4_TRY(ds4_toml_float_or(t, "metrics.peak_tflops", 0, &c->peak_tflops));
     DS4_TRY(ds4_toml_int_or(t, "parallel.ep", 1, &c->ep));
+    const char *prec;
+    DS4_TRY(ds4_toml_string_or(t, "training.matmul_precision", "fp32", &prec));
+    if (strcmp(prec, "fp32") && strcmp(prec, "bf16"))
+        return ds4_fail(DS4_ERR_CONFIG, "key training.matmul_precision: \"%s\" is not \"fp32\" or \"bf16\"", prec);
+    c->matmul_precision = strcmp(prec, "bf16") ? DS4_MATMUL_FP32 : DS4_MATMUL_BF16;
     DS4_TRY(ds4_toml_bool_or(t, "memory.swap_optimizer", false, &c->swap_optimizer));
     DS4_TRY(ds4_toml_bool_or(t, "memory.swap_layer_input", false, &c->swap_layer_input));
     DS4_TRY(copy_str(t, "memory.offload_dir", "", c->offload_dir, sizeof c->offload_dir));
@@ -383,9 +389,10 @@ static void print_model_line(trainer *tr) {
     const ds4_config *mc = ds4_model_config(tr->m);
     char rc[64];
     printf("model: %lld parameters, %lld layers + %lld MTP; %.3f MFLOPs/token (train, sparse-aware); "
-           "peak %.1f GFLOP/s (%s); recompute %s; %d threads\n",
+           "peak %.1f GFLOP/s (%s, %s matmul); recompute %s; %d threads\n",
            (long long)ds4_train_state_numel(tr->s), (long long)mc->n_layers, (long long)mc->n_mtp_layers,
            tr->flops_per_token / 1e6, tr->peak_flops / 1e9, c->peak_tflops > 0 ? "config" : "GEMM probe",
+           ds4_matmul_precision_name(ds4_get_matmul_precision()),
            ds4_recompute_describe(&c->recompute, rc, sizeof rc), ds4_get_threads());
     if (c->swap_optimizer || c->swap_layer_input)
         printf("offload: %s%s%s to %s\n", c->swap_optimizer ? "optimizer state" : "",
@@ -475,7 +482,9 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *c, bool *agreed) {
     *agreed = true;
     g_stop = 0;
     if (c->threads > 0) ds4_set_threads((int)c->threads);
-    ds4_status st = open_model(c, &tr);
+    const ds4_matmul_precision prev_precision = ds4_get_matmul_precision();
+    ds4_status st = ds4_set_matmul_precision(c->matmul_precision); /* the same on every rank */
+    if (st == DS4_OK) st = open_model(c, &tr);
     const ds4_config *mc = tr.m ? ds4_model_config(tr.m) : NULL;
     if (st == DS4_OK)
         st = loader_open(c->train_data, c->micro_batch, c->seq_len, (uint64_t)c->seed, true, mc->vocab_size, tr.rank,
@@ -496,6 +505,7 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *c, bool *agreed) {
     ds4_free(tr.loads);
     ds4_data_close(tr.train);
     ds4_train_state_free(tr.s);
+    ds4_set_matmul_precision(prev_precision);
     return st;
 }
 
