@@ -131,8 +131,9 @@ static void self_copy(const void *send, int64_t count, void *recv, int64_t displ
     if (count > 0 && recv && send) memmove((char *)recv + (size_t)displ * elem, send, (size_t)count * elem);
 }
 
-ds4_status ds4_comm_allgatherv(ds4_comm *c, const void *send, int64_t scount, void *recv, const int64_t *rcounts,
-                               const int64_t *rdispls, size_t elem) {
+/* All-gather (root < 0) or gather to root of variable counts: the one body both collectives share. */
+static ds4_status gather_any(ds4_comm *c, const void *send, int64_t scount, void *recv, const int64_t *rcounts,
+                             const int64_t *rdispls, size_t elem, int root) {
     if (c->kind == COMM_PLAN || ds4_shape_only()) return DS4_OK;
     if (c->kind == COMM_SELF) {
         self_copy(send, scount, recv, rdispls[0], elem);
@@ -147,15 +148,22 @@ ds4_status ds4_comm_allgatherv(ds4_comm *c, const void *send, int64_t scount, vo
     if (st == DS4_OK) st = to_int(&scount, 1, &sc, "count");
     if (st == DS4_OK) st = mpi_type(elem, &t);
     if (st == DS4_OK) {
-        if (MPI_Allgatherv(send, sc, t, recv, ic, ic + n, t, c->mpi) != MPI_SUCCESS)
-            st = ds4_fail(DS4_ERR_IO, "MPI_Allgatherv failed");
+        int rc = root < 0 ? MPI_Allgatherv(send, sc, t, recv, ic, ic + n, t, c->mpi)
+                          : MPI_Gatherv(send, sc, t, recv, ic, ic + n, t, root, c->mpi);
+        if (rc != MPI_SUCCESS) st = ds4_fail(DS4_ERR_IO, "%s failed", root < 0 ? "MPI_Allgatherv" : "MPI_Gatherv");
         MPI_Type_free(&t);
     }
     free(ic);
     return st;
 #else
+    (void)root;
     return DS4_ERR_INTERNAL;
 #endif
+}
+
+ds4_status ds4_comm_allgatherv(ds4_comm *c, const void *send, int64_t scount, void *recv, const int64_t *rcounts,
+                               const int64_t *rdispls, size_t elem) {
+    return gather_any(c, send, scount, recv, rcounts, rdispls, elem, -1);
 }
 
 ds4_status ds4_comm_alltoallv(ds4_comm *c, const void *send, const int64_t *scounts, const int64_t *sdispls,
@@ -189,30 +197,7 @@ ds4_status ds4_comm_alltoallv(ds4_comm *c, const void *send, const int64_t *scou
 
 ds4_status ds4_comm_gatherv(ds4_comm *c, const void *send, int64_t scount, void *recv, const int64_t *rcounts,
                             const int64_t *rdispls, size_t elem, int root) {
-    if (c->kind == COMM_PLAN || ds4_shape_only()) return DS4_OK;
-    if (c->kind == COMM_SELF) {
-        self_copy(send, scount, recv, rdispls[0], elem);
-        return DS4_OK;
-    }
-#ifdef DS4_HAVE_MPI
-    int n = c->size, *ic = malloc(sizeof(int) * 2 * (size_t)n), sc = 0;
-    if (!ic) return DS4_ERR_OOM;
-    MPI_Datatype t;
-    ds4_status st = to_int(rcounts, n, ic, "count");
-    if (st == DS4_OK) st = to_int(rdispls, n, ic + n, "displacement");
-    if (st == DS4_OK) st = to_int(&scount, 1, &sc, "count");
-    if (st == DS4_OK) st = mpi_type(elem, &t);
-    if (st == DS4_OK) {
-        if (MPI_Gatherv(send, sc, t, recv, ic, ic + n, t, root, c->mpi) != MPI_SUCCESS)
-            st = ds4_fail(DS4_ERR_IO, "MPI_Gatherv failed");
-        MPI_Type_free(&t);
-    }
-    free(ic);
-    return st;
-#else
-    (void)root;
-    return DS4_ERR_INTERNAL;
-#endif
+    return gather_any(c, send, scount, recv, rcounts, rdispls, elem, root);
 }
 
 /* Every rank's x gathered, then added in rank order on every rank. */

@@ -224,38 +224,34 @@ static int64_t *ep_layout(const ds4_ep_route *r, int64_t **sc, int64_t **sd, int
     return v;
 }
 
-static ds4_status ep_dispatch(void *ctx, const ds4_ep_route *r, const float *send, float *recv, int64_t width) {
-    ds4_fsdp *f = ctx;
-    int64_t *sc, *sd, *rc, *rd, *v = ep_layout(r, &sc, &sd, &rc, &rd);
+/* Dispatch: rows in assignment order (in) → the owners, expert-major (out). Combine: the reverse, the
+ * owners' results (in) → assignment order (out). */
+static ds4_status ep_exchange(ds4_fsdp *f, const ds4_ep_route *r, const float *in, float *out, int64_t width,
+                              bool dispatch) {
+    int64_t *sc = NULL, *sd = NULL, *rc = NULL, *rd = NULL, *v = ep_layout(r, &sc, &sd, &rc, &rd);
     float *wire = ds4_alloc(DS4_MEM_COMM, (size_t)(r->rows * width) * sizeof(float));
-    ds4_status st = v && wire ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory dispatching tokens");
-    if (st == DS4_OK) {
-        for (int q = 0; q < r->nsrc; q++) {
-            sc[q] *= width, sd[q] *= width, rc[q] *= width, rd[q] *= width;
-        }
-        st = ds4_comm_alltoallv(f->ep, send, sc, sd, wire, rc, rd, sizeof(float));
+    ds4_status st = v && wire ? DS4_OK
+                              : ds4_fail(DS4_ERR_OOM, "out of memory %s tokens", dispatch ? "dispatching" : "combining");
+    for (int q = 0; st == DS4_OK && q < r->nsrc; q++) {
+        sc[q] *= width, sd[q] *= width, rc[q] *= width, rd[q] *= width;
     }
-    if (st == DS4_OK && !ds4_shape_only()) ep_permute(r, wire, recv, width, true);
+    const bool data = !ds4_shape_only();
+    if (st == DS4_OK && !dispatch && data) ep_permute(r, in, wire, width, false);
+    if (st == DS4_OK)
+        st = dispatch ? ds4_comm_alltoallv(f->ep, in, sc, sd, wire, rc, rd, sizeof(float))
+                      : ds4_comm_alltoallv(f->ep, wire, rc, rd, out, sc, sd, sizeof(float));
+    if (st == DS4_OK && dispatch && data) ep_permute(r, wire, out, width, true);
     ds4_free(v);
     ds4_free(wire);
     return st;
 }
 
+static ds4_status ep_dispatch(void *ctx, const ds4_ep_route *r, const float *send, float *recv, int64_t width) {
+    return ep_exchange(ctx, r, send, recv, width, true);
+}
+
 static ds4_status ep_combine(void *ctx, const ds4_ep_route *r, const float *recv, float *send, int64_t width) {
-    ds4_fsdp *f = ctx;
-    int64_t *sc, *sd, *rc, *rd, *v = ep_layout(r, &sc, &sd, &rc, &rd);
-    float *wire = ds4_alloc(DS4_MEM_COMM, (size_t)(r->rows * width) * sizeof(float));
-    ds4_status st = v && wire ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory combining tokens");
-    if (st == DS4_OK && !ds4_shape_only()) ep_permute(r, recv, wire, width, false);
-    if (st == DS4_OK) {
-        for (int q = 0; q < r->nsrc; q++) {
-            sc[q] *= width, sd[q] *= width, rc[q] *= width, rd[q] *= width;
-        }
-        st = ds4_comm_alltoallv(f->ep, wire, rc, rd, send, sc, sd, sizeof(float)); /* the reverse direction */
-    }
-    ds4_free(v);
-    ds4_free(wire);
-    return st;
+    return ep_exchange(ctx, r, recv, send, width, false);
 }
 
 /* ------------------------------------------------------------------ create */
