@@ -5,6 +5,7 @@
  *  (d) a checkpoint written by 2 ranks resumes in one process; its next loss is close to the 2-rank one;
  *  (e) the first loss of 2 ranks is close to one process's with the same global batch;
  *  (g) --swap-optimizer --swap-layer-input, resumed half way: the same losses and checkpoint bytes;
+ *  (h) kill -USR1 <mpirun>: every rank finishes the step, a checkpoint is saved, exit 0;
  *  (f) --parallel.ep 3 on 2 ranks: one `error:` line naming parallel.ep, a non-zero exit, no hang.
  * Runs build/ds4 (next to the tests folder) under mpirun; the one-process runs happen in this process. */
 #include "ds4/shard.h"
@@ -12,7 +13,9 @@
 #include "ds4/trainer.h"
 #include "test.h"
 
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define MAX_STEPS 8
@@ -212,6 +215,36 @@ static void test_first_loss_matches_one_process(void) {
     CHECK_CLOSE(one.loss[1], two.loss[1], 1e-5, 1e-3);
 }
 
+/* kill -USR1 <mpirun>: mpirun forwards it to the ranks, which finish the step, save and exit 0. */
+static void test_sigusr1_stops_every_rank_with_a_checkpoint(void) {
+    char cmd[4096], jl[600];
+    snprintf(jl, sizeof jl, "%s/usr1.jsonl", g_dir);
+    snprintf(cmd, sizeof cmd,
+             "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 "
+             "OMP_NUM_THREADS=1 ASAN_OPTIONS=detect_leaks=0 exec mpirun -np 2 --bind-to none '%s' train --config '%s' "
+             "--checkpoint.folder '%s/usr1' --metrics.jsonl '%s' --training.steps 100000 "
+             "--lr_scheduler.decay_steps 100000 --checkpoint.interval 0 > '%s/usr1.out' 2>&1",
+             g_ds4, g_toml, g_dir, jl, g_dir);
+    pid_t pid = fork();
+    if (pid == 0) {
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    bool logged = false;
+    for (int i = 0; i < 2400 && !logged; i++) { /* up to 120 s for the first logged step */
+        logged = access(jl, F_OK) == 0;
+        if (!logged) usleep(50 * 1000);
+    }
+    CHECK(logged, "training never logged a step");
+    kill(pid, SIGUSR1);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "mpirun exit status %d", status);
+    char root[600], path[700];
+    snprintf(root, sizeof root, "%s/usr1", g_dir);
+    CHECK(ds4_checkpoint_find(root, -1, path, sizeof path) == DS4_OK, "no checkpoint after SIGUSR1: %s", ds4_errmsg());
+}
+
 static void test_bad_ep_fails_on_every_rank(void) {
     char out[16384] = "";
     int rc = mpi_train("bad", "--parallel.ep 3", out, sizeof out);
@@ -236,6 +269,7 @@ int main(int argc, char **argv) {
     RUN(test_two_rank_checkpoint_loads_in_one_process);
     RUN(test_first_loss_matches_one_process);
     RUN(test_bad_ep_fails_on_every_rank);
+    RUN(test_sigusr1_stops_every_rank_with_a_checkpoint);
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf %s", g_dir); /* kept after a failure, to look at */
     if (!t_failed && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);

@@ -57,7 +57,7 @@ typedef struct {
 /* Fills cfg from the TOML tree (after overrides); unknown keys are errors naming the closest key. */
 ds4_status ds4_train_cfg_from_toml(const ds4_toml *root, ds4_train_cfg *cfg);
 /* Runs training on the world (ds4_comm_world: one process, or every rank of mpirun); returns DS4_OK also
- * when interrupted by SIGINT (after saving a checkpoint). */
+ * when stopped by SIGINT, SIGTERM or SIGUSR1 (after the step and a checkpoint). */
 ds4_status ds4_train_run(const ds4_train_cfg *cfg);
 /* The same; on failure *agreed tells whether every rank returns this same failure and message (bad
  * config, a failed start, resume or save: report it once and return) or only this rank knows it (a

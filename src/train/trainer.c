@@ -167,11 +167,17 @@ double ds4_probe_peak_flops(void) {
     return best;
 }
 
-/* ------------------------------------------------------------------ SIGINT: finish the step, save, exit 0 */
+/* ------------------------------------------------------------------ stop signals: finish the step, save, exit 0
+ * SIGINT (Ctrl-C), SIGTERM (schedulers) and SIGUSR1: mpirun forwards SIGUSR1 to every rank, while it
+ * answers Ctrl-C by terminating the ranks itself, so `kill -USR1 <mpirun pid>` stops a job cleanly. */
 static volatile sig_atomic_t g_stop;
-static void on_sigint(int sig) {
+static void on_stop_signal(int sig) {
     (void)sig;
     g_stop = 1;
+}
+static const int k_stop_signals[] = {SIGINT, SIGTERM, SIGUSR1};
+static void stop_signals(void (*handler)(int)) {
+    for (size_t i = 0; i < sizeof k_stop_signals / sizeof k_stop_signals[0]; i++) signal(k_stop_signals[i], handler);
 }
 
 /* ------------------------------------------------------------------ data */
@@ -221,7 +227,7 @@ typedef struct {
     FILE *jsonl;
     double peak_flops, flops_per_token;
     bool report_pending; /* --memory-report: print it for the run's first step */
-    bool stopped;        /* SIGINT reached some rank: every rank stops after the same step */
+    bool stopped;        /* a stop signal reached some rank: every rank stops after the same step */
 } trainer;
 
 static ds4_status open_model(const ds4_train_cfg *c, trainer *tr) {
@@ -376,7 +382,7 @@ static ds4_status run_validation(trainer *tr) {
     return st;
 }
 
-/* SIGINT on any rank stops every rank after the same step (a collective when sharded). */
+/* A stop signal on any rank stops every rank after the same step (a collective when sharded). */
 static ds4_status check_stop(trainer *tr) {
     int64_t any = g_stop ? 1 : 0;
     if (tr->W > 1) DS4_TRY(ds4_comm_sum_i64(tr->world, &any, 1));
@@ -459,7 +465,7 @@ static ds4_status train_loop(trainer *tr, bool *agreed) {
     tr->flops_per_token = ds4_train_flops_per_token(ds4_model_config(tr->m), c->seq_len);
     tr->peak_flops = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : ds4_probe_peak_flops();
     if (tr->lead) print_model_line(tr);
-    signal(SIGINT, on_sigint);
+    stop_signals(on_stop_signal);
     st = run_steps(tr, start, &step, agreed);
     if (st == DS4_OK && c->ckpt_folder[0] && step > start) {
         st = save_ckpt(tr, step);
@@ -470,7 +476,7 @@ static ds4_status train_loop(trainer *tr, bool *agreed) {
         *agreed = false;
         st = run_validation(tr);
     }
-    signal(SIGINT, SIG_DFL);
+    stop_signals(SIG_DFL);
     return st;
 }
 
