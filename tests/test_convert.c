@@ -6,6 +6,7 @@
 #include "ds4/io.h"
 #include "ds4/model.h"
 #include "test.h"
+#include "test_files.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -54,13 +55,6 @@ static bool read_json(const char *path, cJSON **out) {
     return *out != NULL;
 }
 
-static int count_tmp(const char *dir) {
-    DIR *dh = opendir(dir);
-    int n = 0;
-    for (struct dirent *de; dh && (de = readdir(dh));) n += strstr(de->d_name, ".tmp.") != NULL;
-    if (dh) closedir(dh);
-    return n;
-}
 
 /* ---------------------------------------------------------------- names */
 
@@ -286,7 +280,7 @@ static void test_stream_writer(void) {
     CHECK(ds4_st_writer_begin(w, q) == DS4_OK);
     ds4_st_writer_free(w);
     CHECK(access(q, F_OK) != 0);
-    CHECK(count_tmp(g_dir) == 0, "temp files left in %s", g_dir);
+    CHECK(t_count_tmp_files(g_dir) == 0, "temp files left in %s", g_dir);
 
     /* memory image: same parse, same checks */
     char *img;

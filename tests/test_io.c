@@ -4,6 +4,7 @@
  * config.json (same struct as DeepSeek's, its own errors, respelling both ways). */
 #include "ds4/io.h"
 #include "test.h"
+#include "test_files.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -289,13 +290,6 @@ static void test_truncated(void) {
 
 /* ---------------------------------------------------------------- atomic files */
 
-static int count_tmp_files(const char *dir) {
-    DIR *d = opendir(dir);
-    int n = 0;
-    for (struct dirent *de; d && (de = readdir(d));) n += strstr(de->d_name, ".tmp.") != NULL;
-    if (d) closedir(d);
-    return n;
-}
 
 static void test_atomic_write(void) {
     const char *p = tpath("atomic.txt");
@@ -305,7 +299,7 @@ static void test_atomic_write(void) {
     size_t n;
     CHECK(ds4_read_file(p, &d, &n) == DS4_OK && n == 3 && strcmp(d, "bye") == 0);
     ds4_free(d);
-    CHECK(count_tmp_files(g_dir) == 0);
+    CHECK(t_count_tmp_files(g_dir) == 0);
     CHECK(ds4_write_file_atomic("/nonexistent-dir/f", "x", 1) == DS4_ERR_IO && msg_has("/nonexistent-dir/f"));
     CHECK(ds4_read_file(tpath("nope"), &d, &n) == DS4_ERR_IO && msg_has("nope") && d == NULL);
     /* abort leaves nothing behind and keeps the old file */
@@ -314,7 +308,7 @@ static void test_atomic_write(void) {
     CHECK(ds4_atomic_write(&af, "partial", 7) == DS4_OK);
     ds4_atomic_abort(&af);
     ds4_atomic_abort(&af);
-    CHECK(count_tmp_files(g_dir) == 0);
+    CHECK(t_count_tmp_files(g_dir) == 0);
     CHECK(ds4_read_file(p, &d, &n) == DS4_OK && n == 3);
     ds4_free(d);
 }

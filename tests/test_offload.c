@@ -9,6 +9,7 @@
 #include "ds4/recompute.h"
 #include "ds4/train.h"
 #include "test.h"
+#include "test_files.h"
 
 #include <errno.h>
 #include <signal.h>
@@ -223,17 +224,6 @@ static void test_swap_optimizer_equals_resident(void) {
     ds4_model_free(mc);
 }
 
-/* (test_train.c has the same helper; a shared one would live in test.h) */
-static bool same_bytes(const char *a, const char *b) {
-    char *x = NULL, *y = NULL;
-    size_t nx = 0, ny = 0;
-    bool eq = ds4_read_file(a, &x, &nx) == DS4_OK && ds4_read_file(b, &y, &ny) == DS4_OK && nx == ny &&
-              memcmp(x, y, nx) == 0;
-    ds4_free(x);
-    ds4_free(y);
-    return eq;
-}
-
 /* A checkpoint of a swapped optimizer is byte for byte that of the resident one, and loads back into
  * either form. */
 static void test_swap_optimizer_checkpoint(void) {
@@ -262,7 +252,7 @@ static void test_swap_optimizer_checkpoint(void) {
     CHECK(ds4_checkpoint_save(rb, 1, m, &w, &meta) == DS4_OK, "%s", ds4_errmsg());
     snprintf(fa, sizeof fa, "%s/step-00000002/optim.state", ra);
     snprintf(fb, sizeof fb, "%s/step-00000002/optim.state", rb);
-    CHECK(same_bytes(fa, fb), "optim.state of the swapped optimizer differs from the resident one's");
+    CHECK(t_files_equal(fa, fb), "optim.state of the swapped optimizer differs from the resident one's");
     /* load the resident one's file into a fresh swapped optimizer and a fresh resident one */
     ds4_adamw ls, lr;
     CHECK(ds4_adamw_init_swapped(&ls, m, s, 0) == DS4_OK && ds4_adamw_init(&lr, m) == DS4_OK);

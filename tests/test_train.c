@@ -4,6 +4,7 @@
 #include "ds4/trainer.h"
 #include "ds4/io.h"
 #include "test.h"
+#include "test_files.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -49,20 +50,6 @@ static ds4_status cfg_for(ds4_train_cfg *c, const char *run, const char *extra_k
     return st;
 }
 
-static bool files_equal(const char *a, const char *b) {
-    char *x, *y;
-    size_t nx, ny;
-    if (ds4_read_file(a, &x, &nx) != DS4_OK) return false;
-    if (ds4_read_file(b, &y, &ny) != DS4_OK) {
-        ds4_free(x);
-        return false;
-    }
-    bool eq = nx == ny && memcmp(x, y, nx) == 0;
-    ds4_free(x);
-    ds4_free(y);
-    return eq;
-}
-
 /* The "loss" of `step` in a JSONL file (last record of that step wins). */
 static double jsonl_loss(const char *path, int step) {
     FILE *f = fopen(path, "r");
@@ -97,7 +84,7 @@ static void test_resume_is_bitwise(void) {
     for (int i = 0; i < 2; i++) {
         snprintf(p1, sizeof p1, "%s/straight/step-00000004/%s", g_dir, files[i]);
         snprintf(p2, sizeof p2, "%s/resumed/step-00000004/%s", g_dir, files[i]);
-        CHECK(files_equal(p1, p2), "%s differs between the straight and the resumed run", files[i]);
+        CHECK(t_files_equal(p1, p2), "%s differs between the straight and the resumed run", files[i]);
     }
     snprintf(p1, sizeof p1, "%s/resumed/step-00000002/state.json", g_dir);
     CHECK(access(p1, F_OK) == 0, "the first leg's checkpoint is kept (keep_latest_k = 3)");
@@ -128,7 +115,7 @@ static void test_swap_is_bitwise(void) {
         for (int i = 0; i < 2; i++) {
             snprintf(p1, sizeof p1, "%s/straight/step-00000004/%s", g_dir, files[i]);
             snprintf(p2, sizeof p2, "%s/%s/step-00000004/%s", g_dir, runs[r][0], files[i]);
-            CHECK(files_equal(p1, p2), "%s: %s differs from the straight run", runs[r][0], files[i]);
+            CHECK(t_files_equal(p1, p2), "%s: %s differs from the straight run", runs[r][0], files[i]);
         }
     }
     CHECK(cfg_for(&c, "bad_dir", "memory.offload_dir", "/nonexistent/ds4") == DS4_OK);
@@ -213,20 +200,11 @@ static pid_t spawn_train(const char *run, const char *steps, const char *interva
     return pid;
 }
 
-/* Waits (up to 120 s) until `path` exists: the child is past start-up. */
-static bool wait_for(const char *path) {
-    for (int i = 0; i < 2400; i++) {
-        if (access(path, F_OK) == 0) return true;
-        usleep(50 * 1000);
-    }
-    return false;
-}
-
 static void test_sigint_saves_and_exits_zero(void) {
     pid_t pid = spawn_train("sigint", "100000", "0");
     char jl[512];
     snprintf(jl, sizeof jl, "%s/sigint.jsonl", g_dir);
-    CHECK(wait_for(jl), "training never logged a step");
+    CHECK(t_wait_for_file(jl, 120), "training never logged a step");
     usleep(300 * 1000);
     kill(pid, SIGINT);
     int status = 0;
@@ -246,7 +224,7 @@ static void test_kill9_during_saves_keeps_a_loadable_checkpoint(void) {
     snprintf(first, sizeof first, "%s/step-00000001/state.json", root);
     for (int trial = 0; trial < 4; trial++) {
         pid_t pid = spawn_train("kill9", "100000", "1"); /* saves every step */
-        if (trial == 0) CHECK(wait_for(first), "no checkpoint was written"); /* later trials resume and save at once */
+        if (trial == 0) CHECK(t_wait_for_file(first, 120), "no checkpoint was written"); /* later trials resume and save at once */
         usleep((useconds_t)(37 + 61 * trial) * 1000); /* land at different moments of a save */
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);

@@ -12,6 +12,7 @@
 #include "ds4/io.h"
 #include "ds4/trainer.h"
 #include "test.h"
+#include "test_files.h"
 
 #include <signal.h>
 #include <sys/stat.h>
@@ -120,13 +121,7 @@ static bool same_file(const char *run_a, const char *run_b, int step, const char
     char pa[600], pb[600];
     snprintf(pa, sizeof pa, "%s/%s/step-%08d/%s", g_dir, run_a, step, file);
     snprintf(pb, sizeof pb, "%s/%s/step-%08d/%s", g_dir, run_b, step, file);
-    char *x = NULL, *y = NULL;
-    size_t nx = 0, ny = 0;
-    bool ok = ds4_read_file(pa, &x, &nx) == DS4_OK && ds4_read_file(pb, &y, &ny) == DS4_OK && nx == ny &&
-              !memcmp(x, y, nx);
-    ds4_free(x);
-    ds4_free(y);
-    return ok;
+    return t_files_equal(pa, pb);
 }
 
 static void same_checkpoint(const char *a, const char *b, int step) {
@@ -230,12 +225,7 @@ static void test_sigusr1_stops_every_rank_with_a_checkpoint(void) {
         execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
         _exit(127);
     }
-    bool logged = false;
-    for (int i = 0; i < 2400 && !logged; i++) { /* up to 120 s for the first logged step */
-        logged = access(jl, F_OK) == 0;
-        if (!logged) usleep(50 * 1000);
-    }
-    CHECK(logged, "training never logged a step");
+    CHECK(t_wait_for_file(jl, 120), "training never logged a step");
     kill(pid, SIGUSR1);
     int status = 0;
     waitpid(pid, &status, 0);
