@@ -201,8 +201,32 @@ static void test_two_rank_checkpoint_loads_in_one_process(void) {
     CHECK_CLOSE(one.loss[3], two.loss[3], 1e-5, 1e-3);
 }
 
+/* The same safetensors layout (names, dtypes, shapes, offsets, in order) in two checkpoint files. */
+static void same_layout(const char *a, const char *b) {
+    ds4_st_file *x = NULL, *y = NULL;
+    CHECK(ds4_st_open(a, &x) == DS4_OK && ds4_st_open(b, &y) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(x && y && ds4_st_count(x) == ds4_st_count(y), "%s and %s hold different tensors", a, b);
+    for (int64_t i = 0; x && y && i < ds4_st_count(x) && i < ds4_st_count(y); i++) {
+        const ds4_st_entry *p = ds4_st_entry_at(x, i), *q = ds4_st_entry_at(y, i);
+        bool same = !strcmp(p->name, q->name) && p->dtype == q->dtype && p->ndim == q->ndim &&
+                    !memcmp(p->shape, q->shape, sizeof p->shape) && p->begin == q->begin && p->end == q->end;
+        CHECK(same, "entry %lld: %s vs %s", (long long)i, p->name, q->name);
+        if (!same) break;
+    }
+    ds4_st_close(x);
+    ds4_st_close(y);
+}
+
 static void test_first_loss_matches_one_process(void) {
     CHECK(local_train("one", "training.steps", "1") == DS4_OK, "%s", ds4_errmsg());
+    /* the checkpoint streamed by 2 ranks is laid out as one process writes it */
+    const char *files[] = {"model.safetensors", "optim.state"};
+    for (int i = 0; i < 2; i++) {
+        char a[600], b[600];
+        snprintf(a, sizeof a, "%s/fsdp/step-00000002/%s", g_dir, files[i]);
+        snprintf(b, sizeof b, "%s/one/step-00000001/%s", g_dir, files[i]);
+        same_layout(a, b);
+    }
     run_log two, one;
     read_log("fsdp", &two);
     read_log("one", &one);

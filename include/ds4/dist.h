@@ -73,11 +73,15 @@ ds4_status ds4_fsdp_collect_buf(ds4_fsdp *f, const float *shard, float *out, int
 /* The packed layout: the float parameters back to back in table order, without region padding (the
  * flat layout of a whole model made by ds4_model_create, and of checkpoints). */
 int64_t ds4_fsdp_packed_numel(const ds4_fsdp *f);
-/* A shard buffer gathered on root into out [packed_numel] (ignored elsewhere), one region at a time
- * (root holds one region beyond out); a collective. */
-ds4_status ds4_fsdp_collect_packed(ds4_fsdp *f, const float *shard, float *out, int root);
-/* The inverse, on this rank alone: this rank's elements of packed [packed_numel] into shard [shard_numel]. */
-ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, const float *packed, float *shard);
+/* A shard buffer streamed to root in the packed layout, one region gathered at a time (a collective):
+ * on root, sink(ctx, i, values, n) for every float parameter i of the table, in table order. After a
+ * sink error the gathers go on (no rank is left waiting) and root returns the first error. */
+typedef ds4_status (*ds4_packed_sink_fn)(void *ctx, int64_t param, const float *values, int64_t n);
+ds4_status ds4_fsdp_stream_packed(ds4_fsdp *f, const float *shard, int root, ds4_packed_sink_fn sink, void *ctx);
+/* The inverse, on this rank alone: its elements of a packed source into shard [shard_numel];
+ * read(ctx, off, n, dst) copies packed elements [off, off + n) into dst. */
+typedef ds4_status (*ds4_packed_read_fn)(void *ctx, int64_t off, int64_t n, float *dst);
+ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, ds4_packed_read_fn read, void *ctx, float *shard);
 /* Global L2 norm of the sharded gradients (Σ of per-rank squares in rank order); clips like
  * ds4_clip_grad_norm when max_norm > 0. */
 ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm);

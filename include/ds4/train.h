@@ -104,11 +104,21 @@ ds4_status ds4_checkpoint_save(const char *root, int64_t keep_latest_k, ds4_mode
 ds4_status ds4_checkpoint_find(const char *root, int64_t step, char *path, size_t n);
 /* Loads model weights, optimizer state (o may be NULL) and meta; checks every shape. */
 ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_adamw *o, ds4_ckpt_meta *meta);
-/* Its pieces, for callers holding the model in shards (the model weights: ds4_model_dir_open(path)):
- * the meta of PATH/state.json, and one AdamW moment ("adamw.m" or "adamw.v", out [n] in the flat layout
- * of a whole model) with the optimizer step from PATH/optim.state. */
+/* Saving in pieces, for callers that write the files themselves (a sharded state streaming from its
+ * ranks): begin makes the hidden ROOT/.tmp-step-N (path into tmp [n]), the caller writes config.json,
+ * model.safetensors and optim.state into it, commit writes state.json and renames it into place. */
+ds4_status ds4_checkpoint_begin(const char *root, int64_t step, char *tmp, size_t n);
+ds4_status ds4_checkpoint_commit(const char *root, int64_t keep_latest_k, const char *tmp, const ds4_ckpt_meta *meta);
+/* Loading in pieces, for callers holding the model in shards (the weights: ds4_model_dir_open(path)):
+ * the meta of PATH/state.json, and one AdamW moment of PATH/optim.state ("adamw.m" or "adamw.v", [n] in
+ * the packed layout of a whole model) read in ranges straight from the mapped file, with the step. */
 ds4_status ds4_checkpoint_load_meta(const char *path, ds4_ckpt_meta *meta);
-ds4_status ds4_checkpoint_load_moment(const char *path, const char *name, int64_t n, float *out, int64_t *step);
+typedef struct ds4_ckpt_moment ds4_ckpt_moment;
+ds4_status ds4_checkpoint_moment_open(const char *path, const char *name, int64_t n, ds4_ckpt_moment **out,
+                                      int64_t *step);
+/* Elements [off, off + n) into dst (the signature of ds4_packed_read_fn, ds4/dist.h). */
+ds4_status ds4_ckpt_moment_read(void *moment, int64_t off, int64_t n, float *dst);
+void ds4_ckpt_moment_close(ds4_ckpt_moment *mo);  /* NULL: no-op */
 
 #ifdef __cplusplus
 }

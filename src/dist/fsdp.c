@@ -490,11 +490,11 @@ int64_t ds4_fsdp_packed_numel(const ds4_fsdp *f) {
     return n;
 }
 
-/* Region by region: gather into a region-sized buffer on root, then copy each parameter of the region
- * to its packed place (the region padding is dropped). Parameters and regions are both in flat order. */
-ds4_status ds4_fsdp_collect_packed(ds4_fsdp *f, const float *shard, float *out, int root) {
+/* Region by region: gather into a region-sized buffer on root, then hand each parameter of the region
+ * to the sink (the region padding is dropped). Parameters and regions are both in flat order. */
+ds4_status ds4_fsdp_stream_packed(ds4_fsdp *f, const float *shard, int root, ds4_packed_sink_fn sink, void *ctx) {
     ds4_model *m = f->m;
-    const bool here = f->rank == root && out;
+    const bool here = f->rank == root;
     const float *flat = ds4_model_params_flat(m);
     int64_t maxlen = 0, np = ds4_model_nparams(m), pi = 0;
     for (int64_t i = 0; i < ds4_model_nregions(m); i++) {
@@ -502,9 +502,9 @@ ds4_status ds4_fsdp_collect_packed(ds4_fsdp *f, const float *shard, float *out, 
         if (g->end - g->start > maxlen) maxlen = g->end - g->start;
     }
     int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)f->W);
-    int64_t *poff = packed_offsets(m);
     float *tmp = here ? ds4_alloc(DS4_MEM_COMM, (size_t)(maxlen > 0 ? maxlen : 1) * sizeof(float)) : NULL;
-    ds4_status st = v && poff && (tmp || !here) ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory collecting a shard");
+    ds4_status st = v && (tmp || !here) ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory collecting a shard");
+    ds4_status sunk = DS4_OK; /* the sink's first failure: writing stops, gathering does not */
     for (int64_t i = 0; st == DS4_OK && i < ds4_model_nregions(m); i++) {
         const ds4_region *g = ds4_model_region(m, i);
         st = gather_region(f, i, shard, tmp, root, v);
@@ -513,35 +513,36 @@ ds4_status ds4_fsdp_collect_packed(ds4_fsdp *f, const float *shard, float *out, 
             if (p->is_int) continue;
             int64_t a = p->data - flat;
             if (a >= g->end) break;
-            if (here) memcpy(out + poff[pi], tmp + (a - g->start), (size_t)p->numel * sizeof(float));
+            if (here && sunk == DS4_OK) sunk = sink(ctx, pi, tmp + (a - g->start), p->numel);
         }
     }
     ds4_free(tmp);
-    ds4_free(poff);
     ds4_free(v);
-    return st;
+    return st != DS4_OK ? st : sunk;
 }
 
 typedef struct {
     ds4_model *m;
     const int64_t *poff;
-    const float *packed;
+    ds4_packed_read_fn read;
+    void *ctx;
     float *shard;
+    ds4_status st;
 } scatter_ctx;
 static void scatter_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
     scatter_ctx *c = ctx;
     int64_t i = p - ds4_model_param(c->m, 0);
-    memcpy(c->shard + s0, c->packed + c->poff[i] + k0, (size_t)(k1 - k0) * sizeof(float));
+    if (c->st == DS4_OK) c->st = c->read(c->ctx, c->poff[i] + k0, k1 - k0, c->shard + s0);
 }
 
-ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, const float *packed, float *shard) {
+ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, ds4_packed_read_fn read, void *ctx, float *shard) {
     if (ds4_shape_only()) return DS4_OK;
     int64_t *poff = packed_offsets(f->m);
     if (!poff) return ds4_fail(DS4_ERR_OOM, "out of memory scattering into a shard");
-    scatter_ctx c = {f->m, poff, packed, shard};
+    scatter_ctx c = {f->m, poff, read, ctx, shard, DS4_OK};
     for_each_overlap(f, scatter_overlap, &c);
     ds4_free(poff);
-    return DS4_OK;
+    return c.st;
 }
 
 /* Scales the shard gradients when the global norm exceeds max_norm (as ds4_clip_grad_norm). */

@@ -88,19 +88,31 @@ static ds4_status write_state(const char *path, const ds4_ckpt_meta *meta) {
     return st;
 }
 
-ds4_status ds4_checkpoint_save(const char *root, int64_t keep_latest_k, ds4_model *m, const ds4_adamw *o,
-                               const ds4_ckpt_meta *meta) {
+ds4_status ds4_checkpoint_begin(const char *root, int64_t step, char *tmp, size_t n) {
     if (mkdir(root, 0755) != 0 && errno != EEXIST)
         return ds4_fail(DS4_ERR_IO, "%s: cannot create checkpoint folder: %s", root, strerror(errno));
-    char tmp[4096], fin[4096], p[4200];
-    snprintf(tmp, sizeof tmp, "%s/.tmp-step-%08lld", root, (long long)meta->step);
-    snprintf(fin, sizeof fin, "%s/step-%08lld", root, (long long)meta->step);
+    snprintf(tmp, n, "%s/.tmp-step-%08lld", root, (long long)step);
     remove_ckpt_dir(tmp); /* leftovers of an interrupted save */
+    if (mkdir(tmp, 0755) != 0)
+        return ds4_fail(DS4_ERR_IO, "%s: cannot create checkpoint directory: %s", tmp, strerror(errno));
+    return DS4_OK;
+}
+
+ds4_status ds4_checkpoint_save(const char *root, int64_t keep_latest_k, ds4_model *m, const ds4_adamw *o,
+                               const ds4_ckpt_meta *meta) {
+    char tmp[4096], p[4200];
+    DS4_TRY(ds4_checkpoint_begin(root, meta->step, tmp, sizeof tmp));
     DS4_TRY(ds4_model_save(m, tmp, DS4_F32));
     if (o) {
         snprintf(p, sizeof p, "%s/optim.state", tmp);
         DS4_TRY(write_optim(p, o));
     }
+    return ds4_checkpoint_commit(root, keep_latest_k, tmp, meta);
+}
+
+ds4_status ds4_checkpoint_commit(const char *root, int64_t keep_latest_k, const char *tmp, const ds4_ckpt_meta *meta) {
+    char fin[4096], p[4200];
+    snprintf(fin, sizeof fin, "%s/step-%08lld", root, (long long)meta->step);
     snprintf(p, sizeof p, "%s/state.json", tmp);
     DS4_TRY(write_state(p, meta)); /* state.json last: its presence marks a complete set */
     DS4_TRY(fsync_path(tmp));
@@ -174,16 +186,43 @@ ds4_status ds4_checkpoint_load_meta(const char *path, ds4_ckpt_meta *meta) {
     return read_state(p, meta);
 }
 
-ds4_status ds4_checkpoint_load_moment(const char *path, const char *name, int64_t n, float *out, int64_t *step) {
+struct ds4_ckpt_moment {
+    ds4_st_file *f;
+    ds4_tensor_loc loc;
+};
+
+ds4_status ds4_checkpoint_moment_open(const char *path, const char *name, int64_t n, ds4_ckpt_moment **out,
+                                      int64_t *step) {
+    *out = NULL;
     char p[4200];
     snprintf(p, sizeof p, "%s/optim.state", path);
-    ds4_st_file *f;
-    DS4_TRY(ds4_st_open(p, &f));
+    ds4_ckpt_moment *mo = ds4_calloc(DS4_MEM_OTHER, sizeof *mo);
+    if (!mo) return DS4_ERR_OOM;
     int64_t shape[1] = {n}, one = 1;
-    ds4_status st = ds4_st_read_f32(f, name, 1, shape, out);
-    if (st == DS4_OK) st = ds4_st_read_i64(f, "adamw.step", 1, &one, step);
-    ds4_st_close(f);
-    return st;
+    ds4_status st = ds4_st_open(p, &mo->f);
+    if (st == DS4_OK) st = ds4_st_locate(mo->f, name, &mo->loc);
+    if (st == DS4_OK) st = ds4_tensor_loc_check_shape(&mo->loc, 1, shape);
+    if (st == DS4_OK && mo->loc.entry->dtype != DS4_F32)
+        st = ds4_fail(DS4_ERR_SHAPE, "%s: tensor %s: expected F32, got %s", p, name, ds4_dtype_name(mo->loc.entry->dtype));
+    if (st == DS4_OK) st = ds4_st_read_i64(mo->f, "adamw.step", 1, &one, step);
+    if (st != DS4_OK) {
+        ds4_ckpt_moment_close(mo);
+        return st;
+    }
+    *out = mo;
+    return DS4_OK;
+}
+
+ds4_status ds4_ckpt_moment_read(void *moment, int64_t off, int64_t n, float *dst) {
+    ds4_ckpt_moment *mo = moment;
+    return ds4_tensor_loc_read_rows(&mo->loc, off, off + n, dst);
+}
+
+void ds4_ckpt_moment_close(ds4_ckpt_moment *mo) {
+    if (!mo) return;
+    if (mo->f) ds4_tensor_loc_release(&mo->loc); /* the pages read go back */
+    ds4_st_close(mo->f);
+    ds4_free(mo);
 }
 
 ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_adamw *o, ds4_ckpt_meta *meta) {

@@ -163,8 +163,6 @@ ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, doubl
 }
 
 /* ------------------------------------------------------------------ checkpoints */
-/* Rank 0 builds the whole model and AdamW state the single-process format holds: packed parameters and
- * moments gathered from the shards, the integer tables (every rank has them). */
 /* --swap-optimizer: the moments come back to memory around a checkpoint (as MindSpeed does) and go back
  * to the store after it, also after a failure (a resident state steps the same, so nothing is lost). */
 static ds4_status moments_in(ds4_train_state *s) { return s->opt.store ? ds4_adamw_swap_in(&s->opt) : DS4_OK; }
@@ -173,39 +171,78 @@ static ds4_status moments_out(ds4_train_state *s, ds4_status st) {
     return st != DS4_OK ? st : out;
 }
 
-static ds4_status collect_moments(ds4_train_state *s, ds4_model *whole, ds4_adamw *o) {
-    ds4_status st = moments_in(s);
-    if (st == DS4_OK) st = ds4_fsdp_collect_packed(s->f, s->opt.m, whole ? o->m : NULL, 0);
-    if (st == DS4_OK) st = ds4_fsdp_collect_packed(s->f, s->opt.v, whole ? o->v : NULL, 0);
-    return moments_out(s, st);
+/* The sink of ds4_fsdp_stream_packed on rank 0: the values go straight into the file being written. */
+static ds4_status put_values(void *w, int64_t param, const float *values, int64_t n) {
+    (void)param;
+    return ds4_st_writer_put(w, values, (size_t)n * sizeof(float));
 }
 
-static ds4_status gather_whole(ds4_train_state *s, ds4_model *whole, ds4_adamw *o) {
-    ds4_fsdp *f = s->f;
-    DS4_TRY(ds4_fsdp_collect_packed(f, ds4_fsdp_shard_params(f), whole ? ds4_model_params_flat(whole) : NULL, 0));
-    DS4_TRY(collect_moments(s, whole, o));
-    for (int64_t i = 0; whole && i < ds4_model_nparams(s->m); i++) {
-        const ds4_param *p = ds4_model_param(s->m, i);
-        if (p->is_int) memcpy(ds4_model_param(whole, i)->idata, p->idata, (size_t)p->numel * sizeof(int64_t));
+/* dir/model.safetensors as ds4_model_save lays it out (8-byte integer tables first, then the floats in
+ * table order), header written and the integer tables put; the floats follow from the shards. */
+static ds4_status begin_model_file(ds4_model *m, const char *dir, ds4_st_writer *w) {
+    for (int pass = 0; pass < 2; pass++)
+        for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+            const ds4_param *p = ds4_model_param(m, i);
+            if (p->is_int == (pass == 0))
+                DS4_TRY(ds4_st_writer_declare(w, p->name, p->is_int ? DS4_I64 : DS4_F32, p->ndim, p->shape));
+        }
+    char path[4200];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    DS4_TRY(ds4_st_writer_begin(w, path));
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+        const ds4_param *p = ds4_model_param(m, i);
+        if (p->is_int) DS4_TRY(ds4_st_writer_put(w, p->idata, (size_t)p->numel * sizeof(int64_t)));
     }
-    if (whole) o->step = s->opt.step;
     return DS4_OK;
 }
 
+/* dir/optim.state as the whole-model save lays it out (adamw.step, then m and v), the step put. */
+static ds4_status begin_optim_file(const ds4_train_state *s, const char *dir, ds4_st_writer *w) {
+    int64_t shape[1] = {ds4_fsdp_packed_numel(s->f)}, one = 1;
+    DS4_TRY(ds4_st_writer_declare(w, "adamw.step", DS4_I64, 1, &one));
+    DS4_TRY(ds4_st_writer_declare(w, "adamw.m", DS4_F32, 1, shape));
+    DS4_TRY(ds4_st_writer_declare(w, "adamw.v", DS4_F32, 1, shape));
+    char path[4200];
+    snprintf(path, sizeof path, "%s/optim.state", dir);
+    DS4_TRY(ds4_st_writer_begin(w, path));
+    return ds4_st_writer_put(w, &s->opt.step, sizeof s->opt.step);
+}
+
+/* One file streamed from the shards: rank 0 (dir != NULL) writes it, every rank gathers the shard
+ * buffers in[nin] in order. After a failure on rank 0 the gathers still run, so no rank waits forever. */
+static ds4_status stream_file(ds4_train_state *s, const char *dir, bool optim, float *const *in, int nin) {
+    ds4_st_writer *w = NULL;
+    ds4_status st = dir ? ds4_st_writer_new(&w) : DS4_OK;
+    if (st == DS4_OK && dir) st = optim ? begin_optim_file(s, dir, w) : begin_model_file(s->m, dir, w);
+    for (int k = 0; k < nin; k++) {
+        ds4_status gs = ds4_fsdp_stream_packed(s->f, in[k], 0, put_values, w);
+        if (st == DS4_OK) st = gs;
+    }
+    if (st == DS4_OK && dir) st = ds4_st_writer_finish(w);
+    ds4_st_writer_free(w); /* removes the temp file of an unfinished stream */
+    return st;
+}
+
+/* Rank 0 writes the single-process format while the shards stream in, one region at a time: its memory
+ * holds one region, never the whole model. */
 static ds4_status save_sharded(ds4_train_state *s, const char *root, int64_t keep, const ds4_ckpt_meta *meta) {
     const bool writer = ds4_comm_rank(s->world) == 0;
-    ds4_model *whole = NULL;
-    ds4_adamw o = {0};
-    ds4_status st = DS4_OK;
-    if (writer) {
-        st = ds4_model_create(ds4_model_config(s->m), &whole);
-        if (st == DS4_OK) st = ds4_adamw_init_n(&o, ds4_model_numel(whole));
+    char tmp[4096] = "", cfg[4200];
+    ds4_status st = writer ? ds4_checkpoint_begin(root, meta->step, tmp, sizeof tmp) : DS4_OK;
+    snprintf(cfg, sizeof cfg, "%s/config.json", tmp);
+    if (st == DS4_OK && writer) st = ds4_config_save(ds4_model_config(s->m), cfg);
+    st = ds4_train_agree(s->world, st); /* nobody streams when rank 0 cannot write */
+    if (st != DS4_OK) return st;
+    float *params = ds4_fsdp_shard_params(s->f);
+    st = stream_file(s, writer ? tmp : NULL, false, &params, 1);
+    ds4_status mo = ds4_train_agree(s->world, moments_in(s)); /* the same on every rank: all stream or none */
+    if (mo == DS4_OK) {
+        float *moments[2] = {s->opt.m, s->opt.v};
+        mo = stream_file(s, writer && st == DS4_OK ? tmp : NULL, true, moments, 2);
+        mo = moments_out(s, mo);
     }
-    st = ds4_train_agree(s->world, st); /* nobody enters the gathers when rank 0 cannot take them */
-    if (st == DS4_OK) st = gather_whole(s, whole, &o);
-    if (st == DS4_OK && writer) st = ds4_checkpoint_save(root, keep, whole, &o, meta);
-    ds4_adamw_free(&o);
-    ds4_model_free(whole);
+    if (st == DS4_OK) st = mo;
+    if (st == DS4_OK && writer) st = ds4_checkpoint_commit(root, keep, tmp, meta);
     return ds4_train_agree(s->world, st); /* the others wait for the write and share its outcome */
 }
 
@@ -214,14 +251,12 @@ ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t ke
     return save_sharded(s, root, keep_latest_k, meta);
 }
 
-/* One packed moment of the checkpoint → this rank's elements of it (one packed buffer resident). */
+/* This rank's elements of one moment, read in ranges from the mapped checkpoint file (no whole copy). */
 static ds4_status load_moment(ds4_train_state *s, const char *path, const char *name, float *shard, int64_t *step) {
-    int64_t n = ds4_fsdp_packed_numel(s->f);
-    float *full = ds4_alloc(DS4_MEM_WORK, (size_t)n * sizeof(float));
-    if (!full) return ds4_fail(DS4_ERR_OOM, "out of memory reading %s of checkpoint %s", name, path);
-    ds4_status st = ds4_checkpoint_load_moment(path, name, n, full, step);
-    if (st == DS4_OK) st = ds4_fsdp_scatter_packed(s->f, full, shard);
-    ds4_free(full);
+    ds4_ckpt_moment *mo;
+    DS4_TRY(ds4_checkpoint_moment_open(path, name, ds4_fsdp_packed_numel(s->f), &mo, step));
+    ds4_status st = ds4_fsdp_scatter_packed(s->f, ds4_ckpt_moment_read, mo, shard);
+    ds4_ckpt_moment_close(mo);
     return st;
 }
 
