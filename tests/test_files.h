@@ -5,7 +5,10 @@
 #include "ds4/io.h"
 
 #include <dirent.h>
+#include <signal.h>
 #include <stdbool.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -20,13 +23,25 @@ static inline bool t_files_equal(const char *a, const char *b) {
     return eq;
 }
 
-/* Waits up to `seconds` for `path` to exist (a child is past its start-up). */
+/* Waits up to `seconds` for `path` to exist with something in it (a child has logged or saved). */
 static inline bool t_wait_for_file(const char *path, int seconds) {
     for (int i = 0; i < seconds * 20; i++) {
-        if (access(path, F_OK) == 0) return true;
+        struct stat sb;
+        if (stat(path, &sb) == 0 && sb.st_size > 0) return true;
         usleep(50 * 1000);
     }
     return false;
+}
+
+/* Once child `pid` has written `path` (up to 120 s), waits delay_ms, sends it `sig` and reaps it:
+ * its wait status, or -1 when the file never came (the child is killed then). */
+static inline int t_signal_after_file(pid_t pid, const char *path, int delay_ms, int sig) {
+    bool came = t_wait_for_file(path, 120);
+    if (came) usleep((useconds_t)delay_ms * 1000);
+    kill(pid, came ? sig : SIGKILL);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return came ? status : -1;
 }
 
 /* Files in `dir` whose name holds ".tmp." (temporaries an atomic write left behind). */

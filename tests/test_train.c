@@ -204,12 +204,9 @@ static void test_sigint_saves_and_exits_zero(void) {
     pid_t pid = spawn_train("sigint", "100000", "0");
     char jl[512];
     snprintf(jl, sizeof jl, "%s/sigint.jsonl", g_dir);
-    CHECK(t_wait_for_file(jl, 120), "training never logged a step");
-    usleep(300 * 1000);
-    kill(pid, SIGINT);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "exit status %d", status);
+    int status = t_signal_after_file(pid, jl, 300, SIGINT);
+    CHECK(status >= 0, "training never logged a step");
+    CHECK(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0, "exit status %d", status);
     char root[512], path[600];
     snprintf(root, sizeof root, "%s/sigint", g_dir);
     CHECK(ds4_checkpoint_find(root, -1, path, sizeof path) == DS4_OK, "no checkpoint after SIGINT: %s", ds4_errmsg());

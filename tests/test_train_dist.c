@@ -14,9 +14,7 @@
 #include "test.h"
 #include "test_files.h"
 
-#include <signal.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #define MAX_STEPS 8
@@ -249,11 +247,9 @@ static void test_sigusr1_stops_every_rank_with_a_checkpoint(void) {
         execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
         _exit(127);
     }
-    CHECK(t_wait_for_file(jl, 120), "training never logged a step");
-    kill(pid, SIGUSR1);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "mpirun exit status %d", status);
+    int status = t_signal_after_file(pid, jl, 0, SIGUSR1);
+    CHECK(status >= 0, "training never logged a step");
+    CHECK(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0, "mpirun exit status %d", status);
     char root[600], path[700];
     snprintf(root, sizeof root, "%s/usr1", g_dir);
     CHECK(ds4_checkpoint_find(root, -1, path, sizeof path) == DS4_OK, "no checkpoint after SIGUSR1: %s", ds4_errmsg());

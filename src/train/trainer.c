@@ -459,24 +459,26 @@ static ds4_status run_steps(trainer *tr, int64_t start, int64_t *last, bool *agr
 
 static ds4_status train_loop(trainer *tr, bool *agreed) {
     const ds4_train_cfg *c = tr->cfg;
-    int64_t start = 0, step;
+    int64_t start = 0, step = 0;
     ds4_status st = ds4_train_agree(tr->world, maybe_resume(tr, &start));
     if (st != DS4_OK) return st;
     tr->flops_per_token = ds4_train_flops_per_token(ds4_model_config(tr->m), c->seq_len);
     tr->peak_flops = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : ds4_probe_peak_flops();
     if (tr->lead) print_model_line(tr);
-    stop_signals(on_stop_signal);
-    st = run_steps(tr, start, &step, agreed);
+    st = check_stop(tr); /* a stop signal during start-up: no step at all */
+    if (st == DS4_OK) st = run_steps(tr, start, &step, agreed);
     if (st == DS4_OK && c->ckpt_folder[0] && step > start) {
         st = save_ckpt(tr, step);
         *agreed = true;
     }
-    if (tr->stopped && st == DS4_OK && tr->lead) printf("interrupted: saved step %lld, exiting\n", (long long)step);
+    if (tr->stopped && st == DS4_OK && tr->lead) {
+        if (step > start) printf("interrupted: saved step %lld, exiting\n", (long long)step);
+        else printf("interrupted before the first step, exiting\n");
+    }
     if (st == DS4_OK && !tr->stopped) {
         *agreed = false;
         st = run_validation(tr);
     }
-    stop_signals(SIG_DFL);
     return st;
 }
 
@@ -487,6 +489,7 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *c, bool *agreed) {
     tr.lead = tr.rank == 0;
     *agreed = true;
     g_stop = 0;
+    stop_signals(on_stop_signal); /* from the start: a signal once the run's files exist is handled */
     if (c->threads > 0) ds4_set_threads((int)c->threads);
     const ds4_matmul_precision prev_precision = ds4_get_matmul_precision();
     ds4_status st = ds4_set_matmul_precision(c->matmul_precision); /* the same on every rank */
@@ -512,6 +515,7 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *c, bool *agreed) {
     ds4_data_close(tr.train);
     ds4_train_state_free(tr.s);
     ds4_set_matmul_precision(prev_precision);
+    stop_signals(SIG_DFL);
     return st;
 }
 
