@@ -200,16 +200,23 @@ static pid_t spawn_train(const char *run, const char *steps, const char *interva
     return pid;
 }
 
+/* Ctrl-C and a scheduler's SIGTERM: the step finishes, a checkpoint is saved, the exit status is 0. */
 static void test_sigint_saves_and_exits_zero(void) {
-    pid_t pid = spawn_train("sigint", "100000", "0");
-    char jl[512];
-    snprintf(jl, sizeof jl, "%s/sigint.jsonl", g_dir);
-    int status = t_signal_after_file(pid, jl, 300, SIGINT);
-    CHECK(status >= 0, "training never logged a step");
-    CHECK(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0, "exit status %d", status);
-    char root[512], path[600];
-    snprintf(root, sizeof root, "%s/sigint", g_dir);
-    CHECK(ds4_checkpoint_find(root, -1, path, sizeof path) == DS4_OK, "no checkpoint after SIGINT: %s", ds4_errmsg());
+    const struct {
+        const char *run;
+        int sig;
+    } cases[] = {{"sigint", SIGINT}, {"sigterm", SIGTERM}};
+    for (int k = 0; k < 2; k++) {
+        pid_t pid = spawn_train(cases[k].run, "100000", "0");
+        char jl[512], root[512], path[600];
+        snprintf(jl, sizeof jl, "%s/%s.jsonl", g_dir, cases[k].run);
+        int status = t_signal_after_file(pid, jl, 300, cases[k].sig);
+        CHECK(status >= 0, "%s: training never logged a step", cases[k].run);
+        CHECK(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0, "%s: exit status %d", cases[k].run, status);
+        snprintf(root, sizeof root, "%s/%s", g_dir, cases[k].run);
+        CHECK(ds4_checkpoint_find(root, -1, path, sizeof path) == DS4_OK, "%s: no checkpoint: %s", cases[k].run,
+              ds4_errmsg());
+    }
 }
 
 static void test_kill9_during_saves_keeps_a_loadable_checkpoint(void) {
