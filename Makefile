@@ -2,7 +2,7 @@
 # `make asan` builds and runs the C tests under AddressSanitizer + UBSan in build-asan/.
 BUILD   ?= build
 CC      ?= gcc
-OPT     ?= -O2 -march=native
+OPT     ?= -O2
 SAN     ?=
 CFLAGS  := -std=c17 -D_GNU_SOURCE -Wall -Wextra -Werror -fopenmp $(OPT) $(SAN) -g \
            -Iinclude -Isrc -fno-fast-math -ffp-contract=off
@@ -50,18 +50,34 @@ test-c: all
 	BUILD=$(BUILD) DS4_SKIP_PY=1 bash tests/run.sh
 
 asan:
-	$(MAKE) BUILD=build-asan OPT="-O1 -march=native" SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test-c
+	$(MAKE) BUILD=build-asan OPT="-O1" SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test-c
 
-# The README's test command: all tests, the C tests under ASan + UBSan, then the fuzzers for 45 s.
+# The suite again on the portable kernels (DS4_ISA=generic: what a CPU without AVX2 or a non-x86 target
+# runs), and the parity test once per ISA level between generic and this CPU's best.
+test-levels: all
+	DS4_ISA=generic BUILD=$(BUILD) bash tests/run.sh
+	BUILD=$(BUILD) bash tests/run-levels.sh
+
+# The library built without any x86 engine (-DDS4_PORTABLE_ONLY, as a non-x86 target builds it) and for
+# the x86-64 baseline; its kernel tests run on the portable engines.
+portable:
+	$(MAKE) BUILD=build-portable OPT="-O2 -march=x86-64 -DDS4_PORTABLE_ONLY" \
+	    build-portable/tests/test_kernels_basic build-portable/tests/test_kernels_bf16
+	build-portable/tests/test_kernels_basic && build-portable/tests/test_kernels_bf16
+
+# The README's test command: all tests (best engines, then portable ones), the portable-only build, the C
+# tests under ASan + UBSan, then the fuzzers for 45 s.
 check:
 	$(MAKE) test
+	$(MAKE) test-levels
+	$(MAKE) portable
 	$(MAKE) asan
 	$(MAKE) fuzz FUZZ_SECONDS=45
 
 clean:
-	rm -rf build build-asan
+	rm -rf build build-asan build-portable
 
-.PHONY: all test test-c asan check clean
+.PHONY: all test test-c test-levels portable asan check clean
 .SECONDARY:
 -include $(LIB_OBJ:.o=.d) $(TOOL_OBJ:.o=.d) $(TEST_BIN:%=%.d) $(BENCH_BIN:%=%.d)
 

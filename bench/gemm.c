@@ -1,7 +1,9 @@
-/* GEMM throughput: reference vs fast AVX-512 fp32 kernels vs the AMX bf16 path (matmul precision
- * bf16: bf16 operands, fp32 accumulation), GFLOP/s as the median of timed calls, on 1 thread and on
- * all threads. fp32 and bf16 calls alternate (drift of a shared machine hits both alike). The reference
- * is timed on the shapes marked for it only (it is slow), and not at all with --fast-only.
+/* GEMM throughput of every engine this CPU runs, side by side: for each ISA level from the best down to
+ * generic (ds4_isa_select), the fp32 GEMM and the bf16 one (matmul precision bf16: bf16 operands, fp32
+ * accumulation), GFLOP/s as the median of timed calls, on 1 thread and on all threads. The calls of all
+ * engines alternate within each timed round, so drift of a shared machine hits them alike. The generic
+ * level (the portable references) is timed on the shapes marked for it only (it is slow), and not at all
+ * with --fast-only.
  * Usage: gemm [--fast-only] [--runs N] */
 #include <omp.h>
 #include <stdbool.h>
@@ -60,35 +62,26 @@ static void call(gemm_fn f, const shape *s, const float *A, const float *B, floa
     f(s->M, s->N, s->K, A, lda, B, ldb, C, s->N, 0);
 }
 
-/* Median seconds of `runs` calls of f in the current precision (after one warm-up call). */
-static double time_gemm(gemm_fn f, const shape *s, const float *A, const float *B, float *C, int runs) {
+/* One engine: an ISA level and a matmul precision. */
+typedef struct {
+    ds4_isa isa;
+    ds4_matmul_precision prec;
     double t[64];
-    if (runs > 64) runs = 64;
-    call(f, s, A, B, C);
-    for (int r = 0; r < runs; r++) {
-        double t0 = ds4_now();
-        call(f, s, A, B, C);
-        t[r] = ds4_now() - t0;
-    }
-    return median(t, runs);
-}
+} engine_run;
 
-/* Median seconds of f in fp32 (*t32) and in bf16 (*t16), calls alternating; *t16 = 0 without bf16. */
-static void time_fp32_bf16(gemm_fn f, const shape *s, const float *A, const float *B, float *C, int runs,
-                           bool bf16, double *t32, double *t16) {
-    double a[64], b[64];
-    if (runs > 64) runs = 64;
-    *t16 = 0;
-    for (int r = -1; r < runs; r++) /* r = -1: warm-up of both */
-        for (int p = 0; p < (bf16 ? 2 : 1); p++) {
-            ds4_set_matmul_precision(p ? DS4_MATMUL_BF16 : DS4_MATMUL_FP32);
+/* Median seconds of each engine on shape s, over `runs` rounds in which every engine is called once
+ * (after a warm-up round). */
+static void time_engines(engine_run *e, int ne, gemm_fn f, const shape *s, const float *A, const float *B, float *C,
+                         int runs) {
+    for (int r = -1; r < runs; r++)
+        for (int i = 0; i < ne; i++) {
+            ds4_isa_select(e[i].isa);
+            ds4_set_matmul_precision(e[i].prec);
             double t0 = ds4_now();
             call(f, s, A, B, C);
-            if (r >= 0) (p ? b : a)[r] = ds4_now() - t0;
+            if (r >= 0) e[i].t[r] = ds4_now() - t0;
         }
     ds4_set_matmul_precision(DS4_MATMUL_FP32);
-    *t32 = median(a, runs);
-    if (bf16) *t16 = median(b, runs);
 }
 
 int main(int argc, char **argv) {
@@ -102,12 +95,24 @@ int main(int argc, char **argv) {
         }
     }
     if (runs < 5) runs = 5;
-    bool bf16 = ds4_set_matmul_precision(DS4_MATMUL_BF16) == DS4_OK;
-    if (!bf16) printf("bf16 (AMX) not measured: %s\n", ds4_errmsg());
-    ds4_set_matmul_precision(DS4_MATMUL_FP32);
+    if (runs > 64) runs = 64;
+    ds4_isa best = ds4_isa_best();
+    char info[4096];
+    ds4_isa_describe(info, sizeof info);
+    printf("%s\n", info);
+    engine_run all[2 * DS4_ISA_COUNT];
+    int nall = 0;
+    for (int l = (int)best; l >= 0; l--)
+        for (int p = 0; p < 2; p++) all[nall++] = (engine_run){.isa = (ds4_isa)l, .prec = p ? DS4_MATMUL_BF16 : DS4_MATMUL_FP32};
+    printf("GFLOP/s, median of %d rounds; columns: ISA level / precision\n", runs);
+    printf("%-30s %-3s %6s %6s %6s %4s", "shape", "op", "M", "N", "K", "thr");
+    for (int i = 0; i < nall; i++) {
+        char h[32];
+        snprintf(h, sizeof h, "%s/%s", ds4_isa_name(all[i].isa), ds4_matmul_precision_name(all[i].prec));
+        printf(" %15s", h);
+    }
+    printf("\n");
     int max_threads = omp_get_max_threads();
-    printf("%-30s %-3s %6s %6s %6s %4s %9s %10s %10s %6s\n", "shape", "op", "M", "N", "K", "thr", "ref GF/s",
-           "fp32 GF/s", "bf16 GF/s", "x");
     for (size_t si = 0; si < sizeof SHAPES / sizeof SHAPES[0]; si++) {
         const shape *s = &SHAPES[si];
         size_t na = (size_t)(s->M * s->K), nb = (size_t)(s->K * s->N), nc = (size_t)(s->M * s->N);
@@ -120,23 +125,22 @@ int main(int argc, char **argv) {
         }
         for (size_t i = 0; i < na; i++) A[i] = ds4_rng_uniform(1, 1, i) - 0.5f;
         for (size_t i = 0; i < nb; i++) B[i] = ds4_rng_uniform(1, 2, i) - 0.5f;
-        gemm_fn fast = s->op == 'n' ? gemm_nt : s->op == 'm' ? gemm_nn : gemm_tn;
-        gemm_fn ref = s->op == 'n' ? gemm_nt_ref : s->op == 'm' ? gemm_nn_ref : gemm_tn_ref;
+        gemm_fn f = s->op == 'n' ? gemm_nt : s->op == 'm' ? gemm_nn : gemm_tn;
         const char *opname = s->op == 'n' ? "nt" : s->op == 'm' ? "nn" : "tn";
         double flop = 2.0 * (double)s->M * (double)s->N * (double)s->K;
+        /* the generic level only where the shape allows it */
+        int ne = nall;
+        while (ne > 0 && all[ne - 1].isa == DS4_ISA_GENERIC && (fast_only || !s->ref)) ne--;
         for (int th = 1; th <= max_threads; th = th == max_threads ? th + 1 : (th * 2 > max_threads ? max_threads : th * 2)) {
             omp_set_num_threads(th);
-            double t32, t16;
-            time_fp32_bf16(fast, s, A, B, C, runs * 4, bf16, &t32, &t16);
-            double tr = fast_only || !s->ref ? 0 : time_gemm(ref, s, A, B, C, runs);
-            char rs[16] = "-", bs[16] = "-", xs[16] = "-";
-            if (tr > 0) snprintf(rs, sizeof rs, "%.2f", flop / tr * 1e-9);
-            if (t16 > 0) {
-                snprintf(bs, sizeof bs, "%.1f", flop / t16 * 1e-9);
-                snprintf(xs, sizeof xs, "%.2f", t32 / t16);
+            time_engines(all, ne, f, s, A, B, C, runs);
+            printf("%-30s %-3s %6lld %6lld %6lld %4d", s->what, opname, (long long)s->M, (long long)s->N,
+                   (long long)s->K, th);
+            for (int i = 0; i < nall; i++) {
+                if (i < ne) printf(" %15.1f", flop / median(all[i].t, runs) * 1e-9);
+                else printf(" %15s", "-");
             }
-            printf("%-30s %-3s %6lld %6lld %6lld %4d %9s %10.1f %10s %6s\n", s->what, opname, (long long)s->M,
-                   (long long)s->N, (long long)s->K, th, rs, flop / t32 * 1e-9, bs, xs);
+            printf("\n");
             fflush(stdout);
         }
         omp_set_num_threads(max_threads);
@@ -144,5 +148,6 @@ int main(int argc, char **argv) {
         ds4_free(B);
         ds4_free(C);
     }
+    ds4_isa_select(best);
     return 0;
 }

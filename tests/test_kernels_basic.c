@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include "ds4/core.h"
+#include "kernels/dispatch.h"
 #include "kernels/kernels.h"
 #include "kernels/kernels_f64.h"
 #include "test.h"
@@ -130,8 +131,8 @@ static double gemm_case(int op, int64_t M, int64_t N, int64_t K, int64_t pad, fl
     /* Both sides round a K-term sum (the fast one with FMAs and per-slice partial sums): random-walk
      * error growth ~ u·sqrt(K) with u = 6e-8; allow 8u·sqrt(K) (measured worst: ~0.9u·sqrt(K)). */
     double tol = 5e-7 * sqrt((double)(K > 1 ? K : 1));
-    CHECK(e <= tol && !nonfinite, "gemm_%s M=%lld N=%lld K=%lld pad=%lld beta=%g: rel err %.3g > %.3g (%d nonfinite)",
-          OP_NAME[op], (long long)M, (long long)N, (long long)K, (long long)pad, beta, e, tol, nonfinite);
+    CHECK(e <= tol && !nonfinite, "%s gemm_%s M=%lld N=%lld K=%lld pad=%lld beta=%g: rel err %.3g > %.3g (%d nonfinite)",
+          ds4_isa_name(ds4_isa_current()), OP_NAME[op], (long long)M, (long long)N, (long long)K, (long long)pad, beta, e, tol, nonfinite);
     CHECK(bad_pad == 0, "gemm_%s M=%lld N=%lld K=%lld: %d elements beyond column N written", OP_NAME[op],
           (long long)M, (long long)N, (long long)K, bad_pad);
     free(A);
@@ -964,11 +965,27 @@ static void test_cross_entropy_deterministic(void) {
     free(l), free(d1), free(d2), free(t);
 }
 
+/* The fp32 GEMM tests on every ISA level this CPU runs (each level's engine: avx512 14×32, avx2 6×16,
+ * generic = the reference); levels the CPU lacks are reported as skipped. */
+static void test_gemm_every_engine(void) {
+    ds4_isa was = ds4_isa_current();
+    for (int i = DS4_ISA_COUNT - 1; i >= 0; i--) {
+        if (ds4_isa_select((ds4_isa)i) != DS4_OK) {
+            t_note("test_kernels_basic: SKIP gemm at level %s: %s", ds4_isa_name((ds4_isa)i), ds4_errmsg());
+            continue;
+        }
+        const gemm_engine *e = kernels_active()->gemm_f32;
+        t_note("test_kernels_basic: gemm at level %s: %s", ds4_isa_name((ds4_isa)i), e ? e->name : "reference");
+        RUN(test_gemm_edge_shapes);
+        RUN(test_gemm_degenerate);
+        RUN(test_gemm_deterministic_threads);
+        RUN(test_gemm_ops_agree);
+    }
+    if (ds4_isa_select(was) != DS4_OK) t_failed++, t_note("  FAIL restoring the ISA level: %s", ds4_errmsg());
+}
+
 int main(void) {
-    RUN(test_gemm_edge_shapes);
-    RUN(test_gemm_degenerate);
-    RUN(test_gemm_deterministic_threads);
-    RUN(test_gemm_ops_agree);
+    test_gemm_every_engine();
     RUN(test_linear);
     RUN(test_grouped_linear);
     RUN(test_embedding);

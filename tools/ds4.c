@@ -5,6 +5,21 @@
 #include <stdio.h>
 #include <string.h>
 
+#define DS4_VERSION "0.9.0"
+
+/* `ds4 info` and `ds4 --version`: the version, then the CPU features found and the engine each kernel
+ * family runs (DS4_ISA caps the level). */
+static int cmd_info(int argc, char **argv) {
+    if (argc > 1) {
+        fprintf(stderr, "error: %s takes no options (got '%s')\n", argv[0], argv[1]);
+        return 2;
+    }
+    char buf[4096];
+    ds4_isa_describe(buf, sizeof buf);
+    printf("ds4 %s\n%s", DS4_VERSION, buf);
+    return 0;
+}
+
 typedef struct {
     const char *name;
     int (*fn)(int, char **);
@@ -23,6 +38,7 @@ static const command k_commands[] = {
     {"generate", cmd_generate, "continue a prompt with the cached decoder (greedy, temperature, top-p)"},
     {"memplan", cmd_memplan, "peak memory of one training step, without running it"},
     {"debug-state", cmd_debug_state, "one forward+backward; write logits, losses, gradients, top-k"},
+    {"info", cmd_info, "version, CPU features and the kernel engine of each family (also --version)"},
 };
 
 static void usage(void) {
@@ -36,6 +52,7 @@ static int run_command(int argc, char **argv) {
         usage();
         return argc < 2 ? 2 : 0;
     }
+    if (!strcmp(argv[1], "--version")) return cmd_info(argc - 1, argv + 1);
     for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
         if (!strcmp(argv[1], k_commands[i].name)) return k_commands[i].fn(argc - 1, argv + 1);
     fprintf(stderr, "error: unknown command '%s'\n", argv[1]);
@@ -43,9 +60,13 @@ static int run_command(int argc, char **argv) {
     return 2;
 }
 
-/* MPI starts here when mpirun launched us (a no-op otherwise) and ends after the command, whatever it
- * returned. */
+/* DS4_ISA is checked before any command runs; MPI starts here when mpirun launched us (a no-op
+ * otherwise) and ends after the command, whatever it returned. */
 int main(int argc, char **argv) {
+    if (ds4_isa_from_env() != DS4_OK) {
+        fprintf(stderr, "error: %s\n", ds4_errmsg());
+        return 2;
+    }
     if (ds4_dist_init() != DS4_OK) {
         fprintf(stderr, "error: %s\n", ds4_errmsg());
         return 1;

@@ -8,9 +8,10 @@
  *  - Deterministic: for a fixed thread count, the same inputs give the same bits. No float
  *    atomics; reductions over threads are done in a fixed order.
  *  - `ref/` holds the plain reference version of each op (the oracle). Where a fast version exists
- *    (x86/: AVX-512/AMX), the reference keeps the `_ref` suffix and the fast one has the plain name,
- *    same signature and semantics; tests compare the two. Ops without a fast version are defined
- *    once, under the plain name, in ref/.
+ *    (the GEMM: gemm.c runs the engine that dispatch.c picks from the CPU at run time, x86/), the
+ *    reference keeps the `_ref` suffix and the fast one has the plain name, same signature and
+ *    semantics; tests compare the two. Ops without a fast version are defined once, under the plain
+ *    name, in ref/.
  *  - The same signatures are what a CUDA backend would implement.
  */
 #ifndef DS4_KERNELS_H
@@ -29,7 +30,7 @@
         if (ds4_shape_only()) return __VA_ARGS__; \
     } while (0)
 
-/* ================================================================ gemm (kernels/ref/gemm.c, x86/gemm.c)
+/* ================================================================ gemm (kernels/ref/gemm.c, gemm.c, x86/)
  * beta is 0 (overwrite C) or 1 (accumulate into C). Leading dimensions in elements. */
 /* C[M,N] = beta*C + A[M,K] · B[N,K]^T        (linear forward: out = in · W^T) */
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
@@ -53,8 +54,9 @@ void gemm_workspace_reserve(void);
 void gemm_workspace_release(void);
 
 /* Mixed precision (ds4_set_matmul_precision(DS4_MATMUL_BF16)): gemm_nt/nn/tn round A and B to bf16
- * (gemm_bf16_round) and accumulate their exact products in fp32 on AMX tiles; C stays fp32.
- * The references below round the same way and accumulate in double (x86/gemm_amx.c, ref/gemm_bf16.c). */
+ * (gemm_bf16_round) and accumulate their exact products in fp32 (the engine the dispatch chose: AMX
+ * tiles, VDPBF16PS or fp32 FMAs); C stays fp32. The references below round the same way and accumulate
+ * in double (ref/gemm_bf16.c). */
 typedef void gemm_signature(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
                             int64_t ldb, float *C, int64_t ldc, float beta); /* that of every gemm above */
 gemm_signature gemm_nt_bf16_ref, gemm_nn_bf16_ref, gemm_tn_bf16_ref;        /* the layouts of gemm_nt/nn/tn */
@@ -62,32 +64,6 @@ gemm_signature gemm_nt_bf16_ref, gemm_nn_bf16_ref, gemm_tn_bf16_ref;        /* t
  * NaN stays a (quiet) NaN, ±Inf stays, fp32 denormals become ±0 (AMX treats bf16 denormals as 0 anyway). */
 uint16_t gemm_bf16_bits(float x);
 float gemm_bf16_round(float x); /* gemm_bf16_bits widened back to float */
-
-/* Internal to kernels/x86: the blocked driver of x86/gemm.c runs either its own fp32 AVX-512 engine
- * or the bf16 AMX engine of x86/gemm_amx.c; an engine is its blocking sizes, packers and tile kernel. */
-typedef struct {
-    const float *p;
-    int64_t rs, cs; /* element (r, c) at p[r·rs + c·cs] */
-} gemm_view;
-typedef struct {
-    int64_t mr, nr;     /* tile kernel rows, columns */
-    int64_t kc;         /* K slice depth: fixes the summation order of every element */
-    int64_t mc, nt, nc; /* rows and columns per task at most; columns of B packed per slice */
-    int64_t kalign;     /* packed K of a slice is rounded up to a multiple of this (zero filled) */
-    size_t elem;        /* bytes of one packed element */
-    /* dst: A rows [i0, i0+mr) × k [k0, k0+kc) in the engine's panel layout, rows >= mr zero. */
-    void (*pack_a)(void *dst, gemm_view A, int64_t i0, int64_t mr, int64_t k0, int64_t kc);
-    /* dst: B (viewed K×N) rows [k0, k0+kc) × columns [j0, j0+nr), columns >= nr zero. */
-    void (*pack_b)(void *dst, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr);
-    /* C tile [mr, nr] = cscale·C + a·b over one packed slice (kc as passed to the packers). */
-    void (*tile)(int64_t kc, const void *a, const void *b, float *C, int64_t ldc, int64_t mr, int64_t nr,
-                 float cscale);
-    void (*thread_begin)(void), (*thread_end)(void); /* around a thread's tiles; NULL: nothing */
-} gemm_engine;
-/* The AMX engine, or NULL when this build has no AMX code (the precision switch then refuses bf16). */
-const gemm_engine *gemm_amx_engine(void);
-/* Tests only: pretend the CPU lacks AMX-BF16 (1) or Linux refuses the tile permission (2); 0: real. */
-void gemm_amx_simulate_missing(int what);
 
 /* Linear layer without bias. out: [N, OC], inp: [N, IC], w: [OC, IC]. */
 void linear_fwd(float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC);

@@ -1,4 +1,5 @@
-/* The matmul precision switch and the bf16 AMX engine of the x86 GEMM (driver: gemm.c).
+/* The AMX-BF16 engine of the blocked GEMM (driver: ../gemm.c), chosen by the dispatch (dispatch.c) for
+ * the bf16 matmul precision on CPUs with AMX.
  *
  * With DS4_MATMUL_BF16, gemm_nt/nn/tn round A and B to bf16 (round to nearest even, by
  * VCVTNE2PS2BF16, = gemm_bf16_bits) while packing them and multiply them with TDPBF16PS, which sums
@@ -18,31 +19,20 @@
  * K of them (plus beta·C) in fp32, so |C − exact| <= ~K·2^-24·(Σ|a·b| + |beta·C|) for the rounded
  * operands (the bound tests/test_kernels_amx.c checks). TDPBF16PS treats bf16 denormals as zero and
  * flushes denormal results to zero (the packer already turns fp32 denormals into zeros). */
-#include <errno.h>
+#include "kernels/dispatch.h"
+
+/* GCC >= 11 knows AMX (its tile intrinsics are inline assembly), so the engine is compiled for it
+ * whatever -march says; the dispatch runs it only where CPUID and Linux allow. */
+#if DS4_X86_ENGINES && __GNUC__ >= 11
+#define GEMM_AMX 1
 #include <immintrin.h>
 #include <string.h>
-
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-#if defined(__x86_64__)
-#include <cpuid.h>
-#endif
 
 #include "ds4/core.h"
 #include "kernels/kernels.h"
 
-/* GCC >= 11 knows AMX (its tile intrinsics are inline assembly), so the engine is compiled for it
- * whatever -march says and the CPU is checked at run time; other compilers need -march with AMX. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
-#define GEMM_AMX 1
-#define GEMM_AMX_TARGET_PRAGMA 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,amx-tile,amx-bf16")
-#elif defined(__x86_64__) && (defined(__AMX_TILE__) || defined(__AMXTILE__)) && \
-    (defined(__AMX_BF16__) || defined(__AMXBF16__)) && defined(__AVX512BF16__) /* clang's spelling */
-#define GEMM_AMX 1
 #else
 #define GEMM_AMX 0
 #endif
@@ -222,87 +212,17 @@ static void amx_tile_32x32(int64_t kc, const void *a, const void *b, float *C, i
 }
 
 static const gemm_engine k_amx_engine = {
-    .mr = AMX_MR, .nr = AMX_NR, .kc = AMX_KC, .mc = AMX_MC, .nt = AMX_NT, .nc = AMX_NC, .kalign = 32, .elem = 2,
+    .name = "amx bf16 tiles 32x32", .mr = AMX_MR, .nr = AMX_NR, .kc = AMX_KC, .mc = AMX_MC, .nt = AMX_NT, .nc = AMX_NC, .kalign = 32, .elem = 2,
     .pack_a = amx_pack_a, .pack_b = amx_pack_b, .tile = amx_tile_32x32,
     .thread_begin = amx_thread_begin, .thread_end = amx_thread_end,
 };
 
-#ifdef GEMM_AMX_TARGET_PRAGMA
 #pragma GCC pop_options
+
+const gemm_engine *gemm_engine_amx_bf16(void) { return &k_amx_engine; }
+
+#else /* another target or compiler: no AMX engine */
+
+const gemm_engine *gemm_engine_amx_bf16(void) { return NULL; }
+
 #endif
-
-const gemm_engine *gemm_amx_engine(void) { return &k_amx_engine; }
-
-#else /* !GEMM_AMX */
-
-const gemm_engine *gemm_amx_engine(void) { return NULL; }
-
-#endif
-
-/* ---------------------------------------------------------------- the precision switch */
-
-static ds4_matmul_precision g_precision = DS4_MATMUL_FP32;
-static int g_simulate_missing; /* tests: 1 = no AMX-BF16 in CPUID, 2 = permission refused */
-
-void gemm_amx_simulate_missing(int what) { g_simulate_missing = what; }
-
-ds4_matmul_precision ds4_get_matmul_precision(void) { return g_precision; }
-
-const char *ds4_matmul_precision_name(ds4_matmul_precision p) {
-    return p == DS4_MATMUL_FP32 ? "fp32" : p == DS4_MATMUL_BF16 ? "bf16" : "?";
-}
-
-/* CPUID: AMX-TILE, AMX-BF16 (leaf 7.0 EDX bits 24, 22), AVX512-BF16 (leaf 7.1 EAX bit 5) for the
- * packer's conversion, AVX512-BW for its permutes. NULL if all present, else the missing one. */
-static const char *amx_missing_cpu_feature(void) {
-#if defined(__x86_64__)
-    unsigned a, b, c, d;
-    if (g_simulate_missing == 1 || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "AMX-BF16";
-    if (!(d & (1u << 24))) return "AMX-TILE";
-    if (!(d & (1u << 22))) return "AMX-BF16";
-    if (!__builtin_cpu_supports("avx512bw")) return "AVX512-BW";
-    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return "AVX512-BF16";
-    return NULL;
-#else
-    return "AMX-BF16";
-#endif
-}
-
-/* Linux keeps AMX tile data off until a process asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA = 18);
- * the grant is process-wide, for present and future threads. Returns 0 or an errno value. */
-static int amx_request_permission(void) {
-#if defined(__linux__) && defined(__x86_64__)
-    enum { ARCH_GET_XCOMP_PERM_ = 0x1022, ARCH_REQ_XCOMP_PERM_ = 0x1023, XFEATURE_XTILEDATA_ = 18 };
-    if (g_simulate_missing == 2) return EPERM;
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM_, XFEATURE_XTILEDATA_) != 0) return errno;
-    unsigned long granted = 0;
-    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM_, &granted) != 0) return errno;
-    return granted & (1ul << XFEATURE_XTILEDATA_) ? 0 : EPERM;
-#else
-    return ENOSYS;
-#endif
-}
-
-ds4_status ds4_set_matmul_precision(ds4_matmul_precision p) {
-    const char *now = ds4_matmul_precision_name(g_precision);
-    if (p != DS4_MATMUL_FP32 && p != DS4_MATMUL_BF16)
-        return ds4_fail(DS4_ERR_ARG, "matmul precision %d: unknown (expected fp32 or bf16); it stays %s", (int)p,
-                        now);
-    if (p == DS4_MATMUL_BF16) {
-        if (!GEMM_AMX)
-            return ds4_fail(DS4_ERR_UNSUPPORTED,
-                            "matmul precision bf16: this build has no AMX code (compiler without AMX support); "
-                            "it stays %s", now);
-        const char *missing = amx_missing_cpu_feature();
-        if (missing)
-            return ds4_fail(DS4_ERR_UNSUPPORTED, "matmul precision bf16: this CPU lacks %s (CPUID); it stays %s",
-                            missing, now);
-        int err = amx_request_permission();
-        if (err)
-            return ds4_fail(DS4_ERR_UNSUPPORTED,
-                            "matmul precision bf16: Linux refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, "
-                            "XTILEDATA): %s; it stays %s", strerror(err), now);
-    }
-    g_precision = p;
-    return DS4_OK;
-}

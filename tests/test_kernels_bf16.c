@@ -1,11 +1,15 @@
-/* The bf16 (AMX) matmul precision: operand rounding, the AMX GEMM against its bf16 reference on edge
- * shapes, determinism over threads and runs, the precision switch and its errors, and memory that
- * does not depend on the data (shape-only runs count the same bytes). */
+/* The bf16 matmul precision on every engine: operand rounding, each engine of the bf16 GEMM (AMX tiles,
+ * AVX512-BF16 dot products, fp32 FMAs of rounded operands on AVX-512 or AVX2, the VDPBF16PS panel
+ * layout with a portable tile, the portable reference) against the bf16 reference on edge shapes with
+ * a derived bound, determinism over threads and runs, the precision and ISA switches and their errors,
+ * and memory that does not depend on the data (shape-only runs count the same bytes). An engine the CPU
+ * lacks is reported as skipped. */
 #include <float.h>
 #include <omp.h>
 #include <stdint.h>
 
 #include "ds4/core.h"
+#include "kernels/dispatch.h"
 #include "kernels/kernels.h"
 #include "test.h"
 
@@ -22,8 +26,9 @@ static uint32_t u_of(float f) {
     return u;
 }
 
-/* Whether this machine runs the AMX tests; set by main (the switch to bf16 succeeded). */
-static int g_amx;
+/* The engine under test (its name for messages); NULL while the portable reference is under test. */
+static const gemm_engine *g_engine;
+static const char *g_engine_name = "";
 
 typedef void (*gemm_fn)(int64_t, int64_t, int64_t, const float *, int64_t, const float *, int64_t, float *,
                         int64_t, float);
@@ -92,11 +97,10 @@ static void test_bf16_rounding_values(void) {
     }
 }
 
-/* Through the AMX path, K = 1 with the other operand 1.0: C = bf16(x)·1 + 0 exactly, so C shows the
+/* Through the engine, K = 1 with the other operand 1.0: C = bf16(x)·1 + 0 exactly, so C shows the
  * packer's rounding of every value (ties, Inf, NaN, overflow to Inf, denormal to 0; the sign of a
  * zero is lost in the + 0), for A and for B of each layout (different packing code). */
-static void test_amx_packer_rounding(void) {
-    if (!g_amx) return;
+static void test_packer_rounding(void) {
     enum { NV = 517 }; /* odd, several 32-tiles and a partial one */
     float v[NV];
     for (int i = 0; i < NV; i++) {
@@ -124,21 +128,21 @@ static void test_amx_packer_rounding(void) {
                 if (u_of(C[i]) != u_of(gemm_bf16_round(v[i])) && !(isnan(C[i]) && isnan(v[i])) &&
                     !(C[i] == 0 && gemm_bf16_round(v[i]) == 0) && bad++ < 3) /* 0 + (-0) is +0 */
                     t_note("  0x%08x -> 0x%08x, expected 0x%08x", u_of(v[i]), u_of(C[i]), u_of(gemm_bf16_round(v[i])));
-            CHECK(bad == 0, "gemm_%s %s packer: %d of %d values not rounded like gemm_bf16_bits", OP_NAME[op],
-                  side ? "B" : "A", bad, NV);
+            CHECK(bad == 0, "%s gemm_%s %s packer: %d of %d values not rounded like gemm_bf16_bits", g_engine_name,
+                  OP_NAME[op], side ? "B" : "A", bad, NV);
         }
 }
 
 /* ---------------------------------------------------------------- accuracy against the reference */
 
-/* AMX vs the bf16 reference on one shape, padded leading dimensions, beta 0 (C preset to NaN: must
- * not be read) or 1. Bound per element: the products of bf16 operands are exact in fp32, and the AMX
- * result is an fp32 sum of those K products and beta·C in some fixed order: the classical recursive
+/* The engine vs the bf16 reference on one shape, padded leading dimensions, beta 0 (C preset to NaN:
+ * must not be read) or 1. Bound per element: the products of bf16 operands are exact in fp32, and an
+ * engine's result is an fp32 sum of those K products and beta·C in some fixed order: the classical recursive
  * summation bound (Higham, Accuracy and Stability, eq. 4.4) gives |err| <= γ_K·S with S = Σ_k |ã_ik·b̃_kj|
  * + |beta·C_ij| and γ_K = K·u/(1 − K·u), u = 2^-24. The reference is the exact sum rounded once (u·S).
  * So |C − ref| <= (K + 2)·u·S (γ's denominator is below 1.0001 for K < 1700). The same bound would
  * fail for an engine that did not round its operands to bf16 (errors ~2^-9·S). */
-static void amx_case(int op, int64_t M, int64_t N, int64_t K, int64_t pad, float beta, double *worst_ratio) {
+static void bf16_case(int op, int64_t M, int64_t N, int64_t K, int64_t pad, float beta, double *worst_ratio) {
     int64_t ar, ac, br, bc;
     ab_shape(op, M, N, K, &ar, &ac, &br, &bc);
     int64_t lda = ac + pad, ldb = bc + pad, ldc = N + pad;
@@ -171,17 +175,16 @@ static void amx_case(int op, int64_t M, int64_t N, int64_t K, int64_t pad, float
         }
         for (int64_t j = N; j < ldc; j++) bad_pad += Cf[i * ldc + j] != 12345.0f;
     }
-    CHECK(bad == 0, "gemm_%s M=%lld N=%lld K=%lld pad=%lld beta=%g: %d elements beyond the bound", OP_NAME[op],
+    CHECK(bad == 0, "%s gemm_%s M=%lld N=%lld K=%lld pad=%lld beta=%g: %d elements beyond the bound", g_engine_name, OP_NAME[op],
           (long long)M, (long long)N, (long long)K, (long long)pad, beta, bad);
     CHECK(bad_pad == 0, "gemm_%s M=%lld N=%lld K=%lld: %d elements beyond column N written", OP_NAME[op],
           (long long)M, (long long)N, (long long)K, bad_pad);
     free(A), free(B), free(Cf), free(Cr), free(C0);
 }
 
-static void test_amx_edge_shapes(void) {
-    if (!g_amx) return;
-    /* around the AMX tile (16), the output tile (32), the K chunk (32), the K slice (512) and the
-     * row block (224); K = 1 and odd K exercise the zero-padded pair of the VNNI layout */
+static void test_edge_shapes(void) {
+    /* around the tiles (6, 14, 16, 32), the K chunk (32), the K slices (256, 512) and the row blocks (192,
+     * 224); K = 1 and odd K exercise the zero-padded pair of the VNNI layout */
     static const int64_t MS[] = {1, 2, 15, 16, 17, 33, 64, 225};
     static const int64_t NS[] = {1, 3, 16, 17, 31, 32, 33, 70, 513};
     static const int64_t KS[] = {1, 2, 3, 31, 32, 33, 63, 511, 513, 1025};
@@ -193,28 +196,27 @@ static void test_amx_edge_shapes(void) {
                 size_t c = (a * 3 + b * 7 + (size_t)op) % (sizeof KS / sizeof *KS);
                 int64_t M = MS[a], N = NS[b], K = KS[c];
                 if (M * N * K > 4000000) K = 33;
-                amx_case(op, M, N, K, (a + b) % 2 ? 3 : 0, (a + b + c) % 2 ? 1.0f : 0.0f, &worst);
+                bf16_case(op, M, N, K, (a + b) % 2 ? 3 : 0, (a + b + c) % 2 ? 1.0f : 0.0f, &worst);
                 n_cases++;
             }
     /* every K on a shape with full and partial tiles, both betas */
     for (int op = 0; op < 3; op++)
         for (size_t c = 0; c < sizeof KS / sizeof *KS; c++) {
-            amx_case(op, 40, 45, KS[c], 2, 0.0f, &worst);
-            amx_case(op, 40, 45, KS[c], 0, 1.0f, &worst);
+            bf16_case(op, 40, 45, KS[c], 2, 0.0f, &worst);
+            bf16_case(op, 40, 45, KS[c], 0, 1.0f, &worst);
         }
     /* wider than one packed B block (8192 columns); several K slices and row blocks, threaded */
     for (int op = 0; op < 3; op++) {
-        amx_case(op, 3, 8200, 7, 1, 1.0f, &worst);
-        amx_case(op, 460, 40, 1100, 0, 0.0f, &worst);
+        bf16_case(op, 3, 8200, 7, 1, 1.0f, &worst);
+        bf16_case(op, 460, 40, 1100, 0, 0.0f, &worst);
     }
     CHECK(n_cases == 3 * 8 * 9);
-    t_note("  amx vs bf16 reference: worst err/bound %.3g", worst);
+    t_note("  %s vs bf16 reference: worst err/bound %.3g", g_engine_name, worst);
 }
 
 /* In bf16 mode too: K = 0 is the empty sum (C = beta·C; beta 0 writes zeros without reading C),
  * M or N = 0 write nothing, and a 1×1×1 product of bf16 values accumulates exactly. */
-static void test_amx_degenerate(void) {
-    if (!g_amx) return;
+static void test_degenerate(void) {
     const float A[4] = {0}, B[4] = {0}, before[6] = {1, 2, 3, 4, 5, 6};
     for (int op = 0; op < 3; op++)
         for (int beta = 0; beta <= 1; beta++) {
@@ -249,8 +251,7 @@ static float *product_on(int threads, int op, int64_t M, int64_t N, int64_t K, c
 
 /* Same inputs → same bits: run to run, and for 1, 2 and 3 threads (tasks split differently); and
  * the three layouts compute the same bits from transposed storage (their packers agree). */
-static void test_amx_deterministic(void) {
-    if (!g_amx) return;
+static void test_deterministic(void) {
     const int64_t M = 300, N = 200, K = 1100; /* 66M multiply-adds: threaded, 3 K slices */
     float *ref = falloc(M * N);
     for (int op = 0; op < 3; op++) {
@@ -280,8 +281,7 @@ static void test_amx_deterministic(void) {
 
 /* Called from inside a parallel region (each thread its own GEMM, as a caller parallel over experts
  * would): every thread configures and releases its own tiles, and gets the serial bits. */
-static void test_amx_nested_parallel(void) {
-    if (!g_amx) return;
+static void test_nested_parallel(void) {
     const int64_t M = 130, N = 70, K = 600;
     float *A = falloc(M * K), *B = falloc(N * K), *ref = falloc(M * N), *C[2] = {falloc(M * N), falloc(M * N)};
     t_fill(A, M * K, 51, 1.0f);
@@ -299,25 +299,15 @@ static void test_amx_nested_parallel(void) {
 
 /* ---------------------------------------------------------------- the switch */
 
-/* Errors leave the precision as it was and say what is missing; switching to bf16 and back leaves
+/* Unknown precisions are refused and leave the precision as it was; bf16 works on every CPU (whatever
+ * engine the dispatch chose) and is the bf16 product, not the fp32 one; switching to bf16 and back leaves
  * the fp32 results bit for bit as they were. */
 static void test_precision_switch(void) {
     ds4_matmul_precision was = ds4_get_matmul_precision();
     CHECK(ds4_set_matmul_precision(DS4_MATMUL_FP32) == DS4_OK);
     CHECK(ds4_set_matmul_precision((ds4_matmul_precision)7) == DS4_ERR_ARG);
-    CHECK(strstr(ds4_errmsg(), "unknown") != NULL, "%s", ds4_errmsg());
+    CHECK(strstr(ds4_errmsg(), "unknown") && strstr(ds4_errmsg(), "stays fp32"), "%s", ds4_errmsg());
     CHECK(ds4_get_matmul_precision() == DS4_MATMUL_FP32);
-    /* a CPU without AMX-BF16, then Linux refusing the tile permission (simulated); a build without
-     * AMX code says so first */
-    static const char *expect[] = {"lacks AMX-BF16", "ARCH_REQ_XCOMP_PERM"};
-    for (int what = 1; what <= 2; what++) {
-        gemm_amx_simulate_missing(what);
-        CHECK(ds4_set_matmul_precision(DS4_MATMUL_BF16) == DS4_ERR_UNSUPPORTED);
-        const char *want = gemm_amx_engine() ? expect[what - 1] : "no AMX code";
-        CHECK(strstr(ds4_errmsg(), want) && strstr(ds4_errmsg(), "stays fp32"), "%s", ds4_errmsg());
-        CHECK(ds4_get_matmul_precision() == DS4_MATMUL_FP32);
-    }
-    gemm_amx_simulate_missing(0);
     CHECK(!strcmp(ds4_matmul_precision_name(DS4_MATMUL_BF16), "bf16"));
 
     const int64_t M = 70, N = 90, K = 300;
@@ -325,26 +315,57 @@ static void test_precision_switch(void) {
     t_fill(A, M * K, 31, 1.0f);
     t_fill(B, N * K, 32, 1.0f);
     gemm_nt(M, N, K, A, K, B, K, c0, N, 0);
-    if (g_amx) {
-        CHECK(ds4_set_matmul_precision(DS4_MATMUL_BF16) == DS4_OK, "%s", ds4_errmsg());
-        gemm_nt(M, N, K, A, K, B, K, c1, N, 0);
-        CHECK(memcmp(c0, c1, (size_t)(M * N) * sizeof(float)) != 0, "bf16 mode gave the fp32 bits");
-        /* bf16 mode is the bf16 product (fp32 accumulation error only); fp32 mode is far from it
-         * (operand rounding, ~2^-9 relative per operand) */
-        float *r = falloc(M * N);
-        gemm_nt_bf16_ref(M, N, K, A, K, B, K, r, N, 0);
-        CHECK(t_rel_err(c1, r, M * N) < 1e-6, "bf16 mode vs bf16 reference: %.3g", t_rel_err(c1, r, M * N));
-        CHECK(t_rel_err(c0, r, M * N) > 1e-4, "fp32 mode vs bf16 reference: %.3g", t_rel_err(c0, r, M * N));
-        free(r);
-        CHECK(ds4_set_matmul_precision(DS4_MATMUL_FP32) == DS4_OK);
-    }
+    CHECK(ds4_set_matmul_precision(DS4_MATMUL_BF16) == DS4_OK, "%s", ds4_errmsg());
+    gemm_nt(M, N, K, A, K, B, K, c1, N, 0);
+    CHECK(memcmp(c0, c1, (size_t)(M * N) * sizeof(float)) != 0, "bf16 mode gave the fp32 bits");
+    /* bf16 mode is the bf16 product (fp32 accumulation error only); fp32 mode is far from it (operand
+     * rounding, ~2^-9 relative per operand) */
+    float *r = falloc(M * N);
+    gemm_nt_bf16_ref(M, N, K, A, K, B, K, r, N, 0);
+    CHECK(t_rel_err(c1, r, M * N) < 1e-6, "bf16 mode vs bf16 reference: %.3g", t_rel_err(c1, r, M * N));
+    CHECK(t_rel_err(c0, r, M * N) > 1e-4, "fp32 mode vs bf16 reference: %.3g", t_rel_err(c0, r, M * N));
+    free(r);
+    CHECK(ds4_set_matmul_precision(DS4_MATMUL_FP32) == DS4_OK);
     gemm_nt(M, N, K, A, K, B, K, c2, N, 0);
     CHECK(memcmp(c0, c2, (size_t)(M * N) * sizeof(float)) == 0, "fp32 bits changed after bf16 and back");
-    /* fp32 mode is the fp32 kernel, not a bf16 one: within the fp32 tolerance of the fp32 reference */
+    /* fp32 mode is an fp32 kernel, not a bf16 one: within the fp32 tolerance of the fp32 reference */
     gemm_nt_ref(M, N, K, A, K, B, K, c1, N, 0);
     CHECK(t_rel_err(c2, c1, M * N) < 1e-6, "fp32 mode error %.3g", t_rel_err(c2, c1, M * N));
     free(A), free(B), free(c0), free(c1), free(c2);
     CHECK(ds4_set_matmul_precision(was) == DS4_OK);
+}
+
+/* ISA levels: names parse both ways; a level above this CPU's best is refused with the missing feature
+ * named and the level kept; every level up to the best can be selected and picks an engine of that
+ * level or below. */
+static void test_isa_switch(void) {
+    for (int i = 0; i < DS4_ISA_COUNT; i++) {
+        ds4_isa back;
+        CHECK(ds4_isa_parse(ds4_isa_name((ds4_isa)i), &back) && back == (ds4_isa)i, "level %d", i);
+    }
+    ds4_isa x;
+    CHECK(!ds4_isa_parse("avx513", &x) && !ds4_isa_parse("", &x) && !ds4_isa_parse(NULL, &x));
+    ds4_isa best = ds4_isa_best(), was = ds4_isa_current();
+    CHECK(was <= best);
+    if (best + 1 < DS4_ISA_COUNT) {
+        CHECK(ds4_isa_select((ds4_isa)(best + 1)) == DS4_ERR_UNSUPPORTED);
+        CHECK(strstr(ds4_errmsg(), "lacks") && strstr(ds4_errmsg(), ds4_isa_name(best)), "%s", ds4_errmsg());
+        CHECK(ds4_isa_current() == was);
+    }
+    CHECK(ds4_isa_select((ds4_isa)99) == DS4_ERR_ARG);
+    for (int i = 0; i <= (int)best; i++) {
+        CHECK(ds4_isa_select((ds4_isa)i) == DS4_OK, "%s: %s", ds4_isa_name((ds4_isa)i), ds4_errmsg());
+        const kernel_table *t = kernels_active();
+        CHECK(t->isa == (ds4_isa)i);
+        CHECK((i == DS4_ISA_GENERIC) == (t->gemm_f32 == NULL), "%s: fp32 engine %s", ds4_isa_name((ds4_isa)i),
+              t->gemm_f32 ? t->gemm_f32->name : "none");
+        CHECK((i == DS4_ISA_GENERIC) == (t->gemm_bf16 == NULL), "%s: bf16 engine %s", ds4_isa_name((ds4_isa)i),
+              t->gemm_bf16 ? t->gemm_bf16->name : "none");
+    }
+    char info[2048];
+    ds4_isa_describe(info, sizeof info);
+    CHECK(strstr(info, "gemm fp32:") && strstr(info, "gemm bf16:") && strstr(info, "isa level:"), "%s", info);
+    CHECK(ds4_isa_select(was) == DS4_OK);
 }
 
 /* ---------------------------------------------------------------- memory */
@@ -369,8 +390,8 @@ static int64_t work_peak_of(int op, bool shape_only, bool reserve, const float *
 /* The packing buffers depend on the shape only: a shape-only run (memplan) counts what a real run
  * allocates; with the workspace reserved the bf16 slices fit in it (nothing more allocated) and the
  * result bits do not depend on which buffers were used. */
-static void test_amx_memory(void) {
-    if (!g_amx) return;
+static void test_memory(void) {
+    if (!g_engine) return; /* the reference packs nothing */
     const int64_t M = 500, N = 300, K = 700;
     float *A = falloc(M * K), *B = falloc(K * N), *c1 = falloc(M * N), *c2 = falloc(M * N);
     t_fill(A, M * K, 41, 1.0f);
@@ -390,20 +411,40 @@ static void test_amx_memory(void) {
     free(A), free(B), free(c1), free(c2);
 }
 
-int main(void) {
-    /* the AMX tests run wherever the switch to bf16 works (CPU with AMX-BF16, Linux grants tiles) */
-    g_amx = ds4_set_matmul_precision(DS4_MATMUL_BF16) == DS4_OK;
-    if (!g_amx) t_note("test_kernels_amx: SKIP the AMX tests: %s", ds4_errmsg());
+/* One engine of the bf16 GEMM through every test above. */
+static void run_engine_tests(void) {
+    const kernel_table *t = kernels_active();
+    g_engine = t->gemm_bf16;
+    g_engine_name = g_engine ? g_engine->name : "portable bf16 reference";
+    t_note("test_kernels_bf16: engine %s", g_engine_name);
+    if (ds4_set_matmul_precision(DS4_MATMUL_BF16) != DS4_OK) t_failed++, t_note("  FAIL bf16: %s", ds4_errmsg());
+    RUN(test_packer_rounding);
+    RUN(test_edge_shapes);
+    RUN(test_degenerate);
+    RUN(test_deterministic);
+    RUN(test_nested_parallel);
+    RUN(test_memory);
     ds4_set_matmul_precision(DS4_MATMUL_FP32);
+}
+
+int main(void) {
     RUN(test_bf16_rounding_values);
     RUN(test_precision_switch);
-    if (g_amx) ds4_set_matmul_precision(DS4_MATMUL_BF16);
-    RUN(test_amx_packer_rounding);
-    RUN(test_amx_edge_shapes);
-    RUN(test_amx_degenerate);
-    RUN(test_amx_deterministic);
-    RUN(test_amx_nested_parallel);
-    RUN(test_amx_memory);
-    ds4_set_matmul_precision(DS4_MATMUL_FP32);
-    TEST_MAIN_END("test_kernels_amx");
+    RUN(test_isa_switch);
+    ds4_isa was = ds4_isa_current();
+    /* every level: its bf16 engine (amx: tiles; avx512bf16: VDPBF16PS; avx512, avx2: fp32 FMAs of rounded
+     * operands; generic: the reference itself); levels above this CPU's are skipped, never failed */
+    for (int i = DS4_ISA_COUNT - 1; i >= 0; i--) {
+        if (ds4_isa_select((ds4_isa)i) != DS4_OK) {
+            t_note("test_kernels_bf16: SKIP level %s: %s", ds4_isa_name((ds4_isa)i), ds4_errmsg());
+            continue;
+        }
+        run_engine_tests();
+    }
+    /* the VDPBF16PS panel layout through a portable tile of the same arithmetic, on any CPU */
+    kernels_override_gemm_bf16(gemm_engine_dpbf16_portable());
+    run_engine_tests();
+    kernels_override_gemm_bf16(NULL);
+    if (ds4_isa_select(was) != DS4_OK) t_failed++, t_note("  FAIL restoring the ISA level: %s", ds4_errmsg());
+    TEST_MAIN_END("test_kernels_bf16");
 }

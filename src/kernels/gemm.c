@@ -1,0 +1,223 @@
+/* The blocked GEMM driver and the gemm_nt/nn/tn entry points: portable C, built for the target's
+ * baseline. It runs the engine that the dispatch (dispatch.c) chose for the current matmul precision:
+ * the engine brings its panel layouts, packers, register-tile kernel and blocking sizes (x86/); without
+ * an engine (DS4_ISA=generic, a CPU below AVX2, a non-x86 target) the reference GEMMs compute.
+ *
+ * Layout (the classic five loops): for each NC-wide column block of C and each KC-deep slice of K,
+ * B's slice is packed once into NR-wide panels; the output is cut into tasks (MC rows × up to NT
+ * columns) shared among the threads; a task packs its MC×kc slice of A into MR-tall panels and runs the
+ * MR×NR tile kernel over its panels.
+ *
+ * Determinism: C[i,j] = beta·C[i,j] + Σ over K slices of (the engine's sum over the slice, k
+ * ascending), slices added in order. The K slicing is fixed by the engine, so every element gets the
+ * same operations in the same order whichever thread computes it and whatever the thread count or tile
+ * position. Rounding differs from the reference (FMA, slice partial sums), not its meaning. */
+#include <omp.h>
+#include <string.h>
+
+#include "ds4/core.h"
+#include "kernels/dispatch.h"
+#include "kernels/kernels.h"
+
+/* The packing workspace is sized for the largest slices of any engine: KC × NC of B, KC × MC of A per
+ * thread, in floats (the bf16 engines' slices are twice as deep with half the bytes per element). */
+#define POOL_KC 256
+#define POOL_NC 8192
+#define POOL_MC 224
+#define PAR_MIN ((int64_t)1 << 20) /* below this many multiply-adds, one thread */
+
+/* ---------------------------------------------------------------- portable packers */
+
+void gemm_pack_a_f32(float *dst, int64_t MR, gemm_view A, int64_t i0, int64_t mr, int64_t k0, int64_t kc) {
+    for (int64_t k = 0; k < kc; k++)
+        for (int64_t r = 0; r < MR; r++) dst[k * MR + r] = r < mr ? A.p[(i0 + r) * A.rs + (k0 + k) * A.cs] : 0.0f;
+}
+
+void gemm_pack_b_f32(float *dst, int64_t NR, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr) {
+    if (B.cs == 1) { /* rows of B contiguous in j */
+        for (int64_t k = 0; k < kc; k++) {
+            const float *src = B.p + (k0 + k) * B.rs + j0;
+            for (int64_t c = 0; c < NR; c++) dst[k * NR + c] = c < nr ? src[c] : 0.0f;
+        }
+        return;
+    }
+    for (int64_t c = 0; c < NR; c++) { /* B^T stored: column c is a run over k */
+        const float *src = B.p + (j0 + c) * B.cs + k0 * B.rs;
+        for (int64_t k = 0; k < kc; k++) dst[k * NR + c] = c < nr ? src[k * B.rs] : 0.0f;
+    }
+}
+
+/* In place: every value of a packed fp32 panel rounded to bf16 (gemm_bf16_round; zeros stay zeros). */
+static void round_panel_bf16(void *panel, size_t bytes) {
+    float *p = panel;
+    for (size_t i = 0; i < bytes / sizeof(float); i++) p[i] = gemm_bf16_round(p[i]);
+}
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
+
+/* Task shape: start from mc rows × nt columns and shrink (columns first, then rows) until there
+ * are at least 4 tasks per thread, so threads stay balanced on skinny outputs. Only the split of
+ * the work changes, never the arithmetic of an element. */
+static void task_shape(const gemm_engine *e, int64_t M, int64_t N, int nth, int64_t *mc, int64_t *nt) {
+    *mc = e->mc;
+    *nt = e->nt;
+    if (nth <= 1) return;
+    while (cdiv(M, *mc) * cdiv(N, *nt) < 4 * nth && *nt > 2 * e->nr) *nt /= 2;
+    while (cdiv(M, *mc) * cdiv(N, *nt) < 4 * nth && *mc > 4 * e->mr) *mc = e->mr * (*mc / e->mr / 2);
+}
+
+/* Packing workspace reserved for a model's lifetime: GEMMs inside a pass then allocate nothing, so a
+ * pass's memory (and memplan's prediction of it) does not depend on the routing of tokens to experts.
+ * Reserved whatever the engine (even none), so a plan does not depend on the CPU that makes it. */
+#define POOL_B_BYTES ((size_t)POOL_KC * POOL_NC * sizeof(float))
+#define POOL_A_BYTES ((size_t)POOL_KC * POOL_MC * sizeof(float)) /* per thread */
+static struct {
+    char *bp, *ap;
+    int threads;
+    int refs;
+    bool shape_only; /* reserved in shape-only mode: counted, no memory behind it */
+} g_ws;
+
+void gemm_workspace_reserve(void) {
+    if (g_ws.refs++ > 0) return;
+    g_ws.threads = omp_get_max_threads();
+    g_ws.shape_only = ds4_shape_only();
+    g_ws.bp = ds4_alloc(DS4_MEM_WORK, POOL_B_BYTES);
+    g_ws.ap = ds4_alloc(DS4_MEM_WORK, (size_t)g_ws.threads * POOL_A_BYTES);
+}
+
+void gemm_workspace_release(void) {
+    if (g_ws.refs <= 0 || --g_ws.refs > 0) return;
+    ds4_free(g_ws.bp);
+    ds4_free(g_ws.ap);
+    memset(&g_ws, 0, sizeof g_ws);
+}
+
+static bool workspace_usable(int nth, size_t b_bytes, size_t a_bytes) {
+    return g_ws.bp && g_ws.ap && nth <= g_ws.threads && g_ws.shape_only == ds4_shape_only() && !omp_in_parallel() &&
+           b_bytes <= POOL_B_BYTES && a_bytes <= POOL_A_BYTES;
+}
+
+/* C[M,N] = beta·C + A·B with A viewed M×K and B viewed K×N. Returns false (nothing written) when
+ * the packing buffers cannot be allocated. */
+static bool gemm_fast(const gemm_engine *e, int64_t M, int64_t N, int64_t K, gemm_view A, gemm_view B, float *C,
+                      int64_t ldc, float beta) {
+    if (M <= 0 || N <= 0) return true;
+    if (K <= 0 && ds4_shape_only()) return true;
+    if (K <= 0) { /* empty sum: C = beta·C */
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta == 0 ? 0 : beta * C[i * ldc + j];
+        return true;
+    }
+    int nth = omp_in_parallel() || M * N * K < PAR_MIN ? 1 : omp_get_max_threads();
+    int64_t nc_max = min64(N, e->nc), kcp_max = round_up(min64(K, e->kc), e->kalign), mc, nt;
+    task_shape(e, M, nc_max, nth, &mc, &nt);
+    if (nth > cdiv(M, mc) * cdiv(nc_max, nt)) nth = (int)(cdiv(M, mc) * cdiv(nc_max, nt));
+    size_t b_bytes = (size_t)(kcp_max * round_up(nc_max, e->nr)) * e->elem;
+    size_t a_bytes = (size_t)(kcp_max * round_up(min64(M, mc), e->mr)) * e->elem; /* packed A per thread */
+    char *bp, *ap;
+    bool pooled = workspace_usable(nth, b_bytes, a_bytes);
+    if (pooled) {
+        bp = g_ws.bp;
+        ap = g_ws.ap;
+        a_bytes = POOL_A_BYTES; /* the pool's per-thread stride */
+    } else {
+        bp = ds4_alloc(DS4_MEM_WORK, b_bytes);
+        ap = ds4_alloc(DS4_MEM_WORK, (size_t)nth * a_bytes);
+    }
+    if (!bp || !ap || ds4_shape_only()) { /* shape-only: the buffers were counted, nothing is computed */
+        bool ok = bp && ap;
+        if (!pooled) {
+            ds4_free(bp);
+            ds4_free(ap);
+        }
+        return ok;
+    }
+#pragma omp parallel num_threads(nth)
+    {
+        char *apt = ap + (size_t)omp_get_thread_num() * a_bytes;
+        if (e->thread_begin) e->thread_begin();
+        for (int64_t jc = 0; jc < N; jc += e->nc) {
+            int64_t nc = min64(e->nc, N - jc), npan = cdiv(nc, e->nr), ntn = cdiv(nc, nt), ntasks = cdiv(M, mc) * ntn;
+            for (int64_t pc = 0; pc < K; pc += e->kc) {
+                int64_t kc = min64(e->kc, K - pc), kcp = round_up(kc, e->kalign);
+                size_t a_pan = (size_t)(kcp * e->mr) * e->elem, b_pan = (size_t)(kcp * e->nr) * e->elem;
+                float cscale = pc == 0 ? beta : 1;
+                /* B slice: npan panels of b_pan bytes */
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < npan; p++)
+                {
+                    e->pack_b(bp + (size_t)p * b_pan, B, pc, kc, jc + p * e->nr, min64(e->nr, nc - p * e->nr));
+                    if (e->round_bf16) round_panel_bf16(bp + (size_t)p * b_pan, b_pan);
+                }
+                /* tasks in row-block-major order; a thread keeps its packed A block while it
+                 * takes tasks of the same row block. Dynamic: a descheduled thread does not hold
+                 * the others back (results do not depend on who computes a task). */
+                int64_t packed_ib = -1;
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t t = 0; t < ntasks; t++) {
+                    int64_t ib = t / ntn, jt = t % ntn;
+                    int64_t i0 = ib * mc, mcur = min64(mc, M - i0);
+                    if (ib != packed_ib) { /* A block: cdiv(mcur, mr) panels of a_pan bytes */
+                        for (int64_t ir = 0; ir < mcur; ir += e->mr) {
+                            char *pan = apt + (size_t)(ir / e->mr) * a_pan;
+                            e->pack_a(pan, A, i0 + ir, min64(e->mr, mcur - ir), pc, kc);
+                            if (e->round_bf16) round_panel_bf16(pan, a_pan);
+                        }
+                        packed_ib = ib;
+                    }
+                    int64_t j_end = min64(nc, (jt + 1) * nt);
+                    for (int64_t jr = jt * nt; jr < j_end; jr += e->nr) {
+                        const char *b = bp + (size_t)(jr / e->nr) * b_pan;
+                        for (int64_t ir = 0; ir < mcur; ir += e->mr)
+                            e->tile(kc, apt + (size_t)(ir / e->mr) * a_pan, b, C + (i0 + ir) * ldc + jc + jr, ldc,
+                                    min64(e->mr, mcur - ir), min64(e->nr, j_end - jr), cscale);
+                    }
+                }
+            }
+        }
+        if (e->thread_end) e->thread_end();
+    }
+    if (!pooled) {
+        ds4_free(bp);
+        ds4_free(ap);
+    }
+    return true;
+}
+
+
+/* The engine of the current matmul precision; NULL: the reference of that precision computes. */
+static const gemm_engine *current_engine(bool *bf16) {
+    const kernel_table *t = kernels_active();
+    *bf16 = ds4_get_matmul_precision() == DS4_MATMUL_BF16;
+    return *bf16 ? t->gemm_bf16 : t->gemm_f32;
+}
+
+/* C[M,N] = beta*C + A[M,K] · B[N,K]^T */
+void gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
+             int64_t ldc, float beta) {
+    bool bf16;
+    const gemm_engine *e = current_engine(&bf16);
+    if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, lda, 1}, (gemm_view){B, 1, ldb}, C, ldc, beta))
+        (bf16 ? gemm_nt_bf16_ref : gemm_nt_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
+
+/* C[M,N] = beta*C + A[M,K] · B[K,N] */
+void gemm_nn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
+             int64_t ldc, float beta) {
+    bool bf16;
+    const gemm_engine *e = current_engine(&bf16);
+    if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, lda, 1}, (gemm_view){B, ldb, 1}, C, ldc, beta))
+        (bf16 ? gemm_nn_bf16_ref : gemm_nn_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
+
+/* C[M,N] = beta*C + A[K,M]^T · B[K,N] */
+void gemm_tn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
+             int64_t ldc, float beta) {
+    bool bf16;
+    const gemm_engine *e = current_engine(&bf16);
+    if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, 1, lda}, (gemm_view){B, ldb, 1}, C, ldc, beta))
+        (bf16 ? gemm_tn_bf16_ref : gemm_tn_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}

@@ -1,0 +1,159 @@
+/* The AVX512-BF16 engine of the blocked GEMM (driver: ../gemm.c) for the bf16 matmul precision on CPUs
+ * with AVX512-BF16 but no AMX: VDPBF16PS adds two exact bf16 products per fp32 lane.
+ *
+ * Panels hold bf16 pairs along k (one 32-bit word = (bf16 of k = 2p) low, (k = 2p+1) high), K zero padded
+ * to even (0·0 adds 0):
+ *   A panel, 14 rows:    [pair p][row 0..13]       words: a row's pair is broadcast to all lanes
+ *   B panel, 32 columns: [pair p][column 0..31]    words: two zmm of 16 columns
+ * A 14×32 output tile lives in 28 zmm accumulators; pairs are taken in ascending order within a K slice
+ * of 512, slices added to C in order: fixed operations per element whatever the thread count.
+ *
+ * Accuracy: as the AMX engine (gemm_amx.c): exact products summed in fp32, denormals flushed by the
+ * instruction (the packer already turns fp32 denormals into zeros).
+ *
+ * The packers are portable C, compiled outside the AVX-512 region, and so is a tile kernel of the same
+ * arithmetic (gemm_engine_dpbf16_portable): tests check the panel layouts on every CPU; the VDPBF16PS
+ * kernel runs where the dispatch finds AVX512-BF16. */
+#include <string.h>
+
+#include "ds4/core.h"
+#include "kernels/dispatch.h"
+#include "kernels/kernels.h"
+
+#define DP_MR 14   /* register tile rows: 14×2 zmm accumulators + 2 B vectors */
+#define DP_NR 32   /* register tile columns: two zmm */
+#define DP_KC 512  /* K slice depth (fixes the summation order): 256 pairs */
+#define DP_MC 224  /* rows per task at most: the packed A block (224 × 512 bf16) */
+#define DP_NT 512  /* columns per task at most */
+#define DP_NC 8192 /* columns of B packed per slice (8 MB at DP_KC) */
+
+/* ---------------------------------------------------------------- packing (portable) */
+
+/* The word of bf16 pair p of a run whose element t is at[t·stride], t < n (zero beyond). */
+static uint32_t pair_word(const float *at, int64_t stride, int64_t p, int64_t n) {
+    uint32_t lo = 2 * p < n ? gemm_bf16_bits(at[2 * p * stride]) : 0;
+    uint32_t hi = 2 * p + 1 < n ? gemm_bf16_bits(at[(2 * p + 1) * stride]) : 0;
+    return lo | hi << 16;
+}
+
+/* A panel: rows [i0, i0+mr) × k [k0, k0+kc), [pair][DP_MR] words; rows >= mr zero. */
+static void dp_pack_a(void *dst, gemm_view A, int64_t i0, int64_t mr, int64_t k0, int64_t kc) {
+    uint32_t *d = dst;
+    int64_t np = (kc + 1) / 2;
+    for (int64_t r = 0; r < DP_MR; r++) {
+        const float *row = r < mr ? A.p + (i0 + r) * A.rs + k0 * A.cs : NULL;
+        for (int64_t p = 0; p < np; p++) d[p * DP_MR + r] = row ? pair_word(row, A.cs, p, kc) : 0;
+    }
+}
+
+/* B panel: k [k0, k0+kc) × columns [j0, j0+nr) of B viewed K × N, [pair][DP_NR] words; columns >= nr zero. */
+static void dp_pack_b(void *dst, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr) {
+    uint32_t *d = dst;
+    int64_t np = (kc + 1) / 2;
+    for (int64_t c = 0; c < DP_NR; c++) {
+        const float *col = c < nr ? B.p + k0 * B.rs + (j0 + c) * B.cs : NULL;
+        for (int64_t p = 0; p < np; p++) d[p * DP_NR + c] = col ? pair_word(col, B.rs, p, kc) : 0;
+    }
+}
+
+/* C = acc (cscale 0: C not read), C + acc (1), or cscale·C + acc. */
+static float dp_out(float c, float acc, float cscale) {
+    return cscale == 0 ? acc : (cscale == 1 ? c : cscale * c) + acc;
+}
+
+static float bf16_lo(uint32_t w) { return ds4_bf16_to_f32((uint16_t)(w & 0xffffu)); }
+static float bf16_hi(uint32_t w) { return ds4_bf16_to_f32((uint16_t)(w >> 16)); }
+
+/* The arithmetic of the VDPBF16PS tile in portable C: per element, pairs in ascending order, each adding
+ * its low then its high product (exact in fp32) to an fp32 accumulator. */
+static void dp_tile_portable(int64_t kc, const void *ap, const void *bp, float *C, int64_t ldc, int64_t mr,
+                             int64_t nr, float cscale) {
+    const uint32_t *a = ap, *b = bp;
+    int64_t np = (kc + 1) / 2;
+    for (int64_t i = 0; i < mr; i++)
+        for (int64_t j = 0; j < nr; j++) {
+            float acc = 0;
+            for (int64_t p = 0; p < np; p++) {
+                uint32_t x = a[p * DP_MR + i], y = b[p * DP_NR + j];
+                acc = acc + bf16_lo(x) * bf16_lo(y);
+                acc = acc + bf16_hi(x) * bf16_hi(y);
+            }
+            C[i * ldc + j] = dp_out(C[i * ldc + j], acc, cscale);
+        }
+}
+
+static const gemm_engine k_dp_portable = {
+    .name = "avx512bf16 panels, portable tile (tests)", .mr = DP_MR, .nr = DP_NR, .kc = DP_KC, .mc = DP_MC,
+    .nt = DP_NT, .nc = DP_NC, .kalign = 2, .elem = 2, .pack_a = dp_pack_a, .pack_b = dp_pack_b,
+    .tile = dp_tile_portable,
+};
+
+const gemm_engine *gemm_engine_dpbf16_portable(void) { return &k_dp_portable; }
+
+/* ---------------------------------------------------------------- VDPBF16PS tile kernel */
+
+#if DS4_X86_ENGINES
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16")
+
+static __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* One C row of the tile: C = acc (cscale 0), C + acc (1), or cscale·C + acc; first nr columns only. */
+static inline void dp_store_row(float *c, __m512 lo, __m512 hi, __mmask16 m0, __mmask16 m1, float cscale) {
+    if (cscale != 0) {
+        __m512 c0 = _mm512_maskz_loadu_ps(m0, c), c1 = _mm512_maskz_loadu_ps(m1, c + 16);
+        if (cscale != 1) {
+            __m512 s = _mm512_set1_ps(cscale);
+            c0 = _mm512_mul_ps(s, c0);
+            c1 = _mm512_mul_ps(s, c1);
+        }
+        lo = _mm512_add_ps(c0, lo);
+        hi = _mm512_add_ps(c1, hi);
+    }
+    _mm512_mask_storeu_ps(c, m0, lo);
+    _mm512_mask_storeu_ps(c + 16, m1, hi);
+}
+
+#define DP_DECL(i) __m512 c##i##l = _mm512_setzero_ps(), c##i##h = _mm512_setzero_ps();
+#define DP_DOT(i)                                                           \
+    {                                                                       \
+        __m512bh ai = (__m512bh)_mm512_set1_epi32((int)a[i]);               \
+        c##i##l = _mm512_dpbf16_ps(c##i##l, ai, b0);                        \
+        c##i##h = _mm512_dpbf16_ps(c##i##h, ai, b1);                        \
+    }
+#define DP_STORE(i) \
+    if (i < mr) dp_store_row(C + i * ldc, c##i##l, c##i##h, m0, m1, cscale);
+#define DP_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13)
+
+/* C tile [mr ≤ 14, nr ≤ 32] = cscale·C + a·b over one packed slice (pairs of a: [p][14], of b: [p][32]). */
+static void dp_tile_14x32(int64_t kc, const void *ap, const void *bp, float *C, int64_t ldc, int64_t mr, int64_t nr,
+                          float cscale) {
+    const uint32_t *restrict a = ap, *restrict b = bp;
+    int64_t np = (kc + 1) / 2;
+    DP_ROWS(DP_DECL)
+    for (int64_t p = 0; p < np; p++) {
+        __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 16);
+        DP_ROWS(DP_DOT)
+        a += DP_MR;
+        b += DP_NR;
+    }
+    __mmask16 m0 = lanes(nr), m1 = lanes(nr - 16);
+    DP_ROWS(DP_STORE)
+}
+
+static const gemm_engine k_dp_engine = {
+    .name = "avx512bf16 VDPBF16PS 14x32", .mr = DP_MR, .nr = DP_NR, .kc = DP_KC, .mc = DP_MC, .nt = DP_NT,
+    .nc = DP_NC, .kalign = 2, .elem = 2, .pack_a = dp_pack_a, .pack_b = dp_pack_b, .tile = dp_tile_14x32,
+};
+
+#pragma GCC pop_options
+
+const gemm_engine *gemm_engine_avx512bf16(void) { return &k_dp_engine; }
+
+#else /* another target or compiler: no AVX512-BF16 engine */
+
+const gemm_engine *gemm_engine_avx512bf16(void) { return NULL; }
+
+#endif
