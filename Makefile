@@ -4,7 +4,7 @@ BUILD   ?= build
 CC      ?= gcc
 OPT     ?= -O2
 SAN     ?=
-CFLAGS  := -std=c17 -D_GNU_SOURCE -Wall -Wextra -Werror -fopenmp $(OPT) $(SAN) -g \
+CFLAGS  := -std=c17 -D_GNU_SOURCE -Wall -Wextra -Werror -Wno-psabi -fopenmp $(OPT) $(SAN) -g \
            -Iinclude -Isrc -fno-fast-math -ffp-contract=off
 LDLIBS  := -lm -lcjson -lpcre2-8 -fopenmp $(SAN)
 # Open MPI (scripts/install-deps.sh installs it); without it ds4 runs as one process only.

@@ -93,10 +93,11 @@ static void detect(cpu_features *f) {
 static void detect(cpu_features *f) { f->amx_permission = ENOTSUP; }
 #endif
 
-/* What level `isa` needs that this CPU lacks, or NULL. */
+/* What level `isa` needs that this CPU (or this build) lacks, or NULL. */
 static const char *missing_for(const cpu_features *f, ds4_isa isa) {
     if (isa >= DS4_ISA_AVX2) {
         if (!DS4_X86) return "an x86-64 CPU";
+        if (!DS4_X86_ENGINES) return "x86 engines in this build (built portable-only or by a compiler without them)";
         if (!f->avx2) return "AVX2";
         if (!f->fma) return "FMA";
         if (!f->os_ymm) return "OS support for AVX state (XCR0)";
@@ -208,8 +209,8 @@ ds4_status ds4_isa_select(ds4_isa isa) {
                         (int)isa);
     const char *missing = missing_for(&g.cpu, isa);
     if (missing)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "ISA level %s: this CPU lacks %s (best level here: %s)", ds4_isa_name(isa),
-                        missing, ds4_isa_name(g.best));
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "ISA level %s: unavailable, missing %s (best level here: %s)",
+                        ds4_isa_name(isa), missing, ds4_isa_name(g.best));
     g.cap = isa;
     fill_table(isa);
     return DS4_OK;
