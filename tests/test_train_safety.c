@@ -141,7 +141,7 @@ static void test_validation_stops_at_the_end_of_its_data(void) {
     path_of(cfgp, sizeof cfgp, "val", ".toml");
     CHECK(ds4_write_file_atomic(cfgp, text, strlen(text)) == DS4_OK, "%s", ds4_errmsg());
     snprintf(cmd, sizeof cmd,
-             "timeout -s KILL 60 '%s' train --config '%s' --training.steps 1 --data.val '%s' --data.val_batches 1000000 2>&1",
+             "timeout -s KILL 300 '%s' train --config '%s' --training.steps 1 --data.val '%s' --data.val_batches 1000000 2>&1",
              g_ds4, cfgp, val);
     FILE *pf = popen(cmd, "r");
     size_t len = 0;
