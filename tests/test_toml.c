@@ -173,6 +173,73 @@ static void test_numbers(void) {
     parse_bad("a = 07:32:00\n", "dates and times are not supported");
 }
 
+/* TOML 1.0's number grammar: the specification's valid and invalid examples, and the floats of
+ * TorchTitan's configs (2.2e-4 once read as a date because its fifth character is '-'). */
+static void test_number_grammar(void) {
+    static const struct {
+        const char *text;
+        double want;
+    } floats[] = {{"2.2e-4", 2.2e-4},   {"6.0e-4", 6.0e-4},   {"2.2E-4", 2.2e-4},  {"1.5e-10", 1.5e-10},
+                  {"1000e-5", 1000e-5}, {"8e-4", 8e-4},       {"+1.0", 1.0},       {"3.1415", 3.1415},
+                  {"-0.01", -0.01},     {"5e+22", 5e+22},     {"1e06", 1e06},      {"-2E-2", -2e-2},
+                  {"6.626e-34", 6.626e-34}, {"224_617.445_991_228", 224617.445991228}, {"-0.0", -0.0},
+                  {"+0.0", 0.0},        {"1e1_0", 1e10},      {"0e0", 0.0},        {"1_2.3_4e-0_1", 1.234}};
+    for (size_t i = 0; i < sizeof floats / sizeof floats[0]; i++) {
+        char text[96];
+        snprintf(text, sizeof text, "lr = %s\n", floats[i].text);
+        ds4_toml *r = parse_ok(text);
+        const ds4_toml *n = r ? ds4_toml_find(r, "lr") : NULL;
+        CHECK(n && n->type == DS4_TOML_FLOAT && n->v.f == floats[i].want, "%s", floats[i].text);
+        ds4_toml_free(r);
+        /* the same on the command line */
+        r = parse_ok("[optimizer]\nlr = 1\n");
+        char *argv[] = {"ds4", "--optimizer.lr", (char *)floats[i].text, NULL};
+        int argc = 3;
+        CHECK(r && ds4_toml_apply_overrides(r, &argc, argv) == DS4_OK, "%s", ds4_errmsg());
+        n = r ? ds4_toml_find(r, "optimizer.lr") : NULL;
+        CHECK(n && n->type == DS4_TOML_FLOAT && n->v.f == floats[i].want, "--optimizer.lr %s", floats[i].text);
+        ds4_toml_free(r);
+    }
+    static const struct {
+        const char *text;
+        int64_t want;
+    } ints[] = {{"+99", 99},  {"42", 42},           {"0", 0},          {"-17", -17},         {"1_000", 1000},
+                {"5_349_221", 5349221}, {"53_49_221", 5349221}, {"1_2_3_4_5", 12345}, {"0xDEADBEEF", 0xdeadbeef},
+                {"0xdead_beef", 0xdeadbeef}, {"0o01234567", 01234567}, {"0o755", 0755}, {"0b11010110", 0xd6},
+                {"+0", 0},    {"-0", 0},            {"0x00ff", 255}};
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
+        char text[96];
+        snprintf(text, sizeof text, "k = %s\n", ints[i].text);
+        ds4_toml *r = parse_ok(text);
+        const ds4_toml *n = r ? ds4_toml_find(r, "k") : NULL;
+        CHECK(n && n->type == DS4_TOML_INT && n->v.i == ints[i].want, "%s", ints[i].text);
+        ds4_toml_free(r);
+    }
+    ds4_toml *r = parse_ok("a = inf\nb = +inf\nc = -inf\nd = nan\ne = +nan\nf = -nan\n");
+    if (r) CHECK(isinf(F(r, "b")) && F(r, "b") > 0 && F(r, "c") < 0 && isnan(F(r, "e")) && isnan(F(r, "f")));
+    ds4_toml_free(r);
+    static const char *bad[] = {".7",   "7.",    "3.e+20", "1e",     "1e+",   "1e_1",  "1e1_",   "1._5",  "1_.5",
+                                "01.5", "00",    "0_1",    "+01",    "1__2",  "_1",    "1_",     "0x",    "0xg",
+                                "0X10", "+0x1",  "-0o7",   "0o8",    "0b2",   "0x_1",  "0x1_",   "1.5.2", "1e5e5",
+                                "1E",   "e5",    "+",      "-",      "++1",   "+-1",   "infx",   "Inf",   "NaN",
+                                "1-2",  "2.2e-", "1.0e-4x", "0.1_",  "1__0.5", "1e--5", "2.2f-4"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char text[96];
+        snprintf(text, sizeof text, "k = %s\n", bad[i]);
+        ds4_toml *t = NULL;
+        CHECK(parse_exact(text, strlen(text), &t) == DS4_ERR_FORMAT, "'%s' was accepted", bad[i]);
+        CHECK(!strstr(ds4_errmsg(), "dates"), "'%s' called a date: %s", bad[i], ds4_errmsg());
+        ds4_toml_free(t);
+    }
+    static const char *dates[] = {"1979-05-27", "1979-05-27T07:32:00Z", "1979-05-27T00:32:00.999999-07:00",
+                                  "07:32:00", "00:32:00.999999", "1979-05-27 07:32:00"};
+    for (size_t i = 0; i < sizeof dates / sizeof dates[0]; i++) {
+        char text[96];
+        snprintf(text, sizeof text, "k = %s\n", dates[i]);
+        parse_bad(text, "dates and times are not supported");
+    }
+}
+
 static void test_errors(void) {
     parse_bad("a = 1\na = 2\n", "t.toml:2:1: duplicate key 'a' (first defined at line 1)");
     parse_bad("[x]\nk = 1\n[y]\n[x]\n", "t.toml:4:1: duplicate table [x] (first defined at line 1)");
@@ -429,6 +496,7 @@ int main(void) {
     RUN(test_values);
     RUN(test_strings);
     RUN(test_numbers);
+    RUN(test_number_grammar);
     RUN(test_errors);
     RUN(test_spec_examples);
     RUN(test_getter_errors);

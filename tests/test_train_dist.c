@@ -6,7 +6,8 @@
  *  (e) the first loss of 2 ranks is close to one process's with the same global batch;
  *  (g) --swap-optimizer --swap-layer-input, resumed half way: the same losses and checkpoint bytes;
  *  (h) kill -USR1 <mpirun>: every rank finishes the step, a checkpoint is saved, exit 0;
- *  (f) --parallel.ep 3 on 2 ranks: one `error:` line naming parallel.ep, a non-zero exit, no hang.
+ *  (f) --parallel.ep 3 on 2 ranks: one `error:` line naming parallel.ep, a non-zero exit, no hang;
+ *  (i) a checkpoint folder rank 0 cannot use: one `error:` line naming it before any step, no hang.
  * Runs build/ds4 (next to the tests folder) under mpirun; the one-process runs happen in this process. */
 #include "ds4/shard.h"
 #include "ds4/io.h"
@@ -268,6 +269,25 @@ static void test_bad_ep_fails_on_every_rank(void) {
     CHECK(errors == 1, "%d error lines (one expected):\n%s", errors, out);
 }
 
+/* An unusable checkpoint folder is found by rank 0 before any work and every rank stops: one `error:`
+ * line naming the folder, a non-zero exit, no hang. */
+static void test_unusable_checkpoint_folder_fails_on_every_rank(void) {
+    char plain[600], extra[800], out[16384] = "";
+    snprintf(plain, sizeof plain, "%s/plainfile", g_dir);
+    CHECK(ds4_write_file_atomic(plain, "x", 1) == DS4_OK, "%s", ds4_errmsg());
+    snprintf(extra, sizeof extra, "--checkpoint.folder '%s/ckpt'", plain);
+    int rc = mpi_train("unusable", extra, out, sizeof out);
+    CHECK(rc != 0, "a checkpoint folder inside a plain file was accepted");
+    int errors = 0;
+    for (const char *l = out; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
+        if (!strncmp(l, "error:", 6)) {
+            errors++;
+            CHECK(strstr(l, "plainfile/ckpt") != NULL, "message: %.200s", l);
+        }
+    CHECK(errors == 1, "%d error lines (one expected):\n%s", errors, out);
+    CHECK(!strstr(out, "grad_norm"), "a step ran before the folder was checked:\n%s", out);
+}
+
 int main(int argc, char **argv) {
     (void)argc;
     ds4_set_threads(1);
@@ -279,6 +299,7 @@ int main(int argc, char **argv) {
     RUN(test_two_rank_checkpoint_loads_in_one_process);
     RUN(test_first_loss_matches_one_process);
     RUN(test_bad_ep_fails_on_every_rank);
+    RUN(test_unusable_checkpoint_folder_fails_on_every_rank);
     RUN(test_sigusr1_stops_every_rank_with_a_checkpoint);
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf %s", g_dir); /* kept after a failure, to look at */

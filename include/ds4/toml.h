@@ -2,7 +2,8 @@
  * `--section.key value` overrides on the command line).
  *
  * Supported: tables `[a]`, `[a.b]`; bare, quoted and dotted keys; basic, literal and multi-line
- * strings with escapes; integers (sign, `_`, 0x/0o/0b); floats (fraction, exponent, inf, nan);
+ * strings with escapes; integers and floats exactly as TOML 1.0 writes them (sign, `_` between digits, 0x/0o/0b,
+ * fraction, exponent e/E, inf, nan: 2.2e-4 is a float, 1979-05-27 a date);
  * booleans; arrays (nested, multi-line, trailing comma); inline tables; comments.
  * Not supported (clear error): arrays of tables `[[a]]`, dates and times.
  * Duplicate keys and redefined tables are errors. Every error names file:line:col and what was

@@ -108,7 +108,19 @@ ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_adamw *o, ds4
  * ranks): begin makes the hidden ROOT/.tmp-step-N (path into tmp [n]), the caller writes config.json,
  * model.safetensors and optim.state into it, commit writes state.json and renames it into place. */
 ds4_status ds4_checkpoint_begin(const char *root, int64_t step, char *tmp, size_t n);
+/* Renames tmp into place, then keep_latest_k removes the oldest (never the step just saved). On failure
+ * tmp is removed. */
 ds4_status ds4_checkpoint_commit(const char *root, int64_t keep_latest_k, const char *tmp, const ds4_ckpt_meta *meta);
+/* Removes the temporary folder of a save that failed (tmp "" or NULL: nothing). */
+void ds4_checkpoint_abort(const char *tmp);
+/* The checkpoint's config.json describes the same model as `run`: else an error naming the key and both
+ * values (a resumed run must not silently change rope_theta, hc_sinkhorn_iters, ...). */
+ds4_status ds4_checkpoint_check_config(const char *path, const ds4_config *run);
+/* One run per checkpoint folder: creates ROOT (one level) if needed, checks it is writable and takes an
+ * exclusive flock on ROOT/.lock, held until ds4_checkpoint_unlock(*fd) (or the process ends). A second
+ * run on the same folder gets an error naming the folder. */
+ds4_status ds4_checkpoint_lock(const char *root, int *fd);
+void ds4_checkpoint_unlock(int fd);
 /* Loading in pieces, for callers holding the model in shards (the weights: ds4_model_dir_open(path)):
  * the meta of PATH/state.json, and one AdamW moment of PATH/optim.state ("adamw.m" or "adamw.v", [n] in
  * the packed layout of a whole model) read in ranges straight from the mapped file, with the step. */

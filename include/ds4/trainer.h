@@ -94,6 +94,9 @@ ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *nor
 ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c, double lr);
 /* The router bias rule with loads [n_blocks, E] of this rank (summed over ranks in place first). */
 ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, double gamma);
+/* Counts NaN / Inf in the weights and AdamW moments (over every rank): an error naming `step` when there
+ * is any, so a diverged state is never saved. A collective when sharded. */
+ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step);
 /* Checkpoints in the single-process format (ds4/train.h); save writes on rank 0 and every rank returns
  * its outcome; load reads on every rank. */
 ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t keep_latest_k, const ds4_ckpt_meta *meta);

@@ -468,6 +468,20 @@ static ds4_status parse_number(parser *P, const char *s, int64_t n, ds4_toml *no
 
 static bool is_word_char(char c) { return is_bare(c) || c == '+' || c == '.' || c == ':'; }
 
+static bool all_digits(const char *s, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (s[i] < '0' || s[i] > '9') return false;
+    return true;
+}
+
+/* A date (YYYY-MM-DD...) or a time (HH:MM...), the only words TOML 1.0 starts with digits that are not
+ * numbers: 2.2e-4 and 1000e-5 are numbers, 1979-05-27 and 07:32:00 are not. */
+static bool looks_like_date_or_time(const char *s, int64_t n) {
+    bool date = n >= 10 && all_digits(s, 4) && s[4] == '-' && all_digits(s + 5, 2) && s[7] == '-' && all_digits(s + 8, 2);
+    bool time = n >= 5 && all_digits(s, 2) && s[2] == ':' && all_digits(s + 3, 2);
+    return date || time;
+}
+
 /* true / false / inf / nan / numbers; P->p on the first character. */
 static ds4_status parse_word(parser *P, ds4_toml *node) {
     const char *s = P->p;
@@ -477,7 +491,7 @@ static ds4_status parse_word(parser *P, ds4_toml *node) {
     P->p = s; /* errors point at the start of the token */
     if (n == 4 && memcmp(s, "true", 4) == 0) node->type = DS4_TOML_BOOL, node->v.b = true;
     else if (n == 5 && memcmp(s, "false", 5) == 0) node->type = DS4_TOML_BOOL, node->v.b = false;
-    else if (memchr(s, ':', (size_t)n) || (n >= 5 && s[4] == '-' && s[0] >= '0' && s[0] <= '9'))
+    else if (looks_like_date_or_time(s, n))
         return perr(P, "dates and times are not supported in ds4 configs");
     else if (n == 0 || !((s[0] >= '0' && s[0] <= '9') || s[0] == '+' || s[0] == '-' || s[0] == 'i' || s[0] == 'n')) {
         char buf[24];

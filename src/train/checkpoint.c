@@ -6,11 +6,15 @@
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
+#include <stddef.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -37,25 +41,49 @@ static void remove_ckpt_dir(const char *dir) {
     rmdir(dir);
 }
 
-/* Steps of the complete checkpoints under root, ascending. */
-static int64_t list_steps(const char *root, int64_t *steps, int64_t cap) {
+/* The step of a checkpoint directory name: exactly step-NNNNNNNN (at least 8 digits, as saved). */
+static bool parse_step_name(const char *name, int64_t *step) {
+    if (strncmp(name, "step-", 5) != 0) return false;
+    const char *d = name + 5;
+    size_t n = strlen(d);
+    if (n < 8 || n > 15) return false; /* at most 10^15 - 1: exact in the double of state.json */
+    int64_t v = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (d[i] < '0' || d[i] > '9') return false;
+        v = v * 10 + (d[i] - '0');
+    }
+    if (n > 8 && d[0] == '0') return false; /* step-000000012 is not a name ds4 writes */
+    *step = v;
+    return true;
+}
+
+typedef struct {
+    int64_t *v; /* [n] ascending */
+    int64_t n, cap;
+} step_list;
+
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Steps of the complete checkpoints under root, ascending (as many as there are). */
+static ds4_status list_steps(const char *root, step_list *l) {
+    *l = (step_list){0};
     DIR *d = opendir(root);
-    if (!d) return 0;
-    int64_t n = 0;
+    if (!d) return DS4_OK;
     struct dirent *e;
-    while ((e = readdir(d)) != NULL) {
-        long long s;
-        char tail;
-        if (sscanf(e->d_name, "step-%lld%c", &s, &tail) == 1 && n < cap) steps[n++] = s;
+    ds4_status st = DS4_OK;
+    while (st == DS4_OK && (e = readdir(d)) != NULL) {
+        int64_t s;
+        if (!parse_step_name(e->d_name, &s)) continue;
+        if (!ds4_grow((void **)&l->v, &l->cap, l->n + 1, sizeof(int64_t)))
+            st = ds4_fail(DS4_ERR_OOM, "%s: out of memory listing checkpoints", root);
+        else l->v[l->n++] = s;
     }
     closedir(d);
-    for (int64_t i = 1; i < n; i++)
-        for (int64_t j = i; j > 0 && steps[j - 1] > steps[j]; j--) {
-            int64_t t = steps[j];
-            steps[j] = steps[j - 1];
-            steps[j - 1] = t;
-        }
-    return n;
+    if (l->n > 1) qsort(l->v, (size_t)l->n, sizeof(int64_t), cmp_i64);
+    return st;
 }
 
 static ds4_status write_optim(const char *path, const ds4_adamw *o) {
@@ -98,19 +126,42 @@ ds4_status ds4_checkpoint_begin(const char *root, int64_t step, char *tmp, size_
     return DS4_OK;
 }
 
+void ds4_checkpoint_abort(const char *tmp) {
+    if (tmp && tmp[0]) remove_ckpt_dir(tmp);
+}
+
 ds4_status ds4_checkpoint_save(const char *root, int64_t keep_latest_k, ds4_model *m, const ds4_adamw *o,
                                const ds4_ckpt_meta *meta) {
     char tmp[4096], p[4200];
     DS4_TRY(ds4_checkpoint_begin(root, meta->step, tmp, sizeof tmp));
-    DS4_TRY(ds4_model_save(m, tmp, DS4_F32));
-    if (o) {
+    ds4_status st = ds4_model_save(m, tmp, DS4_F32);
+    if (st == DS4_OK && o) {
         snprintf(p, sizeof p, "%s/optim.state", tmp);
-        DS4_TRY(write_optim(p, o));
+        st = write_optim(p, o);
+    }
+    if (st != DS4_OK) {
+        ds4_checkpoint_abort(tmp); /* a full disk leaves no half-written .tmp-step-N behind */
+        return st;
     }
     return ds4_checkpoint_commit(root, keep_latest_k, tmp, meta);
 }
 
-ds4_status ds4_checkpoint_commit(const char *root, int64_t keep_latest_k, const char *tmp, const ds4_ckpt_meta *meta) {
+/* keep_latest_k: removes all but the newest k checkpoints, never the one just saved. */
+static ds4_status rotate(const char *root, int64_t keep_latest_k, int64_t saved) {
+    if (keep_latest_k <= 0) return DS4_OK;
+    step_list l;
+    DS4_TRY(list_steps(root, &l));
+    char p[4200];
+    for (int64_t i = 0; i + keep_latest_k < l.n; i++) {
+        if (l.v[i] == saved) continue;
+        snprintf(p, sizeof p, "%s/step-%08lld", root, (long long)l.v[i]);
+        remove_ckpt_dir(p);
+    }
+    ds4_free(l.v);
+    return DS4_OK;
+}
+
+static ds4_status commit_tmp(const char *root, const char *tmp, const ds4_ckpt_meta *meta) {
     char fin[4096], p[4200];
     snprintf(fin, sizeof fin, "%s/step-%08lld", root, (long long)meta->step);
     snprintf(p, sizeof p, "%s/state.json", tmp);
@@ -119,30 +170,58 @@ ds4_status ds4_checkpoint_commit(const char *root, int64_t keep_latest_k, const 
     remove_ckpt_dir(fin); /* re-saving the same step replaces it */
     if (rename(tmp, fin) != 0)
         return ds4_fail(DS4_ERR_IO, "%s: cannot rename to %s: %s", tmp, fin, strerror(errno));
-    DS4_TRY(fsync_path(root));
-    if (keep_latest_k > 0) {
-        int64_t steps[4096];
-        int64_t n = list_steps(root, steps, 4096);
-        for (int64_t i = 0; i + keep_latest_k < n; i++) {
-            snprintf(p, sizeof p, "%s/step-%08lld", root, (long long)steps[i]);
-            remove_ckpt_dir(p);
-        }
-    }
     return DS4_OK;
 }
 
+ds4_status ds4_checkpoint_commit(const char *root, int64_t keep_latest_k, const char *tmp, const ds4_ckpt_meta *meta) {
+    ds4_status st = commit_tmp(root, tmp, meta);
+    if (st != DS4_OK) {
+        ds4_checkpoint_abort(tmp);
+        return st;
+    }
+    DS4_TRY(fsync_path(root));
+    return rotate(root, keep_latest_k, meta->step);
+}
+
 ds4_status ds4_checkpoint_find(const char *root, int64_t step, char *path, size_t n) {
-    int64_t steps[4096];
-    int64_t k = list_steps(root, steps, 4096);
-    if (k == 0) return ds4_fail(DS4_ERR_MISSING, "%s: no checkpoint found (no step-* folder)", root);
-    int64_t want = step >= 0 ? step : steps[k - 1];
-    for (int64_t i = 0; i < k; i++)
-        if (steps[i] == want) {
-            snprintf(path, n, "%s/step-%08lld", root, (long long)want);
-            return DS4_OK;
-        }
-    return ds4_fail(DS4_ERR_MISSING, "%s: no checkpoint for step %lld (latest is %lld)", root, (long long)want,
-                    (long long)steps[k - 1]);
+    step_list l;
+    DS4_TRY(list_steps(root, &l));
+    bool found = false;
+    int64_t latest = l.n ? l.v[l.n - 1] : -1, want = step >= 0 ? step : latest;
+    for (int64_t i = 0; i < l.n && !found; i++) found = l.v[i] == want;
+    ds4_free(l.v);
+    if (latest < 0) return ds4_fail(DS4_ERR_MISSING, "%s: no checkpoint found (no step-* folder)", root);
+    if (!found)
+        return ds4_fail(DS4_ERR_MISSING, "%s: no checkpoint for step %lld (latest is %lld)", root, (long long)want,
+                        (long long)latest);
+    snprintf(path, n, "%s/step-%08lld", root, (long long)want);
+    return DS4_OK;
+}
+
+#define MAX_CKPT_STEP 999999999999999.0 /* 10^15 - 1: the largest step-N name, exact in a double */
+
+/* state.json "step": an integer in [0, MAX_CKPT_STEP]. */
+static ds4_status state_step(const char *path, const cJSON *v, int64_t *out) {
+    if (!cJSON_IsNumber(v)) return ds4_fail(DS4_ERR_FORMAT, "%s: key step: expected a number", path);
+    double d = v->valuedouble;
+    if (!(d >= 0 && d <= MAX_CKPT_STEP && d == floor(d)))
+        return ds4_fail(DS4_ERR_FORMAT, "%s: key step = %g: expected an integer in [0, %.0f]", path, d, MAX_CKPT_STEP);
+    *out = (int64_t)d;
+    return DS4_OK;
+}
+
+/* state.json "seed": the decimal text of a uint64 (a JSON number cannot hold every uint64). */
+static ds4_status state_seed(const char *path, const cJSON *v, uint64_t *out) {
+    if (!cJSON_IsString(v)) return ds4_fail(DS4_ERR_FORMAT, "%s: key seed: expected a string", path);
+    const char *t = v->valuestring;
+    size_t n = strlen(t);
+    bool digits = n >= 1 && n <= 20 && strspn(t, "0123456789") == n;
+    errno = 0;
+    unsigned long long x = digits ? strtoull(t, NULL, 10) : 0;
+    if (!digits || errno == ERANGE)
+        return ds4_fail(DS4_ERR_FORMAT, "%s: key seed = \"%.40s\": expected a decimal integer in [0, 2^64)", path, t);
+    *out = x;
+    return DS4_OK;
 }
 
 static ds4_status read_state(const char *path, ds4_ckpt_meta *meta) {
@@ -152,19 +231,25 @@ static ds4_status read_state(const char *path, ds4_ckpt_meta *meta) {
     cJSON *j = cJSON_ParseWithLength(txt, len);
     ds4_free(txt);
     if (!j) return ds4_fail(DS4_ERR_FORMAT, "%s: not valid JSON", path);
-    const cJSON *st = cJSON_GetObjectItemCaseSensitive(j, "step");
-    const cJSON *sd = cJSON_GetObjectItemCaseSensitive(j, "seed");
     const cJSON *ds = cJSON_GetObjectItemCaseSensitive(j, "data_state");
-    ds4_status rc = DS4_OK;
-    if (!cJSON_IsNumber(st) || !cJSON_IsString(sd) || !cJSON_IsString(ds))
-        rc = ds4_fail(DS4_ERR_FORMAT, "%s: expected keys step (number), seed (string), data_state (string)", path);
-    else {
-        meta->step = (int64_t)st->valuedouble;
-        meta->seed = strtoull(sd->valuestring, NULL, 10);
-        snprintf(meta->data_state, sizeof meta->data_state, "%s", ds->valuestring);
-    }
+    const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(j, "format");
+    ds4_status rc = state_step(path, cJSON_GetObjectItemCaseSensitive(j, "step"), &meta->step);
+    if (rc == DS4_OK) rc = state_seed(path, cJSON_GetObjectItemCaseSensitive(j, "seed"), &meta->seed);
+    if (rc == DS4_OK && (!cJSON_IsString(ds) || strlen(ds->valuestring) >= sizeof meta->data_state))
+        rc = ds4_fail(DS4_ERR_FORMAT, "%s: key data_state: expected a string of at most %zu bytes", path,
+                      sizeof meta->data_state - 1);
+    if (rc == DS4_OK && fmt && !(cJSON_IsString(fmt) && !strcmp(fmt->valuestring, "ds4-checkpoint-1")))
+        rc = ds4_fail(DS4_ERR_FORMAT, "%s: key format: expected \"ds4-checkpoint-1\"", path);
+    if (rc == DS4_OK) snprintf(meta->data_state, sizeof meta->data_state, "%s", ds->valuestring);
     cJSON_Delete(j);
     return rc;
+}
+
+/* optim.state "adamw.step": the optimizer steps taken, in [0, MAX_CKPT_STEP] (it sets the bias correction). */
+static ds4_status check_optim_step(const char *path, int64_t step) {
+    if (step >= 0 && (double)step <= MAX_CKPT_STEP) return DS4_OK;
+    return ds4_fail(DS4_ERR_FORMAT, "%s: tensor adamw.step = %lld: expected an integer in [0, %.0f]", path,
+                    (long long)step, MAX_CKPT_STEP);
 }
 
 static ds4_status read_optim(const char *path, ds4_adamw *o) {
@@ -175,6 +260,7 @@ static ds4_status read_optim(const char *path, ds4_adamw *o) {
     ds4_status st = ds4_st_read_f32(f, "adamw.m", 1, shape, o->m);
     if (st == DS4_OK) st = ds4_st_read_f32(f, "adamw.v", 1, shape, o->v);
     if (st == DS4_OK) st = ds4_st_read_i64(f, "adamw.step", 1, &one, &step);
+    if (st == DS4_OK) st = check_optim_step(path, step);
     if (st == DS4_OK) o->step = step;
     ds4_st_close(f);
     return st;
@@ -205,6 +291,7 @@ ds4_status ds4_checkpoint_moment_open(const char *path, const char *name, int64_
     if (st == DS4_OK && mo->loc.entry->dtype != DS4_F32)
         st = ds4_fail(DS4_ERR_SHAPE, "%s: tensor %s: expected F32, got %s", p, name, ds4_dtype_name(mo->loc.entry->dtype));
     if (st == DS4_OK) st = ds4_st_read_i64(mo->f, "adamw.step", 1, &one, step);
+    if (st == DS4_OK) st = check_optim_step(p, *step);
     if (st != DS4_OK) {
         ds4_ckpt_moment_close(mo);
         return st;
@@ -238,4 +325,97 @@ ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_adamw *o, ds4
         DS4_TRY(read_optim(p, o));
     }
     return DS4_OK;
+}
+
+/* ------------------------------------------------------------------ the run's config against the checkpoint's */
+typedef struct {
+    const char *key; /* the config.json key */
+    size_t off;
+    bool is_float;   /* double, else int64_t */
+} config_field;
+
+#define CI(key, f) {key, offsetof(ds4_config, f), false}
+#define CF(key, f) {key, offsetof(ds4_config, f), true}
+/* Every key that shapes the model or its computation. mtp_loss_weight and indexer_loss_coeff are left
+ * out: [training] sets them per run, and changing a loss weight on resume is a choice, not a mistake. */
+static const config_field k_config_fields[] = {
+    CI("vocab_size", vocab_size), CI("hidden_size", dim), CI("num_hidden_layers", n_layers),
+    CI("num_nextn_predict_layers", n_mtp_layers), CI("num_attention_heads", n_heads),
+    CI("num_key_value_heads", n_kv_heads), CI("head_dim", head_dim), CI("qk_rope_head_dim", rope_head_dim),
+    CI("q_lora_rank", q_lora_rank), CI("o_groups", o_groups), CI("o_lora_rank", o_lora_rank),
+    CI("sliding_window", window), CI("index_n_heads", index_n_heads), CI("index_head_dim", index_head_dim),
+    CI("index_topk", index_topk), CI("hc_mult", hc_mult), CI("hc_sinkhorn_iters", hc_sinkhorn_iters),
+    CF("hc_eps", hc_eps), CI("n_routed_experts", n_routed_experts), CI("n_shared_experts", n_shared_experts),
+    CI("num_experts_per_tok", n_activated_experts), CI("moe_intermediate_size", moe_inter_dim),
+    CI("num_hash_layers", n_hash_layers), CF("routed_scaling_factor", route_scale), CF("swiglu_limit", swiglu_limit),
+    CF("rope_theta", rope_theta), CF("compress_rope_theta", compress_rope_theta),
+    CF("rope_scaling.factor", rope_factor), CI("rope_scaling.original_max_position_embeddings", original_seq_len),
+    CF("rope_scaling.beta_fast", beta_fast), CF("rope_scaling.beta_slow", beta_slow), CF("rms_norm_eps", norm_eps),
+    CI("max_position_embeddings", max_position_embeddings), CI("bos_token_id", bos_token_id),
+    CI("eos_token_id", eos_token_id),
+};
+#undef CI
+#undef CF
+
+ds4_status ds4_checkpoint_check_config(const char *path, const ds4_config *run) {
+    char p[4200];
+    snprintf(p, sizeof p, "%s/config.json", path);
+    ds4_config ck;
+    DS4_TRY(ds4_config_load(p, &ck));
+    for (size_t i = 0; i < sizeof k_config_fields / sizeof k_config_fields[0]; i++) {
+        const config_field *f = &k_config_fields[i];
+        const char *a = (const char *)&ck + f->off, *b = (const char *)run + f->off;
+        if (f->is_float) {
+            double x, y;
+            memcpy(&x, a, sizeof x);
+            memcpy(&y, b, sizeof y);
+            if (x != y && !(isnan(x) && isnan(y)))
+                return ds4_fail(DS4_ERR_CONFIG, "%s: %s = %.17g, but this run's model has %.17g: refusing to resume", p,
+                                f->key, x, y);
+        } else {
+            int64_t x, y;
+            memcpy(&x, a, sizeof x);
+            memcpy(&y, b, sizeof y);
+            if (x != y)
+                return ds4_fail(DS4_ERR_CONFIG, "%s: %s = %lld, but this run's model has %lld: refusing to resume", p,
+                                f->key, (long long)x, (long long)y);
+        }
+    }
+    for (int64_t l = 0; l < run->n_layers + run->n_mtp_layers; l++)
+        if (ck.compress_ratios[l] != run->compress_ratios[l])
+            return ds4_fail(DS4_ERR_CONFIG, "%s: compress_ratios[%lld] = %lld, but this run's model has %lld: refusing to resume",
+                            p, (long long)l, (long long)ck.compress_ratios[l], (long long)run->compress_ratios[l]);
+    if (ck.csa_dense != run->csa_dense)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: csa_dense = %s, but this run's model has %s: refusing to resume", p,
+                        ck.csa_dense ? "true" : "false", run->csa_dense ? "true" : "false");
+    return DS4_OK;
+}
+
+/* ------------------------------------------------------------------ one writer per checkpoint folder */
+ds4_status ds4_checkpoint_lock(const char *root, int *fd) {
+    *fd = -1;
+    if (mkdir(root, 0755) != 0 && errno != EEXIST)
+        return ds4_fail(DS4_ERR_IO, "%s: cannot create checkpoint folder: %s", root, strerror(errno));
+    struct stat sb;
+    if (stat(root, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return ds4_fail(DS4_ERR_IO, "%s: the checkpoint folder is not a directory", root);
+    if (access(root, W_OK | X_OK) != 0)
+        return ds4_fail(DS4_ERR_IO, "%s: the checkpoint folder is not writable: %s", root, strerror(errno));
+    char p[4200];
+    snprintf(p, sizeof p, "%s/.lock", root);
+    int f = open(p, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (f < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot create the lock file: %s", p, strerror(errno));
+    if (flock(f, LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        close(f);
+        if (e == EWOULDBLOCK)
+            return ds4_fail(DS4_ERR_IO, "%s: another ds4 train run holds this checkpoint folder (lock %s)", root, p);
+        return ds4_fail(DS4_ERR_IO, "%s: cannot lock: %s", p, strerror(e));
+    }
+    *fd = f;
+    return DS4_OK;
+}
+
+void ds4_checkpoint_unlock(int fd) {
+    if (fd >= 0) close(fd); /* closing releases the flock */
 }

@@ -13,6 +13,7 @@
 #include "ds4/offload.h"
 #include "ds4/trainer.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -232,7 +233,10 @@ static ds4_status save_sharded(ds4_train_state *s, const char *root, int64_t kee
     snprintf(cfg, sizeof cfg, "%s/config.json", tmp);
     if (st == DS4_OK && writer) st = ds4_config_save(ds4_model_config(s->m), cfg);
     st = ds4_train_agree(s->world, st); /* nobody streams when rank 0 cannot write */
-    if (st != DS4_OK) return st;
+    if (st != DS4_OK) {
+        ds4_checkpoint_abort(tmp);
+        return st;
+    }
     float *params = ds4_fsdp_shard_params(s->f);
     st = stream_file(s, writer ? tmp : NULL, false, &params, 1);
     ds4_status mo = ds4_train_agree(s->world, moments_in(s)); /* the same on every rank: all stream or none */
@@ -242,8 +246,65 @@ static ds4_status save_sharded(ds4_train_state *s, const char *root, int64_t kee
         mo = moments_out(s, mo);
     }
     if (st == DS4_OK) st = mo;
-    if (st == DS4_OK && writer) st = ds4_checkpoint_commit(root, keep, tmp, meta);
+    if (st == DS4_OK && writer) st = ds4_checkpoint_commit(root, keep, tmp, meta); /* removes tmp on failure */
+    else if (writer) ds4_checkpoint_abort(tmp); /* a failed stream leaves no .tmp-step-N behind */
     return ds4_train_agree(s->world, st); /* the others wait for the write and share its outcome */
+}
+
+/* ------------------------------------------------------------------ non-finite values */
+static int64_t count_nonfinite(const float *x, int64_t n) {
+    int64_t bad = 0;
+#pragma omp parallel for reduction(+ : bad) schedule(static)
+    for (int64_t i = 0; i < n; i++) bad += !isfinite(x[i]);
+    return bad;
+}
+
+/* Non-finite elements of this rank's AdamW moment `which`, read in chunks when swapped. */
+static ds4_status moment_nonfinite(const ds4_adamw *o, int which, int64_t *bad) {
+    const float *mem = which == 0 ? o->m : o->v;
+    *bad = 0;
+    if (mem) {
+        *bad = count_nonfinite(mem, o->n);
+        return DS4_OK;
+    }
+    const int64_t C = (int64_t)(DS4_ADAMW_SWAP_CHUNK / sizeof(float));
+    float *buf = ds4_alloc(DS4_MEM_OPTIM, (size_t)C * sizeof(float));
+    if (!buf) return ds4_fail(DS4_ERR_OOM, "out of memory checking the optimizer state");
+    ds4_status st = DS4_OK;
+    for (int64_t i0 = 0; i0 < o->n && st == DS4_OK; i0 += C) {
+        const int64_t n = o->n - i0 < C ? o->n - i0 : C;
+        st = ds4_adamw_moment_read(o, which, i0, n, buf);
+        if (st == DS4_OK) *bad += count_nonfinite(buf, n);
+    }
+    ds4_free(buf);
+    return st;
+}
+
+/* The first float tensor of a whole model holding a non-finite value (for the message), or NULL. */
+static const char *first_nonfinite_param(ds4_model *m) {
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+        const ds4_param *p = ds4_model_param(m, i);
+        if (!p->is_int && count_nonfinite(p->data, p->numel) > 0) return p->name;
+    }
+    return NULL;
+}
+
+ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step) {
+    int64_t bad[3] = {0, 0, 0}; /* weights, first moments, second moments */
+    bad[0] = s->f ? count_nonfinite(ds4_fsdp_shard_params(s->f), ds4_fsdp_shard_numel(s->f))
+                  : count_nonfinite(ds4_model_params_flat(s->m), ds4_model_numel(s->m));
+    ds4_status st = moment_nonfinite(&s->opt, 0, &bad[1]);
+    if (st == DS4_OK) st = moment_nonfinite(&s->opt, 1, &bad[2]);
+    st = ds4_train_agree(s->world, st);
+    if (st == DS4_OK && ds4_comm_size(s->world) > 1) st = ds4_comm_sum_i64(s->world, bad, 3);
+    if (st != DS4_OK || bad[0] + bad[1] + bad[2] == 0) return st;
+    const char *where = s->f ? NULL : first_nonfinite_param(s->m);
+    char first[300] = "";
+    if (where) snprintf(first, sizeof first, " (first in %s)", where);
+    return ds4_fail(DS4_ERR_INTERNAL,
+                    "step %lld: %lld non-finite weights%s and %lld + %lld non-finite AdamW moments: the run has diverged; "
+                    "this step's checkpoint is not saved and the earlier ones are kept",
+                    (long long)step, (long long)bad[0], first, (long long)bad[1], (long long)bad[2]);
 }
 
 ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t keep_latest_k, const ds4_ckpt_meta *meta) {

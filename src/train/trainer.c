@@ -7,11 +7,14 @@
 #include "ds4/io.h"
 #include "kernels/kernels.h"
 
+#include <errno.h>
 #include <math.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------------ config */
 static const char *const k_known_keys[] = {
@@ -37,6 +40,8 @@ static ds4_status copy_str(const ds4_toml *t, const char *key, const char *def, 
     snprintf(dst, n, "%s", s);
     return DS4_OK;
 }
+
+static ds4_status check_ranges(const ds4_train_cfg *c);
 
 ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     memset(c, 0, sizeof *c);
@@ -103,6 +108,97 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(ds4_toml_bool_or(t, "memory.swap_optimizer", false, &c->swap_optimizer));
     DS4_TRY(ds4_toml_bool_or(t, "memory.swap_layer_input", false, &c->swap_layer_input));
     DS4_TRY(copy_str(t, "memory.offload_dir", "", c->offload_dir, sizeof c->offload_dir));
+    return check_ranges(c);
+}
+
+/* ------------------------------------------------------------------ value ranges
+ * Every numeric key of the config with the range it must lie in, checked in one place when the config
+ * is read: a NaN learning rate or a million threads is a one-line error naming the key, not a run that
+ * saves NaN weights or overflows the stack. */
+typedef enum { RANGE_INT, RANGE_FLOAT } range_kind;
+typedef struct {
+    const char *key;
+    size_t off;            /* of the int64_t or double in ds4_train_cfg */
+    range_kind kind;
+    double lo, hi;         /* floats: finite and in the range; ints: in [lo, hi] (both exact in a double) */
+    bool lo_open, hi_open; /* floats: (lo and hi) instead of [lo and hi] */
+    const char *note;      /* what a special value means, or NULL */
+} key_range;
+
+#define MAX_THREADS 1024
+#define MAX_COUNT 1e12           /* steps, intervals: far beyond any run, far below overflow */
+#define MAX_BATCH (double)(1 << 24)
+#define MAX_SEQ (double)(1 << 24)
+#define I_(key, field, lo, hi, note) {key, offsetof(ds4_train_cfg, field), RANGE_INT, lo, hi, false, false, note}
+#define F_(key, field, lo, hi, lo_open, hi_open) \
+    {key, offsetof(ds4_train_cfg, field), RANGE_FLOAT, lo, hi, lo_open, hi_open, NULL}
+static const key_range k_ranges[] = {
+    I_("model.seed", init_seed, 0, MAX_COUNT, NULL),
+    I_("training.steps", steps, 1, MAX_COUNT, NULL),
+    I_("training.seq_len", seq_len, 2, MAX_SEQ, NULL),
+    I_("training.micro_batch_size", micro_batch, 1, MAX_BATCH, NULL),
+    I_("training.global_batch_size", global_batch, 1, MAX_BATCH, NULL),
+    I_("training.seed", seed, 0, MAX_COUNT, NULL),
+    I_("training.threads", threads, 0, MAX_THREADS, "0: every core"),
+    I_("training.csa_dense_steps", csa_dense_steps, 0, MAX_COUNT, NULL),
+    F_("training.max_norm", max_norm, 0, INFINITY, false, true),
+    F_("training.mtp_loss_weight", mtp_loss_weight, -1, 1e3, false, false),
+    F_("training.indexer_loss_coeff", indexer_loss_coeff, -1, 1e3, false, false),
+    F_("training.router_bias_gamma", router_bias_gamma, 0, 1, false, false),
+    F_("optimizer.lr", adamw.lr, 0, INFINITY, true, true),
+    F_("optimizer.beta1", adamw.beta1, 0, 1, false, true),
+    F_("optimizer.beta2", adamw.beta2, 0, 1, false, true),
+    F_("optimizer.eps", adamw.eps, 0, INFINITY, true, true),
+    F_("optimizer.weight_decay", adamw.weight_decay, 0, INFINITY, false, true),
+    I_("lr_scheduler.warmup_steps", sched.warmup_steps, 0, MAX_COUNT, NULL),
+    I_("lr_scheduler.decay_steps", sched.total_steps, 0, MAX_COUNT, NULL),
+    F_("lr_scheduler.min_lr", sched.min_lr, 0, INFINITY, false, true),
+    I_("data.val_batches", val_batches, 0, 1e6, NULL),
+    I_("checkpoint.interval", ckpt_interval, 0, MAX_COUNT, "0: only at the end"),
+    I_("checkpoint.keep_latest_k", keep_latest_k, 0, 1e6, "0: keep all"),
+    I_("checkpoint.load_step", load_step, -2, MAX_COUNT, "-1: the latest, -2: never resume"),
+    I_("metrics.log_freq", log_freq, 1, MAX_COUNT, NULL),
+    F_("metrics.peak_tflops", peak_tflops, 0, 1e9, false, false),
+    I_("parallel.ep", ep, 1, 1 << 16, NULL),
+};
+#undef I_
+#undef F_
+
+/* "a finite number > 0", "a finite number in [0, 1)", "a finite number >= 0". */
+static void describe_float_range(const key_range *r, char *buf, size_t n) {
+    if (isinf(r->hi)) snprintf(buf, n, "a finite number %s %g", r->lo_open ? ">" : ">=", r->lo);
+    else snprintf(buf, n, "a finite number in %c%g, %g%c", r->lo_open ? '(' : '[', r->lo, r->hi, r->hi_open ? ')' : ']');
+}
+
+static ds4_status check_range(const ds4_train_cfg *c, const key_range *r) {
+    const char *p = (const char *)c + r->off;
+    char want[96], note[96] = "";
+    if (r->note) snprintf(note, sizeof note, " (%s)", r->note);
+    if (r->kind == RANGE_INT) {
+        int64_t v;
+        memcpy(&v, p, sizeof v);
+        if ((double)v >= r->lo && (double)v <= r->hi) return DS4_OK;
+        return ds4_fail(DS4_ERR_CONFIG, "%s = %lld: expected an integer in [%.0f, %.0f]%s", r->key, (long long)v, r->lo,
+                        r->hi, note);
+    }
+    double v;
+    memcpy(&v, p, sizeof v);
+    bool ok = isfinite(v) && (r->lo_open ? v > r->lo : v >= r->lo) && (r->hi_open ? v < r->hi : v <= r->hi);
+    if (ok) return DS4_OK;
+    describe_float_range(r, want, sizeof want);
+    return ds4_fail(DS4_ERR_CONFIG, "%s = %g: expected %s%s", r->key, v, want, note);
+}
+
+/* a * b, false on int64 overflow. */
+static bool mul_i64(int64_t a, int64_t b, int64_t *out) { return !__builtin_mul_overflow(a, b, out); }
+
+static ds4_status check_ranges(const ds4_train_cfg *c) {
+    for (size_t i = 0; i < sizeof k_ranges / sizeof k_ranges[0]; i++) DS4_TRY(check_range(c, &k_ranges[i]));
+    int64_t tokens;
+    if (!mul_i64(c->micro_batch, c->seq_len, &tokens) || tokens > INT32_MAX)
+        return ds4_fail(DS4_ERR_CONFIG,
+                        "training.micro_batch_size %lld x training.seq_len %lld: more than %d tokens per micro-batch",
+                        (long long)c->micro_batch, (long long)c->seq_len, INT32_MAX);
     return DS4_OK;
 }
 
@@ -204,11 +300,28 @@ static ds4_status loader_state_text(const ds4_dataloader *d, char *buf, size_t n
     return DS4_OK;
 }
 
-static ds4_status loader_restore_text(ds4_dataloader *d, const char *txt) {
-    unsigned long long e, p, sd, nr;
-    if (sscanf(txt, "%llu %llu %llu %llu", &e, &p, &sd, &nr) != 4)
-        return ds4_fail(DS4_ERR_FORMAT, "checkpoint data_state '%s': expected 'epoch position seed rows'", txt);
-    ds4_data_state s = {.epoch = e, .position = p, .seed = sd, .n_rows = nr};
+/* "epoch position seed rows": four decimal integers < 2^64 separated by one space, nothing else. */
+static bool parse_data_state(const char *txt, uint64_t v[4]) {
+    const char *p = txt;
+    for (int k = 0; k < 4; k++) {
+        if (k > 0 && *p++ != ' ') return false;
+        if (*p < '0' || *p > '9') return false;
+        char *end;
+        errno = 0;
+        unsigned long long x = strtoull(p, &end, 10);
+        if (errno == ERANGE || end - p > 20) return false;
+        v[k] = x;
+        p = end;
+    }
+    return *p == 0;
+}
+
+static ds4_status loader_restore_text(ds4_dataloader *d, const char *path, const char *txt) {
+    uint64_t v[4];
+    if (!parse_data_state(txt, v))
+        return ds4_fail(DS4_ERR_FORMAT, "%s/state.json: key data_state = \"%.100s\": expected \"epoch position seed rows\"",
+                        path, txt);
+    ds4_data_state s = {.epoch = v[0], .position = v[1], .seed = v[2], .n_rows = v[3]};
     return ds4_data_set_state(d, &s);
 }
 
@@ -224,7 +337,8 @@ typedef struct {
     uint32_t masks[DS4_MAX_LAYERS];
     int32_t *ids;     /* [micro_batch, seq_len] */
     int64_t *loads;   /* [n_blocks, E] */
-    FILE *jsonl;
+    FILE *jsonl;      /* rank 0: the metrics file, appended */
+    int lock_fd;      /* rank 0: the flock on the checkpoint folder, -1 when none */
     double peak_flops, flops_per_token;
     bool report_pending; /* --memory-report: print it for the run's first step */
     bool stopped;        /* a stop signal reached some rank: every rank stops after the same step */
@@ -306,7 +420,7 @@ static ds4_status train_step(trainer *tr, int64_t step, step_losses *sl) {
     return DS4_OK;
 }
 
-static void log_step(trainer *tr, int64_t step, const step_losses *sl, double gnorm, double lr, double dt) {
+static ds4_status log_step(trainer *tr, int64_t step, const step_losses *sl, double gnorm, double lr, double dt) {
     const ds4_train_cfg *c = tr->cfg;
     ds4_mem_stats ms;
     ds4_mem_get(&ms);
@@ -325,12 +439,17 @@ static void log_step(trainer *tr, int64_t step, const step_losses *sl, double gn
                     "\"activation_peak_bytes\": %lld, \"tps\": %.2f, \"tflops\": %.6f, \"mfu\": %.4f, \"step_time\": %.6f}\n",
                     (long long)step, sl->loss, sl->mtp, sl->idx, sl->total, gnorm, lr, gib, (long long)ms.peak_total,
                     (long long)ms.peak[DS4_MEM_ACT], tps, tflops, mfu, dt);
-            fflush(tr->jsonl);
+            if (fflush(tr->jsonl) != 0 || ferror(tr->jsonl))
+                return ds4_fail(DS4_ERR_IO, "%s: cannot write the metrics of step %lld: %s", c->jsonl, (long long)step,
+                                strerror(errno));
         }
     }
+    return DS4_OK;
 }
 
+/* A diverged state (NaN / Inf weights or moments) is never saved: the earlier checkpoints stay. */
 static ds4_status save_ckpt(trainer *tr, int64_t step) {
+    DS4_TRY(ds4_train_state_check_finite(tr->s, step));
     ds4_ckpt_meta meta = {.step = step, .seed = (uint64_t)tr->cfg->seed};
     DS4_TRY(loader_state_text(tr->train, meta.data_state, sizeof meta.data_state));
     ds4_status st = ds4_train_state_save(tr->s, tr->cfg->ckpt_folder, tr->cfg->keep_latest_k, &meta);
@@ -349,11 +468,61 @@ static ds4_status maybe_resume(trainer *tr, int64_t *start) {
         return DS4_OK;                                 /* nothing to resume: fresh run */
     }
     ds4_ckpt_meta meta;
+    DS4_TRY(ds4_checkpoint_check_config(path, ds4_model_config(tr->m)));
     DS4_TRY(ds4_train_state_load(tr->s, path, &meta));
-    DS4_TRY(loader_restore_text(tr->train, meta.data_state));
+    DS4_TRY(loader_restore_text(tr->train, path, meta.data_state));
     *start = meta.step;
     if (tr->lead) printf("resumed from %s (step %lld)\n", path, (long long)meta.step);
     return DS4_OK;
+}
+
+/* The step of a metrics line ({"step": N, ...}), or -1 when it is not one. */
+static int64_t metrics_line_step(const char *line, size_t n) {
+    static const char head[] = "{\"step\": ";
+    const size_t h = sizeof head - 1;
+    if (n <= h || memcmp(line, head, h) != 0) return -1;
+    int64_t s = 0;
+    size_t i = h;
+    for (; i < n && line[i] >= '0' && line[i] <= '9' && s < INT64_MAX / 10 - 10; i++) s = s * 10 + (line[i] - '0');
+    return i > h && i < n && line[i] == ',' ? s : -1;
+}
+
+/* The metrics file keeps the complete lines of steps <= `last` (the steps before a resume; a killed run
+ * re-runs the later ones), rewritten atomically; then the file is reopened for appending. */
+static ds4_status truncate_metrics(trainer *tr, int64_t last) {
+    const char *path = tr->cfg->jsonl;
+    char *txt = NULL;
+    size_t len = 0;
+    if (access(path, F_OK) != 0) return DS4_OK;
+    DS4_TRY(ds4_read_file(path, &txt, &len));
+    size_t w = 0;
+    for (size_t i = 0; i < len;) {
+        const char *nl = memchr(txt + i, '\n', len - i);
+        if (!nl) break; /* a line cut by a kill: dropped */
+        size_t n = (size_t)(nl - (txt + i)) + 1;
+        int64_t step = metrics_line_step(txt + i, n);
+        if (step >= 0 && step <= last) {
+            memmove(txt + w, txt + i, n);
+            w += n;
+        }
+        i += n;
+    }
+    ds4_status st = w == len ? DS4_OK : ds4_write_file_atomic(path, txt, w);
+    ds4_free(txt);
+    if (st != DS4_OK || w == len) return st;
+    if (tr->jsonl && fclose(tr->jsonl) != 0) st = ds4_fail(DS4_ERR_IO, "%s: cannot close: %s", path, strerror(errno));
+    tr->jsonl = fopen(path, "a");
+    if (!tr->jsonl && st == DS4_OK)
+        st = ds4_fail(DS4_ERR_IO, "%s: cannot open the metrics file: %s", path, strerror(errno));
+    return st;
+}
+
+/* Where the run continues: the checkpoint (or 0), and on rank 0 the metrics file cut back to it. */
+static ds4_status resume_and_trim(trainer *tr, int64_t *start) {
+    DS4_TRY(maybe_resume(tr, start));
+    const ds4_train_cfg *c = tr->cfg;
+    if (!tr->lead || !tr->jsonl || !c->ckpt_folder[0] || c->load_step == -2) return DS4_OK;
+    return truncate_metrics(tr, *start);
 }
 
 static ds4_status run_validation(trainer *tr) {
@@ -362,10 +531,14 @@ static ds4_status run_validation(trainer *tr) {
     ds4_dataloader *v;
     DS4_TRY(loader_open(c->val_data, c->micro_batch, c->seq_len, (uint64_t)c->seed, false,
                         ds4_model_config(tr->m)->vocab_size, 0, 1, &v)); /* every rank: the same batches */
+    /* at most one pass over the validation rows (at least one batch, as the loader wraps) */
+    int64_t batches = ds4_data_n_rows(v) / c->micro_batch;
+    if (batches < 1) batches = 1;
+    if (batches > c->val_batches) batches = c->val_batches;
     double sum = 0;
     int64_t n = 0;
     ds4_status st = DS4_OK;
-    for (int64_t b = 0; b < c->val_batches && st == DS4_OK; b++) {
+    for (int64_t b = 0; b < batches && st == DS4_OK && !g_stop; b++) { /* a stop signal ends it too */
         st = ds4_data_next(v, tr->ids);
         ds4_pass_opts o = {.need_backward = false, .hooks = ds4_train_state_hooks(tr->s)};
         ds4_pass *p = NULL;
@@ -445,7 +618,11 @@ static ds4_status run_steps(trainer *tr, int64_t start, int64_t *last, bool *agr
         tr->report_pending = false;
         st = ds4_train_state_router_bias(tr->s, tr->loads, c->router_bias_gamma);
         if (st != DS4_OK) break;
-        log_step(tr, step, &sl, gnorm, lr, ds4_now() - t0);
+        st = ds4_train_agree(tr->world, log_step(tr, step, &sl, gnorm, lr, ds4_now() - t0)); /* rank 0 writes */
+        if (st != DS4_OK) {
+            *agreed = true;
+            break;
+        }
         if (c->ckpt_folder[0] && c->ckpt_interval > 0 && step % c->ckpt_interval == 0 && step < c->steps) {
             st = save_ckpt(tr, step);
             *agreed = st != DS4_OK;
@@ -460,7 +637,7 @@ static ds4_status run_steps(trainer *tr, int64_t start, int64_t *last, bool *agr
 static ds4_status train_loop(trainer *tr, bool *agreed) {
     const ds4_train_cfg *c = tr->cfg;
     int64_t start = 0, step = 0;
-    ds4_status st = ds4_train_agree(tr->world, maybe_resume(tr, &start));
+    ds4_status st = ds4_train_agree(tr->world, resume_and_trim(tr, &start));
     if (st != DS4_OK) return st;
     tr->flops_per_token = ds4_train_flops_per_token(ds4_model_config(tr->m), c->seq_len);
     tr->peak_flops = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : ds4_probe_peak_flops();
@@ -482,34 +659,53 @@ static ds4_status train_loop(trainer *tr, bool *agreed) {
     return st;
 }
 
+/* Rank 0, before any work: the checkpoint folder is writable and this run's alone (a second run on it
+ * fails here instead of resuming the first one's steps), the metrics file can be appended to. */
+static ds4_status open_outputs(trainer *tr) {
+    const ds4_train_cfg *c = tr->cfg;
+    if (c->ckpt_folder[0]) DS4_TRY(ds4_checkpoint_lock(c->ckpt_folder, &tr->lock_fd));
+    if (c->jsonl[0] && !(tr->jsonl = fopen(c->jsonl, "a")))
+        return ds4_fail(DS4_ERR_IO, "%s: cannot open the metrics file: %s", c->jsonl, strerror(errno));
+    return DS4_OK;
+}
+
 ds4_status ds4_train_run_world(const ds4_train_cfg *c, bool *agreed) {
     ds4_comm *world = ds4_comm_world();
     trainer tr = {.cfg = c, .report_pending = c->memory_report, .world = world, .rank = ds4_comm_rank(world),
-                  .W = ds4_comm_size(world)};
+                  .W = ds4_comm_size(world), .lock_fd = -1};
     tr.lead = tr.rank == 0;
     *agreed = true;
+    ds4_status st = check_ranges(c); /* also for a cfg filled by a program, not by ds4_train_cfg_from_toml */
+    if (st != DS4_OK) return st;
     g_stop = 0;
     stop_signals(on_stop_signal); /* from the start: a signal once the run's files exist is handled */
     if (c->threads > 0) ds4_set_threads((int)c->threads);
     const ds4_matmul_precision prev_precision = ds4_get_matmul_precision();
-    ds4_status st = ds4_set_matmul_precision(c->matmul_precision); /* the same on every rank */
+    st = ds4_train_agree(world, tr.lead ? open_outputs(&tr) : DS4_OK); /* before any work */
+    if (st == DS4_OK) st = ds4_set_matmul_precision(c->matmul_precision); /* the same on every rank */
     if (st == DS4_OK) st = open_model(c, &tr);
     const ds4_config *mc = tr.m ? ds4_model_config(tr.m) : NULL;
     if (st == DS4_OK)
         st = loader_open(c->train_data, c->micro_batch, c->seq_len, (uint64_t)c->seed, true, mc->vocab_size, tr.rank,
                          tr.W, &tr.train);
     if (st == DS4_OK) {
-        tr.ids = ds4_alloc(DS4_MEM_OTHER, (size_t)(c->micro_batch * c->seq_len) * sizeof(int32_t));
-        tr.loads = ds4_calloc(DS4_MEM_OTHER, (size_t)((mc->n_layers + mc->n_mtp_layers) * mc->n_routed_experts) *
-                                                 sizeof(int64_t));
-        if (!tr.ids || !tr.loads) st = DS4_ERR_OOM;
+        int64_t tokens = 0, loads = 0; /* [micro_batch, seq_len], [n_blocks, E]: sizes checked before */
+        bool sized = mul_i64(c->micro_batch, c->seq_len, &tokens) &&
+                     mul_i64(mc->n_layers + mc->n_mtp_layers, mc->n_routed_experts, &loads);
+        tr.ids = sized ? ds4_alloc(DS4_MEM_OTHER, (size_t)tokens * sizeof(int32_t)) : NULL;
+        tr.loads = sized ? ds4_calloc(DS4_MEM_OTHER, (size_t)loads * sizeof(int64_t)) : NULL;
+        if (!tr.ids || !tr.loads)
+            st = ds4_fail(DS4_ERR_OOM, "out of memory for a micro-batch of %lld x %lld tokens",
+                          (long long)c->micro_batch, (long long)c->seq_len);
     }
-    if (st == DS4_OK && tr.lead && c->jsonl[0] && !(tr.jsonl = fopen(c->jsonl, "a")))
-        st = ds4_fail(DS4_ERR_IO, "%s: cannot open the metrics file", c->jsonl);
     if (st == DS4_OK) ds4_recompute_masks(&c->recompute, mc, tr.masks);
     st = ds4_train_agree(world, st); /* a rank that cannot start stops them all */
     if (st == DS4_OK) st = train_loop(&tr, agreed);
-    if (tr.jsonl) fclose(tr.jsonl);
+    if (tr.jsonl && fclose(tr.jsonl) != 0 && st == DS4_OK) {
+        st = ds4_fail(DS4_ERR_IO, "%s: cannot write the metrics: %s", c->jsonl, strerror(errno));
+        *agreed = true; /* rank 0 reports it; the others have nothing left to wait for */
+    }
+    ds4_checkpoint_unlock(tr.lock_fd);
     ds4_free(tr.ids);
     ds4_free(tr.loads);
     ds4_data_close(tr.train);
