@@ -73,16 +73,15 @@ static ds4_status write_optim(const char *path, const ds4_adamw *o) {
 
 static ds4_status write_state(const char *path, const ds4_ckpt_meta *meta) {
     cJSON *j = cJSON_CreateObject();
-    if (!j) return DS4_ERR_OOM;
     char seed[32];
     snprintf(seed, sizeof seed, "%llu", (unsigned long long)meta->seed);
-    cJSON_AddNumberToObject(j, "step", (double)meta->step);
-    cJSON_AddStringToObject(j, "seed", seed);
-    cJSON_AddStringToObject(j, "data_state", meta->data_state);
-    cJSON_AddStringToObject(j, "format", "ds4-checkpoint-1");
-    char *txt = cJSON_Print(j);
+    /* a key that failed to go in would make a complete-looking state.json without it */
+    bool built = j && cJSON_AddNumberToObject(j, "step", (double)meta->step) &&
+                 cJSON_AddStringToObject(j, "seed", seed) && cJSON_AddStringToObject(j, "data_state", meta->data_state) &&
+                 cJSON_AddStringToObject(j, "format", "ds4-checkpoint-1");
+    char *txt = built ? cJSON_Print(j) : NULL;
     cJSON_Delete(j);
-    if (!txt) return DS4_ERR_OOM;
+    if (!txt) return ds4_fail(DS4_ERR_OOM, "%s: out of memory building the JSON", path);
     ds4_status st = ds4_write_file_atomic(path, txt, strlen(txt));
     free(txt);
     return st;
@@ -102,10 +101,14 @@ ds4_status ds4_checkpoint_save(const char *root, int64_t keep_latest_k, ds4_mode
                                const ds4_ckpt_meta *meta) {
     char tmp[4096], p[4200];
     DS4_TRY(ds4_checkpoint_begin(root, meta->step, tmp, sizeof tmp));
-    DS4_TRY(ds4_model_save(m, tmp, DS4_F32));
-    if (o) {
+    ds4_status st = ds4_model_save(m, tmp, DS4_F32);
+    if (st == DS4_OK && o) {
         snprintf(p, sizeof p, "%s/optim.state", tmp);
-        DS4_TRY(write_optim(p, o));
+        st = write_optim(p, o);
+    }
+    if (st != DS4_OK) {
+        remove_ckpt_dir(tmp); /* a failed save leaves the checkpoints as they were */
+        return st;
     }
     return ds4_checkpoint_commit(root, keep_latest_k, tmp, meta);
 }
@@ -114,8 +117,12 @@ ds4_status ds4_checkpoint_commit(const char *root, int64_t keep_latest_k, const 
     char fin[4096], p[4200];
     snprintf(fin, sizeof fin, "%s/step-%08lld", root, (long long)meta->step);
     snprintf(p, sizeof p, "%s/state.json", tmp);
-    DS4_TRY(write_state(p, meta)); /* state.json last: its presence marks a complete set */
-    DS4_TRY(fsync_path(tmp));
+    ds4_status st = write_state(p, meta); /* state.json last: its presence marks a complete set */
+    if (st == DS4_OK) st = fsync_path(tmp);
+    if (st != DS4_OK) {
+        remove_ckpt_dir(tmp); /* a failed save leaves the checkpoints as they were */
+        return st;
+    }
     remove_ckpt_dir(fin); /* re-saving the same step replaces it */
     if (rename(tmp, fin) != 0)
         return ds4_fail(DS4_ERR_IO, "%s: cannot rename to %s: %s", tmp, fin, strerror(errno));
@@ -149,8 +156,10 @@ static ds4_status read_state(const char *path, ds4_ckpt_meta *meta) {
     char *txt;
     size_t len;
     DS4_TRY(ds4_read_file(path, &txt, &len));
+    const int64_t oom = ds4_alloc_failures(); /* cJSON says "invalid" also when it ran out of memory */
     cJSON *j = cJSON_ParseWithLength(txt, len);
     ds4_free(txt);
+    if (!j && ds4_alloc_failures() != oom) return ds4_fail(DS4_ERR_OOM, "%s: out of memory parsing the JSON", path);
     if (!j) return ds4_fail(DS4_ERR_FORMAT, "%s: not valid JSON", path);
     const cJSON *st = cJSON_GetObjectItemCaseSensitive(j, "step");
     const cJSON *sd = cJSON_GetObjectItemCaseSensitive(j, "seed");
