@@ -376,6 +376,8 @@ typedef struct {
     int32_t ids[T_SEQ];
     double loss, ref_loss;
     bool have_ref;
+    int64_t live_before; /* bytes live once the model exists */
+    int64_t cache;       /* bytes a forward leaves in the model: its rope tables */
 } fresh_ctx;
 
 static ds4_status fresh_setup(void *ctx) {
@@ -383,6 +385,9 @@ static ds4_status fresh_setup(void *ctx) {
     DS4_TRY(ds4_model_create(&g_cfg, &c->m));
     DS4_TRY(ds4_model_load(c->m, c->d)); /* the weights of test_model_load's directory */
     for (int i = 0; i < T_SEQ; i++) c->ids[i] = (int32_t)(ds4_rng_u64(3, 2, (uint64_t)i) % 256);
+    ds4_mem_stats ms;
+    ds4_mem_get(&ms);
+    c->live_before = ms.live_total;
     return DS4_OK;
 }
 
@@ -398,8 +403,14 @@ static ds4_status fresh_run(void *ctx) {
 
 static void fresh_teardown(void *ctx, bool ok) {
     fresh_ctx *c = ctx;
-    if (ok && !c->have_ref) c->ref_loss = c->loss, c->have_ref = true;
+    ds4_mem_stats ms;
+    ds4_mem_get(&ms);
+    const int64_t kept = ms.live_total - c->live_before;
+    if (ok && !c->have_ref) c->ref_loss = c->loss, c->cache = kept, c->have_ref = true;
     else if (ok) CHECK(c->loss == c->ref_loss, "first forward: loss %.17g vs %.17g", c->loss, c->ref_loss);
+    /* the rope tables stay in the model once built, but nothing half-built does */
+    CHECK(kept == c->cache || (!ok && kept == 0), "first forward: %lld bytes left in the model, %lld expected",
+          (long long)kept, (long long)c->cache);
     ds4_model_free(c->m);
     c->m = NULL;
 }
