@@ -97,6 +97,16 @@ void ds4_set_shape_only(bool on);
 bool ds4_shape_only(void);
 void ds4_mem_reset_peak(void);    /* peaks := current live (both tiers) */
 
+/* Allocation-failure injection (tests only, SQLite's discipline): the n-th allocation from now fails as
+ * if memory ran out (NULL and the usual out-of-memory message), once; n <= 0 disables. Counted: ds4_alloc,
+ * ds4_calloc, ds4_grow, ds4_strndup and cJSON's allocations (always routed through ds4_alloc_hooked_malloc). */
+void ds4_alloc_fail_after(int64_t n);
+/* Allocations that have failed so far, injected or not: a caller of a kernel that cannot return a status
+ * sees an out-of-memory inside it as this count moving. */
+int64_t ds4_alloc_failures(void);
+/* malloc with the injection above (for allocations that must be free()d, e.g. cJSON's) */
+void *ds4_alloc_hooked_malloc(size_t bytes);
+
 /* ---------------------------------------------------------------- dtypes */
 typedef enum {
     DS4_F32 = 0, DS4_BF16, DS4_F16, DS4_F64, DS4_I8, DS4_U8, DS4_I16, DS4_I32, DS4_I64,

@@ -2,6 +2,7 @@
  * and peak bytes per category are exact (requested bytes, not rounded sizes). */
 #include "ds4/core.h"
 
+#include <cjson/cJSON.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,40 @@ static _Atomic int64_t g_off_peak[DS4_MEM_NCAT];
 static _Atomic int64_t g_off_live_total;
 static _Atomic int64_t g_off_peak_total;
 static bool g_shape_only;
+
+/* allocation-failure injection: allocations left until the one that fails (0: off); failures so far */
+static _Atomic int64_t g_fail_countdown;
+static _Atomic int64_t g_fail_count;
+
+void ds4_alloc_fail_after(int64_t n) { atomic_store(&g_fail_countdown, n > 0 ? n : 0); }
+
+/* cJSON allocates through ds4_alloc_hooked_malloc from the start: its failures are counted (a JSON
+ * builder checks the count, since cJSON_Add* failures are easy to miss) and injected. Its blocks stay
+ * malloc'd, so free() and cJSON_free() both release them. */
+__attribute__((constructor)) static void route_cjson_allocations(void) {
+    cJSON_Hooks h = {.malloc_fn = ds4_alloc_hooked_malloc, .free_fn = free};
+    cJSON_InitHooks(&h);
+}
+
+int64_t ds4_alloc_failures(void) { return atomic_load(&g_fail_count); }
+
+/* True for the one allocation injection picks; each allocation counts once, from any thread. */
+static bool injected_failure(void) {
+    int64_t c = atomic_load(&g_fail_countdown);
+    while (c > 0) {
+        if (atomic_compare_exchange_weak(&g_fail_countdown, &c, c - 1)) return c == 1;
+    }
+    return false;
+}
+
+void *ds4_alloc_hooked_malloc(size_t bytes) {
+    void *p = injected_failure() ? NULL : malloc(bytes);
+    if (!p) {
+        atomic_fetch_add(&g_fail_count, 1);
+        ds4_fail(DS4_ERR_OOM, "out of memory allocating %zu bytes", bytes);
+    }
+    return p;
+}
 
 void ds4_set_shape_only(bool on) { g_shape_only = on; }
 bool ds4_shape_only(void) { return g_shape_only; }
@@ -66,13 +101,15 @@ void *ds4_alloc(ds4_mem_cat cat, size_t bytes) {
     }
     size_t total = HDR + ((bytes + 63) & ~(size_t)63);
     if (total < bytes) {
+        atomic_fetch_add(&g_fail_count, 1);
         ds4_fail(DS4_ERR_OOM, "ds4_alloc: size %zu overflows", bytes);
         return NULL;
     }
     /* shape-only: only the header is real; the data pointer must never be dereferenced */
     bool virt = g_shape_only && cat != DS4_MEM_OTHER;
-    void *base = aligned_alloc(64, virt ? HDR : total);
+    void *base = injected_failure() ? NULL : aligned_alloc(64, virt ? HDR : total);
     if (!base) {
+        atomic_fetch_add(&g_fail_count, 1);
         ds4_fail(DS4_ERR_OOM, "out of memory allocating %zu bytes of %s", bytes, ds4_mem_cat_name(cat));
         return NULL;
     }

@@ -549,9 +549,11 @@ static ds4_status parse_json(const char *json_text, size_t len, const char *path
     memcpy(text, json_text, len);
     text[len] = '\0';
     const char *end = NULL;
+    const int64_t oom = ds4_alloc_failures(); /* cJSON says "invalid" also when it ran out of memory */
     cJSON *r = cJSON_ParseWithLengthOpts(text, len, &end, 0);
     ds4_status s = DS4_OK;
-    if (!r) {
+    if (!r && ds4_alloc_failures() != oom) s = ds4_fail(DS4_ERR_OOM, "%s: out of memory parsing the JSON", path);
+    else if (!r) {
         const char *at = cJSON_GetErrorPtr();
         size_t pos = at && at >= text && at <= text + len ? (size_t)(at - text) : 0;
         s = ds4_fail(DS4_ERR_FORMAT, "%s: not valid JSON (near byte %zu)", path, pos);
@@ -679,12 +681,18 @@ ds4_status ds4_config_validate(const ds4_config *c, const char *path) { return v
 
 /* ---------------------------------------------------------------- save */
 
+/* cJSON_AddItemToObject that frees the item when it cannot go in (out of memory) instead of leaking it */
+static void add_item(cJSON *o, const char *key, cJSON *item) {
+    if (!cJSON_AddItemToObject(o, key, item)) cJSON_Delete(item);
+}
+
 ds4_status ds4_config_save(const ds4_config *c, const char *path) {
     DS4_TRY(ds4_config_validate(c, path));
+    const int64_t oom = ds4_alloc_failures(); /* a cJSON_Add* that failed leaves its key out */
     cJSON *r = cJSON_CreateObject();
     if (!r) return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
     const char *arch[] = {"DeepseekV4ForCausalLM"};
-    cJSON_AddItemToObject(r, "architectures", cJSON_CreateStringArray(arch, 1));
+    add_item(r, "architectures", cJSON_CreateStringArray(arch, 1));
     cJSON_AddStringToObject(r, "model_type", "deepseek_v4");
     cJSON_AddNumberToObject(r, "bos_token_id", (double)c->bos_token_id);
     cJSON_AddNumberToObject(r, "eos_token_id", (double)c->eos_token_id);
@@ -720,7 +728,7 @@ ds4_status ds4_config_save(const ds4_config *c, const char *path) {
         cJSON_AddStringToObject(q, "fmt", "e4m3");
         cJSON_AddStringToObject(q, "quant_method", "fp8");
         cJSON_AddStringToObject(q, "scale_fmt", "ue8m0");
-        cJSON_AddItemToObject(q, "weight_block_size", cJSON_CreateIntArray(blk, 2));
+        add_item(q, "weight_block_size", cJSON_CreateIntArray(blk, 2));
     }
     cJSON_AddNumberToObject(r, "rms_norm_eps", c->norm_eps);
     /* Written whenever it carries information, so load(save(cfg)) == cfg. */
@@ -742,12 +750,16 @@ ds4_status ds4_config_save(const ds4_config *c, const char *path) {
     cJSON_AddNumberToObject(r, "vocab_size", (double)c->vocab_size);
     cJSON_AddNumberToObject(r, "compress_rope_theta", c->compress_rope_theta);
     cJSON *cr = cJSON_AddArrayToObject(r, "compress_ratios");
-    for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers; l++) cJSON_AddItemToArray(cr, cJSON_CreateNumber((double)c->compress_ratios[l]));
+    for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers; l++) {
+        cJSON *ratio = cJSON_CreateNumber((double)c->compress_ratios[l]);
+        if (!cJSON_AddItemToArray(cr, ratio)) cJSON_Delete(ratio); /* cr NULL: out of memory, counted */
+    }
     cJSON_AddNumberToObject(r, "mtp_loss_weight", c->mtp_loss_weight);
     cJSON_AddNumberToObject(r, "indexer_loss_coeff", c->indexer_loss_coeff);
     cJSON_AddBoolToObject(r, "csa_dense", c->csa_dense);
     char *text = cJSON_Print(r);
     cJSON_Delete(r);
+    if (text && ds4_alloc_failures() != oom) cJSON_free(text), text = NULL;
     if (!text) return ds4_fail(DS4_ERR_OOM, "%s: out of memory printing the config", path);
     size_t n = strlen(text);
     /* end with a newline, like a hand-written file */

@@ -140,8 +140,10 @@ static ds4_status read_index(const char *ipath, cJSON **root, const cJSON **weig
     char *text;
     size_t len;
     DS4_TRY(ds4_read_file(ipath, &text, &len));
+    const int64_t oom = ds4_alloc_failures(); /* cJSON says "invalid" also when it ran out of memory */
     cJSON *r = cJSON_ParseWithLength(text, len);
     ds4_free(text);
+    if (!r && ds4_alloc_failures() != oom) return ds4_fail(DS4_ERR_OOM, "%s: out of memory parsing the JSON", ipath);
     if (!r) return ds4_fail(DS4_ERR_FORMAT, "%s: not valid JSON", ipath);
     const cJSON *wm = cJSON_GetObjectItemCaseSensitive(r, "weight_map");
     if (!cJSON_IsObject(wm)) {

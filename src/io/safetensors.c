@@ -179,7 +179,9 @@ static ds4_status parse_header(ds4_st_file *f, const char *text, size_t len) {
     const char *p = f->path;
     if (memchr(text, '\0', len)) return ds4_fail(DS4_ERR_FORMAT, "%s: header contains a NUL byte", p);
     const char *end = NULL;
+    const int64_t oom = ds4_alloc_failures(); /* cJSON says "invalid" also when it ran out of memory */
     cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
+    if (!root && ds4_alloc_failures() != oom) return ds4_fail(DS4_ERR_OOM, "%s: out of memory parsing the header", p);
     if (!root) {
         const char *at = cJSON_GetErrorPtr();
         size_t pos = at && at >= text && at <= text + len ? (size_t)(at - text) : 0;
@@ -526,7 +528,7 @@ static ds4_status writer_start(ds4_st_writer *w, const char *path, bool layout_s
         off += e->bytes;
     }
     sb_str(&b, "}");
-    while ((8 + b.len) % 8 != 0) sb_str(&b, " ");   /* data section starts 8-byte aligned */
+    while (!b.oom && (8 + b.len) % 8 != 0) sb_str(&b, " ");   /* data section starts 8-byte aligned */
     ds4_status s = DS4_OK;
     if (b.oom) s = ds4_fail(DS4_ERR_OOM, "%s: out of memory building the header", path);
     else if (b.len > ST_MAX_HEADER) s = ds4_fail(DS4_ERR_ARG, "%s: header of %zu bytes exceeds the 100 MB limit", path, b.len);

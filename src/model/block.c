@@ -252,15 +252,22 @@ static ds4_status u_indexer(const block_ctx *bc, block_acts *a) {
     return compress(bc, a, U_INDEXER, &W->idx_cmp, 4, dI, &a->ica, &a->icz, &a->ipool, &a->i_rstd, &a->iki);
 }
 
+/* The attention kernels return no status: an allocation failing inside one (the failure count moved
+ * since `before`) left a poisoned or empty result, so the unit fails. */
+static ds4_status kernel_status(int64_t before, const char *what) {
+    return ds4_alloc_failures() == before ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in %s", what);
+}
+
 /* Top-k of the indexer scores: [N, index_topk], ties to the lower index. */
 static ds4_status u_indexer_topk(const block_ctx *bc, block_acts *a) {
     if (a->ratio != 4) return DS4_OK;
     UNIT_PROLOGUE;
     const int64_t K = c->index_topk;
     NEED(a->topk = OUT_I32(U_INDEXER_TOPK, N * K));
+    const int64_t oom = ds4_alloc_failures();
     indexer_topk_fwd(a->topk, a->iqi, a->iki, a->iwi, B, T, c->index_n_heads, c->index_head_dim, a->Nc, 4, K,
                      indexer_wscale(c));
-    return DS4_OK;
+    return kernel_status(oom, "indexer top-k");
 }
 
 static const int32_t *attn_selection(const block_ctx *bc, const block_acts *a) {
@@ -274,9 +281,10 @@ static ds4_status u_sparse_attn(const block_ctx *bc, block_acts *a) {
     const int32_t *sel = attn_selection(bc, a);
     NEED(a->o = OUT_F(U_SPARSE_ATTN, N * H * hd));
     NEED(a->lse = OUT_F(U_SPARSE_ATTN, N * H));
+    const int64_t oom = ds4_alloc_failures();
     sparse_attn_fwd(a->o, a->lse, a->q, a->kv, a->kvc, sel, W->attn_sink, B, T, H, hd, c->window, a->ratio, a->Nc,
                     sel ? c->index_topk : 0, attn_scale(c));
-    return DS4_OK;
+    return kernel_status(oom, "sparse attention");
 }
 
 /* Workspace copy of o with the inverse rope at the query position: [N, H, hd]. Cheap to rebuild, so
@@ -588,16 +596,18 @@ static ds4_status need_all(const block_ctx *bc, block_acts *a, uint32_t units) {
 
 /* ================================================================== block forward */
 /* Forward-only pass: the indexer KL cannot wait for backward. */
-static void indexer_kl_forward_only(const block_ctx *bc, block_acts *a, double *kl_sum, int64_t *kl_rows) {
+static ds4_status indexer_kl_forward_only(const block_ctx *bc, block_acts *a, double *kl_sum, int64_t *kl_rows) {
     const ds4_config *c = &bc->m->cfg;
     const int32_t *sel = attn_selection(bc, a);
     double kl = 0;
     int64_t rows = 0;
+    const int64_t oom = ds4_alloc_failures();
     indexer_kl_fwd_bwd(&kl, &rows, NULL, NULL, NULL, a->iqi, a->iki, a->iwi, sel, a->q, a->kvc, a->lse, bc->B,
                        bc->T, c->n_heads, c->head_dim, c->index_n_heads, c->index_head_dim, a->Nc, 4,
                        sel ? c->index_topk : 0, attn_scale(c), indexer_wscale(c), 0.0f);
     *kl_sum += kl;
     *kl_rows += rows;
+    return kernel_status(oom, "the indexer loss");
 }
 
 ds4_status block_fwd(const block_ctx *bc, block_acts *a, const float *X_in, float *X_out, uint32_t release_mask,
@@ -615,7 +625,8 @@ ds4_status block_fwd(const block_ctx *bc, block_acts *a, const float *X_in, floa
         a->present[u] = true;
         if (st != DS4_OK) break;
         if (stats) stats[u].bytes = unit_bytes(a, (unit_id)u);
-        if (u == U_SPARSE_ATTN && a->ratio == 4 && !bc->keep) indexer_kl_forward_only(bc, a, kl_sum, kl_rows);
+        if (u == U_SPARSE_ATTN && a->ratio == 4 && !bc->keep) st = indexer_kl_forward_only(bc, a, kl_sum, kl_rows);
+        if (st != DS4_OK) break;
         if (u == U_ROUTER && expert_load && !ds4_shape_only()) {
             const int64_t E = bc->m->cfg.n_routed_experts;
             for (int64_t e = 0; e < E; e++) expert_load[e] += a->eoff[e + 1] - a->eoff[e];
@@ -873,12 +884,16 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, double *kl_sum
     if (!dqi || !dki || !dwi) st = ds4_fail(DS4_ERR_OOM, "out of memory in indexer backward");
     double kl = 0;
     int64_t got = 0;
+    const int64_t oom = ds4_alloc_failures();
     if (st == DS4_OK) {
         indexer_kl_fwd_bwd(&kl, &got, dqi, dki, dwi, a->iqi, a->iki, a->iwi, sel, a->q, a->kvc, a->lse, B, T,
                            c->n_heads, c->head_dim, HI, dI, Nc, 4, sel ? c->index_topk : 0, attn_scale(c),
                            indexer_wscale(c), gscale);
         *kl_sum += kl;
         *kl_rows += got;
+        st = kernel_status(oom, "indexer backward");
+    }
+    if (st == DS4_OK) {
         linear_bwd(NULL, Gw->idx_weights_proj, dwi, a->xa, W->idx_weights_proj, N, D, HI);
         rope_bwd(dqi, N, HI, dI, T, 1, &m->rope_cmp, false);
         linear_bwd(NULL, Gw->idx_wq_b, dqi, a->qr, W->idx_wq_b, N, QR, HI * dI);
@@ -954,10 +969,11 @@ static ds4_status bwd_run_step(const block_ctx *bc, block_acts *a, block_grads *
     case B_INDEXER: return r == 4 ? indexer_bwd(bc, a, kl_sum, kl_rows) : DS4_OK;
     case B_SPARSE_ATTN: {
         const int32_t *sel = attn_selection(bc, a);
+        const int64_t oom = ds4_alloc_failures();
         sparse_attn_bwd(g->dq, g->dkv, r > 0 ? g->dkvc : NULL, Gw->attn_sink, g->do_, a->o, a->lse, a->q, a->kv,
                         a->kvc, sel, W->attn_sink, B, T, H, hd, c->window, r, a->Nc, sel ? c->index_topk : 0,
                         attn_scale(c));
-        return DS4_OK;
+        return kernel_status(oom, "sparse attention backward");
     }
     case B_COMPRESSOR:
         if (r == 0) return DS4_OK;

@@ -100,8 +100,10 @@ static ds4_status ensure_rope(ds4_model *m, int64_t T) {
     m->rope_len = 0;
     if (!rope_table_init(&m->rope_main, c->rope_head_dim, T, c->rope_theta, 1.0, 0, 0, 0) ||
         !rope_table_init(&m->rope_cmp, c->rope_head_dim, T, c->compress_rope_theta, c->rope_factor,
-                         c->original_seq_len, c->beta_fast, c->beta_slow))
+                         c->original_seq_len, c->beta_fast, c->beta_slow)) {
+        rope_table_free(&m->rope_main); /* no half-built pair stays behind */
         return ds4_fail(DS4_ERR_OOM, "out of memory building rope tables");
+    }
     m->rope_len = T;
     return DS4_OK;
 }

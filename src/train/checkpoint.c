@@ -101,16 +101,15 @@ static ds4_status write_optim(const char *path, const ds4_adamw *o) {
 
 static ds4_status write_state(const char *path, const ds4_ckpt_meta *meta) {
     cJSON *j = cJSON_CreateObject();
-    if (!j) return DS4_ERR_OOM;
     char seed[32];
     snprintf(seed, sizeof seed, "%llu", (unsigned long long)meta->seed);
-    cJSON_AddNumberToObject(j, "step", (double)meta->step);
-    cJSON_AddStringToObject(j, "seed", seed);
-    cJSON_AddStringToObject(j, "data_state", meta->data_state);
-    cJSON_AddStringToObject(j, "format", "ds4-checkpoint-1");
-    char *txt = cJSON_Print(j);
+    /* a key that failed to go in would make a complete-looking state.json without it */
+    bool built = j && cJSON_AddNumberToObject(j, "step", (double)meta->step) &&
+                 cJSON_AddStringToObject(j, "seed", seed) && cJSON_AddStringToObject(j, "data_state", meta->data_state) &&
+                 cJSON_AddStringToObject(j, "format", "ds4-checkpoint-1");
+    char *txt = built ? cJSON_Print(j) : NULL;
     cJSON_Delete(j);
-    if (!txt) return DS4_ERR_OOM;
+    if (!txt) return ds4_fail(DS4_ERR_OOM, "%s: out of memory building the JSON", path);
     ds4_status st = ds4_write_file_atomic(path, txt, strlen(txt));
     free(txt);
     return st;
@@ -140,7 +139,7 @@ ds4_status ds4_checkpoint_save(const char *root, int64_t keep_latest_k, ds4_mode
         st = write_optim(p, o);
     }
     if (st != DS4_OK) {
-        ds4_checkpoint_abort(tmp); /* a full disk leaves no half-written .tmp-step-N behind */
+        ds4_checkpoint_abort(tmp); /* a failed save (full disk, no memory) leaves the checkpoints as they were */
         return st;
     }
     return ds4_checkpoint_commit(root, keep_latest_k, tmp, meta);
@@ -165,8 +164,12 @@ static ds4_status commit_tmp(const char *root, const char *tmp, const ds4_ckpt_m
     char fin[4096], p[4200];
     snprintf(fin, sizeof fin, "%s/step-%08lld", root, (long long)meta->step);
     snprintf(p, sizeof p, "%s/state.json", tmp);
-    DS4_TRY(write_state(p, meta)); /* state.json last: its presence marks a complete set */
-    DS4_TRY(fsync_path(tmp));
+    ds4_status st = write_state(p, meta); /* state.json last: its presence marks a complete set */
+    if (st == DS4_OK) st = fsync_path(tmp);
+    if (st != DS4_OK) {
+        remove_ckpt_dir(tmp); /* a failed save leaves the checkpoints as they were */
+        return st;
+    }
     remove_ckpt_dir(fin); /* re-saving the same step replaces it */
     if (rename(tmp, fin) != 0)
         return ds4_fail(DS4_ERR_IO, "%s: cannot rename to %s: %s", tmp, fin, strerror(errno));
@@ -228,8 +231,10 @@ static ds4_status read_state(const char *path, ds4_ckpt_meta *meta) {
     char *txt;
     size_t len;
     DS4_TRY(ds4_read_file(path, &txt, &len));
+    const int64_t oom = ds4_alloc_failures(); /* cJSON says "invalid" also when it ran out of memory */
     cJSON *j = cJSON_ParseWithLength(txt, len);
     ds4_free(txt);
+    if (!j && ds4_alloc_failures() != oom) return ds4_fail(DS4_ERR_OOM, "%s: out of memory parsing the JSON", path);
     if (!j) return ds4_fail(DS4_ERR_FORMAT, "%s: not valid JSON", path);
     const cJSON *ds = cJSON_GetObjectItemCaseSensitive(j, "data_state");
     const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(j, "format");

@@ -341,24 +341,22 @@ ds4_status ds4_adamw_state_load(ds4_adamw *o, const char *path) {
 double ds4_clip_grad_norm(ds4_model *m, double max_norm) {
     float *g = ds4_model_grads_flat(m);
     int64_t n = ds4_model_numel(m);
-    /* fixed-size chunks summed in order: the same bits for any thread count */
+    /* fixed-size chunks summed in order: the same bits for any thread count. The partial sums of up to
+     * 256 chunks at a time sit on the stack, so the norm allocates nothing and cannot fail. */
     const int64_t chunk = 1 << 16, nchunks = (n + chunk - 1) / chunk;
-    double *part = ds4_calloc(DS4_MEM_WORK, (size_t)(nchunks > 0 ? nchunks : 1) * sizeof(double));
-    if (!part) return NAN;
-    if (ds4_shape_only()) {
-        ds4_free(part);
-        return 0;
-    }
+    if (ds4_shape_only()) return 0;
+    double part[256], total = 0;
+    for (int64_t c0 = 0; c0 < nchunks; c0 += 256) {
+        const int64_t nc = nchunks - c0 < 256 ? nchunks - c0 : 256;
 #pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < nchunks; c++) {
-        double s = 0;
-        int64_t end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
-        for (int64_t i = c * chunk; i < end; i++) s += (double)g[i] * g[i];
-        part[c] = s;
+        for (int64_t k = 0; k < nc; k++) {
+            int64_t c = c0 + k, end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+            double s = 0;
+            for (int64_t i = c * chunk; i < end; i++) s += (double)g[i] * g[i];
+            part[k] = s;
+        }
+        for (int64_t k = 0; k < nc; k++) total += part[k];
     }
-    double total = 0;
-    for (int64_t c = 0; c < nchunks; c++) total += part[c];
-    ds4_free(part);
     double norm = sqrt(total);
     if (max_norm > 0 && norm > max_norm) {
         float s = (float)(max_norm / (norm + 1e-6));
