@@ -166,6 +166,24 @@ static void test_jsonl_keeps_nul(void) {
           "%s", g_err);
 }
 
+/* ---------------------------------------------------------------- ds4 init */
+
+static void test_init_creates_parents(void) {
+    const char *cfg = "tests/configs/tiny-a.json";
+    char out[600];
+    snprintf(out, sizeof out, "%s/a/b/c", g_dir);
+    CHECK(ds4("init --config %s --seed 1 --out %s", cfg, out) == 0, "%s", g_err);
+    char p[700];
+    snprintf(p, sizeof p, "%s/config.json", out);
+    CHECK(access(p, F_OK) == 0, "no %s", p);
+    snprintf(p, sizeof p, "%s/model.safetensors", out);
+    CHECK(access(p, F_OK) == 0, "no %s", p);
+    /* impossible: a parent is a regular file */
+    write_text(tpath("plain"), "x");
+    int rc = ds4("init --config %s --out %s/plain/m", cfg, g_dir);
+    CHECK(rc == 1 && strstr(g_err, "error:") && strstr(g_err, "plain"), "rc %d: %s", rc, g_err);
+}
+
 static int rm_cb(const char *p, const struct stat *sb, int flag, struct FTW *ftwb) {
     (void)sb, (void)flag, (void)ftwb;
     return remove(p);
@@ -180,6 +198,7 @@ int main(int argc, char **argv) {
     if (!mkdtemp(g_dir)) return 1;
     RUN(test_tokenize_failure_keeps_old_shards);
     RUN(test_jsonl_keeps_nul);
+    RUN(test_init_creates_parents);
     if (!getenv("DS4_TEST_KEEP")) nftw(g_dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
     TEST_MAIN_END("test_tools_safety");
 }

@@ -6,14 +6,39 @@
 #include "ds4/offload.h"
 #include "ds4/recompute.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #define NFLAGS(f) ((int)(sizeof(f) / sizeof((f)[0])))
 
 
 /* ------------------------------------------------------------------ ds4 init */
+/* mkdir -p DIR: every missing folder on the way is created; false after a one-line error naming the
+ * folder that could not be made. */
+static bool make_dirs(const char *cmd, const char *dir) {
+    char p[4096];
+    if (snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p) {
+        fprintf(stderr, "error: ds4 %s: --out %.80s...: path too long\n", cmd, dir);
+        return false;
+    }
+    for (char *c = p + 1;; c++) {
+        if (*c != '/' && *c != 0) continue;
+        char keep = *c;
+        *c = 0;
+        struct stat sb;
+        if (mkdir(p, 0755) != 0 && (errno != EEXIST || stat(p, &sb) != 0 || !S_ISDIR(sb.st_mode))) {
+            fprintf(stderr, "error: ds4 %s: --out %s: cannot create the folder %s: %s\n", cmd, dir, p,
+                    errno == EEXIST ? "a file of that name is in the way" : strerror(errno));
+            return false;
+        }
+        *c = keep;
+        if (!keep) return true;
+    }
+}
+
 int cmd_init(int argc, char **argv) {
     cli_flag f[] = {{"config", false, NULL, "CONFIG.json (Hugging Face DeepSeek-V4 keys)"},
                     {"seed", false, NULL, "random seed (default 0)"},
@@ -44,6 +69,10 @@ int cmd_init(int argc, char **argv) {
     if (ds4_config_load(cfgp, &cfg) != DS4_OK) return cli_fail();
     ds4_model *m;
     if (ds4_model_create(&cfg, &m) != DS4_OK) return cli_fail();
+    if (!make_dirs("init", out)) {
+        ds4_model_free(m);
+        return 1;
+    }
     ds4_model_init_random(m, (uint64_t)seed);
     ds4_status st = ds4_model_save(m, out, dt);
     if (st == DS4_OK)
