@@ -184,6 +184,44 @@ static void test_init_creates_parents(void) {
     CHECK(rc == 1 && strstr(g_err, "error:") && strstr(g_err, "plain"), "rc %d: %s", rc, g_err);
 }
 
+/* ---------------------------------------------------------------- FIFOs and directories */
+
+static void test_inputs_must_be_regular(void) {
+    const char *fifo = tpath("fifo.jsonl");
+    CHECK(mkfifo(fifo, 0644) == 0);
+    int rc = ds4("tokenize --input %s --out %s", fifo, tpath("fifo_out"));
+    CHECK(rc == 1 && strstr(g_err, "fifo.jsonl") && strstr(g_err, "not a regular file"), "rc %d: %s", rc, g_err);
+    /* a tokenizer.json that is a FIFO, or a directory named tokenizer.json */
+    write_text(tpath("in.txt"), "some text\n");
+    mkdir(tpath("tokdir"), 0755);
+    CHECK(mkfifo(tpath("tokdir/tokenizer.json"), 0644) == 0);
+    rc = ds4("tokenize --input %s --out %s --tokenizer %s", tpath("in.txt"), tpath("tok_out"), tpath("tokdir"));
+    CHECK(rc == 1 && strstr(g_err, "tokenizer.json") && strstr(g_err, "not a regular file"), "rc %d: %s", rc, g_err);
+    mkdir(tpath("tokdir2"), 0755);
+    mkdir(tpath("tokdir2/tokenizer.json"), 0755);
+    rc = ds4("tokenize --input %s --out %s --tokenizer %s", tpath("in.txt"), tpath("tok_out"), tpath("tokdir2"));
+    CHECK(rc == 1 && strstr(g_err, "tokenizer.json") && strstr(g_err, "not a regular file"), "rc %d: %s", rc, g_err);
+    /* export: a checkpoint whose config.json or tokenizer.json is a FIFO */
+    const char *ck = tpath("fifo_ckpt");
+    CHECK(ds4("init --config tests/configs/tiny-a.json --out %s", ck) == 0, "%s", g_err);
+    char p[700];
+    snprintf(p, sizeof p, "%s/model-2.safetensors", ck);
+    CHECK(mkfifo(p, 0644) == 0);
+    rc = ds4("export --checkpoint %s --out %s --quiet", ck, tpath("fifo_export0"));
+    CHECK(rc == 1 && strstr(g_err, "model-2.safetensors") && strstr(g_err, "not a regular file"), "rc %d: %s", rc, g_err);
+    unlink(p);
+    snprintf(p, sizeof p, "%s/tokenizer.json", ck);
+    CHECK(mkfifo(p, 0644) == 0);
+    rc = ds4("export --checkpoint %s --out %s --quiet", ck, tpath("fifo_export"));
+    CHECK(rc == 1 && strstr(g_err, "tokenizer.json") && strstr(g_err, "not a regular file"), "rc %d: %s", rc, g_err);
+    unlink(p);
+    snprintf(p, sizeof p, "%s/config.json", ck);
+    unlink(p);
+    CHECK(mkfifo(p, 0644) == 0);
+    rc = ds4("export --checkpoint %s --out %s --quiet", ck, tpath("fifo_export2"));
+    CHECK(rc == 1 && strstr(g_err, "config.json") && strstr(g_err, "not a regular file"), "rc %d: %s", rc, g_err);
+}
+
 static int rm_cb(const char *p, const struct stat *sb, int flag, struct FTW *ftwb) {
     (void)sb, (void)flag, (void)ftwb;
     return remove(p);
@@ -199,6 +237,7 @@ int main(int argc, char **argv) {
     RUN(test_tokenize_failure_keeps_old_shards);
     RUN(test_jsonl_keeps_nul);
     RUN(test_init_creates_parents);
+    RUN(test_inputs_must_be_regular);
     if (!getenv("DS4_TEST_KEEP")) nftw(g_dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
     TEST_MAIN_END("test_tools_safety");
 }
