@@ -222,6 +222,43 @@ static void test_inputs_must_be_regular(void) {
     CHECK(rc == 1 && strstr(g_err, "config.json") && strstr(g_err, "not a regular file"), "rc %d: %s", rc, g_err);
 }
 
+/* ---------------------------------------------------------------- debug-state and recompute */
+
+static void test_debug_state_same_file_any_policy(void) {
+    const char *model = tpath("ds_model"), *batch = tpath("ds_batch.safetensors");
+    CHECK(ds4("init --config tests/configs/tiny-a.json --seed 3 --out %s", model) == 0, "%s", g_err);
+    int32_t ids[2 * 40];
+    for (int i = 0; i < 80; i++) ids[i] = (int32_t)((i * 37 + 11) % 256);
+    ds4_st_writer *w;
+    int64_t shape[2] = {2, 40};
+    CHECK(ds4_st_writer_new(&w) == DS4_OK);
+    CHECK(ds4_st_writer_add(w, "input_ids", DS4_I32, 2, shape, ids) == DS4_OK);
+    CHECK(ds4_st_writer_write(w, batch) == DS4_OK, "%s", ds4_errmsg());
+    ds4_st_writer_free(w);
+    const char *base = tpath("ds_off.safetensors");
+    CHECK(ds4("debug-state --model %s --batch %s --out %s --threads 2", model, batch, base) == 0, "%s", g_err);
+    ds4_st_file *f;
+    if (ds4_st_open(base, &f) == DS4_OK) {
+        CHECK(ds4_st_find(f, "indexer_topk.1") && ds4_st_find(f, "indexer_topk.3"), "the top-k of CSA layers 1 and 3");
+        ds4_st_close(f);
+    } else CHECK(0, "%s", ds4_errmsg());
+    const char *policies[] = {
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 4",
+        "--recompute-granularity full --recompute-method block --recompute-num-layers 2",
+        "--recompute-csa-attention --mhc-recompute",
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 4 --swap-layer-input",
+    };
+    for (int i = 0; i < 4; i++) {
+        char out[64];
+        snprintf(out, sizeof out, "ds_policy%d.safetensors", i);
+        CHECK(ds4("debug-state --model %s --batch %s --out %s --threads 2 %s --offload-dir %s", model, batch, tpath(out),
+                  policies[i], g_dir) == 0,
+              "%s", g_err);
+        CHECK(t_files_equal(tpath(out), base), "%s: the file differs from the one without recompute", policies[i]);
+        CHECK(!strstr(g_err, "not written"), "%s: %s", policies[i], g_err);
+    }
+}
+
 static int rm_cb(const char *p, const struct stat *sb, int flag, struct FTW *ftwb) {
     (void)sb, (void)flag, (void)ftwb;
     return remove(p);
@@ -238,6 +275,7 @@ int main(int argc, char **argv) {
     RUN(test_jsonl_keeps_nul);
     RUN(test_init_creates_parents);
     RUN(test_inputs_must_be_regular);
+    RUN(test_debug_state_same_file_any_policy);
     if (!getenv("DS4_TEST_KEEP")) nftw(g_dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
     TEST_MAIN_END("test_tools_safety");
 }

@@ -168,9 +168,9 @@ static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64
     static char names[DS4_MAX_LAYERS][48];
     for (int64_t l = 0; st == DS4_OK && l < c->n_layers; l++) {
         if (ds4_layer_ratio(c, l) != 4) continue;
-        if (!ds4_pass_topk(p, l)) { /* full recompute released it: backward replays it, nothing to write */
-            fprintf(stderr, "note: indexer_topk.%lld not written (released by recompute)\n", (long long)l);
-            continue;
+        if (!ds4_pass_topk(p, l)) { /* the pass keeps it for keep_logits whatever the recompute policy */
+            st = ds4_fail(DS4_ERR_INTERNAL, "debug-state: the pass holds no indexer_topk.%lld", (long long)l);
+            break;
         }
         int32_t *tk = own(o, ds4_alloc(DS4_MEM_OTHER, (size_t)(N * K) * sizeof(int32_t)));
         if (!tk) {
