@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -149,6 +150,18 @@ static ds4_status collect_sources(plan *p) {
 
 /* ---------------------------------------------------------------- plan: outputs */
 
+/* Tensors DeepSeek's checkpoint and Hugging Face keep in F32 whatever the weights' dtype: the mHC
+ * mixing parameters (fn, base, scale of every hyper-connection, the heads' included), the attention
+ * sinks, the compressors' positional bias `ape` and the router bias. They stay F32 (bit-exact) in a
+ * BF16 output: bf16 would move them by up to 4e-3 relative. Matched on the official name. */
+static bool keeps_f32(const char *official) {
+    static const char *k_suffix[] = {"hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+                                     "hc_head_fn", "hc_head_base", "hc_head_scale", ".attn_sink", ".ape", ".ffn.gate.bias"};
+    for (size_t i = 0; i < sizeof k_suffix / sizeof k_suffix[0]; i++)
+        if (ends_with(official, k_suffix[i])) return true;
+    return false;
+}
+
 static int64_t find_output(const plan *p, const char *name, uint64_t *slot) {
     uint64_t mask = (uint64_t)p->cap - 1, h = name_hash(name) & mask;
     for (;; h = (h + 1) & mask) {
@@ -236,7 +249,7 @@ static ds4_status build_outputs(plan *p) {
             o->fused = fused;
             o->home = s->home;
             o->raw = !ds4_tensor_loc_is_float(&s->loc);
-            o->dtype = o->raw ? s->loc.entry->dtype : p->o->dtype;
+            o->dtype = o->raw ? s->loc.entry->dtype : !fused && keeps_f32(s->loc.name) ? DS4_F32 : p->o->dtype;
             o->ndim = s->loc.ndim;
             for (int d = 0; d < o->ndim; d++) o->shape[d] = s->loc.shape[d];
         }
@@ -547,10 +560,40 @@ static ds4_status write_index(const plan *p) {
     return s;
 }
 
-/* The output config.json: the input's without quantization_config; expert_dtype null; torch_dtype
- * the output dtype; its keys in the transformers spelling with HF names, DeepSeek's with official
- * ones (ds4_config_json_respell). Built before any shard is written, so a config the target
- * spelling cannot carry fails the conversion up front. */
+/* swiglu_limit as a JSON float ("10.0", as DeepSeek and transformers write it; cJSON prints 10): an
+ * integral value with ".0", any other with the shortest digits that read back to the same double. */
+static void float_key(cJSON *r, const char *key) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(r, key);
+    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble)) return;
+    double x = v->valuedouble;
+    char buf[40];
+    if (x == floor(x) && fabs(x) < 1e15) snprintf(buf, sizeof buf, "%.1f", x);
+    else
+        for (int digits = 1; digits <= 17; digits++) {
+            snprintf(buf, sizeof buf, "%.*g", digits, x);
+            if (strtod(buf, NULL) == x) break;
+        }
+    cJSON_ReplaceItemInObjectCaseSensitive(r, key, cJSON_CreateRaw(buf));
+}
+
+/* ds4's own keys have no place in a Hugging Face config: the loss weights are training settings (the
+ * TOML's training.* keys set them), and csa_dense changes the model in a way transformers cannot
+ * express, so a model that needs it is not exported under HF names. */
+static ds4_status drop_ds4_keys(cJSON *r, const char *path) {
+    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(r, "csa_dense")))
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "%s: csa_dense = true (every CSA layer attends all compressed entries) has no "
+                        "transformers equivalent; export with --names official", path);
+    cJSON_DeleteItemFromObjectCaseSensitive(r, "mtp_loss_weight");
+    cJSON_DeleteItemFromObjectCaseSensitive(r, "indexer_loss_coeff");
+    cJSON_DeleteItemFromObjectCaseSensitive(r, "csa_dense");
+    return DS4_OK;
+}
+
+/* The output config.json: the input's without quantization_config; expert_dtype null; the output
+ * dtype as `dtype` (the transformers spelling) with HF names, `torch_dtype` with official ones;
+ * swiglu_limit a float; its keys in the transformers spelling with HF names (and no ds4-only keys),
+ * DeepSeek's with official ones (ds4_config_json_respell). Built before any shard is written, so a
+ * config the target spelling cannot carry fails the conversion up front. */
 static ds4_status make_config(const ds4_convert_opts *o, cJSON **out) {
     char in[4096], *text;
     size_t len;
@@ -567,8 +610,11 @@ static ds4_status make_config(const ds4_convert_opts *o, cJSON **out) {
     cJSON_DeleteItemFromObjectCaseSensitive(r, "quantization_config");
     if (cJSON_GetObjectItemCaseSensitive(r, "expert_dtype")) cJSON_ReplaceItemInObjectCaseSensitive(r, "expert_dtype", cJSON_CreateNull());
     cJSON_DeleteItemFromObjectCaseSensitive(r, "torch_dtype");
-    cJSON_AddStringToObject(r, "torch_dtype", o->dtype == DS4_BF16 ? "bfloat16" : "float32");
+    cJSON_DeleteItemFromObjectCaseSensitive(r, "dtype");
+    cJSON_AddStringToObject(r, o->hf_names ? "dtype" : "torch_dtype", o->dtype == DS4_BF16 ? "bfloat16" : "float32");
     ds4_status s = ds4_config_json_respell(r, o->hf_names, in);
+    if (s == DS4_OK && o->hf_names) s = drop_ds4_keys(r, in);
+    float_key(r, "swiglu_limit");
     if (s == DS4_OK) *out = r;
     else cJSON_Delete(r);
     return s;
