@@ -4,7 +4,10 @@
  * A plain text file is one document; a .jsonl line is one document. The validation split is the
  * last --val-fraction of the input bytes: documents that start past that point go to val, and a
  * text file that straddles it is cut at the first newline after it. Documents are encoded in
- * parallel in batches and written in input order, so the shards do not depend on the thread count. */
+ * parallel in batches and written in input order, so the shards do not depend on the thread count.
+ * A JSON "\u0000" in the text is the byte 0 for the tokenizer (as Python's json gives it); a raw NUL
+ * byte in a .jsonl line is an error naming the line. With --overwrite the old shards are replaced only
+ * once the new ones are complete: a run that fails leaves them as they were. */
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/io.h"
@@ -632,7 +635,7 @@ int cmd_tokenize(int argc, char **argv) {
         {"text-key", false, "text", "the JSON field holding the text in .jsonl (default text)"},
         {"threads", false, NULL, "OpenMP threads for encoding (default: all)"},
         {"parse-special", true, NULL, "turn special-token text such as <|end_of_text|> into its id"},
-        {"overwrite", true, NULL, "replace train_*/val_* shards already in --out"},
+        {"overwrite", true, NULL, "replace train_*/val_* shards already in --out (once the new ones are complete)"},
         {"help", true, NULL, "this text"},
     };
     const char *synopsis = "--input FILE|DIR|GLOB --out DIR [--tokenizer byte|PATH] [--shard-tokens N] [--val-fraction F]";
