@@ -201,9 +201,17 @@ static void test_inputs_must_be_regular(void) {
     mkdir(tpath("tokdir2/tokenizer.json"), 0755);
     rc = ds4("tokenize --input %s --out %s --tokenizer %s", tpath("in.txt"), tpath("tok_out"), tpath("tokdir2"));
     CHECK(rc == 1 && strstr(g_err, "tokenizer.json") && strstr(g_err, "not a regular file"), "rc %d: %s", rc, g_err);
+    /* ds4 init --config FIFO */
+    const char *fifo_cfg = tpath("fifo_config.json");
+    CHECK(mkfifo(fifo_cfg, 0644) == 0);
+    rc = ds4("init --config %s --out %s", fifo_cfg, tpath("fifo_init"));
+    CHECK(rc == 1 && strstr(g_err, "fifo_config.json") && strstr(g_err, "not a regular file"), "rc %d: %s", rc, g_err);
     /* export: a checkpoint whose config.json or tokenizer.json is a FIFO */
     const char *ck = tpath("fifo_ckpt");
     CHECK(ds4("init --config tests/configs/tiny-a.json --out %s", ck) == 0, "%s", g_err);
+    /* debug-state --batch FIFO */
+    rc = ds4("debug-state --model %s --batch %s --out %s", ck, fifo, tpath("fifo_state.safetensors"));
+    CHECK(rc == 1 && strstr(g_err, "fifo.jsonl") && strstr(g_err, "not a regular file"), "rc %d: %s", rc, g_err);
     char p[700];
     snprintf(p, sizeof p, "%s/model-2.safetensors", ck);
     CHECK(mkfifo(p, 0644) == 0);
