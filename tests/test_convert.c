@@ -522,8 +522,9 @@ static void test_convert_quantized(void) {
         CHECK(e && e->dtype == DS4_BF16 && memcmp(ds4_st_bytes(f, e), g_q.emb, sizeof g_q.emb) == 0);
         e = ds4_st_find(f, "layers.0.ffn.gate.tid2eid");
         CHECK(e && e->dtype == DS4_I64 && memcmp(ds4_st_bytes(f, e), g_q.tid, sizeof g_q.tid) == 0);
+        /* mHC parameters stay F32, bit for bit, as in DeepSeek's checkpoint */
         e = ds4_st_find(f, "hc_head_base");
-        CHECK(e && e->dtype == DS4_BF16);
+        CHECK(e && e->dtype == DS4_F32 && memcmp(ds4_st_bytes(f, e), g_q.hc, sizeof g_q.hc) == 0);
         ds4_st_close(f);
     }
     /* config.json: quantization_config gone, expert_dtype null, torch_dtype bfloat16; still a valid config */
@@ -545,7 +546,7 @@ static void test_convert_quantized(void) {
           !strcmp(cJSON_GetObjectItemCaseSensitive(wm, "layers.0.ffn.experts.0.w1.weight")->valuestring,
                   "model-00002-of-00002.safetensors"));
     double total = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(c, "metadata"), "total_size")->valuedouble;
-    CHECK(total == (double)(QR * QC * 2 + 16 * 8 * 2 + 4 * 2 + 8 * 8 + NX * 3 * ER * EC * 2), "total_size %g", total);
+    CHECK(total == (double)(QR * QC * 2 + 16 * 8 * 2 + 4 * 4 + 8 * 8 + NX * 3 * ER * EC * 2), "total_size %g", total);
     cJSON_Delete(c);
     CHECK(r.bytes_out == (uint64_t)total);
 
@@ -798,6 +799,17 @@ static void test_hf_scale_inv(void) {
 
 /* ---------------------------------------------------------------- export */
 
+/* The tensors DeepSeek's checkpoint and Hugging Face keep in F32 (official names). */
+static bool is_f32_param(const char *name) {
+    const char *suffix[] = {"_fn", "_base", "_scale", ".attn_sink", ".ape", ".ffn.gate.bias"};
+    for (int i = 0; i < 6; i++) {
+        size_t n = strlen(name), k = strlen(suffix[i]);
+        if (n >= k && !strcmp(name + n - k, suffix[i]) && (i >= 3 || strncmp(name, "hc_", 3) == 0 || strstr(name, ".hc_")))
+            return true;
+    }
+    return false;
+}
+
 static void test_export(void) {
     ds4_config c;
     CHECK(ds4_config_load(find_file("tests/configs/tiny-a.json"), &c) == DS4_OK);
@@ -838,9 +850,13 @@ static void test_export(void) {
         CHECK(ds4_model_create(&c, &m2) == DS4_OK);
         CHECK(ds4_model_load(m2, d) == DS4_OK, "%s", ds4_errmsg());
         int bad = 0;
-        for (int64_t i = 0; i < ds4_model_numel(m); i++)
-            bad += ds4_model_params_flat(m2)[i] != ds4_bf16_to_f32(ds4_f32_to_bf16(ds4_model_params_flat(m)[i]));
-        CHECK(bad == 0, "%d parameters differ from bf16(original)", bad);
+        for (int64_t k = 0; k < ds4_model_nparams(m); k++) {
+            const ds4_param *a = ds4_model_param(m, k), *b = ds4_model_param(m2, k);
+            bool f32 = is_f32_param(a->name);
+            for (int64_t i = 0; !a->is_int && i < a->numel; i++)
+                bad += b->data[i] != (f32 ? a->data[i] : ds4_bf16_to_f32(ds4_f32_to_bf16(a->data[i])));
+        }
+        CHECK(bad == 0, "%d parameters differ from bf16(original) (the mHC, sink, ape and router-bias ones: original)", bad);
         ds4_model_free(m2);
         ds4_model_dir_close(d);
     }
@@ -1105,6 +1121,101 @@ static void test_export_hf_config(void) {
     ds4_model_free(m);
 }
 
+/* ds4 export --names hf --dtype bf16: the mHC fn/base/scale, sinks, compressor ape and router bias
+ * are F32 with ds4's exact bits (under their HF names), the rest BF16; config.json has `dtype`, a
+ * float swiglu_limit and none of ds4's own keys; ds4 loads the export back. */
+static void test_export_hf_keeps_f32(void) {
+    ds4_config c;
+    CHECK(ds4_config_load(find_file("tests/configs/tiny-a.json"), &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *m;
+    if (ds4_model_create(&c, &m) != DS4_OK) return;
+    ds4_model_init_random(m, 29);
+    /* move the parameters init leaves at 0 or 1 off values bf16 holds exactly */
+    int64_t n_f32 = 0;
+    for (int64_t k = 0; k < ds4_model_nparams(m); k++) {
+        ds4_param *p = ds4_model_param(m, k);
+        if (p->is_int || !is_f32_param(p->name)) continue;
+        n_f32++;
+        for (int64_t i = 0; i < p->numel; i++) p->data[i] += 1.0f / 3.0f + 1e-3f * (float)i;
+    }
+    /* 5 blocks x (6 mHC + sink) + 3 compressor ape + 2 indexer ape + 4 router biases + 2 x 3 head mHC */
+    CHECK(n_f32 == 5 * 7 + 3 + 2 + 4 + 6, "%lld F32 tensors", (long long)n_f32);
+    const char *ck = tpath("f32_ckpt"), *hf = tpath("f32_hf");
+    CHECK(ds4_model_save(m, ck, DS4_F32) == DS4_OK, "%s", ds4_errmsg());
+    ds4_convert_opts o = {.in_dir = ck, .out_dir = hf, .dtype = DS4_BF16, .hf_names = true, .model_shards_only = true};
+    ds4_convert_report r;
+    CHECK(ds4_convert(&o, &r) == DS4_OK, "%s", ds4_errmsg());
+    char p[600];
+    snprintf(p, sizeof p, "%s/model.safetensors", hf);
+    ds4_st_file *f;
+    CHECK(ds4_st_open(p, &f) == DS4_OK, "%s", ds4_errmsg());
+    int64_t seen = 0, wrong = 0;
+    for (int64_t k = 0; f && k < ds4_model_nparams(m); k++) {
+        const ds4_param *pr = ds4_model_param(m, k);
+        ds4_hf_ref ref;
+        if (pr->is_int || !ds4_name_to_hf(pr->name, &ref) || ref.expert >= 0) continue;
+        const ds4_st_entry *e = ds4_st_find(f, ref.name);
+        if (!e) continue;
+        if (is_f32_param(pr->name)) {
+            seen++;
+            bool same = e->dtype == DS4_F32 && memcmp(ds4_st_bytes(f, e), pr->data, (size_t)pr->numel * 4) == 0;
+            wrong += !same;
+            if (!same) t_note("  %s (%s): %s", ref.name, pr->name, ds4_dtype_name(e->dtype));
+        } else wrong += e->dtype != DS4_BF16;
+    }
+    CHECK(wrong == 0 && seen == n_f32 - 11, "%lld wrong of %lld F32 tensors (the 11 of MTP keep their names)", (long long)wrong,
+          (long long)seen);
+    const ds4_st_entry *e = f ? ds4_st_find(f, "mtp.0.hc_head_fn") : NULL;
+    CHECK(e && e->dtype == DS4_F32);
+    e = f ? ds4_st_find(f, "model.layers.1.self_attn.compressor.position_bias") : NULL;
+    CHECK(e && e->dtype == DS4_F32);
+    ds4_st_close(f);
+    /* config.json */
+    snprintf(p, sizeof p, "%s/config.json", hf);
+    char *text = NULL;
+    size_t len = 0;
+    CHECK(ds4_read_file(p, &text, &len) == DS4_OK);
+    cJSON *cfg = text ? cJSON_Parse(text) : NULL;
+    const cJSON *dt = cJSON_GetObjectItemCaseSensitive(cfg, "dtype");
+    CHECK(cJSON_IsString(dt) && !strcmp(dt->valuestring, "bfloat16"));
+    const char *gone[] = {"torch_dtype", "mtp_loss_weight", "indexer_loss_coeff", "csa_dense"};
+    for (int i = 0; i < 4; i++) CHECK(!cJSON_GetObjectItemCaseSensitive(cfg, gone[i]), "config.json has %s", gone[i]);
+    CHECK(text && strstr(text, "\"swiglu_limit\":\t10.0"), "swiglu_limit not written as 10.0");
+    cJSON_Delete(cfg);
+    ds4_free(text);
+    /* ds4 loads it back: the F32 tensors exactly, the others as bf16 */
+    ds4_model_dir *d;
+    CHECK(ds4_model_dir_open(hf, &d) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *m2 = NULL;
+    if (d) {
+        CHECK(memcmp(ds4_model_dir_config(d), &c, sizeof c) == 0, "the config reads back differently");
+        CHECK(ds4_model_create(ds4_model_dir_config(d), &m2) == DS4_OK);
+        CHECK(m2 && ds4_model_load(m2, d) == DS4_OK, "%s", ds4_errmsg());
+        ds4_model_dir_close(d);
+    }
+    int64_t bad = 0;
+    for (int64_t k = 0; m2 && k < ds4_model_nparams(m); k++) {
+        const ds4_param *a = ds4_model_param(m, k), *b = ds4_model_param(m2, k);
+        for (int64_t i = 0; !a->is_int && i < a->numel; i++)
+            bad += b->data[i] != (is_f32_param(a->name) ? a->data[i] : ds4_bf16_to_f32(ds4_f32_to_bf16(a->data[i])));
+    }
+    CHECK(bad == 0, "%lld values differ after the round trip", (long long)bad);
+    ds4_model_free(m2);
+    ds4_model_free(m);
+    /* a model that needs csa_dense cannot be exported under HF names */
+    snprintf(p, sizeof p, "%s/config.json", ck);
+    CHECK(ds4_read_file(p, &text, &len) == DS4_OK);
+    cfg = text ? cJSON_Parse(text) : NULL;
+    ds4_free(text);
+    cJSON_ReplaceItemInObjectCaseSensitive(cfg, "csa_dense", cJSON_CreateTrue());
+    text = cJSON_Print(cfg);
+    write_bytes(p, text, strlen(text));
+    cJSON_free(text);
+    cJSON_Delete(cfg);
+    o.out_dir = tpath("f32_hf_dense");
+    CHECK(ds4_convert(&o, &r) == DS4_ERR_UNSUPPORTED && msg_has("csa_dense") && msg_has("config.json"), "%s", ds4_errmsg());
+}
+
 static void test_no_leaks(void) {
     ds4_mem_stats m;
     ds4_mem_get(&m);
@@ -1133,6 +1244,7 @@ int main(void) {
     RUN(test_check);
     RUN(test_corrupt);
     RUN(test_export_hf_config);
+    RUN(test_export_hf_keeps_f32);
     RUN(test_no_leaks);
     if (!getenv("DS4_TEST_KEEP")) nftw(g_dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
     TEST_MAIN_END("test_convert");

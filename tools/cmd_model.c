@@ -6,14 +6,56 @@
 #include "ds4/offload.h"
 #include "ds4/recompute.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #define NFLAGS(f) ((int)(sizeof(f) / sizeof((f)[0])))
 
 
+/* Refuses anything but a regular file before it is read: a FIFO would block forever (the open is
+ * O_NONBLOCK so it cannot wait for a writer), a directory fails obscurely. */
+static ds4_status check_regular(const char *path) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    int rc = fstat(fd, &sb);
+    close(fd);
+    if (rc != 0) return ds4_fail(DS4_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
+    if (!S_ISREG(sb.st_mode))
+        return ds4_fail(DS4_ERR_IO, "%s: not a regular file (%s)", path,
+                        S_ISDIR(sb.st_mode) ? "a directory" : S_ISFIFO(sb.st_mode) ? "a FIFO" : "a special file");
+    return DS4_OK;
+}
+
 /* ------------------------------------------------------------------ ds4 init */
+/* mkdir -p DIR: every missing folder on the way is created; false after a one-line error naming the
+ * folder that could not be made. */
+static bool make_dirs(const char *cmd, const char *dir) {
+    char p[4096];
+    if (snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p) {
+        fprintf(stderr, "error: ds4 %s: --out %.80s...: path too long\n", cmd, dir);
+        return false;
+    }
+    for (char *c = p + 1;; c++) {
+        if (*c != '/' && *c != 0) continue;
+        char keep = *c;
+        *c = 0;
+        struct stat sb;
+        if (mkdir(p, 0755) != 0 && (errno != EEXIST || stat(p, &sb) != 0 || !S_ISDIR(sb.st_mode))) {
+            fprintf(stderr, "error: ds4 %s: --out %s: cannot create the folder %s: %s\n", cmd, dir, p,
+                    errno == EEXIST ? "a file of that name is in the way" : strerror(errno));
+            return false;
+        }
+        *c = keep;
+        if (!keep) return true;
+    }
+}
+
 int cmd_init(int argc, char **argv) {
     cli_flag f[] = {{"config", false, NULL, "CONFIG.json (Hugging Face DeepSeek-V4 keys)"},
                     {"seed", false, NULL, "random seed (default 0)"},
@@ -41,9 +83,13 @@ int cmd_init(int argc, char **argv) {
         return 2;
     }
     ds4_config cfg;
-    if (ds4_config_load(cfgp, &cfg) != DS4_OK) return cli_fail();
+    if (check_regular(cfgp) != DS4_OK || ds4_config_load(cfgp, &cfg) != DS4_OK) return cli_fail();
     ds4_model *m;
     if (ds4_model_create(&cfg, &m) != DS4_OK) return cli_fail();
+    if (!make_dirs("init", out)) {
+        ds4_model_free(m);
+        return 1;
+    }
     ds4_model_init_random(m, (uint64_t)seed);
     ds4_status st = ds4_model_save(m, out, dt);
     if (st == DS4_OK)
@@ -56,6 +102,7 @@ int cmd_init(int argc, char **argv) {
 /* ------------------------------------------------------------------ ds4 debug-state */
 static ds4_status read_batch(const char *path, int32_t **ids, int64_t *B, int64_t *T) {
     ds4_st_file *f;
+    DS4_TRY(check_regular(path));
     DS4_TRY(ds4_st_open(path, &f));
     const ds4_st_entry *e = ds4_st_find(f, "input_ids");
     ds4_status st = DS4_OK;
@@ -139,9 +186,9 @@ static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64
     static char names[DS4_MAX_LAYERS][48];
     for (int64_t l = 0; st == DS4_OK && l < c->n_layers; l++) {
         if (ds4_layer_ratio(c, l) != 4) continue;
-        if (!ds4_pass_topk(p, l)) { /* full recompute released it: backward replays it, nothing to write */
-            fprintf(stderr, "note: indexer_topk.%lld not written (released by recompute)\n", (long long)l);
-            continue;
+        if (!ds4_pass_topk(p, l)) { /* the pass keeps it for keep_logits whatever the recompute policy */
+            st = ds4_fail(DS4_ERR_INTERNAL, "debug-state: the pass holds no indexer_topk.%lld", (long long)l);
+            break;
         }
         int32_t *tk = own(o, ds4_alloc(DS4_MEM_OTHER, (size_t)(N * K) * sizeof(int32_t)));
         if (!tk) {

@@ -4,7 +4,10 @@
  * A plain text file is one document; a .jsonl line is one document. The validation split is the
  * last --val-fraction of the input bytes: documents that start past that point go to val, and a
  * text file that straddles it is cut at the first newline after it. Documents are encoded in
- * parallel in batches and written in input order, so the shards do not depend on the thread count. */
+ * parallel in batches and written in input order, so the shards do not depend on the thread count.
+ * A JSON "\u0000" in the text is the byte 0 for the tokenizer (as Python's json gives it); a raw NUL
+ * byte in a .jsonl line is an error naming the line. With --overwrite the old shards are replaced only
+ * once the new ones are complete: a run that fails leaves them as they were. */
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/io.h"
@@ -14,6 +17,7 @@
 #include <cjson/cJSON.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <glob.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -95,6 +99,8 @@ static int expand_input(const char *pat, file_list *out) {
         if (!rc && out->n == before) return errorf("--input %s: the directory holds no files", pat);
         return rc;
     }
+    if (stat(pat, &sb) == 0) /* a FIFO, socket or device: reading it could block forever */
+        return errorf("--input %s: not a regular file or a directory", pat);
     glob_t g;
     int grc = glob(pat, 0, NULL, &g);
     int rc = 0;
@@ -132,6 +138,9 @@ static void progress_show(progress *p, bool final) {
 
 /* ---------------------------------------------------------------- output shards */
 
+/* Shards are written under a staging name that no shard glob matches ("DIR/.train_000000.bin.new-PID"),
+ * and take their final names only once every input was read and every shard written (commit_shards):
+ * a run that fails half-way leaves the shards already in DIR as they were. */
 typedef struct {
     const char *dir, *prefix;
     const ds4_tokenizer *tok;
@@ -139,6 +148,26 @@ typedef struct {
     ds4_shard_writer *w;
     int64_t n_shards, tokens, docs;
 } split_out;
+
+static void staged_path(const split_out *o, int64_t i, char *buf, size_t n) {
+    snprintf(buf, n, "%s/.%s_%06lld.bin.new-%ld", o->dir, o->prefix, (long long)i, (long)getpid());
+}
+
+static void final_path(const split_out *o, int64_t i, char *buf, size_t n) {
+    snprintf(buf, n, "%s/%s_%06lld.bin", o->dir, o->prefix, (long long)i);
+}
+
+/* After a failure: the staged shards go, the unfinished one is dropped unwritten. */
+static void discard_staged(split_out *o) {
+    ds4_shard_writer_abort(o->w);
+    o->w = NULL;
+    char p[4096];
+    for (int64_t i = 0; i < o->n_shards; i++) {
+        staged_path(o, i, p, sizeof p);
+        unlink(p);
+    }
+    o->n_shards = 0;
+}
 
 static int out_close(split_out *o) {
     if (!o->w) return 0;
@@ -151,7 +180,7 @@ static int out_add(split_out *o, const int32_t *ids, int64_t n) {
     if (n == 0) return 0;
     if (!o->w) {
         char path[4096];
-        snprintf(path, sizeof path, "%s/%s_%06lld.bin", o->dir, o->prefix, (long long)o->n_shards);
+        staged_path(o, o->n_shards, path, sizeof path);
         if (ds4_shard_writer_open(path, ds4_tokenizer_vocab_size(o->tok), ds4_tokenizer_bos(o->tok),
                                   ds4_tokenizer_eos(o->tok), &o->w))
             return cli_fail();
@@ -217,6 +246,45 @@ static int add_doc(batch *b, const char *text, int64_t len, bool val, const ds4_
     return 0;
 }
 
+/* ---------------------------------------------------------------- regular files only */
+
+/* Opens an input for reading, refusing anything but a regular file with a clear error (a FIFO would
+ * block the open or the read forever, a directory fails obscurely). O_NONBLOCK keeps the open of a
+ * FIFO from waiting for a writer; it is cleared before reading. Returns the fd, or -1 after errorf. */
+static int open_regular(const char *path) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return errorf("%s: cannot open: %s", path, strerror(errno)), -1;
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return errorf("%s: not a regular file (%s); --input reads regular files only", path,
+                      S_ISDIR(sb.st_mode) ? "a directory" : S_ISFIFO(sb.st_mode) ? "a FIFO" : "a special file"), -1;
+    }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    return fd;
+}
+
+/* A whole regular file into memory (malloc'ed). */
+static int read_regular(const char *path, char **data, size_t *len) {
+    int fd = open_regular(path);
+    if (fd < 0) return 1;
+    struct stat sb;
+    size_t n = fstat(fd, &sb) == 0 ? (size_t)sb.st_size : 0, got = 0;
+    char *buf = malloc(n ? n : 1);
+    int rc = buf ? 0 : errorf("%s: out of memory reading %zu bytes", path, n);
+    while (!rc && got < n) {
+        ssize_t r = read(fd, buf + got, n - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) rc = errorf("%s: read failed after %zu of %zu bytes: %s", path, got, n, r < 0 ? strerror(errno) : "the file shrank");
+        else got += (size_t)r;
+    }
+    close(fd);
+    if (rc) free(buf);
+    *data = rc ? NULL : buf;
+    *len = rc ? 0 : n;
+    return rc;
+}
+
 /* ---------------------------------------------------------------- readers */
 
 typedef struct {
@@ -233,7 +301,7 @@ typedef struct {
 static int read_text(ctx *c, const char *path, int64_t start) {
     char *text;
     size_t len;
-    if (ds4_read_file(path, &text, &len)) return cli_fail();
+    if (read_regular(path, &text, &len)) return 1;
     int64_t cut = c->boundary - start; /* bytes of this file that belong to train */
     if (cut < 0) cut = 0;
     if (cut > (int64_t)len) cut = (int64_t)len;
@@ -243,17 +311,118 @@ static int read_text(ctx *c, const char *path, int64_t start) {
     }
     int rc = add_doc(c->b, text, cut, false, c->tok, c->special, c->train, c->val, c->pr);
     if (!rc) rc = add_doc(c->b, text + cut, (int64_t)len - cut, true, c->tok, c->special, c->train, c->val, c->pr);
-    ds4_free(text);
+    free(text);
     c->pr->done += (int64_t)len;
     return rc;
 }
 
+/* ---------------------------------------------------------------- JSON strings with their length */
+
+/* cJSON validates a line but hands back NUL-terminated strings, so a "\u0000" in the text would cut
+ * the document there. The field is therefore decoded again here, keeping every byte: the tokenizer
+ * sees U+0000 as the byte 0, as Python's json module and the Hugging Face loaders give it. These
+ * scanners only ever run on a line cJSON has accepted, so they trust its syntax. */
+
+static int hex4(const char *p) {
+    int v = 0;
+    for (int i = 0; i < 4; i++) {
+        char c = p[i];
+        v = 16 * v + (c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c - 'A' + 10);
+    }
+    return v;
+}
+
+/* Code point cp (< 0x110000) as UTF-8 into o: its byte count. */
+static size_t put_utf8(char *o, uint32_t cp) {
+    if (cp < 0x80) {
+        o[0] = (char)cp;
+        return 1;
+    }
+    int n = cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+    static const uint8_t lead[5] = {0, 0, 0xc0, 0xe0, 0xf0};
+    for (int i = n - 1; i > 0; i--, cp >>= 6) o[i] = (char)(0x80 | (cp & 0x3f));
+    o[0] = (char)(lead[n] | cp);
+    return (size_t)n;
+}
+
+/* The JSON string starting at *p (on its opening quote) decoded into out (room for as many bytes as
+ * the raw string has: decoding never grows it); *p moves past the closing quote. Returns the length. */
+static size_t json_string(const char **p, char *out) {
+    const char *s = *p + 1;
+    size_t n = 0;
+    while (*s != '"') {
+        if (*s != '\\') {
+            out[n++] = *s++;
+            continue;
+        }
+        char e = s[1];
+        s += 2;
+        if (e == 'u') {
+            uint32_t cp = (uint32_t)hex4(s);
+            s += 4;
+            if (cp >= 0xd800 && cp < 0xdc00 && s[0] == '\\' && s[1] == 'u') { /* a surrogate pair */
+                cp = 0x10000 + ((cp - 0xd800) << 10) + ((uint32_t)hex4(s + 2) - 0xdc00);
+                s += 6;
+            }
+            n += put_utf8(out + n, cp);
+        } else {
+            out[n++] = e == 'b' ? '\b' : e == 'f' ? '\f' : e == 'n' ? '\n' : e == 'r' ? '\r' : e == 't' ? '\t' : e;
+        }
+    }
+    *p = s + 1;
+    return n;
+}
+
+static const char *skip_space(const char *s) {
+    while (*s == ' ' || *s == '\t' || *s == '\r' || *s == '\n') s++;
+    return s;
+}
+
+/* Past one JSON value (string, number, literal, or a nested object / array). */
+static const char *skip_value(const char *s) {
+    int depth = 0;
+    do {
+        if (*s == '"') {
+            for (s++; *s != '"'; s++)
+                if (*s == '\\') s++;
+            s++;
+        } else if (*s == '{' || *s == '[') depth++, s++;
+        else if (*s == '}' || *s == ']') depth--, s++;
+        else if (depth == 0) {
+            while (*s && *s != ',' && *s != '}' && *s != ']' && *s != ' ' && *s != '\t' && *s != '\r' && *s != '\n') s++;
+        } else s++;
+    } while (depth > 0);
+    return s;
+}
+
+/* The first top-level member `key` of the object in `line` (NUL-terminated, accepted by cJSON)
+ * decoded into buf (as many bytes as the line): its length, or -1 when no member has exactly that
+ * name with a string value. */
+static int64_t json_field(const char *line, const char *key, char *buf) {
+    const size_t klen = strlen(key);
+    const char *s = skip_space(skip_space(line) + 1); /* past '{' */
+    while (*s == '"') {
+        size_t kn = json_string(&s, buf);
+        bool match = kn == klen && memcmp(buf, key, klen) == 0;
+        s = skip_space(skip_space(s) + 1); /* past ':' */
+        if (match) return *s == '"' ? (int64_t)json_string(&s, buf) : -1;
+        s = skip_space(skip_value(s));
+        if (*s == ',') s = skip_space(s + 1);
+    }
+    return -1;
+}
+
 /* A .jsonl file: one JSON object per line, the document in its string field c->key. */
 static int read_jsonl(ctx *c, const char *path, int64_t start) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return errorf("%s: cannot open: %s", path, strerror(errno));
-    char *line = NULL;
-    size_t cap = 0;
+    int fd = open_regular(path);
+    if (fd < 0) return 1;
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return errorf("%s: cannot open: %s", path, strerror(errno));
+    }
+    char *line = NULL, *text = NULL;
+    size_t cap = 0, text_cap = 0;
     ssize_t n;
     int64_t lineno = 0, off = start;
     int rc = 0;
@@ -265,18 +434,31 @@ static int read_jsonl(ctx *c, const char *path, int64_t start) {
         size_t k = 0;
         while (k < (size_t)n && (line[k] == ' ' || line[k] == '\t' || line[k] == '\r' || line[k] == '\n')) k++;
         if (k == (size_t)n) continue; /* blank line */
-        cJSON *j = cJSON_ParseWithLength(line, (size_t)n);
-        const cJSON *t = cJSON_GetObjectItemCaseSensitive(j, c->key);
-        if (!cJSON_IsObject(j) || !cJSON_IsString(t)) {
-            rc = errorf("%s:%lld: expected a JSON object with a string \"%s\"", path, (long long)lineno, c->key);
-        } else {
-            rc = add_doc(c->b, t->valuestring, (int64_t)strlen(t->valuestring), line_start >= c->boundary, c->tok, c->special,
-                         c->train, c->val, c->pr);
+        if (memchr(line, 0, (size_t)n)) {
+            rc = errorf("%s:%lld: a raw NUL byte in the line (JSON writes it as \\u0000 inside a string)", path,
+                        (long long)lineno);
+            break;
         }
+        cJSON *j = cJSON_ParseWithLength(line, (size_t)n);
+        bool ok = cJSON_IsObject(j) && cJSON_IsString(cJSON_GetObjectItemCaseSensitive(j, c->key));
         cJSON_Delete(j);
+        if (ok && (size_t)n + 1 > text_cap) {
+            free(text);
+            if (!(text = malloc(text_cap = (size_t)n + 1))) {
+                rc = errorf("%s:%lld: out of memory decoding a %lld-byte line", path, (long long)lineno, (long long)n);
+                break;
+            }
+        }
+        int64_t len = ok ? json_field(line, c->key, text) : -1;
+        if (len < 0) {
+            rc = errorf("%s:%lld: expected a JSON object with a string \"%s\"", path, (long long)lineno, c->key);
+            break;
+        }
+        rc = add_doc(c->b, text, len, line_start >= c->boundary, c->tok, c->special, c->train, c->val, c->pr);
     }
     if (!rc && ferror(f)) rc = errorf("%s: read error", path);
     free(line);
+    free(text);
     fclose(f);
     return rc;
 }
@@ -297,22 +479,73 @@ static int make_dirs(const char *dir) {
     }
 }
 
-/* Existing shards in the output directory would mix with the new ones under a glob. */
-static int clear_old_shards(const char *dir, bool overwrite) {
+/* DIR/PREFIX_[0-9]*.bin: the shards of one kind already there. */
+static bool glob_shards(const char *dir, const char *prefix, glob_t *g) {
     char pat[4096];
+    snprintf(pat, sizeof pat, "%s/%s_[0-9]*.bin", dir, prefix);
+    return glob(pat, 0, NULL, g) == 0;
+}
+
+/* Existing shards would mix with the new ones under a glob: refused up front without --overwrite
+ * (nothing is removed here; commit_shards replaces them once the new ones are complete). */
+static int refuse_old_shards(const char *dir, bool overwrite) {
     const char *kinds[2] = {"train", "val"};
-    for (int k = 0; k < 2; k++) {
-        snprintf(pat, sizeof pat, "%s/%s_[0-9]*.bin", dir, kinds[k]);
+    for (int k = 0; k < 2 && !overwrite; k++) {
         glob_t g;
-        if (glob(pat, 0, NULL, &g) == 0) {
-            if (!overwrite) {
-                errorf("%s already holds shards (%s); pass --overwrite to replace them", dir, g.gl_pathv[0]);
-                globfree(&g);
-                return 1;
-            }
-            for (size_t i = 0; i < g.gl_pathc; i++) unlink(g.gl_pathv[i]);
+        if (glob_shards(dir, kinds[k], &g)) {
+            errorf("%s already holds shards (%s); pass --overwrite to replace them", dir, g.gl_pathv[0]);
+            globfree(&g);
+            return 1;
         }
         globfree(&g);
+    }
+    return 0;
+}
+
+/* Reads staged shard i back through the loader's checks before it may replace anything. */
+static int verify_staged(const split_out *o, int64_t i) {
+    char p[4096];
+    staged_path(o, i, p, sizeof p);
+    ds4_shard sh;
+    if (ds4_shard_open(p, ds4_tokenizer_vocab_size(o->tok), &sh)) return cli_fail();
+    ds4_shard_close(&sh);
+    return 0;
+}
+
+/* An old shard that no new shard of its kind replaces by name: removed after the renames. */
+static void remove_unreplaced(const split_out *o) {
+    glob_t g;
+    if (glob_shards(o->dir, o->prefix, &g)) {
+        for (size_t k = 0; k < g.gl_pathc; k++) {
+            const char *digits = g.gl_pathv[k] + strlen(o->dir) + 1 + strlen(o->prefix) + 1;
+            long long i = strtoll(digits, NULL, 10);
+            char mine[4096];
+            final_path(o, i, mine, sizeof mine);
+            if (i < 0 || i >= o->n_shards || strcmp(mine, g.gl_pathv[k]) != 0) unlink(g.gl_pathv[k]);
+        }
+    }
+    globfree(&g);
+}
+
+/* Every staged shard checked, then renamed over its final name (train, then val); old shards left
+ * unreplaced are removed last and the directory is synced. On an error the caller discards what is
+ * still staged. */
+static int commit_shards(split_out *const outs[2]) {
+    for (int k = 0; k < 2; k++)
+        for (int64_t i = 0; i < outs[k]->n_shards; i++)
+            if (verify_staged(outs[k], i)) return 1;
+    for (int k = 0; k < 2; k++)
+        for (int64_t i = 0; i < outs[k]->n_shards; i++) {
+            char from[4096], to[4096];
+            staged_path(outs[k], i, from, sizeof from);
+            final_path(outs[k], i, to, sizeof to);
+            if (rename(from, to) != 0) return errorf("%s: cannot rename %s into place: %s", to, from, strerror(errno));
+        }
+    for (int k = 0; k < 2; k++) remove_unreplaced(outs[k]);
+    int fd = open(outs[0]->dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+        fsync(fd); /* the renames are durable; a filesystem that refuses it has still renamed */
+        close(fd);
     }
     return 0;
 }
@@ -336,7 +569,7 @@ static int run(const char *const *inputs, int n_inputs, const char *out_dir, con
     ds4_tokenizer *tok = NULL;
     if (!rc && ds4_tokenizer_open(tok_spec, &tok)) rc = cli_fail();
     if (!rc) rc = make_dirs(out_dir);
-    if (!rc) rc = clear_old_shards(out_dir, overwrite);
+    if (!rc) rc = refuse_old_shards(out_dir, overwrite);
     if (!rc && ds4_tokenizer_eos(tok) < 0)
         fprintf(stderr, "warning: %s has no EOS token: the loader will put nothing between documents\n",
                 ds4_tokenizer_name(tok));
@@ -357,10 +590,14 @@ static int run(const char *const *inputs, int n_inputs, const char *out_dir, con
     if (!rc) rc = flush_batch(&b, tok, special, &train, &val, &pr);
     if (!rc) rc = out_close(&train);
     if (!rc) rc = out_close(&val);
-    ds4_shard_writer_abort(train.w); /* after an error: drop the unfinished shards */
-    ds4_shard_writer_abort(val.w);
     if (!rc && train.tokens + val.tokens == 0) {
         rc = errorf("--input: %lld file(s), %lld bytes, but no text to tokenize", (long long)files.n, (long long)total);
+    }
+    split_out *const outs[2] = {&train, &val};
+    if (!rc) rc = commit_shards(outs);
+    if (rc) { /* the shards already in --out stay as they were */
+        discard_staged(&train);
+        discard_staged(&val);
     }
     if (!rc) {
         progress_show(&pr, true);
@@ -398,7 +635,7 @@ int cmd_tokenize(int argc, char **argv) {
         {"text-key", false, "text", "the JSON field holding the text in .jsonl (default text)"},
         {"threads", false, NULL, "OpenMP threads for encoding (default: all)"},
         {"parse-special", true, NULL, "turn special-token text such as <|end_of_text|> into its id"},
-        {"overwrite", true, NULL, "replace train_*/val_* shards already in --out"},
+        {"overwrite", true, NULL, "replace train_*/val_* shards already in --out (once the new ones are complete)"},
         {"help", true, NULL, "this text"},
     };
     const char *synopsis = "--input FILE|DIR|GLOB --out DIR [--tokenizer byte|PATH] [--shard-tokens N] [--val-fraction F]";

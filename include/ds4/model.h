@@ -139,7 +139,8 @@ typedef struct {
 
 typedef struct {
     bool need_backward;     /* false: forward only (eval); no activations kept beyond use */
-    bool keep_logits;       /* keep logits / mtp_logits for the caller (debug-state) */
+    bool keep_logits;       /* keep logits / mtp_logits, and every CSA layer's top-k even when recompute
+                               releases it, for the caller (debug-state) */
     bool csa_dense;         /* attend all usable compressed entries on CSA layers */
     /* Recompute: per main layer, a bit mask of units (ds4_unit_names order) whose outputs are released
      * after their last forward read and replayed in backward. NULL: keep everything. The policy that

@@ -16,7 +16,9 @@
 #include <cjson/cJSON.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -148,6 +150,18 @@ static ds4_status collect_sources(plan *p) {
 
 /* ---------------------------------------------------------------- plan: outputs */
 
+/* Tensors DeepSeek's checkpoint and Hugging Face keep in F32 whatever the weights' dtype: the mHC
+ * mixing parameters (fn, base, scale of every hyper-connection, the heads' included), the attention
+ * sinks, the compressors' positional bias `ape` and the router bias. They stay F32 (bit-exact) in a
+ * BF16 output: bf16 would move them by up to 4e-3 relative. Matched on the official name. */
+static bool keeps_f32(const char *official) {
+    static const char *k_suffix[] = {"hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+                                     "hc_head_fn", "hc_head_base", "hc_head_scale", ".attn_sink", ".ape", ".ffn.gate.bias"};
+    for (size_t i = 0; i < sizeof k_suffix / sizeof k_suffix[0]; i++)
+        if (ends_with(official, k_suffix[i])) return true;
+    return false;
+}
+
 static int64_t find_output(const plan *p, const char *name, uint64_t *slot) {
     uint64_t mask = (uint64_t)p->cap - 1, h = name_hash(name) & mask;
     for (;; h = (h + 1) & mask) {
@@ -235,7 +249,7 @@ static ds4_status build_outputs(plan *p) {
             o->fused = fused;
             o->home = s->home;
             o->raw = !ds4_tensor_loc_is_float(&s->loc);
-            o->dtype = o->raw ? s->loc.entry->dtype : p->o->dtype;
+            o->dtype = o->raw ? s->loc.entry->dtype : !fused && keeps_f32(s->loc.name) ? DS4_F32 : p->o->dtype;
             o->ndim = s->loc.ndim;
             for (int d = 0; d < o->ndim; d++) o->shape[d] = s->loc.shape[d];
         }
@@ -442,6 +456,21 @@ static bool shard_matches(const char *path, const shard_item *it, int64_t n) {
     return ok;
 }
 
+/* Refuses anything but a regular file before it is read: a FIFO would block the read forever (the
+ * open itself is O_NONBLOCK so it cannot wait for a writer), a directory fails obscurely. */
+static ds4_status check_regular(const char *path) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    int rc = fstat(fd, &sb);
+    close(fd);
+    if (rc != 0) return ds4_fail(DS4_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
+    if (!S_ISREG(sb.st_mode))
+        return ds4_fail(DS4_ERR_IO, "%s: not a regular file (%s)", path,
+                        S_ISDIR(sb.st_mode) ? "a directory" : S_ISFIFO(sb.st_mode) ? "a FIFO" : "a special file");
+    return DS4_OK;
+}
+
 /* ---------------------------------------------------------------- progress file (resume) */
 
 static const char *names_label(const ds4_convert_opts *o) { return o->hf_names ? "hf" : "official"; }
@@ -451,7 +480,7 @@ static cJSON *progress_load(const ds4_convert_opts *o) {
     size_t len;
     snprintf(path, sizeof path, "%s/%s", o->out_dir, PROGRESS_FILE);
     struct stat st;
-    if (stat(path, &st) != 0 || ds4_read_file(path, &text, &len) != DS4_OK) return cJSON_CreateObject();
+    if (stat(path, &st) != 0 || !S_ISREG(st.st_mode) || ds4_read_file(path, &text, &len) != DS4_OK) return cJSON_CreateObject();
     cJSON *r = cJSON_ParseWithLength(text, len);
     ds4_free(text);
     const cJSON *dt = cJSON_GetObjectItemCaseSensitive(r, "dtype"), *nm = cJSON_GetObjectItemCaseSensitive(r, "names");
@@ -531,15 +560,46 @@ static ds4_status write_index(const plan *p) {
     return s;
 }
 
-/* The output config.json: the input's without quantization_config; expert_dtype null; torch_dtype
- * the output dtype; its keys in the transformers spelling with HF names, DeepSeek's with official
- * ones (ds4_config_json_respell). Built before any shard is written, so a config the target
- * spelling cannot carry fails the conversion up front. */
+/* swiglu_limit as a JSON float ("10.0", as DeepSeek and transformers write it; cJSON prints 10): an
+ * integral value with ".0", any other with the shortest digits that read back to the same double. */
+static void float_key(cJSON *r, const char *key) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(r, key);
+    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble)) return;
+    double x = v->valuedouble;
+    char buf[40];
+    if (x == floor(x) && fabs(x) < 1e15) snprintf(buf, sizeof buf, "%.1f", x);
+    else
+        for (int digits = 1; digits <= 17; digits++) {
+            snprintf(buf, sizeof buf, "%.*g", digits, x);
+            if (strtod(buf, NULL) == x) break;
+        }
+    cJSON_ReplaceItemInObjectCaseSensitive(r, key, cJSON_CreateRaw(buf));
+}
+
+/* ds4's own keys have no place in a Hugging Face config: the loss weights are training settings (the
+ * TOML's training.* keys set them), and csa_dense changes the model in a way transformers cannot
+ * express, so a model that needs it is not exported under HF names. */
+static ds4_status drop_ds4_keys(cJSON *r, const char *path) {
+    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(r, "csa_dense")))
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "%s: csa_dense = true (every CSA layer attends all compressed entries) has no "
+                        "transformers equivalent; export with --names official", path);
+    cJSON_DeleteItemFromObjectCaseSensitive(r, "mtp_loss_weight");
+    cJSON_DeleteItemFromObjectCaseSensitive(r, "indexer_loss_coeff");
+    cJSON_DeleteItemFromObjectCaseSensitive(r, "csa_dense");
+    return DS4_OK;
+}
+
+/* The output config.json: the input's without quantization_config; expert_dtype null; the output
+ * dtype as `dtype` (the transformers spelling) with HF names, `torch_dtype` with official ones;
+ * swiglu_limit a float; its keys in the transformers spelling with HF names (and no ds4-only keys),
+ * DeepSeek's with official ones (ds4_config_json_respell). Built before any shard is written, so a
+ * config the target spelling cannot carry fails the conversion up front. */
 static ds4_status make_config(const ds4_convert_opts *o, cJSON **out) {
     char in[4096], *text;
     size_t len;
     *out = NULL;
     snprintf(in, sizeof in, "%s/config.json", o->in_dir);
+    DS4_TRY(check_regular(in));
     DS4_TRY(ds4_read_file(in, &text, &len));
     cJSON *r = cJSON_ParseWithLength(text, len);
     ds4_free(text);
@@ -550,8 +610,11 @@ static ds4_status make_config(const ds4_convert_opts *o, cJSON **out) {
     cJSON_DeleteItemFromObjectCaseSensitive(r, "quantization_config");
     if (cJSON_GetObjectItemCaseSensitive(r, "expert_dtype")) cJSON_ReplaceItemInObjectCaseSensitive(r, "expert_dtype", cJSON_CreateNull());
     cJSON_DeleteItemFromObjectCaseSensitive(r, "torch_dtype");
-    cJSON_AddStringToObject(r, "torch_dtype", o->dtype == DS4_BF16 ? "bfloat16" : "float32");
+    cJSON_DeleteItemFromObjectCaseSensitive(r, "dtype");
+    cJSON_AddStringToObject(r, o->hf_names ? "dtype" : "torch_dtype", o->dtype == DS4_BF16 ? "bfloat16" : "float32");
     ds4_status s = ds4_config_json_respell(r, o->hf_names, in);
+    if (s == DS4_OK && o->hf_names) s = drop_ds4_keys(r, in);
+    float_key(r, "swiglu_limit");
     if (s == DS4_OK) *out = r;
     else cJSON_Delete(r);
     return s;
@@ -573,6 +636,7 @@ static ds4_status copy_side_files(const ds4_convert_opts *o) {
         snprintf(out, sizeof out, "%s/%s", o->out_dir, k_files[i]);
         struct stat st;
         if (stat(in, &st) != 0) continue;
+        DS4_TRY(check_regular(in));
         DS4_TRY(ds4_read_file(in, &data, &len));
         ds4_status s = ds4_write_file_atomic(out, data, len);
         ds4_free(data);
@@ -621,6 +685,11 @@ static ds4_status open_model_shards(const char *dir, ds4_model_dir **d) {
     closedir(dh);
     qsort(names, (size_t)n, sizeof *names, cmp_str);
     if (s == DS4_OK && n == 0) s = ds4_fail(DS4_ERR_MISSING, "%s: no model*.safetensors files", dir);
+    for (int64_t i = 0; s == DS4_OK && i < n; i++) {
+        char p[4096];
+        snprintf(p, sizeof p, "%s/%s", dir, names[i]);
+        s = check_regular(p);
+    }
     if (s == DS4_OK) s = ds4_model_dir_open_shards(dir, (const char *const *)names, n, d);
     for (int64_t i = 0; i < n; i++) ds4_free(names[i]);
     return s;
@@ -629,7 +698,10 @@ static ds4_status open_model_shards(const char *dir, ds4_model_dir **d) {
 static ds4_status open_input(const ds4_convert_opts *o, ds4_model_dir **d) {
     char ip[4096];
     struct stat st;
+    snprintf(ip, sizeof ip, "%s/config.json", o->in_dir);
+    DS4_TRY(check_regular(ip));
     snprintf(ip, sizeof ip, "%s/model.safetensors.index.json", o->in_dir);
+    if (stat(ip, &st) == 0) DS4_TRY(check_regular(ip));
     if (o->model_shards_only && stat(ip, &st) != 0) return open_model_shards(o->in_dir, d);
     return ds4_model_dir_open(o->in_dir, d);
 }

@@ -13,6 +13,8 @@
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <pcre2.h>
 
 #include <stdarg.h>
@@ -20,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #define MAX_STEPS 16
 
@@ -621,6 +624,21 @@ ds4_status ds4_tokenizer_parse(const char *json, size_t len, const char *name, c
     return DS4_OK;
 }
 
+/* Refuses anything but a regular file before it is read: a FIFO would block the read forever (the
+ * open itself is O_NONBLOCK so it cannot wait for a writer), a directory fails obscurely. */
+static ds4_status check_regular(const char *path) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    int rc = fstat(fd, &sb);
+    close(fd);
+    if (rc != 0) return ds4_fail(DS4_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
+    if (!S_ISREG(sb.st_mode))
+        return ds4_fail(DS4_ERR_IO, "%s: not a regular file (%s)", path,
+                        S_ISDIR(sb.st_mode) ? "a directory" : S_ISFIFO(sb.st_mode) ? "a FIFO" : "a special file");
+    return DS4_OK;
+}
+
 ds4_status ds4_tokenizer_load(const char *path, ds4_tokenizer **out) {
     *out = NULL;
     char file[4096], cfg_path[4096];
@@ -632,9 +650,11 @@ ds4_status ds4_tokenizer_load(const char *path, ds4_tokenizer **out) {
     snprintf(cfg_path, sizeof cfg_path, "%.*s%stokenizer_config.json", dir_len, file, slash ? "/" : "");
     char *json, *cfg = NULL;
     size_t len, cfg_len;
+    DS4_TRY(check_regular(file));
     DS4_TRY(ds4_read_file(file, &json, &len));
     if (stat(cfg_path, &sb) == 0) {
-        ds4_status st = ds4_read_file(cfg_path, &cfg, &cfg_len);
+        ds4_status st = check_regular(cfg_path);
+        if (st == DS4_OK) st = ds4_read_file(cfg_path, &cfg, &cfg_len);
         if (st) {
             ds4_free(json);
             return st;

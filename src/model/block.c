@@ -634,6 +634,8 @@ ds4_status block_fwd(const block_ctx *bc, block_acts *a, const float *X_in, floa
         /* release every masked unit whose last forward reader has now run */
         for (int v = 0; v <= u; v++)
             if ((a->release_mask & BIT(v)) && a->present[v] && last_forward_reader((unit_id)v) == (unit_id)u) {
+                if (v == U_INDEXER_TOPK && bc->topk_copy && a->topk && !ds4_shape_only())
+                    memcpy(bc->topk_copy, a->topk, (size_t)(bc->B * bc->T * bc->m->cfg.index_topk) * sizeof(int32_t));
                 unit_release(a, (unit_id)v);
                 if (stats) stats[v].released++;
             }

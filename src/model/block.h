@@ -107,6 +107,7 @@ typedef struct {
     bool keep;          /* keep activations for backward */
     const ds4_ep_ops *ep; /* expert parallelism (NULL: every expert local) */
     bool force_balance; /* route slot k of token t to expert (t·K + k) mod E */
+    int32_t *topk_copy; /* [N, index_topk]: the top-k is copied here before a recompute release (NULL: not kept) */
 } block_ctx;
 
 /* X_out: [N, n, D] from X_in: [N, n, D] (both owned by the caller, X_in kept until backward).

@@ -31,6 +31,7 @@ struct ds4_pass {
     float *m_X0, *m_X1;            /* [N, n, D] MTP block input / output */
     int64_t *expert_load;     /* [n_blocks, E] */
     unit_stats *unit_stats;   /* [n_blocks, U_COUNT] */
+    int32_t *topk_kept[DS4_MAX_LAYERS]; /* keep_logits: [N, index_topk] copies of top-k lists recompute released */
     double kl_sum[DS4_MAX_LAYERS];
     int64_t kl_rows[DS4_MAX_LAYERS];
     ds4_losses losses;
@@ -78,6 +79,7 @@ void ds4_pass_free(ds4_pass *p) {
     ds4_free(p->m_X1);
     ds4_free(p->expert_load);
     ds4_free(p->unit_stats);
+    for (int64_t l = 0; l < c->n_layers; l++) ds4_free(p->topk_kept[l]);
     ds4_free(p);
 }
 
@@ -85,7 +87,8 @@ const ds4_losses *ds4_pass_losses(const ds4_pass *p) { return &p->losses; }
 const float *ds4_pass_logits(const ds4_pass *p) { return p->opts.keep_logits ? p->head.logits : NULL; }
 const float *ds4_pass_mtp_logits(const ds4_pass *p) { return p->opts.keep_logits ? p->mhead.logits : NULL; }
 const int32_t *ds4_pass_topk(const ds4_pass *p, int64_t layer) {
-    return layer >= 0 && layer < p->m->cfg.n_layers ? p->ba[layer].topk : NULL;
+    if (layer < 0 || layer >= p->m->cfg.n_layers) return NULL;
+    return p->ba[layer].topk ? p->ba[layer].topk : p->topk_kept[layer];
 }
 const int64_t *ds4_pass_expert_load(const ds4_pass *p, int64_t layer) {
     return p->expert_load + layer * p->m->cfg.n_routed_experts;
@@ -118,6 +121,20 @@ static block_ctx make_ctx(ds4_pass *p, int64_t layer, const int32_t *ids) {
                        .keep = p->opts.need_backward,
                        .ep = p->opts.hooks ? p->opts.hooks->ep : NULL,
                        .force_balance = p->opts.moe_force_balance};
+}
+
+/* A caller that keeps the logits (debug-state) also gets every CSA layer's top-k, whatever the
+ * recompute policy: when the layer's mask releases it, block_fwd copies it to topk_kept first. */
+static ds4_status keep_released_topk(ds4_pass *p, int64_t l, block_ctx *bc) {
+    const ds4_config *c = &p->m->cfg;
+    const uint32_t *mask = p->opts.release_mask;
+    if (!p->opts.keep_logits || !p->opts.need_backward || !mask || !(mask[l] & (1u << U_INDEXER_TOPK)) ||
+        ds4_layer_ratio(c, l) != 4)
+        return DS4_OK;
+    p->topk_kept[l] = ds4_alloc(DS4_MEM_OTHER, (size_t)(p->N * c->index_topk) * sizeof(int32_t));
+    if (!p->topk_kept[l]) return ds4_fail(DS4_ERR_OOM, "out of memory keeping the top-k of layer %lld", (long long)l);
+    bc->topk_copy = p->topk_kept[l];
+    return DS4_OK;
 }
 
 /* Parallel wrappers (ds4_param_hooks): no hooks means the whole model is resident. */
@@ -416,6 +433,7 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
             break;
         }
         block_ctx bc = make_ctx(p, l, p->ids);
+        if ((st = keep_released_topk(p, l, &bc)) != DS4_OK) break;
         if ((st = gather(p, group_of_layer(l))) != DS4_OK) break;
         st = block_fwd(&bc, &p->ba[l], p->X[l], p->X[l + 1], p->opts.release_mask ? p->opts.release_mask[l] : 0,
                        p->unit_stats + l * U_COUNT, p->expert_load + l * c->n_routed_experts, &p->kl_sum[l],
