@@ -271,14 +271,9 @@ static ds4_st_file *st_new(const char *path) {
 
 ds4_status ds4_st_open(const char *path, ds4_st_file **out) {
     *out = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return ds4_fail(DS4_ERR_IO, "%s: not a regular file", path);
-    }
-    uint64_t size = (uint64_t)st.st_size;
+    int fd;
+    uint64_t size;
+    DS4_TRY(ds4_open_input(path, NULL, &fd, &size));
     if (size < 8) {
         close(fd);
         return ds4_fail(DS4_ERR_FORMAT, "%s: file is %" PRIu64 " bytes, too short for the 8-byte header length", path, size);
