@@ -121,19 +121,21 @@ static ds4_status parse_entry(const ds4_st_file *f, const cJSON *obj, ds4_st_ent
     if (nd > DS4_MAX_DIMS)
         return ds4_fail(DS4_ERR_UNSUPPORTED, "%s: tensor '%s': %d dims, at most %d supported", p, nm, nd, DS4_MAX_DIMS);
     e->ndim = nd;
-    uint64_t numel = 1;
     int d = 0;
     for (const cJSON *c = sh->child; c; c = c->next, d++) {
         uint64_t v;
         if (!json_uint(c, &v))
             return ds4_fail(DS4_ERR_FORMAT, "%s: tensor '%s': shape[%d] is not a non-negative integer below 2^53", p, nm, d);
         e->shape[d] = (int64_t)v;
-        if (__builtin_mul_overflow(numel, v, &numel) || numel > (uint64_t)INT64_MAX)
-            return ds4_fail(DS4_ERR_FORMAT, "%s: tensor '%s': element count overflows", p, nm);
     }
-    uint64_t bytes;
-    if (__builtin_mul_overflow(numel, (uint64_t)ds4_dtype_size(e->dtype), &bytes))
-        return ds4_fail(DS4_ERR_FORMAT, "%s: tensor '%s': byte size overflows", p, nm);
+    /* Zero dims included (a [0, 2^40, 2^40] tensor holds no bytes, but readers take rows x columns of
+     * it): the non-zero dims times 8 bytes, the widest element a reader writes, must fit in 64 bits. */
+    int64_t numel;
+    char b[160];
+    if (!ds4_shape_fits(nd, e->shape, 8, &numel))
+        return ds4_fail(DS4_ERR_FORMAT, "%s: tensor '%s': shape %s is too large: its size overflows (the product of its "
+                        "non-zero dims must stay below 2^60)", p, nm, ds4_dims_str(nd, e->shape, b, sizeof b));
+    uint64_t bytes = (uint64_t)numel * ds4_dtype_size(e->dtype);
     if (!cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2 || !json_uint(off->child, &e->begin) ||
         !json_uint(off->child->next, &e->end))
         return ds4_fail(DS4_ERR_FORMAT, "%s: tensor '%s': \"data_offsets\" must be [begin, end] integers", p, nm);
@@ -387,14 +389,13 @@ static ds4_status writer_push(ds4_st_writer *w, const char *name, ds4_dtype dt, 
     if ((unsigned)dt >= DS4_DTYPE_COUNT) return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': bad dtype %d", name, (int)dt);
     if (ndim < 0 || ndim > DS4_MAX_DIMS)
         return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': %d dims (0..%d allowed)", name, ndim, DS4_MAX_DIMS);
-    uint64_t numel = 1;
-    for (int i = 0; i < ndim; i++) {
-        if (shape[i] < 0 || (double)shape[i] > ST_MAX_INT || __builtin_mul_overflow(numel, (uint64_t)shape[i], &numel))
+    for (int i = 0; i < ndim; i++)
+        if (shape[i] < 0 || (double)shape[i] > ST_MAX_INT)
             return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': bad dim %d = %" PRId64, name, i, shape[i]);
-    }
-    uint64_t bytes;
-    if (__builtin_mul_overflow(numel, (uint64_t)ds4_dtype_size(dt), &bytes))
-        return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': byte size overflows", name);
+    int64_t numel;   /* the bound the reader applies, so every file written reads back */
+    if (!ds4_shape_fits(ndim, shape, 8, &numel))
+        return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': shape too large (byte size overflows)", name);
+    uint64_t bytes = (uint64_t)numel * ds4_dtype_size(dt);
     if (need_data && bytes > 0 && !data) return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': NULL data", name);
     if (w->n == w->cap) {
         int64_t cap = w->cap ? 2 * w->cap : 64;
