@@ -1,10 +1,11 @@
 /* Hostile inputs: every one is refused with a one-line error naming the file, key or flag, and none
- * crashes or hangs.
+ * crashes, hangs or prints raw control bytes.
  *   sizes from input: a [0, 2^40, 2^40] tensor, heads x head_dim past 2^63 (both kept fuzz crashes),
  *     batch x sequence in memplan and ds4 eval, ds4 generate --max-new-tokens near INT64_MAX;
  *   absurd config.json values, each named with its allowed range;
  *   FIFOs (and devices) where a file is expected: config.json, a safetensors file, a shard, an entry
  *     of a model directory or a data glob — refused at once (an alarm fails a test that would hang);
+ *   control bytes in names reach messages and ds4 inspect escaped; non-UTF-8 names are refused.
  * The CLI cases run build/ds4 (next to build/tests/). */
 #include "ds4/data.h"
 #include "ds4/decode.h"
@@ -47,6 +48,12 @@ static const char *repo_file(const char *name) {
 }
 
 static bool msg_has(const char *s) { return strstr(ds4_errmsg(), s) != NULL; }
+
+static bool has_raw_control(const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)s[i] < 0x20 && s[i] != '\n') return true;
+    return false;
+}
 
 /* A test that would block forever fails instead: the alarm reports it and ends the run. */
 static void on_alarm(int sig) {
@@ -307,6 +314,54 @@ static void test_fifo_in_model_dir(void) {
     unlink(p);
 }
 
+/* ---------------------------------------------------------------- names */
+
+static void test_non_utf8_names(void) {
+    static const struct {
+        const char *header, *needle;
+    } bad[] = {
+        {"{\"a\xff\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", "tensor name 'a\\xff' is not valid UTF-8"},
+        {"{\"\xc0\xaf\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", "is not valid UTF-8"},    /* overlong '/' */
+        {"{\"\xed\xa0\x80\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", "is not valid UTF-8"}, /* surrogate */
+        {"{\"__metadata__\":{\"k\xfe\":\"v\"}}", "__metadata__ key 'k\\xfe' is not valid UTF-8"},
+        {"{\"__metadata__\":{\"k\":\"v\x80\"}}", "__metadata__ value 'v\\x80' is not valid UTF-8"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        ds4_st_file *f = NULL;
+        ds4_status s = open_header(bad[i].header, "u.safetensors", &f);
+        CHECK(s == DS4_ERR_FORMAT && f == NULL && msg_has("u.safetensors: ") && msg_has(bad[i].needle), "case %zu: %s: %s", i,
+              ds4_status_name(s), ds4_errmsg());
+        ds4_st_close(f);
+    }
+    /* UTF-8 names are fine */
+    ds4_st_file *f = NULL;
+    CHECK(open_header("{\"caf\xc3\xa9.\xf0\x9f\x98\x80\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", "ok.safetensors",
+                      &f) == DS4_OK,
+          "%s", ds4_errmsg());
+    CHECK(f && ds4_st_find(f, "caf\xc3\xa9.\xf0\x9f\x98\x80") != NULL);
+    ds4_st_close(f);
+    /* and ds4 never writes a name it would refuse to read */
+    ds4_st_writer *w;
+    float x = 1;
+    CHECK(ds4_st_writer_new(&w) == DS4_OK);
+    CHECK(ds4_st_writer_add(w, "bad\xff", DS4_F32, 1, (const int64_t[]){1}, &x) == DS4_ERR_ARG && msg_has("UTF-8"), "%s",
+          ds4_errmsg());
+    ds4_st_writer_free(w);
+}
+
+/* A control character inside a name reaches an error message escaped. */
+static void test_control_bytes_in_messages(void) {
+    ds4_st_file *f = NULL;
+    ds4_status s = open_header("{\"x\\u001b[2J\\u0007\":{\"dtype\":\"Q9\",\"shape\":[1],\"data_offsets\":[0,4]}}", "c.safetensors", &f);
+    CHECK(s == DS4_ERR_FORMAT && msg_has("tensor 'x\\x1b[2J\\x07'") && !has_raw_control(ds4_errmsg(), strlen(ds4_errmsg())),
+          "%s", ds4_errmsg());
+    ds4_st_close(f);
+    ds4_config c;
+    const char *text = "{\"hidden\\u001b]0;pwned\\u0007\": 1}";
+    s = ds4_config_parse(text, strlen(text), "cfg.json", &c);
+    CHECK(s == DS4_ERR_CONFIG && msg_has("unknown key 'hidden\\x1b]0;pwned\\x07'"), "%s", ds4_errmsg());
+}
+
 /* ---------------------------------------------------------------- the CLI */
 
 /* tiny-a saved as a model directory, with a data shard next to it (once). */
@@ -359,6 +414,33 @@ static void test_eval_huge_batch(void) {
     ds4_free(out), ds4_free(err);
 }
 
+/* ds4 inspect lists names from the file escaped, in the listing and in --check's problems. */
+static void test_inspect_escapes_names(void) {
+    char *model = (char *)cli_model(), *out = NULL, *err = NULL;
+    char extra[700];
+    snprintf(extra, sizeof extra, "%s/zz-extra.safetensors", model);
+    ds4_st_writer *w;
+    float x[2] = {1, 2};
+    CHECK(ds4_st_writer_new(&w) == DS4_OK);
+    CHECK(ds4_st_writer_add(w, "evil\x1b[2J\x1b]0;title\x07\xc2\x9b" "1m", DS4_F32, 1, (const int64_t[]){2}, x) == DS4_OK, "%s",
+          ds4_errmsg());
+    CHECK(ds4_st_writer_write(w, extra) == DS4_OK, "%s", ds4_errmsg());
+    ds4_st_writer_free(w);
+    const char *want = "evil\\x1b[2J\\x1b]0;title\\x07\\xc2\\x9b1m";
+    char *list[] = {"ds4", "inspect", extra, NULL};
+    int st = run_ds4(list, &out, &err);
+    CHECK(cli_result_is(st, err, 0, "") && out && strstr(out, want) && !has_raw_control(out, strlen(out)) && !strstr(out, "\xc2\x9b"),
+          "status %d: %s", st, out ? out : "");
+    ds4_free(out), ds4_free(err);
+    char *check[] = {"ds4", "inspect", "--check", model, NULL};
+    st = run_ds4(check, &out, &err);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 1 && out && strstr(out, "extra") && strstr(out, want) &&
+              !has_raw_control(out, strlen(out)),
+          "status %d: %s", st, out ? out : "");
+    ds4_free(out), ds4_free(err);
+    unlink(extra);
+}
+
 /* ---------------------------------------------------------------- main */
 
 static void cleanup(void) {
@@ -381,8 +463,11 @@ int main(int argc, char **argv) {
     RUN_GUARDED(test_config_absurd_values, 20);
     RUN_GUARDED(test_fifo_inputs, 10);
     RUN_GUARDED(test_fifo_in_model_dir, 10);
+    RUN_GUARDED(test_non_utf8_names, 20);
+    RUN_GUARDED(test_control_bytes_in_messages, 20);
     RUN_GUARDED(test_generate_max_new_tokens, 120);
     RUN_GUARDED(test_eval_huge_batch, 120);
+    RUN_GUARDED(test_inspect_escapes_names, 120);
     cleanup();
     TEST_MAIN_END("test_inputs");
 }

@@ -149,6 +149,13 @@ static ds4_status parse_entry(const ds4_st_file *f, const cJSON *obj, ds4_st_ent
     return DS4_OK;
 }
 
+/* Names and keys are UTF-8 (the safetensors format says so); other bytes are refused, not carried
+ * into checkpoints, listings and messages. */
+static ds4_status check_utf8(const char *path, const char *what, const char *text) {
+    if (ds4_utf8_valid(text, strlen(text))) return DS4_OK;
+    return ds4_fail(DS4_ERR_FORMAT, "%s: %s '%.80s' is not valid UTF-8", path, what, text);
+}
+
 static int cmp_begin(const void *a, const void *b, void *ctx) {
     const ds4_st_entry *e = ctx;
     const ds4_st_entry *x = &e[*(const int64_t *)a], *y = &e[*(const int64_t *)b];
@@ -210,15 +217,19 @@ static ds4_status parse_header(ds4_st_file *f, const char *text, size_t len) {
     }
     bool seen_meta = false;
     for (const cJSON *c = root->child; c; c = c->next) {
+        if ((s = check_utf8(p, "tensor name", c->string)) != DS4_OK) goto done;
         if (strcmp(c->string, "__metadata__") == 0) {
             if (seen_meta) { s = ds4_fail(DS4_ERR_FORMAT, "%s: duplicate \"__metadata__\"", p); goto done; }
             seen_meta = true;
             if (!cJSON_IsObject(c)) { s = ds4_fail(DS4_ERR_FORMAT, "%s: \"__metadata__\" is not an object", p); goto done; }
-            for (const cJSON *m = c->child; m; m = m->next)
+            for (const cJSON *m = c->child; m; m = m->next) {
+                if ((s = check_utf8(p, "__metadata__ key", m->string)) != DS4_OK) goto done;
                 if (!cJSON_IsString(m)) {
                     s = ds4_fail(DS4_ERR_FORMAT, "%s: __metadata__ key '%s' is not a string", p, m->string);
                     goto done;
                 }
+                if ((s = check_utf8(p, "__metadata__ value", m->valuestring)) != DS4_OK) goto done;
+            }
             continue;
         }
         ds4_st_entry *e = &f->entries[f->n];
@@ -384,8 +395,9 @@ void ds4_st_writer_free(ds4_st_writer *w) {
 static ds4_status writer_push(ds4_st_writer *w, const char *name, ds4_dtype dt, int ndim, const int64_t *shape,
                               const void *data, bool need_data) {
     if (w->begun) return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s' added after begin", name ? name : "(null)");
-    if (!name || !*name || strcmp(name, "__metadata__") == 0)
-        return ds4_fail(DS4_ERR_ARG, "safetensors writer: bad tensor name '%s'", name ? name : "(null)");
+    if (!name || !*name || strcmp(name, "__metadata__") == 0 || !ds4_utf8_valid(name, strlen(name)))
+        return ds4_fail(DS4_ERR_ARG, "safetensors writer: bad tensor name '%s' (must be non-empty UTF-8, not __metadata__)",
+                        name ? name : "(null)");
     if ((unsigned)dt >= DS4_DTYPE_COUNT) return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': bad dtype %d", name, (int)dt);
     if (ndim < 0 || ndim > DS4_MAX_DIMS)
         return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': %d dims (0..%d allowed)", name, ndim, DS4_MAX_DIMS);
