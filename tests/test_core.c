@@ -94,6 +94,76 @@ static void test_bf16_roundtrip(void) {
     CHECK(!ds4_dtype_from_name("F99", &d));
 }
 
+/* The checked arithmetic every size from input goes through. */
+static void test_checked_sizes(void) {
+    int64_t r = -1;
+    CHECK(ds4_mul_i64(3, 5, &r) && r == 15);
+    CHECK(!ds4_mul_i64((int64_t)1 << 32, (int64_t)1 << 32, &r));
+    CHECK(!ds4_mul_i64(INT64_MIN, -1, &r));
+    CHECK(ds4_add_i64(INT64_MAX - 1, 1, &r) && r == INT64_MAX);
+    CHECK(!ds4_add_i64(INT64_MAX, 1, &r));
+    /* zero dims hold no elements but the other dims still multiply (rows x cols of the shape) */
+    int64_t n = -1;
+    CHECK(ds4_shape_fits(3, (const int64_t[]){2, 3, 4}, 4, &n) && n == 24);
+    CHECK(ds4_shape_fits(3, (const int64_t[]){0, 1 << 20, 1 << 20}, 8, &n) && n == 0);
+    CHECK(!ds4_shape_fits(3, (const int64_t[]){0, (int64_t)1 << 40, (int64_t)1 << 40}, 1, &n));
+    CHECK(!ds4_shape_fits(2, (const int64_t[]){(int64_t)1 << 31, (int64_t)1 << 31}, 4, &n));   /* 2^64 bytes */
+    CHECK(ds4_shape_fits(2, (const int64_t[]){(int64_t)1 << 31, (int64_t)1 << 29}, 4, &n) && n == (int64_t)1 << 60);
+    CHECK(!ds4_shape_fits(2, (const int64_t[]){-1, 2}, 4, &n));
+    CHECK(ds4_shape_fits(0, NULL, 4, &n) && n == 1);
+    /* a tensor whose element count fits but whose byte size does not is refused, not wrapped */
+    ds4_tensor t;
+    CHECK(ds4_tensor_new(&t, DS4_MEM_OTHER, DS4_F32, 2, (const int64_t[]){(int64_t)1 << 31, (int64_t)1 << 31}) == DS4_ERR_ARG);
+    CHECK(strstr(ds4_errmsg(), "overflows") != NULL, "%s", ds4_errmsg());
+}
+
+static void test_utf8_valid(void) {
+    static const struct {
+        const char *s;
+        bool ok;
+    } cases[] = {
+        {"", true}, {"layers.0.attn.wq_a.weight", true}, {"caf\xc3\xa9", true}, {"\xe2\x82\xac", true},
+        {"\xf0\x9f\x98\x80", true}, {"\xf4\x8f\xbf\xbf", true},          /* U+10FFFF */
+        {"\xff", false}, {"\x80", false}, {"a\xc3", false},                    /* stray, continuation, cut short */
+        {"\xc0\xaf", false}, {"\xe0\x80\xaf", false}, {"\xf0\x80\x80\xaf", false}, /* overlong '/' */
+        {"\xed\xa0\x80", false}, {"\xf4\x90\x80\x80", false},              /* surrogate, > U+10FFFF */
+        {"\xc3\x28", false},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        CHECK(ds4_utf8_valid(cases[i].s, strlen(cases[i].s)) == cases[i].ok, "case %zu", i);
+}
+
+static bool has_raw_control(const char *s) {
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++)
+        if (*p < 0x20 || *p == 0x7f) return true;
+    return false;
+}
+
+/* Control bytes from input never reach a terminal raw: every message is stored escaped. */
+static void test_messages_escape_controls(void) {
+    char buf[64];
+    CHECK(strcmp(ds4_escape("a\x1b[2Jb\n\x7f", buf, sizeof buf), "a\\x1b[2Jb\\x0a\\x7f") == 0, "%s", buf);
+    CHECK(strcmp(ds4_escape("caf\xc3\xa9", buf, sizeof buf), "caf\xc3\xa9") == 0);        /* UTF-8 stays */
+    CHECK(strcmp(ds4_escape("\xc2\x9b" "1m\xff", buf, sizeof buf), "\\xc2\\x9b1m\\xff") == 0, "%s", buf); /* C1 CSI, bad byte */
+    CHECK(strcmp(ds4_escape("ab\x01", buf, 6), "ab") == 0);                       /* never half an escape */
+    CHECK(ds4_fail(DS4_ERR_FORMAT, "f: tensor '%s' bad", "x\x1b]0;title\x07y") == DS4_ERR_FORMAT);
+    CHECK(strcmp(ds4_errmsg(), "f: tensor 'x\\x1b]0;title\\x07y' bad") == 0, "%s", ds4_errmsg());
+    CHECK(ds4_fail_prefix(DS4_ERR_FORMAT, "dir\r%s", "\t") == DS4_ERR_FORMAT);
+    CHECK(strcmp(ds4_errmsg(), "dir\\x0d\\x09: f: tensor 'x\\x1b]0;title\\x07y' bad") == 0, "%s", ds4_errmsg());
+    CHECK(!has_raw_control(ds4_errmsg()));
+    /* re-failing with the message itself (an argument in the same buffer) keeps it intact */
+    ds4_fail(DS4_ERR_IO, "one\x1b");
+    ds4_fail(DS4_ERR_IO, "two: %s", ds4_errmsg());
+    CHECK(strcmp(ds4_errmsg(), "two: one\\x1b") == 0, "%s", ds4_errmsg());
+    /* a long message of control bytes is cut at a whole escape and stays terminated */
+    char raw[2000];
+    memset(raw, 0x1b, sizeof raw - 1);
+    raw[sizeof raw - 1] = 0;
+    ds4_fail(DS4_ERR_IO, "%s", raw);
+    size_t n = strlen(ds4_errmsg());
+    CHECK(n > 900 && n < 1024 && n % 4 == 0 && !has_raw_control(ds4_errmsg()), "%zu", n);
+}
+
 int main(void) {
     RUN(test_alloc_counts_exact_bytes);
     RUN(test_peak_tracks_sum);
@@ -101,5 +171,8 @@ int main(void) {
     RUN(test_rng_counter_based);
     RUN(test_status_messages);
     RUN(test_bf16_roundtrip);
+    RUN(test_checked_sizes);
+    RUN(test_utf8_valid);
+    RUN(test_messages_escape_controls);
     TEST_MAIN_END("test_core");
 }

@@ -86,6 +86,16 @@ typedef struct {
     bool stop_at_eos;
 } gen_opts;
 
+/* The prompt and the tokens to generate must fit the model's context, max_position_embeddings (or
+ * DS4_MAX_POSITIONS when the config gives none): the decoder sizes its caches and rope tables by it. */
+static ds4_status check_context(const ds4_config *c, int64_t prompt, int64_t max_new) {
+    const int64_t ctx = c->max_position_embeddings > 0 ? c->max_position_embeddings : DS4_MAX_POSITIONS;
+    if (max_new <= ctx - prompt) return DS4_OK;   /* both sides are small: no overflow */
+    return ds4_fail(DS4_ERR_ARG, "ds4 generate: --max-new-tokens %lld after a prompt of %lld tokens exceeds the model's context of "
+                    "%lld positions (%s)", (long long)max_new, (long long)prompt, (long long)ctx,
+                    c->max_position_embeddings > 0 ? "max_position_embeddings in its config.json" : "ds4's limit");
+}
+
 /* Feeds the prompt, then samples up to max_new tokens, printing each as it comes. */
 static ds4_status generate(ds4_model *m, const ds4_tokenizer *tk, const ds4_tokens *prompt, const gen_opts *g) {
     const int64_t V = ds4_model_config(m)->vocab_size, P = prompt->n;
@@ -161,8 +171,13 @@ int cmd_generate(int argc, char **argv) {
     int64_t seed = 0;
     if ((s = cli_get(f, NFLAGS(f), "seed")) && !cli_int("generate", "seed", s, &seed)) return 2;
     g.sample.seed = (uint64_t)seed;
-    if (g.max_new < 0 || g.sample.temperature < 0 || !(g.sample.top_p > 0 && g.sample.top_p <= 1)) {
-        fprintf(stderr, "error: ds4 generate: need --max-new-tokens >= 0, --temperature >= 0, --top-p in (0, 1]\n");
+    if (g.max_new < 0 || g.max_new > DS4_MAX_POSITIONS) {
+        fprintf(stderr, "error: ds4 generate: --max-new-tokens %lld is out of range [0, %lld]\n", (long long)g.max_new,
+                (long long)DS4_MAX_POSITIONS);
+        return 2;
+    }
+    if (g.sample.temperature < 0 || !(g.sample.top_p > 0 && g.sample.top_p <= 1)) {
+        fprintf(stderr, "error: ds4 generate: need --temperature >= 0, --top-p in (0, 1]\n");
         return 2;
     }
     if (!set_threads("generate", cli_get(f, NFLAGS(f), "threads"))) return 2;
@@ -183,6 +198,7 @@ int cmd_generate(int argc, char **argv) {
             st = ds4_fail(DS4_ERR_ARG, "ds4 generate: prompt token %lld is id %d of tokenizer %s, outside the model's "
                           "vocab_size %lld", (long long)i, ids.ids[i], ds4_tokenizer_name(tk),
                           (long long)ds4_model_config(m)->vocab_size);
+    if (st == DS4_OK) st = check_context(ds4_model_config(m), ids.n, g.max_new);
     if (st == DS4_OK) st = generate(m, tk, &ids, &g);
     ds4_tokens_free(&ids);
     ds4_model_free(m);
@@ -199,8 +215,13 @@ typedef struct {
  * possibly shorter), each row scoring its T − 1 in-row targets. */
 static ds4_status evaluate(ds4_model *m, ds4_dataloader *dl, const eval_opts *e) {
     const int64_t rows = ds4_data_n_rows(dl);
+    /* a batch [min(B, rows), T]: no larger than the data, so --batch cannot size a buffer past it */
+    const int64_t bmax = e->B < rows ? e->B : rows;
+    int64_t n = 0;
     ds4_status st = DS4_OK;
-    int32_t *ids = ds4_alloc(DS4_MEM_OTHER, (size_t)(e->B * e->T) * sizeof(int32_t));
+    if (!ds4_shape_fits(2, (const int64_t[]){bmax, e->T}, sizeof(int32_t), &n))
+        st = ds4_fail(DS4_ERR_ARG, "ds4 eval: a batch of %lld rows x %lld tokens is too large", (long long)bmax, (long long)e->T);
+    int32_t *ids = st == DS4_OK ? ds4_alloc(DS4_MEM_OTHER, (size_t)n * sizeof(int32_t)) : NULL;
     if (st == DS4_OK && !ids) st = ds4_fail(DS4_ERR_OOM, "out of memory for a batch");
     double sum = 0, t0 = ds4_now();
     int64_t tokens = 0, batches = 0;

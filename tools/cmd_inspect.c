@@ -26,13 +26,23 @@ static void print_stats(const ds4_tensor_loc *loc, listing *ls) {
     printf(" %13.6g %13.6g %13.6g %9lld", st.min, st.max, st.mean, (long long)st.nan);
 }
 
+/* Names and details come from the file: printed escaped (ds4_escape), never as raw control bytes.
+ * A copy with room for every byte escaped (free with ds4_free); NULL only when out of memory. */
+static char *escaped(const char *s) {
+    size_t cap = 4 * strlen(s) + 1;
+    char *e = ds4_alloc(DS4_MEM_OTHER, cap);
+    return e ? (char *)ds4_escape(s, e, cap) : NULL;
+}
+
 /* One line per stored tensor. d != NULL: locate across the directory (scales in other shards). */
 static void list_file(const ds4_model_dir *d, const ds4_st_file *f, listing *ls) {
     for (int64_t i = 0; i < ds4_st_count(f); i++) {
         const ds4_st_entry *e = ds4_st_entry_at(f, i);
-        char shape[128];
+        char shape[128], *name = escaped(e->name);
         ds4_dims_str(e->ndim, e->shape, shape, sizeof shape);
-        printf("%-64s %-8s %-20s %12llu", e->name, ds4_dtype_name(e->dtype), shape, (unsigned long long)(e->end - e->begin));
+        printf("%-64s %-8s %-20s %12llu", name ? name : "(out of memory)", ds4_dtype_name(e->dtype), shape,
+               (unsigned long long)(e->end - e->begin));
+        ds4_free(name);
         ls->count++;
         ls->bytes += (int64_t)(e->end - e->begin);
         if (ls->stats) {
@@ -49,7 +59,10 @@ static void list_file(const ds4_model_dir *d, const ds4_st_file *f, listing *ls)
 
 static void on_problem(void *ctx, const char *what, const char *name, const char *detail) {
     (void)ctx;
-    printf("%-8s %s: %s\n", what, name, detail);
+    char *n = escaped(name), *dt = escaped(detail);
+    printf("%-8s %s: %s\n", what, n ? n : "(out of memory)", dt ? dt : "(out of memory)");
+    ds4_free(n);
+    ds4_free(dt);
 }
 
 static int run_check(const ds4_model_dir *d) {

@@ -10,6 +10,9 @@ extern "C" {
 #endif
 
 #define DS4_MAX_LAYERS 256
+/* The longest context ds4 accepts: max_position_embeddings, and a decoder's length when the config
+ * gives none (16M tokens; DeepSeek-V4 has 1M). */
+#define DS4_MAX_POSITIONS ((int64_t)1 << 24)
 
 typedef struct {
     int64_t vocab_size;            /* vocab_size */

@@ -36,11 +36,30 @@ ds4_status ds4_fail_prefix(ds4_status code, const char *fmt, ...) __attribute__(
 const char *ds4_errmsg(void);
 const char *ds4_status_name(ds4_status s);
 
+/* Text that came from input (names in a file, keys, paths) made safe to print: bytes a terminal
+ * could act on (C0 controls, DEL, C1 controls, bytes outside valid UTF-8) become \xNN; valid UTF-8
+ * stays as it is. Writes at most cap - 1 bytes (never half an escape) + NUL into dst; returns dst.
+ * ds4_fail and ds4_fail_prefix pass every message through it. */
+const char *ds4_escape(const char *src, char *dst, size_t cap);
+/* Whether s[0, n) is valid UTF-8 (shortest forms, no surrogates, at most U+10FFFF). */
+bool ds4_utf8_valid(const char *s, size_t n);
+
 #define DS4_TRY(expr)                          \
     do {                                       \
         ds4_status ds4_try_s_ = (expr);        \
         if (ds4_try_s_ != DS4_OK) return ds4_try_s_; \
     } while (0)
+
+/* ---------------------------------------------------------------- checked sizes */
+/* Every size ds4 derives from input (a file's header, a config key, a command-line flag) is computed
+ * with these, so a hostile value is an error instead of a wrapped product. True when the exact result
+ * fits in int64_t (then *out holds it); false on overflow. */
+static inline bool ds4_mul_i64(int64_t a, int64_t b, int64_t *out) { return !__builtin_mul_overflow(a, b, out); }
+static inline bool ds4_add_i64(int64_t a, int64_t b, int64_t *out) { return !__builtin_add_overflow(a, b, out); }
+/* A shape from input: true when no dim is negative and the product of its non-zero dims, times
+ * elem_bytes, fits in int64_t, so any product of a subset of its dims (rows, columns, bytes) does
+ * too, even when a zero dim makes the element count 0. *numel (may be NULL): the element count. */
+bool ds4_shape_fits(int ndim, const int64_t *shape, int64_t elem_bytes, int64_t *numel);
 
 /* ---------------------------------------------------------------- memory */
 /* One allocator, byte-exact accounting of live and peak bytes per category. */

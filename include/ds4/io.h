@@ -89,8 +89,15 @@ ds4_status ds4_model_dir_read_i64(const ds4_model_dir *d, const char *name, int 
 /* ---------------------------------------------------------------- whole files */
 /* Atomic whole-file write (temp in same dir, fsync file, rename, fsync dir). */
 ds4_status ds4_write_file_atomic(const char *path, const void *data, size_t len);
-/* Allocates *data (DS4_MEM_OTHER, free with ds4_free), NUL-terminated; *len excludes the NUL. */
+/* Allocates *data (DS4_MEM_OTHER, free with ds4_free), NUL-terminated; *len excludes the NUL.
+ * Opened with ds4_open_input: a FIFO or device is refused, never waited on. */
 ds4_status ds4_read_file(const char *path, char **data, size_t *len);
+/* The one way ds4 opens a file it reads from input. Opening never blocks: anything but a regular
+ * file (a FIFO, socket, device or directory given where a file is expected) is refused with
+ * "PATH: not a regular file (...)" instead of hanging the open or the first read. `what` (or NULL)
+ * names the file in the "PATH: cannot open WHAT: reason" message. On success *fd is a blocking
+ * O_RDONLY | O_CLOEXEC descriptor (close it) and *size the file's length in bytes. */
+ds4_status ds4_open_input(const char *path, const char *what, int *fd, uint64_t *size);
 
 /* Streaming form of the atomic write, for files too big to build in memory (checkpoints):
  *   ds4_atomic_file af; DS4_TRY(ds4_atomic_open(path, &af));

@@ -7,21 +7,27 @@
 
 static _Thread_local char g_msg[1024];
 
+/* Messages quote names, keys and paths read from input: each is formatted into a local buffer first
+ * (an argument may be ds4_errmsg() itself), then stored with its control bytes escaped (ds4_escape),
+ * so printing a message never hands a terminal an escape sequence from a file. */
 ds4_status ds4_fail(ds4_status code, const char *fmt, ...) {
+    char raw[sizeof g_msg];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(g_msg, sizeof g_msg, fmt, ap);
+    vsnprintf(raw, sizeof raw, fmt, ap);
     va_end(ap);
+    ds4_escape(raw, g_msg, sizeof g_msg);
     return code;
 }
 
 ds4_status ds4_fail_prefix(ds4_status code, const char *fmt, ...) {
-    char prefix[512], old[1024];
+    char raw[512], prefix[512], old[sizeof g_msg];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(prefix, sizeof prefix, fmt, ap);
+    vsnprintf(raw, sizeof raw, fmt, ap);
     va_end(ap);
-    memcpy(old, g_msg, sizeof old);
+    ds4_escape(raw, prefix, sizeof prefix);
+    memcpy(old, g_msg, sizeof old);   /* already escaped */
     size_t k = strlen(prefix);
     if (k > sizeof g_msg - 3) k = sizeof g_msg - 3;
     memcpy(g_msg, prefix, k);

@@ -4,17 +4,32 @@
 #include <stdio.h>
 #include <string.h>
 
+bool ds4_shape_fits(int ndim, const int64_t *shape, int64_t elem_bytes, int64_t *numel) {
+    if (elem_bytes < 1) return false;
+    int64_t nz = elem_bytes, n = 1;   /* nz: product of the non-zero dims and the element size */
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0) return false;
+        if (shape[i] > 0 && !ds4_mul_i64(nz, shape[i], &nz)) return false;
+        n = shape[i] == 0 ? 0 : n * shape[i];   /* <= nz / elem_bytes: cannot overflow */
+    }
+    if (numel) *numel = n;
+    return true;
+}
+
 static ds4_status tensor_alloc(ds4_tensor *t, ds4_mem_cat cat, ds4_dtype dt, int ndim,
                                const int64_t *shape, bool zero) {
     memset(t, 0, sizeof *t);
     if (ndim < 0 || ndim > DS4_MAX_DIMS) return ds4_fail(DS4_ERR_ARG, "tensor rank %d out of range", ndim);
-    int64_t n = 1;
-    for (int i = 0; i < ndim; i++) {
+    if ((unsigned)dt >= DS4_DTYPE_COUNT) return ds4_fail(DS4_ERR_ARG, "tensor dtype %d out of range", (int)dt);
+    int64_t n;
+    for (int i = 0; i < ndim; i++)
         if (shape[i] < 0) return ds4_fail(DS4_ERR_ARG, "negative tensor dimension %lld", (long long)shape[i]);
-        if (shape[i] && n > INT64_MAX / shape[i]) return ds4_fail(DS4_ERR_ARG, "tensor size overflows");
-        n *= shape[i];
-        t->shape[i] = shape[i];
+    if (!ds4_shape_fits(ndim, shape, (int64_t)ds4_dtype_size(dt), &n)) {
+        char b[160];
+        return ds4_fail(DS4_ERR_ARG, "tensor of shape %s and dtype %s: size overflows", ds4_dims_str(ndim, shape, b, sizeof b),
+                        ds4_dtype_name(dt));
     }
+    for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
     t->ndim = ndim;
     t->dtype = dt;
     ds4_storage *st = ds4_alloc(DS4_MEM_OTHER, sizeof *st);

@@ -101,6 +101,54 @@ static const known_key k_keys[] = {
 };
 #define N_KEYS ((int)(sizeof k_keys / sizeof k_keys[0]))
 
+/* The range of every integer setting, checked at load (and by ds4_config_validate) before anything
+ * is derived from it. The bounds are generous — at least 4x the largest DeepSeek-V4 value (V4-Pro,
+ * configs/deepseek-v4-pro.json, in the comments) — and small enough that every size ds4 derives
+ * from them (parameter and activation counts, rope tables, caches) fits in 64 bits, so an absurd
+ * config.json is refused here, naming the key, and never reaches an allocation or a loop.
+ * `hf_key`: the key's transformers spelling, where it differs. */
+typedef struct {
+    const char *key, *hf_key;
+    size_t field;   /* offsetof an int64_t of ds4_config */
+    int64_t min, max;
+} int_range;
+
+#define RANGE(k, f, lo, hi) {k, NULL, offsetof(ds4_config, f), lo, hi}
+static const int_range k_ranges[] = {
+    RANGE("vocab_size", vocab_size, 1, 1 << 24),                    /* 129280 */
+    RANGE("hidden_size", dim, 1, 1 << 16),                          /* 7168 */
+    RANGE("num_hidden_layers", n_layers, 1, DS4_MAX_LAYERS - 1),    /* 61 */
+    RANGE("num_nextn_predict_layers", n_mtp_layers, 0, 1),          /* 1: ds4 trains at most one MTP block */
+    RANGE("num_attention_heads", n_heads, 1, 1024),                 /* 128 */
+    RANGE("head_dim", head_dim, 1, 4096),                           /* 512 */
+    RANGE("q_lora_rank", q_lora_rank, 1, 1 << 16),                  /* 1536 */
+    RANGE("o_groups", o_groups, 1, 1024),                           /* 16 */
+    RANGE("o_lora_rank", o_lora_rank, 1, 1 << 16),                  /* 1024 */
+    RANGE("sliding_window", window, 1, 1 << 16),                    /* 128 */
+    RANGE("index_n_heads", index_n_heads, 1, 1024),                 /* 64 */
+    RANGE("index_head_dim", index_head_dim, 1, 4096),               /* 128 */
+    RANGE("index_topk", index_topk, 1, 1 << 16),                    /* 1024 */
+    RANGE("hc_mult", hc_mult, 1, 16),                               /* 4 */
+    RANGE("hc_sinkhorn_iters", hc_sinkhorn_iters, 1, 100),          /* 20; the backward keeps every iteration on the stack */
+    RANGE("n_routed_experts", n_routed_experts, 1, 2048),           /* 384 */
+    RANGE("n_shared_experts", n_shared_experts, 0, 64),             /* 1 */
+    RANGE("num_experts_per_tok", n_activated_experts, 1, 256),      /* 6 */
+    RANGE("moe_intermediate_size", moe_inter_dim, 1, 1 << 16),      /* 3072 */
+    RANGE("max_position_embeddings", max_position_embeddings, 0, DS4_MAX_POSITIONS), /* 1048576; 0 = not given */
+    {"rope_scaling.original_max_position_embeddings", "rope_parameters.compress.original_max_position_embeddings",
+     offsetof(ds4_config, original_seq_len), 0, DS4_MAX_POSITIONS},                    /* 65536; 0 = no YaRN */
+};
+#undef RANGE
+#define N_RANGES ((int)(sizeof k_ranges / sizeof k_ranges[0]))
+/* compress_ratios entries: 0 (sliding window only) or a ratio in [2, this]; V4 uses 4 and 128. */
+#define MAX_COMPRESS_RATIO (1 << 16)
+
+static const int_range *range_of(const char *key) {
+    for (int i = 0; i < N_RANGES; i++)
+        if (strcmp(k_ranges[i].key, key) == 0) return &k_ranges[i];
+    return NULL;
+}
+
 static const char *kind_name(jkind k) {
     switch (k) {
     case J_INT: return "an integer";
@@ -227,6 +275,16 @@ static ds4_status mixed_spelling(const cJSON *root, int ki, const char *marker, 
                     path, ds, marker, k_keys[ki].alt);
 }
 
+/* A key whose JSON value has the wrong type; an integer setting names its range and the value seen. */
+static ds4_status wrong_kind(const cJSON *c, jkind kind, const char *path) {
+    const int_range *r = kind == J_INT ? range_of(c->string) : NULL;
+    if (!r) return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' must be %s", path, c->string, kind_name(kind));
+    char seen[64] = "";
+    if (cJSON_IsNumber(c)) snprintf(seen, sizeof seen, ", got %.17g", c->valuedouble);
+    return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' must be an integer in [%" PRId64 ", %" PRId64 "]%s", path, c->string, r->min,
+                    r->max, seen);
+}
+
 /* Checks every top-level key: known, of the config's spelling, right JSON type, no duplicates,
  * required ones present. *hf: the config uses the transformers spelling. */
 static ds4_status check_keys(const cJSON *root, const char *path, bool *hf) {
@@ -240,8 +298,7 @@ static ds4_status check_keys(const cJSON *root, const char *path, bool *hf) {
         if (!in_spelling(ki, *hf)) return mixed_spelling(root, ki, marker, path);
         for (const cJSON *d = root->child; d != c; d = d->next)
             if (strcmp(d->string, c->string) == 0) return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' appears twice", path, c->string);
-        if (!kind_ok(c, k_keys[ki].kind))
-            return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' must be %s", path, c->string, kind_name(k_keys[ki].kind));
+        if (!kind_ok(c, k_keys[ki].kind)) return wrong_kind(c, k_keys[ki].kind, path);
     }
     for (int i = 0; i < N_KEYS; i++)
         if (k_keys[i].req && in_spelling(i, *hf) && !get(root, k_keys[i].key))
@@ -331,9 +388,9 @@ static ds4_status parse_hf_layers(const cJSON *root, const char *path, ds4_confi
     if (rate[0] != 4)
         return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_rates.%s' is %" PRId64 ", ds4 runs compressed sparse attention at ratio 4 only",
                         path, k_csa, rate[0]);
-    if (rate[1] < 2 || rate[1] == 4)
-        return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_rates.%s' is %" PRId64 ", must be >= 2 and not 4 (ratio 4 is CSA in ds4)",
-                        path, k_hca, rate[1]);
+    if (rate[1] < 2 || rate[1] == 4 || rate[1] > MAX_COMPRESS_RATIO)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_rates.%s' is %" PRId64 ", must be >= 2 and not 4 (ratio 4 is CSA in ds4), at most %d",
+                        path, k_hca, rate[1], MAX_COMPRESS_RATIO);
     int64_t n = 0;
     for (const cJSON *c = get(root, "layer_types")->child; c; c = c->next, n++) {
         if (n >= DS4_MAX_LAYERS)
@@ -463,6 +520,7 @@ static ds4_status parse_hf_rope(const cJSON *root, const char *path, ds4_config 
 /* ---------------------------------------------------------------- parse */
 
 static ds4_status validate(const ds4_config *c, const char *path, bool hf);
+static ds4_status check_ranges(const ds4_config *c, const char *path, bool hf);
 
 /* The checked JSON object -> cfg (validated). *hf: it was in the transformers spelling. */
 static ds4_status parse_root(const cJSON *root, const char *path, ds4_config *cfg, bool *hf) {
@@ -501,6 +559,7 @@ static ds4_status parse_root(const cJSON *root, const char *path, ds4_config *cf
     cfg->indexer_loss_coeff = get_num(root, "indexer_loss_coeff", 0.01);
     const cJSON *cd = get(root, "csa_dense");
     cfg->csa_dense = cd && cJSON_IsTrue(cd);
+    DS4_TRY(check_ranges(cfg, path, *hf));   /* before any count is derived from them (validate repeats it) */
 
     if (*hf) {
         DS4_TRY(parse_hf_layers(root, path, cfg));
@@ -591,35 +650,25 @@ ds4_status ds4_config_load(const char *path, ds4_config *cfg) {
 /* ---------------------------------------------------------------- validation */
 
 #define BAD(...) return ds4_fail(DS4_ERR_CONFIG, __VA_ARGS__)
-#define NEED_POS(field, key) \
-    if (c->field < 1) BAD("%s: key '%s' is %" PRId64 ", must be >= 1", path, key, c->field)
+
+/* Every integer setting within its range (k_ranges). */
+static ds4_status check_ranges(const ds4_config *c, const char *path, bool hf) {
+    for (int i = 0; i < N_RANGES; i++) {
+        const int_range *r = &k_ranges[i];
+        int64_t v;
+        memcpy(&v, (const char *)c + r->field, sizeof v);
+        if (v < r->min || v > r->max)
+            BAD("%s: key '%s' = %" PRId64 " is out of range [%" PRId64 ", %" PRId64 "]", path, hf && r->hf_key ? r->hf_key : r->key,
+                v, r->min, r->max);
+    }
+    return DS4_OK;
+}
 
 /* hf: name the transformers key where a message would name a DeepSeek-only one. */
 static ds4_status validate(const ds4_config *c, const char *path, bool hf) {
     if (!path) path = "config";
     const char *rk = hf ? "partial_rotary_factor' * 'head_dim" : "qk_rope_head_dim";
-    NEED_POS(vocab_size, "vocab_size");
-    NEED_POS(dim, "hidden_size");
-    NEED_POS(n_layers, "num_hidden_layers");
-    NEED_POS(n_heads, "num_attention_heads");
-    NEED_POS(head_dim, "head_dim");
-    NEED_POS(q_lora_rank, "q_lora_rank");
-    NEED_POS(o_groups, "o_groups");
-    NEED_POS(o_lora_rank, "o_lora_rank");
-    NEED_POS(window, "sliding_window");
-    NEED_POS(index_n_heads, "index_n_heads");
-    NEED_POS(index_head_dim, "index_head_dim");
-    NEED_POS(index_topk, "index_topk");
-    NEED_POS(hc_mult, "hc_mult");
-    NEED_POS(hc_sinkhorn_iters, "hc_sinkhorn_iters");
-    NEED_POS(n_routed_experts, "n_routed_experts");
-    NEED_POS(n_activated_experts, "num_experts_per_tok");
-    NEED_POS(moe_inter_dim, "moe_intermediate_size");
-    if (c->n_mtp_layers < 0 || c->n_mtp_layers > 1)
-        BAD("%s: key 'num_nextn_predict_layers' is %" PRId64 ", must be 0 or 1", path, c->n_mtp_layers);
-    if (c->n_layers + c->n_mtp_layers > DS4_MAX_LAYERS)
-        BAD("%s: num_hidden_layers + num_nextn_predict_layers = %" PRId64 " exceeds %d", path, c->n_layers + c->n_mtp_layers,
-            DS4_MAX_LAYERS);
+    DS4_TRY(check_ranges(c, path, hf));   /* also keeps num_hidden_layers + num_nextn_predict_layers <= DS4_MAX_LAYERS */
     if (c->n_kv_heads != 1)
         BAD("%s: key 'num_key_value_heads' is %" PRId64 ", DeepSeek-V4 has one shared K=V head (must be 1)", path, c->n_kv_heads);
     if (c->rope_head_dim < 2 || c->rope_head_dim % 2 != 0)
@@ -629,17 +678,19 @@ static ds4_status validate(const ds4_config *c, const char *path, bool hf) {
     if (c->rope_head_dim > c->index_head_dim)
         BAD("%s: key '%s' (%" PRId64 ") exceeds index_head_dim (%" PRId64 ")", path, rk, c->rope_head_dim,
             c->index_head_dim);
-    if ((c->n_heads * c->head_dim) % c->o_groups != 0)
-        BAD("%s: key 'o_groups' (%" PRId64 ") does not divide num_attention_heads * head_dim = %" PRId64, path, c->o_groups,
-            c->n_heads * c->head_dim);
+    int64_t q_dim;   /* within range, so the product fits; checked all the same */
+    if (!ds4_mul_i64(c->n_heads, c->head_dim, &q_dim))
+        BAD("%s: num_attention_heads * head_dim overflows", path);
+    if (q_dim % c->o_groups != 0)
+        BAD("%s: key 'o_groups' (%" PRId64 ") does not divide num_attention_heads * head_dim = %" PRId64, path, c->o_groups, q_dim);
     for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers; l++) {
         int64_t r = c->compress_ratios[l];
-        if (r < 0 || r == 1)
-            BAD("%s: key 'compress_ratios' entry %" PRId64 " is %" PRId64 ", must be 0 (window only) or >= 2", path, l, r);
+        if (r < 0 || r == 1 || r > MAX_COMPRESS_RATIO)
+            BAD("%s: key 'compress_ratios' entry %" PRId64 " is %" PRId64 ", must be 0 (window only) or in [2, %d]", path, l, r,
+                MAX_COMPRESS_RATIO);
         if (l >= c->n_layers && r != 0)
             BAD("%s: key 'compress_ratios' entry %" PRId64 " (MTP layer) is %" PRId64 ", must be 0", path, l, r);
     }
-    if (c->n_shared_experts < 0) BAD("%s: key 'n_shared_experts' is %" PRId64 ", must be >= 0", path, c->n_shared_experts);
     if (c->n_activated_experts > c->n_routed_experts)
         BAD("%s: key 'num_experts_per_tok' (%" PRId64 ") exceeds n_routed_experts (%" PRId64 ")", path, c->n_activated_experts,
             c->n_routed_experts);
@@ -655,8 +706,6 @@ static ds4_status validate(const ds4_config *c, const char *path, bool hf) {
     if (!(c->rope_theta > 0) || !isfinite(c->rope_theta)) BAD("%s: key 'rope_theta' is %g, must be finite and > 0", path, c->rope_theta);
     if (!(c->compress_rope_theta > 0) || !isfinite(c->compress_rope_theta))
         BAD("%s: key 'compress_rope_theta' is %g, must be finite and > 0", path, c->compress_rope_theta);
-    if (c->original_seq_len < 0)
-        BAD("%s: key 'rope_scaling.original_max_position_embeddings' is %" PRId64 ", must be >= 0", path, c->original_seq_len);
     if (c->original_seq_len > 0) {
         if (!(c->rope_factor >= 1) || !isfinite(c->rope_factor))
             BAD("%s: key 'rope_scaling.factor' is %g, must be finite and >= 1", path, c->rope_factor);
@@ -664,8 +713,6 @@ static ds4_status validate(const ds4_config *c, const char *path, bool hf) {
             BAD("%s: keys 'rope_scaling.beta_fast' (%g) and 'beta_slow' (%g) must satisfy beta_fast >= beta_slow > 0", path,
                 c->beta_fast, c->beta_slow);
     }
-    if (c->max_position_embeddings < 0)
-        BAD("%s: key 'max_position_embeddings' is %" PRId64 ", must be >= 0", path, c->max_position_embeddings);
     if (c->bos_token_id < 0 || c->bos_token_id >= c->vocab_size)
         BAD("%s: key 'bos_token_id' is %" PRId64 ", must be in [0, vocab_size = %" PRId64 ")", path, c->bos_token_id, c->vocab_size);
     if (c->eos_token_id < 0 || c->eos_token_id >= c->vocab_size)

@@ -18,17 +18,50 @@ static char *dup_str(const char *s) {
     return p;
 }
 
+static const char *file_kind(mode_t m) {
+    return S_ISFIFO(m) ? "a FIFO" : S_ISSOCK(m) ? "a socket" : S_ISCHR(m) ? "a character device" : S_ISBLK(m) ? "a block device"
+           : S_ISDIR(m) ? "a directory" : "not a plain file";
+}
+
+ds4_status ds4_open_input(const char *path, const char *what, int *fd_out, uint64_t *size) {
+    *fd_out = -1;
+    *size = 0;
+    /* O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open%s%s: %s", path, what ? " " : "", what ? what : "", strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        ds4_status s = ds4_fail(DS4_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
+        close(fd);
+        return s;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return ds4_fail(DS4_ERR_IO, "%s: not a regular file (%s)", path, file_kind(st.st_mode));
+    }
+    /* a regular file: reads go back to blocking, as everywhere else */
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+        ds4_status s = ds4_fail(DS4_ERR_IO, "%s: cannot clear O_NONBLOCK: %s", path, strerror(errno));
+        close(fd);
+        return s;
+    }
+    *fd_out = fd;
+    *size = (uint64_t)st.st_size;
+    return DS4_OK;
+}
+
 ds4_status ds4_read_file(const char *path, char **data, size_t *len) {
     *data = NULL;
     *len = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    int fd;
+    uint64_t size;
+    DS4_TRY(ds4_open_input(path, NULL, &fd, &size));
+    if (size >= SIZE_MAX) {
         close(fd);
-        return ds4_fail(DS4_ERR_IO, "%s: not a regular file", path);
+        return ds4_fail(DS4_ERR_IO, "%s: file of %llu bytes is too large to read", path, (unsigned long long)size);
     }
-    size_t n = (size_t)st.st_size;
+    size_t n = (size_t)size;
     char *buf = ds4_alloc(DS4_MEM_OTHER, n + 1);
     if (!buf) {
         close(fd);

@@ -121,19 +121,21 @@ static ds4_status parse_entry(const ds4_st_file *f, const cJSON *obj, ds4_st_ent
     if (nd > DS4_MAX_DIMS)
         return ds4_fail(DS4_ERR_UNSUPPORTED, "%s: tensor '%s': %d dims, at most %d supported", p, nm, nd, DS4_MAX_DIMS);
     e->ndim = nd;
-    uint64_t numel = 1;
     int d = 0;
     for (const cJSON *c = sh->child; c; c = c->next, d++) {
         uint64_t v;
         if (!json_uint(c, &v))
             return ds4_fail(DS4_ERR_FORMAT, "%s: tensor '%s': shape[%d] is not a non-negative integer below 2^53", p, nm, d);
         e->shape[d] = (int64_t)v;
-        if (__builtin_mul_overflow(numel, v, &numel) || numel > (uint64_t)INT64_MAX)
-            return ds4_fail(DS4_ERR_FORMAT, "%s: tensor '%s': element count overflows", p, nm);
     }
-    uint64_t bytes;
-    if (__builtin_mul_overflow(numel, (uint64_t)ds4_dtype_size(e->dtype), &bytes))
-        return ds4_fail(DS4_ERR_FORMAT, "%s: tensor '%s': byte size overflows", p, nm);
+    /* Zero dims included (a [0, 2^40, 2^40] tensor holds no bytes, but readers take rows x columns of
+     * it): the non-zero dims times 8 bytes, the widest element a reader writes, must fit in 64 bits. */
+    int64_t numel;
+    char b[160];
+    if (!ds4_shape_fits(nd, e->shape, 8, &numel))
+        return ds4_fail(DS4_ERR_FORMAT, "%s: tensor '%s': shape %s is too large: its size overflows (the product of its "
+                        "non-zero dims must stay below 2^60)", p, nm, ds4_dims_str(nd, e->shape, b, sizeof b));
+    uint64_t bytes = (uint64_t)numel * ds4_dtype_size(e->dtype);
     if (!cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2 || !json_uint(off->child, &e->begin) ||
         !json_uint(off->child->next, &e->end))
         return ds4_fail(DS4_ERR_FORMAT, "%s: tensor '%s': \"data_offsets\" must be [begin, end] integers", p, nm);
@@ -145,6 +147,13 @@ static ds4_status parse_entry(const ds4_st_file *f, const cJSON *obj, ds4_st_ent
                         e->end - e->begin, ds4_dtype_name(e->dtype), ds4_dims_str(e->ndim, e->shape, (char[128]){0}, 128),
                         bytes);
     return DS4_OK;
+}
+
+/* Names and keys are UTF-8 (the safetensors format says so); other bytes are refused, not carried
+ * into checkpoints, listings and messages. */
+static ds4_status check_utf8(const char *path, const char *what, const char *text) {
+    if (ds4_utf8_valid(text, strlen(text))) return DS4_OK;
+    return ds4_fail(DS4_ERR_FORMAT, "%s: %s '%.80s' is not valid UTF-8", path, what, text);
 }
 
 static int cmp_begin(const void *a, const void *b, void *ctx) {
@@ -210,15 +219,19 @@ static ds4_status parse_header(ds4_st_file *f, const char *text, size_t len) {
     }
     bool seen_meta = false;
     for (const cJSON *c = root->child; c; c = c->next) {
+        if ((s = check_utf8(p, "tensor name", c->string)) != DS4_OK) goto done;
         if (strcmp(c->string, "__metadata__") == 0) {
             if (seen_meta) { s = ds4_fail(DS4_ERR_FORMAT, "%s: duplicate \"__metadata__\"", p); goto done; }
             seen_meta = true;
             if (!cJSON_IsObject(c)) { s = ds4_fail(DS4_ERR_FORMAT, "%s: \"__metadata__\" is not an object", p); goto done; }
-            for (const cJSON *m = c->child; m; m = m->next)
+            for (const cJSON *m = c->child; m; m = m->next) {
+                if ((s = check_utf8(p, "__metadata__ key", m->string)) != DS4_OK) goto done;
                 if (!cJSON_IsString(m)) {
                     s = ds4_fail(DS4_ERR_FORMAT, "%s: __metadata__ key '%s' is not a string", p, m->string);
                     goto done;
                 }
+                if ((s = check_utf8(p, "__metadata__ value", m->valuestring)) != DS4_OK) goto done;
+            }
             continue;
         }
         ds4_st_entry *e = &f->entries[f->n];
@@ -273,14 +286,9 @@ static ds4_st_file *st_new(const char *path) {
 
 ds4_status ds4_st_open(const char *path, ds4_st_file **out) {
     *out = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return ds4_fail(DS4_ERR_IO, "%s: not a regular file", path);
-    }
-    uint64_t size = (uint64_t)st.st_size;
+    int fd;
+    uint64_t size;
+    DS4_TRY(ds4_open_input(path, NULL, &fd, &size));
     if (size < 8) {
         close(fd);
         return ds4_fail(DS4_ERR_FORMAT, "%s: file is %" PRIu64 " bytes, too short for the 8-byte header length", path, size);
@@ -389,19 +397,19 @@ void ds4_st_writer_free(ds4_st_writer *w) {
 static ds4_status writer_push(ds4_st_writer *w, const char *name, ds4_dtype dt, int ndim, const int64_t *shape,
                               const void *data, bool need_data) {
     if (w->begun) return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s' added after begin", name ? name : "(null)");
-    if (!name || !*name || strcmp(name, "__metadata__") == 0)
-        return ds4_fail(DS4_ERR_ARG, "safetensors writer: bad tensor name '%s'", name ? name : "(null)");
+    if (!name || !*name || strcmp(name, "__metadata__") == 0 || !ds4_utf8_valid(name, strlen(name)))
+        return ds4_fail(DS4_ERR_ARG, "safetensors writer: bad tensor name '%s' (must be non-empty UTF-8, not __metadata__)",
+                        name ? name : "(null)");
     if ((unsigned)dt >= DS4_DTYPE_COUNT) return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': bad dtype %d", name, (int)dt);
     if (ndim < 0 || ndim > DS4_MAX_DIMS)
         return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': %d dims (0..%d allowed)", name, ndim, DS4_MAX_DIMS);
-    uint64_t numel = 1;
-    for (int i = 0; i < ndim; i++) {
-        if (shape[i] < 0 || (double)shape[i] > ST_MAX_INT || __builtin_mul_overflow(numel, (uint64_t)shape[i], &numel))
+    for (int i = 0; i < ndim; i++)
+        if (shape[i] < 0 || (double)shape[i] > ST_MAX_INT)
             return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': bad dim %d = %" PRId64, name, i, shape[i]);
-    }
-    uint64_t bytes;
-    if (__builtin_mul_overflow(numel, (uint64_t)ds4_dtype_size(dt), &bytes))
-        return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': byte size overflows", name);
+    int64_t numel;   /* the bound the reader applies, so every file written reads back */
+    if (!ds4_shape_fits(ndim, shape, 8, &numel))
+        return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': shape too large (byte size overflows)", name);
+    uint64_t bytes = (uint64_t)numel * ds4_dtype_size(dt);
     if (need_data && bytes > 0 && !data) return ds4_fail(DS4_ERR_ARG, "safetensors writer: tensor '%s': NULL data", name);
     if (w->n == w->cap) {
         int64_t cap = w->cap ? 2 * w->cap : 64;

@@ -99,14 +99,10 @@ ds4_status ds4_shard_check(const void *data, size_t len, const char *name, int64
 
 ds4_status ds4_shard_open(const char *path, int64_t expect_vocab, ds4_shard *out) {
     memset(out, 0, sizeof *out);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open shard: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return ds4_fail(DS4_ERR_IO, "%s: not a regular file", path);
-    }
-    size_t len = (size_t)st.st_size;
+    int fd;
+    uint64_t size;
+    DS4_TRY(ds4_open_input(path, "shard", &fd, &size));
+    size_t len = (size_t)size;
     if (len < DS4_SHARD_HEADER_BYTES) {
         close(fd);
         return ds4_fail(DS4_ERR_FORMAT, "%s: truncated: %zu bytes, a shard header is %d", path, len, DS4_SHARD_HEADER_BYTES);

@@ -32,10 +32,19 @@ static void scale_name(const char *name, char *buf, size_t n) {
 
 static bool is_plain_float(ds4_dtype t) { return t == DS4_F32 || t == DS4_BF16 || t == DS4_F16; }
 
-static void set_matrix(ds4_tensor_loc *loc) {
+/* rows = shape[0], cols = the product of the other dims. The logical shape comes from a file: it must
+ * fit (zero dims included) with 8 bytes an element, the widest a reader writes (int64 tables), so
+ * rows x cols and every read buffer size are exact. */
+static ds4_status set_matrix(ds4_tensor_loc *loc) {
+    if (!ds4_shape_fits(loc->ndim, loc->shape, 8, NULL)) {
+        char b[160];
+        return ds4_fail(DS4_ERR_SHAPE, "%s: tensor '%s': logical shape %s is too large (its size overflows 64 bits)",
+                        ds4_st_path(loc->file), loc->name, ds4_dims_str(loc->ndim, loc->shape, b, sizeof b));
+    }
     loc->rows = loc->ndim > 0 ? loc->shape[0] : 1;
     loc->cols = 1;
     for (int i = 1; i < loc->ndim; i++) loc->cols *= loc->shape[i];
+    return DS4_OK;
 }
 
 /* Validates a quantized pair (weight we, scale se) and fills the logical shape. */
@@ -61,11 +70,10 @@ static ds4_status quant_pair(const ds4_st_file *wf, const ds4_st_entry *we, cons
     loc->ndim = 2;
     loc->shape[0] = rows;
     loc->shape[1] = cols;
-    set_matrix(loc);
-    return DS4_OK;
+    return set_matrix(loc);
 }
 
-static void loc_init(ds4_tensor_loc *loc, const char *name, const ds4_st_file *f, const ds4_st_entry *e) {
+static ds4_status loc_init(ds4_tensor_loc *loc, const char *name, const ds4_st_file *f, const ds4_st_entry *e) {
     memset(loc, 0, sizeof *loc);
     snprintf(loc->name, sizeof loc->name, "%s", name);
     loc->file = f;
@@ -73,14 +81,14 @@ static void loc_init(ds4_tensor_loc *loc, const char *name, const ds4_st_file *f
     loc->expert = -1;
     loc->ndim = e->ndim;
     for (int i = 0; i < e->ndim; i++) loc->shape[i] = e->shape[i];
-    set_matrix(loc);
+    return set_matrix(loc);
 }
 
 /* A stored tensor; an FP8 / I8 tensor with a scale sibling (official `.scale` or HF
  * `_scale_inv`) found through `find` is a quantized weight. */
 static ds4_status locate_stored(find_fn find, const void *src, const char *name, const ds4_st_file *f,
                                 const ds4_st_entry *e, ds4_tensor_loc *loc) {
-    loc_init(loc, name, f, e);
+    DS4_TRY(loc_init(loc, name, f, e));
     if (e->dtype != DS4_F8_E4M3 && e->dtype != DS4_I8) return DS4_OK;
     char sn[256];
     const ds4_st_entry *se;
@@ -109,12 +117,12 @@ static ds4_status locate_slice(const char *name, const ds4_st_file *f, const ds4
     if (e->ndim != 3 || e->shape[0] <= ref->expert || e->shape[1] % ref->nparts != 0)
         return ds4_fail(DS4_ERR_SHAPE, "%s: fused expert tensor '%s' (holding '%s') has shape %s, expected [E > %" PRId64 ", %d x rows, cols]",
                         ds4_st_path(f), e->name, name, ds4_dims_str(e->ndim, e->shape, b, sizeof b), ref->expert, ref->nparts);
-    loc_init(loc, name, f, e);
+    DS4_TRY(loc_init(loc, name, f, e));
     int64_t R = e->shape[1] / ref->nparts;
     loc->ndim = 2;
     loc->shape[0] = R;
     loc->shape[1] = e->shape[2];
-    set_matrix(loc);
+    DS4_TRY(set_matrix(loc));
     loc->expert = ref->expert;
     loc->row0 = ref->expert * e->shape[1] + ref->part * R;
     return DS4_OK;
@@ -368,7 +376,7 @@ ds4_status ds4_model_dir_read_i64(const ds4_model_dir *d, const char *name, int 
 ds4_status ds4_st_read_dequant(const ds4_st_file *wf, const ds4_st_entry *we, const ds4_st_file *sf,
                                const ds4_st_entry *se, int ndim, const int64_t *shape, float *out) {
     ds4_tensor_loc loc;
-    loc_init(&loc, we->name, wf, we);
+    DS4_TRY(loc_init(&loc, we->name, wf, we));
     if (we->dtype != DS4_F8_E4M3 && we->dtype != DS4_I8)
         return ds4_fail(DS4_ERR_UNSUPPORTED, "%s: tensor '%s' has dtype %s, which has no dequantization (expected F8_E4M3 or I8/FP4)",
                         ds4_st_path(wf), we->name, ds4_dtype_name(we->dtype));

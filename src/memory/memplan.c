@@ -110,9 +110,14 @@ static ds4_status dist_step(const ds4_config *c, int64_t B, int64_t T, const ds4
 static ds4_status measure(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *so, bool shape_only,
                           const dist_args *d, ds4_step_memory *out) {
     memset(out, 0, sizeof *out);
-    /* token ids are metadata-sized and real in both modes (the forward validates them) */
-    int32_t *ids = ds4_calloc(DS4_MEM_OTHER, (size_t)(B * T) * sizeof(int32_t));
-    if (!ids) return ds4_fail(DS4_ERR_OOM, "memplan: out of memory for %lld token ids", (long long)(B * T));
+    /* token ids [B, T] are metadata-sized and real in both modes (the forward validates them); B and T
+     * come from flags, so their product is checked before it sizes anything */
+    int64_t n;
+    if (B < 1 || T < 1 || !ds4_shape_fits(2, (const int64_t[]){B, T}, sizeof(int32_t), &n))
+        return ds4_fail(DS4_ERR_ARG, "memplan: batch %lld x sequence %lld tokens: need both >= 1 and a product that fits",
+                        (long long)B, (long long)T);
+    int32_t *ids = ds4_calloc(DS4_MEM_OTHER, (size_t)n * sizeof(int32_t));
+    if (!ids) return ds4_fail(DS4_ERR_OOM, "memplan: out of memory for %lld token ids", (long long)n);
     double t0 = ds4_now();
     ds4_mem_stats s0, s1, end = {0};
     ds4_mem_reset_peak();

@@ -46,6 +46,10 @@ bool rope_table_init(ds4_rope *r, int64_t rd, int64_t max_pos, double base, doub
                  (long long)max_pos);
         return false;
     }
+    if (!ds4_shape_fits(2, (const int64_t[]){max_pos, half}, sizeof(float), NULL)) { /* a length from a caller's input */
+        ds4_fail(DS4_ERR_ARG, "rope_table_init: %lld positions x %lld frequencies overflow", (long long)max_pos, (long long)half);
+        return false;
+    }
     double *theta = ds4_alloc(DS4_MEM_OTHER, (size_t)half * sizeof(double)); /* real even in shape-only mode */
     r->cos = ds4_alloc(DS4_MEM_OTHER, (size_t)(max_pos * half) * sizeof(float));
     r->sin = ds4_alloc(DS4_MEM_OTHER, (size_t)(max_pos * half) * sizeof(float));
