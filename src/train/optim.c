@@ -5,6 +5,7 @@
 #include "ds4/offload.h"
 
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -160,10 +161,8 @@ static adamw_k adamw_consts(int64_t step, const ds4_adamw_cfg *c, double lr) {
 }
 
 /* The update of n trained elements of one rule. The resident and the swapped step both run exactly
- * this per element, so their bits agree whatever the chunking. */
+ * this per element, so their bits agree whatever the chunking and the split over threads. */
 static void adamw_update(const adamw_k *k, int64_t n, float *m, float *v, bool decay, float *w, const float *g) {
-    /* small runs go on one thread: a parallel region per few KiB costs more than it saves */
-#pragma omp parallel for schedule(static) if (n >= 1 << 15)
     for (int64_t i = 0; i < n; i++) {
         float gi = g[i];
         m[i] = k->b1 * m[i] + (1.0f - k->b1) * gi;
@@ -185,13 +184,25 @@ static int64_t run_at(const ds4_adamw *o, int64_t i) {
     return lo;
 }
 
-/* Elements [i0, i0 + n), each under the rule of its run; m, v, w, g point at element i0. */
+/* Elements [a, b) of a span that starts at element i0 (m, v, w, g point at i0), each under the rule of
+ * its run. */
+static void update_part(const ds4_adamw *o, const adamw_k *k, int64_t i0, int64_t a, int64_t b, float *m, float *v,
+                        float *w, const float *g) {
+    for (int64_t r = a < b ? run_at(o, a) : o->nranges; r < o->nranges && o->ranges[r].off < b; r++) {
+        const ds4_adamw_range *q = &o->ranges[r];
+        const int64_t x = q->off > a ? q->off : a, y = q->off + q->n < b ? q->off + q->n : b;
+        if (!q->frozen) adamw_update(k, y - x, m + (x - i0), v + (x - i0), q->decay, w + (x - i0), g + (x - i0));
+    }
+}
+
+/* Elements [i0, i0 + n): one parallel region, each thread an equal share walking the runs it meets
+ * (small spans on one thread: a parallel region per few KiB costs more than it saves). */
 static void update_span(const ds4_adamw *o, const adamw_k *k, int64_t i0, int64_t n, float *m, float *v, float *w,
                         const float *g) {
-    for (int64_t r = n > 0 ? run_at(o, i0) : o->nranges; r < o->nranges && o->ranges[r].off < i0 + n; r++) {
-        const ds4_adamw_range *q = &o->ranges[r];
-        const int64_t a = q->off > i0 ? q->off : i0, b = q->off + q->n < i0 + n ? q->off + q->n : i0 + n;
-        if (!q->frozen) adamw_update(k, b - a, m + (a - i0), v + (a - i0), q->decay, w + (a - i0), g + (a - i0));
+#pragma omp parallel if (n >= 1 << 15)
+    {
+        const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+        update_part(o, k, i0, i0 + n * t / T, i0 + n * (t + 1) / T, m, v, w, g);
     }
 }
 
