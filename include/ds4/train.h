@@ -58,7 +58,7 @@ ds4_status ds4_adamw_step(ds4_adamw *o, ds4_model *m, const ds4_adamw_cfg *c, do
 #define DS4_ADAMW_SWAP_CHUNK ((size_t)4 << 20)
 /* Like ds4_adamw_init_n with m and v created zero in the store (never resident). */
 ds4_status ds4_adamw_init_n_swapped(ds4_adamw *o, int64_t n, ds4_offload *store, size_t chunk_bytes);
-/* Like ds4_adamw_init with everything built in the store (nothing beyond one chunk ever resident). */
+/* Like ds4_adamw_init with m and v made zero in the store (never resident). */
 ds4_status ds4_adamw_init_swapped(ds4_adamw *o, ds4_model *m, ds4_offload *store, size_t chunk_bytes);
 /* Moves whatever of m, v is resident into `store` (or o->store if already set; a second
  * store is an error) and frees it. chunk_bytes 0: keep the chunk already set, else the default. */
