@@ -258,6 +258,10 @@ static void fsdp_adamw_matches_whole(const char *cfg_path, int ep, bool swap) {
     if (swap) CHECK(ds4_offload_open(NULL, &store) == DS4_OK, "%s", ds4_errmsg());
     CHECK((swap ? ds4_adamw_init_n_swapped(&so, ns, store, 4096) : ds4_adamw_init_n(&so, ns)) == DS4_OK &&
               ds4_fsdp_adamw_ranges(f, &so) == DS4_OK, "%s", ds4_errmsg());
+    ds4_adamw wrong;
+    CHECK(ds4_adamw_init_n(&wrong, ns + 1) == DS4_OK && ds4_fsdp_adamw_ranges(f, &wrong) == DS4_ERR_ARG &&
+              strstr(ds4_errmsg(), "for a shard of") != NULL, "a state of another size: %s", ds4_errmsg());
+    ds4_adamw_free(&wrong);
     for (int s = 0; s < ADAMW_STEPS; s++) {
         ds4_fsdp_zero_grads(f);
         CHECK(ds4_fsdp_scatter_packed(f, grad_read, &s, ds4_fsdp_shard_grads(f)) == DS4_OK, "%s", ds4_errmsg());
