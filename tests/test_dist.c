@@ -8,11 +8,16 @@
  *    over the sources of each EP group in rank order (its owner accumulates them), then over the EP
  *    groups in order (FSDP alone, FSDP + EP over some ranks, over all ranks);
  *  - memplan's per-rank plan (a simulated world, shape-only) equals the measured memory of the real
- *    step on that rank, byte for byte per category (balanced routing in both).
+ *    step on that rank, byte for byte per category (balanced routing in both);
+ *  - AdamW on the shards (rules by ranges cut at the shard boundaries), resident and swapped, gives bit
+ *    for bit the whole model's parameters and moments; its state is 8 bytes per shard element, counted
+ *    once: resident, or with --swap-optimizer in the offload tier with only the update buffers resident.
  * Without mpirun on the machine the test fails: Open MPI is a dependency (scripts/install-deps.sh). */
 #include "ds4/dist.h"
 #include "ds4/memplan.h"
+#include "ds4/offload.h"
 #include "ds4/recompute.h"
+#include "ds4/train.h"
 #include "test.h"
 
 #include <unistd.h>
@@ -194,6 +199,141 @@ static void test_memplan_ep_all_recompute(void) {
     memplan_matches("tests/configs/tiny-b.json", ds4_comm_size(ds4_comm_world()), true);
 }
 
+/* ------------------------------------------------------------------ AdamW on the shards */
+static const ds4_adamw_cfg k_adamw = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+enum { ADAMW_STEPS = 3 };
+
+/* The gradient of step s at packed element i: the same on every rank and in the whole model. */
+static float grad_value(int s, int64_t i) { return ds4_rng_uniform(50, (uint64_t)s, (uint64_t)i) - 0.5f; }
+static ds4_status grad_read(void *ctx, int64_t off, int64_t n, float *dst) {
+    const int s = *(const int *)ctx;
+    for (int64_t i = 0; i < n; i++) dst[i] = grad_value(s, off + i);
+    return DS4_OK;
+}
+
+/* Sink of ds4_fsdp_stream_packed on rank 0: counts parameters whose values differ from want (the flat
+ * layout of the whole model ref). */
+typedef struct {
+    ds4_model *ref;
+    const float *want;
+    int64_t bad;
+} packed_cmp;
+static ds4_status compare_packed(void *ctx, int64_t param, const float *values, int64_t n) {
+    packed_cmp *c = ctx;
+    const ds4_param *p = ds4_model_param(c->ref, param);
+    const float *want = c->want + (p->data - ds4_model_params_flat(c->ref));
+    if (n != p->numel || memcmp(values, want, (size_t)n * sizeof(float))) c->bad++;
+    return DS4_OK;
+}
+
+/* Whole-model AdamW (held to the per-element rule by test_optim) over ADAMW_STEPS steps. */
+static void whole_adamw_run(const ds4_config *c, ds4_model **ref, ds4_adamw *ro) {
+    CHECK(ds4_model_create(c, ref) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model_init_random(*ref, 7);
+    CHECK(ds4_adamw_init(ro, *ref) == DS4_OK, "%s", ds4_errmsg());
+    float *g = ds4_model_grads_flat(*ref);
+    for (int s = 0; s < ADAMW_STEPS; s++) {
+        for (int64_t i = 0; i < ds4_model_numel(*ref); i++) g[i] = grad_value(s, i);
+        CHECK(ds4_adamw_step(ro, *ref, &k_adamw, 1e-3 * (s + 1)) == DS4_OK, "%s", ds4_errmsg());
+    }
+}
+
+/* The shards' AdamW, its rules by ranges cut at the shard boundaries (FSDP and expert pieces), resident
+ * or swapped through 512-element chunks: after ADAMW_STEPS steps the parameters and both moments,
+ * gathered, are bit for bit the whole model's. */
+static void fsdp_adamw_matches_whole(const char *cfg_path, int ep, bool swap) {
+    ds4_comm *world = ds4_comm_world();
+    ds4_config c;
+    CHECK(ds4_config_load(cfg_path, &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *ref = NULL, *m = NULL;
+    ds4_adamw ro = {0}, so = {0};
+    whole_adamw_run(&c, &ref, &ro);
+    ds4_fsdp *f = NULL;
+    ds4_offload *store = NULL;
+    CHECK(ds4_model_create_unmapped(&c, &m) == DS4_OK && ds4_fsdp_create(m, world, ep, &f) == DS4_OK, "%s",
+          ds4_errmsg());
+    if (!f || !ref) return;
+    CHECK(ds4_fsdp_init_random(f, 7) == DS4_OK);
+    const int64_t ns = ds4_fsdp_shard_numel(f);
+    if (swap) CHECK(ds4_offload_open(NULL, &store) == DS4_OK, "%s", ds4_errmsg());
+    CHECK((swap ? ds4_adamw_init_n_swapped(&so, ns, store, 4096) : ds4_adamw_init_n(&so, ns)) == DS4_OK &&
+              ds4_fsdp_adamw_ranges(f, &so) == DS4_OK, "%s", ds4_errmsg());
+    ds4_adamw wrong;
+    CHECK(ds4_adamw_init_n(&wrong, ns + 1) == DS4_OK && ds4_fsdp_adamw_ranges(f, &wrong) == DS4_ERR_ARG &&
+              strstr(ds4_errmsg(), "for a shard of") != NULL, "a state of another size: %s", ds4_errmsg());
+    ds4_adamw_free(&wrong);
+    for (int s = 0; s < ADAMW_STEPS; s++) {
+        ds4_fsdp_zero_grads(f);
+        CHECK(ds4_fsdp_scatter_packed(f, grad_read, &s, ds4_fsdp_shard_grads(f)) == DS4_OK, "%s", ds4_errmsg());
+        CHECK(ds4_adamw_step_flat(&so, ds4_fsdp_shard_params(f), ds4_fsdp_shard_grads(f), &k_adamw, 1e-3 * (s + 1)) ==
+                  DS4_OK, "%s", ds4_errmsg());
+    }
+    if (swap) CHECK(ds4_adamw_swap_in(&so) == DS4_OK, "%s", ds4_errmsg());
+    const float *shard[3] = {ds4_fsdp_shard_params(f), so.m, so.v}, *want[3] = {ds4_model_params_flat(ref), ro.m, ro.v};
+    const char *what[3] = {"parameters", "first moments", "second moments"};
+    for (int k = 0; k < 3; k++) {
+        packed_cmp pc = {ref, want[k], 0};
+        CHECK(ds4_fsdp_stream_packed(f, shard[k], 0, compare_packed, &pc) == DS4_OK, "%s", ds4_errmsg());
+        CHECK(pc.bad == 0, "ep=%d%s: %lld tensors of %s differ from the whole model's AdamW", ep,
+              swap ? " swapped" : "", (long long)pc.bad, what[k]);
+    }
+    ds4_adamw_free(&so);
+    ds4_adamw_free(&ro);
+    ds4_offload_close(store);
+    ds4_fsdp_free(f);
+    ds4_model_free(m);
+    ds4_model_free(ref);
+}
+
+static void test_fsdp_adamw(void) {
+    fsdp_adamw_matches_whole("tests/configs/tiny-a.json", 1, false);
+    fsdp_adamw_matches_whole("tests/configs/tiny-a.json", 1, true);
+}
+static void test_fsdp_ep_adamw(void) {
+    fsdp_adamw_matches_whole("tests/configs/tiny-a.json", 2, false);
+    fsdp_adamw_matches_whole("tests/configs/tiny-a.json", 2, true);
+}
+
+/* The optimizer state is counted once, 8 bytes per shard element: resident without --swap-optimizer;
+ * with it, in the offload tier only, the resident optimizer memory being the update's two chunk buffers
+ * (m and v). The measured step, and its plan. */
+static void optimizer_counted_once(int ep) {
+    ds4_comm *world = ds4_comm_world();
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *m = NULL;
+    ds4_fsdp *f = NULL;
+    CHECK(ds4_model_create_unmapped(&c, &m) == DS4_OK && ds4_fsdp_create(m, world, ep, &f) == DS4_OK, "%s",
+          ds4_errmsg());
+    const int64_t ns = f ? ds4_fsdp_shard_numel(f) : 0;
+    ds4_fsdp_free(f);
+    ds4_model_free(m);
+    const size_t chunk = 4096;
+    CHECK(ns > (int64_t)chunk / 8, "the shard (%lld elements) must span several chunks", (long long)ns);
+    ds4_step_opts plain = {0}, swap = {.swap_optimizer = true, .swap_chunk_bytes = chunk};
+    ds4_step_memory res, sw, plan;
+    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &plain, false, world, ep, true, &res) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &swap, false, world, ep, true, &sw) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm *sim = NULL;
+    CHECK(ds4_comm_plan(ds4_comm_size(world), ds4_comm_rank(world), &sim) == DS4_OK);
+    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &swap, true, sim, ep, true, &plan) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm_free(sim);
+    const int rank = ds4_comm_rank(world);
+    CHECK(res.peak[DS4_MEM_OPTIM] == 8 * ns && res.offload_peak[DS4_MEM_OPTIM] == 0,
+          "ep=%d rank %d resident: optimizer %lld bytes (+ %lld offloaded) for %lld shard elements", ep, rank,
+          (long long)res.peak[DS4_MEM_OPTIM], (long long)res.offload_peak[DS4_MEM_OPTIM], (long long)ns);
+    CHECK(sw.peak[DS4_MEM_OPTIM] == (int64_t)chunk && sw.offload_peak[DS4_MEM_OPTIM] == 8 * ns,
+          "ep=%d rank %d swapped: optimizer %lld bytes resident (want the %zu-byte buffers), %lld offloaded "
+          "(want %lld)", ep, rank, (long long)sw.peak[DS4_MEM_OPTIM], chunk, (long long)sw.offload_peak[DS4_MEM_OPTIM],
+          (long long)(8 * ns));
+    CHECK(plan.peak[DS4_MEM_OPTIM] == sw.peak[DS4_MEM_OPTIM] &&
+              plan.offload_peak[DS4_MEM_OPTIM] == sw.offload_peak[DS4_MEM_OPTIM],
+          "ep=%d rank %d: the plan counts the optimizer differently", ep, rank);
+}
+
+static void test_optimizer_counted_once(void) { optimizer_counted_once(1); }
+static void test_optimizer_counted_once_ep(void) { optimizer_counted_once(2); }
+
 /* Sharding really shrinks each rank's persistent state: a rank's shard is about 1/W of the parameters
  * (plus per-region rounding), whatever the EP degree. */
 static void test_shard_sizes(void) {
@@ -230,6 +370,9 @@ static int child_main(void) {
     RUN(test_memplan_fsdp_ep);
     RUN(test_memplan_fsdp_ep_recompute);
     RUN(test_shard_sizes);
+    RUN(test_fsdp_adamw);
+    RUN(test_fsdp_ep_adamw);
+    RUN(test_optimizer_counted_once_ep);
     if (W > 2) {
         RUN(test_fsdp_ep_all_tiny_a);
         RUN(test_memplan_ep_all_recompute);
@@ -268,8 +411,8 @@ static void under_mpirun(int ranks, int checks) {
     CHECK(ok_ranks == ranks, "%d of %d ranks passed all %d checks", ok_ranks, ranks, checks);
 }
 
-static void test_two_ranks(void) { under_mpirun(2, 7); }
-static void test_four_ranks(void) { under_mpirun(4, 9); }
+static void test_two_ranks(void) { under_mpirun(2, 10); }
+static void test_four_ranks(void) { under_mpirun(4, 12); }
 
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--child")) return child_main();
@@ -277,6 +420,8 @@ int main(int argc, char **argv) {
     RUN(test_fsdp_tiny_a);
     RUN(test_memplan_fsdp);
     RUN(test_memplan_fsdp_recompute);
+    RUN(test_fsdp_adamw);
+    RUN(test_optimizer_counted_once);
     RUN(test_two_ranks);
     RUN(test_four_ranks);
     TEST_MAIN_END("test_dist");

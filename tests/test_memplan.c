@@ -82,11 +82,21 @@ static void test_swap_plan_equals_measured(void) {
                                               .swap_chunk_bytes = 1 << 16}, "full+both");
     swap_plan_equals_measured("tests/configs/tiny-b.json", 2, 150,
                               (ds4_step_opts){.swap_optimizer = true, .swap_layer_input = true}, "both");
-    /* what each option moves: the optimizer's 10 B/param, one [N, n, D] stream per main layer */
+    /* what each option moves: the optimizer's 8 B/param (m and v), one [N, n, D] stream per main layer */
+    ds4_model *m = NULL;
+    CHECK(ds4_model_create(&c, &m) == DS4_OK, "%s", ds4_errmsg());
+    const int64_t n = m ? ds4_model_numel(m) : 0;
+    ds4_model_free(m);
+    const size_t chunk = 1 << 16;
     CHECK(ds4_step_memory_run_opts(&c, 2, 64, &(ds4_step_opts){0}, true, &off) == DS4_OK);
-    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &(ds4_step_opts){.swap_optimizer = true}, true, &opt) == DS4_OK);
+    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &(ds4_step_opts){.swap_optimizer = true, .swap_chunk_bytes = chunk},
+                                   true, &opt) == DS4_OK);
     CHECK(ds4_step_memory_run_opts(&c, 2, 64, &(ds4_step_opts){.swap_layer_input = true}, true, &act) == DS4_OK);
-    CHECK(opt.offload_peak[DS4_MEM_OPTIM] == off.peak[DS4_MEM_OPTIM], "the whole optimizer state goes out");
+    CHECK(off.peak[DS4_MEM_OPTIM] == 8 * n && off.offload_peak[DS4_MEM_OPTIM] == 0,
+          "resident optimizer state %lld bytes for %lld parameters", (long long)off.peak[DS4_MEM_OPTIM], (long long)n);
+    CHECK(opt.offload_peak[DS4_MEM_OPTIM] == 8 * n && opt.peak[DS4_MEM_OPTIM] == (int64_t)chunk,
+          "swapped: the whole state goes out (%lld offloaded), only the update's buffers stay (%lld resident)",
+          (long long)opt.offload_peak[DS4_MEM_OPTIM], (long long)opt.peak[DS4_MEM_OPTIM]);
     CHECK(off.after_step - opt.after_step >= off.peak[DS4_MEM_OPTIM] - 8192,
           "and none of it stays resident (but the store's few KiB of metadata): %lld -> %lld",
           (long long)off.after_step, (long long)opt.after_step);

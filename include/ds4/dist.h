@@ -7,6 +7,7 @@
 #define DS4_DIST_H
 
 #include "ds4/model.h"
+#include "ds4/train.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -63,8 +64,9 @@ void ds4_fsdp_zero_grads(ds4_fsdp *f);
  * or a model directory; the integer tables are filled on every rank. */
 ds4_status ds4_fsdp_init_random(ds4_fsdp *f, uint64_t seed);
 ds4_status ds4_fsdp_load(ds4_fsdp *f, const ds4_model_dir *d);
-/* Per shard element: 1 where weight decay applies / where the parameter is not trained by gradients. */
-void ds4_fsdp_masks(const ds4_fsdp *f, uint8_t *decay, uint8_t *frozen);
+/* The AdamW rules of this rank's shard (o: [shard_numel]): one range per piece of a float parameter the
+ * shard holds, cut at the shard's boundaries, with that parameter's decay / frozen rule. */
+ds4_status ds4_fsdp_adamw_ranges(const ds4_fsdp *f, ds4_adamw *o);
 /* The full flat parameters (grads = false) or gradients on rank `root` (out: [ds4_model_numel] there,
  * ignored elsewhere); a collective. */
 ds4_status ds4_fsdp_collect(ds4_fsdp *f, bool grads, float *out, int root);

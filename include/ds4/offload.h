@@ -1,6 +1,6 @@
 /* The offload tier (DESIGN.md idea 3): a backing store outside counted memory, and the two policies
  * that use it, as MindSpeed names them:
- *   --swap-optimizer    AdamW moments and masks live in the store between updates (ds4/train.h:
+ *   --swap-optimizer    AdamW moments (m and v) live in the store between updates (ds4/train.h:
  *                       ds4_adamw_swap_out); the update streams them through a bounded buffer.
  *   --swap-layer-input  the layer input streams X[l] of a training pass go to the store after block l's
  *                       forward and come back just before block l's backward (ds4_act_offload below).

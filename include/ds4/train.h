@@ -16,22 +16,35 @@ typedef struct {
 
 typedef struct ds4_offload ds4_offload; /* ds4/offload.h */
 
-/* fp32 first and second moments for every float parameter of the model (flat layout). */
+/* The rule AdamW applies to a run of elements: a property of the parameter they belong to, so the
+ * optimizer keeps one per run of parameters (O(parameters)), never one per element. */
+typedef struct {
+    int64_t off, n; /* elements [off, off + n) of the flat arrays */
+    bool decay;     /* decoupled weight decay applies (not norms, biases, mHC base/scale, sinks, ape) */
+    bool frozen;    /* not trained by gradients (router bias): weight and moments left as they are */
+} ds4_adamw_range;
+
+/* fp32 first and second moments for every float parameter of the model (flat layout): 8 bytes per
+ * element, the rules by range. */
 typedef struct {
     int64_t n;       /* = ds4_model_numel */
     int64_t step;    /* optimizer steps taken */
     float *m, *v;    /* [n] each, DS4_MEM_OPTIM; NULL while in the offload store */
-    uint8_t *decay;  /* [n] 1 where weight decay applies, 0 for norms, biases, mHC base/scale, sinks, ape */
-    uint8_t *frozen; /* [n] 1 for parameters not trained by gradients (router bias) */
-    /* --swap-optimizer: arrays that are NULL above live in `store` under these handles */
+    ds4_adamw_range *ranges; /* [nranges] DS4_MEM_OTHER: sorted, back to back, covering [0, n) */
+    int64_t nranges;
+    /* --swap-optimizer: moments that are NULL above live in `store` under these handles */
     ds4_offload *store;
-    int64_t h_m, h_v, h_decay, h_frozen;
+    int64_t h_m, h_v;
     int64_t chunk;   /* elements per update chunk while swapped */
 } ds4_adamw;
 
 ds4_status ds4_adamw_init(ds4_adamw *o, ds4_model *m);
-/* State for n elements with zero masks (the caller fills decay / frozen, e.g. for an FSDP shard). */
+/* State for n elements, all trained without weight decay until ds4_adamw_set_ranges (e.g. an FSDP
+ * shard: ds4_fsdp_adamw_ranges). */
 ds4_status ds4_adamw_init_n(ds4_adamw *o, int64_t n);
+/* The rules of o's elements: r [nr] in any order, disjoint, inside [0, o->n) (copied); elements in no
+ * range are trained without weight decay. Fails naming the bad range. */
+ds4_status ds4_adamw_set_ranges(ds4_adamw *o, const ds4_adamw_range *r, int64_t nr);
 /* The AdamW update on w [n] with gradients g [n]. Fails only on offload store I/O. */
 ds4_status ds4_adamw_step_flat(ds4_adamw *o, float *w, const float *g, const ds4_adamw_cfg *c, double lr);
 void ds4_adamw_free(ds4_adamw *o);
@@ -43,17 +56,16 @@ ds4_status ds4_adamw_step(ds4_adamw *o, ds4_model *m, const ds4_adamw_cfg *c, do
  * same arithmetic as the resident update, so the bits are the same. The store must stay open until
  * ds4_adamw_free. */
 #define DS4_ADAMW_SWAP_CHUNK ((size_t)4 << 20)
-/* Like ds4_adamw_init_n with m and v created zero in the store (never resident); the masks stay
- * resident for the caller to fill, then ds4_adamw_swap_out moves them too. */
+/* Like ds4_adamw_init_n with m and v created zero in the store (never resident). */
 ds4_status ds4_adamw_init_n_swapped(ds4_adamw *o, int64_t n, ds4_offload *store, size_t chunk_bytes);
-/* Like ds4_adamw_init with everything built in the store (nothing beyond one chunk ever resident). */
+/* Like ds4_adamw_init with m and v made zero in the store (never resident). */
 ds4_status ds4_adamw_init_swapped(ds4_adamw *o, ds4_model *m, ds4_offload *store, size_t chunk_bytes);
-/* Moves whatever of m, v, decay, frozen is resident into `store` (or o->store if already set; a second
+/* Moves whatever of m, v is resident into `store` (or o->store if already set; a second
  * store is an error) and frees it. chunk_bytes 0: keep the chunk already set, else the default. */
 ds4_status ds4_adamw_swap_out(ds4_adamw *o, ds4_offload *store, size_t chunk_bytes);
-/* Brings m and v back into memory (the masks stay in the store), as MindSpeed does around checkpoints:
- * e.g. before gathering a sharded state's moments; ds4_adamw_swap_out(o, NULL, 0) puts them back. A
- * step with the moments resident and the masks swapped is the same update. */
+/* Brings m and v back into memory, as MindSpeed does around checkpoints: e.g. before gathering a
+ * sharded state's moments; ds4_adamw_swap_out(o, NULL, 0) puts them back. A step with the moments
+ * brought back is the same update. */
 ds4_status ds4_adamw_swap_in(ds4_adamw *o);
 /* Elements [i0, i0 + n) of the first (which = 0) or second (which = 1) moment, resident or swapped. */
 ds4_status ds4_adamw_moment_read(const ds4_adamw *o, int which, int64_t i0, int64_t n, float *dst);

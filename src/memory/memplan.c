@@ -73,13 +73,12 @@ typedef struct {
     bool force_balance;
 } dist_args;
 
-/* The shard's AdamW state: resident, or built with m and v in the store and the masks moved after. */
+/* The shard's AdamW state: m and v resident, or made in the store (never resident); its rules by range. */
 static ds4_status dist_adamw_init(ds4_adamw *opt, ds4_fsdp *f, const ds4_step_opts *so, ds4_offload *store) {
     const int64_t n = ds4_fsdp_shard_numel(f);
     DS4_TRY(so->swap_optimizer ? ds4_adamw_init_n_swapped(opt, n, store, so->swap_chunk_bytes)
                                : ds4_adamw_init_n(opt, n));
-    ds4_fsdp_masks(f, opt->decay, opt->frozen);
-    return so->swap_optimizer ? ds4_adamw_swap_out(opt, store, so->swap_chunk_bytes) : DS4_OK;
+    return ds4_fsdp_adamw_ranges(f, opt);
 }
 
 static ds4_status dist_step(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *so, int32_t *ids,

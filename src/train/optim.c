@@ -5,27 +5,20 @@
 #include "ds4/offload.h"
 
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
-/* The four state arrays, by index: resident pointer (NULL: in o->store) and store handle. */
-enum { S_M = 0, S_V, S_DECAY, S_FROZEN, S_COUNT };
-static const size_t k_elem[S_COUNT] = {sizeof(float), sizeof(float), 1, 1};
+/* The two moments, by index: resident pointer (NULL: in o->store) and store handle. */
+enum { S_M = 0, S_V, S_COUNT };
 
-static void *arr_mem(const ds4_adamw *o, int k) {
-    return k == S_M ? (void *)o->m : k == S_V ? (void *)o->v : k == S_DECAY ? (void *)o->decay : (void *)o->frozen;
-}
-static int64_t *arr_handle(ds4_adamw *o, int k) {
-    return k == S_M ? &o->h_m : k == S_V ? &o->h_v : k == S_DECAY ? &o->h_decay : &o->h_frozen;
-}
-static int64_t arr_h(const ds4_adamw *o, int k) {
-    return k == S_M ? o->h_m : k == S_V ? o->h_v : k == S_DECAY ? o->h_decay : o->h_frozen;
-}
-static void arr_set_mem(ds4_adamw *o, int k, void *p) {
+static float *arr_mem(const ds4_adamw *o, int k) { return k == S_M ? o->m : o->v; }
+static int64_t *arr_handle(ds4_adamw *o, int k) { return k == S_M ? &o->h_m : &o->h_v; }
+static int64_t arr_h(const ds4_adamw *o, int k) { return k == S_M ? o->h_m : o->h_v; }
+static void arr_set_mem(ds4_adamw *o, int k, float *p) {
     if (k == S_M) o->m = p;
-    else if (k == S_V) o->v = p;
-    else if (k == S_DECAY) o->decay = p;
-    else o->frozen = p;
+    else o->v = p;
 }
 
 static void state_reset(ds4_adamw *o, int64_t n) {
@@ -34,43 +27,123 @@ static void state_reset(ds4_adamw *o, int64_t n) {
     for (int k = 0; k < S_COUNT; k++) *arr_handle(o, k) = -1;
 }
 
-ds4_status ds4_adamw_init_n(ds4_adamw *o, int64_t n) {
-    state_reset(o, n);
-    for (int k = 0; k < S_COUNT; k++) {
-        void *p = ds4_calloc(DS4_MEM_OPTIM, (size_t)n * k_elem[k]);
-        if (!p) {
-            ds4_adamw_free(o);
-            return ds4_fail(DS4_ERR_OOM, "out of memory for the optimizer state (%lld parameters)", (long long)n);
-        }
-        arr_set_mem(o, k, p);
+/* ------------------------------------------------------------------ the rules, by range */
+static int range_cmp(const void *a, const void *b) {
+    const int64_t x = ((const ds4_adamw_range *)a)->off, y = ((const ds4_adamw_range *)b)->off;
+    return x < y ? -1 : x > y;
+}
+
+/* The runs being laid out: written to out (NULL: only counted), the last one kept for merging. */
+typedef struct {
+    ds4_adamw_range *out;
+    int64_t cnt;
+    ds4_adamw_range last;
+} run_list;
+
+/* Appends [off, off + n) under a rule, merged into the last run when it continues it with the same rule. */
+static void run_put(run_list *l, int64_t off, int64_t n, bool decay, bool frozen) {
+    if (n <= 0) return;
+    if (l->cnt > 0 && l->last.decay == decay && l->last.frozen == frozen) l->last.n += n;
+    else {
+        l->last = (ds4_adamw_range){.off = off, .n = n, .decay = decay, .frozen = frozen};
+        l->cnt++;
+    }
+    if (l->out) l->out[l->cnt - 1] = l->last;
+}
+
+/* The runs covering [0, n) back to back: the sorted ranges r [nr], the gaps between them trained
+ * without decay, neighbours of the same rule merged. Returns how many. */
+static int64_t cover(const ds4_adamw_range *r, int64_t nr, int64_t n, ds4_adamw_range *out) {
+    run_list l = {.out = out};
+    int64_t at = 0;
+    for (int64_t i = 0; i < nr; i++) {
+        run_put(&l, at, r[i].off - at, false, false);
+        run_put(&l, r[i].off, r[i].n, r[i].decay, r[i].frozen);
+        at = r[i].off + r[i].n;
+    }
+    run_put(&l, at, n - at, false, false);
+    return l.cnt;
+}
+
+/* r [nr] sorted by offset: each inside [0, n), none overlapping the next. */
+static ds4_status ranges_check(const ds4_adamw_range *r, int64_t nr, int64_t n) {
+    for (int64_t i = 0; i < nr; i++) {
+        if (r[i].off < 0 || r[i].n < 0 || r[i].off > n - r[i].n)
+            return ds4_fail(DS4_ERR_ARG, "adamw: range [%lld, %lld) is outside the %lld elements of the state",
+                            (long long)r[i].off, (long long)(r[i].off + r[i].n), (long long)n);
+        if (i > 0 && r[i].off < r[i - 1].off + r[i - 1].n)
+            return ds4_fail(DS4_ERR_ARG, "adamw: ranges [%lld, %lld) and [%lld, %lld) overlap",
+                            (long long)r[i - 1].off, (long long)(r[i - 1].off + r[i - 1].n), (long long)r[i].off,
+                            (long long)(r[i].off + r[i].n));
     }
     return DS4_OK;
 }
 
-/* decay / frozen from the parameter table (both resident). */
-static void fill_masks(ds4_adamw *o, ds4_model *m) {
-    const float *base = ds4_model_params_flat(m);
-    for (int64_t i = 0; i < (ds4_shape_only() ? 0 : ds4_model_nparams(m)); i++) {
-        ds4_param *p = ds4_model_param(m, i);
-        if (p->is_int) continue;
-        int64_t off = p->data - base;
-        memset(o->decay + off, p->no_decay ? 0 : 1, (size_t)p->numel);
-        memset(o->frozen + off, p->no_grad ? 1 : 0, (size_t)p->numel);
+ds4_status ds4_adamw_set_ranges(ds4_adamw *o, const ds4_adamw_range *r, int64_t nr) {
+    if (nr < 0) return ds4_fail(DS4_ERR_ARG, "adamw: %lld ranges", (long long)nr);
+    ds4_adamw_range *sorted = ds4_alloc(DS4_MEM_OTHER, (size_t)nr * sizeof *sorted);
+    if (!sorted) return ds4_fail(DS4_ERR_OOM, "out of memory for %lld optimizer ranges", (long long)nr);
+    int64_t ns = 0; /* the non-empty ones: an empty range has no element to rule */
+    for (int64_t i = 0; i < nr; i++)
+        if (r[i].n != 0) sorted[ns++] = r[i];
+    nr = ns;
+    qsort(sorted, (size_t)nr, sizeof *sorted, range_cmp);
+    ds4_status st = ranges_check(sorted, nr, o->n);
+    ds4_adamw_range *runs = NULL;
+    if (st == DS4_OK && !(runs = ds4_alloc(DS4_MEM_OTHER, (size_t)cover(sorted, nr, o->n, NULL) * sizeof *runs)))
+        st = ds4_fail(DS4_ERR_OOM, "out of memory for %lld optimizer ranges", (long long)nr);
+    if (st == DS4_OK) {
+        ds4_free(o->ranges);
+        o->ranges = runs;
+        o->nranges = cover(sorted, nr, o->n, runs);
     }
+    ds4_free(sorted);
+    return st;
+}
+
+/* The rules of the model's float parameters, from its table (offsets into the flat layout). */
+static ds4_status ranges_from_model(ds4_adamw *o, ds4_model *m) {
+    const float *base = ds4_model_params_flat(m);
+    ds4_adamw_range *r = ds4_alloc(DS4_MEM_OTHER, (size_t)ds4_model_nparams(m) * sizeof *r);
+    if (!r) return ds4_fail(DS4_ERR_OOM, "out of memory for the optimizer ranges");
+    int64_t nr = 0;
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+        const ds4_param *p = ds4_model_param(m, i);
+        if (!p->is_int)
+            r[nr++] = (ds4_adamw_range){.off = p->data - base, .n = p->numel, .decay = !p->no_decay,
+                                        .frozen = p->no_grad};
+    }
+    ds4_status st = ds4_adamw_set_ranges(o, r, nr);
+    ds4_free(r);
+    return st;
+}
+
+ds4_status ds4_adamw_init_n(ds4_adamw *o, int64_t n) {
+    state_reset(o, n);
+    ds4_status st = ds4_adamw_set_ranges(o, NULL, 0);
+    for (int k = 0; k < S_COUNT && st == DS4_OK; k++) {
+        float *p = ds4_calloc(DS4_MEM_OPTIM, (size_t)n * sizeof(float));
+        if (!p) st = ds4_fail(DS4_ERR_OOM, "out of memory for the optimizer state (%lld parameters)", (long long)n);
+        arr_set_mem(o, k, p);
+    }
+    if (st != DS4_OK) ds4_adamw_free(o);
+    return st;
 }
 
 ds4_status ds4_adamw_init(ds4_adamw *o, ds4_model *m) {
     DS4_TRY(ds4_adamw_init_n(o, ds4_model_numel(m)));
-    fill_masks(o, m);
-    return DS4_OK;
+    ds4_status st = ranges_from_model(o, m);
+    if (st != DS4_OK) ds4_adamw_free(o);
+    return st;
 }
 
 void ds4_adamw_free(ds4_adamw *o) {
     for (int k = 0; k < S_COUNT; k++) {
-        void *mem = arr_mem(o, k);
+        float *mem = arr_mem(o, k);
         if (mem) ds4_free(mem);
         else if (o->store) ds4_offload_drop(o->store, arr_h(o, k)); /* -1 (never made): no-op */
     }
+    ds4_free(o->ranges);
     memset(o, 0, sizeof *o);
 }
 
@@ -87,59 +160,87 @@ static adamw_k adamw_consts(int64_t step, const ds4_adamw_cfg *c, double lr) {
                      .decay = (float)(lr * c->weight_decay)};
 }
 
-/* The update of n elements. The resident and the swapped step both run exactly this per element, so
- * their bits agree whatever the chunking. */
-static void adamw_update(const adamw_k *k, int64_t n, float *m, float *v, const uint8_t *decay,
-                         const uint8_t *frozen, float *w, const float *g) {
-    /* small chunks run on one thread: a parallel region per few KiB costs more than it saves */
-#pragma omp parallel for schedule(static) if (n >= 1 << 15)
+/* The update of n trained elements of one rule. The resident and the swapped step both run exactly
+ * this per element, so their bits agree whatever the chunking and the split over threads. */
+static void adamw_update(const adamw_k *k, int64_t n, float *m, float *v, bool decay, float *w, const float *g) {
     for (int64_t i = 0; i < n; i++) {
-        if (frozen[i]) continue;
         float gi = g[i];
         m[i] = k->b1 * m[i] + (1.0f - k->b1) * gi;
         v[i] = k->b2 * v[i] + (1.0f - k->b2) * gi * gi;
         float denom = sqrtf(v[i]) * k->inv_sqrt_bc2 + k->eps;
-        if (decay[i]) w[i] -= k->decay * w[i];
+        if (decay) w[i] -= k->decay * w[i];
         w[i] -= k->step_size * m[i] / denom;
     }
 }
 
-/* Elements [i0, i0 + n) of state array k, from memory or the store, into buf / back from buf. */
-static ds4_status span_read(const ds4_adamw *o, int k, int64_t i0, int64_t n, void *buf) {
-    if (ds4_shape_only()) return DS4_OK;
-    const void *mem = arr_mem(o, k);
-    if (mem) {
-        memcpy(buf, (const char *)mem + (size_t)i0 * k_elem[k], (size_t)n * k_elem[k]);
-        return DS4_OK;
+/* The first run of o->ranges that holds element i (0 <= i < n). */
+static int64_t run_at(const ds4_adamw *o, int64_t i) {
+    int64_t lo = 0, hi = o->nranges - 1;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo + 1) / 2;
+        if (o->ranges[mid].off <= i) lo = mid;
+        else hi = mid - 1;
     }
-    return ds4_offload_read(o->store, arr_h(o, k), (size_t)i0 * k_elem[k], buf, (size_t)n * k_elem[k]);
-}
-static ds4_status span_write(ds4_adamw *o, int k, int64_t i0, int64_t n, const void *buf) {
-    if (ds4_shape_only()) return DS4_OK;
-    void *mem = arr_mem(o, k);
-    if (mem) {
-        memcpy((char *)mem + (size_t)i0 * k_elem[k], buf, (size_t)n * k_elem[k]);
-        return DS4_OK;
-    }
-    return ds4_offload_write(o->store, arr_h(o, k), (size_t)i0 * k_elem[k], buf, (size_t)n * k_elem[k]);
+    return lo;
 }
 
-/* Swapped state: chunk by chunk, read m, v and the masks, update, write m and v back. The buffers
- * (o->chunk elements of each array) are all the optimizer holds in memory. */
+/* Elements [a, b) of a span that starts at element i0 (m, v, w, g point at i0), each under the rule of
+ * its run. */
+static void update_part(const ds4_adamw *o, const adamw_k *k, int64_t i0, int64_t a, int64_t b, float *m, float *v,
+                        float *w, const float *g) {
+    for (int64_t r = a < b ? run_at(o, a) : o->nranges; r < o->nranges && o->ranges[r].off < b; r++) {
+        const ds4_adamw_range *q = &o->ranges[r];
+        const int64_t x = q->off > a ? q->off : a, y = q->off + q->n < b ? q->off + q->n : b;
+        if (!q->frozen) adamw_update(k, y - x, m + (x - i0), v + (x - i0), q->decay, w + (x - i0), g + (x - i0));
+    }
+}
+
+/* Elements [i0, i0 + n): one parallel region, each thread an equal share walking the runs it meets
+ * (small spans on one thread: a parallel region per few KiB costs more than it saves). */
+static void update_span(const ds4_adamw *o, const adamw_k *k, int64_t i0, int64_t n, float *m, float *v, float *w,
+                        const float *g) {
+#pragma omp parallel if (n >= 1 << 15)
+    {
+        const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+        update_part(o, k, i0, i0 + n * t / T, i0 + n * (t + 1) / T, m, v, w, g);
+    }
+}
+
+/* Elements [i0, i0 + n) of moment k, from memory or the store, into buf / back from buf. */
+static ds4_status span_read(const ds4_adamw *o, int k, int64_t i0, int64_t n, float *buf) {
+    if (ds4_shape_only()) return DS4_OK;
+    const float *mem = arr_mem(o, k);
+    if (mem) {
+        memcpy(buf, mem + i0, (size_t)n * sizeof(float));
+        return DS4_OK;
+    }
+    return ds4_offload_read(o->store, arr_h(o, k), (size_t)i0 * sizeof(float), buf, (size_t)n * sizeof(float));
+}
+static ds4_status span_write(ds4_adamw *o, int k, int64_t i0, int64_t n, const float *buf) {
+    if (ds4_shape_only()) return DS4_OK;
+    float *mem = arr_mem(o, k);
+    if (mem) {
+        memcpy(mem + i0, buf, (size_t)n * sizeof(float));
+        return DS4_OK;
+    }
+    return ds4_offload_write(o->store, arr_h(o, k), (size_t)i0 * sizeof(float), buf, (size_t)n * sizeof(float));
+}
+
+/* Swapped state: chunk by chunk, read m and v, update, write them back. The two buffers (o->chunk
+ * elements each, 8 bytes per element) are all the optimizer holds in memory. */
 static ds4_status step_swapped(ds4_adamw *o, float *w, const float *g, const adamw_k *k) {
     const int64_t C = o->n < o->chunk ? o->n : o->chunk;
-    void *buf[S_COUNT];
+    float *buf[S_COUNT];
     ds4_status st = DS4_OK;
     for (int a = 0; a < S_COUNT; a++)
-        if (!(buf[a] = ds4_alloc(DS4_MEM_OPTIM, (size_t)C * k_elem[a])))
+        if (!(buf[a] = ds4_alloc(DS4_MEM_OPTIM, (size_t)C * sizeof(float))))
             st = ds4_fail(DS4_ERR_OOM, "swap-optimizer: out of memory for %lld-element update buffers", (long long)C);
     for (int64_t i0 = 0; i0 < (ds4_shape_only() ? 0 : o->n) && st == DS4_OK; i0 += C) {
         const int64_t n = o->n - i0 < C ? o->n - i0 : C;
         for (int a = 0; a < S_COUNT && st == DS4_OK; a++) st = span_read(o, a, i0, n, buf[a]);
         if (st != DS4_OK) break;
-        adamw_update(k, n, buf[S_M], buf[S_V], buf[S_DECAY], buf[S_FROZEN], w + i0, g + i0);
-        st = span_write(o, S_M, i0, n, buf[S_M]);
-        if (st == DS4_OK) st = span_write(o, S_V, i0, n, buf[S_V]);
+        update_span(o, k, i0, n, buf[S_M], buf[S_V], w + i0, g + i0);
+        for (int a = 0; a < S_COUNT && st == DS4_OK; a++) st = span_write(o, a, i0, n, buf[a]);
     }
     for (int a = 0; a < S_COUNT; a++) ds4_free(buf[a]);
     return st == DS4_OK ? DS4_OK : ds4_fail_prefix(st, "swap-optimizer step %lld", (long long)o->step);
@@ -150,18 +251,18 @@ ds4_status ds4_adamw_step(ds4_adamw *o, ds4_model *m, const ds4_adamw_cfg *c, do
 }
 
 ds4_status ds4_adamw_step_flat(ds4_adamw *o, float *w, const float *g, const ds4_adamw_cfg *c, double lr) {
-    const bool resident = o->m && o->v && o->decay && o->frozen;
+    const bool resident = o->m && o->v;
     if (ds4_shape_only() && resident) return DS4_OK;
     const adamw_k k = adamw_consts(o->step + 1, c, lr);
     ds4_status st = resident ? DS4_OK : step_swapped(o, w, g, &k);
-    if (resident) adamw_update(&k, o->n, o->m, o->v, o->decay, o->frozen, w, g);
+    if (resident) update_span(o, &k, 0, o->n, o->m, o->v, w, g);
     if (st == DS4_OK && !ds4_shape_only()) o->step++;
     return st;
 }
 
 /* ------------------------------------------------------------------ --swap-optimizer */
 static int64_t chunk_elems(size_t chunk_bytes) {
-    const size_t per = 2 * sizeof(float) + 2; /* m, v, decay, frozen */
+    const size_t per = 2 * sizeof(float); /* m, v */
     const int64_t n = (int64_t)((chunk_bytes ? chunk_bytes : DS4_ADAMW_SWAP_CHUNK) / per);
     return n > 0 ? n : 1;
 }
@@ -174,9 +275,9 @@ ds4_status ds4_adamw_swap_out(ds4_adamw *o, ds4_offload *store, size_t chunk_byt
     if (!o->store) o->store = store;
     if (chunk_bytes || !o->chunk) o->chunk = chunk_elems(chunk_bytes);
     for (int k = 0; k < S_COUNT; k++) {
-        void *mem = arr_mem(o, k);
+        float *mem = arr_mem(o, k);
         if (!mem) continue;
-        DS4_TRY(ds4_offload_put(o->store, DS4_MEM_OPTIM, mem, (size_t)o->n * k_elem[k], arr_handle(o, k)));
+        DS4_TRY(ds4_offload_put(o->store, DS4_MEM_OPTIM, mem, (size_t)o->n * sizeof(float), arr_handle(o, k)));
         ds4_free(mem);
         arr_set_mem(o, k, NULL);
     }
@@ -184,9 +285,9 @@ ds4_status ds4_adamw_swap_out(ds4_adamw *o, ds4_offload *store, size_t chunk_byt
 }
 
 ds4_status ds4_adamw_swap_in(ds4_adamw *o) {
-    for (int k = S_M; k <= S_V && o->store; k++) {
+    for (int k = 0; k < S_COUNT && o->store; k++) {
         if (arr_mem(o, k)) continue;
-        void *p = ds4_alloc(DS4_MEM_OPTIM, (size_t)o->n * k_elem[k]);
+        float *p = ds4_alloc(DS4_MEM_OPTIM, (size_t)o->n * sizeof(float));
         if (!p) return ds4_fail(DS4_ERR_OOM, "swap-optimizer: out of memory bringing back %lld moments", (long long)o->n);
         ds4_status st = ds4_offload_get(o->store, arr_h(o, k), p);
         if (st != DS4_OK) {
@@ -200,54 +301,20 @@ ds4_status ds4_adamw_swap_in(ds4_adamw *o) {
     return DS4_OK;
 }
 
-/* n elements: arrays k < in_store created zero in the store, the others zero in memory. */
-static ds4_status init_split(ds4_adamw *o, int64_t n, ds4_offload *store, size_t chunk_bytes, int in_store) {
+ds4_status ds4_adamw_init_n_swapped(ds4_adamw *o, int64_t n, ds4_offload *store, size_t chunk_bytes) {
     state_reset(o, n);
     o->store = store;
     o->chunk = chunk_elems(chunk_bytes);
-    ds4_status st = DS4_OK;
-    for (int k = 0; k < S_COUNT && st == DS4_OK; k++) {
-        void *p = NULL;
-        if (k < in_store) st = ds4_offload_alloc(store, DS4_MEM_OPTIM, (size_t)n * k_elem[k], arr_handle(o, k));
-        else if (!(p = ds4_calloc(DS4_MEM_OPTIM, (size_t)n * k_elem[k])))
-            st = ds4_fail(DS4_ERR_OOM, "out of memory for the optimizer masks (%lld parameters)", (long long)n);
-        arr_set_mem(o, k, p);
-    }
+    ds4_status st = ds4_adamw_set_ranges(o, NULL, 0);
+    for (int k = 0; k < S_COUNT && st == DS4_OK; k++)
+        st = ds4_offload_alloc(store, DS4_MEM_OPTIM, (size_t)n * sizeof(float), arr_handle(o, k));
     if (st != DS4_OK) ds4_adamw_free(o);
     return st;
 }
 
-ds4_status ds4_adamw_init_n_swapped(ds4_adamw *o, int64_t n, ds4_offload *store, size_t chunk_bytes) {
-    return init_split(o, n, store, chunk_bytes, S_DECAY);
-}
-
-/* Mask array k := 1 on [off, off + n), through a buffer of ones [C]. */
-static ds4_status mask_ones(ds4_adamw *o, int k, int64_t off, int64_t n, const uint8_t *ones, int64_t C) {
-    for (int64_t i = 0; i < n; i += C) DS4_TRY(span_write(o, k, off + i, n - i < C ? n - i : C, ones));
-    return DS4_OK;
-}
-
-/* The masks written straight into the store, parameter by parameter: never resident. */
-static ds4_status fill_masks_swapped(ds4_adamw *o, ds4_model *m) {
-    const int64_t C = o->n < o->chunk ? o->n : o->chunk;
-    uint8_t *ones = ds4_alloc(DS4_MEM_OPTIM, (size_t)C);
-    if (!ones) return ds4_fail(DS4_ERR_OOM, "swap-optimizer: out of memory for the mask buffer");
-    if (!ds4_shape_only()) memset(ones, 1, (size_t)C);
-    const float *base = ds4_model_params_flat(m);
-    ds4_status st = DS4_OK;
-    for (int64_t i = 0; i < (ds4_shape_only() ? 0 : ds4_model_nparams(m)) && st == DS4_OK; i++) {
-        ds4_param *p = ds4_model_param(m, i);
-        if (p->is_int) continue;
-        if (!p->no_decay) st = mask_ones(o, S_DECAY, p->data - base, p->numel, ones, C);
-        if (p->no_grad && st == DS4_OK) st = mask_ones(o, S_FROZEN, p->data - base, p->numel, ones, C);
-    }
-    ds4_free(ones);
-    return st;
-}
-
 ds4_status ds4_adamw_init_swapped(ds4_adamw *o, ds4_model *m, ds4_offload *store, size_t chunk_bytes) {
-    DS4_TRY(init_split(o, ds4_model_numel(m), store, chunk_bytes, S_COUNT));
-    ds4_status st = fill_masks_swapped(o, m);
+    DS4_TRY(ds4_adamw_init_n_swapped(o, ds4_model_numel(m), store, chunk_bytes));
+    ds4_status st = ranges_from_model(o, m);
     if (st != DS4_OK) ds4_adamw_free(o);
     return st;
 }

@@ -73,8 +73,7 @@ static ds4_status open_sharded(ds4_train_state *s, const ds4_config *mc, const d
     DS4_TRY(d ? ds4_fsdp_load(s->f, d) : ds4_fsdp_init_random(s->f, seed));
     int64_t n = ds4_fsdp_shard_numel(s->f);
     DS4_TRY(swap_optimizer ? ds4_adamw_init_n_swapped(&s->opt, n, s->store, 0) : ds4_adamw_init_n(&s->opt, n));
-    ds4_fsdp_masks(s->f, s->opt.decay, s->opt.frozen);
-    return swap_optimizer ? ds4_adamw_swap_out(&s->opt, s->store, 0) : DS4_OK;
+    return ds4_fsdp_adamw_ranges(s->f, &s->opt);
 }
 
 /* The offload store and the layer-input hooks, when a swap policy asks for them. */
