@@ -17,20 +17,6 @@
 #define NFLAGS(f) ((int)(sizeof(f) / sizeof((f)[0])))
 
 
-/* Refuses anything but a regular file before it is read: a FIFO would block forever (the open is
- * O_NONBLOCK so it cannot wait for a writer), a directory fails obscurely. */
-static ds4_status check_regular(const char *path) {
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    int rc = fstat(fd, &sb);
-    close(fd);
-    if (rc != 0) return ds4_fail(DS4_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
-    if (!S_ISREG(sb.st_mode))
-        return ds4_fail(DS4_ERR_IO, "%s: not a regular file (%s)", path,
-                        S_ISDIR(sb.st_mode) ? "a directory" : S_ISFIFO(sb.st_mode) ? "a FIFO" : "a special file");
-    return DS4_OK;
-}
 
 /* ------------------------------------------------------------------ ds4 init */
 /* mkdir -p DIR: every missing folder on the way is created; false after a one-line error naming the
@@ -83,7 +69,7 @@ int cmd_init(int argc, char **argv) {
         return 2;
     }
     ds4_config cfg;
-    if (check_regular(cfgp) != DS4_OK || ds4_config_load(cfgp, &cfg) != DS4_OK) return cli_fail();
+    if (ds4_check_input(cfgp, NULL) != DS4_OK || ds4_config_load(cfgp, &cfg) != DS4_OK) return cli_fail();
     ds4_model *m;
     if (ds4_model_create(&cfg, &m) != DS4_OK) return cli_fail();
     if (!make_dirs("init", out)) {
@@ -102,7 +88,7 @@ int cmd_init(int argc, char **argv) {
 /* ------------------------------------------------------------------ ds4 debug-state */
 static ds4_status read_batch(const char *path, int32_t **ids, int64_t *B, int64_t *T) {
     ds4_st_file *f;
-    DS4_TRY(check_regular(path));
+    DS4_TRY(ds4_check_input(path, NULL));
     DS4_TRY(ds4_st_open(path, &f));
     const ds4_st_entry *e = ds4_st_find(f, "input_ids");
     ds4_status st = DS4_OK;

@@ -98,6 +98,8 @@ ds4_status ds4_read_file(const char *path, char **data, size_t *len);
  * names the file in the "PATH: cannot open WHAT: reason" message. On success *fd is a blocking
  * O_RDONLY | O_CLOEXEC descriptor (close it) and *size the file's length in bytes. */
 ds4_status ds4_open_input(const char *path, const char *what, int *fd, uint64_t *size);
+/* The same check without keeping the file open: for paths handed to a reader that opens them itself. */
+ds4_status ds4_check_input(const char *path, const char *what);
 
 /* Streaming form of the atomic write, for files too big to build in memory (checkpoints):
  *   ds4_atomic_file af; DS4_TRY(ds4_atomic_open(path, &af));

@@ -456,20 +456,6 @@ static bool shard_matches(const char *path, const shard_item *it, int64_t n) {
     return ok;
 }
 
-/* Refuses anything but a regular file before it is read: a FIFO would block the read forever (the
- * open itself is O_NONBLOCK so it cannot wait for a writer), a directory fails obscurely. */
-static ds4_status check_regular(const char *path) {
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    int rc = fstat(fd, &sb);
-    close(fd);
-    if (rc != 0) return ds4_fail(DS4_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
-    if (!S_ISREG(sb.st_mode))
-        return ds4_fail(DS4_ERR_IO, "%s: not a regular file (%s)", path,
-                        S_ISDIR(sb.st_mode) ? "a directory" : S_ISFIFO(sb.st_mode) ? "a FIFO" : "a special file");
-    return DS4_OK;
-}
 
 /* ---------------------------------------------------------------- progress file (resume) */
 
@@ -599,7 +585,7 @@ static ds4_status make_config(const ds4_convert_opts *o, cJSON **out) {
     size_t len;
     *out = NULL;
     snprintf(in, sizeof in, "%s/config.json", o->in_dir);
-    DS4_TRY(check_regular(in));
+    DS4_TRY(ds4_check_input(in, NULL));
     DS4_TRY(ds4_read_file(in, &text, &len));
     cJSON *r = cJSON_ParseWithLength(text, len);
     ds4_free(text);
@@ -636,7 +622,7 @@ static ds4_status copy_side_files(const ds4_convert_opts *o) {
         snprintf(out, sizeof out, "%s/%s", o->out_dir, k_files[i]);
         struct stat st;
         if (stat(in, &st) != 0) continue;
-        DS4_TRY(check_regular(in));
+        DS4_TRY(ds4_check_input(in, NULL));
         DS4_TRY(ds4_read_file(in, &data, &len));
         ds4_status s = ds4_write_file_atomic(out, data, len);
         ds4_free(data);
@@ -688,7 +674,7 @@ static ds4_status open_model_shards(const char *dir, ds4_model_dir **d) {
     for (int64_t i = 0; s == DS4_OK && i < n; i++) {
         char p[4096];
         snprintf(p, sizeof p, "%s/%s", dir, names[i]);
-        s = check_regular(p);
+        s = ds4_check_input(p, NULL);
     }
     if (s == DS4_OK) s = ds4_model_dir_open_shards(dir, (const char *const *)names, n, d);
     for (int64_t i = 0; i < n; i++) ds4_free(names[i]);
@@ -699,9 +685,9 @@ static ds4_status open_input(const ds4_convert_opts *o, ds4_model_dir **d) {
     char ip[4096];
     struct stat st;
     snprintf(ip, sizeof ip, "%s/config.json", o->in_dir);
-    DS4_TRY(check_regular(ip));
+    DS4_TRY(ds4_check_input(ip, NULL));
     snprintf(ip, sizeof ip, "%s/model.safetensors.index.json", o->in_dir);
-    if (stat(ip, &st) == 0) DS4_TRY(check_regular(ip));
+    if (stat(ip, &st) == 0) DS4_TRY(ds4_check_input(ip, NULL));
     if (o->model_shards_only && stat(ip, &st) != 0) return open_model_shards(o->in_dir, d);
     return ds4_model_dir_open(o->in_dir, d);
 }

@@ -51,6 +51,14 @@ ds4_status ds4_open_input(const char *path, const char *what, int *fd_out, uint6
     return DS4_OK;
 }
 
+ds4_status ds4_check_input(const char *path, const char *what) {
+    int fd;
+    uint64_t size;
+    DS4_TRY(ds4_open_input(path, what, &fd, &size));
+    close(fd);
+    return DS4_OK;
+}
+
 ds4_status ds4_read_file(const char *path, char **data, size_t *len) {
     *data = NULL;
     *len = 0;

@@ -624,20 +624,6 @@ ds4_status ds4_tokenizer_parse(const char *json, size_t len, const char *name, c
     return DS4_OK;
 }
 
-/* Refuses anything but a regular file before it is read: a FIFO would block the read forever (the
- * open itself is O_NONBLOCK so it cannot wait for a writer), a directory fails obscurely. */
-static ds4_status check_regular(const char *path) {
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return ds4_fail(DS4_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    int rc = fstat(fd, &sb);
-    close(fd);
-    if (rc != 0) return ds4_fail(DS4_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
-    if (!S_ISREG(sb.st_mode))
-        return ds4_fail(DS4_ERR_IO, "%s: not a regular file (%s)", path,
-                        S_ISDIR(sb.st_mode) ? "a directory" : S_ISFIFO(sb.st_mode) ? "a FIFO" : "a special file");
-    return DS4_OK;
-}
 
 ds4_status ds4_tokenizer_load(const char *path, ds4_tokenizer **out) {
     *out = NULL;
@@ -650,10 +636,10 @@ ds4_status ds4_tokenizer_load(const char *path, ds4_tokenizer **out) {
     snprintf(cfg_path, sizeof cfg_path, "%.*s%stokenizer_config.json", dir_len, file, slash ? "/" : "");
     char *json, *cfg = NULL;
     size_t len, cfg_len;
-    DS4_TRY(check_regular(file));
+    DS4_TRY(ds4_check_input(file, NULL));
     DS4_TRY(ds4_read_file(file, &json, &len));
     if (stat(cfg_path, &sb) == 0) {
-        ds4_status st = check_regular(cfg_path);
+        ds4_status st = ds4_check_input(cfg_path, NULL);
         if (st == DS4_OK) st = ds4_read_file(cfg_path, &cfg, &cfg_len);
         if (st) {
             ds4_free(json);

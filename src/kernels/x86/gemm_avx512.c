@@ -13,6 +13,7 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,fma")
+#include "kernels/x86/avx512_tile.h"
 
 #define MR 14         /* register tile rows: 14×2 zmm accumulators + 2 B vectors */
 #define NR 32         /* register tile columns: two zmm */
@@ -23,7 +24,6 @@
 
 /* ---------------------------------------------------------------- packing */
 
-static __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 
 /* In-register transpose: r[a] holds row a (16 floats); afterwards r[c] holds column c. Three rounds:
  * 32-bit interleave of row pairs, 64-bit interleave of pair pairs (u[4i+j] lane L = column 4L+j of
@@ -98,22 +98,6 @@ static void pack_b(void *dstv, gemm_view B, int64_t k0, int64_t kc, int64_t j0, 
 }
 
 /* ---------------------------------------------------------------- microkernel */
-
-/* One C row of the tile: C = acc (cscale 0), C + acc (1), or cscale·C + acc. */
-static inline void store_row(float *c, __m512 lo, __m512 hi, __mmask16 m0, __mmask16 m1, float cscale) {
-    if (cscale != 0) {
-        __m512 c0 = _mm512_maskz_loadu_ps(m0, c), c1 = _mm512_maskz_loadu_ps(m1, c + 16);
-        if (cscale != 1) {
-            __m512 s = _mm512_set1_ps(cscale);
-            c0 = _mm512_mul_ps(s, c0);
-            c1 = _mm512_mul_ps(s, c1);
-        }
-        lo = _mm512_add_ps(c0, lo);
-        hi = _mm512_add_ps(c1, hi);
-    }
-    _mm512_mask_storeu_ps(c, m0, lo);
-    _mm512_mask_storeu_ps(c + 16, m1, hi);
-}
 
 #define ACC_DECL(i) __m512 c##i##l = _mm512_setzero_ps(), c##i##h = _mm512_setzero_ps();
 #define ACC_FMA(i)                                      \

@@ -97,24 +97,7 @@ const gemm_engine *gemm_engine_dpbf16_portable(void) { return &k_dp_portable; }
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16")
-
-static __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
-
-/* One C row of the tile: C = acc (cscale 0), C + acc (1), or cscale·C + acc; first nr columns only. */
-static inline void dp_store_row(float *c, __m512 lo, __m512 hi, __mmask16 m0, __mmask16 m1, float cscale) {
-    if (cscale != 0) {
-        __m512 c0 = _mm512_maskz_loadu_ps(m0, c), c1 = _mm512_maskz_loadu_ps(m1, c + 16);
-        if (cscale != 1) {
-            __m512 s = _mm512_set1_ps(cscale);
-            c0 = _mm512_mul_ps(s, c0);
-            c1 = _mm512_mul_ps(s, c1);
-        }
-        lo = _mm512_add_ps(c0, lo);
-        hi = _mm512_add_ps(c1, hi);
-    }
-    _mm512_mask_storeu_ps(c, m0, lo);
-    _mm512_mask_storeu_ps(c + 16, m1, hi);
-}
+#include "kernels/x86/avx512_tile.h"
 
 #define DP_DECL(i) __m512 c##i##l = _mm512_setzero_ps(), c##i##h = _mm512_setzero_ps();
 #define DP_DOT(i)                                                           \
@@ -124,7 +107,7 @@ static inline void dp_store_row(float *c, __m512 lo, __m512 hi, __mmask16 m0, __
         c##i##h = _mm512_dpbf16_ps(c##i##h, ai, b1);                        \
     }
 #define DP_STORE(i) \
-    if (i < mr) dp_store_row(C + i * ldc, c##i##l, c##i##h, m0, m1, cscale);
+    if (i < mr) store_row(C + i * ldc, c##i##l, c##i##h, m0, m1, cscale);
 #define DP_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13)
 
 /* C tile [mr ≤ 14, nr ≤ 32] = cscale·C + a·b over one packed slice (pairs of a: [p][14], of b: [p][32]). */
