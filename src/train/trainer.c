@@ -189,13 +189,10 @@ static ds4_status check_range(const ds4_train_cfg *c, const key_range *r) {
     return ds4_fail(DS4_ERR_CONFIG, "%s = %g: expected %s%s", r->key, v, want, note);
 }
 
-/* a * b, false on int64 overflow. */
-static bool mul_i64(int64_t a, int64_t b, int64_t *out) { return !__builtin_mul_overflow(a, b, out); }
-
 static ds4_status check_ranges(const ds4_train_cfg *c) {
     for (size_t i = 0; i < sizeof k_ranges / sizeof k_ranges[0]; i++) DS4_TRY(check_range(c, &k_ranges[i]));
     int64_t tokens;
-    if (!mul_i64(c->micro_batch, c->seq_len, &tokens) || tokens > INT32_MAX)
+    if (!ds4_mul_i64(c->micro_batch, c->seq_len, &tokens) || tokens > INT32_MAX)
         return ds4_fail(DS4_ERR_CONFIG,
                         "training.micro_batch_size %lld x training.seq_len %lld: more than %d tokens per micro-batch",
                         (long long)c->micro_batch, (long long)c->seq_len, INT32_MAX);
@@ -690,8 +687,8 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *c, bool *agreed) {
                          tr.W, &tr.train);
     if (st == DS4_OK) {
         int64_t tokens = 0, loads = 0; /* [micro_batch, seq_len], [n_blocks, E]: sizes checked before */
-        bool sized = mul_i64(c->micro_batch, c->seq_len, &tokens) &&
-                     mul_i64(mc->n_layers + mc->n_mtp_layers, mc->n_routed_experts, &loads);
+        bool sized = ds4_mul_i64(c->micro_batch, c->seq_len, &tokens) &&
+                     ds4_mul_i64(mc->n_layers + mc->n_mtp_layers, mc->n_routed_experts, &loads);
         tr.ids = sized ? ds4_alloc(DS4_MEM_OTHER, (size_t)tokens * sizeof(int32_t)) : NULL;
         tr.loads = sized ? ds4_calloc(DS4_MEM_OTHER, (size_t)loads * sizeof(int64_t)) : NULL;
         if (!tr.ids || !tr.loads)
