@@ -467,7 +467,7 @@ static void gate_case(int64_t N, int64_t E, int64_t K, int hash, int with_bias, 
     int64_t V = 7, *t2e = malloc((size_t)(V * K) * sizeof(int64_t));
     int32_t *ids = malloc((size_t)N * sizeof(int32_t));
     for (int64_t v = 0; v < V; v++)
-        for (int64_t k = 0; k < K; k++) t2e[v * K + k] = (v * 3 + k * 5) % E; /* distinct while K·5 < E·… */
+        for (int64_t k = 0; k < K; k++) t2e[v * K + k] = (v * 3 + k * 5) % E; /* distinct within a row for these (E, K) */
     for (int64_t n = 0; n < N; n++) ids[n] = (int32_t)((n * 5 + 2) % V);
     const int64_t *tab = hash ? t2e : NULL;
 
