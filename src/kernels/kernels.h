@@ -7,11 +7,11 @@
  *    A NULL gradient pointer means "not needed" and skips that work.
  *  - Deterministic: for a fixed thread count, the same inputs give the same bits. No float
  *    atomics; reductions over threads are done in a fixed order.
- *  - `ref/` holds the plain reference version of each op (the oracle). Where a fast version exists
- *    (the GEMM: gemm.c runs the engine that dispatch.c picks from the CPU at run time, x86/), the
- *    reference keeps the `_ref` suffix and the fast one has the plain name, same signature and
- *    semantics; tests compare the two. Ops without a fast version are defined once, under the plain
- *    name, in ref/.
+ *  - `cpu/` holds the portable CPU version of each op (OpenMP, vector types). Where a faster version
+ *    exists (the GEMM: gemm.c runs the engine that dispatch.c picks from the CPU at run time, x86/),
+ *    the portable one keeps the `_ref` suffix and the fast one has the plain name, same signature and
+ *    semantics; tests compare the two. Ops without a faster version are defined once, under the plain
+ *    name, in cpu/.
  *  - The same signatures are what a CUDA backend would implement.
  */
 #ifndef DS4_KERNELS_H
@@ -30,7 +30,7 @@
         if (ds4_shape_only()) return __VA_ARGS__; \
     } while (0)
 
-/* ================================================================ gemm (kernels/ref/gemm.c, gemm.c, x86/)
+/* ================================================================ gemm (kernels/cpu/gemm.c, gemm.c, x86/)
  * beta is 0 (overwrite C) or 1 (accumulate into C). Leading dimensions in elements. */
 /* C[M,N] = beta*C + A[M,K] · B[N,K]^T        (linear forward: out = in · W^T) */
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
@@ -56,7 +56,7 @@ void gemm_workspace_release(void);
 /* Mixed precision (ds4_set_matmul_precision(DS4_MATMUL_BF16)): gemm_nt/nn/tn round A and B to bf16
  * (gemm_bf16_round) and accumulate their exact products in fp32 (the engine the dispatch chose: AMX
  * tiles, VDPBF16PS or fp32 FMAs); C stays fp32. The references below round the same way and accumulate
- * in double (ref/gemm_bf16.c). */
+ * in double (cpu/gemm_bf16.c). */
 typedef void gemm_signature(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
                             int64_t ldb, float *C, int64_t ldc, float beta); /* that of every gemm above */
 gemm_signature gemm_nt_bf16_ref, gemm_nn_bf16_ref, gemm_tn_bf16_ref;        /* the layouts of gemm_nt/nn/tn */
@@ -77,19 +77,19 @@ void grouped_linear_fwd(float *z, const float *o, const float *w, int64_t N, int
 void grouped_linear_bwd(float *do_, float *dw, const float *dz, const float *o, const float *w, int64_t N,
                         int64_t G, int64_t R, int64_t Din);
 
-/* ================================================================ embedding (ref/embed.c)
+/* ================================================================ embedding (cpu/embed.c)
  * out: [N, D] = table[ids[n]]; table: [V, D]. */
 void embedding_fwd(float *out, const float *table, const int32_t *ids, int64_t N, int64_t D);
 void embedding_bwd(float *dtable, const float *dout, const int32_t *ids, int64_t N, int64_t D);
 
-/* ================================================================ RMSNorm (ref/norm.c), §2
+/* ================================================================ RMSNorm (cpu/norm.c), §2
  * y[n] = w ⊙ x[n] · rstd[n], rstd[n] = 1/sqrt(mean(x[n]²) + eps). w == NULL: weightless norm.
  * x, y: [N, D]; rstd: [N] (saved for backward). y may not alias x. */
 void rmsnorm_fwd(float *y, float *rstd, const float *x, const float *w, int64_t N, int64_t D, float eps);
 void rmsnorm_bwd(float *dx, float *dw, const float *dy, const float *x, const float *w, const float *rstd,
                  int64_t N, int64_t D);
 
-/* ================================================================ RoPE (ref/rope.c), §4.1
+/* ================================================================ RoPE (cpu/rope.c), §4.1
  * Interleaved pairs on the trailing rd dims of each head: pair i = (x[hd-rd+2i], x[hd-rd+2i+1])
  * rotated by angle pos·θ_i, θ_i = base^(-2i/rd), with YaRN frequency correction when
  * original_seq_len > 0. */
@@ -115,7 +115,7 @@ void rope_fwd(float *x, int64_t N, int64_t H, int64_t hd, int64_t period, int64_
 void rope_bwd(float *dx, int64_t N, int64_t H, int64_t hd, int64_t period, int64_t mult, const ds4_rope *r,
               bool inverse);
 
-/* ================================================================ mHC (ref/hc.c), §3
+/* ================================================================ mHC (cpu/hc.c), §3
  * n = hc_mult streams, M = (2+n)·n mixes. X: [N, n, D] residual streams. */
 /* Per token: pre[n], post[n], comb[n,n] from mixes[M] (§3.2, hc_split_sinkhorn). */
 void hc_split_sinkhorn_fwd(float *pre, float *post, float *comb, const float *mixes, const float *scale,
@@ -147,7 +147,7 @@ void hc_head_bwd(float *dX, float *dfn, float *dscale, float *dbase, const float
                  const float *fn, const float *scale, const float *base, const float *mixes, const float *rsqrt,
                  int64_t N, int64_t n, int64_t D, float hc_eps, float norm_eps);
 
-/* ================================================================ compressor pooling (ref/compressor.c), §4.4
+/* ================================================================ compressor pooling (cpu/compressor.c), §4.4
  * a = wkv(x), z = wgate(x): [B, T, C] with C = coff·d, coff = 2 if overlap (ratio 4) else 1.
  * ape: [r, C]. out: [B, Nc, d], Nc = T / r (tail tokens dropped). Per channel softmax over the r
  * (or 2r with overlap: previous block's channels [0,d) then current block's channels [d,2d))
@@ -157,7 +157,7 @@ void compressor_pool_fwd(float *out, const float *a, const float *z, const float
 void compressor_pool_bwd(float *da, float *dz, float *dape, const float *dout, const float *a, const float *z,
                          const float *ape, int64_t B, int64_t T, int64_t r, int64_t d, bool overlap);
 
-/* ================================================================ sparse shared-KV attention (ref/sparse_attn.c), §4.6, §4.10
+/* ================================================================ sparse shared-KV attention (cpu/sparse_attn.c), §4.6, §4.10
  * Keys of query (b, t): the window kv[b, j], max(0, t-window+1) <= j <= t, and compressed entries
  * kvc[b, i]: if ratio == 0 none; else if topk != NULL the ids topk[b, t, 0..K-1] that are >= 0;
  * else every usable entry, (i+1)·ratio <= t+1 (HCA, or dense CSA).
@@ -173,7 +173,7 @@ void sparse_attn_bwd(float *dq, float *dkv, float *dkvc, float *dsink, const flo
                      const float *sink, int64_t B, int64_t T, int64_t H, int64_t c, int64_t window,
                      int64_t ratio, int64_t Nc, int64_t K, float scale);
 
-/* ================================================================ lightning indexer (ref/indexer.c), §4.5, §6.3
+/* ================================================================ lightning indexer (cpu/indexer.c), §4.5, §6.3
  * I[b,t,s] = Σ_h wscale·w[b,t,h]·ReLU(qi[b,t,h]·ki[b,s]) for usable s ((s+1)·ratio <= t+1).
  * qi: [B, T, HI, dI]; ki: [B, Nc, dI]; w: [B, T, HI] (raw weights_proj output).
  * topk: [B, T, K] = the K usable entries with the highest I (ties to the lower index), written in
@@ -194,7 +194,7 @@ void indexer_kl_fwd_bwd(double *kl_sum, int64_t *n_rows, float *dqi, float *dki,
                         const float *lse, int64_t B, int64_t T, int64_t H, int64_t c, int64_t HI, int64_t dI,
                         int64_t Nc, int64_t ratio, int64_t K, float scale, float wscale, float grad_scale);
 
-/* ================================================================ MoE (ref/moe.c), §5
+/* ================================================================ MoE (cpu/moe.c), §5
  * logits: [N, E] gate scores before the affinity; scores: [N, E] = sqrt(softplus(logits)) (saved).
  * Selection: tid2eid[ids[n]] (hash layers, tid2eid: [V, K]) or top-K of scores + bias
  * (bias may be NULL; ties to the lower expert id). idx: [N, K] ascending order not required, but
@@ -210,7 +210,7 @@ void swiglu_fwd(float *act, const float *g, const float *u, int64_t N, int64_t I
 void swiglu_bwd(float *dg, float *du, const float *dact, const float *g, const float *u, int64_t N, int64_t I,
                 float limit);
 
-/* ================================================================ loss (ref/loss.c)
+/* ================================================================ loss (cpu/loss.c)
  * Cross-entropy over logits [N, V] with targets [N] (−1 = row not scored).
  * *loss_sum = Σ over scored rows of −log softmax(logits)[target] (double); *n_scored rows.
  * dlogits (may be NULL) is OVERWRITTEN: grad_scale·(softmax − onehot) on scored rows, 0 elsewhere. */

@@ -1,5 +1,5 @@
 /* Float64 twins of the reference kernels, for finite-difference tests. Each op's reference code is
- * written once in a ref/<op>.inc template and compiled twice: in float under the names of kernels.h
+ * written once in a cpu/<op>.inc template and compiled twice: in float under the names of kernels.h
  * and in double under the same name + `_f64` (every float parameter becomes double; int pointers
  * stay). Same semantics as kernels.h. Each op family keeps its own section below. */
 #ifndef DS4_KERNELS_F64_H
@@ -49,7 +49,7 @@ void cross_entropy_fwd_bwd_f64(double *loss_sum, int64_t *n_scored, double *dlog
 
 /* ---- end gemm, linear, embedding, norm, rope, moe gate, swiglu, loss ---- */
 
-/* ---- hc (mHC), ref/hc.c ---- */
+/* ---- hc (mHC), cpu/hc.c ---- */
 void hc_split_sinkhorn_fwd_f64(double *pre, double *post, double *comb, const double *mixes, const double *scale,
                                const double *base, int64_t n, int64_t iters, double eps);
 void hc_split_sinkhorn_bwd_f64(double *dmixes, double *dscale, double *dbase, const double *dpre,
@@ -73,7 +73,7 @@ void hc_head_bwd_f64(double *dX, double *dfn, double *dscale, double *dbase, con
                      const double *fn, const double *scale, const double *base, const double *mixes,
                      const double *rsqrt, int64_t N, int64_t n, int64_t D, double hc_eps, double norm_eps);
 
-/* ---- compressor pooling, ref/compressor.c ---- */
+/* ---- compressor pooling, cpu/compressor.c ---- */
 void compressor_pool_fwd_f64(double *out, const double *a, const double *z, const double *ape, int64_t B,
                              int64_t T, int64_t r, int64_t d, bool overlap);
 void compressor_pool_bwd_f64(double *da, double *dz, double *dape, const double *dout, const double *a,
@@ -81,7 +81,7 @@ void compressor_pool_bwd_f64(double *da, double *dz, double *dape, const double 
                              bool overlap);
 /* ---- end hc (mHC), compressor pooling ---- */
 
-/* ---- sparse attention, indexer (ref/sparse_attn.c, ref/indexer.c) ---- */
+/* ---- sparse attention, indexer (cpu/sparse_attn.c, cpu/indexer.c) ---- */
 void sparse_attn_fwd_f64(double *o, double *lse, const double *q, const double *kv, const double *kvc,
                          const int32_t *topk, const double *sink, int64_t B, int64_t T, int64_t H, int64_t c,
                          int64_t window, int64_t ratio, int64_t Nc, int64_t K, double scale);
