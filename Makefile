@@ -15,7 +15,15 @@ CFLAGS  += $(MPI_CFLAGS) -DDS4_HAVE_MPI
 LDLIBS  += $(MPI_LIBS)
 endif
 
+# The kernels' x86 engines (src/kernels/x86/) are compiled only for an x86-64 target (the compiler's
+# own target; X86_64=0 leaves them out on any host, as a non-x86 target does; DS4_NO_X86_DIR tells the
+# dispatch they are absent).
+X86_64    ?= $(if $(filter x86_64-%,$(shell $(CC) -dumpmachine)),1,0)
 LIB_SRC   := $(sort $(wildcard src/*/*.c src/*/*/*.c))
+ifneq ($(X86_64),1)
+LIB_SRC   := $(filter-out src/kernels/x86/%,$(LIB_SRC))
+CFLAGS    += -DDS4_NO_X86_DIR
+endif
 LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/%.o)
 TEST_SRC  := $(sort $(wildcard tests/test_*.c))
 TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)

@@ -162,7 +162,9 @@ static void oracle_attn(double *o, double *lse, double *P, const ainputs *a) {
     free(L);
 }
 
-#define ACFG_ARGS(g) (g).B, (g).T, (g).H, (g).c, (g).window, (g).ratio, (g).Nc, (g).K
+#define ACFG_DIMS(g) \
+    ((sparse_attn_dims){.B = (g).B, .T = (g).T, .H = (g).H, .c = (g).c, .window = (g).window, .ratio = (g).ratio, \
+                        .Nc = (g).Nc, .K = (g).K})
 
 /* The four layer kinds, with T not a multiple of r and window < T. */
 static const acfg k_cfgs[] = {
@@ -185,9 +187,11 @@ static void test_attn_fwd_matches_dense_oracle(void) {
         double *o_ref = malloc(no * sizeof(double)), *l_ref = malloc(nl * sizeof(double));
         oracle_attn(o_ref, l_ref, NULL, &a);
         float *o = malloc(no * sizeof(float)), *l = malloc(nl * sizeof(float));
-        sparse_attn_fwd(o, l, a.q, a.kv, a.kvc, a.topk, a.sink, ACFG_ARGS(g), (float)a.scale);
+        sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+            .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l});
         double *od = malloc(no * sizeof(double)), *ld = malloc(nl * sizeof(double));
-        sparse_attn_fwd_f64(od, ld, a.qd, a.kvd, a.kvcd, a.topk, a.sinkd, ACFG_ARGS(g), a.scale);
+        sparse_attn_fwd_f64(&(sparse_attn_args_f64){.dims = ACFG_DIMS(g), .scale = a.scale, .q = a.qd, .kv = a.kvd,
+            .kvc = a.kvcd, .sink = a.sinkd, .topk = a.topk, .o = od, .lse = ld});
         double eo = rel_err_fd(o, o_ref, no), el = rel_err_fd(l, l_ref, nl);
         double eod = rel_err_d(od, o_ref, no), eld = rel_err_d(ld, l_ref, nl);
         CHECK(eo <= 1e-6 && el <= 1e-6, "%s float: o err %.3g, lse err %.3g", k_names[ci], eo, el);
@@ -206,8 +210,10 @@ static void test_attn_fwd_edge_cases(void) {
     int64_t no = g.B * g.T * g.H * g.c, nl = g.B * g.T * g.H;
     double *o1 = malloc(no * sizeof(double)), *l1 = malloc(nl * sizeof(double));
     double *o2 = malloc(no * sizeof(double)), *l2 = malloc(nl * sizeof(double));
-    sparse_attn_fwd_f64(o1, l1, a.qd, a.kvd, a.kvcd, a.topk, a.sinkd, ACFG_ARGS(g), a.scale);
-    sparse_attn_fwd_f64(o2, l2, a.qd, a.kvd, NULL, NULL, a.sinkd, g.B, g.T, g.H, g.c, g.window, 0, 0, 0, a.scale);
+    sparse_attn_fwd_f64(&(sparse_attn_args_f64){.dims = ACFG_DIMS(g), .scale = a.scale, .q = a.qd, .kv = a.kvd,
+        .kvc = a.kvcd, .sink = a.sinkd, .topk = a.topk, .o = o1, .lse = l1});
+    sparse_attn_fwd_f64(&(sparse_attn_args_f64){.dims = {.B = g.B, .T = g.T, .H = g.H, .c = g.c, .window = g.window,
+        .ratio = 0, .Nc = 0, .K = 0}, .scale = a.scale, .q = a.qd, .kv = a.kvd, .sink = a.sinkd, .o = o2, .lse = l2});
     CHECK(memcmp(o1, o2, no * sizeof(double)) == 0 && memcmp(l1, l2, nl * sizeof(double)) == 0,
           "all -1 topk differs from window-only");
     /* t = 0: keys {kv[0]} and the sink: o = kv[0]·e^s/(e^s + e^sink) */
@@ -228,7 +234,8 @@ static void test_attn_fwd_edge_cases(void) {
 /* f = Σ r ⊙ o of the double forward. */
 static double attn_obj(const ainputs *a, const double *r, double *o, double *l) {
     acfg g = a->g;
-    sparse_attn_fwd_f64(o, l, a->qd, a->kvd, a->kvcd, a->topk, a->sinkd, ACFG_ARGS(g), a->scale);
+    sparse_attn_fwd_f64(&(sparse_attn_args_f64){.dims = ACFG_DIMS(g), .scale = a->scale, .q = a->qd, .kv = a->kvd,
+        .kvc = a->kvcd, .sink = a->sinkd, .topk = a->topk, .o = o, .lse = l});
     double f = 0;
     for (int64_t i = 0; i < g.B * g.T * g.H * g.c; i++) f += r[i] * o[i];
     return f;
@@ -264,8 +271,9 @@ static void test_attn_bwd_finite_differences(void) {
         double *dq = calloc(nq, sizeof(double)), *dkv = calloc(nkv, sizeof(double));
         double *dkvc = calloc(nkvc + 1, sizeof(double)), *dsink = calloc(g.H, sizeof(double));
         attn_obj(&a, r, o, l);
-        sparse_attn_bwd_f64(dq, dkv, g.ratio ? dkvc : NULL, dsink, r, o, l, a.qd, a.kvd, a.kvcd, a.topk, a.sinkd,
-                            ACFG_ARGS(g), a.scale);
+        sparse_attn_bwd_f64(&(sparse_attn_args_f64){.dims = ACFG_DIMS(g), .scale = a.scale, .q = a.qd, .kv = a.kvd,
+            .kvc = a.kvcd, .sink = a.sinkd, .topk = a.topk, .o = o, .lse = l}, &(sparse_attn_grads_f64){.dout = r,
+            .dq = dq, .dkv = dkv, .dkvc = g.ratio ? dkvc : NULL, .dsink = dsink});
         double *num = malloc((size_t)(nq + nkv + nkvc + g.H) * sizeof(double));
         double *o2 = malloc(nq * sizeof(double)), *l2 = malloc(nl * sizeof(double));
         attn_fd(num, a.qd, nq, &a, r, o2, l2);
@@ -298,25 +306,32 @@ static void test_attn_bwd_accumulates_and_nulls(void) {
     ainputs a = ain_make(g, 41);
     int64_t nq = g.B * g.T * g.H * g.c, nkv = g.B * g.T * g.c, nkvc = g.B * g.Nc * g.c, nl = g.B * g.T * g.H;
     float *dout = frand(nq, 42, 1.0f), *o = malloc(nq * sizeof(float)), *l = malloc(nl * sizeof(float));
-    sparse_attn_fwd(o, l, a.q, a.kv, a.kvc, a.topk, a.sink, ACFG_ARGS(g), (float)a.scale);
+    sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+        .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l});
     float *dq = calloc(nq, 4), *dkv = calloc(nkv, 4), *dkvc = calloc(nkvc, 4), *ds = calloc(g.H, 4);
-    sparse_attn_bwd(dq, dkv, dkvc, ds, dout, o, l, a.q, a.kv, a.kvc, a.topk, a.sink, ACFG_ARGS(g), (float)a.scale);
+    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+        .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l}, &(sparse_attn_grads){.dout = dout, .dq = dq,
+        .dkv = dkv, .dkvc = dkvc, .dsink = ds});
     /* only dkvc */
     float *dkvc2 = calloc(nkvc, 4);
-    sparse_attn_bwd(NULL, NULL, dkvc2, NULL, dout, o, l, a.q, a.kv, a.kvc, a.topk, a.sink, ACFG_ARGS(g),
-                    (float)a.scale);
+    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+        .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l}, &(sparse_attn_grads){.dout = dout,
+        .dkvc = dkvc2});
     CHECK(memcmp(dkvc, dkvc2, nkvc * 4) == 0, "dkvc alone differs from dkvc with all gradients");
     /* only dq and dsink */
     float *dq2 = calloc(nq, 4), *ds2 = calloc(g.H, 4);
-    sparse_attn_bwd(dq2, NULL, NULL, ds2, dout, o, l, a.q, a.kv, a.kvc, a.topk, a.sink, ACFG_ARGS(g),
-                    (float)a.scale);
+    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+        .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l}, &(sparse_attn_grads){.dout = dout, .dq = dq2,
+        .dsink = ds2});
     CHECK(memcmp(dq, dq2, nq * 4) == 0 && memcmp(ds, ds2, g.H * 4) == 0, "dq/dsink alone differ");
     /* every output accumulates onto a prefilled gradient */
     float *b_q = frand(nq, 43, t_absmax(dq, nq)), *b_kv = frand(nkv, 44, t_absmax(dkv, nkv));
     float *b_kvc = frand(nkvc, 45, t_absmax(dkvc, nkvc)), *b_s = frand(g.H, 46, t_absmax(ds, g.H));
     float *aq = malloc(nq * 4), *akv = malloc(nkv * 4), *akvc = malloc(nkvc * 4), *as = malloc(g.H * 4);
     memcpy(aq, b_q, nq * 4), memcpy(akv, b_kv, nkv * 4), memcpy(akvc, b_kvc, nkvc * 4), memcpy(as, b_s, g.H * 4);
-    sparse_attn_bwd(aq, akv, akvc, as, dout, o, l, a.q, a.kv, a.kvc, a.topk, a.sink, ACFG_ARGS(g), (float)a.scale);
+    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+        .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l}, &(sparse_attn_grads){.dout = dout, .dq = aq,
+        .dkv = akv, .dkvc = akvc, .dsink = as});
     const float *acc[4] = {aq, akv, akvc, as}, *base[4] = {b_q, b_kv, b_kvc, b_s}, *fresh[4] = {dq, dkv, dkvc, ds};
     int64_t cnt[4] = {nq, nkv, nkvc, g.H};
     for (int k = 0; k < 4; k++) {
@@ -439,11 +454,14 @@ static void test_indexer_kl_matches_naive(void) {
         double kl_ref = naive_kl(&nref, P, &x, a.topk, g);
         /* double kernel, with the kernel's own lse */
         double *od = malloc(no * sizeof(double)), *ld = malloc(nl * sizeof(double));
-        sparse_attn_fwd_f64(od, ld, a.qd, a.kvd, a.kvcd, a.topk, a.sinkd, ACFG_ARGS(g), a.scale);
+        sparse_attn_fwd_f64(&(sparse_attn_args_f64){.dims = ACFG_DIMS(g), .scale = a.scale, .q = a.qd, .kv = a.kvd,
+            .kvc = a.kvcd, .sink = a.sinkd, .topk = a.topk, .o = od, .lse = ld});
         double kl;
         int64_t nrows;
-        indexer_kl_fwd_bwd_f64(&kl, &nrows, NULL, NULL, NULL, x.qid, x.kid, x.wd, a.topk, a.qd, a.kvcd, ld, g.B,
-                               g.T, g.H, g.c, x.HI, x.dI, g.Nc, g.ratio, g.K, a.scale, x.wscale, 1.0);
+        indexer_kl_fwd_bwd_f64(&(indexer_kl_args_f64){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
+            .ratio = g.ratio, .K = g.K}, .H = g.H, .c = g.c, .scale = a.scale, .wscale = x.wscale, .grad_scale = 1.0,
+            .qi = x.qid, .ki = x.kid, .w = x.wd, .q = a.qd, .kvc = a.kvcd, .lse = ld, .topk = a.topk, .kl_sum = &kl,
+            .n_rows = &nrows});
         CHECK(nrows == nref, "cfg %d: rows %lld vs %lld", ci, (long long)nrows, (long long)nref);
         CHECK_CLOSE(kl, kl_ref, 1e-12, 1e-300);
         CHECK(kl_ref > 1e-3, "cfg %d: KL %.3g too small to test anything", ci, kl_ref);
@@ -461,11 +479,14 @@ static void test_indexer_kl_matches_naive(void) {
               (long long)nrows, (long long)expect);
         /* float kernel */
         float *of = malloc(no * sizeof(float)), *lf = malloc(nl * sizeof(float));
-        sparse_attn_fwd(of, lf, a.q, a.kv, a.kvc, a.topk, a.sink, ACFG_ARGS(g), (float)a.scale);
+        sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+            .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = of, .lse = lf});
         double klf;
         int64_t nf;
-        indexer_kl_fwd_bwd(&klf, &nf, NULL, NULL, NULL, x.qi, x.ki, x.w, a.topk, a.q, a.kvc, lf, g.B, g.T, g.H, g.c,
-                           x.HI, x.dI, g.Nc, g.ratio, g.K, (float)a.scale, (float)x.wscale, 1.0f);
+        indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
+            .ratio = g.ratio, .K = g.K}, .H = g.H, .c = g.c, .scale = (float)a.scale, .wscale = (float)x.wscale,
+            .grad_scale = 1.0f, .qi = x.qi, .ki = x.ki, .w = x.w, .q = a.q, .kvc = a.kvc, .lse = lf, .topk = a.topk,
+            .kl_sum = &klf, .n_rows = &nf});
         CHECK(nf == nref);
         CHECK_CLOSE(klf, kl_ref, 1e-5, 1e-300);
         free(o), free(l), free(P), free(od), free(ld), free(of), free(lf);
@@ -483,13 +504,17 @@ static void test_indexer_kl_accumulates_and_nulls(void) {
     int64_t no = g.B * g.T * g.H * g.c, nl = g.B * g.T * g.H;
     int64_t nqi = g.B * g.T * x.HI * x.dI, nki = g.B * g.Nc * x.dI, nw = g.B * g.T * x.HI;
     float *o = malloc(no * 4), *l = malloc(nl * 4);
-    sparse_attn_fwd(o, l, a.q, a.kv, a.kvc, a.topk, a.sink, ACFG_ARGS(g), (float)a.scale);
+    sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+        .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l});
     float *dqi = calloc(nqi, 4), *dki = calloc(nki, 4), *dw = calloc(nw, 4);
     double kl0, kl1, kl2;
     int64_t n0, n1, n2;
 #define KL_CALL(kl, n, a1, a2, a3, gs)                                                                             \
-    indexer_kl_fwd_bwd(&kl, &n, a1, a2, a3, x.qi, x.ki, x.w, a.topk, a.q, a.kvc, l, g.B, g.T, g.H, g.c, x.HI, x.dI, \
-                       g.Nc, g.ratio, g.K, (float)a.scale, (float)x.wscale, gs)
+    indexer_kl_fwd_bwd(&(indexer_kl_args){                                                                         \
+        .dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc, .ratio = g.ratio, .K = g.K}, .H = g.H,    \
+        .c = g.c, .scale = (float)a.scale, .wscale = (float)x.wscale, .grad_scale = gs, .qi = x.qi, .ki = x.ki,    \
+        .w = x.w, .q = a.q, .kvc = a.kvc, .lse = l, .topk = a.topk, .dqi = a1, .dki = a2, .dw = a3, .kl_sum = &kl, \
+        .n_rows = &n})
     KL_CALL(kl0, n0, dqi, dki, dw, 0.25f);
     KL_CALL(kl1, n1, NULL, NULL, NULL, 1.0f);
     CHECK(kl0 == kl1 && n0 == n1, "loss depends on the gradient request");
@@ -541,10 +566,13 @@ static void test_indexer_kl_zero_teacher_terms(void) {
     CHECK(zeros > 3, "only %lld zero teacher terms", (long long)zeros);
     int64_t nref, n;
     double kl_ref = naive_kl(&nref, P, &x, NULL, g), kl;
-    sparse_attn_fwd_f64(o, l, a.qd, a.kvd, a.kvcd, NULL, a.sinkd, ACFG_ARGS(g), a.scale);
+    sparse_attn_fwd_f64(&(sparse_attn_args_f64){.dims = ACFG_DIMS(g), .scale = a.scale, .q = a.qd, .kv = a.kvd,
+        .kvc = a.kvcd, .sink = a.sinkd, .o = o, .lse = l});
     double *dqi = calloc(g.T * x.HI * x.dI, 8), *dki = calloc(g.Nc * x.dI, 8), *dw = calloc(g.T * x.HI, 8);
-    indexer_kl_fwd_bwd_f64(&kl, &n, dqi, dki, dw, x.qid, x.kid, x.wd, NULL, a.qd, a.kvcd, l, g.B, g.T, g.H, g.c, x.HI,
-                           x.dI, g.Nc, g.ratio, g.K, a.scale, x.wscale, 1.0);
+    indexer_kl_fwd_bwd_f64(&(indexer_kl_args_f64){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
+        .ratio = g.ratio, .K = g.K}, .H = g.H, .c = g.c, .scale = a.scale, .wscale = x.wscale, .grad_scale = 1.0,
+        .qi = x.qid, .ki = x.kid, .w = x.wd, .q = a.qd, .kvc = a.kvcd, .lse = l, .dqi = dqi, .dki = dki, .dw = dw,
+        .kl_sum = &kl, .n_rows = &n});
     CHECK(isfinite(kl) && n == nref);
     CHECK_CLOSE(kl, kl_ref, 1e-12, 1e-300);
     int finite = 1;
@@ -561,8 +589,10 @@ static double kl_obj(const iinputs *x, const ainputs *a, const double *lse) {
     acfg g = a->g;
     double kl;
     int64_t n;
-    indexer_kl_fwd_bwd_f64(&kl, &n, NULL, NULL, NULL, x->qid, x->kid, x->wd, a->topk, a->qd, a->kvcd, lse, g.B,
-                           g.T, g.H, g.c, x->HI, x->dI, g.Nc, g.ratio, g.K, a->scale, x->wscale, 1.0);
+    indexer_kl_fwd_bwd_f64(&(indexer_kl_args_f64){.dims = {.B = g.B, .T = g.T, .HI = x->HI, .dI = x->dI, .Nc = g.Nc,
+        .ratio = g.ratio, .K = g.K}, .H = g.H, .c = g.c, .scale = a->scale, .wscale = x->wscale, .grad_scale = 1.0,
+        .qi = x->qid, .ki = x->kid, .w = x->wd, .q = a->qd, .kvc = a->kvcd, .lse = lse, .topk = a->topk, .kl_sum = &kl,
+        .n_rows = &n});
     return kl;
 }
 
@@ -590,11 +620,14 @@ static void test_indexer_kl_finite_differences(void) {
         int64_t no = g.B * g.T * g.H * g.c, nl = g.B * g.T * g.H;
         int64_t nqi = g.B * g.T * x.HI * x.dI, nki = g.B * g.Nc * x.dI, nw = g.B * g.T * x.HI;
         double *o = malloc(no * sizeof(double)), *l = malloc(nl * sizeof(double));
-        sparse_attn_fwd_f64(o, l, a.qd, a.kvd, a.kvcd, a.topk, a.sinkd, ACFG_ARGS(g), a.scale);
+        sparse_attn_fwd_f64(&(sparse_attn_args_f64){.dims = ACFG_DIMS(g), .scale = a.scale, .q = a.qd, .kv = a.kvd,
+            .kvc = a.kvcd, .sink = a.sinkd, .topk = a.topk, .o = o, .lse = l});
         double *dqi = calloc(nqi, 8), *dki = calloc(nki, 8), *dw = calloc(nw, 8), kl;
         int64_t nrows;
-        indexer_kl_fwd_bwd_f64(&kl, &nrows, dqi, dki, dw, x.qid, x.kid, x.wd, a.topk, a.qd, a.kvcd, l, g.B, g.T, g.H,
-                               g.c, x.HI, x.dI, g.Nc, g.ratio, g.K, a.scale, x.wscale, gs);
+        indexer_kl_fwd_bwd_f64(&(indexer_kl_args_f64){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
+            .ratio = g.ratio, .K = g.K}, .H = g.H, .c = g.c, .scale = a.scale, .wscale = x.wscale, .grad_scale = gs,
+            .qi = x.qid, .ki = x.kid, .w = x.wd, .q = a.qd, .kvc = a.kvcd, .lse = l, .topk = a.topk, .dqi = dqi,
+            .dki = dki, .dw = dw, .kl_sum = &kl, .n_rows = &nrows});
         CHECK_CLOSE(kl, kl_obj(&x, &a, l), 0, 1e-300); /* grad_scale and gradients do not change the loss */
         double *num = malloc((size_t)(nqi + nki + nw) * sizeof(double));
         kl_fd(num, x.qid, nqi, &x, &a, l, gs);
@@ -635,8 +668,10 @@ static void test_indexer_topk_matches_naive_sort(void) {
     int32_t *ref = malloc(g.B * g.T * g.K * 4), *got = malloc(g.B * g.T * g.K * 4), *gotd = malloc(g.B * g.T * g.K * 4);
     int ties = 0;
     naive_topk(ref, &x, g, &ties);
-    indexer_topk_fwd(got, x.qi, x.ki, x.w, g.B, g.T, x.HI, x.dI, g.Nc, g.ratio, g.K, (float)x.wscale);
-    indexer_topk_fwd_f64(gotd, x.qid, x.kid, x.wd, g.B, g.T, x.HI, x.dI, g.Nc, g.ratio, g.K, x.wscale);
+    indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
+        .ratio = g.ratio, .K = g.K}, .wscale = (float)x.wscale, .qi = x.qi, .ki = x.ki, .w = x.w, .topk = got});
+    indexer_topk_fwd_f64(&(indexer_topk_args_f64){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
+        .ratio = g.ratio, .K = g.K}, .wscale = x.wscale, .qi = x.qid, .ki = x.kid, .w = x.wd, .topk = gotd});
     CHECK(ties > 5, "only %d rows with a tie at the K-th place", ties);
     CHECK(memcmp(ref, got, g.B * g.T * g.K * 4) == 0, "float top-k differs from the naive sort");
     CHECK(memcmp(ref, gotd, g.B * g.T * g.K * 4) == 0, "double top-k differs from the naive sort");
@@ -655,8 +690,10 @@ static void test_indexer_topk_matches_naive_sort(void) {
     int32_t *r2 = malloc(nb), *f2 = malloc(nb), *d2 = malloc(nb);
     ties = 0;
     naive_topk(r2, &y, g2, &ties);
-    indexer_topk_fwd(f2, y.qi, y.ki, y.w, g2.B, g2.T, y.HI, y.dI, g2.Nc, g2.ratio, g2.K, (float)y.wscale);
-    indexer_topk_fwd_f64(d2, y.qid, y.kid, y.wd, g2.B, g2.T, y.HI, y.dI, g2.Nc, g2.ratio, g2.K, y.wscale);
+    indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = g2.B, .T = g2.T, .HI = y.HI, .dI = y.dI, .Nc = g2.Nc,
+        .ratio = g2.ratio, .K = g2.K}, .wscale = (float)y.wscale, .qi = y.qi, .ki = y.ki, .w = y.w, .topk = f2});
+    indexer_topk_fwd_f64(&(indexer_topk_args_f64){.dims = {.B = g2.B, .T = g2.T, .HI = y.HI, .dI = y.dI, .Nc = g2.Nc,
+        .ratio = g2.ratio, .K = g2.K}, .wscale = y.wscale, .qi = y.qid, .ki = y.kid, .w = y.wd, .topk = d2});
     CHECK(memcmp(r2, f2, nb) == 0, "float top-k differs from the naive sort (random)");
     CHECK(memcmp(r2, d2, nb) == 0, "double top-k differs from the naive sort (random)");
     iin_free(&y);
@@ -676,13 +713,18 @@ static void test_float_matches_double(void) {
         double *doutd = widen(dout, nq);
         float *o = malloc(nq * 4), *l = malloc(nl * 4);
         double *od = malloc(nq * 8), *ld = malloc(nl * 8);
-        sparse_attn_fwd(o, l, a.q, a.kv, a.kvc, a.topk, a.sink, ACFG_ARGS(g), (float)a.scale);
-        sparse_attn_fwd_f64(od, ld, a.qd, a.kvd, a.kvcd, a.topk, a.sinkd, ACFG_ARGS(g), a.scale);
+        sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+            .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l});
+        sparse_attn_fwd_f64(&(sparse_attn_args_f64){.dims = ACFG_DIMS(g), .scale = a.scale, .q = a.qd, .kv = a.kvd,
+            .kvc = a.kvcd, .sink = a.sinkd, .topk = a.topk, .o = od, .lse = ld});
         float *dq = calloc(nq, 4), *dkv = calloc(nkv, 4), *dkvc = calloc(nkvc, 4), *ds = calloc(g.H, 4);
         double *dqd = calloc(nq, 8), *dkvd = calloc(nkv, 8), *dkvcd = calloc(nkvc, 8), *dsd = calloc(g.H, 8);
-        sparse_attn_bwd(dq, dkv, dkvc, ds, dout, o, l, a.q, a.kv, a.kvc, a.topk, a.sink, ACFG_ARGS(g), (float)a.scale);
-        sparse_attn_bwd_f64(dqd, dkvd, dkvcd, dsd, doutd, od, ld, a.qd, a.kvd, a.kvcd, a.topk, a.sinkd, ACFG_ARGS(g),
-                            a.scale);
+        sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+            .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l}, &(sparse_attn_grads){.dout = dout,
+            .dq = dq, .dkv = dkv, .dkvc = dkvc, .dsink = ds});
+        sparse_attn_bwd_f64(&(sparse_attn_args_f64){.dims = ACFG_DIMS(g), .scale = a.scale, .q = a.qd, .kv = a.kvd,
+            .kvc = a.kvcd, .sink = a.sinkd, .topk = a.topk, .o = od, .lse = ld}, &(sparse_attn_grads_f64){.dout = doutd,
+            .dq = dqd, .dkv = dkvd, .dkvc = dkvcd, .dsink = dsd});
         double e[4] = {rel_err_fd(dq, dqd, nq), rel_err_fd(dkv, dkvd, nkv), rel_err_fd(dkvc, dkvcd, nkvc),
                        rel_err_fd(ds, dsd, g.H)};
         for (int i = 0; i < 4; i++) CHECK(e[i] <= 1e-5, "%s: attn grad %d float vs double %.3g", k_names[ci], i, e[i]);
@@ -690,10 +732,14 @@ static void test_float_matches_double(void) {
         float *dqi = calloc(nqi, 4), *dki = calloc(nki, 4), *dw = calloc(nw, 4);
         double *dqid = calloc(nqi, 8), *dkid = calloc(nki, 8), *dwd = calloc(nw, 8), kl, kld;
         int64_t n1, n2;
-        indexer_kl_fwd_bwd(&kl, &n1, dqi, dki, dw, x.qi, x.ki, x.w, a.topk, a.q, a.kvc, l, g.B, g.T, g.H, g.c, x.HI,
-                           x.dI, g.Nc, g.ratio, g.K, (float)a.scale, (float)x.wscale, 0.5f);
-        indexer_kl_fwd_bwd_f64(&kld, &n2, dqid, dkid, dwd, x.qid, x.kid, x.wd, a.topk, a.qd, a.kvcd, ld, g.B, g.T,
-                               g.H, g.c, x.HI, x.dI, g.Nc, g.ratio, g.K, a.scale, x.wscale, 0.5);
+        indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
+            .ratio = g.ratio, .K = g.K}, .H = g.H, .c = g.c, .scale = (float)a.scale, .wscale = (float)x.wscale,
+            .grad_scale = 0.5f, .qi = x.qi, .ki = x.ki, .w = x.w, .q = a.q, .kvc = a.kvc, .lse = l, .topk = a.topk,
+            .dqi = dqi, .dki = dki, .dw = dw, .kl_sum = &kl, .n_rows = &n1});
+        indexer_kl_fwd_bwd_f64(&(indexer_kl_args_f64){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
+            .ratio = g.ratio, .K = g.K}, .H = g.H, .c = g.c, .scale = a.scale, .wscale = x.wscale, .grad_scale = 0.5,
+            .qi = x.qid, .ki = x.kid, .w = x.wd, .q = a.qd, .kvc = a.kvcd, .lse = ld, .topk = a.topk, .dqi = dqid,
+            .dki = dkid, .dw = dwd, .kl_sum = &kld, .n_rows = &n2});
         CHECK(n1 == n2 && n1 > 0);
         CHECK_CLOSE(kl, kld, 1e-5, 1e-300);
         double ei[3] = {rel_err_fd(dqi, dqid, nqi), rel_err_fd(dki, dkid, nki), rel_err_fd(dw, dwd, nw)};
@@ -724,15 +770,21 @@ static pipe_out run_pipeline(const ainputs *a, const iinputs *x, int threads) {
     pipe_out r = {0};
     r.topk = g.use_topk ? malloc(g.B * g.T * g.K * 4) : NULL;
     if (r.topk)
-        indexer_topk_fwd(r.topk, x->qi, x->ki, x->w, g.B, g.T, x->HI, x->dI, g.Nc, g.ratio, g.K, (float)x->wscale);
+        indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = g.B, .T = g.T, .HI = x->HI, .dI = x->dI, .Nc = g.Nc,
+            .ratio = g.ratio, .K = g.K}, .wscale = (float)x->wscale, .qi = x->qi, .ki = x->ki, .w = x->w,
+            .topk = r.topk});
     r.o = malloc(nq * 4), r.l = malloc(nl * 4);
-    sparse_attn_fwd(r.o, r.l, a->q, a->kv, a->kvc, r.topk, a->sink, ACFG_ARGS(g), (float)a->scale);
+    sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a->scale, .q = a->q, .kv = a->kv,
+        .kvc = a->kvc, .sink = a->sink, .topk = r.topk, .o = r.o, .lse = r.l});
     r.dq = calloc(nq, 4), r.dkv = calloc(nkv, 4), r.dkvc = calloc(nkvc, 4), r.ds = calloc(g.H, 4);
-    sparse_attn_bwd(r.dq, r.dkv, r.dkvc, r.ds, a->q /* any dO */, r.o, r.l, a->q, a->kv, a->kvc, r.topk, a->sink,
-                    ACFG_ARGS(g), (float)a->scale);
+    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a->scale, .q = a->q, .kv = a->kv,
+        .kvc = a->kvc, .sink = a->sink, .topk = r.topk, .o = r.o, .lse = r.l},
+        &(sparse_attn_grads){.dout = a->q /* any dO */, .dq = r.dq, .dkv = r.dkv, .dkvc = r.dkvc, .dsink = r.ds});
     r.dqi = calloc(nqi, 4), r.dki = calloc(nki, 4), r.dw = calloc(nw, 4);
-    indexer_kl_fwd_bwd(&r.kl, &r.n, r.dqi, r.dki, r.dw, x->qi, x->ki, x->w, r.topk, a->q, a->kvc, r.l, g.B, g.T, g.H,
-                       g.c, x->HI, x->dI, g.Nc, g.ratio, g.K, (float)a->scale, (float)x->wscale, 0.01f);
+    indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = g.B, .T = g.T, .HI = x->HI, .dI = x->dI, .Nc = g.Nc,
+        .ratio = g.ratio, .K = g.K}, .H = g.H, .c = g.c, .scale = (float)a->scale, .wscale = (float)x->wscale,
+        .grad_scale = 0.01f, .qi = x->qi, .ki = x->ki, .w = x->w, .q = a->q, .kvc = a->kvc, .lse = r.l, .topk = r.topk,
+        .dqi = r.dqi, .dki = r.dki, .dw = r.dw, .kl_sum = &r.kl, .n_rows = &r.n});
     omp_set_num_threads(saved);
     return r;
 }

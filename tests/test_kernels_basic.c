@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include "ds4/core.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/dispatch.h"
 #include "kernels/kernels.h"
 #include "kernels/kernels_f64.h"
@@ -87,7 +88,9 @@ typedef void (*gemm_fn)(int64_t, int64_t, int64_t, const float *, int64_t, const
 enum { OP_NT, OP_NN, OP_TN };
 static const char *OP_NAME[] = {"nt", "nn", "tn"};
 static gemm_fn fast_of(int op) { return op == OP_NT ? gemm_nt : op == OP_NN ? gemm_nn : gemm_tn; }
-static gemm_fn ref_of(int op) { return op == OP_NT ? gemm_nt_ref : op == OP_NN ? gemm_nn_ref : gemm_tn_ref; }
+static gemm_fn ref_of(int op) {
+    return op == OP_NT ? cpu_gemm_nt_ref : op == OP_NN ? cpu_gemm_nn_ref : cpu_gemm_tn_ref;
+}
 
 /* Stored shapes (rows × cols) of A and B for an op. */
 static void ab_shape(int op, int64_t M, int64_t N, int64_t K, int64_t *ar, int64_t *ac, int64_t *br, int64_t *bc) {
@@ -238,9 +241,9 @@ static void test_gemm_ops_agree(void) {
     CHECK(memcmp(c1, c2, (size_t)(M * N) * sizeof(float)) == 0, "nt vs nn differ");
     CHECK(memcmp(c1, c3, (size_t)(M * N) * sizeof(float)) == 0, "nt vs tn differ");
     /* the references too: each element is one sum over k ascending, whatever the loop order */
-    gemm_nt_ref(M, N, K, A, K, Bt, K, c1, N, 0);
-    gemm_nn_ref(M, N, K, A, K, B, N, c2, N, 0);
-    gemm_tn_ref(M, N, K, At, M, B, N, c3, N, 0);
+    cpu_gemm_nt_ref(M, N, K, A, K, Bt, K, c1, N, 0);
+    cpu_gemm_nn_ref(M, N, K, A, K, B, N, c2, N, 0);
+    cpu_gemm_tn_ref(M, N, K, At, M, B, N, c3, N, 0);
     CHECK(memcmp(c1, c2, (size_t)(M * N) * sizeof(float)) == 0, "nt_ref vs nn_ref differ");
     CHECK(memcmp(c1, c3, (size_t)(M * N) * sizeof(float)) == 0, "nt_ref vs tn_ref differ");
     free(A);
@@ -568,7 +571,8 @@ static double rope_obj(void *p) {
     rope_ctx *c = p;
     int64_t n = c->N * c->H * c->hd;
     memcpy(c->y, c->x, (size_t)n * sizeof(double));
-    rope_fwd_f64(c->y, c->N, c->H, c->hd, c->period, c->mult, c->rope, c->inverse);
+    rope_fwd_f64(c->y, &(rope_args){.N = c->N, .H = c->H, .hd = c->hd, .period = c->period, .mult = c->mult,
+        .table = c->rope, .inverse = c->inverse});
     return dot_d(c->y, c->r, n);
 }
 
@@ -602,7 +606,8 @@ static void test_rope_fwd_bwd(void) {
             /* exact adjoint: <rope(x), g> = <x, rope_bwd(g)> */
             double *g = dalloc(n);
             memcpy(g, c.r, (size_t)n * sizeof(double));
-            rope_bwd_f64(g, N, H, hd, c.period, c.mult, &rp, inv);
+            rope_bwd_f64(g, &(rope_args){.N = N, .H = H, .hd = hd, .period = c.period, .mult = c.mult, .table = &rp,
+                .inverse = inv});
             double lhs = dot_d(c.y, c.r, n), rhs = dot_d(c.x, g, n);
             CHECK_CLOSE(lhs, rhs, 1e-13, 1.0);
             /* FD of the backward (accumulation is the caller's: rope_bwd works in place) */
@@ -611,13 +616,15 @@ static void test_rope_fwd_bwd(void) {
             check_grad("rope_bwd", zero, g, fd, n);
             /* inverse(fwd(x)) = x, and float vs double */
             memcpy(g, c.y, (size_t)n * sizeof(double));
-            rope_fwd_f64(g, N, H, hd, c.period, c.mult, &rp, !inv);
+            rope_fwd_f64(g, &(rope_args){.N = N, .H = H, .hd = hd, .period = c.period, .mult = c.mult, .table = &rp,
+                .inverse = !inv});
             CHECK(rel_d(g, c.x, n) < 1e-6, "rope inverse round trip %.3g", rel_d(g, c.x, n)); /* float table: cos²+sin² = 1 ± 1e-7 */
             float *fx = falloc(n);
             to_f(fx, c.x, n);
             to_d(c.x, fx, n);
             rope_obj(&c);
-            rope_fwd(fx, N, H, hd, c.period, c.mult, &rp, inv);
+            rope_fwd(fx, &(rope_args){.N = N, .H = H, .hd = hd, .period = c.period, .mult = c.mult, .table = &rp,
+                .inverse = inv});
             CHECK(rel_fd(fx, c.y, n) <= F32_TOL, "rope float vs double");
             free(fx), free(g), free(fd), free(zero), free(c.x), free(c.y), free(c.r);
         }
@@ -639,7 +646,9 @@ typedef struct {
 
 static double gate_obj(void *p) {
     gate_ctx *c = p;
-    moe_gate_fwd_f64(c->idx, c->weights, c->scores, c->logits, c->bias, c->tid2eid, c->ids, c->N, c->E, c->K, c->R);
+    moe_gate_fwd_f64(&(moe_gate_args_f64){.dims = {.N = c->N, .E = c->E, .K = c->K}, .route_scale = c->R,
+        .logits = c->logits, .bias = c->bias, .tid2eid = c->tid2eid, .ids = c->ids, .idx = c->idx,
+        .weights = c->weights, .scores = c->scores});
     return dot_d(c->weights, c->r, c->N * c->K);
 }
 
@@ -652,7 +661,9 @@ static void gate_fd_check(gate_ctx *c, const char *what) {
     double *dl0 = dalloc(NE), *dl = dalloc(NE), *fd = dalloc(NE);
     dfill(dl0, NE, 41, 1.0);
     memcpy(dl, dl0, (size_t)NE * sizeof(double));
-    moe_gate_bwd_f64(dl, c->r, c->logits, c->scores, c->idx, c->N, c->E, c->K, c->R);
+    moe_gate_bwd_f64(&(moe_gate_args_f64){.dims = {.N = c->N, .E = c->E, .K = c->K}, .route_scale = c->R,
+        .logits = c->logits, .scores = c->scores, .idx = c->idx}, &(moe_gate_grads_f64){.dweights = c->r,
+        .dlogits = dl});
     fd_grad(gate_obj, c, c->logits, NE, fd);
     gate_obj(c);
     CHECK(memcmp(idx0, c->idx, (size_t)NK * sizeof(int32_t)) == 0, "%s: selection moved under FD", what);
@@ -677,9 +688,13 @@ static void gate_fd_check(gate_ctx *c, const char *what) {
     if (c->bias) to_d(c->bias, fb, c->E);
     gate_obj(c);
     memset(dl, 0, (size_t)NE * sizeof(double));
-    moe_gate_bwd_f64(dl, c->r, c->logits, c->scores, c->idx, c->N, c->E, c->K, c->R);
-    moe_gate_fwd(fidx, fw, fs, fl, c->bias ? fb : NULL, c->tid2eid, c->ids, c->N, c->E, c->K, (float)c->R);
-    moe_gate_bwd(fdl, fr, fl, fs, fidx, c->N, c->E, c->K, (float)c->R);
+    moe_gate_bwd_f64(&(moe_gate_args_f64){.dims = {.N = c->N, .E = c->E, .K = c->K}, .route_scale = c->R,
+        .logits = c->logits, .scores = c->scores, .idx = c->idx}, &(moe_gate_grads_f64){.dweights = c->r,
+        .dlogits = dl});
+    moe_gate_fwd(&(moe_gate_args){.dims = {.N = c->N, .E = c->E, .K = c->K}, .route_scale = (float)c->R, .logits = fl,
+        .bias = c->bias ? fb : NULL, .tid2eid = c->tid2eid, .ids = c->ids, .idx = fidx, .weights = fw, .scores = fs});
+    moe_gate_bwd(&(moe_gate_args){.dims = {.N = c->N, .E = c->E, .K = c->K}, .route_scale = (float)c->R, .logits = fl,
+        .scores = fs, .idx = fidx}, &(moe_gate_grads){.dweights = fr, .dlogits = fdl});
     CHECK(memcmp(fidx, c->idx, (size_t)NK * sizeof(int32_t)) == 0, "%s: float selection differs", what);
     CHECK(rel_fd(fs, c->scores, NE) <= F32_TOL, "%s: scores float vs double", what);
     CHECK(rel_fd(fw, c->weights, NK) <= F32_TOL, "%s: weights float vs double", what);
@@ -731,10 +746,12 @@ static void test_moe_gate_ties(void) {
     float logits[8] = {0.5f, 1.0f, 2.0f, 1.0f, 2.0f, 1.0f, 0.1f, 2.0f};
     float scores[8], w[3];
     int32_t idx[3];
-    moe_gate_fwd(idx, w, scores, logits, NULL, NULL, NULL, 1, E, K, 1.0f);
+    moe_gate_fwd(&(moe_gate_args){.dims = {.N = 1, .E = E, .K = K}, .route_scale = 1.0f, .logits = logits, .idx = idx,
+        .weights = w, .scores = scores});
     CHECK(idx[0] == 2 && idx[1] == 4 && idx[2] == 7, "ties at the top: %d %d %d", idx[0], idx[1], idx[2]);
     float l2[8] = {3.0f, 1.0f, 1.0f, 0.0f, 1.0f, 1.0f, 1.0f, -1.0f};
-    moe_gate_fwd(idx, w, scores, l2, NULL, NULL, NULL, 1, E, K, 1.0f);
+    moe_gate_fwd(&(moe_gate_args){.dims = {.N = 1, .E = E, .K = K}, .route_scale = 1.0f, .logits = l2, .idx = idx,
+        .weights = w, .scores = scores});
     CHECK(idx[0] == 0 && idx[1] == 1 && idx[2] == 2, "ties at the boundary: %d %d %d", idx[0], idx[1], idx[2]);
     CHECK(w[1] == w[2] && fabsf(w[0] + w[1] + w[2] - 1.0f) < 1e-6f, "weights of tied experts");
 }
@@ -974,7 +991,7 @@ static void test_gemm_every_engine(void) {
             t_note("test_kernels_basic: SKIP gemm at level %s: %s", ds4_isa_name((ds4_isa)i), ds4_errmsg());
             continue;
         }
-        const gemm_engine *e = kernels_active()->gemm_f32;
+        const gemm_engine *e = cpu_engines_active()->gemm_f32;
         t_note("test_kernels_basic: gemm at level %s: %s", ds4_isa_name((ds4_isa)i), e ? e->name : "reference");
         RUN(test_gemm_edge_shapes);
         RUN(test_gemm_degenerate);

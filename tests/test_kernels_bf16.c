@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "ds4/core.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/dispatch.h"
 #include "kernels/kernels.h"
 #include "test.h"
@@ -36,7 +37,7 @@ enum { OP_NT, OP_NN, OP_TN };
 static const char *OP_NAME[] = {"nt", "nn", "tn"};
 static gemm_fn fast_of(int op) { return op == OP_NT ? gemm_nt : op == OP_NN ? gemm_nn : gemm_tn; }
 static gemm_fn bf16_ref_of(int op) {
-    return op == OP_NT ? gemm_nt_bf16_ref : op == OP_NN ? gemm_nn_bf16_ref : gemm_tn_bf16_ref;
+    return op == OP_NT ? cpu_gemm_nt_bf16_ref : op == OP_NN ? cpu_gemm_nn_bf16_ref : cpu_gemm_tn_bf16_ref;
 }
 
 /* Stored shapes (rows × cols) of A and B for an op. */
@@ -321,7 +322,7 @@ static void test_precision_switch(void) {
     /* bf16 mode is the bf16 product (fp32 accumulation error only); fp32 mode is far from it (operand
      * rounding, ~2^-9 relative per operand) */
     float *r = falloc(M * N);
-    gemm_nt_bf16_ref(M, N, K, A, K, B, K, r, N, 0);
+    cpu_gemm_nt_bf16_ref(M, N, K, A, K, B, K, r, N, 0);
     CHECK(t_rel_err(c1, r, M * N) < 1e-6, "bf16 mode vs bf16 reference: %.3g", t_rel_err(c1, r, M * N));
     CHECK(t_rel_err(c0, r, M * N) > 1e-4, "fp32 mode vs bf16 reference: %.3g", t_rel_err(c0, r, M * N));
     free(r);
@@ -329,7 +330,7 @@ static void test_precision_switch(void) {
     gemm_nt(M, N, K, A, K, B, K, c2, N, 0);
     CHECK(memcmp(c0, c2, (size_t)(M * N) * sizeof(float)) == 0, "fp32 bits changed after bf16 and back");
     /* fp32 mode is an fp32 kernel, not a bf16 one: within the fp32 tolerance of the fp32 reference */
-    gemm_nt_ref(M, N, K, A, K, B, K, c1, N, 0);
+    cpu_gemm_nt_ref(M, N, K, A, K, B, K, c1, N, 0);
     CHECK(t_rel_err(c2, c1, M * N) < 1e-6, "fp32 mode error %.3g", t_rel_err(c2, c1, M * N));
     free(A), free(B), free(c0), free(c1), free(c2);
     CHECK(ds4_set_matmul_precision(was) == DS4_OK);
@@ -355,7 +356,7 @@ static void test_isa_switch(void) {
     CHECK(ds4_isa_select((ds4_isa)99) == DS4_ERR_ARG);
     for (int i = 0; i <= (int)best; i++) {
         CHECK(ds4_isa_select((ds4_isa)i) == DS4_OK, "%s: %s", ds4_isa_name((ds4_isa)i), ds4_errmsg());
-        const kernel_table *t = kernels_active();
+        const cpu_engines *t = cpu_engines_active();
         CHECK(t->isa == (ds4_isa)i);
         CHECK((i == DS4_ISA_GENERIC) == (t->gemm_f32 == NULL), "%s: fp32 engine %s", ds4_isa_name((ds4_isa)i),
               t->gemm_f32 ? t->gemm_f32->name : "none");
@@ -413,7 +414,7 @@ static void test_memory(void) {
 
 /* One engine of the bf16 GEMM through every test above. */
 static void run_engine_tests(void) {
-    const kernel_table *t = kernels_active();
+    const cpu_engines *t = cpu_engines_active();
     g_engine = t->gemm_bf16;
     g_engine_name = g_engine ? g_engine->name : "portable bf16 reference";
     t_note("test_kernels_bf16: engine %s", g_engine_name);

@@ -190,7 +190,8 @@ typedef struct {
 
 static double sk_obj(void *p) {
     sk_ctx *c = p;
-    hc_split_sinkhorn_fwd_f64(c->pre, c->post, c->comb, c->mixes, c->scale, c->base, c->n, c->iters, c->eps);
+    hc_split_sinkhorn_fwd_f64(&(hc_sinkhorn_args_f64){.n = c->n, .iters = c->iters, .eps = c->eps, .mixes = c->mixes,
+        .scale = c->scale, .base = c->base, .pre = c->pre, .post = c->post, .comb = c->comb});
     return dsum_prod(c->rpre, c->pre, c->n) + dsum_prod(c->rpost, c->post, c->n) +
            dsum_prod(c->rcomb, c->comb, c->n * c->n);
 }
@@ -234,7 +235,8 @@ static void test_sinkhorn_matches_spec_and_is_doubly_stochastic(void) {
     }
     /* all logits equal: pre = 1/2 + eps, post = 1, comb = 1/n (to eps) */
     double mx[24] = {0}, base[24] = {0}, scale[3] = {1, 1, 1}, pre[4], post[4], comb[16];
-    hc_split_sinkhorn_fwd_f64(pre, post, comb, mx, scale, base, 4, 20, 1e-6);
+    hc_split_sinkhorn_fwd_f64(&(hc_sinkhorn_args_f64){.n = 4, .iters = 20, .eps = 1e-6, .mixes = mx, .scale = scale,
+        .base = base, .pre = pre, .post = post, .comb = comb});
     for (int j = 0; j < 4; j++) {
         CHECK_CLOSE(pre[j], 0.5 + 1e-6, 1e-15, 1e-30);
         CHECK_CLOSE(post[j], 1.0, 1e-15, 1e-30);
@@ -249,7 +251,9 @@ static void test_sinkhorn_bwd_fd(void) {
         sk_ctx c = sk_make(4, iters_list[v], 200 + v, 2.0);
         int M = 24;
         double *dm = dbuf(M), *ds = dbuf(3), *db = dbuf(M);
-        hc_split_sinkhorn_bwd_f64(dm, ds, db, c.rpre, c.rpost, c.rcomb, c.mixes, c.scale, c.base, 4, c.iters, c.eps);
+        hc_split_sinkhorn_bwd_f64(&(hc_sinkhorn_args_f64){.n = 4, .iters = c.iters, .eps = c.eps, .mixes = c.mixes,
+            .scale = c.scale, .base = c.base}, &(hc_sinkhorn_grads_f64){.dpre = c.rpre, .dpost = c.rpost,
+            .dcomb = c.rcomb, .dmixes = dm, .dscale = ds, .dbase = db});
         CHECK_FD("sinkhorn dmixes", sk_obj, &c, c.mixes, M, dm);
         CHECK_FD("sinkhorn dscale", sk_obj, &c, c.scale, 3, ds);
         CHECK_FD("sinkhorn dbase", sk_obj, &c, c.base, M, db);
@@ -259,7 +263,9 @@ static void test_sinkhorn_bwd_fd(void) {
         int iters = v ? 3 : 20;
         sk_ctx c = sk_make(3, iters, 250 + v, 2.0);
         double *dm = dbuf(15), *ds = dbuf(3), *db = dbuf(15);
-        hc_split_sinkhorn_bwd_f64(dm, ds, db, c.rpre, c.rpost, c.rcomb, c.mixes, c.scale, c.base, 3, iters, c.eps);
+        hc_split_sinkhorn_bwd_f64(&(hc_sinkhorn_args_f64){.n = 3, .iters = iters, .eps = c.eps, .mixes = c.mixes,
+            .scale = c.scale, .base = c.base}, &(hc_sinkhorn_grads_f64){.dpre = c.rpre, .dpost = c.rpost,
+            .dcomb = c.rcomb, .dmixes = dm, .dscale = ds, .dbase = db});
         CHECK_FD("sinkhorn n=3 dmixes", sk_obj, &c, c.mixes, 15, dm);
         CHECK_FD("sinkhorn n=3 dscale", sk_obj, &c, c.scale, 3, ds);
         CHECK_FD("sinkhorn n=3 dbase", sk_obj, &c, c.base, 15, db);
@@ -272,12 +278,16 @@ static void test_sinkhorn_float_and_nulls(void) {
     int M = 24;
     double *dm = dbuf(M), *ds = dbuf(3), *db = dbuf(M);
     sk_obj(&c);
-    hc_split_sinkhorn_bwd_f64(dm, ds, db, c.rpre, c.rpost, c.rcomb, c.mixes, c.scale, c.base, 4, 20, c.eps);
+    hc_split_sinkhorn_bwd_f64(&(hc_sinkhorn_args_f64){.n = 4, .iters = 20, .eps = c.eps, .mixes = c.mixes,
+        .scale = c.scale, .base = c.base}, &(hc_sinkhorn_grads_f64){.dpre = c.rpre, .dpost = c.rpost, .dcomb = c.rcomb,
+        .dmixes = dm, .dscale = ds, .dbase = db});
     float *fm = to_f(c.mixes, M), *fs = to_f(c.scale, 3), *fb = to_f(c.base, M);
     float *fpre = fbuf(4), *fpost = fbuf(4), *fcomb = fbuf(16), *fdm = fbuf(M), *fds = fbuf(3), *fdb = fbuf(M);
-    hc_split_sinkhorn_fwd(fpre, fpost, fcomb, fm, fs, fb, 4, 20, 1e-6f);
-    hc_split_sinkhorn_bwd(fdm, fds, fdb, to_f(c.rpre, 4), to_f(c.rpost, 4), to_f(c.rcomb, 16), fm, fs, fb, 4, 20,
-                          1e-6f);
+    hc_split_sinkhorn_fwd(&(hc_sinkhorn_args){.n = 4, .iters = 20, .eps = 1e-6f, .mixes = fm, .scale = fs, .base = fb,
+        .pre = fpre, .post = fpost, .comb = fcomb});
+    hc_split_sinkhorn_bwd(&(hc_sinkhorn_args){.n = 4, .iters = 20, .eps = 1e-6f, .mixes = fm, .scale = fs, .base = fb},
+        &(hc_sinkhorn_grads){.dpre = to_f(c.rpre, 4), .dpost = to_f(c.rpost, 4), .dcomb = to_f(c.rcomb, 16),
+        .dmixes = fdm, .dscale = fds, .dbase = fdb});
     CHECK_F32("pre", fpre, c.pre, 4);
     CHECK_F32("post", fpost, c.post, 4);
     CHECK_F32("comb", fcomb, c.comb, 16);
@@ -287,8 +297,11 @@ static void test_sinkhorn_float_and_nulls(void) {
     /* NULL upstream gradients are zeros; NULL outputs are skipped */
     double *z4 = dbuf(4), *z16 = dbuf(16);
     double *a1 = dbuf(M), *a2 = dbuf(M), *s1 = dbuf(3), *s2 = dbuf(3);
-    hc_split_sinkhorn_bwd_f64(a1, s1, NULL, NULL, c.rpost, NULL, c.mixes, c.scale, c.base, 4, 20, c.eps);
-    hc_split_sinkhorn_bwd_f64(a2, s2, NULL, z4, c.rpost, z16, c.mixes, c.scale, c.base, 4, 20, c.eps);
+    hc_split_sinkhorn_bwd_f64(&(hc_sinkhorn_args_f64){.n = 4, .iters = 20, .eps = c.eps, .mixes = c.mixes,
+        .scale = c.scale, .base = c.base}, &(hc_sinkhorn_grads_f64){.dpost = c.rpost, .dmixes = a1, .dscale = s1});
+    hc_split_sinkhorn_bwd_f64(&(hc_sinkhorn_args_f64){.n = 4, .iters = 20, .eps = c.eps, .mixes = c.mixes,
+        .scale = c.scale, .base = c.base}, &(hc_sinkhorn_grads_f64){.dpre = z4, .dpost = c.rpost, .dcomb = z16,
+        .dmixes = a2, .dscale = s2});
     CHECK(memcmp(a1, a2, M * sizeof(double)) == 0 && memcmp(s1, s2, 3 * sizeof(double)) == 0);
     for (int i = 0; i < 4; i++) CHECK(a1[i] == 0 && a1[8 + i] == 0, "pre/comb part should get nothing");
     CHECK(a1[4] != 0 && s1[1] != 0, "post part should get gradient");
@@ -305,8 +318,9 @@ typedef struct {
 
 static double pre_obj(void *p) {
     pre_ctx *c = p;
-    hc_pre_fwd_f64(c->y, c->post, c->comb, c->mixes, c->rsqrt, c->X, c->fn, c->scale, c->base, c->N, c->n, c->D,
-                   c->iters, c->hc_eps, c->norm_eps);
+    hc_pre_fwd_f64(&(hc_pre_args_f64){.dims = {.N = c->N, .n = c->n, .D = c->D, .iters = c->iters}, .hc_eps = c->hc_eps,
+        .norm_eps = c->norm_eps, .X = c->X, .fn = c->fn, .scale = c->scale, .base = c->base, .y = c->y, .post = c->post,
+        .comb = c->comb, .mixes = c->mixes, .rsqrt = c->rsqrt});
     return dsum_prod(c->ry, c->y, c->N * c->D) + dsum_prod(c->rpost, c->post, c->N * c->n) +
            dsum_prod(c->rcomb, c->comb, c->N * c->n * c->n);
 }
@@ -323,8 +337,10 @@ static pre_ctx pre_make(long N, long n, long D, unsigned seed) {
 }
 
 static void pre_bwd(pre_ctx *c, double *dX, double *dfn, double *ds, double *db) {
-    hc_pre_bwd_f64(dX, dfn, ds, db, c->ry, c->rpost, c->rcomb, c->X, c->fn, c->scale, c->base, c->mixes, c->rsqrt,
-                   c->N, c->n, c->D, c->iters, c->hc_eps, c->norm_eps);
+    hc_pre_bwd_f64(&(hc_pre_args_f64){.dims = {.N = c->N, .n = c->n, .D = c->D, .iters = c->iters}, .hc_eps = c->hc_eps,
+        .norm_eps = c->norm_eps, .X = c->X, .fn = c->fn, .scale = c->scale, .base = c->base, .mixes = c->mixes,
+        .rsqrt = c->rsqrt}, &(hc_pre_grads_f64){.dy = c->ry, .dpost = c->rpost, .dcomb = c->rcomb, .dX = dX, .dfn = dfn,
+        .dscale = ds, .dbase = db});
 }
 
 static void test_hc_pre_fwd_matches_spec(void) {
@@ -361,9 +377,10 @@ static void test_hc_pre_bwd_fd(void) {
     double *ups[3] = {c.ry, c.rpost, c.rcomb};
     for (int which = 0; which < 3; which++) {
         double *dfn1 = dbuf(M * nD);
-        hc_pre_bwd_f64(NULL, dfn1, NULL, NULL, which == 0 ? ups[0] : zy, which == 1 ? ups[1] : zp,
-                       which == 2 ? ups[2] : zc, c.X, c.fn, c.scale, c.base, c.mixes, c.rsqrt, c.N, 4, c.D, 20,
-                       c.hc_eps, c.norm_eps);
+        hc_pre_bwd_f64(&(hc_pre_args_f64){.dims = {.N = c.N, .n = 4, .D = c.D, .iters = 20}, .hc_eps = c.hc_eps,
+            .norm_eps = c.norm_eps, .X = c.X, .fn = c.fn, .scale = c.scale, .base = c.base, .mixes = c.mixes,
+            .rsqrt = c.rsqrt}, &(hc_pre_grads_f64){.dy = which == 0 ? ups[0] : zy, .dpost = which == 1 ? ups[1] : zp,
+            .dcomb = which == 2 ? ups[2] : zc, .dfn = dfn1});
         CHECK(norm_d(dfn1, M * nD) > 1e-3, "upstream %d gives no dfn", which);
     }
     free_bufs();
@@ -379,22 +396,29 @@ static void test_hc_pre_float_chunks_accumulate(void) {
     /* the whole batch == token by token (the chunking changes nothing) */
     double *dX1 = dbuf(N * nD), *dfn1 = dbuf(M * nD), *ds1 = dbuf(3), *db1 = dbuf(M);
     for (long t = 0; t < N; t++)
-        hc_pre_bwd_f64(dX1 + t * nD, dfn1, ds1, db1, c.ry + t * c.D, c.rpost + t * 4, c.rcomb + t * 16, c.X + t * nD,
-                       c.fn, c.scale, c.base, c.mixes + t * M, c.rsqrt + t, 1, 4, c.D, 20, c.hc_eps, c.norm_eps);
+        hc_pre_bwd_f64(&(hc_pre_args_f64){.dims = {.N = 1, .n = 4, .D = c.D, .iters = 20}, .hc_eps = c.hc_eps,
+            .norm_eps = c.norm_eps, .X = c.X + t * nD, .fn = c.fn, .scale = c.scale, .base = c.base,
+            .mixes = c.mixes + t * M, .rsqrt = c.rsqrt + t}, &(hc_pre_grads_f64){.dy = c.ry + t * c.D,
+            .dpost = c.rpost + t * 4, .dcomb = c.rcomb + t * 16, .dX = dX1 + t * nD, .dfn = dfn1, .dscale = ds1,
+            .dbase = db1});
     CHECK(rel_dd(dX1, dX, N * nD) <= 1e-13 && rel_dd(dfn1, dfn, M * nD) <= 1e-13);
     CHECK(rel_dd(ds1, ds, 3) <= 1e-13 && rel_dd(db1, db, M) <= 1e-13);
     /* float == double */
     float *fX = to_f(c.X, N * nD), *ffn = to_f(c.fn, M * nD), *fs = to_f(c.scale, 3), *fb = to_f(c.base, M);
     float *fy = fbuf(N * c.D), *fpost = fbuf(N * 4), *fcomb = fbuf(N * 16), *fmx = fbuf(N * M), *frs = fbuf(N);
-    hc_pre_fwd(fy, fpost, fcomb, fmx, frs, fX, ffn, fs, fb, N, 4, c.D, 20, 1e-6f, 1e-6f);
+    hc_pre_fwd(&(hc_pre_args){.dims = {.N = N, .n = 4, .D = c.D, .iters = 20}, .hc_eps = 1e-6f, .norm_eps = 1e-6f,
+        .X = fX, .fn = ffn, .scale = fs, .base = fb, .y = fy, .post = fpost, .comb = fcomb, .mixes = fmx,
+        .rsqrt = frs});
     CHECK_F32("y", fy, c.y, N * c.D);
     CHECK_F32("post", fpost, c.post, N * 4);
     CHECK_F32("comb", fcomb, c.comb, N * 16);
     CHECK_F32("mixes", fmx, c.mixes, N * M);
     CHECK_F32("rsqrt", frs, c.rsqrt, N);
     float *fdX = fbuf(N * nD), *fdfn = fbuf(M * nD), *fds = fbuf(3), *fdb = fbuf(M);
-    hc_pre_bwd(fdX, fdfn, fds, fdb, to_f(c.ry, N * c.D), to_f(c.rpost, N * 4), to_f(c.rcomb, N * 16), fX, ffn, fs,
-               fb, fmx, frs, N, 4, c.D, 20, 1e-6f, 1e-6f);
+    hc_pre_bwd(&(hc_pre_args){.dims = {.N = N, .n = 4, .D = c.D, .iters = 20}, .hc_eps = 1e-6f, .norm_eps = 1e-6f,
+        .X = fX, .fn = ffn, .scale = fs, .base = fb, .mixes = fmx, .rsqrt = frs},
+        &(hc_pre_grads){.dy = to_f(c.ry, N * c.D), .dpost = to_f(c.rpost, N * 4), .dcomb = to_f(c.rcomb, N * 16),
+        .dX = fdX, .dfn = fdfn, .dscale = fds, .dbase = fdb});
     CHECK_F32("dX", fdX, dX, N * nD);
     CHECK_F32("dfn", fdfn, dfn, M * nD);
     CHECK_F32("dscale", fds, ds, 3);
@@ -419,7 +443,8 @@ typedef struct {
 
 static double post_obj(void *p) {
     post_ctx *c = p;
-    hc_post_fwd_f64(c->Y, c->x, c->res, c->post, c->comb, c->N, c->n, c->D);
+    hc_post_fwd_f64(&(hc_post_args_f64){.dims = {.N = c->N, .n = c->n, .D = c->D}, .x = c->x, .res = c->res,
+        .post = c->post, .comb = c->comb, .Y = c->Y});
     return dsum_prod(c->rY, c->Y, c->N * c->n * c->D);
 }
 
@@ -439,7 +464,8 @@ static void test_hc_post(void) {
             }
     CHECK(rel_dd(c.Y, Yo, N * n * D) <= ORACLE_TOL);
     double *dx = dbuf(N * D), *dres = dbuf(N * n * D), *dpost = dbuf(N * n), *dcomb = dbuf(N * n * n);
-    hc_post_bwd_f64(dx, dres, dpost, dcomb, c.rY, c.x, c.res, c.post, c.comb, N, n, D);
+    hc_post_bwd_f64(&(hc_post_args_f64){.dims = {.N = N, .n = n, .D = D}, .x = c.x, .res = c.res, .post = c.post,
+        .comb = c.comb}, &(hc_post_grads_f64){.dY = c.rY, .dx = dx, .dres = dres, .dpost = dpost, .dcomb = dcomb});
     CHECK_FD("hc_post dx", post_obj, &c, c.x, N * D, dx);
     CHECK_FD("hc_post dres", post_obj, &c, c.res, N * n * D, dres);
     CHECK_FD("hc_post dpost", post_obj, &c, c.post, N * n, dpost);
@@ -449,13 +475,17 @@ static void test_hc_post(void) {
     double *x2 = drand_(N2 * D2, 710, 1), *r2 = drand_(N2 * n * D2, 711, 1), *p2 = drand_(N2 * n, 712, 1);
     double *c2 = drand_(N2 * n * n, 713, 1), *g2 = drand_(N2 * n * D2, 714, 1), *Y2 = dbuf(N2 * n * D2);
     double *dx2 = dbuf(N2 * D2), *dr2 = dbuf(N2 * n * D2), *dp2 = dbuf(N2 * n), *dc2 = dbuf(N2 * n * n);
-    hc_post_fwd_f64(Y2, x2, r2, p2, c2, N2, n, D2);
-    hc_post_bwd_f64(dx2, dr2, dp2, dc2, g2, x2, r2, p2, c2, N2, n, D2);
+    hc_post_fwd_f64(&(hc_post_args_f64){.dims = {.N = N2, .n = n, .D = D2}, .x = x2, .res = r2, .post = p2, .comb = c2,
+        .Y = Y2});
+    hc_post_bwd_f64(&(hc_post_args_f64){.dims = {.N = N2, .n = n, .D = D2}, .x = x2, .res = r2, .post = p2, .comb = c2},
+        &(hc_post_grads_f64){.dY = g2, .dx = dx2, .dres = dr2, .dpost = dp2, .dcomb = dc2});
     float *fx = to_f(x2, N2 * D2), *fr = to_f(r2, N2 * n * D2), *fp = to_f(p2, N2 * n), *fc = to_f(c2, N2 * n * n);
     float *fY = fbuf(N2 * n * D2), *fdx = fbuf(N2 * D2), *fdr = fbuf(N2 * n * D2), *fdp = fbuf(N2 * n);
     float *fdc = fbuf(N2 * n * n);
-    hc_post_fwd(fY, fx, fr, fp, fc, N2, n, D2);
-    hc_post_bwd(fdx, fdr, fdp, fdc, to_f(g2, N2 * n * D2), fx, fr, fp, fc, N2, n, D2);
+    hc_post_fwd(&(hc_post_args){.dims = {.N = N2, .n = n, .D = D2}, .x = fx, .res = fr, .post = fp, .comb = fc,
+        .Y = fY});
+    hc_post_bwd(&(hc_post_args){.dims = {.N = N2, .n = n, .D = D2}, .x = fx, .res = fr, .post = fp, .comb = fc},
+        &(hc_post_grads){.dY = to_f(g2, N2 * n * D2), .dx = fdx, .dres = fdr, .dpost = fdp, .dcomb = fdc});
     CHECK_F32("Y", fY, Y2, N2 * n * D2);
     CHECK_F32("dx", fdx, dx2, N2 * D2);
     CHECK_F32("dres", fdr, dr2, N2 * n * D2);
@@ -473,8 +503,9 @@ typedef struct {
 
 static double head_obj(void *p) {
     head_ctx *c = p;
-    hc_head_fwd_f64(c->y, c->mixes, c->rsqrt, c->X, c->fn, c->scale, c->base, c->N, c->n, c->D, c->hc_eps,
-                    c->norm_eps);
+    hc_head_fwd_f64(&(hc_head_args_f64){.dims = {.N = c->N, .n = c->n, .D = c->D}, .hc_eps = c->hc_eps,
+        .norm_eps = c->norm_eps, .X = c->X, .fn = c->fn, .scale = c->scale, .base = c->base, .y = c->y,
+        .mixes = c->mixes, .rsqrt = c->rsqrt});
     return dsum_prod(c->ry, c->y, c->N * c->D);
 }
 
@@ -502,8 +533,9 @@ static void test_hc_head(void) {
         CHECK(rel_dd(c.y + t * 8, y, 8) <= ORACLE_TOL);
     }
     double *dX = dbuf(N * nD), *dfn = dbuf(n * nD), *ds = dbuf(1), *db = dbuf(n);
-    hc_head_bwd_f64(dX, dfn, ds, db, c.ry, c.X, c.fn, c.scale, c.base, c.mixes, c.rsqrt, N, n, c.D, c.hc_eps,
-                    c.norm_eps);
+    hc_head_bwd_f64(&(hc_head_args_f64){.dims = {.N = N, .n = n, .D = c.D}, .hc_eps = c.hc_eps, .norm_eps = c.norm_eps,
+        .X = c.X, .fn = c.fn, .scale = c.scale, .base = c.base, .mixes = c.mixes, .rsqrt = c.rsqrt},
+        &(hc_head_grads_f64){.dy = c.ry, .dX = dX, .dfn = dfn, .dscale = ds, .dbase = db});
     CHECK_FD("hc_head dX", head_obj, &c, c.X, N * nD, dX);
     CHECK_FD("hc_head dfn", head_obj, &c, c.fn, n * nD, dfn);
     CHECK_FD("hc_head dscale", head_obj, &c, c.scale, 1, ds);
@@ -514,14 +546,19 @@ static void test_hc_head(void) {
     long N2 = b.N, nD2 = 256;
     head_obj(&b);
     double *dX2 = dbuf(N2 * nD2), *dfn2 = dbuf(n * nD2), *ds2 = dbuf(1), *db2 = dbuf(n);
-    hc_head_bwd_f64(dX2, dfn2, ds2, db2, b.ry, b.X, b.fn, b.scale, b.base, b.mixes, b.rsqrt, N2, n, b.D, 1e-6, 1e-6);
+    hc_head_bwd_f64(&(hc_head_args_f64){.dims = {.N = N2, .n = n, .D = b.D}, .hc_eps = 1e-6, .norm_eps = 1e-6, .X = b.X,
+        .fn = b.fn, .scale = b.scale, .base = b.base, .mixes = b.mixes, .rsqrt = b.rsqrt},
+        &(hc_head_grads_f64){.dy = b.ry, .dX = dX2, .dfn = dfn2, .dscale = ds2, .dbase = db2});
     float *fX = to_f(b.X, N2 * nD2), *ffn = to_f(b.fn, n * nD2), *fs = to_f(b.scale, 1), *fb = to_f(b.base, n);
     float *fy = fbuf(N2 * b.D), *fmx = fbuf(N2 * n), *frs = fbuf(N2);
-    hc_head_fwd(fy, fmx, frs, fX, ffn, fs, fb, N2, n, b.D, 1e-6f, 1e-6f);
+    hc_head_fwd(&(hc_head_args){.dims = {.N = N2, .n = n, .D = b.D}, .hc_eps = 1e-6f, .norm_eps = 1e-6f, .X = fX,
+        .fn = ffn, .scale = fs, .base = fb, .y = fy, .mixes = fmx, .rsqrt = frs});
     CHECK_F32("head y", fy, b.y, N2 * b.D);
     CHECK_F32("head mixes", fmx, b.mixes, N2 * n);
     float *fdX = fbuf(N2 * nD2), *fdfn = fbuf(n * nD2), *fds = fbuf(1), *fdb = fbuf(n);
-    hc_head_bwd(fdX, fdfn, fds, fdb, to_f(b.ry, N2 * b.D), fX, ffn, fs, fb, fmx, frs, N2, n, b.D, 1e-6f, 1e-6f);
+    hc_head_bwd(&(hc_head_args){.dims = {.N = N2, .n = n, .D = b.D}, .hc_eps = 1e-6f, .norm_eps = 1e-6f, .X = fX,
+        .fn = ffn, .scale = fs, .base = fb, .mixes = fmx, .rsqrt = frs}, &(hc_head_grads){.dy = to_f(b.ry, N2 * b.D),
+        .dX = fdX, .dfn = fdfn, .dscale = fds, .dbase = fdb});
     CHECK_F32("head dX", fdX, dX2, N2 * nD2);
     CHECK_F32("head dfn", fdfn, dfn2, n * nD2);
     CHECK_F32("head dscale", fds, ds2, 1);
@@ -538,7 +575,8 @@ typedef struct {
 
 static double cp_obj(void *p) {
     cp_ctx *c = p;
-    compressor_pool_fwd_f64(c->out, c->a, c->z, c->ape, c->B, c->T, c->r, c->d, c->overlap);
+    compressor_pool_fwd_f64(&(compressor_pool_args_f64){.dims = {.B = c->B, .T = c->T, .r = c->r, .d = c->d,
+        .overlap = c->overlap}, .a = c->a, .z = c->z, .ape = c->ape, .out = c->out});
     return dsum_prod(c->rout, c->out, c->B * (c->T / c->r) * c->d);
 }
 
@@ -557,7 +595,9 @@ static void cp_check(long B, long T, long r, long d, bool overlap, unsigned seed
     oracle_pool(o, c.a, c.z, c.ape, B, T, r, d, overlap);
     CHECK(rel_dd(c.out, o, NO) <= ORACLE_TOL, "overlap %d: out vs oracle %g", overlap, rel_dd(c.out, o, NO));
     double *da = dbuf(B * T * C), *dz = dbuf(B * T * C), *dape = dbuf(r * C);
-    compressor_pool_bwd_f64(da, dz, dape, c.rout, c.a, c.z, c.ape, B, T, r, d, overlap);
+    compressor_pool_bwd_f64(&(compressor_pool_args_f64){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = overlap},
+        .a = c.a, .z = c.z, .ape = c.ape}, &(compressor_pool_grads_f64){.dout = c.rout, .da = da, .dz = dz,
+        .dape = dape});
     CHECK_FD(overlap ? "pool(overlap) da" : "pool da", cp_obj, &c, c.a, B * T * C, da);
     CHECK_FD(overlap ? "pool(overlap) dz" : "pool dz", cp_obj, &c, c.z, B * T * C, dz);
     CHECK_FD(overlap ? "pool(overlap) dape" : "pool dape", cp_obj, &c, c.ape, r * C, dape);
@@ -574,8 +614,10 @@ static void cp_check(long B, long T, long r, long d, bool overlap, unsigned seed
     /* float == double */
     float *fa = to_f(c.a, B * T * C), *fz = to_f(c.z, B * T * C), *fp = to_f(c.ape, r * C), *fo = fbuf(NO);
     float *fda = fbuf(B * T * C), *fdz = fbuf(B * T * C), *fdp = fbuf(r * C);
-    compressor_pool_fwd(fo, fa, fz, fp, B, T, r, d, overlap);
-    compressor_pool_bwd(fda, fdz, fdp, to_f(c.rout, NO), fa, fz, fp, B, T, r, d, overlap);
+    compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = overlap}, .a = fa,
+        .z = fz, .ape = fp, .out = fo});
+    compressor_pool_bwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = overlap}, .a = fa,
+        .z = fz, .ape = fp}, &(compressor_pool_grads){.dout = to_f(c.rout, NO), .da = fda, .dz = fdz, .dape = fdp});
     CHECK_F32("pool out", fo, c.out, NO);
     CHECK_F32("pool da", fda, da, B * T * C);
     CHECK_F32("pool dz", fdz, dz, B * T * C);
@@ -647,10 +689,14 @@ static void test_deterministic_across_runs_and_threads(void) {
         ds4_set_threads(threads[run]);
         float *y = fbuf(N * D), *post = fbuf(N * n), *comb = fbuf(N * n * n), *mx = fbuf(N * M), *rs = fbuf(N);
         for (int k = 0; k < nout; k++) runs[run][k] = fbuf(sizes[k]);
-        hc_pre_fwd(y, post, comb, mx, rs, X, fn, sc, ba, N, n, D, 20, 1e-6f, 1e-6f);
-        hc_pre_bwd(runs[run][0], runs[run][1], runs[run][2], runs[run][3], dy, dp, dc, X, fn, sc, ba, mx, rs, N, n,
-                   D, 20, 1e-6f, 1e-6f);
-        compressor_pool_bwd(runs[run][4], runs[run][5], runs[run][6], go, a, z, ape, B, T, r, d, true);
+        hc_pre_fwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = 20}, .hc_eps = 1e-6f, .norm_eps = 1e-6f,
+            .X = X, .fn = fn, .scale = sc, .base = ba, .y = y, .post = post, .comb = comb, .mixes = mx, .rsqrt = rs});
+        hc_pre_bwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = 20}, .hc_eps = 1e-6f, .norm_eps = 1e-6f,
+            .X = X, .fn = fn, .scale = sc, .base = ba, .mixes = mx, .rsqrt = rs}, &(hc_pre_grads){.dy = dy, .dpost = dp,
+            .dcomb = dc, .dX = runs[run][0], .dfn = runs[run][1], .dscale = runs[run][2], .dbase = runs[run][3]});
+        compressor_pool_bwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = true}, .a = a,
+            .z = z, .ape = ape}, &(compressor_pool_grads){.dout = go, .da = runs[run][4], .dz = runs[run][5],
+            .dape = runs[run][6]});
     }
     ds4_set_threads(nt0);
     for (int run = 1; run < 3; run++)

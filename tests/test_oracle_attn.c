@@ -73,6 +73,9 @@ static ain ain_make(acfg g, unsigned seed) {
 static void ain_free(ain *a) { oc_free(&a->q), oc_free(&a->kv), oc_free(&a->kvc), oc_free(&a->sink), free(a->topk); }
 
 #define ACFG_ARGS(g) (g).B, (g).T, (g).H, (g).c, (g).window, (g).ratio, (g).Nc, (g).K
+#define ACFG_DIMS(g) \
+    ((sparse_attn_dims){.B = (g).B, .T = (g).T, .H = (g).H, .c = (g).c, .window = (g).window, .ratio = (g).ratio, \
+                        .Nc = (g).Nc, .K = (g).K})
 
 /* Most keys of any query row, and the largest Σ_i |q_i·key_i| over every (query head, key row) pair. */
 static int64_t max_keys(const ain *a) {
@@ -168,7 +171,8 @@ static void attn_case(acfg g, unsigned seed, int fd) {
     snprintf(what, sizeof what, "sparse_attn B=%lld T=%lld H=%lld c=%lld w=%lld r=%lld Nc=%lld K=%lld topk=%d",
              (long long)g.B, (long long)g.T, (long long)g.H, (long long)g.c, (long long)g.window, (long long)g.ratio,
              (long long)g.Nc, (long long)g.K, g.use_topk);
-    sparse_attn_fwd(o.f, lse.f, a.q.f, a.kv.f, a.kvc.f, a.topk, a.sink.f, ACFG_ARGS(g), (float)a.scale);
+    sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q.f, .kv = a.kv.f,
+        .kvc = a.kvc.f, .sink = a.sink.f, .topk = a.topk, .o = o.f, .lse = lse.f});
     oracle_sparse_attn_fwd(wo, wl, a.q.d, a.kv.d, a.kvc.d, a.topk, a.sink.d, ACFG_ARGS(g), a.scale);
 
     double U = U_F32, nk = (double)max_keys(&a), Vm = fmax(oc_absmax_d(a.kv.d, a.kv.n), oc_absmax_d(a.kvc.d, a.kvc.n));
@@ -185,8 +189,9 @@ static void attn_case(acfg g, unsigned seed, int fd) {
     memcpy(wdkv, dkv.d, (size_t)a.kv.n * sizeof(double));
     memcpy(wdkvc, dkvc.d, (size_t)a.kvc.n * sizeof(double));
     memcpy(wds, dsink.d, (size_t)g.H * sizeof(double));
-    sparse_attn_bwd(dq.f, dkv.f, dkvc.f, dsink.f, dout.f, o.f, lse.f, a.q.f, a.kv.f, a.kvc.f, a.topk, a.sink.f,
-                    ACFG_ARGS(g), (float)a.scale);
+    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q.f, .kv = a.kv.f,
+        .kvc = a.kvc.f, .sink = a.sink.f, .topk = a.topk, .o = o.f, .lse = lse.f}, &(sparse_attn_grads){.dout = dout.f,
+        .dq = dq.f, .dkv = dkv.f, .dkvc = dkvc.f, .dsink = dsink.f});
     oracle_sparse_attn_bwd(wdq, wdkv, wdkvc, wds, dout.d, a.q.d, a.kv.d, a.kvc.d, a.topk, a.sink.d, ACFG_ARGS(g),
                            a.scale);
     double dom = oc_absmax_d(dout.d, no), Gd = (double)g.c * dom * Vm, R = (double)(g.B * g.T * g.H);
@@ -274,7 +279,8 @@ static void topk_case(icfg g, unsigned seed, int ties) {
     oc_sync(&ki), oc_sync(&w);
     int64_t n = g.B * g.T * g.K;
     int32_t *got = malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t)), *want = malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t));
-    indexer_topk_fwd(got, qi.f, ki.f, w.f, g.B, g.T, g.HI, g.dI, g.Nc, g.ratio, g.K, (float)wscale);
+    indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = g.B, .T = g.T, .HI = g.HI, .dI = g.dI, .Nc = g.Nc,
+        .ratio = g.ratio, .K = g.K}, .wscale = (float)wscale, .qi = qi.f, .ki = ki.f, .w = w.f, .topk = got});
     oracle_indexer_topk(want, qi.d, ki.d, w.d, g.B, g.T, g.HI, g.dI, g.Nc, g.ratio, g.K, wscale);
     int64_t near = 0, bad = 0, selecting = 0;
     for (int64_t b = 0; b < g.B; b++)
@@ -356,7 +362,8 @@ static void kl_case(acfg g, int64_t HI, int64_t dI, unsigned seed, int fd) {
     const double wscale = 0.35, gs = 0.7;
     ain a = ain_make(g, seed);
     oc_buf o = oc_zero(a.q.n), lse = oc_zero(g.B * g.T * g.H);
-    sparse_attn_fwd(o.f, lse.f, a.q.f, a.kv.f, a.kvc.f, a.topk, a.sink.f, ACFG_ARGS(g), (float)a.scale);
+    sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q.f, .kv = a.kv.f,
+        .kvc = a.kvc.f, .sink = a.sink.f, .topk = a.topk, .o = o.f, .lse = lse.f});
     oc_sync(&lse);
     oc_buf qi = oc_rand(g.B * g.T * HI * dI, seed + 20, 1.0f), ki = oc_rand(g.B * g.Nc * dI, seed + 21, 1.0f);
     oc_buf w = oc_rand(g.B * g.T * HI, seed + 22, 1.0f);
@@ -367,8 +374,10 @@ static void kl_case(acfg g, int64_t HI, int64_t dI, unsigned seed, int fd) {
     memcpy(wdw, dw.d, (size_t)w.n * sizeof(double));
     double kl, wkl;
     int64_t nr, wnr;
-    indexer_kl_fwd_bwd(&kl, &nr, dqi.f, dki.f, dw.f, qi.f, ki.f, w.f, a.topk, a.q.f, a.kvc.f, lse.f, g.B, g.T, g.H, g.c,
-                       HI, dI, g.Nc, g.ratio, g.K, (float)a.scale, (float)wscale, (float)gs);
+    indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = g.B, .T = g.T, .HI = HI, .dI = dI, .Nc = g.Nc, .ratio = g.ratio,
+        .K = g.K}, .H = g.H, .c = g.c, .scale = (float)a.scale, .wscale = (float)wscale, .grad_scale = (float)gs,
+        .qi = qi.f, .ki = ki.f, .w = w.f, .q = a.q.f, .kvc = a.kvc.f, .lse = lse.f, .topk = a.topk, .dqi = dqi.f,
+        .dki = dki.f, .dw = dw.f, .kl_sum = &kl, .n_rows = &nr});
     oracle_indexer_kl(&wkl, &wnr, wdqi, wdki, wdw, qi.d, ki.d, w.d, a.topk, a.q.d, a.kvc.d, lse.d, g.B, g.T, g.H, g.c, HI,
                       dI, g.Nc, g.ratio, g.K, a.scale, wscale, gs);
     CHECK(nr == wnr, "indexer_kl rows %lld vs oracle %lld", (long long)nr, (long long)wnr);

@@ -259,12 +259,14 @@ static void rope_case(int64_t N, int64_t H, int64_t hd, int64_t rd, int64_t peri
         float *xf = oc_falloc(n);
         memcpy(xf, x.f, (size_t)n * sizeof(float));
         memcpy(want, x.d, (size_t)n * sizeof(double));
-        rope_fwd(xf, N, H, hd, period, mult, &tab, inverse);
+        rope_fwd(xf, &(rope_args){.N = N, .H = H, .hd = hd, .period = period, .mult = mult, .table = &tab,
+            .inverse = inverse});
         oracle_rope_fwd(want, N, H, hd, rd, period, mult, theta, inverse);
         oc_check(inverse ? "rope inverse" : "rope", xf, want, tol, n);
         memcpy(xf, x.f, (size_t)n * sizeof(float));
         memcpy(want, x.d, (size_t)n * sizeof(double));
-        rope_bwd(xf, N, H, hd, period, mult, &tab, inverse);
+        rope_bwd(xf, &(rope_args){.N = N, .H = H, .hd = hd, .period = period, .mult = mult, .table = &tab,
+            .inverse = inverse});
         oracle_rope_bwd(want, N, H, hd, rd, period, mult, theta, inverse);
         oc_check(inverse ? "rope_bwd inverse" : "rope_bwd", xf, want, tol, n);
 
@@ -380,7 +382,8 @@ static void pool_case(int64_t B, int64_t T, int64_t r, int64_t d, bool overlap, 
     double eps_e = U_F32 * (3 * vmax + 2);
     double e_out = (2 * eps_e + (2 * ns + 3) * U_F32) * amax;
     double e_dz = gmax * (e_out + (2 * eps_e + (ns + 5) * U_F32) * 2 * amax);
-    compressor_pool_fwd(out.f, a.f, z.f, ape.f, B, T, r, d, overlap);
+    compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = overlap}, .a = a.f,
+        .z = z.f, .ape = ape.f, .out = out.f});
     oracle_compressor_pool_fwd(want, a.d, z.d, ape.d, B, T, r, d, overlap);
     oc_check_all(what, out.f, want, e_out, Ne * d);
 
@@ -394,7 +397,8 @@ static void pool_case(int64_t B, int64_t T, int64_t r, int64_t d, bool overlap, 
         tdz[i] = e_dz + U_F32 * fabs(dz.d[i]);
     }
     for (int64_t i = 0; i < dape.n; i++) tdape[i] = Ne * (e_dz + (Ne + 1) * U_F32 * gmax * 2 * amax) + U_F32 * fabs(dape.d[i]);
-    compressor_pool_bwd(da.f, dz.f, dape.f, dout.f, a.f, z.f, ape.f, B, T, r, d, overlap);
+    compressor_pool_bwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = overlap}, .a = a.f,
+        .z = z.f, .ape = ape.f}, &(compressor_pool_grads){.dout = dout.f, .da = da.f, .dz = dz.f, .dape = dape.f});
     oracle_compressor_pool_bwd(wda, wdz, wdape, dout.d, a.d, z.d, ape.d, B, T, r, d, overlap);
     oc_check("compressor_pool da", da.f, wda, tda, da.n);
     oc_check("compressor_pool dz", dz.f, wdz, tdz, dz.n);
@@ -474,7 +478,8 @@ static void gate_case(int64_t N, int64_t E, int64_t K, int hash, int with_bias, 
     int32_t *idx = malloc((size_t)(N * K) * sizeof(int32_t)), *widx = malloc((size_t)(N * K) * sizeof(int32_t));
     oc_buf wts = oc_zero(N * K), sc = oc_zero(N * E);
     double *ww = oc_dalloc(N * K), *ws = oc_dalloc(N * E);
-    moe_gate_fwd(idx, wts.f, sc.f, logits.f, bf, tab, ids, N, E, K, (float)R);
+    moe_gate_fwd(&(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)R, .logits = logits.f,
+        .bias = bf, .tid2eid = tab, .ids = ids, .idx = idx, .weights = wts.f, .scores = sc.f});
     oracle_moe_gate_fwd(widx, ww, ws, logits.d, bd, tab, ids, N, E, K, R);
     double *ts = oc_dalloc(N * E);
     for (int64_t i = 0; i < N * E; i++) ts[i] = 5 * U_F32 * ws[i];
@@ -527,7 +532,8 @@ static void gate_case(int64_t N, int64_t E, int64_t K, int hash, int with_bias, 
             tdl[n * E + e] += (2 * K + 24) * U_F32 * R / S * (fabs(dwt.d[n * K + k]) + adw) * dsdl;
         }
     }
-    moe_gate_bwd(dl.f, dwt.f, logits.f, sc.f, idx, N, E, K, (float)R);
+    moe_gate_bwd(&(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)R, .logits = logits.f,
+        .scores = sc.f, .idx = idx}, &(moe_gate_grads){.dweights = dwt.f, .dlogits = dl.f});
     oracle_moe_gate_bwd(wdl, dwt.d, logits.d, idx, N, E, K, R);
     oc_check("moe_gate dlogits", dl.f, wdl, tdl, N * E);
 

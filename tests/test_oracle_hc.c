@@ -59,7 +59,8 @@ static void sinkhorn_case(int64_t n, int64_t iters, float amp, unsigned seed) {
     oc_buf dpre = oc_rand(n, seed + 3, 1.0f), dpost = oc_rand(n, seed + 4, 1.0f), dcomb = oc_rand(nn, seed + 5, 1.0f);
     oc_buf dmix = oc_rand(M, seed + 6, 0.5f), dsc = oc_rand(3, seed + 7, 0.5f), dbase = oc_rand(M, seed + 8, 0.5f);
     double wpre[8], wpost[8], wcomb[64], tp[8], tq[8], tc[64];
-    hc_split_sinkhorn_fwd(pre.f, post.f, comb.f, mixes.f, scale.f, base.f, n, iters, (float)eps);
+    hc_split_sinkhorn_fwd(&(hc_sinkhorn_args){.n = n, .iters = iters, .eps = (float)eps, .mixes = mixes.f,
+        .scale = scale.f, .base = base.f, .pre = pre.f, .post = post.f, .comb = comb.f});
     oracle_hc_sinkhorn_fwd(wpre, wpost, wcomb, mixes.d, scale.d, base.d, n, iters, eps);
     double Lmax = comb_logit_max(mixes.d, scale.d, base.d, n), ec = sk_fwd_rel(n, iters, Lmax);
     for (int64_t j = 0; j < n; j++) {
@@ -80,8 +81,9 @@ static void sinkhorn_case(int64_t n, int64_t iters, float amp, unsigned seed) {
     memcpy(wdm, dmix.d, (size_t)M * sizeof(double));
     memcpy(wdb, dbase.d, (size_t)M * sizeof(double));
     memcpy(wds, dsc.d, 3 * sizeof(double));
-    hc_split_sinkhorn_bwd(dmix.f, dsc.f, dbase.f, dpre.f, dpost.f, dcomb.f, mixes.f, scale.f, base.f, n, iters,
-                          (float)eps);
+    hc_split_sinkhorn_bwd(&(hc_sinkhorn_args){.n = n, .iters = iters, .eps = (float)eps, .mixes = mixes.f,
+        .scale = scale.f, .base = base.f}, &(hc_sinkhorn_grads){.dpre = dpre.f, .dpost = dpost.f, .dcomb = dcomb.f,
+        .dmixes = dmix.f, .dscale = dsc.f, .dbase = dbase.f});
     oracle_hc_sinkhorn_bwd(wdm, wds, wdb, dpre.d, dpost.d, dcomb.d, mixes.d, scale.d, base.d, n, iters, eps);
     double G = (double)n * oc_absmax_d(dcomb.d, nn);
     double eb = ec + (double)(n * sk_steps(iters) * (n + 3)) * U_F32;
@@ -192,11 +194,14 @@ static void hc_pre_head_case(int64_t N, int64_t n, int64_t D, int64_t iters, int
     snprintf(what, sizeof what, "%s N=%lld n=%lld D=%lld iters=%lld", head ? "hc_head" : "hc_pre", (long long)N,
              (long long)n, (long long)D, (long long)iters);
     if (head) {
-        hc_head_fwd(y.f, mixes.f, rs.f, X.f, fn.f, scale.f, base.f, N, n, D, (float)hc_eps, (float)norm_eps);
+        hc_head_fwd(&(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)hc_eps,
+            .norm_eps = (float)norm_eps, .X = X.f, .fn = fn.f, .scale = scale.f, .base = base.f, .y = y.f,
+            .mixes = mixes.f, .rsqrt = rs.f});
         oracle_hc_head_fwd(wy, X.d, fn.d, scale.d, base.d, N, n, D, hc_eps, norm_eps);
     } else {
-        hc_pre_fwd(y.f, post.f, comb.f, mixes.f, rs.f, X.f, fn.f, scale.f, base.f, N, n, D, iters, (float)hc_eps,
-                   (float)norm_eps);
+        hc_pre_fwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = iters}, .hc_eps = (float)hc_eps,
+            .norm_eps = (float)norm_eps, .X = X.f, .fn = fn.f, .scale = scale.f, .base = base.f, .y = y.f,
+            .post = post.f, .comb = comb.f, .mixes = mixes.f, .rsqrt = rs.f});
         oracle_hc_pre_fwd(wy, wpost, wcomb, wmix, wr, X.d, fn.d, scale.d, base.d, N, n, D, iters, hc_eps, norm_eps);
     }
     double Gm = 0, Bmax = 0, DSabs = 0, Lmax = 0, *gm = oc_dalloc(M), *db = oc_dalloc(M), ds[3];
@@ -270,12 +275,15 @@ static void hc_pre_head_case(int64_t N, int64_t n, int64_t D, int64_t iters, int
     memcpy(wds, dsc.d, (size_t)nsc * sizeof(double));
     memcpy(wdb, dbase.d, (size_t)M * sizeof(double));
     if (head) {
-        hc_head_bwd(dX.f, dfn.f, dsc.f, dbase.f, dy.f, X.f, fn.f, scale.f, base.f, mixes.f, rs.f, N, n, D,
-                    (float)hc_eps, (float)norm_eps);
+        hc_head_bwd(&(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)hc_eps,
+            .norm_eps = (float)norm_eps, .X = X.f, .fn = fn.f, .scale = scale.f, .base = base.f, .mixes = mixes.f,
+            .rsqrt = rs.f}, &(hc_head_grads){.dy = dy.f, .dX = dX.f, .dfn = dfn.f, .dscale = dsc.f, .dbase = dbase.f});
         oracle_hc_head_bwd(wdX, wdfn, wds, wdb, dy.d, X.d, fn.d, scale.d, base.d, N, n, D, hc_eps, norm_eps);
     } else {
-        hc_pre_bwd(dX.f, dfn.f, dsc.f, dbase.f, dy.f, dpost.f, dcomb.f, X.f, fn.f, scale.f, base.f, mixes.f, rs.f, N,
-                   n, D, iters, (float)hc_eps, (float)norm_eps);
+        hc_pre_bwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = iters}, .hc_eps = (float)hc_eps,
+            .norm_eps = (float)norm_eps, .X = X.f, .fn = fn.f, .scale = scale.f, .base = base.f, .mixes = mixes.f,
+            .rsqrt = rs.f}, &(hc_pre_grads){.dy = dy.f, .dpost = dpost.f, .dcomb = dcomb.f, .dX = dX.f, .dfn = dfn.f,
+            .dscale = dsc.f, .dbase = dbase.f});
         oracle_hc_pre_bwd(wdX, wdfn, wds, wdb, dy.d, dpost.d, dcomb.d, X.d, fn.d, scale.d, base.d, N, n, D, iters,
                           hc_eps, norm_eps);
     }
@@ -358,7 +366,8 @@ static void hc_post_case(int64_t N, int64_t n, int64_t D, unsigned seed) {
     double *wY = oc_dalloc(N * nD), *tY = oc_dalloc(N * nD);
     double *ax = abs_copy(x.d, x.n), *ares = abs_copy(res.d, res.n), *apost = abs_copy(post.d, post.n);
     double *acomb = abs_copy(comb.d, comb.n), *adY = abs_copy(dY.d, dY.n);
-    hc_post_fwd(Y.f, x.f, res.f, post.f, comb.f, N, n, D);
+    hc_post_fwd(&(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = x.f, .res = res.f, .post = post.f,
+        .comb = comb.f, .Y = Y.f});
     oracle_hc_post_fwd(wY, x.d, res.d, post.d, comb.d, N, n, D);
     oracle_hc_post_fwd(tY, ax, ares, apost, acomb, N, n, D);
     for (int64_t i = 0; i < N * nD; i++) tY[i] *= (double)(n + 3) * U_F32;
@@ -370,7 +379,8 @@ static void hc_post_case(int64_t N, int64_t n, int64_t D, unsigned seed) {
         w[k] = oc_dalloc(g[k]->n), t[k] = abs_copy(g[k]->d, g[k]->n);
         memcpy(w[k], g[k]->d, (size_t)g[k]->n * sizeof(double));
     }
-    hc_post_bwd(dx.f, dres.f, dpost.f, dcomb.f, dY.f, x.f, res.f, post.f, comb.f, N, n, D);
+    hc_post_bwd(&(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = x.f, .res = res.f, .post = post.f,
+        .comb = comb.f}, &(hc_post_grads){.dY = dY.f, .dx = dx.f, .dres = dres.f, .dpost = dpost.f, .dcomb = dcomb.f});
     oracle_hc_post_bwd(w[0], w[1], w[2], w[3], dY.d, x.d, res.d, post.d, comb.d, N, n, D);
     oracle_hc_post_bwd(t[0], t[1], t[2], t[3], adY, ax, ares, apost, acomb, N, n, D);
     const int64_t K[4] = {n, n, D, D};

@@ -110,8 +110,9 @@ typedef struct {
 void ds4_mem_get(ds4_mem_stats *out);
 
 /* Shape-only mode (memplan): allocations of every category but DS4_MEM_OTHER are counted exactly as
- * usual but get no memory behind them, and kernels return without touching data. Code that reads
- * or writes tensor data checks ds4_shape_only() and skips. Metadata (DS4_MEM_OTHER) stays real. */
+ * usual but get no memory behind them, and the kernels run the plan backend (src/kernels/plan.c),
+ * which counts their workspace without touching data. Code outside the kernels that reads or writes
+ * tensor data checks ds4_shape_only() and skips. Metadata (DS4_MEM_OTHER) stays real. */
 void ds4_set_shape_only(bool on);
 bool ds4_shape_only(void);
 void ds4_mem_reset_peak(void);    /* peaks := current live (both tiers) */

@@ -22,6 +22,15 @@
 #include "kernels/dispatch.h"
 #include "kernels/kernels.h"
 
+/* The Makefile compiles x86/ only for an x86-64 target: elsewhere its engines are absent. */
+#ifdef DS4_NO_X86_DIR
+const gemm_engine *gemm_engine_avx2_f32(void) { return NULL; }
+const gemm_engine *gemm_engine_avx512_f32(void) { return NULL; }
+const gemm_engine *gemm_engine_avx512bf16(void) { return NULL; }
+const gemm_engine *gemm_engine_amx_bf16(void) { return NULL; }
+const gemm_engine *gemm_engine_dpbf16_portable(void) { return NULL; }
+#endif
+
 /* ---------------------------------------------------------------- CPU features */
 
 typedef struct {
@@ -139,7 +148,7 @@ static struct {
     cpu_features cpu;
     ds4_isa best, cap;
     bool env_bad; /* DS4_ISA set but unusable: the cap went to generic, ds4_isa_from_env says why */
-    kernel_table table;
+    cpu_engines table;
     gemm_engine avx2_bf16, avx512_bf16; /* the fp32 engines run on bf16-rounded panels */
     const gemm_engine *bf16_override;
 } g = {.once = PTHREAD_ONCE_INIT};
@@ -154,7 +163,7 @@ static const gemm_engine *as_bf16(gemm_engine *slot, const gemm_engine *f32, con
 
 /* The engine of each family at level `isa`: the best one this build has at or below it. */
 static void fill_table(ds4_isa isa) {
-    kernel_table *t = &g.table;
+    cpu_engines *t = &g.table;
     t->isa = isa;
     t->gemm_f32 = NULL;
     if (isa >= DS4_ISA_AVX512) t->gemm_f32 = gemm_engine_avx512_f32();
@@ -187,7 +196,7 @@ static void init_once(void) {
 
 static void ensure_init(void) { pthread_once(&g.once, init_once); }
 
-const kernel_table *kernels_active(void) {
+const cpu_engines *cpu_engines_active(void) {
     ensure_init();
     return &g.table;
 }
@@ -293,6 +302,7 @@ void ds4_isa_describe(char *buf, size_t n) {
     if (g.best < DS4_ISA_COUNT - 1)
         append(buf, n, &at, "next level (%s) needs: %s\n", ds4_isa_name((ds4_isa)(g.best + 1)),
                missing_for(f, (ds4_isa)(g.best + 1)));
+    append(buf, n, &at, "kernel backend: %s\n", ds4_kernel_backend_cpu()->name);
     append(buf, n, &at, "gemm fp32: %s\n", g.table.gemm_f32 ? g.table.gemm_f32->name : "portable C reference (one fp32 sum per element, k ascending)");
     append(buf, n, &at, "gemm bf16: %s\n", g.table.gemm_bf16 ? g.table.gemm_bf16->name : "portable C bf16 reference (double accumulation)");
     append(buf, n, &at, "other kernels: portable C (OpenMP, compiler-vectorized for the build's baseline)\n");

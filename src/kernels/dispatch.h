@@ -1,5 +1,6 @@
-/* Internal to src/kernels: the engines of the blocked GEMM and the run-time dispatch that picks one per
- * kernel family from the CPU (dispatch.c). Public side: ds4_isa_* in ds4/core.h.
+/* Internal to the cpu kernel backend: the engines of its blocked GEMM (gemm.c) and the run-time
+ * dispatch that picks one per kernel family from the CPU at start (dispatch.c). Public side: ds4_isa_*
+ * in ds4/core.h.
  *
  * A family is one kernel entry point with several engines: today the GEMM in fp32 and the GEMM in bf16
  * (matmul precision bf16). Each engine is compiled in its own file with the target attributes it needs
@@ -14,8 +15,10 @@
 #include "ds4/core.h"
 
 /* Whether this build compiles the x86 engines: GCC on x86-64 (per-file target pragmas), unless the
- * build asks for the portable library only (-DDS4_PORTABLE_ONLY, what a non-x86 target gets). */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(DS4_PORTABLE_ONLY)
+ * build asks for the portable library only (-DDS4_PORTABLE_ONLY, what a non-x86 target gets) or leaves
+ * x86/ out (-DDS4_NO_X86_DIR: the Makefile on a non-x86 target, or X86_64=0). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(DS4_PORTABLE_ONLY) && \
+    !defined(DS4_NO_X86_DIR)
 #define DS4_X86_ENGINES 1
 #else
 #define DS4_X86_ENGINES 0
@@ -64,13 +67,13 @@ const gemm_engine *gemm_engine_amx_bf16(void);       /* AMX-BF16 tiles, 32×32 *
 const gemm_engine *gemm_engine_dpbf16_portable(void);
 
 /* The engines in use, chosen from the CPU and the ISA cap (DS4_ISA, ds4_isa_select). NULL: the
- * reference kernel of that family (gemm_*_ref, gemm_*_bf16_ref). */
+ * reference kernel of that family (cpu_gemm_*_ref, cpu_gemm_*_bf16_ref). */
 typedef struct {
     ds4_isa isa;
     const gemm_engine *gemm_f32;
     const gemm_engine *gemm_bf16;
-} kernel_table;
-const kernel_table *kernels_active(void);
+} cpu_engines;
+const cpu_engines *cpu_engines_active(void);
 
 /* Tests only: run the bf16 GEMM family on this engine (NULL: back to the dispatch's choice). */
 void kernels_override_gemm_bf16(const gemm_engine *e);

@@ -1,7 +1,9 @@
-/* The blocked GEMM driver and the gemm_nt/nn/tn entry points: portable C, built for the target's
- * baseline. It runs the engine that the dispatch (dispatch.c) chose for the current matmul precision:
- * the engine brings its panel layouts, packers, register-tile kernel and blocking sizes (x86/); without
- * an engine (DS4_ISA=generic, a CPU below AVX2, a non-x86 target) the reference GEMMs compute.
+/* The cpu backend's GEMM: the blocked driver behind its gemm_nt/nn/tn entries (cpu_gemm_*), portable C
+ * built for the target's baseline. It runs the engine that the dispatch (dispatch.c) chose for the
+ * current matmul precision: the engine brings its panel layouts, packers, register-tile kernel and
+ * blocking sizes (x86/); without an engine (DS4_ISA=generic, a CPU below AVX2, a non-x86 target) the
+ * reference GEMMs compute (cpu/gemm.c, cpu/gemm_bf16.c). The plan backend's GEMM (cpu_gemm_*_plan)
+ * takes the same packing buffers and computes nothing.
  *
  * Layout (the classic five loops): for each NC-wide column block of C and each KC-deep slice of K,
  * B's slice is packed once into NR-wide panels; the output is cut into tasks (MC rows × up to NT
@@ -16,8 +18,8 @@
 #include <string.h>
 
 #include "ds4/core.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/dispatch.h"
-#include "kernels/kernels.h"
 
 /* The packing workspace is sized for the largest slices of any engine: KC × NC of B, KC × MC of A per
  * thread, in floats (the bf16 engines' slices are twice as deep with half the bytes per element). */
@@ -70,34 +72,80 @@ static void task_shape(const gemm_engine *e, int64_t M, int64_t N, int nth, int6
 
 /* Packing workspace reserved for a model's lifetime: GEMMs inside a pass then allocate nothing, so a
  * pass's memory (and memplan's prediction of it) does not depend on the routing of tokens to experts.
- * Reserved whatever the engine (even none), so a plan does not depend on the CPU that makes it. */
+ * Reserved whatever the engine (even none), so a plan does not depend on the CPU that makes it. A pool
+ * the plan backend reserved (counted, no memory behind it) serves only plan GEMMs; one the cpu backend
+ * reserved, only real ones. */
 #define POOL_B_BYTES ((size_t)POOL_KC * POOL_NC * sizeof(float))
 #define POOL_A_BYTES ((size_t)POOL_KC * POOL_MC * sizeof(float)) /* per thread */
 static struct {
     char *bp, *ap;
     int threads;
     int refs;
-    bool shape_only; /* reserved in shape-only mode: counted, no memory behind it */
+    bool plan; /* reserved by the plan backend */
 } g_ws;
 
-void gemm_workspace_reserve(void) {
+static void workspace_reserve(bool plan) {
     if (g_ws.refs++ > 0) return;
     g_ws.threads = omp_get_max_threads();
-    g_ws.shape_only = ds4_shape_only();
+    g_ws.plan = plan;
     g_ws.bp = ds4_alloc(DS4_MEM_WORK, POOL_B_BYTES);
     g_ws.ap = ds4_alloc(DS4_MEM_WORK, (size_t)g_ws.threads * POOL_A_BYTES);
 }
 
-void gemm_workspace_release(void) {
+void cpu_gemm_workspace_reserve(void) { workspace_reserve(false); }
+void cpu_gemm_workspace_reserve_plan(void) { workspace_reserve(true); }
+
+void cpu_gemm_workspace_release(void) {
     if (g_ws.refs <= 0 || --g_ws.refs > 0) return;
     ds4_free(g_ws.bp);
     ds4_free(g_ws.ap);
     memset(&g_ws, 0, sizeof g_ws);
 }
 
-static bool workspace_usable(int nth, size_t b_bytes, size_t a_bytes) {
-    return g_ws.bp && g_ws.ap && nth <= g_ws.threads && g_ws.shape_only == ds4_shape_only() && !omp_in_parallel() &&
+static bool workspace_usable(bool plan, int nth, size_t b_bytes, size_t a_bytes) {
+    return g_ws.bp && g_ws.ap && nth <= g_ws.threads && g_ws.plan == plan && !omp_in_parallel() &&
            b_bytes <= POOL_B_BYTES && a_bytes <= POOL_A_BYTES;
+}
+
+/* The packing buffers of one GEMM (M, N, K > 0) on engine e: B slices at bp; nth threads' packed A
+ * blocks at ap, a_bytes apart; the task shape mc × nt. From the pool when it fits (pooled), else
+ * allocated. */
+typedef struct {
+    char *bp, *ap;
+    size_t a_bytes;
+    int nth;
+    int64_t mc, nt;
+    bool pooled;
+} gemm_buffers;
+
+/* False (nothing held) when an allocation failed. plan: the caller is the plan backend. */
+static bool buffers_take(gemm_buffers *w, bool plan, const gemm_engine *e, int64_t M, int64_t N, int64_t K) {
+    int nth = omp_in_parallel() || M * N * K < PAR_MIN ? 1 : omp_get_max_threads();
+    int64_t nc_max = min64(N, e->nc), kcp_max = round_up(min64(K, e->kc), e->kalign), mc, nt;
+    task_shape(e, M, nc_max, nth, &mc, &nt);
+    if (nth > cdiv(M, mc) * cdiv(nc_max, nt)) nth = (int)(cdiv(M, mc) * cdiv(nc_max, nt));
+    size_t b_bytes = (size_t)(kcp_max * round_up(nc_max, e->nr)) * e->elem;
+    size_t a_bytes = (size_t)(kcp_max * round_up(min64(M, mc), e->mr)) * e->elem; /* packed A per thread */
+    *w = (gemm_buffers){.nth = nth, .mc = mc, .nt = nt, .pooled = workspace_usable(plan, nth, b_bytes, a_bytes)};
+    if (w->pooled) {
+        w->bp = g_ws.bp;
+        w->ap = g_ws.ap;
+        w->a_bytes = POOL_A_BYTES; /* the pool's per-thread stride */
+        return true;
+    }
+    w->bp = ds4_alloc(DS4_MEM_WORK, b_bytes);
+    w->ap = ds4_alloc(DS4_MEM_WORK, (size_t)nth * a_bytes);
+    w->a_bytes = a_bytes;
+    if (w->bp && w->ap) return true;
+    ds4_free(w->bp);
+    ds4_free(w->ap);
+    return false;
+}
+
+static void buffers_give_back(const gemm_buffers *w) {
+    if (w->pooled) return;
+    ds4_free(w->bp);
+    ds4_free(w->ap);
 }
 
 /* C[M,N] = beta·C + A·B with A viewed M×K and B viewed K×N. Returns false (nothing written) when
@@ -105,36 +153,17 @@ static bool workspace_usable(int nth, size_t b_bytes, size_t a_bytes) {
 static bool gemm_fast(const gemm_engine *e, int64_t M, int64_t N, int64_t K, gemm_view A, gemm_view B, float *C,
                       int64_t ldc, float beta) {
     if (M <= 0 || N <= 0) return true;
-    if (K <= 0 && ds4_shape_only()) return true;
     if (K <= 0) { /* empty sum: C = beta·C */
         for (int64_t i = 0; i < M; i++)
             for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta == 0 ? 0 : beta * C[i * ldc + j];
         return true;
     }
-    int nth = omp_in_parallel() || M * N * K < PAR_MIN ? 1 : omp_get_max_threads();
-    int64_t nc_max = min64(N, e->nc), kcp_max = round_up(min64(K, e->kc), e->kalign), mc, nt;
-    task_shape(e, M, nc_max, nth, &mc, &nt);
-    if (nth > cdiv(M, mc) * cdiv(nc_max, nt)) nth = (int)(cdiv(M, mc) * cdiv(nc_max, nt));
-    size_t b_bytes = (size_t)(kcp_max * round_up(nc_max, e->nr)) * e->elem;
-    size_t a_bytes = (size_t)(kcp_max * round_up(min64(M, mc), e->mr)) * e->elem; /* packed A per thread */
-    char *bp, *ap;
-    bool pooled = workspace_usable(nth, b_bytes, a_bytes);
-    if (pooled) {
-        bp = g_ws.bp;
-        ap = g_ws.ap;
-        a_bytes = POOL_A_BYTES; /* the pool's per-thread stride */
-    } else {
-        bp = ds4_alloc(DS4_MEM_WORK, b_bytes);
-        ap = ds4_alloc(DS4_MEM_WORK, (size_t)nth * a_bytes);
-    }
-    if (!bp || !ap || ds4_shape_only()) { /* shape-only: the buffers were counted, nothing is computed */
-        bool ok = bp && ap;
-        if (!pooled) {
-            ds4_free(bp);
-            ds4_free(ap);
-        }
-        return ok;
-    }
+    gemm_buffers w;
+    if (!buffers_take(&w, false, e, M, N, K)) return false;
+    char *bp = w.bp, *ap = w.ap;
+    size_t a_bytes = w.a_bytes;
+    int nth = w.nth;
+    int64_t mc = w.mc, nt = w.nt;
 #pragma omp parallel num_threads(nth)
     {
         char *apt = ap + (size_t)omp_get_thread_num() * a_bytes;
@@ -180,44 +209,72 @@ static bool gemm_fast(const gemm_engine *e, int64_t M, int64_t N, int64_t K, gem
         }
         if (e->thread_end) e->thread_end();
     }
-    if (!pooled) {
-        ds4_free(bp);
-        ds4_free(ap);
-    }
+    buffers_give_back(&w);
     return true;
 }
 
 
 /* The engine of the current matmul precision; NULL: the reference of that precision computes. */
 static const gemm_engine *current_engine(bool *bf16) {
-    const kernel_table *t = kernels_active();
+    const cpu_engines *t = cpu_engines_active();
     *bf16 = ds4_get_matmul_precision() == DS4_MATMUL_BF16;
     return *bf16 ? t->gemm_bf16 : t->gemm_f32;
 }
 
 /* C[M,N] = beta*C + A[M,K] · B[N,K]^T */
-void gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
-             int64_t ldc, float beta) {
+void cpu_gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
+                 int64_t ldc, float beta) {
     bool bf16;
     const gemm_engine *e = current_engine(&bf16);
     if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, lda, 1}, (gemm_view){B, 1, ldb}, C, ldc, beta))
-        (bf16 ? gemm_nt_bf16_ref : gemm_nt_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
+        (bf16 ? cpu_gemm_nt_bf16_ref : cpu_gemm_nt_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
 }
 
 /* C[M,N] = beta*C + A[M,K] · B[K,N] */
-void gemm_nn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
-             int64_t ldc, float beta) {
+void cpu_gemm_nn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
+                 int64_t ldc, float beta) {
     bool bf16;
     const gemm_engine *e = current_engine(&bf16);
     if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, lda, 1}, (gemm_view){B, ldb, 1}, C, ldc, beta))
-        (bf16 ? gemm_nn_bf16_ref : gemm_nn_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
+        (bf16 ? cpu_gemm_nn_bf16_ref : cpu_gemm_nn_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
 }
 
 /* C[M,N] = beta*C + A[K,M]^T · B[K,N] */
-void gemm_tn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
-             int64_t ldc, float beta) {
+void cpu_gemm_tn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
+                 int64_t ldc, float beta) {
     bool bf16;
     const gemm_engine *e = current_engine(&bf16);
     if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, 1, lda}, (gemm_view){B, ldb, 1}, C, ldc, beta))
-        (bf16 ? gemm_tn_bf16_ref : gemm_tn_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
+        (bf16 ? cpu_gemm_tn_bf16_ref : cpu_gemm_tn_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
+
+/* ---------------------------------------------------------------- the plan backend's GEMM */
+
+/* What cpu_gemm_* allocates for an M×N×K product, allocated and given back: nothing without an engine
+ * (the references allocate nothing) or with an empty product. The layout (nt, nn, tn) does not change
+ * the buffers. */
+static void gemm_plan(int64_t M, int64_t N, int64_t K) {
+    bool bf16;
+    const gemm_engine *e = current_engine(&bf16);
+    gemm_buffers w;
+    if (!e || M <= 0 || N <= 0 || K <= 0 || !buffers_take(&w, true, e, M, N, K)) return;
+    buffers_give_back(&w);
+}
+
+void cpu_gemm_nt_plan(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float *C, int64_t ldc, float beta) {
+    (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc, (void)beta;
+    gemm_plan(M, N, K);
+}
+
+void cpu_gemm_nn_plan(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float *C, int64_t ldc, float beta) {
+    (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc, (void)beta;
+    gemm_plan(M, N, K);
+}
+
+void cpu_gemm_tn_plan(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float *C, int64_t ldc, float beta) {
+    (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc, (void)beta;
+    gemm_plan(M, N, K);
 }

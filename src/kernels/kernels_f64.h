@@ -1,7 +1,9 @@
-/* Float64 twins of the reference kernels, for finite-difference tests. Each op's reference code is
- * written once in a ref/<op>.inc template and compiled twice: in float under the names of kernels.h
- * and in double under the same name + `_f64` (every float parameter becomes double; int pointers
- * stay). Same semantics as kernels.h. Each op family keeps its own section below. */
+/* Float64 twins of the cpu backend's kernels, for finite-difference tests. Each op's code is written
+ * once in a cpu/<op>.inc template and compiled twice: in float as the cpu backend's entry points
+ * (cpu_<op>, cpu/cpu.h) and in double under the kernels.h name + `_f64` (every float becomes double;
+ * int pointers and the `dims` structs stay). A descriptor `<op>_args` / `<op>_grads` has a double
+ * twin `<op>_args_f64` / `<op>_grads_f64` with the same fields. Same semantics as kernels.h. Each op
+ * family keeps its own section below. */
 #ifndef DS4_KERNELS_F64_H
 #define DS4_KERNELS_F64_H
 
@@ -32,15 +34,23 @@ void rmsnorm_fwd_f64(double *y, double *rstd, const double *x, const double *w, 
 void rmsnorm_bwd_f64(double *dx, double *dw, const double *dy, const double *x, const double *w,
                      const double *rstd, int64_t N, int64_t D);
 /* The rope table stays float (ds4_rope); the double rotation reads it widened. */
-void rope_fwd_f64(double *x, int64_t N, int64_t H, int64_t hd, int64_t period, int64_t mult, const ds4_rope *r,
-                  bool inverse);
-void rope_bwd_f64(double *dx, int64_t N, int64_t H, int64_t hd, int64_t period, int64_t mult, const ds4_rope *r,
-                  bool inverse);
-void moe_gate_fwd_f64(int32_t *idx, double *weights, double *scores, const double *logits, const double *bias,
-                      const int64_t *tid2eid, const int32_t *ids, int64_t N, int64_t E, int64_t K,
-                      double route_scale);
-void moe_gate_bwd_f64(double *dlogits, const double *dweights, const double *logits, const double *scores,
-                      const int32_t *idx, int64_t N, int64_t E, int64_t K, double route_scale);
+void rope_fwd_f64(double *x, const rope_args *a);
+void rope_bwd_f64(double *dx, const rope_args *a);
+typedef struct {
+    moe_gate_dims dims;
+    double route_scale;
+    const double *logits, *bias;
+    const int64_t *tid2eid;
+    const int32_t *ids;
+    int32_t *idx;
+    double *weights, *scores;
+} moe_gate_args_f64;
+typedef struct {
+    const double *dweights;
+    double *dlogits;
+} moe_gate_grads_f64;
+void moe_gate_fwd_f64(const moe_gate_args_f64 *a);
+void moe_gate_bwd_f64(const moe_gate_args_f64 *a, const moe_gate_grads_f64 *g);
 void swiglu_fwd_f64(double *act, const double *g, const double *u, int64_t N, int64_t I, double limit);
 void swiglu_bwd_f64(double *dg, double *du, const double *dact, const double *g, const double *u, int64_t N,
                     int64_t I, double limit);
@@ -49,53 +59,101 @@ void cross_entropy_fwd_bwd_f64(double *loss_sum, int64_t *n_scored, double *dlog
 
 /* ---- end gemm, linear, embedding, norm, rope, moe gate, swiglu, loss ---- */
 
-/* ---- hc (mHC), ref/hc.c ---- */
-void hc_split_sinkhorn_fwd_f64(double *pre, double *post, double *comb, const double *mixes, const double *scale,
-                               const double *base, int64_t n, int64_t iters, double eps);
-void hc_split_sinkhorn_bwd_f64(double *dmixes, double *dscale, double *dbase, const double *dpre,
-                               const double *dpost, const double *dcomb, const double *mixes, const double *scale,
-                               const double *base, int64_t n, int64_t iters, double eps);
-void hc_pre_fwd_f64(double *y, double *post, double *comb, double *mixes, double *rsqrt, const double *X,
-                    const double *fn, const double *scale, const double *base, int64_t N, int64_t n, int64_t D,
-                    int64_t iters, double hc_eps, double norm_eps);
-void hc_pre_bwd_f64(double *dX, double *dfn, double *dscale, double *dbase, const double *dy, const double *dpost,
-                    const double *dcomb, const double *X, const double *fn, const double *scale,
-                    const double *base, const double *mixes, const double *rsqrt, int64_t N, int64_t n, int64_t D,
-                    int64_t iters, double hc_eps, double norm_eps);
-void hc_post_fwd_f64(double *Y, const double *x, const double *res, const double *post, const double *comb,
-                     int64_t N, int64_t n, int64_t D);
-void hc_post_bwd_f64(double *dx, double *dres, double *dpost, double *dcomb, const double *dY, const double *x,
-                     const double *res, const double *post, const double *comb, int64_t N, int64_t n, int64_t D);
-void hc_head_fwd_f64(double *y, double *mixes, double *rsqrt, const double *X, const double *fn,
-                     const double *scale, const double *base, int64_t N, int64_t n, int64_t D, double hc_eps,
-                     double norm_eps);
-void hc_head_bwd_f64(double *dX, double *dfn, double *dscale, double *dbase, const double *dy, const double *X,
-                     const double *fn, const double *scale, const double *base, const double *mixes,
-                     const double *rsqrt, int64_t N, int64_t n, int64_t D, double hc_eps, double norm_eps);
+/* ---- hc (mHC), cpu/hc.c ---- */
+typedef struct {
+    int64_t n, iters;
+    double eps;
+    const double *mixes, *scale, *base;
+    double *pre, *post, *comb;
+} hc_sinkhorn_args_f64;
+typedef struct {
+    const double *dpre, *dpost, *dcomb;
+    double *dmixes, *dscale, *dbase;
+} hc_sinkhorn_grads_f64;
+typedef struct {
+    hc_dims dims;
+    double hc_eps, norm_eps;
+    const double *X, *fn, *scale, *base;
+    double *y, *post, *comb, *mixes, *rsqrt;
+} hc_pre_args_f64;
+typedef struct {
+    const double *dy, *dpost, *dcomb;
+    double *dX, *dfn, *dscale, *dbase;
+} hc_pre_grads_f64;
+typedef struct {
+    hc_dims dims;
+    const double *x, *res, *post, *comb;
+    double *Y;
+} hc_post_args_f64;
+typedef struct {
+    const double *dY;
+    double *dx, *dres, *dpost, *dcomb;
+} hc_post_grads_f64;
+typedef struct {
+    hc_dims dims;
+    double hc_eps, norm_eps;
+    const double *X, *fn, *scale, *base;
+    double *y, *mixes, *rsqrt;
+} hc_head_args_f64;
+typedef struct {
+    const double *dy;
+    double *dX, *dfn, *dscale, *dbase;
+} hc_head_grads_f64;
+void hc_split_sinkhorn_fwd_f64(const hc_sinkhorn_args_f64 *a);
+void hc_split_sinkhorn_bwd_f64(const hc_sinkhorn_args_f64 *a, const hc_sinkhorn_grads_f64 *g);
+void hc_pre_fwd_f64(const hc_pre_args_f64 *a);
+void hc_pre_bwd_f64(const hc_pre_args_f64 *a, const hc_pre_grads_f64 *g);
+void hc_post_fwd_f64(const hc_post_args_f64 *a);
+void hc_post_bwd_f64(const hc_post_args_f64 *a, const hc_post_grads_f64 *g);
+void hc_head_fwd_f64(const hc_head_args_f64 *a);
+void hc_head_bwd_f64(const hc_head_args_f64 *a, const hc_head_grads_f64 *g);
 
-/* ---- compressor pooling, ref/compressor.c ---- */
-void compressor_pool_fwd_f64(double *out, const double *a, const double *z, const double *ape, int64_t B,
-                             int64_t T, int64_t r, int64_t d, bool overlap);
-void compressor_pool_bwd_f64(double *da, double *dz, double *dape, const double *dout, const double *a,
-                             const double *z, const double *ape, int64_t B, int64_t T, int64_t r, int64_t d,
-                             bool overlap);
+/* ---- compressor pooling, cpu/compressor.c ---- */
+typedef struct {
+    compressor_dims dims;
+    const double *a, *z, *ape;
+    double *out;
+} compressor_pool_args_f64;
+typedef struct {
+    const double *dout;
+    double *da, *dz, *dape;
+} compressor_pool_grads_f64;
+void compressor_pool_fwd_f64(const compressor_pool_args_f64 *a);
+void compressor_pool_bwd_f64(const compressor_pool_args_f64 *a, const compressor_pool_grads_f64 *g);
 /* ---- end hc (mHC), compressor pooling ---- */
 
-/* ---- sparse attention, indexer (ref/sparse_attn.c, ref/indexer.c) ---- */
-void sparse_attn_fwd_f64(double *o, double *lse, const double *q, const double *kv, const double *kvc,
-                         const int32_t *topk, const double *sink, int64_t B, int64_t T, int64_t H, int64_t c,
-                         int64_t window, int64_t ratio, int64_t Nc, int64_t K, double scale);
-void sparse_attn_bwd_f64(double *dq, double *dkv, double *dkvc, double *dsink, const double *dout,
-                         const double *o, const double *lse, const double *q, const double *kv, const double *kvc,
-                         const int32_t *topk, const double *sink, int64_t B, int64_t T, int64_t H, int64_t c,
-                         int64_t window, int64_t ratio, int64_t Nc, int64_t K, double scale);
-void indexer_topk_fwd_f64(int32_t *topk, const double *qi, const double *ki, const double *w, int64_t B,
-                          int64_t T, int64_t HI, int64_t dI, int64_t Nc, int64_t ratio, int64_t K, double wscale);
-void indexer_kl_fwd_bwd_f64(double *kl_sum, int64_t *n_rows, double *dqi, double *dki, double *dw,
-                            const double *qi, const double *ki, const double *w, const int32_t *topk,
-                            const double *q, const double *kvc, const double *lse, int64_t B, int64_t T, int64_t H,
-                            int64_t c, int64_t HI, int64_t dI, int64_t Nc, int64_t ratio, int64_t K, double scale,
-                            double wscale, double grad_scale);
+/* ---- sparse attention, indexer (cpu/sparse_attn.c, cpu/indexer.c) ---- */
+typedef struct {
+    sparse_attn_dims dims;
+    double scale;
+    const double *q, *kv, *kvc, *sink;
+    const int32_t *topk;
+    double *o, *lse;
+} sparse_attn_args_f64;
+typedef struct {
+    const double *dout;
+    double *dq, *dkv, *dkvc, *dsink;
+} sparse_attn_grads_f64;
+typedef struct {
+    indexer_dims dims;
+    double wscale;
+    const double *qi, *ki, *w;
+    int32_t *topk;
+} indexer_topk_args_f64;
+typedef struct {
+    indexer_dims dims;
+    int64_t H, c;
+    double scale, wscale, grad_scale;
+    const double *qi, *ki, *w, *q, *kvc, *lse;
+    const int32_t *topk;
+    double *dqi, *dki, *dw;
+    double *kl_sum;
+    int64_t *n_rows;
+} indexer_kl_args_f64;
+void sparse_attn_fwd_f64(const sparse_attn_args_f64 *a);
+void sparse_attn_bwd_f64(const sparse_attn_args_f64 *a, const sparse_attn_grads_f64 *g);
+void indexer_topk_fwd_f64(const indexer_topk_args_f64 *a);
+void indexer_kl_fwd_bwd_f64(const indexer_kl_args_f64 *a);
 /* ---- end sparse attention, indexer ---- */
 
 #endif

@@ -157,8 +157,9 @@ static ds4_status hc_pre_unit(const block_ctx *bc, block_acts *a, unit_id u, con
     NEED(*post = OUT_F(u, N * n));
     NEED(*comb = OUT_F(u, N * n * n));
     NEED(*y = OUT_F(u, N * D));
-    hc_pre_fwd(*y, *post, *comb, *mixes, *rsqrt, X, fn, scale, base, N, n, D, c->hc_sinkhorn_iters,
-               (float)c->hc_eps, eps);
+    hc_pre_fwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = c->hc_sinkhorn_iters},
+        .hc_eps = (float)c->hc_eps, .norm_eps = eps, .X = X, .fn = fn, .scale = scale, .base = base, .y = *y,
+        .post = *post, .comb = *comb, .mixes = *mixes, .rsqrt = *rsqrt});
     return DS4_OK;
 }
 
@@ -197,7 +198,8 @@ static ds4_status u_q_up(const block_ctx *bc, block_acts *a) {
     NEED(a->q = OUT_F(U_Q_UP, N * H * hd));
     linear_fwd(a->qraw, a->qr, W->wq_b, N, QR, H * hd);
     rmsnorm_fwd(a->q, a->q_rstd, a->qraw, NULL, N * H, hd, eps);
-    rope_fwd(a->q, N, H, hd, T, 1, block_rope(m, a->ratio), false);
+    rope_fwd(a->q, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1, .table = block_rope(m, a->ratio),
+        .inverse = false});
     return DS4_OK;
 }
 
@@ -210,7 +212,8 @@ static ds4_status u_kv(const block_ctx *bc, block_acts *a) {
     NEED(a->kv = OUT_F(U_KV, N * hd));
     linear_fwd(a->kvraw, a->xa, W->wkv, N, D, hd);
     rmsnorm_fwd(a->kv, a->kv_rstd, a->kvraw, W->kv_norm, N, hd, eps);
-    rope_fwd(a->kv, N, 1, hd, T, 1, block_rope(m, a->ratio), false);
+    rope_fwd(a->kv, &(rope_args){.N = N, .H = 1, .hd = hd, .period = T, .mult = 1, .table = block_rope(m, a->ratio),
+        .inverse = false});
     return DS4_OK;
 }
 
@@ -226,9 +229,11 @@ static ds4_status compress(const block_ctx *bc, block_acts *a, unit_id u, const 
     NEED(*out = OUT_F(u, B * Nc * d));
     linear_fwd(*ca, a->xa, cw->wkv, N, D, coff * d);
     linear_fwd(*cz, a->xa, cw->wgate, N, D, coff * d);
-    compressor_pool_fwd(*pool, *ca, *cz, cw->ape, B, T, r, d, r == 4);
+    compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = r == 4}, .a = *ca,
+        .z = *cz, .ape = cw->ape, .out = *pool});
     rmsnorm_fwd(*out, *rstd, *pool, cw->norm, B * Nc, d, eps);
-    rope_fwd(*out, B * Nc, 1, d, Nc, r, block_rope(m, r), false);
+    rope_fwd(*out, &(rope_args){.N = B * Nc, .H = 1, .hd = d, .period = Nc, .mult = r, .table = block_rope(m, r),
+        .inverse = false});
     return DS4_OK;
 }
 
@@ -247,7 +252,8 @@ static ds4_status u_indexer(const block_ctx *bc, block_acts *a) {
     NEED(a->iqi = OUT_F(U_INDEXER, N * HI * dI));
     NEED(a->iwi = OUT_F(U_INDEXER, N * HI));
     linear_fwd(a->iqi, a->qr, W->idx_wq_b, N, QR, HI * dI);
-    rope_fwd(a->iqi, N, HI, dI, T, 1, &m->rope_cmp, false);
+    rope_fwd(a->iqi, &(rope_args){.N = N, .H = HI, .hd = dI, .period = T, .mult = 1, .table = &m->rope_cmp,
+        .inverse = false});
     linear_fwd(a->iwi, a->xa, W->idx_weights_proj, N, D, HI);
     return compress(bc, a, U_INDEXER, &W->idx_cmp, 4, dI, &a->ica, &a->icz, &a->ipool, &a->i_rstd, &a->iki);
 }
@@ -265,8 +271,9 @@ static ds4_status u_indexer_topk(const block_ctx *bc, block_acts *a) {
     const int64_t K = c->index_topk;
     NEED(a->topk = OUT_I32(U_INDEXER_TOPK, N * K));
     const int64_t oom = ds4_alloc_failures();
-    indexer_topk_fwd(a->topk, a->iqi, a->iki, a->iwi, B, T, c->index_n_heads, c->index_head_dim, a->Nc, 4, K,
-                     indexer_wscale(c));
+    indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = B, .T = T, .HI = c->index_n_heads, .dI = c->index_head_dim,
+        .Nc = a->Nc, .ratio = 4, .K = K}, .wscale = indexer_wscale(c), .qi = a->iqi, .ki = a->iki, .w = a->iwi,
+        .topk = a->topk});
     return kernel_status(oom, "indexer top-k");
 }
 
@@ -282,8 +289,9 @@ static ds4_status u_sparse_attn(const block_ctx *bc, block_acts *a) {
     NEED(a->o = OUT_F(U_SPARSE_ATTN, N * H * hd));
     NEED(a->lse = OUT_F(U_SPARSE_ATTN, N * H));
     const int64_t oom = ds4_alloc_failures();
-    sparse_attn_fwd(a->o, a->lse, a->q, a->kv, a->kvc, sel, W->attn_sink, B, T, H, hd, c->window, a->ratio, a->Nc,
-                    sel ? c->index_topk : 0, attn_scale(c));
+    sparse_attn_fwd(&(sparse_attn_args){.dims = {.B = B, .T = T, .H = H, .c = hd, .window = c->window,
+        .ratio = a->ratio, .Nc = a->Nc, .K = sel ? c->index_topk : 0}, .scale = attn_scale(c), .q = a->q, .kv = a->kv,
+        .kvc = a->kvc, .sink = W->attn_sink, .topk = sel, .o = a->o, .lse = a->lse});
     return kernel_status(oom, "sparse attention");
 }
 
@@ -295,7 +303,8 @@ static float *inverse_roped_o(const block_ctx *bc, const block_acts *a) {
     float *o_r = work(N * H * hd);
     if (!o_r) return NULL;
     if (!ds4_shape_only()) memcpy(o_r, a->o, (size_t)(N * H * hd) * sizeof(float));
-    rope_fwd(o_r, N, H, hd, bc->T, 1, block_rope(bc->m, a->ratio), true);
+    rope_fwd(o_r, &(rope_args){.N = N, .H = H, .hd = hd, .period = bc->T, .mult = 1,
+        .table = block_rope(bc->m, a->ratio), .inverse = true});
     return o_r;
 }
 
@@ -316,7 +325,8 @@ static ds4_status u_o_proj(const block_ctx *bc, block_acts *a) {
 static ds4_status u_hc_post_attn(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
     NEED(a->X_mid = OUT_F(U_HC_POST_ATTN, N * n * D));
-    hc_post_fwd(a->X_mid, a->attn_out, a->X_in, a->hcA_post, a->hcA_comb, N, n, D);
+    hc_post_fwd(&(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = a->attn_out, .res = a->X_in, .post = a->hcA_post,
+        .comb = a->hcA_comb, .Y = a->X_mid});
     return DS4_OK;
 }
 
@@ -383,8 +393,9 @@ static ds4_status u_router(const block_ctx *bc, block_acts *a) {
         table = forced;
         ids = iota;
     }
-    moe_gate_fwd(a->gidx, a->gw, a->gscores, a->glogits, table ? NULL : W->gate_bias, table, ids, N, E, K,
-                 (float)c->route_scale);
+    moe_gate_fwd(&(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)c->route_scale,
+        .logits = a->glogits, .bias = table ? NULL : W->gate_bias, .tid2eid = table, .ids = ids, .idx = a->gidx,
+        .weights = a->gw, .scores = a->gscores});
     ds4_free(forced);
     ds4_free(iota);
     return ds4_shape_only() ? DS4_OK : route_assignments(a, N, E, K);
@@ -562,7 +573,8 @@ static ds4_status u_moe(const block_ctx *bc, block_acts *a) {
 
 static ds4_status u_hc_post_ffn(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
-    hc_post_fwd(a->X_out, a->ffn_out, a->X_mid, a->hcF_post, a->hcF_comb, N, n, D);
+    hc_post_fwd(&(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = a->ffn_out, .res = a->X_mid, .post = a->hcF_post,
+        .comb = a->hcF_comb, .Y = a->X_out});
     return DS4_OK;
 }
 
@@ -602,9 +614,11 @@ static ds4_status indexer_kl_forward_only(const block_ctx *bc, block_acts *a, do
     double kl = 0;
     int64_t rows = 0;
     const int64_t oom = ds4_alloc_failures();
-    indexer_kl_fwd_bwd(&kl, &rows, NULL, NULL, NULL, a->iqi, a->iki, a->iwi, sel, a->q, a->kvc, a->lse, bc->B,
-                       bc->T, c->n_heads, c->head_dim, c->index_n_heads, c->index_head_dim, a->Nc, 4,
-                       sel ? c->index_topk : 0, attn_scale(c), indexer_wscale(c), 0.0f);
+    indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = bc->B, .T = bc->T, .HI = c->index_n_heads,
+        .dI = c->index_head_dim, .Nc = a->Nc, .ratio = 4, .K = sel ? c->index_topk : 0}, .H = c->n_heads,
+        .c = c->head_dim, .scale = attn_scale(c), .wscale = indexer_wscale(c), .grad_scale = 0.0f, .qi = a->iqi,
+        .ki = a->iki, .w = a->iwi, .q = a->q, .kvc = a->kvc, .lse = a->lse, .topk = sel, .kl_sum = &kl,
+        .n_rows = &rows});
     *kl_sum += kl;
     *kl_rows += rows;
     return kernel_status(oom, "the indexer loss");
@@ -835,7 +849,9 @@ static ds4_status moe_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     else if (!shape) moe_routed_bwd_local(bc, a, g, dgw, &s);
     if (st != DS4_OK) goto done;
     /* router */
-    moe_gate_bwd(dlog, dgw, a->glogits, a->gscores, a->gidx, N, E, K, (float)c->route_scale);
+    moe_gate_bwd(&(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)c->route_scale,
+        .logits = a->glogits, .scores = a->gscores, .idx = a->gidx}, &(moe_gate_grads){.dweights = dgw,
+        .dlogits = dlog});
     linear_bwd(g->dxf, Gw->gate, dlog, a->xf, W->gate, N, D, E);
 done:
     ds4_free(dgw);
@@ -861,9 +877,12 @@ static ds4_status compressor_bwd(const block_ctx *bc, compressor_w *G, const com
     ds4_status st = DS4_OK;
     if (!dpool || !da || !dz) st = ds4_fail(DS4_ERR_OOM, "out of memory in compressor backward");
     if (st == DS4_OK) {
-        rope_bwd(dout, B * Nc, 1, d, Nc, r, block_rope(bc->m, r), false);
+        rope_bwd(dout, &(rope_args){.N = B * Nc, .H = 1, .hd = d, .period = Nc, .mult = r,
+            .table = block_rope(bc->m, r), .inverse = false});
         rmsnorm_bwd(dpool, G->norm, dout, pool, W->norm, rstd, B * Nc, d);
-        compressor_pool_bwd(da, dz, G->ape, dpool, ca, cz, W->ape, B, T, r, d, r == 4);
+        compressor_pool_bwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = r == 4},
+            .a = ca, .z = cz, .ape = W->ape}, &(compressor_pool_grads){.dout = dpool, .da = da, .dz = dz,
+            .dape = G->ape});
         linear_bwd(dxa, G->wkv, da, xa, W->wkv, N, D, coff * d);
         linear_bwd(dxa, G->wgate, dz, xa, W->wgate, N, D, coff * d);
     }
@@ -888,16 +907,19 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, double *kl_sum
     int64_t got = 0;
     const int64_t oom = ds4_alloc_failures();
     if (st == DS4_OK) {
-        indexer_kl_fwd_bwd(&kl, &got, dqi, dki, dwi, a->iqi, a->iki, a->iwi, sel, a->q, a->kvc, a->lse, B, T,
-                           c->n_heads, c->head_dim, HI, dI, Nc, 4, sel ? c->index_topk : 0, attn_scale(c),
-                           indexer_wscale(c), gscale);
+        indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = B, .T = T, .HI = HI, .dI = dI, .Nc = Nc, .ratio = 4,
+            .K = sel ? c->index_topk : 0}, .H = c->n_heads, .c = c->head_dim, .scale = attn_scale(c),
+            .wscale = indexer_wscale(c), .grad_scale = gscale, .qi = a->iqi, .ki = a->iki, .w = a->iwi, .q = a->q,
+            .kvc = a->kvc, .lse = a->lse, .topk = sel, .dqi = dqi, .dki = dki, .dw = dwi, .kl_sum = &kl,
+            .n_rows = &got});
         *kl_sum += kl;
         *kl_rows += got;
         st = kernel_status(oom, "indexer backward");
     }
     if (st == DS4_OK) {
         linear_bwd(NULL, Gw->idx_weights_proj, dwi, a->xa, W->idx_weights_proj, N, D, HI);
-        rope_bwd(dqi, N, HI, dI, T, 1, &m->rope_cmp, false);
+        rope_bwd(dqi, &(rope_args){.N = N, .H = HI, .hd = dI, .period = T, .mult = 1, .table = &m->rope_cmp,
+            .inverse = false});
         linear_bwd(NULL, Gw->idx_wq_b, dqi, a->qr, W->idx_wq_b, N, QR, HI * dI);
         st = compressor_bwd(bc, &Gw->idx_cmp, &W->idx_cmp, NULL, dki, a->ica, a->icz, a->ipool, a->i_rstd, a->xa, 4,
                             dI, Nc);
@@ -945,26 +967,31 @@ static ds4_status bwd_run_step(const block_ctx *bc, block_acts *a, block_grads *
     const ds4_rope *rope = block_rope(m, r);
     switch (s) {
     case B_HC_POST_FFN:
-        hc_post_bwd(g->dffn, g->dX_mid, g->dpostF, g->dcombF, dX_out, a->ffn_out, a->X_mid, a->hcF_post,
-                    a->hcF_comb, N, n, D);
+        hc_post_bwd(&(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = a->ffn_out, .res = a->X_mid,
+            .post = a->hcF_post, .comb = a->hcF_comb}, &(hc_post_grads){.dY = dX_out, .dx = g->dffn, .dres = g->dX_mid,
+            .dpost = g->dpostF, .dcomb = g->dcombF});
         return DS4_OK;
     case B_MOE: return moe_bwd(bc, a, g);
     case B_FFN_NORM: rmsnorm_bwd(g->dyF, Gw->ffn_norm, g->dxf, a->hcF_y, W->ffn_norm, a->xf_rstd, N, D); return DS4_OK;
     case B_HC_PRE_FFN:
-        hc_pre_bwd(g->dX_mid, Gw->hc_ffn_fn, Gw->hc_ffn_scale, Gw->hc_ffn_base, g->dyF, g->dpostF, g->dcombF, a->X_mid,
-                   W->hc_ffn_fn, W->hc_ffn_scale, W->hc_ffn_base, a->hcF_mixes, a->hcF_rsqrt, N, n, D,
-                   c->hc_sinkhorn_iters, (float)c->hc_eps, eps);
+        hc_pre_bwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = c->hc_sinkhorn_iters},
+            .hc_eps = (float)c->hc_eps, .norm_eps = eps, .X = a->X_mid, .fn = W->hc_ffn_fn, .scale = W->hc_ffn_scale,
+            .base = W->hc_ffn_base, .mixes = a->hcF_mixes, .rsqrt = a->hcF_rsqrt}, &(hc_pre_grads){.dy = g->dyF,
+            .dpost = g->dpostF, .dcomb = g->dcombF, .dX = g->dX_mid, .dfn = Gw->hc_ffn_fn, .dscale = Gw->hc_ffn_scale,
+            .dbase = Gw->hc_ffn_base});
         return DS4_OK;
     case B_HC_POST_ATTN:
-        hc_post_bwd(g->dattn, dX_in, g->dpostA, g->dcombA, g->dX_mid, a->attn_out, a->X_in, a->hcA_post, a->hcA_comb,
-                    N, n, D);
+        hc_post_bwd(&(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = a->attn_out, .res = a->X_in,
+            .post = a->hcA_post, .comb = a->hcA_comb}, &(hc_post_grads){.dY = g->dX_mid, .dx = g->dattn, .dres = dX_in,
+            .dpost = g->dpostA, .dcomb = g->dcombA});
         return DS4_OK;
     case B_O_PROJ: {
         float *o_r = inverse_roped_o(bc, a);
         if (!o_r) return ds4_fail(DS4_ERR_OOM, "out of memory in o_proj backward");
         linear_bwd(g->dz, Gw->wo_b, g->dattn, a->z, W->wo_b, N, G * R, D);
         grouped_linear_bwd(g->do_, Gw->wo_a, g->dz, o_r, W->wo_a, N, G, R, H * hd / G);
-        rope_bwd(g->do_, N, H, hd, T, 1, rope, true);
+        rope_bwd(g->do_, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1, .table = rope,
+            .inverse = true});
         ds4_free(o_r);
         return DS4_OK;
     }
@@ -972,9 +999,10 @@ static ds4_status bwd_run_step(const block_ctx *bc, block_acts *a, block_grads *
     case B_SPARSE_ATTN: {
         const int32_t *sel = attn_selection(bc, a);
         const int64_t oom = ds4_alloc_failures();
-        sparse_attn_bwd(g->dq, g->dkv, r > 0 ? g->dkvc : NULL, Gw->attn_sink, g->do_, a->o, a->lse, a->q, a->kv,
-                        a->kvc, sel, W->attn_sink, B, T, H, hd, c->window, r, a->Nc, sel ? c->index_topk : 0,
-                        attn_scale(c));
+        sparse_attn_bwd(&(sparse_attn_args){.dims = {.B = B, .T = T, .H = H, .c = hd, .window = c->window, .ratio = r,
+            .Nc = a->Nc, .K = sel ? c->index_topk : 0}, .scale = attn_scale(c), .q = a->q, .kv = a->kv, .kvc = a->kvc,
+            .sink = W->attn_sink, .topk = sel, .o = a->o, .lse = a->lse}, &(sparse_attn_grads){.dout = g->do_,
+            .dq = g->dq, .dkv = g->dkv, .dkvc = r > 0 ? g->dkvc : NULL, .dsink = Gw->attn_sink});
         return kernel_status(oom, "sparse attention backward");
     }
     case B_COMPRESSOR:
@@ -984,7 +1012,8 @@ static ds4_status bwd_run_step(const block_ctx *bc, block_acts *a, block_grads *
     case B_KV: {
         float *dkvraw = work_zeros(N * hd);
         if (!dkvraw) return ds4_fail(DS4_ERR_OOM, "out of memory in kv backward");
-        rope_bwd(g->dkv, N, 1, hd, T, 1, rope, false);
+        rope_bwd(g->dkv, &(rope_args){.N = N, .H = 1, .hd = hd, .period = T, .mult = 1, .table = rope,
+            .inverse = false});
         rmsnorm_bwd(dkvraw, Gw->kv_norm, g->dkv, a->kvraw, W->kv_norm, a->kv_rstd, N, hd);
         linear_bwd(g->dxa, Gw->wkv, dkvraw, a->xa, W->wkv, N, D, hd);
         ds4_free(dkvraw);
@@ -993,7 +1022,8 @@ static ds4_status bwd_run_step(const block_ctx *bc, block_acts *a, block_grads *
     case B_Q_UP: {
         float *dqraw = work_zeros(N * H * hd);
         if (!dqraw) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
-        rope_bwd(g->dq, N, H, hd, T, 1, rope, false);
+        rope_bwd(g->dq, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1, .table = rope,
+            .inverse = false});
         rmsnorm_bwd(dqraw, NULL, g->dq, a->qraw, NULL, a->q_rstd, N * H, hd);
         linear_bwd(g->dqr, Gw->wq_b, dqraw, a->qr, W->wq_b, N, QR, H * hd);
         ds4_free(dqraw);
@@ -1009,9 +1039,11 @@ static ds4_status bwd_run_step(const block_ctx *bc, block_acts *a, block_grads *
     }
     case B_ATTN_NORM: rmsnorm_bwd(g->dyA, Gw->attn_norm, g->dxa, a->hcA_y, W->attn_norm, a->xa_rstd, N, D); return DS4_OK;
     case B_HC_PRE_ATTN:
-        hc_pre_bwd(dX_in, Gw->hc_attn_fn, Gw->hc_attn_scale, Gw->hc_attn_base, g->dyA, g->dpostA, g->dcombA, a->X_in,
-                   W->hc_attn_fn, W->hc_attn_scale, W->hc_attn_base, a->hcA_mixes, a->hcA_rsqrt, N, n, D,
-                   c->hc_sinkhorn_iters, (float)c->hc_eps, eps);
+        hc_pre_bwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = c->hc_sinkhorn_iters},
+            .hc_eps = (float)c->hc_eps, .norm_eps = eps, .X = a->X_in, .fn = W->hc_attn_fn, .scale = W->hc_attn_scale,
+            .base = W->hc_attn_base, .mixes = a->hcA_mixes, .rsqrt = a->hcA_rsqrt}, &(hc_pre_grads){.dy = g->dyA,
+            .dpost = g->dpostA, .dcomb = g->dcombA, .dX = dX_in, .dfn = Gw->hc_attn_fn, .dscale = Gw->hc_attn_scale,
+            .dbase = Gw->hc_attn_base});
         return DS4_OK;
     default: return ds4_fail(DS4_ERR_INTERNAL, "unknown backward step %d", (int)s);
     }

@@ -180,7 +180,7 @@ static void rope_at(float *x, int64_t H, int64_t hd, const ds4_rope *r, int64_t 
     at.cos += pos * (r->rd / 2);
     at.sin += pos * (r->rd / 2);
     at.max_pos = 1;
-    rope_fwd(x, 1, H, hd, 1, 1, &at, inverse);
+    rope_fwd(x, &(rope_args){.N = 1, .H = H, .hd = hd, .period = 1, .mult = 1, .table = &at, .inverse = inverse});
 }
 
 static const ds4_rope *layer_rope(const ds4_model *m, int64_t ratio) {
@@ -198,11 +198,14 @@ static void cmp_step(ds4_decoder *dec, cmp_state *cs, const compressor_w *cw, co
     const int64_t i = (p + 1) / r - 1;
     const float *pooled = dec->pool; // [d]
     if (!cs->overlap) {
-        compressor_pool_fwd(dec->pool, cs->a, cs->z, cw->ape, 1, r, r, d, false);
+        compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = 1, .T = r, .r = r, .d = d, .overlap = false},
+            .a = cs->a, .z = cs->z, .ape = cw->ape, .out = dec->pool});
     } else if (i == 0) { /* no previous block: the current block alone, as the pass's entry 0 */
-        compressor_pool_fwd(dec->pool, cs->a + r * C, cs->z + r * C, cw->ape, 1, r, r, d, true);
+        compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = 1, .T = r, .r = r, .d = d, .overlap = true},
+            .a = cs->a + r * C, .z = cs->z + r * C, .ape = cw->ape, .out = dec->pool});
     } else { /* [previous | current] as a 2-entry sequence; its entry 1 is this one */
-        compressor_pool_fwd(dec->pool, cs->a, cs->z, cw->ape, 1, 2 * r, r, d, true);
+        compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = 1, .T = 2 * r, .r = r, .d = d, .overlap = true},
+            .a = cs->a, .z = cs->z, .ape = cw->ape, .out = dec->pool});
         pooled = dec->pool + d;
     }
     if (cs->overlap) { /* the current block becomes the previous one */
@@ -294,8 +297,9 @@ static void attend(ds4_decoder *dec, const layer_cache *lc, const block_w *W, co
         }
     }
     /* one query row, no window, the key list as its "top-k" over the key buffer */
-    sparse_attn_fwd(dec->o, dec->lse, dec->q, lc->keys, lc->keys, dec->ids, W->attn_sink, 1, 1, H, hd, 0, 1,
-                    lc->ncap + win, nk, (float)(1.0 / sqrt((double)hd)));
+    sparse_attn_fwd(&(sparse_attn_args){.dims = {.B = 1, .T = 1, .H = H, .c = hd, .window = 0, .ratio = 1,
+        .Nc = lc->ncap + win, .K = nk}, .scale = (float)(1.0 / sqrt((double)hd)), .q = dec->q, .kv = lc->keys,
+        .kvc = lc->keys, .sink = W->attn_sink, .topk = dec->ids, .o = dec->o, .lse = dec->lse});
 }
 
 /* Routed experts (ascending id, as the pass groups assignments) then the shared expert, on xf. */
@@ -307,8 +311,9 @@ static void moe_token(ds4_decoder *dec, const block_w *W, int64_t l, int32_t tok
     const float limit = (float)c->swiglu_limit;
     const bool hash = block_is_hash(c, l);
     linear_fwd(dec->glog, dec->xf, W->gate, 1, D, E); // [E]
-    moe_gate_fwd(dec->gidx, dec->gw, dec->gsc, dec->glog, hash ? NULL : W->gate_bias, hash ? m->tid2eid[l] : NULL,
-                 &token, 1, E, K, (float)c->route_scale);
+    moe_gate_fwd(&(moe_gate_args){.dims = {.N = 1, .E = E, .K = K}, .route_scale = (float)c->route_scale,
+        .logits = dec->glog, .bias = hash ? NULL : W->gate_bias, .tid2eid = hash ? m->tid2eid[l] : NULL, .ids = &token,
+        .idx = dec->gidx, .weights = dec->gw, .scores = dec->gsc});
     memset(dec->ffn, 0, (size_t)D * sizeof(float));
     for (int64_t e = 0; e < E; e++)
         for (int64_t k = 0; k < K; k++) {
@@ -341,8 +346,9 @@ static void layer_step(ds4_decoder *dec, int64_t l, int32_t token, int64_t p) {
     const ds4_rope *rope = layer_rope(m, lc->ratio);
 
     /* hc_pre_attn, attn_norm */
-    hc_pre_fwd(dec->y, dec->post, dec->comb, dec->mixes, dec->rsqrt, dec->X, W->hc_attn_fn, W->hc_attn_scale,
-               W->hc_attn_base, 1, n, D, c->hc_sinkhorn_iters, hc_eps, eps);
+    hc_pre_fwd(&(hc_pre_args){.dims = {.N = 1, .n = n, .D = D, .iters = c->hc_sinkhorn_iters}, .hc_eps = hc_eps,
+        .norm_eps = eps, .X = dec->X, .fn = W->hc_attn_fn, .scale = W->hc_attn_scale, .base = W->hc_attn_base,
+        .y = dec->y, .post = dec->post, .comb = dec->comb, .mixes = dec->mixes, .rsqrt = dec->rsqrt});
     rmsnorm_fwd(dec->xa, dec->rstd, dec->y, W->attn_norm, 1, D, eps); // xa: [D]
     /* q_down, q_up: q = rope(headnorm(wq_b q_norm(wq_a xa))) at p */
     linear_fwd(dec->qa, dec->xa, W->wq_a, 1, D, QR);
@@ -374,13 +380,16 @@ static void layer_step(ds4_decoder *dec, int64_t l, int32_t token, int64_t p) {
     rope_at(dec->o_r, H, hd, rope, p, true);
     grouped_linear_fwd(dec->zlo, dec->o_r, W->wo_a, 1, G, R, H * hd / G); // [G·R]
     linear_fwd(dec->attn_out, dec->zlo, W->wo_b, 1, G * R, D);          // [D]
-    hc_post_fwd(dec->Xmid, dec->attn_out, dec->X, dec->post, dec->comb, 1, n, D);
+    hc_post_fwd(&(hc_post_args){.dims = {.N = 1, .n = n, .D = D}, .x = dec->attn_out, .res = dec->X, .post = dec->post,
+        .comb = dec->comb, .Y = dec->Xmid});
     /* hc_pre_ffn, ffn_norm, router + moe, hc_post_ffn */
-    hc_pre_fwd(dec->y, dec->post, dec->comb, dec->mixes, dec->rsqrt, dec->Xmid, W->hc_ffn_fn, W->hc_ffn_scale,
-               W->hc_ffn_base, 1, n, D, c->hc_sinkhorn_iters, hc_eps, eps);
+    hc_pre_fwd(&(hc_pre_args){.dims = {.N = 1, .n = n, .D = D, .iters = c->hc_sinkhorn_iters}, .hc_eps = hc_eps,
+        .norm_eps = eps, .X = dec->Xmid, .fn = W->hc_ffn_fn, .scale = W->hc_ffn_scale, .base = W->hc_ffn_base,
+        .y = dec->y, .post = dec->post, .comb = dec->comb, .mixes = dec->mixes, .rsqrt = dec->rsqrt});
     rmsnorm_fwd(dec->xf, dec->rstd, dec->y, W->ffn_norm, 1, D, eps);
     moe_token(dec, W, l, token);
-    hc_post_fwd(dec->Xnext, dec->ffn, dec->Xmid, dec->post, dec->comb, 1, n, D);
+    hc_post_fwd(&(hc_post_args){.dims = {.N = 1, .n = n, .D = D}, .x = dec->ffn, .res = dec->Xmid, .post = dec->post,
+        .comb = dec->comb, .Y = dec->Xnext});
 }
 
 ds4_status ds4_decoder_step(ds4_decoder *dec, int32_t token, float *logits_out) {
@@ -406,8 +415,9 @@ ds4_status ds4_decoder_step(ds4_decoder *dec, int32_t token, float *logits_out) 
         dec->Xnext = t;
     }
     /* hc_head → norm → head */
-    hc_head_fwd(dec->hy, dec->hmix, dec->rsqrt, dec->X, m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base, 1, n,
-                D, (float)c->hc_eps, (float)c->norm_eps);
+    hc_head_fwd(&(hc_head_args){.dims = {.N = 1, .n = n, .D = D}, .hc_eps = (float)c->hc_eps,
+        .norm_eps = (float)c->norm_eps, .X = dec->X, .fn = m->w.hc_head_fn, .scale = m->w.hc_head_scale,
+        .base = m->w.hc_head_base, .y = dec->hy, .mixes = dec->hmix, .rsqrt = dec->rsqrt});
     rmsnorm_fwd(dec->hyn, dec->rstd, dec->hy, m->w.norm, 1, D, (float)c->norm_eps);
     linear_fwd(logits_out, dec->hyn, m->w.head, 1, D, c->vocab_size); // [V]
     if (dec->serial) ds4_set_threads(threads);

@@ -213,7 +213,9 @@ static ds4_status head_fwd(ds4_pass *p, head_acts *h, const float *X, const floa
     h->targets = ds4_alloc(DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
     if (!h->mixes || !h->rsqrt || !h->y || !h->rstd || !h->yn || !h->logits || !h->targets)
         return ds4_fail(DS4_ERR_OOM, "out of memory in the head forward");
-    hc_head_fwd(h->y, h->mixes, h->rsqrt, X, fn, scale, base, N, n, D, (float)c->hc_eps, (float)c->norm_eps);
+    hc_head_fwd(&(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)c->hc_eps,
+        .norm_eps = (float)c->norm_eps, .X = X, .fn = fn, .scale = scale, .base = base, .y = h->y, .mixes = h->mixes,
+        .rsqrt = h->rsqrt});
     rmsnorm_fwd(h->yn, h->rstd, h->y, normw, N, D, (float)c->norm_eps);
     linear_fwd(h->logits, h->yn, m->w.head, N, D, V);
     /* position t predicts ids[t + shift] */
@@ -245,8 +247,9 @@ static ds4_status head_bwd(ds4_pass *p, head_acts *h, const float *X, float *dX,
     cross_entropy_fwd_bwd(&ls, &ns, dlogits, h->logits, h->targets, N, V, gscale);
     linear_bwd(dyn, m->g.head, dlogits, h->yn, m->w.head, N, D, V);
     rmsnorm_bwd(dy, g_norm, dyn, h->y, normw, h->rstd, N, D);
-    hc_head_bwd(dX, g_fn, g_scale, g_base, dy, X, fn, scale, base, h->mixes, h->rsqrt, N, n, D, (float)c->hc_eps,
-                (float)c->norm_eps);
+    hc_head_bwd(&(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)c->hc_eps,
+        .norm_eps = (float)c->norm_eps, .X = X, .fn = fn, .scale = scale, .base = base, .mixes = h->mixes,
+        .rsqrt = h->rsqrt}, &(hc_head_grads){.dy = dy, .dX = dX, .dfn = g_fn, .dscale = g_scale, .dbase = g_base});
 done:
     ds4_free(dlogits);
     ds4_free(dyn);

@@ -1,10 +1,10 @@
-/* mHC reference kernels (§3): hc_split_sinkhorn, hc_pre, hc_post, hc_head, forward and backward.
- * The code is in hc.inc, compiled here in float (kernels.h names) and in double (`_f64` twins for
+/* mHC kernels (§3): hc_split_sinkhorn, hc_pre, hc_post, hc_head, forward and backward.
+ * The code is in hc.inc, compiled here in float (cpu_<op>, cpu.h) and in double (`_f64` twins for
  * finite-difference tests, kernels_f64.h). */
 #include <math.h>
 #include <string.h>
 
-#include "kernels/kernels.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels_f64.h"
 
 enum {

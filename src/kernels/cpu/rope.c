@@ -1,9 +1,9 @@
 /* RoPE (§4.1): YaRN-corrected frequencies, the cos/sin table, and the rotation in float
- * (kernels.h) and double (kernels_f64.h). */
+ * (cpu_<op>, cpu.h) and double (kernels_f64.h). */
 #include <math.h>
 
 #include "ds4/core.h"
-#include "kernels/kernels.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels_f64.h"
 
 #define ROPE_PAR_MIN ((int64_t)1 << 15) /* below this many rotated elements, one thread */

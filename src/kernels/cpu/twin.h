@@ -1,14 +1,16 @@
-/* Compiles the kernel template KERNEL_TEMPLATE (a .inc written with the type `real`, the name macro
- * KFN and the math macros below) twice: in float under the kernels.h names, and in double under the
- * `_f64` names of kernels_f64.h that the finite-difference tests differentiate. Include it last. */
+/* Compiles the kernel template KERNEL_TEMPLATE (a .inc written with the type `real`, the name macros
+ * KFN (functions) and KTYPE (descriptor types) and the math macros below) twice: in float as the cpu
+ * backend's entry points (cpu_<op>, cpu.h; descriptors of kernels.h), and in double under the `_f64`
+ * names of kernels_f64.h that the finite-difference tests differentiate. Include it last. */
 #ifndef KERNEL_TEMPLATE
 #error "define KERNEL_TEMPLATE before including twin.h"
 #endif
 
 #define real float
 #define REAL_IS_F32 1
-#define KFN(n) n
-#define KGEMM(op) gemm_##op
+#define KFN(n) cpu_##n
+#define KTYPE(n) n
+#define KGEMM(op) cpu_gemm_##op
 #define EXP expf
 #define LOG logf
 #define SQRT sqrtf
@@ -16,6 +18,7 @@
 #undef real
 #undef REAL_IS_F32
 #undef KFN
+#undef KTYPE
 #undef KGEMM
 #undef EXP
 #undef LOG
@@ -24,6 +27,7 @@
 #define real double
 #define REAL_IS_F32 0
 #define KFN(n) n##_f64
+#define KTYPE(n) n##_f64
 #define KGEMM(op) gemm_##op##_ref_f64
 #define EXP exp
 #define LOG log
@@ -32,6 +36,7 @@
 #undef real
 #undef REAL_IS_F32
 #undef KFN
+#undef KTYPE
 #undef KGEMM
 #undef EXP
 #undef LOG

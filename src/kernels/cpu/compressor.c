@@ -1,10 +1,10 @@
-/* Compressor pooling reference kernels (§4.4): per-channel softmax pooling of r (or, with overlap,
+/* Compressor pooling kernels (§4.4): per-channel softmax pooling of r (or, with overlap,
  * 2r) token slots into one compressed entry. The code is in compressor.inc, compiled here in float
- * (kernels.h names) and in double (`_f64` twins, kernels_f64.h). */
+ * (cpu_<op>, cpu.h) and in double (`_f64` twins, kernels_f64.h). */
 #include <math.h>
 #include <stdbool.h>
 
-#include "kernels/kernels.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels_f64.h"
 
 enum { CP_CB = 16 }; /* channels per work item */

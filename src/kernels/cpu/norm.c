@@ -1,7 +1,7 @@
-/* RMSNorm in float (kernels.h) and double (kernels_f64.h). */
+/* RMSNorm in float (cpu_<op>, cpu.h) and double (kernels_f64.h). */
 #include <math.h>
 
-#include "kernels/kernels.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels_f64.h"
 
 #define NORM_PAR_MIN ((int64_t)1 << 15) /* below this many elements, one thread */

@@ -3,7 +3,7 @@
  * x86/gemm_amx.c: the AMX result differs from it only by fp32 accumulation error. */
 #include <string.h>
 
-#include "kernels/kernels.h"
+#include "kernels/cpu/cpu.h"
 
 #define GEMM_BF16_REF_PAR_MIN ((int64_t)1 << 18) /* below this many multiply-adds, one thread */
 
@@ -26,7 +26,6 @@ float gemm_bf16_round(float x) { return ds4_bf16_to_f32(gemm_bf16_bits(x)); }
  * read C. Each element: double sum over k ascending of bf16(A)·bf16(B). */
 static void gemm_bf16_strided(int64_t M, int64_t N, int64_t K, const float *A, int64_t ars, int64_t acs,
                               const float *B, int64_t brs, int64_t bcs, float *C, int64_t ldc, float beta) {
-    KERNEL_SHAPE_ONLY_RETURN();
 #pragma omp parallel for schedule(static) if (M * N * K > GEMM_BF16_REF_PAR_MIN)
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < N; j++) {
@@ -39,19 +38,19 @@ static void gemm_bf16_strided(int64_t M, int64_t N, int64_t K, const float *A, i
 }
 
 /* C[M,N] = beta*C + A[M,K] · B[N,K]^T */
-void gemm_nt_bf16_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc, float beta) {
+void cpu_gemm_nt_bf16_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                          float *C, int64_t ldc, float beta) {
     gemm_bf16_strided(M, N, K, A, lda, 1, B, 1, ldb, C, ldc, beta);
 }
 
 /* C[M,N] = beta*C + A[M,K] · B[K,N] */
-void gemm_nn_bf16_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc, float beta) {
+void cpu_gemm_nn_bf16_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                          float *C, int64_t ldc, float beta) {
     gemm_bf16_strided(M, N, K, A, lda, 1, B, ldb, 1, C, ldc, beta);
 }
 
 /* C[M,N] = beta*C + A[K,M]^T · B[K,N] */
-void gemm_tn_bf16_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc, float beta) {
+void cpu_gemm_tn_bf16_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                          float *C, int64_t ldc, float beta) {
     gemm_bf16_strided(M, N, K, A, 1, lda, B, ldb, 1, C, ldc, beta);
 }

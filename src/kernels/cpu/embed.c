@@ -1,7 +1,7 @@
-/* Embedding in float (kernels.h) and double (kernels_f64.h). */
+/* Embedding in float (cpu_<op>, cpu.h) and double (kernels_f64.h). */
 #include <string.h>
 
-#include "kernels/kernels.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels_f64.h"
 
 #define EMBED_PAR_MIN ((int64_t)1 << 15) /* below this many elements, one thread */

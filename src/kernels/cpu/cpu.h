@@ -1,0 +1,76 @@
+/* The cpu backend: the entry points its table (cpu/backend.c) points to, the portable reference GEMMs
+ * its GEMM driver falls back to, and the workspace mirrors the plan backend runs. Semantics: kernels.h
+ * (same name without `cpu_`). Model code calls kernels.h, never these; tests call them to compare the
+ * engines of one backend. */
+#ifndef DS4_KERNELS_CPU_H
+#define DS4_KERNELS_CPU_H
+
+#include "kernels/kernels.h"
+
+/* ---- GEMM: the blocked driver (../gemm.c) on the engine the dispatch chose ---- */
+gemm_signature cpu_gemm_nt, cpu_gemm_nn, cpu_gemm_tn;
+void cpu_gemm_workspace_reserve(void);
+void cpu_gemm_workspace_release(void);
+
+/* The portable reference GEMMs (cpu/gemm.c): one fp32 sum per element, k ascending. What the driver
+ * runs without an engine (DS4_ISA=generic, a CPU below AVX2, a non-x86 target). */
+gemm_signature cpu_gemm_nt_ref, cpu_gemm_nn_ref, cpu_gemm_tn_ref;
+/* Their bf16 precision (cpu/gemm_bf16.c): operands rounded by gemm_bf16_round, products summed in
+ * double: the oracle of the bf16 engines (layouts of cpu_gemm_nt/nn/tn). */
+gemm_signature cpu_gemm_nt_bf16_ref, cpu_gemm_nn_bf16_ref, cpu_gemm_tn_bf16_ref;
+
+/* ---- the other ops (cpu/<op>.c, compiled from cpu/<op>.inc) ---- */
+void cpu_linear_fwd(float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC);
+void cpu_linear_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int64_t N,
+                    int64_t IC, int64_t OC);
+void cpu_grouped_linear_fwd(float *z, const float *o, const float *w, int64_t N, int64_t G, int64_t R, int64_t Din);
+void cpu_grouped_linear_bwd(float *do_, float *dw, const float *dz, const float *o, const float *w, int64_t N,
+                            int64_t G, int64_t R, int64_t Din);
+void cpu_embedding_fwd(float *out, const float *table, const int32_t *ids, int64_t N, int64_t D);
+void cpu_embedding_bwd(float *dtable, const float *dout, const int32_t *ids, int64_t N, int64_t D);
+void cpu_rmsnorm_fwd(float *y, float *rstd, const float *x, const float *w, int64_t N, int64_t D, float eps);
+void cpu_rmsnorm_bwd(float *dx, float *dw, const float *dy, const float *x, const float *w, const float *rstd,
+                     int64_t N, int64_t D);
+void cpu_rope_fwd(float *x, const rope_args *a);
+void cpu_rope_bwd(float *dx, const rope_args *a);
+void cpu_hc_split_sinkhorn_fwd(const hc_sinkhorn_args *a);
+void cpu_hc_split_sinkhorn_bwd(const hc_sinkhorn_args *a, const hc_sinkhorn_grads *g);
+void cpu_hc_pre_fwd(const hc_pre_args *a);
+void cpu_hc_pre_bwd(const hc_pre_args *a, const hc_pre_grads *g);
+void cpu_hc_post_fwd(const hc_post_args *a);
+void cpu_hc_post_bwd(const hc_post_args *a, const hc_post_grads *g);
+void cpu_hc_head_fwd(const hc_head_args *a);
+void cpu_hc_head_bwd(const hc_head_args *a, const hc_head_grads *g);
+void cpu_compressor_pool_fwd(const compressor_pool_args *a);
+void cpu_compressor_pool_bwd(const compressor_pool_args *a, const compressor_pool_grads *g);
+void cpu_sparse_attn_fwd(const sparse_attn_args *a);
+void cpu_sparse_attn_bwd(const sparse_attn_args *a, const sparse_attn_grads *g);
+void cpu_indexer_topk_fwd(const indexer_topk_args *a);
+void cpu_indexer_kl_fwd_bwd(const indexer_kl_args *a);
+void cpu_moe_gate_fwd(const moe_gate_args *a);
+void cpu_moe_gate_bwd(const moe_gate_args *a, const moe_gate_grads *g);
+void cpu_swiglu_fwd(float *act, const float *g, const float *u, int64_t N, int64_t I, float limit);
+void cpu_swiglu_bwd(float *dg, float *du, const float *dact, const float *g, const float *u, int64_t N, int64_t I,
+                    float limit);
+void cpu_cross_entropy_fwd_bwd(double *loss_sum, int64_t *n_scored, float *dlogits, const float *logits,
+                               const int32_t *targets, int64_t N, int64_t V, float grad_scale);
+
+/* ---- workspace mirrors (the plan backend's entries) ----
+ * Same signature as the entry they mirror; they allocate and free exactly the workspace that entry
+ * would (sizes from the same code), write the outputs that entry writes before it computes anything
+ * (indexer KL: *kl_sum = 0, *n_rows = 0), and touch no tensor data. */
+gemm_signature cpu_gemm_nt_plan, cpu_gemm_nn_plan, cpu_gemm_tn_plan;
+void cpu_gemm_workspace_reserve_plan(void);
+void cpu_linear_fwd_plan(float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC);
+void cpu_linear_bwd_plan(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int64_t N,
+                         int64_t IC, int64_t OC);
+void cpu_grouped_linear_fwd_plan(float *z, const float *o, const float *w, int64_t N, int64_t G, int64_t R,
+                                 int64_t Din);
+void cpu_grouped_linear_bwd_plan(float *do_, float *dw, const float *dz, const float *o, const float *w, int64_t N,
+                                 int64_t G, int64_t R, int64_t Din);
+void cpu_sparse_attn_fwd_plan(const sparse_attn_args *a);
+void cpu_sparse_attn_bwd_plan(const sparse_attn_args *a, const sparse_attn_grads *g);
+void cpu_indexer_topk_fwd_plan(const indexer_topk_args *a);
+void cpu_indexer_kl_fwd_bwd_plan(const indexer_kl_args *a);
+
+#endif

@@ -1,0 +1,25 @@
+/* The plan backend: what the kernels do while memplan plans a step (shape-only mode). Tensors have no
+ * memory behind them then, so no entry touches data. The entries that allocate workspace in the cpu
+ * backend (GEMM packing buffers, attention and indexer scratch) are that backend's workspace mirrors
+ * (cpu/cpu.h): same bytes, allocated and freed in the same order, so a plan counts what a real step
+ * allocates, byte for byte. Every other entry is NULL: the kernels.h wrapper does nothing. */
+#include "kernels/cpu/cpu.h"
+
+static const ds4_kernel_backend k_plan = {
+    .name = "plan",
+    .gemm_nt = cpu_gemm_nt_plan,
+    .gemm_nn = cpu_gemm_nn_plan,
+    .gemm_tn = cpu_gemm_tn_plan,
+    .gemm_workspace_reserve = cpu_gemm_workspace_reserve_plan,
+    .gemm_workspace_release = cpu_gemm_workspace_release,
+    .linear_fwd = cpu_linear_fwd_plan,
+    .linear_bwd = cpu_linear_bwd_plan,
+    .grouped_linear_fwd = cpu_grouped_linear_fwd_plan,
+    .grouped_linear_bwd = cpu_grouped_linear_bwd_plan,
+    .sparse_attn_fwd = cpu_sparse_attn_fwd_plan,
+    .sparse_attn_bwd = cpu_sparse_attn_bwd_plan,
+    .indexer_topk_fwd = cpu_indexer_topk_fwd_plan,
+    .indexer_kl_fwd_bwd = cpu_indexer_kl_fwd_bwd_plan,
+};
+
+const ds4_kernel_backend *ds4_kernel_backend_plan(void) { return &k_plan; }

@@ -1,0 +1,160 @@
+/* The kernel backend seam: the cpu table fills every entry, shape-only mode runs the plan table, and
+ * each plan entry counts exactly the workspace its cpu kernel allocates (memplan's byte-for-byte
+ * prediction rests on it) while touching no data. */
+#include <stdint.h>
+
+#include "ds4/core.h"
+#include "kernels/kernels.h"
+#include "test.h"
+
+static void test_tables(void) {
+    const ds4_kernel_backend *cpu = ds4_kernel_backend_cpu(), *plan = ds4_kernel_backend_plan();
+    const char *missing = ds4_kernel_backend_missing(cpu);
+    CHECK(missing == NULL, "the cpu backend lacks %s", missing);
+    CHECK(!strcmp(cpu->name, "cpu") && !strcmp(plan->name, "plan"), "names %s, %s", cpu->name, plan->name);
+    CHECK(ds4_kernel_backend_missing(plan) != NULL, "the plan backend computes nothing: it has NULL entries");
+    CHECK(ds4_kernels() == cpu, "the cpu backend runs outside shape-only mode");
+    ds4_set_shape_only(true);
+    CHECK(ds4_kernels() == plan, "the plan backend runs in shape-only mode");
+    ds4_set_shape_only(false);
+    CHECK(ds4_kernels() == cpu, "and the cpu backend again after it");
+}
+
+/* Workspace of one call: peak bytes of DS4_MEM_WORK above what was live, and allocations made. */
+typedef struct {
+    int64_t peak, allocs, left;
+} ws_use;
+
+static ws_use measure_begin(void) {
+    ds4_mem_reset_peak();
+    ds4_mem_stats s;
+    ds4_mem_get(&s);
+    return (ws_use){s.live[DS4_MEM_WORK], s.n_allocs, s.live[DS4_MEM_WORK]};
+}
+
+static ws_use measure_end(ws_use b) {
+    ds4_mem_stats s;
+    ds4_mem_get(&s);
+    return (ws_use){s.peak[DS4_MEM_WORK] - b.peak, s.n_allocs - b.allocs, s.live[DS4_MEM_WORK] - b.left};
+}
+
+/* Runs fn(ctx) for real, then in shape-only mode, and compares the workspace both used. */
+static void check_same_workspace(const char *what, void (*fn)(void *), void *ctx, bool expect_some) {
+    ws_use b = measure_begin();
+    fn(ctx);
+    ws_use real = measure_end(b);
+    ds4_set_shape_only(true);
+    b = measure_begin();
+    fn(ctx);
+    ws_use plan = measure_end(b);
+    ds4_set_shape_only(false);
+    CHECK(real.peak == plan.peak && real.allocs == plan.allocs,
+          "%s: real %lld bytes in %lld allocations, plan %lld in %lld", what, (long long)real.peak,
+          (long long)real.allocs, (long long)plan.peak, (long long)plan.allocs);
+    CHECK(real.left == 0 && plan.left == 0, "%s: workspace left behind", what);
+    CHECK(!expect_some || real.peak > 0, "%s: no workspace to compare", what);
+}
+
+enum { B = 2, T = 48, H = 4, C = 32, NC = 12, KSEL = 4, HI = 4, DI = 16, GM = 128, GN = 128, GK = 96 };
+
+typedef struct {
+    float q[B * T * H * C], kv[B * T * C], kvc[B * NC * C], sink[H], o[B * T * H * C], lse[B * T * H];
+    float dq[B * T * H * C], dkv[B * T * C], dkvc[B * NC * C], dsink[H];
+    float qi[B * T * HI * DI], ki[B * NC * DI], w[B * T * HI], dqi[B * T * HI * DI], dki[B * NC * DI], dw[B * T * HI];
+    int32_t topk[B * T * KSEL];
+    float a[GM * GK], bm[GK * GN], cm[GM * GN], da[GM * GK], dbm[GK * GN];
+} tensors;
+
+static sparse_attn_args attn_args(tensors *x) {
+    return (sparse_attn_args){.dims = {.B = B, .T = T, .H = H, .c = C, .window = 8, .ratio = 4, .Nc = NC, .K = KSEL},
+                              .scale = 0.2f, .q = x->q, .kv = x->kv, .kvc = x->kvc, .sink = x->sink,
+                              .topk = x->topk, .o = x->o, .lse = x->lse};
+}
+
+static void run_attn_fwd(void *p) {
+    sparse_attn_args a = attn_args(p);
+    sparse_attn_fwd(&a);
+}
+
+static void run_attn_bwd(void *p) {
+    tensors *x = p;
+    sparse_attn_args a = attn_args(x);
+    sparse_attn_bwd(&a, &(sparse_attn_grads){.dout = x->q, .dq = x->dq, .dkv = x->dkv, .dkvc = x->dkvc,
+                                             .dsink = x->dsink});
+}
+
+static void run_topk(void *p) {
+    tensors *x = p;
+    indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = B, .T = T, .HI = HI, .dI = DI, .Nc = NC, .ratio = 4,
+                                                   .K = KSEL},
+                                          .wscale = 0.5f, .qi = x->qi, .ki = x->ki, .w = x->w, .topk = x->topk});
+}
+
+static void run_kl(void *p) {
+    tensors *x = p;
+    double kl = -1;
+    int64_t rows = -1;
+    indexer_kl_fwd_bwd(&(indexer_kl_args){
+        .dims = {.B = B, .T = T, .HI = HI, .dI = DI, .Nc = NC, .ratio = 4, .K = KSEL}, .H = H, .c = C,
+        .scale = 0.2f, .wscale = 0.5f, .grad_scale = 1.0f, .qi = x->qi, .ki = x->ki, .w = x->w, .q = x->q,
+        .kvc = x->kvc, .lse = x->lse, .topk = x->topk, .dqi = x->dqi, .dki = x->dki, .dw = x->dw, .kl_sum = &kl,
+        .n_rows = &rows});
+    CHECK(rows >= 0 && kl >= 0, "the KL loss writes its sums in both modes (%lld rows, %g)", (long long)rows, kl);
+}
+
+static void run_gemms(void *p) {
+    tensors *x = p;
+    gemm_nt(GM, GN, GK, x->a, GK, x->bm, GK, x->cm, GN, 0); /* bm as [GN, GK] */
+    gemm_nn(GM, GN, GK, x->a, GK, x->bm, GN, x->cm, GN, 1); /* bm as [GK, GN] */
+    gemm_tn(GK, GN, GM, x->cm, GK, x->bm, GN, x->da, GN, 0); /* cm as [GM, GK], bm as [GM, GN]: GM·GK <= GM·GN */
+    linear_fwd(x->cm, x->a, x->bm, GM, GK, GN);              /* cm [GM, GN] = a [GM, GK] · bm [GN, GK]^T */
+    linear_bwd(x->da, x->dbm, x->cm, x->a, x->bm, GM, GK, GN);
+}
+
+static void test_plan_counts_the_cpu_workspace(void) {
+    tensors *x = calloc(1, sizeof *x);
+    t_fill(x->q, B * T * H * C, 1, 1.0f);
+    t_fill(x->kv, B * T * C, 2, 1.0f);
+    t_fill(x->kvc, B * NC * C, 3, 1.0f);
+    t_fill(x->qi, B * T * HI * DI, 4, 1.0f);
+    t_fill(x->ki, B * NC * DI, 5, 1.0f);
+    t_fill(x->w, B * T * HI, 6, 1.0f);
+    t_fill(x->a, GM * GK, 7, 1.0f);
+    t_fill(x->bm, GK * GN, 8, 1.0f);
+    for (int t = 0; t < 2; t++) { /* one thread, then the team: the workspace depends on the thread count */
+        ds4_set_threads(t == 0 ? 1 : 4);
+        check_same_workspace("indexer top-k", run_topk, x, true);
+        check_same_workspace("sparse attention forward", run_attn_fwd, x, true);
+        check_same_workspace("sparse attention backward", run_attn_bwd, x, true);
+        check_same_workspace("indexer KL", run_kl, x, true);
+        /* the GEMM engine's packing buffers; the reference GEMMs (no engine) allocate none */
+        check_same_workspace("gemm and linear", run_gemms, x, ds4_isa_current() != DS4_ISA_GENERIC);
+    }
+    free(x);
+}
+
+/* The plan entries never read or write a tensor: every data pointer NULL, no crash, no output. */
+static void test_plan_touches_no_data(void) {
+    ds4_set_shape_only(true);
+    double kl = -1;
+    int64_t rows = -1;
+    sparse_attn_args a = {.dims = {.B = B, .T = T, .H = H, .c = C, .window = 8, .ratio = 4, .Nc = NC, .K = KSEL}};
+    sparse_attn_fwd(&a);
+    sparse_attn_bwd(&a, &(sparse_attn_grads){0});
+    indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = B, .T = T, .HI = HI, .dI = DI, .Nc = NC, .ratio = 4},
+                                          .H = H, .c = C, .kl_sum = &kl, .n_rows = &rows});
+    hc_pre_fwd(&(hc_pre_args){.dims = {.N = 8, .n = 4, .D = 16, .iters = 3}});
+    moe_gate_fwd(&(moe_gate_args){.dims = {.N = 8, .E = 16, .K = 2}});
+    rmsnorm_fwd(NULL, NULL, NULL, NULL, 8, 16, 1e-6f);
+    cross_entropy_fwd_bwd(NULL, NULL, NULL, NULL, NULL, 8, 16, 1.0f);
+    gemm_nt(GM, GN, GK, NULL, GK, NULL, GK, NULL, GN, 0);
+    ds4_set_shape_only(false);
+    CHECK(kl == 0 && rows == 0, "the plan KL loss writes 0 rows and loss 0, as the kernel does before computing");
+}
+
+int main(void) {
+    RUN(test_tables);
+    RUN(test_plan_counts_the_cpu_workspace);
+    RUN(test_plan_touches_no_data);
+    TEST_MAIN_END("test_kernels_backend");
+}
