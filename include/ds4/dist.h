@@ -7,7 +7,6 @@
 #define DS4_DIST_H
 
 #include "ds4/model.h"
-#include "ds4/train.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -64,9 +63,10 @@ void ds4_fsdp_zero_grads(ds4_fsdp *f);
  * or a model directory; the integer tables are filled on every rank. */
 ds4_status ds4_fsdp_init_random(ds4_fsdp *f, uint64_t seed);
 ds4_status ds4_fsdp_load(ds4_fsdp *f, const ds4_model_dir *d);
-/* The AdamW rules of this rank's shard (o: [shard_numel]): one range per piece of a float parameter the
- * shard holds, cut at the shard's boundaries, with that parameter's decay / frozen rule. */
-ds4_status ds4_fsdp_adamw_ranges(const ds4_fsdp *f, ds4_adamw *o);
+/* Every piece of a float parameter this rank's shard holds, in table order: elements [k0, k1) of p sit at
+ * shard offset s0 (the shard's AdamW rules are built from these, ds4_fsdp_adamw_ranges in ds4/train.h). */
+typedef void (*ds4_fsdp_piece_fn)(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0);
+void ds4_fsdp_for_each_piece(const ds4_fsdp *f, ds4_fsdp_piece_fn fn, void *ctx);
 /* The full flat parameters (grads = false) or gradients on rank `root` (out: [ds4_model_numel] there,
  * ignored elsewhere); a collective. */
 ds4_status ds4_fsdp_collect(ds4_fsdp *f, bool grads, float *out, int root);

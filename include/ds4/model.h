@@ -169,6 +169,9 @@ const int32_t *ds4_pass_topk(const ds4_pass *p, int64_t layer); /* [B, T, index_
 const int64_t *ds4_pass_expert_load(const ds4_pass *p, int64_t layer);
 void ds4_pass_free(ds4_pass *p);
 
+/* Peak fp32 FLOP/s of this machine with the given threads, measured on the model's GEMM (~0.3 s). */
+double ds4_probe_peak_flops(void);
+
 /* ------------------------------------------------------------------ units (for policies and reports) */
 #define DS4_NUM_UNITS 16
 const char *ds4_unit_name(int unit);  /* "hc_pre_attn", "attn_norm", ..., "hc_post_ffn" */

@@ -420,31 +420,7 @@ ds4_status ds4_fsdp_load(ds4_fsdp *f, const ds4_model_dir *d) {
     return DS4_OK;
 }
 
-/* Each (parameter, piece) overlap as an AdamW range in shard offsets: counted (r NULL) or written. */
-typedef struct {
-    ds4_adamw_range *r;
-    int64_t n;
-} range_ctx;
-static void range_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
-    range_ctx *c = ctx;
-    if (c->r) c->r[c->n] = (ds4_adamw_range){.off = s0, .n = k1 - k0, .decay = !p->no_decay, .frozen = p->no_grad};
-    c->n++;
-}
-
-ds4_status ds4_fsdp_adamw_ranges(const ds4_fsdp *f, ds4_adamw *o) {
-    if (o->n != f->ns)
-        return ds4_fail(DS4_ERR_ARG, "fsdp: an optimizer state of %lld elements for a shard of %lld", (long long)o->n,
-                        (long long)f->ns);
-    range_ctx c = {0};
-    for_each_overlap(f, range_overlap, &c);
-    c.r = ds4_alloc(DS4_MEM_OTHER, (size_t)c.n * sizeof *c.r);
-    if (!c.r) return ds4_fail(DS4_ERR_OOM, "fsdp: out of memory for %lld optimizer ranges", (long long)c.n);
-    c.n = 0;
-    for_each_overlap(f, range_overlap, &c);
-    ds4_status st = ds4_adamw_set_ranges(o, c.r, c.n);
-    ds4_free(c.r);
-    return st;
-}
+void ds4_fsdp_for_each_piece(const ds4_fsdp *f, ds4_fsdp_piece_fn fn, void *ctx) { for_each_overlap(f, fn, ctx); }
 
 /* ------------------------------------------------------------------ whole-model views */
 /* Gathers region i of a shard buffer on root into dst [end - start of the region] (root only). Who

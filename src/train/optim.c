@@ -405,6 +405,33 @@ ds4_status ds4_adamw_state_load(ds4_adamw *o, const char *path) {
     return st;
 }
 
+/* Each piece of an FSDP shard as an AdamW range in shard offsets: counted (r NULL) or written. */
+typedef struct {
+    ds4_adamw_range *r;
+    int64_t n;
+} range_ctx;
+static void range_piece(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
+    range_ctx *c = ctx;
+    if (c->r) c->r[c->n] = (ds4_adamw_range){.off = s0, .n = k1 - k0, .decay = !p->no_decay, .frozen = p->no_grad};
+    c->n++;
+}
+
+ds4_status ds4_fsdp_adamw_ranges(const ds4_fsdp *f, ds4_adamw *o) {
+    const int64_t ns = ds4_fsdp_shard_numel(f);
+    if (o->n != ns)
+        return ds4_fail(DS4_ERR_ARG, "fsdp: an optimizer state of %lld elements for a shard of %lld", (long long)o->n,
+                        (long long)ns);
+    range_ctx c = {0};
+    ds4_fsdp_for_each_piece(f, range_piece, &c);
+    c.r = ds4_alloc(DS4_MEM_OTHER, (size_t)c.n * sizeof *c.r);
+    if (!c.r) return ds4_fail(DS4_ERR_OOM, "fsdp: out of memory for %lld optimizer ranges", (long long)c.n);
+    c.n = 0;
+    ds4_fsdp_for_each_piece(f, range_piece, &c);
+    ds4_status st = ds4_adamw_set_ranges(o, c.r, c.n);
+    ds4_free(c.r);
+    return st;
+}
+
 double ds4_clip_grad_norm(ds4_model *m, double max_norm) {
     float *g = ds4_model_grads_flat(m);
     int64_t n = ds4_model_numel(m);
