@@ -84,12 +84,10 @@ ds4_status ds4_fsdp_stream_packed(ds4_fsdp *f, const float *shard, int root, ds4
  * read(ctx, off, n, dst) copies packed elements [off, off + n) into dst. */
 typedef ds4_status (*ds4_packed_read_fn)(void *ctx, int64_t off, int64_t n, float *dst);
 ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, ds4_packed_read_fn read, void *ctx, float *shard);
-/* Global L2 norm of the sharded gradients (Σ of per-rank squares in rank order); clips like
- * ds4_clip_grad_norm when max_norm > 0. */
+/* Global L2 norm of the sharded gradients, the squares summed exactly (ds4_sumsq_exact, limbs summed over
+ * the ranks): the same bits for any EP degree, any split of the shards and any thread count; NaN when a
+ * gradient is not finite. Clips like ds4_clip_grad_norm when max_norm > 0. */
 ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm);
-/* The same with the squares summed exactly (a fixed-point accumulator): the norm has the same bits for
- * any EP degree, any split of the shards and any thread count. NaN when a gradient is not finite. */
-ds4_status ds4_fsdp_clip_grad_norm_exact(ds4_fsdp *f, double max_norm, double *norm);
 /* ds4_router_bias_update on the shards; loads: [n_blocks, E] summed over all ranks. */
 void ds4_fsdp_router_bias_update(ds4_fsdp *f, const int64_t *loads, double gamma);
 

@@ -47,6 +47,13 @@ float *ds4_model_params_flat(ds4_model *m);                              /* [num
 float *ds4_model_grads_flat(ds4_model *m);                               /* [numel] */
 void ds4_model_zero_grad(ds4_model *m);
 
+/* The router bias of block b ("layers.L.ffn.gate.bias": L, "mtp.K.ffn.gate.bias": n_layers + K), -1 for
+ * any other tensor (hash-routed blocks have none). */
+int64_t ds4_param_router_block(const ds4_config *c, const ds4_param *p);
+/* Aux-loss-free balancing (noaux_tc) of one block on experts [e0, e1): bias [e1 - e0] +=
+ * γ·sign(mean_load − load_e), loads: [E] token counts of the step. */
+void ds4_router_bias_rule(const int64_t *loads, int64_t E, double gamma, int64_t e0, int64_t e1, float *bias);
+
 /* docs/contract.md init rules, every value a function of (seed, tensor name, index). */
 void ds4_model_init_random(ds4_model *m, uint64_t seed);
 void ds4_model_init_param(ds4_model *m, int64_t i, uint64_t seed); /* one tensor of the table */

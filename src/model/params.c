@@ -363,6 +363,27 @@ ds4_param *ds4_model_find(ds4_model *m, const char *name) {
     return NULL;
 }
 
+/* ------------------------------------------------------------------ router bias */
+int64_t ds4_param_router_block(const ds4_config *c, const ds4_param *p) {
+    const char *suffix = ".ffn.gate.bias";
+    size_t n = strlen(p->name), k = strlen(suffix);
+    if (n < k || strcmp(p->name + n - k, suffix) != 0) return -1;
+    long long b;
+    if (sscanf(p->name, "layers.%lld.", &b) == 1) return b;
+    if (sscanf(p->name, "mtp.%lld.", &b) == 1) return c->n_layers + b;
+    return -1;
+}
+
+void ds4_router_bias_rule(const int64_t *loads, int64_t E, double gamma, int64_t e0, int64_t e1, float *bias) {
+    double mean = 0;
+    for (int64_t e = 0; e < E; e++) mean += (double)loads[e];
+    mean /= (double)E;
+    for (int64_t e = e0; e < e1; e++) {
+        double d = mean - (double)loads[e];
+        bias[e - e0] += (float)(gamma * (d > 0 ? 1.0 : d < 0 ? -1.0 : 0.0));
+    }
+}
+
 /* ------------------------------------------------------------------ init (docs/contract.md) */
 static bool ends_with(const char *s, const char *suf) {
     size_t a = strlen(s), b = strlen(suf);
