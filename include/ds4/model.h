@@ -7,6 +7,7 @@
 
 #include "ds4/config.h"
 #include "ds4/core.h"
+#include "ds4/tensors.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -25,6 +26,7 @@ typedef struct {
     bool is_int;        /* tid2eid */
     bool no_decay;      /* norms, biases, mHC base/scale, sinks, ape: no weight decay */
     bool no_grad;       /* router bias: updated by the load-balancing rule, not by gradients */
+    ds4_init_rule init; /* the table's init rule (ds4/tensors.h) */
     float *data;        /* fp32 value (NULL when is_int) */
     float *grad;        /* fp32 gradient (NULL when is_int) */
     int64_t *idata;     /* int table (NULL unless is_int) */
