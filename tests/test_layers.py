@@ -52,5 +52,5 @@ with tempfile.TemporaryDirectory() as tmp:
         check(f"{rel} + {inc} fails", r.returncode == 1, r.stdout)
         check(f"{rel} + {inc} is named", f"{rel}:{nlines + 1} {want}" in r.stdout, r.stdout)
 
-print(f"{passed} passed, {failed} failed")
+print(f"test_layers: {passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)
