@@ -76,16 +76,21 @@ portable:
 # The README's test command: all tests (best engines, then portable ones), the portable-only build, the C
 # tests under ASan + UBSan, then the fuzzers for 45 s.
 check:
+	$(MAKE) layers
 	$(MAKE) test
 	$(MAKE) test-levels
 	$(MAKE) portable
 	$(MAKE) asan
 	$(MAKE) fuzz FUZZ_SECONDS=45
 
+# Layers only point down (core <- io, kernels <- model <- memory, dist <- train <- tools).
+layers:
+	bash scripts/check-layers.sh
+
 clean:
 	rm -rf build build-asan build-portable
 
-.PHONY: all test test-c test-levels portable asan check clean
+.PHONY: all test test-c test-levels portable asan check layers clean
 .SECONDARY:
 -include $(LIB_OBJ:.o=.d) $(TOOL_OBJ:.o=.d) $(TEST_BIN:%=%.d) $(BENCH_BIN:%=%.d)
 

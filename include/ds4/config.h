@@ -65,6 +65,11 @@ ds4_status ds4_config_parse(const char *json_text, size_t len, const char *path_
 ds4_status ds4_config_validate(const ds4_config *cfg, const char *path_for_errors);
 /* Writes a config.json (HF keys) atomically. */
 ds4_status ds4_config_save(const ds4_config *cfg, const char *path);
+/* The scalar settings that shape the model or its computation (not the loss weights), from the key
+ * table of src/io/config.c: for i = 0, 1, ... until false, the config.json key ("rope_scaling.factor"
+ * for one inside rope_scaling), its offset in ds4_config and whether it is a double (else int64_t). A
+ * resumed run must match its checkpoint in every one. */
+bool ds4_config_resume_field(int i, const char **key, size_t *offset, bool *is_float);
 
 static inline int64_t ds4_layer_ratio(const ds4_config *c, int64_t layer) {
     return c->compress_ratios[layer];

@@ -192,6 +192,21 @@ uint64_t ds4_hash_str(const char *s);
 void ds4_set_threads(int n);   /* <= 0: keep the OpenMP default */
 int ds4_get_threads(void);
 
+/* ---------------------------------------------------------------- gradient norm (src/core/norm.c) */
+/* Σ x² of x [n] in fp64: fixed chunks of 2^16 summed in order, the same bits for any thread count. */
+double ds4_sumsq(const float *x, int64_t n);
+/* Σ x² exactly, in a fixed-point number of 32-bit limbs (lowest bit 2^-298): the same bits for any
+ * order, split over threads or ranks (limbs may be summed across ranks, then normalized). */
+#define DS4_SUMSQ_LIMBS 20 /* 640 bits: x² spans bits [0, 554), leaving 86 bits of headroom */
+typedef struct {
+    int64_t limb[DS4_SUMSQ_LIMBS + 1]; /* the last one counts non-finite elements */
+} ds4_sumsq_acc;
+void ds4_sumsq_exact(const float *x, int64_t n, ds4_sumsq_acc *out);
+void ds4_sumsq_normalize(ds4_sumsq_acc *a);      /* carries: one form per number */
+double ds4_sumsq_value(const ds4_sumsq_acc *a);  /* normalized a as a double; NaN if an element was not finite */
+/* Gradient clipping: g [n] *= max_norm / (norm + 1e-6) when max_norm > 0 and norm exceeds it. */
+void ds4_clip_scale(float *g, int64_t n, double max_norm, double norm);
+
 /* ---------------------------------------------------------------- matmul precision */
 /* Process-wide precision of the GEMM kernels (gemm_nt/nn/tn). FP32 (the default): fp32 operands and
  * arithmetic. BF16: operands rounded to bf16 (nearest even), their exact products accumulated in fp32,

@@ -7,7 +7,6 @@
 #define DS4_DIST_H
 
 #include "ds4/model.h"
-#include "ds4/train.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -64,9 +63,10 @@ void ds4_fsdp_zero_grads(ds4_fsdp *f);
  * or a model directory; the integer tables are filled on every rank. */
 ds4_status ds4_fsdp_init_random(ds4_fsdp *f, uint64_t seed);
 ds4_status ds4_fsdp_load(ds4_fsdp *f, const ds4_model_dir *d);
-/* The AdamW rules of this rank's shard (o: [shard_numel]): one range per piece of a float parameter the
- * shard holds, cut at the shard's boundaries, with that parameter's decay / frozen rule. */
-ds4_status ds4_fsdp_adamw_ranges(const ds4_fsdp *f, ds4_adamw *o);
+/* Every piece of a float parameter this rank's shard holds, in table order: elements [k0, k1) of p sit at
+ * shard offset s0 (the shard's AdamW rules are built from these, ds4_fsdp_adamw_ranges in ds4/train.h). */
+typedef void (*ds4_fsdp_piece_fn)(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0);
+void ds4_fsdp_for_each_piece(const ds4_fsdp *f, ds4_fsdp_piece_fn fn, void *ctx);
 /* The full flat parameters (grads = false) or gradients on rank `root` (out: [ds4_model_numel] there,
  * ignored elsewhere); a collective. */
 ds4_status ds4_fsdp_collect(ds4_fsdp *f, bool grads, float *out, int root);
@@ -84,12 +84,10 @@ ds4_status ds4_fsdp_stream_packed(ds4_fsdp *f, const float *shard, int root, ds4
  * read(ctx, off, n, dst) copies packed elements [off, off + n) into dst. */
 typedef ds4_status (*ds4_packed_read_fn)(void *ctx, int64_t off, int64_t n, float *dst);
 ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, ds4_packed_read_fn read, void *ctx, float *shard);
-/* Global L2 norm of the sharded gradients (Σ of per-rank squares in rank order); clips like
- * ds4_clip_grad_norm when max_norm > 0. */
+/* Global L2 norm of the sharded gradients, the squares summed exactly (ds4_sumsq_exact, limbs summed over
+ * the ranks): the same bits for any EP degree, any split of the shards and any thread count; NaN when a
+ * gradient is not finite. Clips like ds4_clip_grad_norm when max_norm > 0. */
 ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm);
-/* The same with the squares summed exactly (a fixed-point accumulator): the norm has the same bits for
- * any EP degree, any split of the shards and any thread count. NaN when a gradient is not finite. */
-ds4_status ds4_fsdp_clip_grad_norm_exact(ds4_fsdp *f, double max_norm, double *norm);
 /* ds4_router_bias_update on the shards; loads: [n_blocks, E] summed over all ranks. */
 void ds4_fsdp_router_bias_update(ds4_fsdp *f, const int64_t *loads, double gamma);
 

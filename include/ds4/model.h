@@ -7,6 +7,7 @@
 
 #include "ds4/config.h"
 #include "ds4/core.h"
+#include "ds4/tensors.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -25,6 +26,7 @@ typedef struct {
     bool is_int;        /* tid2eid */
     bool no_decay;      /* norms, biases, mHC base/scale, sinks, ape: no weight decay */
     bool no_grad;       /* router bias: updated by the load-balancing rule, not by gradients */
+    ds4_init_rule init; /* the table's init rule (ds4/tensors.h) */
     float *data;        /* fp32 value (NULL when is_int) */
     float *grad;        /* fp32 gradient (NULL when is_int) */
     int64_t *idata;     /* int table (NULL unless is_int) */
@@ -46,6 +48,13 @@ int64_t ds4_model_numel(const ds4_model *m);                            /* float
 float *ds4_model_params_flat(ds4_model *m);                              /* [numel] */
 float *ds4_model_grads_flat(ds4_model *m);                               /* [numel] */
 void ds4_model_zero_grad(ds4_model *m);
+
+/* The router bias of block b ("layers.L.ffn.gate.bias": L, "mtp.K.ffn.gate.bias": n_layers + K), -1 for
+ * any other tensor (hash-routed blocks have none). */
+int64_t ds4_param_router_block(const ds4_config *c, const ds4_param *p);
+/* Aux-loss-free balancing (noaux_tc) of one block on experts [e0, e1): bias [e1 - e0] +=
+ * γ·sign(mean_load − load_e), loads: [E] token counts of the step. */
+void ds4_router_bias_rule(const int64_t *loads, int64_t E, double gamma, int64_t e0, int64_t e1, float *bias);
 
 /* docs/contract.md init rules, every value a function of (seed, tensor name, index). */
 void ds4_model_init_random(ds4_model *m, uint64_t seed);
@@ -168,6 +177,9 @@ const int32_t *ds4_pass_topk(const ds4_pass *p, int64_t layer); /* [B, T, index_
 /* Per-expert token counts of each MoE layer in the pass ([n_layers + n_mtp][E]), for load balancing. */
 const int64_t *ds4_pass_expert_load(const ds4_pass *p, int64_t layer);
 void ds4_pass_free(ds4_pass *p);
+
+/* Peak fp32 FLOP/s of this machine with the given threads, measured on the model's GEMM (~0.3 s). */
+double ds4_probe_peak_flops(void);
 
 /* ------------------------------------------------------------------ units (for policies and reports) */
 #define DS4_NUM_UNITS 16

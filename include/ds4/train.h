@@ -3,6 +3,7 @@
 #ifndef DS4_TRAIN_H
 #define DS4_TRAIN_H
 
+#include "ds4/dist.h"
 #include "ds4/model.h"
 
 #ifdef __cplusplus
@@ -45,6 +46,9 @@ ds4_status ds4_adamw_init_n(ds4_adamw *o, int64_t n);
 /* The rules of o's elements: r [nr] in any order, disjoint, inside [0, o->n) (copied); elements in no
  * range are trained without weight decay. Fails naming the bad range. */
 ds4_status ds4_adamw_set_ranges(ds4_adamw *o, const ds4_adamw_range *r, int64_t nr);
+/* The AdamW rules of an FSDP rank's shard (o: [shard_numel]): one range per piece of a float parameter
+ * the shard holds, cut at the shard's boundaries, with that parameter's decay / frozen rule. */
+ds4_status ds4_fsdp_adamw_ranges(const ds4_fsdp *f, ds4_adamw *o);
 /* The AdamW update on w [n] with gradients g [n]. Fails only on offload store I/O. */
 ds4_status ds4_adamw_step_flat(ds4_adamw *o, float *w, const float *g, const ds4_adamw_cfg *c, double lr);
 void ds4_adamw_free(ds4_adamw *o);

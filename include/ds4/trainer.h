@@ -106,9 +106,6 @@ ds4_status ds4_train_state_load(ds4_train_state *s, const char *path, ds4_ckpt_m
  * is another rank's), DS4_OK when none failed; a collective of the world. */
 ds4_status ds4_train_agree(ds4_comm *world, ds4_status st);
 
-/* Peak fp32 FLOP/s of this machine with the given threads, measured by a GEMM probe (~0.3 s). */
-double ds4_probe_peak_flops(void);
-
 #ifdef __cplusplus
 }
 #endif

@@ -420,31 +420,7 @@ ds4_status ds4_fsdp_load(ds4_fsdp *f, const ds4_model_dir *d) {
     return DS4_OK;
 }
 
-/* Each (parameter, piece) overlap as an AdamW range in shard offsets: counted (r NULL) or written. */
-typedef struct {
-    ds4_adamw_range *r;
-    int64_t n;
-} range_ctx;
-static void range_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
-    range_ctx *c = ctx;
-    if (c->r) c->r[c->n] = (ds4_adamw_range){.off = s0, .n = k1 - k0, .decay = !p->no_decay, .frozen = p->no_grad};
-    c->n++;
-}
-
-ds4_status ds4_fsdp_adamw_ranges(const ds4_fsdp *f, ds4_adamw *o) {
-    if (o->n != f->ns)
-        return ds4_fail(DS4_ERR_ARG, "fsdp: an optimizer state of %lld elements for a shard of %lld", (long long)o->n,
-                        (long long)f->ns);
-    range_ctx c = {0};
-    for_each_overlap(f, range_overlap, &c);
-    c.r = ds4_alloc(DS4_MEM_OTHER, (size_t)c.n * sizeof *c.r);
-    if (!c.r) return ds4_fail(DS4_ERR_OOM, "fsdp: out of memory for %lld optimizer ranges", (long long)c.n);
-    c.n = 0;
-    for_each_overlap(f, range_overlap, &c);
-    ds4_status st = ds4_adamw_set_ranges(o, c.r, c.n);
-    ds4_free(c.r);
-    return st;
-}
+void ds4_fsdp_for_each_piece(const ds4_fsdp *f, ds4_fsdp_piece_fn fn, void *ctx) { for_each_overlap(f, fn, ctx); }
 
 /* ------------------------------------------------------------------ whole-model views */
 /* Gathers region i of a shard buffer on root into dst [end - start of the region] (root only). Who
@@ -556,91 +532,14 @@ ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, ds4_packed_read_fn read, v
     return c.st;
 }
 
-/* Scales the shard gradients when the global norm exceeds max_norm (as ds4_clip_grad_norm). */
-static void clip_shard(ds4_fsdp *f, double max_norm, double norm) {
-    if (max_norm > 0 && norm > max_norm && !ds4_shape_only()) {
-        float k = (float)(max_norm / (norm + 1e-6));
-        for (int64_t i = 0; i < f->ns; i++) f->sg[i] *= k;
-    }
-}
-
 ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm) {
-    double s = 0;
-    for (int64_t i = 0; i < (ds4_shape_only() ? 0 : f->ns); i++) s += (double)f->sg[i] * f->sg[i];
-    DS4_TRY(ds4_comm_sum_f64(f->world, &s, 1));
-    *norm = sqrt(s);
-    clip_shard(f, max_norm, *norm);
-    return DS4_OK;
-}
-
-/* An exact Σ x² of floats. x = mant·2^e with mant < 2^24, so x² = mant²·2^(2e) with mant² < 2^48; it is
- * added into a fixed-point number of 32-bit limbs whose lowest bit is 2^-298 (the square of the smallest
- * subnormal). Integer addition is associative: the sum does not depend on the order or on how the
- * elements are split over threads and ranks. */
-#define SQ_LIMBS 20 /* 640 bits: x² spans bits [0, 554), leaving 86 bits of headroom for the count */
-typedef struct {
-    int64_t limb[SQ_LIMBS + 1]; /* the last one counts non-finite elements */
-} sq_acc;
-
-static void sq_add(sq_acc *a, float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    uint32_t e = (bits >> 23) & 0xffu, frac = bits & 0x7fffffu;
-    if (e == 255) {
-        a->limb[SQ_LIMBS]++;
-        return;
-    }
-    uint64_t mant = e ? (frac | 0x800000u) : frac, sq = mant * mant;
-    int64_t pos = 2 * ((e ? (int64_t)e : 1) - 150) + 298; /* bit of x²'s lowest mantissa bit, in [0, 506] */
-    int64_t b = pos / 32, s = pos % 32;
-    uint64_t lo = (sq & 0xffffffffu) << s, hi = (sq >> 32) << s; /* lo < 2^64, hi < 2^47 */
-    a->limb[b] += (int64_t)(lo & 0xffffffffu);
-    a->limb[b + 1] += (int64_t)((lo >> 32) + (hi & 0xffffffffu));
-    a->limb[b + 2] += (int64_t)(hi >> 32);
-}
-
-/* Carries so that every limb but the top one is in [0, 2^32): a unique form of the same number. */
-static void sq_normalize(sq_acc *a) {
-    for (int i = 0; i + 1 < SQ_LIMBS; i++) {
-        a->limb[i + 1] += a->limb[i] >> 32;
-        a->limb[i] &= 0xffffffff;
-    }
-}
-
-static void sq_merge(sq_acc *a, const sq_acc *b) {
-    for (int i = 0; i <= SQ_LIMBS; i++) a->limb[i] += b->limb[i];
-}
-
-/* Σ x² over x [n]: chunks of 2^28 elements (each limb gains < 2^34 per element: no overflow), merged in
- * any order. */
-static void sq_sum(const float *x, int64_t n, sq_acc *out) {
-    memset(out, 0, sizeof *out);
-    const int64_t chunk = (int64_t)1 << 28;
-    for (int64_t c0 = 0; c0 < n; c0 += chunk) {
-        int64_t c1 = c0 + chunk < n ? c0 + chunk : n;
-#pragma omp parallel
-        {
-            sq_acc t;
-            memset(&t, 0, sizeof t);
-#pragma omp for schedule(static)
-            for (int64_t i = c0; i < c1; i++) sq_add(&t, x[i]);
-            sq_normalize(&t);
-#pragma omp critical(ds4_sq_merge)
-            sq_merge(out, &t);
-        }
-        sq_normalize(out);
-    }
-}
-
-ds4_status ds4_fsdp_clip_grad_norm_exact(ds4_fsdp *f, double max_norm, double *norm) {
-    sq_acc a;
-    sq_sum(f->sg, ds4_shape_only() ? 0 : f->ns, &a);
-    DS4_TRY(ds4_comm_sum_i64(f->world, a.limb, SQ_LIMBS + 1));
-    sq_normalize(&a);
-    double s = 0; /* from the top limb down: one rounding sequence for the one normalized form */
-    for (int i = SQ_LIMBS - 1; i >= 0; i--) s += ldexp((double)a.limb[i], 32 * i - 298);
-    *norm = a.limb[SQ_LIMBS] ? NAN : sqrt(s);
-    clip_shard(f, max_norm, *norm);
+    const int64_t n = ds4_shape_only() ? 0 : f->ns;
+    ds4_sumsq_acc a;
+    ds4_sumsq_exact(f->sg, n, &a);
+    DS4_TRY(ds4_comm_sum_i64(f->world, a.limb, DS4_SUMSQ_LIMBS + 1));
+    ds4_sumsq_normalize(&a);
+    *norm = sqrt(ds4_sumsq_value(&a));
+    ds4_clip_scale(f->sg, n, max_norm, *norm);
     return DS4_OK;
 }
 
@@ -652,21 +551,8 @@ typedef struct {
 static void bias_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
     bias_ctx *c = ctx;
     const ds4_config *cfg = ds4_model_config(c->f->m);
-    const int64_t E = cfg->n_routed_experts;
-    int64_t l = -1;
-    const char *dot = strstr(p->name, ".ffn.gate.bias");
-    if (!p->no_grad || !dot) return;
-    if (!strncmp(p->name, "layers.", 7)) l = strtoll(p->name + 7, NULL, 10);
-    else if (!strncmp(p->name, "mtp.", 4)) l = cfg->n_layers + strtoll(p->name + 4, NULL, 10);
-    if (l < 0) return;
-    const int64_t *ld = c->loads + l * E;
-    double mean = 0;
-    for (int64_t e = 0; e < E; e++) mean += (double)ld[e];
-    mean /= (double)E;
-    for (int64_t e = k0; e < k1; e++) {
-        double d = mean - (double)ld[e];
-        c->f->sp[s0 + e - k0] += (float)(c->gamma * (d > 0 ? 1.0 : d < 0 ? -1.0 : 0.0));
-    }
+    const int64_t E = cfg->n_routed_experts, b = ds4_param_router_block(cfg, p);
+    if (b >= 0) ds4_router_bias_rule(c->loads + b * E, E, c->gamma, k0, k1, c->f->sp + s0);
 }
 
 void ds4_fsdp_router_bias_update(ds4_fsdp *f, const int64_t *loads, double gamma) {

@@ -16,136 +16,146 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Known top-level keys. `req` = must be present (in the spelling the key belongs to). Keys marked
- * boilerplate are read for their type only. `sp`: which spelling the key belongs to; `alt`: the key
- * of the other spelling that carries the same setting. */
+/* Every key of config.json, once: what parsing accepts (JSON kind, required, spelling), the setting it
+ * fills (field, default when absent), the range an integer setting must lie in, the one value ds4
+ * supports for a fixed key, where ds4_config_save writes it and whether a resumed run must match it.
+ * `req` = must be present (in the spelling the key belongs to); `sp`: which spelling the key belongs
+ * to; `alt`: the key of the other spelling that carries the same setting. Keys without a field or a
+ * fixed value are read for their type only (boilerplate) or by the spelling parsers below.
+ *
+ * Ranges are generous — at least 4x the largest DeepSeek-V4 value (V4-Pro, configs/deepseek-v4-pro.json,
+ * in the comments) — and small enough that every size ds4 derives from them (parameter and activation
+ * counts, rope tables, caches) fits in 64 bits, so an absurd config.json is refused at load, naming the
+ * key, and never reaches an allocation or a loop. */
 typedef enum { J_INT, J_NUM, J_BOOL, J_STR, J_STR_OR_NULL, J_INT_OR_NULL, J_OBJ, J_ARR, J_ANY } jkind;
-typedef enum { SP_ANY, SP_DS, SP_HF } spelling;
+typedef enum { SP_ANY, SP_DS, SP_HF, SP_SUB } spelling; /* SP_SUB: a key inside an object, never top level */
+typedef enum { T_NONE, T_I64, T_F64, T_BOOL } ftype;
 typedef struct {
     const char *key;
     jkind kind;
     bool req;
     spelling sp;
     const char *alt;
-} known_key;
-
-static const known_key k_keys[] = {
-    {"vocab_size", J_INT, true, SP_ANY, NULL},
-    {"hidden_size", J_INT, true, SP_ANY, NULL},
-    {"num_hidden_layers", J_INT, true, SP_ANY, NULL},
-    {"num_nextn_predict_layers", J_INT, true, SP_ANY, NULL},
-    {"num_attention_heads", J_INT, true, SP_ANY, NULL},
-    {"num_key_value_heads", J_INT, false, SP_ANY, NULL},
-    {"head_dim", J_INT, true, SP_ANY, NULL},
-    {"qk_rope_head_dim", J_INT, true, SP_DS, "partial_rotary_factor"},
-    {"q_lora_rank", J_INT, true, SP_ANY, NULL},
-    {"o_groups", J_INT, true, SP_ANY, NULL},
-    {"o_lora_rank", J_INT, true, SP_ANY, NULL},
-    {"sliding_window", J_INT, true, SP_ANY, NULL},
-    {"compress_ratios", J_ARR, true, SP_DS, "layer_types"},
-    {"index_n_heads", J_INT, true, SP_ANY, NULL},
-    {"index_head_dim", J_INT, true, SP_ANY, NULL},
-    {"index_topk", J_INT, true, SP_ANY, NULL},
-    {"hc_mult", J_INT, true, SP_ANY, NULL},
-    {"hc_sinkhorn_iters", J_INT, true, SP_ANY, NULL},
-    {"hc_eps", J_NUM, true, SP_ANY, NULL},
-    {"n_routed_experts", J_INT, true, SP_ANY, NULL},
-    {"n_shared_experts", J_INT, true, SP_ANY, NULL},
-    {"num_experts_per_tok", J_INT, true, SP_ANY, NULL},
-    {"moe_intermediate_size", J_INT, true, SP_ANY, NULL},
-    {"num_hash_layers", J_INT, true, SP_DS, "mlp_layer_types"},
-    {"scoring_func", J_STR, false, SP_ANY, NULL},
-    {"routed_scaling_factor", J_NUM, true, SP_ANY, NULL},
-    {"norm_topk_prob", J_BOOL, false, SP_ANY, NULL},
-    {"topk_method", J_STR, false, SP_ANY, NULL},
-    {"swiglu_limit", J_NUM, true, SP_ANY, NULL},
-    {"rope_theta", J_NUM, true, SP_ANY, NULL},
-    {"compress_rope_theta", J_NUM, true, SP_ANY, NULL},
-    {"rope_scaling", J_ANY, false, SP_DS, "rope_parameters"},  /* object or null */
-    {"rms_norm_eps", J_NUM, true, SP_ANY, NULL},
-    {"max_position_embeddings", J_INT, false, SP_ANY, NULL},
-    {"hidden_act", J_STR, false, SP_ANY, NULL},
-    {"tie_word_embeddings", J_BOOL, false, SP_ANY, NULL},
-    {"bos_token_id", J_INT, false, SP_ANY, NULL},
-    {"eos_token_id", J_INT, false, SP_ANY, NULL},
-    {"quantization_config", J_ANY, false, SP_ANY, NULL},   /* object or null */
-    {"torch_dtype", J_STR, false, SP_ANY, NULL},
-    {"expert_dtype", J_STR_OR_NULL, false, SP_ANY, NULL},
-    /* ds4 training keys (docs/contract.md) */
-    {"mtp_loss_weight", J_NUM, false, SP_ANY, NULL},
-    {"indexer_loss_coeff", J_NUM, false, SP_ANY, NULL},
-    {"csa_dense", J_BOOL, false, SP_ANY, NULL},
-    /* Hugging Face boilerplate: accepted, ignored */
-    {"architectures", J_ARR, false, SP_ANY, NULL},
-    {"model_type", J_STR, false, SP_ANY, NULL},
-    {"transformers_version", J_STR, false, SP_ANY, NULL},
-    {"auto_map", J_OBJ, false, SP_ANY, NULL},
-    {"attention_bias", J_BOOL, false, SP_ANY, NULL},
-    {"attention_dropout", J_NUM, false, SP_ANY, NULL},
-    {"initializer_range", J_NUM, false, SP_ANY, NULL},
-    {"use_cache", J_BOOL, false, SP_ANY, NULL},
-    {"pretraining_tp", J_INT, false, SP_ANY, NULL},
-    {"first_k_dense_replace", J_INT, false, SP_ANY, NULL},
-    {"dtype", J_STR, false, SP_ANY, NULL},                   /* newer transformers' torch_dtype */
-    {"pad_token_id", J_INT_OR_NULL, false, SP_ANY, NULL},
-    {"output_router_logits", J_BOOL, false, SP_ANY, NULL},
-    {"router_aux_loss_coef", J_NUM, false, SP_ANY, NULL},
-    {"router_jitter_noise", J_NUM, false, SP_ANY, NULL},
-    {"mlp_bias", J_BOOL, false, SP_ANY, NULL},
-    /* the transformers spelling (DeepseekV4Config) of four DeepSeek settings */
-    {"layer_types", J_ARR, true, SP_HF, "compress_ratios"},
-    {"compress_rates", J_OBJ, true, SP_HF, "compress_ratios"},
-    {"mlp_layer_types", J_ARR, true, SP_HF, "num_hash_layers"},
-    {"partial_rotary_factor", J_NUM, true, SP_HF, "qk_rope_head_dim"},
-    {"rope_parameters", J_ANY, false, SP_HF, "rope_scaling"},  /* object or null */
-};
-#define N_KEYS ((int)(sizeof k_keys / sizeof k_keys[0]))
-
-/* The range of every integer setting, checked at load (and by ds4_config_validate) before anything
- * is derived from it. The bounds are generous — at least 4x the largest DeepSeek-V4 value (V4-Pro,
- * configs/deepseek-v4-pro.json, in the comments) — and small enough that every size ds4 derives
- * from them (parameter and activation counts, rope tables, caches) fits in 64 bits, so an absurd
- * config.json is refused here, naming the key, and never reaches an allocation or a loop.
- * `hf_key`: the key's transformers spelling, where it differs. */
-typedef struct {
-    const char *key, *hf_key;
-    size_t field;   /* offsetof an int64_t of ds4_config */
+    ftype type;          /* the ds4_config field the key fills (T_NONE: none) */
+    size_t field;        /* offsetof in ds4_config */
+    double dflt;         /* its value when the key is absent */
+    bool ranged;         /* an integer setting in [min, max] */
     int64_t min, max;
-} int_range;
+    const char *only;    /* a fixed key: the one value ds4 supports ("true" / "false" for booleans) */
+    int save;            /* position in the config.json ds4_config_save writes (0: not written) */
+    bool resume;         /* shapes the model or its computation: a resumed run must match it */
+} config_key;
 
-#define RANGE(k, f, lo, hi) {k, NULL, offsetof(ds4_config, f), lo, hi}
-static const int_range k_ranges[] = {
-    RANGE("vocab_size", vocab_size, 1, 1 << 24),                    /* 129280 */
-    RANGE("hidden_size", dim, 1, 1 << 16),                          /* 7168 */
-    RANGE("num_hidden_layers", n_layers, 1, DS4_MAX_LAYERS - 1),    /* 61 */
-    RANGE("num_nextn_predict_layers", n_mtp_layers, 0, 1),          /* 1: ds4 trains at most one MTP block */
-    RANGE("num_attention_heads", n_heads, 1, 1024),                 /* 128 */
-    RANGE("head_dim", head_dim, 1, 4096),                           /* 512 */
-    RANGE("q_lora_rank", q_lora_rank, 1, 1 << 16),                  /* 1536 */
-    RANGE("o_groups", o_groups, 1, 1024),                           /* 16 */
-    RANGE("o_lora_rank", o_lora_rank, 1, 1 << 16),                  /* 1024 */
-    RANGE("sliding_window", window, 1, 1 << 16),                    /* 128 */
-    RANGE("index_n_heads", index_n_heads, 1, 1024),                 /* 64 */
-    RANGE("index_head_dim", index_head_dim, 1, 4096),               /* 128 */
-    RANGE("index_topk", index_topk, 1, 1 << 16),                    /* 1024 */
-    RANGE("hc_mult", hc_mult, 1, 16),                               /* 4 */
-    RANGE("hc_sinkhorn_iters", hc_sinkhorn_iters, 1, 100),          /* 20; the backward keeps every iteration on the stack */
-    RANGE("n_routed_experts", n_routed_experts, 1, 2048),           /* 384 */
-    RANGE("n_shared_experts", n_shared_experts, 0, 64),             /* 1 */
-    RANGE("num_experts_per_tok", n_activated_experts, 1, 256),      /* 6 */
-    RANGE("moe_intermediate_size", moe_inter_dim, 1, 1 << 16),      /* 3072 */
-    RANGE("max_position_embeddings", max_position_embeddings, 0, DS4_MAX_POSITIONS), /* 1048576; 0 = not given */
-    {"rope_scaling.original_max_position_embeddings", "rope_parameters.compress.original_max_position_embeddings",
-     offsetof(ds4_config, original_seq_len), 0, DS4_MAX_POSITIONS},                    /* 65536; 0 = no YaRN */
+#define KEY(k, kd, rq, s, a) .key = k, .kind = kd, .req = rq, .sp = s, .alt = a
+#define ANY(k, kd, rq) KEY(k, kd, rq, SP_ANY, NULL)
+#define I64(f, d) .type = T_I64, .field = offsetof(ds4_config, f), .dflt = d
+#define F64(f, d) .type = T_F64, .field = offsetof(ds4_config, f), .dflt = d
+#define BOOL(f) .type = T_BOOL, .field = offsetof(ds4_config, f)
+#define RANGE(lo, hi) .ranged = true, .min = lo, .max = hi
+#define ONLY(v) .only = v
+#define SAVE(n) .save = n
+#define RESUME .resume = true
+
+static const config_key k_keys[] = {
+    {ANY("vocab_size", J_INT, true), I64(vocab_size, 0), RANGE(1, 1 << 24), SAVE(40), RESUME},                 /* 129280 */
+    {ANY("hidden_size", J_INT, true), I64(dim, 0), RANGE(1, 1 << 16), SAVE(11), RESUME},                       /* 7168 */
+    {ANY("num_hidden_layers", J_INT, true), I64(n_layers, 0), RANGE(1, DS4_MAX_LAYERS - 1), SAVE(22), RESUME}, /* 61 */
+    /* 1: ds4 trains at most one MTP block */
+    {ANY("num_nextn_predict_layers", J_INT, true), I64(n_mtp_layers, 0), RANGE(0, 1), SAVE(25), RESUME},
+    {ANY("num_attention_heads", J_INT, true), I64(n_heads, 0), RANGE(1, 1024), SAVE(20), RESUME},              /* 128 */
+    {ANY("num_key_value_heads", J_INT, false), I64(n_kv_heads, 1), SAVE(24), RESUME},
+    {ANY("head_dim", J_INT, true), I64(head_dim, 0), RANGE(1, 4096), SAVE(9), RESUME},                         /* 512 */
+    {KEY("qk_rope_head_dim", J_INT, true, SP_DS, "partial_rotary_factor"), I64(rope_head_dim, 0), SAVE(29), RESUME},
+    {ANY("q_lora_rank", J_INT, true), I64(q_lora_rank, 0), RANGE(1, 1 << 16), SAVE(28), RESUME},               /* 1536 */
+    {ANY("o_groups", J_INT, true), I64(o_groups, 0), RANGE(1, 1024), SAVE(26), RESUME},                        /* 16 */
+    {ANY("o_lora_rank", J_INT, true), I64(o_lora_rank, 0), RANGE(1, 1 << 16), SAVE(27), RESUME},               /* 1024 */
+    {ANY("sliding_window", J_INT, true), I64(window, 0), RANGE(1, 1 << 16), SAVE(36), RESUME},                 /* 128 */
+    {KEY("compress_ratios", J_ARR, true, SP_DS, "layer_types"), SAVE(42)},
+    {ANY("index_n_heads", J_INT, true), I64(index_n_heads, 0), RANGE(1, 1024), SAVE(13), RESUME},              /* 64 */
+    {ANY("index_head_dim", J_INT, true), I64(index_head_dim, 0), RANGE(1, 4096), SAVE(12), RESUME},            /* 128 */
+    {ANY("index_topk", J_INT, true), I64(index_topk, 0), RANGE(1, 1 << 16), SAVE(14), RESUME},                 /* 1024 */
+    {ANY("hc_mult", J_INT, true), I64(hc_mult, 0), RANGE(1, 16), SAVE(7), RESUME},                             /* 4 */
+    /* 20; the backward keeps every iteration on the stack */
+    {ANY("hc_sinkhorn_iters", J_INT, true), I64(hc_sinkhorn_iters, 0), RANGE(1, 100), SAVE(8), RESUME},
+    {ANY("hc_eps", J_NUM, true), F64(hc_eps, 0), SAVE(6), RESUME},
+    {ANY("n_routed_experts", J_INT, true), I64(n_routed_experts, 0), RANGE(1, 2048), SAVE(17), RESUME},        /* 384 */
+    {ANY("n_shared_experts", J_INT, true), I64(n_shared_experts, 0), RANGE(0, 64), SAVE(18), RESUME},          /* 1 */
+    {ANY("num_experts_per_tok", J_INT, true), I64(n_activated_experts, 0), RANGE(1, 256), SAVE(21), RESUME},   /* 6 */
+    {ANY("moe_intermediate_size", J_INT, true), I64(moe_inter_dim, 0), RANGE(1, 1 << 16), SAVE(16), RESUME},   /* 3072 */
+    {KEY("num_hash_layers", J_INT, true, SP_DS, "mlp_layer_types"), I64(n_hash_layers, 0), SAVE(23), RESUME},
+    {ANY("scoring_func", J_STR, false), ONLY("sqrtsoftplus"), SAVE(35)},
+    {ANY("routed_scaling_factor", J_NUM, true), F64(route_scale, 0), SAVE(34), RESUME},
+    {ANY("norm_topk_prob", J_BOOL, false), ONLY("true"), SAVE(19)},
+    {ANY("topk_method", J_STR, false), ONLY("noaux_tc"), SAVE(39)},
+    {ANY("swiglu_limit", J_NUM, true), F64(swiglu_limit, 0), SAVE(37), RESUME},
+    {ANY("rope_theta", J_NUM, true), F64(rope_theta, 0), SAVE(33), RESUME},
+    {ANY("compress_rope_theta", J_NUM, true), F64(compress_rope_theta, 0), SAVE(41), RESUME},
+    {KEY("rope_scaling", J_ANY, false, SP_DS, "rope_parameters"), SAVE(32)}, /* object or null */
+    {ANY("rms_norm_eps", J_NUM, true), F64(norm_eps, 0), SAVE(31), RESUME},
+    /* 1048576; 0 = not given */
+    {ANY("max_position_embeddings", J_INT, false), I64(max_position_embeddings, 0), RANGE(0, DS4_MAX_POSITIONS), SAVE(15),
+     RESUME},
+    {ANY("hidden_act", J_STR, false), ONLY("silu"), SAVE(10)},
+    {ANY("tie_word_embeddings", J_BOOL, false), ONLY("false"), SAVE(38)},
+    {ANY("bos_token_id", J_INT, false), I64(bos_token_id, 0), SAVE(3), RESUME},
+    {ANY("eos_token_id", J_INT, false), I64(eos_token_id, 1), SAVE(4), RESUME},
+    {ANY("quantization_config", J_ANY, false), SAVE(30)},   /* object or null */
+    {ANY("torch_dtype", J_STR, false)},
+    {ANY("expert_dtype", J_STR_OR_NULL, false), SAVE(5)},
+    /* ds4 training keys (docs/contract.md); the loss weights are not checked on resume: [training] sets
+     * them per run, and changing a loss weight on resume is a choice, not a mistake */
+    {ANY("mtp_loss_weight", J_NUM, false), F64(mtp_loss_weight, 0.3), SAVE(43)},
+    {ANY("indexer_loss_coeff", J_NUM, false), F64(indexer_loss_coeff, 0.01), SAVE(44)},
+    {ANY("csa_dense", J_BOOL, false), BOOL(csa_dense), SAVE(45)},
+    /* Hugging Face boilerplate: accepted, ignored */
+    {ANY("architectures", J_ARR, false), SAVE(1)},
+    {ANY("model_type", J_STR, false), SAVE(2)},
+    {ANY("transformers_version", J_STR, false)},
+    {ANY("auto_map", J_OBJ, false)},
+    {ANY("attention_bias", J_BOOL, false)},
+    {ANY("attention_dropout", J_NUM, false)},
+    {ANY("initializer_range", J_NUM, false)},
+    {ANY("use_cache", J_BOOL, false)},
+    {ANY("pretraining_tp", J_INT, false)},
+    {ANY("first_k_dense_replace", J_INT, false)},
+    {ANY("dtype", J_STR, false)},                   /* newer transformers' torch_dtype */
+    {ANY("pad_token_id", J_INT_OR_NULL, false)},
+    {ANY("output_router_logits", J_BOOL, false)},
+    {ANY("router_aux_loss_coef", J_NUM, false)},
+    {ANY("router_jitter_noise", J_NUM, false)},
+    {ANY("mlp_bias", J_BOOL, false), ONLY("false")},
+    /* the transformers spelling (DeepseekV4Config) of four DeepSeek settings */
+    {KEY("layer_types", J_ARR, true, SP_HF, "compress_ratios")},
+    {KEY("compress_rates", J_OBJ, true, SP_HF, "compress_ratios")},
+    {KEY("mlp_layer_types", J_ARR, true, SP_HF, "num_hash_layers")},
+    {KEY("partial_rotary_factor", J_NUM, true, SP_HF, "qk_rope_head_dim")},
+    {KEY("rope_parameters", J_ANY, false, SP_HF, "rope_scaling")},  /* object or null */
+    /* settings inside rope_scaling (rope_parameters.compress in the transformers spelling) */
+    {KEY("rope_scaling.factor", J_NUM, false, SP_SUB, NULL), F64(rope_factor, 1), RESUME},
+    /* 65536; 0 = no YaRN */
+    {KEY("rope_scaling.original_max_position_embeddings", J_INT, false, SP_SUB,
+         "rope_parameters.compress.original_max_position_embeddings"),
+     I64(original_seq_len, 0), RANGE(0, DS4_MAX_POSITIONS), RESUME},
+    {KEY("rope_scaling.beta_fast", J_NUM, false, SP_SUB, NULL), F64(beta_fast, 0), RESUME},
+    {KEY("rope_scaling.beta_slow", J_NUM, false, SP_SUB, NULL), F64(beta_slow, 0), RESUME},
 };
+#undef KEY
+#undef ANY
+#undef I64
+#undef F64
+#undef BOOL
 #undef RANGE
-#define N_RANGES ((int)(sizeof k_ranges / sizeof k_ranges[0]))
+#undef ONLY
+#undef SAVE
+#undef RESUME
+#define N_KEYS ((int)(sizeof k_keys / sizeof k_keys[0]))
 /* compress_ratios entries: 0 (sliding window only) or a ratio in [2, this]; V4 uses 4 and 128. */
 #define MAX_COMPRESS_RATIO (1 << 16)
 
-static const int_range *range_of(const char *key) {
-    for (int i = 0; i < N_RANGES; i++)
-        if (strcmp(k_ranges[i].key, key) == 0) return &k_ranges[i];
+/* The range of integer setting `key` (a top-level key), NULL if it has none. */
+static const config_key *range_of(const char *key) {
+    for (int i = 0; i < N_KEYS; i++)
+        if (k_keys[i].ranged && k_keys[i].sp != SP_SUB && strcmp(k_keys[i].key, key) == 0) return &k_keys[i];
     return NULL;
 }
 
@@ -185,7 +195,9 @@ static int edit_distance(const char *a, const char *b) {
 }
 
 /* Whether key i belongs to the config's spelling (hf = transformers). */
-static bool in_spelling(int i, bool hf) { return k_keys[i].sp == SP_ANY || (k_keys[i].sp == SP_HF) == hf; }
+static bool in_spelling(int i, bool hf) {
+    return k_keys[i].sp == SP_ANY || (k_keys[i].sp != SP_SUB && (k_keys[i].sp == SP_HF) == hf);
+}
 
 static const char *closest_key(const char *k, bool hf) {
     const char *best = k_keys[0].key;
@@ -200,7 +212,7 @@ static const char *closest_key(const char *k, bool hf) {
 
 static int find_key(const char *k) {
     for (int i = 0; i < N_KEYS; i++)
-        if (strcmp(k, k_keys[i].key) == 0) return i;
+        if (k_keys[i].sp != SP_SUB && strcmp(k, k_keys[i].key) == 0) return i;
     return -1;
 }
 
@@ -235,19 +247,43 @@ static double get_num(const cJSON *root, const char *key, double dflt) {
     return j ? j->valuedouble : dflt;
 }
 
-/* A string key that, when present, must have one value. */
-static ds4_status expect_str(const cJSON *root, const char *key, const char *want, const char *path) {
-    const cJSON *j = get(root, key);
-    if (j && strcmp(j->valuestring, want) != 0)
-        return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' is \"%.40s\", ds4 supports only \"%s\"", path, key, j->valuestring, want);
+/* The keys with one supported value (`only`), when present, have it: the strings first, then the
+ * booleans. */
+static ds4_status check_fixed(const cJSON *root, const char *path) {
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < N_KEYS; i++) {
+            const config_key *k = &k_keys[i];
+            const cJSON *j = k->only ? get(root, k->key) : NULL;
+            if (!j || (k->kind == J_BOOL) != (pass == 1)) continue;
+            if (pass == 0 && strcmp(j->valuestring, k->only) != 0)
+                return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' is \"%.40s\", ds4 supports only \"%s\"", path, k->key,
+                                j->valuestring, k->only);
+            bool want = strcmp(k->only, "true") == 0;
+            if (pass == 1 && cJSON_IsTrue(j) != want)
+                return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' is %s, ds4 supports only %s", path, k->key, want ? "false" : "true",
+                                want ? "true" : "false");
+        }
     return DS4_OK;
 }
-static ds4_status expect_bool(const cJSON *root, const char *key, bool want, const char *path) {
-    const cJSON *j = get(root, key);
-    if (j && cJSON_IsTrue(j) != want)
-        return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' is %s, ds4 supports only %s", path, key, want ? "false" : "true",
-                        want ? "true" : "false");
-    return DS4_OK;
+
+/* The settings of the top-level keys of the config's spelling (hf: transformers), or their defaults. */
+static void read_fields(const cJSON *root, bool hf, ds4_config *cfg) {
+    for (int i = 0; i < N_KEYS; i++) {
+        const config_key *k = &k_keys[i];
+        if (k->type == T_NONE || !in_spelling(i, hf)) continue;
+        const cJSON *j = get(root, k->key);
+        char *f = (char *)cfg + k->field;
+        if (k->type == T_I64) {
+            int64_t v = j ? (int64_t)j->valuedouble : (int64_t)k->dflt;
+            memcpy(f, &v, sizeof v);
+        } else if (k->type == T_F64) {
+            double v = j ? j->valuedouble : k->dflt;
+            memcpy(f, &v, sizeof v);
+        } else {
+            bool v = j && cJSON_IsTrue(j);
+            memcpy(f, &v, sizeof v);
+        }
+    }
 }
 
 /* The transformers key that makes `root` a transformers-spelled config; NULL for DeepSeek's spelling. */
@@ -277,7 +313,7 @@ static ds4_status mixed_spelling(const cJSON *root, int ki, const char *marker, 
 
 /* A key whose JSON value has the wrong type; an integer setting names its range and the value seen. */
 static ds4_status wrong_kind(const cJSON *c, jkind kind, const char *path) {
-    const int_range *r = kind == J_INT ? range_of(c->string) : NULL;
+    const config_key *r = kind == J_INT ? range_of(c->string) : NULL;
     if (!r) return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' must be %s", path, c->string, kind_name(kind));
     char seen[64] = "";
     if (cJSON_IsNumber(c)) snprintf(seen, sizeof seen, ", got %.17g", c->valuedouble);
@@ -526,39 +562,7 @@ static ds4_status check_ranges(const ds4_config *c, const char *path, bool hf);
 static ds4_status parse_root(const cJSON *root, const char *path, ds4_config *cfg, bool *hf) {
     memset(cfg, 0, sizeof *cfg);
     DS4_TRY(check_keys(root, path, hf));
-    cfg->vocab_size = get_int(root, "vocab_size", 0);
-    cfg->dim = get_int(root, "hidden_size", 0);
-    cfg->n_layers = get_int(root, "num_hidden_layers", 0);
-    cfg->n_mtp_layers = get_int(root, "num_nextn_predict_layers", 0);
-    cfg->n_heads = get_int(root, "num_attention_heads", 0);
-    cfg->n_kv_heads = get_int(root, "num_key_value_heads", 1);
-    cfg->head_dim = get_int(root, "head_dim", 0);
-    cfg->q_lora_rank = get_int(root, "q_lora_rank", 0);
-    cfg->o_groups = get_int(root, "o_groups", 0);
-    cfg->o_lora_rank = get_int(root, "o_lora_rank", 0);
-    cfg->window = get_int(root, "sliding_window", 0);
-    cfg->index_n_heads = get_int(root, "index_n_heads", 0);
-    cfg->index_head_dim = get_int(root, "index_head_dim", 0);
-    cfg->index_topk = get_int(root, "index_topk", 0);
-    cfg->hc_mult = get_int(root, "hc_mult", 0);
-    cfg->hc_sinkhorn_iters = get_int(root, "hc_sinkhorn_iters", 0);
-    cfg->hc_eps = get_num(root, "hc_eps", 0);
-    cfg->n_routed_experts = get_int(root, "n_routed_experts", 0);
-    cfg->n_shared_experts = get_int(root, "n_shared_experts", 0);
-    cfg->n_activated_experts = get_int(root, "num_experts_per_tok", 0);
-    cfg->moe_inter_dim = get_int(root, "moe_intermediate_size", 0);
-    cfg->route_scale = get_num(root, "routed_scaling_factor", 0);
-    cfg->swiglu_limit = get_num(root, "swiglu_limit", 0);
-    cfg->rope_theta = get_num(root, "rope_theta", 0);
-    cfg->compress_rope_theta = get_num(root, "compress_rope_theta", 0);
-    cfg->norm_eps = get_num(root, "rms_norm_eps", 0);
-    cfg->max_position_embeddings = get_int(root, "max_position_embeddings", 0);
-    cfg->bos_token_id = get_int(root, "bos_token_id", 0);
-    cfg->eos_token_id = get_int(root, "eos_token_id", 1);
-    cfg->mtp_loss_weight = get_num(root, "mtp_loss_weight", 0.3);
-    cfg->indexer_loss_coeff = get_num(root, "indexer_loss_coeff", 0.01);
-    const cJSON *cd = get(root, "csa_dense");
-    cfg->csa_dense = cd && cJSON_IsTrue(cd);
+    read_fields(root, *hf, cfg);
     DS4_TRY(check_ranges(cfg, path, *hf));   /* before any count is derived from them (validate repeats it) */
 
     if (*hf) {
@@ -567,8 +571,6 @@ static ds4_status parse_root(const cJSON *root, const char *path, ds4_config *cf
         DS4_TRY(parse_hf_rotary(root, path, cfg));
         DS4_TRY(parse_hf_rope(root, path, cfg));
     } else {
-        cfg->rope_head_dim = get_int(root, "qk_rope_head_dim", 0);
-        cfg->n_hash_layers = get_int(root, "num_hash_layers", 0);
         /* compress_ratios: one integer per layer, main layers then MTP layers */
         int64_t nr = 0;
         for (const cJSON *c = get(root, "compress_ratios")->child; c; c = c->next, nr++) {
@@ -583,12 +585,7 @@ static ds4_status parse_root(const cJSON *root, const char *path, ds4_config *cf
         DS4_TRY(parse_rope_scaling(get(root, "rope_scaling"), path, cfg));
     }
 
-    DS4_TRY(expect_str(root, "scoring_func", "sqrtsoftplus", path));
-    DS4_TRY(expect_str(root, "topk_method", "noaux_tc", path));
-    DS4_TRY(expect_str(root, "hidden_act", "silu", path));
-    DS4_TRY(expect_bool(root, "norm_topk_prob", true, path));
-    DS4_TRY(expect_bool(root, "tie_word_embeddings", false, path));
-    DS4_TRY(expect_bool(root, "mlp_bias", false, path));
+    DS4_TRY(check_fixed(root, path));
     const cJSON *ed = get(root, "expert_dtype");
     if (ed && cJSON_IsString(ed)) {
         if (strcmp(ed->valuestring, "fp4") == 0) cfg->expert_fp4 = true;
@@ -651,15 +648,16 @@ ds4_status ds4_config_load(const char *path, ds4_config *cfg) {
 
 #define BAD(...) return ds4_fail(DS4_ERR_CONFIG, __VA_ARGS__)
 
-/* Every integer setting within its range (k_ranges). */
+/* Every integer setting within its range (the ranged keys of k_keys). */
 static ds4_status check_ranges(const ds4_config *c, const char *path, bool hf) {
-    for (int i = 0; i < N_RANGES; i++) {
-        const int_range *r = &k_ranges[i];
+    for (int i = 0; i < N_KEYS; i++) {
+        const config_key *r = &k_keys[i];
+        if (!r->ranged) continue;
         int64_t v;
         memcpy(&v, (const char *)c + r->field, sizeof v);
         if (v < r->min || v > r->max)
-            BAD("%s: key '%s' = %" PRId64 " is out of range [%" PRId64 ", %" PRId64 "]", path, hf && r->hf_key ? r->hf_key : r->key,
-                v, r->min, r->max);
+            BAD("%s: key '%s' = %" PRId64 " is out of range [%" PRId64 ", %" PRId64 "]", path,
+                hf && r->sp == SP_SUB && r->alt ? r->alt : r->key, v, r->min, r->max);
     }
     return DS4_OK;
 }
@@ -724,6 +722,17 @@ static ds4_status validate(const ds4_config *c, const char *path, bool hf) {
     return DS4_OK;
 }
 
+bool ds4_config_resume_field(int i, const char **key, size_t *offset, bool *is_float) {
+    for (int k = 0; k < N_KEYS; k++)
+        if (k_keys[k].resume && i-- == 0) {
+            *key = k_keys[k].key;
+            *offset = k_keys[k].field;
+            *is_float = k_keys[k].type == T_F64;
+            return true;
+        }
+    return false;
+}
+
 ds4_status ds4_config_validate(const ds4_config *c, const char *path) { return validate(c, path, false); }
 
 /* ---------------------------------------------------------------- save */
@@ -733,77 +742,70 @@ static void add_item(cJSON *o, const char *key, cJSON *item) {
     if (!cJSON_AddItemToObject(o, key, item)) cJSON_Delete(item);
 }
 
-ds4_status ds4_config_save(const ds4_config *c, const char *path) {
-    DS4_TRY(ds4_config_validate(c, path));
-    const int64_t oom = ds4_alloc_failures(); /* a cJSON_Add* that failed leaves its key out */
-    cJSON *r = cJSON_CreateObject();
-    if (!r) return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
-    const char *arch[] = {"DeepseekV4ForCausalLM"};
-    add_item(r, "architectures", cJSON_CreateStringArray(arch, 1));
-    cJSON_AddStringToObject(r, "model_type", "deepseek_v4");
-    cJSON_AddNumberToObject(r, "bos_token_id", (double)c->bos_token_id);
-    cJSON_AddNumberToObject(r, "eos_token_id", (double)c->eos_token_id);
-    if (c->expert_fp4) cJSON_AddStringToObject(r, "expert_dtype", "fp4");
-    cJSON_AddNumberToObject(r, "hc_eps", c->hc_eps);
-    cJSON_AddNumberToObject(r, "hc_mult", (double)c->hc_mult);
-    cJSON_AddNumberToObject(r, "hc_sinkhorn_iters", (double)c->hc_sinkhorn_iters);
-    cJSON_AddNumberToObject(r, "head_dim", (double)c->head_dim);
-    cJSON_AddStringToObject(r, "hidden_act", "silu");
-    cJSON_AddNumberToObject(r, "hidden_size", (double)c->dim);
-    cJSON_AddNumberToObject(r, "index_head_dim", (double)c->index_head_dim);
-    cJSON_AddNumberToObject(r, "index_n_heads", (double)c->index_n_heads);
-    cJSON_AddNumberToObject(r, "index_topk", (double)c->index_topk);
-    cJSON_AddNumberToObject(r, "max_position_embeddings", (double)c->max_position_embeddings);
-    cJSON_AddNumberToObject(r, "moe_intermediate_size", (double)c->moe_inter_dim);
-    cJSON_AddNumberToObject(r, "n_routed_experts", (double)c->n_routed_experts);
-    cJSON_AddNumberToObject(r, "n_shared_experts", (double)c->n_shared_experts);
-    cJSON_AddBoolToObject(r, "norm_topk_prob", 1);
-    cJSON_AddNumberToObject(r, "num_attention_heads", (double)c->n_heads);
-    cJSON_AddNumberToObject(r, "num_experts_per_tok", (double)c->n_activated_experts);
-    cJSON_AddNumberToObject(r, "num_hidden_layers", (double)c->n_layers);
-    cJSON_AddNumberToObject(r, "num_hash_layers", (double)c->n_hash_layers);
-    cJSON_AddNumberToObject(r, "num_key_value_heads", (double)c->n_kv_heads);
-    cJSON_AddNumberToObject(r, "num_nextn_predict_layers", (double)c->n_mtp_layers);
-    cJSON_AddNumberToObject(r, "o_groups", (double)c->o_groups);
-    cJSON_AddNumberToObject(r, "o_lora_rank", (double)c->o_lora_rank);
-    cJSON_AddNumberToObject(r, "q_lora_rank", (double)c->q_lora_rank);
-    cJSON_AddNumberToObject(r, "qk_rope_head_dim", (double)c->rope_head_dim);
-    if (c->quantized) {
-        cJSON *q = cJSON_AddObjectToObject(r, "quantization_config");
+/* Key k of c into r; the structured ones (compress_ratios, rope_scaling, quantization_config) and the
+ * optional expert_dtype by hand. */
+static void save_key(cJSON *r, const ds4_config *c, const config_key *k) {
+    const char *f = (const char *)c + k->field;
+    if (k->type == T_I64) {
+        int64_t v;
+        memcpy(&v, f, sizeof v);
+        cJSON_AddNumberToObject(r, k->key, (double)v);
+    } else if (k->type == T_F64) {
+        double v;
+        memcpy(&v, f, sizeof v);
+        cJSON_AddNumberToObject(r, k->key, v);
+    } else if (k->type == T_BOOL) {
+        bool v;
+        memcpy(&v, f, sizeof v);
+        cJSON_AddBoolToObject(r, k->key, v);
+    } else if (k->only && k->kind == J_BOOL) {
+        cJSON_AddBoolToObject(r, k->key, strcmp(k->only, "true") == 0);
+    } else if (k->only) {
+        cJSON_AddStringToObject(r, k->key, k->only);
+    } else if (!strcmp(k->key, "architectures")) {
+        const char *arch[] = {"DeepseekV4ForCausalLM"};
+        add_item(r, k->key, cJSON_CreateStringArray(arch, 1));
+    } else if (!strcmp(k->key, "model_type")) {
+        cJSON_AddStringToObject(r, k->key, "deepseek_v4");
+    } else if (!strcmp(k->key, "expert_dtype")) {
+        if (c->expert_fp4) cJSON_AddStringToObject(r, k->key, "fp4");
+    } else if (!strcmp(k->key, "quantization_config")) {
+        if (!c->quantized) return;
+        cJSON *q = cJSON_AddObjectToObject(r, k->key);
         const int blk[2] = {128, 128};
         cJSON_AddStringToObject(q, "activation_scheme", "dynamic");
         cJSON_AddStringToObject(q, "fmt", "e4m3");
         cJSON_AddStringToObject(q, "quant_method", "fp8");
         cJSON_AddStringToObject(q, "scale_fmt", "ue8m0");
         add_item(q, "weight_block_size", cJSON_CreateIntArray(blk, 2));
-    }
-    cJSON_AddNumberToObject(r, "rms_norm_eps", c->norm_eps);
-    /* Written whenever it carries information, so load(save(cfg)) == cfg. */
-    if (c->original_seq_len > 0 || c->rope_factor != 1.0 || c->beta_fast != 0.0 || c->beta_slow != 0.0) {
-        cJSON *rs = cJSON_AddObjectToObject(r, "rope_scaling");
+    } else if (!strcmp(k->key, "rope_scaling")) {
+        /* Written whenever it carries information, so load(save(cfg)) == cfg. */
+        if (!(c->original_seq_len > 0 || c->rope_factor != 1.0 || c->beta_fast != 0.0 || c->beta_slow != 0.0)) return;
+        cJSON *rs = cJSON_AddObjectToObject(r, k->key);
         cJSON_AddNumberToObject(rs, "beta_fast", c->beta_fast);
         cJSON_AddNumberToObject(rs, "beta_slow", c->beta_slow);
         cJSON_AddNumberToObject(rs, "factor", c->rope_factor);
         cJSON_AddNumberToObject(rs, "original_max_position_embeddings", (double)c->original_seq_len);
         cJSON_AddStringToObject(rs, "type", "yarn");
+    } else if (!strcmp(k->key, "compress_ratios")) {
+        cJSON *cr = cJSON_AddArrayToObject(r, k->key);
+        for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers; l++) {
+            cJSON *ratio = cJSON_CreateNumber((double)c->compress_ratios[l]);
+            if (!cJSON_AddItemToArray(cr, ratio)) cJSON_Delete(ratio); /* cr NULL: out of memory, counted */
+        }
     }
-    cJSON_AddNumberToObject(r, "rope_theta", c->rope_theta);
-    cJSON_AddNumberToObject(r, "routed_scaling_factor", c->route_scale);
-    cJSON_AddStringToObject(r, "scoring_func", "sqrtsoftplus");
-    cJSON_AddNumberToObject(r, "sliding_window", (double)c->window);
-    cJSON_AddNumberToObject(r, "swiglu_limit", c->swiglu_limit);
-    cJSON_AddBoolToObject(r, "tie_word_embeddings", 0);
-    cJSON_AddStringToObject(r, "topk_method", "noaux_tc");
-    cJSON_AddNumberToObject(r, "vocab_size", (double)c->vocab_size);
-    cJSON_AddNumberToObject(r, "compress_rope_theta", c->compress_rope_theta);
-    cJSON *cr = cJSON_AddArrayToObject(r, "compress_ratios");
-    for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers; l++) {
-        cJSON *ratio = cJSON_CreateNumber((double)c->compress_ratios[l]);
-        if (!cJSON_AddItemToArray(cr, ratio)) cJSON_Delete(ratio); /* cr NULL: out of memory, counted */
-    }
-    cJSON_AddNumberToObject(r, "mtp_loss_weight", c->mtp_loss_weight);
-    cJSON_AddNumberToObject(r, "indexer_loss_coeff", c->indexer_loss_coeff);
-    cJSON_AddBoolToObject(r, "csa_dense", c->csa_dense);
+}
+
+ds4_status ds4_config_save(const ds4_config *c, const char *path) {
+    DS4_TRY(ds4_config_validate(c, path));
+    const int64_t oom = ds4_alloc_failures(); /* a cJSON_Add* that failed leaves its key out */
+    cJSON *r = cJSON_CreateObject();
+    if (!r) return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
+    int last = 0;
+    for (int i = 0; i < N_KEYS; i++) last = k_keys[i].save > last ? k_keys[i].save : last;
+    for (int pos = 1; pos <= last; pos++)
+        for (int i = 0; i < N_KEYS; i++)
+            if (k_keys[i].save == pos) save_key(r, c, &k_keys[i]);
     char *text = cJSON_Print(r);
     cJSON_Delete(r);
     if (text && ds4_alloc_failures() != oom) cJSON_free(text), text = NULL;

@@ -12,6 +12,7 @@
  * Per-shard resume: OUT/.ds4-convert-progress.json records the shards completed with the options
  * and the source file's size and mtime; such a shard is kept if its header matches the plan. */
 #include "ds4/io.h"
+#include "ds4/tensors.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -152,13 +153,21 @@ static ds4_status collect_sources(plan *p) {
 
 /* Tensors DeepSeek's checkpoint and Hugging Face keep in F32 whatever the weights' dtype: the mHC
  * mixing parameters (fn, base, scale of every hyper-connection, the heads' included), the attention
- * sinks, the compressors' positional bias `ape` and the router bias. They stay F32 (bit-exact) in a
- * BF16 output: bf16 would move them by up to 4e-3 relative. Matched on the official name. */
+ * sinks, the compressors' positional bias `ape` and the router bias (f32 = 1 in ds4/tensors.h). They
+ * stay F32 (bit-exact) in a BF16 output: bf16 would move them by up to 4e-3 relative. Matched on the
+ * official name: the whole name or its part after a dot. */
+#define F32_NAME(field, nd, a, b, official, hf, rule, f32) f32 ? official : NULL,
+static const char *const k_f32_names[] = {
+    DS4_BLOCK_TENSORS(F32_NAME) DS4_COMPRESSOR_TENSORS(F32_NAME) DS4_ROUTER_BIAS_TENSORS(F32_NAME)
+    DS4_HEAD_TENSORS(F32_NAME) DS4_MTP_TENSORS(F32_NAME)};
+
 static bool keeps_f32(const char *official) {
-    static const char *k_suffix[] = {"hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-                                     "hc_head_fn", "hc_head_base", "hc_head_scale", ".attn_sink", ".ape", ".ffn.gate.bias"};
-    for (size_t i = 0; i < sizeof k_suffix / sizeof k_suffix[0]; i++)
-        if (ends_with(official, k_suffix[i])) return true;
+    size_t n = strlen(official);
+    for (size_t i = 0; i < sizeof k_f32_names / sizeof k_f32_names[0]; i++) {
+        const char *k = k_f32_names[i];
+        size_t m = k ? strlen(k) : 0;
+        if (k && n >= m && strcmp(official + n - m, k) == 0 && (n == m || official[n - m - 1] == '.')) return true;
+    }
     return false;
 }
 

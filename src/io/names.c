@@ -11,6 +11,7 @@
  *   mtp.0.*                                    (none: HF does not load MTP; the name is kept)
  */
 #include "ds4/io.h"
+#include "ds4/tensors.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -21,51 +22,18 @@ typedef struct {
     const char *official, *hf;
 } name_pair;
 
-/* Whole-model tensors. */
-static const name_pair k_global[] = {
-    {"embed.weight", "model.embed_tokens.weight"},
-    {"norm.weight", "model.norm.weight"},
-    {"head.weight", "lm_head.weight"},
-    {"hc_head_fn", "model.hc_head.hc_fn"},
-    {"hc_head_base", "model.hc_head.hc_base"},
-    {"hc_head_scale", "model.hc_head.hc_scale"},
-};
+/* Whole-model tensors (full names), from the table of ds4/tensors.h. */
+#define PAIR(field, nd, a, b, official, hf, rule, f32) {official, hf},
+static const name_pair k_global[] = {DS4_EMBED_TENSORS(PAIR) DS4_HEAD_TENSORS(PAIR)};
 
-/* Per-layer tensors: suffix after "layers.L." / after "model.layers.L.". */
+/* Per-layer tensors: suffix after "layers.L." / after "model.layers.L."; routed experts are fused below. */
+#define CMP_PAIR(field, nd, a, b, official, hf, rule, f32) {"attn.compressor." official, "self_attn.compressor." hf},
+#define IDX_CMP_PAIR(field, nd, a, b, official, hf, rule, f32) \
+    {"attn.indexer.compressor." official, "self_attn.compressor.indexer." hf},
 static const name_pair k_layer[] = {
-    {"attn_norm.weight", "input_layernorm.weight"},
-    {"ffn_norm.weight", "post_attention_layernorm.weight"},
-    {"hc_attn_fn", "attn_hc.fn"},
-    {"hc_attn_base", "attn_hc.base"},
-    {"hc_attn_scale", "attn_hc.scale"},
-    {"hc_ffn_fn", "ffn_hc.fn"},
-    {"hc_ffn_base", "ffn_hc.base"},
-    {"hc_ffn_scale", "ffn_hc.scale"},
-    {"attn.attn_sink", "self_attn.sinks"},
-    {"attn.wq_a.weight", "self_attn.q_a_proj.weight"},
-    {"attn.q_norm.weight", "self_attn.q_a_norm.weight"},
-    {"attn.wq_b.weight", "self_attn.q_b_proj.weight"},
-    {"attn.wkv.weight", "self_attn.kv_proj.weight"},
-    {"attn.kv_norm.weight", "self_attn.kv_norm.weight"},
-    {"attn.wo_a.weight", "self_attn.o_a_proj.weight"},
-    {"attn.wo_b.weight", "self_attn.o_b_proj.weight"},
-    {"attn.compressor.wkv.weight", "self_attn.compressor.kv_proj.weight"},
-    {"attn.compressor.wgate.weight", "self_attn.compressor.gate_proj.weight"},
-    {"attn.compressor.ape", "self_attn.compressor.position_bias"},
-    {"attn.compressor.norm.weight", "self_attn.compressor.kv_norm.weight"},
-    {"attn.indexer.wq_b.weight", "self_attn.compressor.indexer.q_b_proj.weight"},
-    {"attn.indexer.weights_proj.weight", "self_attn.compressor.indexer.scorer.weights_proj.weight"},
-    {"attn.indexer.compressor.wkv.weight", "self_attn.compressor.indexer.kv_proj.weight"},
-    {"attn.indexer.compressor.wgate.weight", "self_attn.compressor.indexer.gate_proj.weight"},
-    {"attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"},
-    {"attn.indexer.compressor.norm.weight", "self_attn.compressor.indexer.kv_norm.weight"},
-    {"ffn.gate.weight", "mlp.gate.weight"},
-    {"ffn.gate.bias", "mlp.gate.e_score_correction_bias"},
-    {"ffn.gate.tid2eid", "mlp.gate.tid2eid"},
-    {"ffn.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight"},
-    {"ffn.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight"},
-    {"ffn.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight"},
-};
+    DS4_BLOCK_TENSORS(PAIR) DS4_COMPRESSOR_TENSORS(CMP_PAIR) DS4_INDEXER_TENSORS(PAIR)
+    DS4_COMPRESSOR_TENSORS(IDX_CMP_PAIR) DS4_ROUTER_TENSORS(PAIR) DS4_ROUTER_BIAS_TENSORS(PAIR)
+    DS4_ROUTER_HASH_TENSORS(PAIR) DS4_SHARED_EXPERT_TENSORS(PAIR)};
 
 #define COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
 

@@ -1,12 +1,11 @@
 /* The parameter table: every tensor of a DeepSeek-V4 model under its official checkpoint name
  * (docs/dsv4-architecture.md §8.1), laid out in one flat fp32 buffer with a matching gradient
  * buffer; initialisation per docs/contract.md; load from and save to model directories. */
-#include "model/model_internal.h"
+#include "model/param_table.h"
 
 #include "ds4/io.h"
 
 #include <errno.h>
-#include <stdarg.h>
 #include <sys/mman.h>
 #include <stdio.h>
 #include <string.h>
@@ -50,7 +49,7 @@ static void regions_finish(table_builder *tb) {
     if (m->nregions > 0) m->regions[m->nregions - 1].end = m->numel;
 }
 
-static ds4_param *add_entry(table_builder *tb, int ndim, const int64_t *shape, const char *fmt, va_list ap) {
+static ds4_param *add_entry(table_builder *tb, const param_entry *e) {
     ds4_model *m = tb->m;
     if (tb->st != DS4_OK) return NULL;
     if (m->nparams == m->cap) {
@@ -66,26 +65,19 @@ static ds4_param *add_entry(table_builder *tb, int ndim, const int64_t *shape, c
         m->cap = cap;
     }
     ds4_param *p = &m->params[m->nparams++];
-    vsnprintf(p->name, sizeof p->name, fmt, ap);
-    p->ndim = ndim;
+    snprintf(p->name, sizeof p->name, "%s", e->name);
+    p->ndim = e->ndim;
     p->numel = 1;
-    for (int i = 0; i < ndim; i++) {
-        p->shape[i] = shape[i];
-        p->numel *= shape[i];
+    for (int i = 0; i < e->ndim; i++) {
+        p->shape[i] = e->shape[i];
+        p->numel *= e->shape[i];
     }
     return p;
 }
 
 /* Registers a float parameter; value/grad pointers are bound once the flat buffer exists. */
-static ds4_param *reg(table_builder *tb, float **w, float **g, int ndim, int64_t d0, int64_t d1, int64_t d2,
-                      const char *fmt, ...) __attribute__((format(printf, 8, 9)));
-static ds4_param *reg(table_builder *tb, float **w, float **g, int ndim, int64_t d0, int64_t d1, int64_t d2,
-                      const char *fmt, ...) {
-    int64_t shape[3] = {d0, d1, d2};
-    va_list ap;
-    va_start(ap, fmt);
-    ds4_param *p = add_entry(tb, ndim, shape, fmt, ap);
-    va_end(ap);
+static ds4_param *reg(table_builder *tb, float **w, float **g, const param_entry *e) {
+    ds4_param *p = add_entry(tb, e);
     if (!p) return NULL;
     if (tb->nbind == tb->capbind) {
         int64_t cap = tb->capbind ? 2 * tb->capbind : 256;
@@ -104,117 +96,27 @@ static ds4_param *reg(table_builder *tb, float **w, float **g, int ndim, int64_t
     return p;
 }
 
-/* Registers an integer table [d0, d1] (tid2eid): no float storage, no gradient. */
-static void reg_int(table_builder *tb, int64_t d0, int64_t d1, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static void reg_int(table_builder *tb, int64_t d0, int64_t d1, const char *fmt, ...) {
-    int64_t shape[2] = {d0, d1};
-    va_list ap;
-    va_start(ap, fmt);
-    ds4_param *p = add_entry(tb, 2, shape, fmt, ap);
-    va_end(ap);
-    if (p) p->is_int = p->no_decay = p->no_grad = true;
-}
+/* The walk's callbacks: regions start where it says, each tensor is registered with its rule's flags
+ * (constants are not decayed; the router bias and tid2eid get no gradient; tid2eid is an int table
+ * with no float storage). */
+static void on_region(param_walk *w, int64_t group, int64_t expert) { region_begin(w->ctx, group, expert); }
 
-static void mark_no_decay(ds4_param *p) {
-    if (p) p->no_decay = true;
-}
-
-#define REGW(field, nd, a, b, c, ...) reg(tb, &W->field, &G->field, nd, a, b, c, __VA_ARGS__)
-
-static void reg_compressor(table_builder *tb, compressor_w *W, compressor_w *G, const char *pre, int64_t r,
-                           int64_t d, int64_t D) {
-    int64_t coff = r == 4 ? 2 : 1;
-    REGW(wkv, 2, coff * d, D, 0, "%s.wkv.weight", pre);
-    REGW(wgate, 2, coff * d, D, 0, "%s.wgate.weight", pre);
-    mark_no_decay(REGW(ape, 2, r, coff * d, 0, "%s.ape", pre));
-    mark_no_decay(REGW(norm, 1, d, 0, 0, "%s.norm.weight", pre));
-}
-
-static void reg_block(table_builder *tb, block_w *W, block_w *G, int64_t l, const char *pre, int64_t group) {
-    const ds4_config *c = &tb->m->cfg;
-    region_begin(tb, group, -1);
-    int64_t D = c->dim, n = c->hc_mult, M = mix_hc(c), H = c->n_heads, hd = c->head_dim;
-    int64_t r = ds4_layer_ratio(c, l), E = c->n_routed_experts, I = c->moe_inter_dim;
-    int64_t Is = I * c->n_shared_experts, GR = c->o_groups * c->o_lora_rank;
-    mark_no_decay(REGW(attn_norm, 1, D, 0, 0, "%s.attn_norm.weight", pre));
-    mark_no_decay(REGW(ffn_norm, 1, D, 0, 0, "%s.ffn_norm.weight", pre));
-    REGW(hc_attn_fn, 2, M, n * D, 0, "%s.hc_attn_fn", pre);
-    mark_no_decay(REGW(hc_attn_base, 1, M, 0, 0, "%s.hc_attn_base", pre));
-    mark_no_decay(REGW(hc_attn_scale, 1, 3, 0, 0, "%s.hc_attn_scale", pre));
-    REGW(hc_ffn_fn, 2, M, n * D, 0, "%s.hc_ffn_fn", pre);
-    mark_no_decay(REGW(hc_ffn_base, 1, M, 0, 0, "%s.hc_ffn_base", pre));
-    mark_no_decay(REGW(hc_ffn_scale, 1, 3, 0, 0, "%s.hc_ffn_scale", pre));
-    mark_no_decay(REGW(attn_sink, 1, H, 0, 0, "%s.attn.attn_sink", pre));
-    REGW(wq_a, 2, c->q_lora_rank, D, 0, "%s.attn.wq_a.weight", pre);
-    mark_no_decay(REGW(q_norm, 1, c->q_lora_rank, 0, 0, "%s.attn.q_norm.weight", pre));
-    REGW(wq_b, 2, H * hd, c->q_lora_rank, 0, "%s.attn.wq_b.weight", pre);
-    REGW(wkv, 2, hd, D, 0, "%s.attn.wkv.weight", pre);
-    mark_no_decay(REGW(kv_norm, 1, hd, 0, 0, "%s.attn.kv_norm.weight", pre));
-    REGW(wo_a, 2, GR, H * hd / c->o_groups, 0, "%s.attn.wo_a.weight", pre);
-    REGW(wo_b, 2, D, GR, 0, "%s.attn.wo_b.weight", pre);
-    char sub[128];
-    if (r > 0) {
-        snprintf(sub, sizeof sub, "%s.attn.compressor", pre);
-        reg_compressor(tb, &W->cmp, &G->cmp, sub, r, hd, D);
+static bool on_tensor(param_walk *w, const param_entry *e) {
+    table_builder *tb = w->ctx;
+    ds4_param *p = e->init == DS4_INIT_EXPERT_IDS ? add_entry(tb, e) : reg(tb, e->w, e->g, e);
+    if (p) {
+        p->init = e->init;
+        p->is_int = e->init == DS4_INIT_EXPERT_IDS;
+        p->no_decay = e->init != DS4_INIT_NORMAL;
+        p->no_grad = e->init == DS4_INIT_ZERO_FROZEN || e->init == DS4_INIT_EXPERT_IDS;
     }
-    if (r == 4) {
-        REGW(idx_wq_b, 2, c->index_n_heads * c->index_head_dim, c->q_lora_rank, 0, "%s.attn.indexer.wq_b.weight",
-             pre);
-        REGW(idx_weights_proj, 2, c->index_n_heads, D, 0, "%s.attn.indexer.weights_proj.weight", pre);
-        snprintf(sub, sizeof sub, "%s.attn.indexer.compressor", pre);
-        reg_compressor(tb, &W->idx_cmp, &G->idx_cmp, sub, 4, c->index_head_dim, D);
-    }
-    REGW(gate, 2, E, D, 0, "%s.ffn.gate.weight", pre);
-    if (!block_is_hash(c, l)) {
-        ds4_param *b = REGW(gate_bias, 1, E, 0, 0, "%s.ffn.gate.bias", pre);
-        if (b) b->no_decay = b->no_grad = true;
-    } else {
-        reg_int(tb, c->vocab_size, c->n_activated_experts, "%s.ffn.gate.tid2eid", pre);
-    }
-    for (int64_t e = 0; e < E; e++) {
-        region_begin(tb, group, e);
-        REGW(experts[e].w1, 2, I, D, 0, "%s.ffn.experts.%lld.w1.weight", pre, (long long)e);
-        REGW(experts[e].w2, 2, D, I, 0, "%s.ffn.experts.%lld.w2.weight", pre, (long long)e);
-        REGW(experts[e].w3, 2, I, D, 0, "%s.ffn.experts.%lld.w3.weight", pre, (long long)e);
-    }
-    region_begin(tb, group, -1);
-    REGW(shared.w1, 2, Is, D, 0, "%s.ffn.shared_experts.w1.weight", pre);
-    REGW(shared.w2, 2, D, Is, 0, "%s.ffn.shared_experts.w2.weight", pre);
-    REGW(shared.w3, 2, Is, D, 0, "%s.ffn.shared_experts.w3.weight", pre);
+    return tb->st == DS4_OK;
 }
 
 static void reg_model(table_builder *tb) {
     ds4_model *m = tb->m;
-    const ds4_config *c = &m->cfg;
-    model_w *W = &m->w, *G = &m->g;
-    int64_t D = c->dim, V = c->vocab_size, n = c->hc_mult;
-    region_begin(tb, 0, -1);
-    REGW(embed, 2, V, D, 0, "embed.weight");
-    for (int64_t l = 0; l < c->n_layers; l++) {
-        char pre[32];
-        snprintf(pre, sizeof pre, "layers.%lld", (long long)l);
-        reg_block(tb, &W->blocks[l], &G->blocks[l], l, pre, group_of_layer(l));
-    }
-    region_begin(tb, group_head(c), -1);
-    mark_no_decay(REGW(norm, 1, D, 0, 0, "norm.weight"));
-    REGW(head, 2, V, D, 0, "head.weight");
-    REGW(hc_head_fn, 2, n, n * D, 0, "hc_head_fn");
-    mark_no_decay(REGW(hc_head_base, 1, n, 0, 0, "hc_head_base"));
-    mark_no_decay(REGW(hc_head_scale, 1, 1, 0, 0, "hc_head_scale"));
-    if (c->n_mtp_layers > 0) {
-        int64_t l = c->n_layers;
-        reg_block(tb, &W->blocks[l], &G->blocks[l], l, "mtp.0", group_mtp(c));
-        region_begin(tb, group_mtp(c), -1);
-        REGW(e_proj, 2, D, D, 0, "mtp.0.e_proj.weight");
-        REGW(h_proj, 2, D, D, 0, "mtp.0.h_proj.weight");
-        mark_no_decay(REGW(enorm, 1, D, 0, 0, "mtp.0.enorm.weight"));
-        mark_no_decay(REGW(hnorm, 1, D, 0, 0, "mtp.0.hnorm.weight"));
-        mark_no_decay(REGW(mtp_norm, 1, D, 0, 0, "mtp.0.norm.weight"));
-        REGW(mtp_hc_head_fn, 2, n, n * D, 0, "mtp.0.hc_head_fn");
-        mark_no_decay(REGW(mtp_hc_head_base, 1, n, 0, 0, "mtp.0.hc_head_base"));
-        mark_no_decay(REGW(mtp_hc_head_scale, 1, 1, 0, 0, "mtp.0.hc_head_scale"));
-    }
+    param_walk w = {.c = &m->cfg, .W = &m->w, .G = &m->g, .ctx = tb, .region = on_region, .tensor = on_tensor};
+    param_walk_run(&w);
     regions_finish(tb);
 }
 
@@ -363,20 +265,37 @@ ds4_param *ds4_model_find(ds4_model *m, const char *name) {
     return NULL;
 }
 
-/* ------------------------------------------------------------------ init (docs/contract.md) */
-static bool ends_with(const char *s, const char *suf) {
-    size_t a = strlen(s), b = strlen(suf);
-    return a >= b && strcmp(s + a - b, suf) == 0;
+/* ------------------------------------------------------------------ router bias */
+int64_t ds4_param_router_block(const ds4_config *c, const ds4_param *p) {
+    const char *suffix = ".ffn.gate.bias";
+    size_t n = strlen(p->name), k = strlen(suffix);
+    if (n < k || strcmp(p->name + n - k, suffix) != 0) return -1;
+    long long b;
+    if (sscanf(p->name, "layers.%lld.", &b) == 1) return b;
+    if (sscanf(p->name, "mtp.%lld.", &b) == 1) return c->n_layers + b;
+    return -1;
 }
 
-/* Value rule by name: norms 1, hc base 0, hc scale 1, sink/ape/bias 0, everything else N(0, 0.02). */
+void ds4_router_bias_rule(const int64_t *loads, int64_t E, double gamma, int64_t e0, int64_t e1, float *bias) {
+    double mean = 0;
+    for (int64_t e = 0; e < E; e++) mean += (double)loads[e];
+    mean /= (double)E;
+    for (int64_t e = e0; e < e1; e++) {
+        double d = mean - (double)loads[e];
+        bias[e - e0] += (float)(gamma * (d > 0 ? 1.0 : d < 0 ? -1.0 : 0.0));
+    }
+}
+
+/* ------------------------------------------------------------------ init (docs/contract.md) */
+/* Value rule of the table (ds4/tensors.h): norms and mHC scales 1, mHC base, sinks, ape and the router
+ * bias 0, everything else N(0, 0.02). */
 static float init_value(const ds4_param *p, uint64_t seed, uint64_t stream, int64_t i) {
-    const char *nm = p->name;
-    if (ends_with(nm, "norm.weight")) return 1.0f;
-    if (ends_with(nm, "_base") || ends_with(nm, "attn_sink") || ends_with(nm, ".ape") || ends_with(nm, "gate.bias"))
-        return 0.0f;
-    if (ends_with(nm, "_scale")) return 1.0f;
-    return 0.02f * ds4_rng_normal(seed, stream, (uint64_t)i);
+    switch (p->init) {
+    case DS4_INIT_ONE: return 1.0f;
+    case DS4_INIT_ZERO:
+    case DS4_INIT_ZERO_FROZEN: return 0.0f;
+    default: return 0.02f * ds4_rng_normal(seed, stream, (uint64_t)i);
+    }
 }
 
 /* tid2eid row: K distinct expert ids, drawn by a partial Fisher-Yates shuffle from the seed. */

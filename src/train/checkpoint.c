@@ -333,57 +333,30 @@ ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_adamw *o, ds4
 }
 
 /* ------------------------------------------------------------------ the run's config against the checkpoint's */
-typedef struct {
-    const char *key; /* the config.json key */
-    size_t off;
-    bool is_float;   /* double, else int64_t */
-} config_field;
-
-#define CI(key, f) {key, offsetof(ds4_config, f), false}
-#define CF(key, f) {key, offsetof(ds4_config, f), true}
-/* Every key that shapes the model or its computation. mtp_loss_weight and indexer_loss_coeff are left
- * out: [training] sets them per run, and changing a loss weight on resume is a choice, not a mistake. */
-static const config_field k_config_fields[] = {
-    CI("vocab_size", vocab_size), CI("hidden_size", dim), CI("num_hidden_layers", n_layers),
-    CI("num_nextn_predict_layers", n_mtp_layers), CI("num_attention_heads", n_heads),
-    CI("num_key_value_heads", n_kv_heads), CI("head_dim", head_dim), CI("qk_rope_head_dim", rope_head_dim),
-    CI("q_lora_rank", q_lora_rank), CI("o_groups", o_groups), CI("o_lora_rank", o_lora_rank),
-    CI("sliding_window", window), CI("index_n_heads", index_n_heads), CI("index_head_dim", index_head_dim),
-    CI("index_topk", index_topk), CI("hc_mult", hc_mult), CI("hc_sinkhorn_iters", hc_sinkhorn_iters),
-    CF("hc_eps", hc_eps), CI("n_routed_experts", n_routed_experts), CI("n_shared_experts", n_shared_experts),
-    CI("num_experts_per_tok", n_activated_experts), CI("moe_intermediate_size", moe_inter_dim),
-    CI("num_hash_layers", n_hash_layers), CF("routed_scaling_factor", route_scale), CF("swiglu_limit", swiglu_limit),
-    CF("rope_theta", rope_theta), CF("compress_rope_theta", compress_rope_theta),
-    CF("rope_scaling.factor", rope_factor), CI("rope_scaling.original_max_position_embeddings", original_seq_len),
-    CF("rope_scaling.beta_fast", beta_fast), CF("rope_scaling.beta_slow", beta_slow), CF("rms_norm_eps", norm_eps),
-    CI("max_position_embeddings", max_position_embeddings), CI("bos_token_id", bos_token_id),
-    CI("eos_token_id", eos_token_id),
-};
-#undef CI
-#undef CF
-
 ds4_status ds4_checkpoint_check_config(const char *path, const ds4_config *run) {
     char p[4200];
     snprintf(p, sizeof p, "%s/config.json", path);
     ds4_config ck;
     DS4_TRY(ds4_config_load(p, &ck));
-    for (size_t i = 0; i < sizeof k_config_fields / sizeof k_config_fields[0]; i++) {
-        const config_field *f = &k_config_fields[i];
-        const char *a = (const char *)&ck + f->off, *b = (const char *)run + f->off;
-        if (f->is_float) {
+    const char *key;
+    size_t off;
+    bool is_float;
+    for (int i = 0; ds4_config_resume_field(i, &key, &off, &is_float); i++) {
+        const char *a = (const char *)&ck + off, *b = (const char *)run + off;
+        if (is_float) {
             double x, y;
             memcpy(&x, a, sizeof x);
             memcpy(&y, b, sizeof y);
             if (x != y && !(isnan(x) && isnan(y)))
                 return ds4_fail(DS4_ERR_CONFIG, "%s: %s = %.17g, but this run's model has %.17g: refusing to resume", p,
-                                f->key, x, y);
+                                key, x, y);
         } else {
             int64_t x, y;
             memcpy(&x, a, sizeof x);
             memcpy(&y, b, sizeof y);
             if (x != y)
                 return ds4_fail(DS4_ERR_CONFIG, "%s: %s = %lld, but this run's model has %lld: refusing to resume", p,
-                                f->key, (long long)x, (long long)y);
+                                key, (long long)x, (long long)y);
         }
     }
     for (int64_t l = 0; l < run->n_layers + run->n_mtp_layers; l++)

@@ -405,51 +405,49 @@ ds4_status ds4_adamw_state_load(ds4_adamw *o, const char *path) {
     return st;
 }
 
+/* Each piece of an FSDP shard as an AdamW range in shard offsets: counted (r NULL) or written. */
+typedef struct {
+    ds4_adamw_range *r;
+    int64_t n;
+} range_ctx;
+static void range_piece(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
+    range_ctx *c = ctx;
+    if (c->r) c->r[c->n] = (ds4_adamw_range){.off = s0, .n = k1 - k0, .decay = !p->no_decay, .frozen = p->no_grad};
+    c->n++;
+}
+
+ds4_status ds4_fsdp_adamw_ranges(const ds4_fsdp *f, ds4_adamw *o) {
+    const int64_t ns = ds4_fsdp_shard_numel(f);
+    if (o->n != ns)
+        return ds4_fail(DS4_ERR_ARG, "fsdp: an optimizer state of %lld elements for a shard of %lld", (long long)o->n,
+                        (long long)ns);
+    range_ctx c = {0};
+    ds4_fsdp_for_each_piece(f, range_piece, &c);
+    c.r = ds4_alloc(DS4_MEM_OTHER, (size_t)c.n * sizeof *c.r);
+    if (!c.r) return ds4_fail(DS4_ERR_OOM, "fsdp: out of memory for %lld optimizer ranges", (long long)c.n);
+    c.n = 0;
+    ds4_fsdp_for_each_piece(f, range_piece, &c);
+    ds4_status st = ds4_adamw_set_ranges(o, c.r, c.n);
+    ds4_free(c.r);
+    return st;
+}
+
 double ds4_clip_grad_norm(ds4_model *m, double max_norm) {
-    float *g = ds4_model_grads_flat(m);
-    int64_t n = ds4_model_numel(m);
-    /* fixed-size chunks summed in order: the same bits for any thread count. The partial sums of up to
-     * 256 chunks at a time sit on the stack, so the norm allocates nothing and cannot fail. */
-    const int64_t chunk = 1 << 16, nchunks = (n + chunk - 1) / chunk;
     if (ds4_shape_only()) return 0;
-    double part[256], total = 0;
-    for (int64_t c0 = 0; c0 < nchunks; c0 += 256) {
-        const int64_t nc = nchunks - c0 < 256 ? nchunks - c0 : 256;
-#pragma omp parallel for schedule(static)
-        for (int64_t k = 0; k < nc; k++) {
-            int64_t c = c0 + k, end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
-            double s = 0;
-            for (int64_t i = c * chunk; i < end; i++) s += (double)g[i] * g[i];
-            part[k] = s;
-        }
-        for (int64_t k = 0; k < nc; k++) total += part[k];
-    }
-    double norm = sqrt(total);
-    if (max_norm > 0 && norm > max_norm) {
-        float s = (float)(max_norm / (norm + 1e-6));
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < n; i++) g[i] *= s;
-    }
+    float *g = ds4_model_grads_flat(m);
+    const int64_t n = ds4_model_numel(m);
+    double norm = sqrt(ds4_sumsq(g, n));
+    ds4_clip_scale(g, n, max_norm, norm);
     return norm;
 }
 
 void ds4_router_bias_update(ds4_model *m, const int64_t *loads, double gamma) {
     const ds4_config *c = ds4_model_config(m);
-    int64_t E = c->n_routed_experts, nb = c->n_layers + c->n_mtp_layers;
-    char name[64];
-    for (int64_t l = 0; l < nb; l++) {
-        if (l < c->n_layers) snprintf(name, sizeof name, "layers.%lld.ffn.gate.bias", (long long)l);
-        else snprintf(name, sizeof name, "mtp.%lld.ffn.gate.bias", (long long)(l - c->n_layers));
-        ds4_param *b = ds4_model_find(m, name);
-        if (!b) continue; /* hash-routed layer */
-        const int64_t *ld = loads + l * E;
-        double mean = 0;
-        for (int64_t e = 0; e < E; e++) mean += (double)ld[e];
-        mean /= (double)E;
-        for (int64_t e = 0; e < E; e++) {
-            double d = mean - (double)ld[e];
-            b->data[e] += (float)(gamma * (d > 0 ? 1.0 : d < 0 ? -1.0 : 0.0));
-        }
+    const int64_t E = c->n_routed_experts;
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+        ds4_param *p = ds4_model_param(m, i);
+        int64_t b = ds4_param_router_block(c, p);
+        if (b >= 0) ds4_router_bias_rule(loads + b * E, E, gamma, 0, E, p->data);
     }
 }
 

@@ -141,7 +141,7 @@ ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n) {
 }
 
 ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *norm) {
-    if (s->f) return ds4_fsdp_clip_grad_norm_exact(s->f, max_norm, norm);
+    if (s->f) return ds4_fsdp_clip_grad_norm(s->f, max_norm, norm);
     *norm = ds4_clip_grad_norm(s->m, max_norm);
     return DS4_OK;
 }

@@ -5,7 +5,6 @@
 
 #include "ds4/data.h"
 #include "ds4/io.h"
-#include "kernels/kernels.h"
 
 #include <errno.h>
 #include <math.h>
@@ -234,30 +233,6 @@ static ds4_status check_parallel(const ds4_train_cfg *c, const ds4_config *mc, i
                         "training.global_batch_size %lld is not a multiple of training.micro_batch_size %lld x %d ranks",
                         (long long)c->global_batch, (long long)c->micro_batch, W);
     return DS4_OK;
-}
-
-/* ------------------------------------------------------------------ peak FLOP/s probe */
-double ds4_probe_peak_flops(void) {
-    const int64_t n = 512;
-    float *a = ds4_alloc(DS4_MEM_WORK, (size_t)(n * n) * sizeof(float));
-    float *b = ds4_alloc(DS4_MEM_WORK, (size_t)(n * n) * sizeof(float));
-    float *c = ds4_alloc(DS4_MEM_WORK, (size_t)(n * n) * sizeof(float));
-    double best = 0;
-    if (a && b && c) {
-        for (int64_t i = 0; i < n * n; i++) a[i] = b[i] = (float)((i % 7) - 3) * 0.01f;
-        gemm_nt(n, n, n, a, n, b, n, c, n, 0.0f); /* warm up */
-        for (int rep = 0; rep < 5; rep++) {
-            double t0 = ds4_now();
-            gemm_nt(n, n, n, a, n, b, n, c, n, 0.0f);
-            double dt = ds4_now() - t0;
-            double f = 2.0 * (double)n * n * n / dt;
-            if (f > best) best = f;
-        }
-    }
-    ds4_free(a);
-    ds4_free(b);
-    ds4_free(c);
-    return best;
 }
 
 /* ------------------------------------------------------------------ stop signals: finish the step, save, exit 0
