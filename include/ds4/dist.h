@@ -43,8 +43,8 @@ ds4_status ds4_comm_sum_f64(ds4_comm *c, double *x, int64_t n);
 ds4_status ds4_comm_sum_i64(ds4_comm *c, int64_t *x, int64_t n);
 ds4_status ds4_comm_barrier(ds4_comm *c);
 
-/* A route of expert parallelism (ds4/model.h) with zeroed counts (arrays counted as DS4_MEM_OTHER); NULL
- * on allocation failure. */
+/* A route of expert parallelism (ds4/model.h) with zeroed counts, in one DS4_MEM_OTHER allocation (free:
+ * ds4_ep_route_free or ds4_free); NULL on allocation failure. */
 ds4_ep_route *ds4_ep_route_new(int nsrc, int64_t e0, int64_t e1);
 void ds4_ep_route_free(ds4_ep_route *r);
 

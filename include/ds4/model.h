@@ -95,9 +95,9 @@ typedef struct {
     void *ctx;
     int64_t e0, e1;          /* this rank's experts */
     /* Exchanges the per-expert counts cnt[E] of this rank's assignments (a collective of the EP group).
-     * In shape-only mode the counts are those of balanced routing. The model frees it with free_route. */
+     * In shape-only mode the counts are those of balanced routing. *out is one allocation: the model
+     * frees it with ds4_free. */
     ds4_status (*route)(void *ctx, const int64_t *cnt, ds4_ep_route **out);
-    void (*free_route)(ds4_ep_route *r);
     /* rows [N·K, width] in assignment order → recv [rows, width] (dispatch) and back (combine). */
     ds4_status (*dispatch)(void *ctx, const ds4_ep_route *r, const float *send, float *recv, int64_t width);
     ds4_status (*combine)(void *ctx, const ds4_ep_route *r, const float *recv, float *send, int64_t width);

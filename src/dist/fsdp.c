@@ -323,8 +323,8 @@ ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out
     }
     f->hooks = (ds4_param_hooks){.ctx = f, .gather = hook_gather, .drop = hook_drop, .grad_begin = hook_grad_begin,
                                  .grad_end = hook_grad_end, .ep = ep > 1 ? &f->ops : NULL};
-    f->ops = (ds4_ep_ops){.ctx = f, .e0 = f->e0, .e1 = f->e1, .route = ep_route,
-                          .free_route = ds4_ep_route_free, .dispatch = ep_dispatch, .combine = ep_combine};
+    f->ops = (ds4_ep_ops){.ctx = f, .e0 = f->e0, .e1 = f->e1, .route = ep_route, .dispatch = ep_dispatch,
+                          .combine = ep_combine};
     *out = f;
     return DS4_OK;
 }

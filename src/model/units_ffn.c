@@ -180,7 +180,7 @@ static ds4_status moe_route(const block_ctx *bc, block_acts *a) {
 }
 
 static void moe_route_free(block_acts *a) {
-    if (a->route) a->ep->free_route(a->route);
+    ds4_free(a->route); /* one allocation (ds4/model.h) */
     a->route = NULL;
 }
 
