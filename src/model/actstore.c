@@ -87,13 +87,15 @@ static ds4_status alloc_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
     return DS4_OK;
 }
 
-ds4_status act_run(const block_ctx *bc, block_acts *a, unit_id u) {
+ds4_status act_run_cached(const block_ctx *bc, block_acts *a, unit_id u, unit_cache *kc) {
     const unit_decl *ud = k_block_units[u];
     if (!unit_runs_here(u, a)) return DS4_OK;
     if (ud->prepare) DS4_TRY(ud->prepare(bc, a));
     DS4_TRY(alloc_outputs(bc, a, u));
-    return ud->fwd(bc, a);
+    return kc && ud->decode ? ud->decode(bc, a, kc) : ud->fwd(bc, a);
 }
+
+ds4_status act_run(const block_ctx *bc, block_acts *a, unit_id u) { return act_run_cached(bc, a, u, NULL); }
 
 /* Frees a unit's outputs (their bytes go back to the allocator at once) and what its prepare made.
  * Reads of a released output then find NULL and crash loudly instead of reading stale memory. */

@@ -34,7 +34,15 @@ const int k_block_bwd_steps = (int)(sizeof k_block_bwd_order / sizeof k_block_bw
 float *work_zeros(int64_t n) { return ds4_calloc(DS4_MEM_WORK, (size_t)n * sizeof(float)); }
 float *work(int64_t n) { return ds4_alloc(DS4_MEM_WORK, (size_t)n * sizeof(float)); }
 
-const ds4_rope *block_rope(const ds4_model *m, int64_t ratio) { return ratio > 0 ? &m->rope_cmp : &m->rope_main; }
+const ds4_rope *block_rope(const block_ctx *bc, int64_t ratio) { return ratio > 0 ? bc->rope_cmp : bc->rope_main; }
+
+ds4_rope rope_view(const ds4_rope *r, int64_t pos) {
+    ds4_rope at = *r;
+    at.cos += pos * (r->rd / 2);
+    at.sin += pos * (r->rd / 2);
+    at.max_pos = 1;
+    return at;
+}
 
 int64_t usable_rows(int64_t B, int64_t T, int64_t r) { return T >= r ? B * (T - r + 1) : 0; }
 

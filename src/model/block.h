@@ -126,7 +126,33 @@ typedef struct {
     const ds4_ep_ops *ep; /* expert parallelism (NULL: every expert local) */
     bool force_balance; /* route slot k of token t to expert (t·K + k) mod E */
     int32_t *topk_copy; /* [N, index_topk]: the top-k is copied here before a recompute release (NULL: not kept) */
+    const ds4_rope *rope_main, *rope_cmp; /* tables from position 0 (the pass) or views from the decoded one */
 } block_ctx;
+
+/* One compressor's state in the cached decoder. */
+typedef struct {
+    int64_t r, d, C;      /* ratio, entry width, C = coff·d channels per token */
+    bool overlap;         /* ratio 4: entry i also pools block i − 1 */
+    float *a, *z;         /* [rows, C] pending wkv / wgate rows: rows = 2r (previous block, then current) or r */
+    float *out;           /* [cap, d] emitted entries (normalised, roped at i·r) */
+    int64_t cap, n;       /* capacity max_len / r; entries emitted */
+} cmp_cache;
+
+/* What the cached decoder (model/decode.c) keeps of one main layer, which the units' decode variants
+ * read and extend: a new position needs the window, the compressors' pending blocks and the compressed
+ * entries so far. Plus the decoder's one-row scratch those variants use. */
+typedef struct {
+    int64_t pos;          /* the position being decoded */
+    int64_t ratio, ncap;  /* compress ratio (0: SWA); compressed capacity max_len / ratio */
+    float *keys;          /* [ncap + window, hd]: compressed entries 0..ncap-1, then the window ring
+                           * (position j in row ncap + j % window); each row is key and value */
+    cmp_cache cmp;        /* main compressor (ratio > 0); cmp.out points into keys */
+    cmp_cache icmp;       /* indexer compressor (ratio == 4) */
+    float *pool, *rstd;   /* [2·max(hd, dI)], [1] */
+    float *iscore;        /* [ncap4] indexer row scores */
+    uint64_t *ikey, *isort; /* [ncap4] their sort keys */
+    int32_t *keylist;     /* [window + max compressed keys] the keys one query attends */
+} unit_cache;
 
 /* Gradient buffers of one block backward (workspace, zeroed), then what the block's backward was given. */
 typedef struct {
@@ -146,6 +172,7 @@ typedef struct {
 
 typedef ds4_status (*unit_fwd_fn)(const block_ctx *bc, block_acts *a);
 typedef ds4_status (*unit_bwd_fn)(const block_ctx *bc, block_acts *a, block_grads *g);
+typedef ds4_status (*unit_decode_fn)(const block_ctx *bc, block_acts *a, unit_cache *kc);
 
 typedef enum { ON_EVERY_LAYER = 0, ON_COMPRESSED /* ratio > 0 */, ON_CSA /* ratio 4 */ } unit_layers;
 
@@ -159,6 +186,8 @@ typedef struct {
     unit_fwd_fn prepare;     /* before the outputs are allocated (data-dependent shapes), or NULL */
     unit_fwd_fn fwd;         /* fills the outputs from the inputs (the first run and every replay) */
     unit_bwd_fn bwd;         /* NULL: differentiated inside another unit's backward */
+    unit_decode_fn decode;   /* the cached decoder's variant (one position, reads the layer's cache) or NULL:
+                              * fwd on one position serves */
     uint32_t bwd_reads;      /* UNIT_BIT()s of the units whose outputs bwd reads */
     void (*discard)(block_acts *a); /* frees what prepare made, or NULL */
 } unit_decl;
@@ -176,8 +205,10 @@ const char *unit_name(unit_id u);
 bool unit_runs_here(unit_id u, const block_acts *a);
 
 /* ------------------------------------------------------------------ the activation store (actstore.c) */
-/* Runs unit u's forward: prepare, allocate its outputs from the declaration, fwd. */
+/* Runs unit u's forward: prepare, allocate its outputs from the declaration, fwd (or, given the cache
+ * of the decoder, the unit's decode variant when it has one). */
 ds4_status act_run(const block_ctx *bc, block_acts *a, unit_id u);
+ds4_status act_run_cached(const block_ctx *bc, block_acts *a, unit_id u, unit_cache *kc);
 /* Releases every masked unit whose last forward reader is u (u has just run). */
 void act_release_after_fwd(const block_ctx *bc, block_acts *a, unit_id u);
 /* Makes the outputs of every unit in `units` present, replaying released ones (inputs first). */
@@ -192,7 +223,8 @@ int64_t block_acts_bytes(const block_acts *a);
 /* ------------------------------------------------------------------ shared by the units */
 float *work_zeros(int64_t n); /* [n] zeroed workspace */
 float *work(int64_t n);       /* [n] workspace */
-const ds4_rope *block_rope(const ds4_model *m, int64_t ratio);
+const ds4_rope *block_rope(const block_ctx *bc, int64_t ratio); /* the main or the compressed rope */
+ds4_rope rope_view(const ds4_rope *r, int64_t pos); /* the table seen from position pos, one row long */
 float attn_scale(const ds4_config *c);
 float indexer_wscale(const ds4_config *c);
 int64_t usable_rows(int64_t B, int64_t T, int64_t r);

@@ -121,7 +121,9 @@ static block_ctx make_ctx(ds4_pass *p, int64_t layer, const int32_t *ids) {
                        .dense_csa = p->opts.csa_dense || p->m->cfg.csa_dense,
                        .keep = p->opts.need_backward,
                        .ep = p->opts.hooks ? p->opts.hooks->ep : NULL,
-                       .force_balance = p->opts.moe_force_balance};
+                       .force_balance = p->opts.moe_force_balance,
+                       .rope_main = &p->m->rope_main,
+                       .rope_cmp = &p->m->rope_cmp};
 }
 
 /* A caller that keeps the logits (debug-state) also gets every CSA layer's top-k, whatever the

@@ -1,8 +1,11 @@
 /* The attention units of a block (docs/dsv4-architecture.md §3, §4): attn_norm → q_down → q_up → kv →
  * compressor → indexer → indexer_topk → sparse_attn → o_proj. Each unit: its saved outputs, forward,
- * backward, declaration. Forwards overwrite, backwards accumulate. */
+ * backward, declaration; the units that look across positions also have the cached decoder's variant
+ * (one position against the layer's cache, model/decode.c). Forwards overwrite, backwards accumulate. */
 #include "model/block.h"
 
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* ------------------------------------------------------------------ attn_norm: xa = attn_norm(y) */
@@ -81,7 +84,7 @@ static ds4_status q_up_fwd(const block_ctx *bc, block_acts *a) {
     float *q = F32(U_Q_UP, QU_Q);
     linear_fwd(F32(U_Q_UP, QU_RAW), F32(U_Q_DOWN, QD_QR), W->wq_b, N, QR, H * hd);
     rmsnorm_fwd(q, F32(U_Q_UP, QU_RSTD), F32(U_Q_UP, QU_RAW), NULL, N * H, hd, eps);
-    rope_fwd(q, N, H, hd, T, 1, block_rope(m, a->ratio), false);
+    rope_fwd(q, N, H, hd, T, 1, block_rope(bc, a->ratio), false);
     return DS4_OK;
 }
 
@@ -90,7 +93,7 @@ static ds4_status q_up_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     const int64_t H = c->n_heads, hd = c->head_dim, QR = c->q_lora_rank;
     float *dqraw = work_zeros(N * H * hd);
     if (!dqraw) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
-    rope_bwd(g->dq, N, H, hd, T, 1, block_rope(m, a->ratio), false);
+    rope_bwd(g->dq, N, H, hd, T, 1, block_rope(bc, a->ratio), false);
     rmsnorm_bwd(dqraw, NULL, g->dq, F32(U_Q_UP, QU_RAW), NULL, F32(U_Q_UP, QU_RSTD), N * H, hd);
     linear_bwd(g->dqr, Gw->wq_b, dqraw, F32(U_Q_DOWN, QD_QR), W->wq_b, N, QR, H * hd);
     ds4_free(dqraw);
@@ -119,7 +122,7 @@ static ds4_status kv_fwd(const block_ctx *bc, block_acts *a) {
     float *kv = F32(U_KV, KV_KV);
     linear_fwd(F32(U_KV, KV_RAW), F32(U_ATTN_NORM, NORM_X), W->wkv, N, D, hd);
     rmsnorm_fwd(kv, F32(U_KV, KV_RSTD), F32(U_KV, KV_RAW), W->kv_norm, N, hd, eps);
-    rope_fwd(kv, N, 1, hd, T, 1, block_rope(m, a->ratio), false);
+    rope_fwd(kv, N, 1, hd, T, 1, block_rope(bc, a->ratio), false);
     return DS4_OK;
 }
 
@@ -128,10 +131,18 @@ static ds4_status kv_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     const int64_t hd = c->head_dim;
     float *dkvraw = work_zeros(N * hd);
     if (!dkvraw) return ds4_fail(DS4_ERR_OOM, "out of memory in kv backward");
-    rope_bwd(g->dkv, N, 1, hd, T, 1, block_rope(m, a->ratio), false);
+    rope_bwd(g->dkv, N, 1, hd, T, 1, block_rope(bc, a->ratio), false);
     rmsnorm_bwd(dkvraw, Gw->kv_norm, g->dkv, F32(U_KV, KV_RAW), W->kv_norm, F32(U_KV, KV_RSTD), N, hd);
     linear_bwd(g->dxa, Gw->wkv, dkvraw, F32(U_ATTN_NORM, NORM_X), W->wkv, N, D, hd);
     ds4_free(dkvraw);
+    return DS4_OK;
+}
+
+/* Decoding: the position's kv also goes into the window ring. */
+static ds4_status kv_decode(const block_ctx *bc, block_acts *a, unit_cache *kc) {
+    const int64_t hd = bc->m->cfg.head_dim;
+    DS4_TRY(kv_fwd(bc, a));
+    memcpy(kc->keys + (kc->ncap + kc->pos % bc->m->cfg.window) * hd, F32(U_KV, KV_KV), (size_t)hd * sizeof(float));
     return DS4_OK;
 }
 
@@ -139,7 +150,7 @@ const unit_decl unit_kv = {
     .name = "kv",
     .inputs = UNIT_BIT(U_ATTN_NORM),
     .outs = k_kv_outs, .nouts = 3,
-    .fwd = kv_fwd, .bwd = kv_bwd,
+    .fwd = kv_fwd, .bwd = kv_bwd, .decode = kv_decode,
     .bwd_reads = UNIT_BIT(U_KV) | UNIT_BIT(U_ATTN_NORM),
 };
 
@@ -157,7 +168,7 @@ static void compress_fwd(const block_ctx *bc, block_acts *a, unit_id u, int firs
     linear_fwd(cz, xa, cw->wgate, N, D, coff * d);
     compressor_pool_fwd(pool, ca, cz, cw->ape, B, T, r, d, r == 4);
     rmsnorm_fwd(out, F32(u, first + CMP_RSTD), pool, cw->norm, B * Nc, d, eps);
-    rope_fwd(out, B * Nc, 1, d, Nc, r, block_rope(m, r), false);
+    rope_fwd(out, B * Nc, 1, d, Nc, r, block_rope(bc, r), false);
 }
 
 /* Its backward from d(normalised, roped entries) (dout is rotated in place); dxa += … (NULL: detached). */
@@ -170,7 +181,7 @@ static ds4_status compress_bwd(const block_ctx *bc, block_acts *a, unit_id u, in
     ds4_status st = DS4_OK;
     if (!dpool || !da || !dz) st = ds4_fail(DS4_ERR_OOM, "out of memory in compressor backward");
     if (st == DS4_OK) {
-        rope_bwd(dout, B * Nc, 1, d, Nc, r, block_rope(m, r), false);
+        rope_bwd(dout, B * Nc, 1, d, Nc, r, block_rope(bc, r), false);
         rmsnorm_bwd(dpool, G->norm, dout, F32(u, first + CMP_POOL), cw->norm, F32(u, first + CMP_RSTD), B * Nc, d);
         compressor_pool_bwd(da, dz, G->ape, dpool, ca, cz, cw->ape, B, T, r, d, r == 4);
         linear_bwd(dxa, G->wkv, da, xa, cw->wkv, N, D, coff * d);
@@ -180,6 +191,36 @@ static ds4_status compress_bwd(const block_ctx *bc, block_acts *a, unit_id u, in
     ds4_free(da);
     ds4_free(dz);
     return st;
+}
+
+/* Decoding: appends position p's wkv / wgate rows (from xa: [D]) to the pending block; when the block
+ * completes, (p + 1) % r == 0, emits entry i = (p + 1)/r − 1 = rope(norm(pool)) at position i·r, as the
+ * pass's pooling of that block (T = r, or T = 2r with the previous block for ratio 4, taking entry 1). */
+static void compress_decode(const block_ctx *bc, unit_cache *kc, cmp_cache *cs, const compressor_w *cw, const float *xa) {
+    const ds4_config *c = &bc->m->cfg;
+    const int64_t p = kc->pos, r = cs->r, d = cs->d, C = cs->C, row = (cs->overlap ? r : 0) + p % r;
+    linear_fwd(cs->a + row * C, xa, cw->wkv, 1, c->dim, C);   // [C]
+    linear_fwd(cs->z + row * C, xa, cw->wgate, 1, c->dim, C); // [C]
+    if ((p + 1) % r != 0) return;
+    const int64_t i = (p + 1) / r - 1;
+    const float *pooled = kc->pool; // [d]
+    if (!cs->overlap) {
+        compressor_pool_fwd(kc->pool, cs->a, cs->z, cw->ape, 1, r, r, d, false);
+    } else if (i == 0) { /* no previous block: the current block alone, as the pass's entry 0 */
+        compressor_pool_fwd(kc->pool, cs->a + r * C, cs->z + r * C, cw->ape, 1, r, r, d, true);
+    } else { /* [previous | current] as a 2-entry sequence; its entry 1 is this one */
+        compressor_pool_fwd(kc->pool, cs->a, cs->z, cw->ape, 1, 2 * r, r, d, true);
+        pooled = kc->pool + d;
+    }
+    if (cs->overlap) { /* the current block becomes the previous one */
+        memcpy(cs->a, cs->a + r * C, (size_t)(r * C) * sizeof(float));
+        memcpy(cs->z, cs->z + r * C, (size_t)(r * C) * sizeof(float));
+    }
+    float *e = cs->out + i * d; // [d]
+    const ds4_rope at = rope_view(&bc->m->rope_cmp, i * r); /* the entry's position */
+    rmsnorm_fwd(e, kc->rstd, pooled, cw->norm, 1, d, (float)c->norm_eps);
+    rope_fwd(e, 1, 1, d, 1, 1, &at, false);
+    cs->n = i + 1;
 }
 
 /* compressor: kvc [B, Nc, hd] (ratio > 0) */
@@ -201,12 +242,17 @@ static ds4_status compressor_bwd(const block_ctx *bc, block_acts *a, block_grads
     return compress_bwd(bc, a, U_COMPRESSOR, 0, &Gw->cmp, &W->cmp, g->dxa, g->dkvc, a->ratio, c->head_dim);
 }
 
+static ds4_status compressor_decode(const block_ctx *bc, block_acts *a, unit_cache *kc) {
+    compress_decode(bc, kc, &kc->cmp, &bc->m->w.blocks[bc->layer].cmp, F32(U_ATTN_NORM, NORM_X));
+    return DS4_OK;
+}
+
 const unit_decl unit_compressor = {
     .name = "compressor",
     .on = ON_COMPRESSED,
     .inputs = UNIT_BIT(U_ATTN_NORM),
     .outs = k_compressor_outs, .nouts = 5,
-    .fwd = compressor_fwd, .bwd = compressor_bwd,
+    .fwd = compressor_fwd, .bwd = compressor_bwd, .decode = compressor_decode,
     .bwd_reads = UNIT_BIT(U_COMPRESSOR) | UNIT_BIT(U_ATTN_NORM),
 };
 
@@ -222,14 +268,26 @@ static const act_slot k_indexer_outs[] = {
     [IDX_CMP + CMP_OUT] = {"ki", ACT_F32, {X_B, X_NC, X_DI}},
 };
 
-static ds4_status indexer_fwd(const block_ctx *bc, block_acts *a) {
+/* The indexer's queries qi (roped) and head weights wi of every position. */
+static void indexer_queries(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
     const int64_t HI = c->index_n_heads, dI = c->index_head_dim, QR = c->q_lora_rank;
     float *qi = F32(U_INDEXER, IDX_QI);
     linear_fwd(qi, F32(U_Q_DOWN, QD_QR), W->idx_wq_b, N, QR, HI * dI);
-    rope_fwd(qi, N, HI, dI, T, 1, &m->rope_cmp, false);
+    rope_fwd(qi, N, HI, dI, T, 1, bc->rope_cmp, false);
     linear_fwd(F32(U_INDEXER, IDX_WI), F32(U_ATTN_NORM, NORM_X), W->idx_weights_proj, N, D, HI);
-    compress_fwd(bc, a, U_INDEXER, IDX_CMP, &W->idx_cmp, 4, dI);
+}
+
+static ds4_status indexer_fwd(const block_ctx *bc, block_acts *a) {
+    indexer_queries(bc, a);
+    compress_fwd(bc, a, U_INDEXER, IDX_CMP, &bc->m->w.blocks[bc->layer].idx_cmp, 4, bc->m->cfg.index_head_dim);
+    return DS4_OK;
+}
+
+/* Decoding: the position's queries; its keys join the indexer's compressed entries in the cache. */
+static ds4_status indexer_decode(const block_ctx *bc, block_acts *a, unit_cache *kc) {
+    indexer_queries(bc, a);
+    compress_decode(bc, kc, &kc->icmp, &bc->m->w.blocks[bc->layer].idx_cmp, F32(U_ATTN_NORM, NORM_X));
     return DS4_OK;
 }
 
@@ -258,7 +316,7 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, block_grads *g
     }
     if (st == DS4_OK) {
         linear_bwd(NULL, Gw->idx_weights_proj, dwi, F32(U_ATTN_NORM, NORM_X), W->idx_weights_proj, N, D, HI);
-        rope_bwd(dqi, N, HI, dI, T, 1, &m->rope_cmp, false);
+        rope_bwd(dqi, N, HI, dI, T, 1, bc->rope_cmp, false);
         linear_bwd(NULL, Gw->idx_wq_b, dqi, F32(U_Q_DOWN, QD_QR), W->idx_wq_b, N, QR, HI * dI);
         st = compress_bwd(bc, a, U_INDEXER, IDX_CMP, &Gw->idx_cmp, &W->idx_cmp, NULL, dki, 4, dI);
     }
@@ -278,7 +336,7 @@ const unit_decl unit_indexer = {
     .on = ON_CSA,
     .inputs = UNIT_BIT(U_ATTN_NORM) | UNIT_BIT(U_Q_DOWN),
     .outs = k_indexer_outs, .nouts = 7,
-    .fwd = indexer_fwd, .bwd = indexer_bwd,
+    .fwd = indexer_fwd, .bwd = indexer_bwd, .decode = indexer_decode,
     .bwd_reads = UNIT_BIT(U_INDEXER) | UNIT_BIT(U_INDEXER_TOPK) | UNIT_BIT(U_Q_UP) | UNIT_BIT(U_COMPRESSOR) |
                  UNIT_BIT(U_SPARSE_ATTN) | UNIT_BIT(U_ATTN_NORM) | UNIT_BIT(U_Q_DOWN),
 };
@@ -297,13 +355,80 @@ static ds4_status indexer_topk_fwd_unit(const block_ctx *bc, block_acts *a) {
     return kernel_status(oom, "indexer top-k");
 }
 
+/* x·k over n floats in the indexer kernel's order: two 8-lane accumulators (elements i..i+7 and
+ * i+8..i+15 of each 16), a last 8-lane step, the lanes summed pairwise, then the tail. */
+static float ix_dot(const float *x, const float *k, int64_t n) {
+    float a[8] = {0}, b[8] = {0}, v[8];
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 8; l++) a[l] += x[i + l] * k[i + l], b[l] += x[i + 8 + l] * k[i + 8 + l];
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) a[l] += x[i + l] * k[i + l];
+    for (int l = 0; l < 8; l++) v[l] = a[l] + b[l];
+    float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    for (; i < n; i++) s += x[i] * k[i];
+    return s;
+}
+
+/* A key that orders like the score (NaN as −inf), as the kernel's selection uses. */
+static uint64_t score_key(float x) {
+    if (x != x) x = -INFINITY;
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (u >> 31) ? (uint32_t)~u : (u | 0x80000000u);
+}
+
+static int cmp_desc_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* Decoding: the top-k of the position's row over the nu usable indexer entries, written here in the
+ * kernel's operation order because the kernel ties a row's usable entries to its position in the
+ * sequence: I[s] = Σ_h (wscale·w[h])·ReLU(qi[h]·ki[s]), heads ascending; the K largest, ties to the
+ * lower index, written ascending, −1 padded. qi: [HI, dI]; ki: [nu, dI]; w: [HI]; topk: [K]. */
+static ds4_status indexer_topk_decode(const block_ctx *bc, block_acts *a, unit_cache *kc) {
+    if (bc->dense_csa) return DS4_OK;
+    const ds4_config *c = &bc->m->cfg;
+    const int64_t HI = c->index_n_heads, dI = c->index_head_dim, K = c->index_topk, nu = kc->icmp.n;
+    const float *qi = F32(U_INDEXER, IDX_QI), *w = F32(U_INDEXER, IDX_WI), *ki = kc->icmp.out;
+    const float wscale = indexer_wscale(c);
+    int32_t *topk = I32(U_INDEXER_TOPK, TOPK_SEL);
+    int64_t n = 0;
+    if (nu <= K) {
+        for (; n < nu; n++) topk[n] = (int32_t)n;
+    } else {
+        for (int64_t s = 0; s < nu; s++) {
+            float acc = 0;
+            for (int64_t h = 0; h < HI; h++) {
+                float dd = ix_dot(qi + h * dI, ki + s * dI, dI), ww = wscale * w[h];
+                acc += ww * (dd > 0 ? dd : 0);
+            }
+            kc->iscore[s] = acc;
+            kc->ikey[s] = kc->isort[s] = score_key(acc);
+        }
+        /* the K-th largest key; take every larger key and the lowest-index equal ones */
+        qsort(kc->isort, (size_t)nu, sizeof(uint64_t), cmp_desc_u64);
+        const uint64_t kth = kc->isort[K - 1];
+        int64_t need = 0;
+        for (int64_t j = 0; j < K; j++) need += kc->isort[j] == kth;
+        for (int64_t s = 0; s < nu && n < K; s++) {
+            bool take = kc->ikey[s] > kth || (kc->ikey[s] == kth && need > 0);
+            if (take && kc->ikey[s] == kth) need--;
+            if (take) topk[n++] = (int32_t)s;
+        }
+    }
+    for (; n < K; n++) topk[n] = -1;
+    return DS4_OK;
+}
+
 /* A selection: no gradient of its own. */
 const unit_decl unit_indexer_topk = {
     .name = "indexer_topk",
     .on = ON_CSA,
     .inputs = UNIT_BIT(U_INDEXER),
     .outs = k_indexer_topk_outs, .nouts = 1,
-    .fwd = indexer_topk_fwd_unit,
+    .fwd = indexer_topk_fwd_unit, .decode = indexer_topk_decode,
 };
 
 /* ------------------------------------------------------------------ sparse_attn */
@@ -335,11 +460,35 @@ static ds4_status sparse_attn_bwd_unit(const block_ctx *bc, block_acts *a, block
     return kernel_status(oom, "sparse attention backward");
 }
 
+/* Decoding: the query at p over the window and the compressed entries (selected by the top-k on sparse
+ * CSA layers, all emitted otherwise) with the sink: a T = 1, window 0 call whose "compressed entries" are
+ * the layer's key buffer and whose top-k list names the keys in the pass's order (window rows by
+ * position, then the compressed entries), so the kernel runs the same row math. */
+static ds4_status sparse_attn_decode(const block_ctx *bc, block_acts *a, unit_cache *kc) {
+    const ds4_config *c = &bc->m->cfg;
+    const int64_t win = c->window, H = c->n_heads, hd = c->head_dim, p = kc->pos;
+    const int32_t *sel = attn_selection(bc, a);
+    int64_t nk = 0;
+    for (int64_t j = p - win + 1 > 0 ? p - win + 1 : 0; j <= p; j++) kc->keylist[nk++] = (int32_t)(kc->ncap + j % win);
+    if (kc->ratio > 0) {
+        if (sel) {
+            for (int64_t k = 0; k < c->index_topk; k++)
+                if (sel[k] >= 0) kc->keylist[nk++] = sel[k];
+        } else {
+            for (int64_t i = 0; i < kc->cmp.n; i++) kc->keylist[nk++] = (int32_t)i;
+        }
+    }
+    sparse_attn_fwd(F32(U_SPARSE_ATTN, SA_O), F32(U_SPARSE_ATTN, SA_LSE), F32(U_Q_UP, QU_Q), kc->keys, kc->keys,
+                    kc->keylist, bc->m->w.blocks[bc->layer].attn_sink, 1, 1, H, hd, 0, 1, kc->ncap + win, nk,
+                    attn_scale(c));
+    return DS4_OK;
+}
+
 const unit_decl unit_sparse_attn = {
     .name = "sparse_attn",
     .inputs = UNIT_BIT(U_Q_UP) | UNIT_BIT(U_KV) | UNIT_BIT(U_COMPRESSOR) | UNIT_BIT(U_INDEXER_TOPK),
     .outs = k_sparse_attn_outs, .nouts = 2,
-    .fwd = sparse_attn_fwd_unit, .bwd = sparse_attn_bwd_unit,
+    .fwd = sparse_attn_fwd_unit, .bwd = sparse_attn_bwd_unit, .decode = sparse_attn_decode,
     .bwd_reads = UNIT_BIT(U_SPARSE_ATTN) | UNIT_BIT(U_Q_UP) | UNIT_BIT(U_KV) | UNIT_BIT(U_COMPRESSOR) |
                  UNIT_BIT(U_INDEXER_TOPK),
 };
@@ -359,7 +508,7 @@ static float *inverse_roped_o(const block_ctx *bc, const block_acts *a) {
     float *o_r = work(N * H * hd);
     if (!o_r) return NULL;
     if (!ds4_shape_only()) memcpy(o_r, F32(U_SPARSE_ATTN, SA_O), (size_t)(N * H * hd) * sizeof(float));
-    rope_fwd(o_r, N, H, hd, bc->T, 1, block_rope(bc->m, a->ratio), true);
+    rope_fwd(o_r, N, H, hd, bc->T, 1, block_rope(bc, a->ratio), true);
     return o_r;
 }
 
@@ -381,7 +530,7 @@ static ds4_status o_proj_bwd(const block_ctx *bc, block_acts *a, block_grads *g)
     if (!o_r) return ds4_fail(DS4_ERR_OOM, "out of memory in o_proj backward");
     linear_bwd(g->dz, Gw->wo_b, g->dattn, F32(U_O_PROJ, OP_Z), W->wo_b, N, G * R, D);
     grouped_linear_bwd(g->do_, Gw->wo_a, g->dz, o_r, W->wo_a, N, G, R, H * hd / G);
-    rope_bwd(g->do_, N, H, hd, T, 1, block_rope(m, a->ratio), true);
+    rope_bwd(g->do_, N, H, hd, T, 1, block_rope(bc, a->ratio), true);
     ds4_free(o_r);
     return DS4_OK;
 }
