@@ -7,7 +7,12 @@
  *   - before a backward reads a unit, the unit is made present again by replaying its forward, its
  *     released inputs first (in forward order);
  *   - after the last backward that reads a unit, its outputs are freed;
- *   - per unit: the bytes of one copy, the releases, the replays and their time (--memory-report). */
+ *   - per unit: the bytes of one copy, the releases, the replays and their time (--memory-report).
+ * It sits in src/model, below src/memory, because ds4_forward honours ds4_pass_opts.release_mask by
+ * itself (the trainer, memplan and the tests hand it masks, not a store); it talks to the rest of the
+ * model only through the declarations and unit_decl.fwd, so a store above the model can take its place
+ * behind a pass option once those callers make one. The recompute policy (src/memory/recompute.c)
+ * only names units. */
 #include "model/block.h"
 
 #include <string.h>
@@ -157,11 +162,5 @@ int64_t act_unit_bytes(const block_acts *a, unit_id u) {
     int64_t b = 0;
     for (int s = 0; s < UNIT_MAX_OUTS; s++)
         if (a->out[u][s]) b += (int64_t)ds4_alloc_size(a->out[u][s]);
-    return b;
-}
-
-int64_t block_acts_bytes(const block_acts *a) {
-    int64_t b = 0;
-    for (int u = 0; u < U_COUNT; u++) b += act_unit_bytes(a, (unit_id)u);
     return b;
 }

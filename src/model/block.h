@@ -216,9 +216,8 @@ ds4_status act_need(const block_ctx *bc, block_acts *a, uint32_t units);
 /* Frees the outputs whose last backward reader is backward step `step` of k_block_bwd_order. */
 void act_free_after_bwd(block_acts *a, int step);
 void block_acts_free(block_acts *a);
-/* Bytes held by one unit's outputs / by the whole block. */
+/* Bytes held by one unit's outputs. */
 int64_t act_unit_bytes(const block_acts *a, unit_id u);
-int64_t block_acts_bytes(const block_acts *a);
 
 /* ------------------------------------------------------------------ shared by the units */
 float *work_zeros(int64_t n); /* [n] zeroed workspace */

@@ -88,8 +88,8 @@ const float *ds4_pass_logits(const ds4_pass *p) { return p->opts.keep_logits ? p
 const float *ds4_pass_mtp_logits(const ds4_pass *p) { return p->opts.keep_logits ? p->mhead.logits : NULL; }
 const int32_t *ds4_pass_topk(const ds4_pass *p, int64_t layer) {
     if (layer < 0 || layer >= p->m->cfg.n_layers) return NULL;
-    const int32_t *kept = p->ba[layer].out[U_INDEXER_TOPK][TOPK_SEL];
-    return kept ? kept : p->topk_kept[layer];
+    const int32_t *held = p->ba[layer].out[U_INDEXER_TOPK][TOPK_SEL];
+    return held ? held : p->topk_kept[layer];
 }
 const int64_t *ds4_pass_expert_load(const ds4_pass *p, int64_t layer) {
     return p->expert_load + layer * p->m->cfg.n_routed_experts;
