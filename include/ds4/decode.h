@@ -10,7 +10,8 @@
  *     and roped at i·r, when (p + 1) % r == 0;
  *   - the compressed entries so far (main keys, and the indexer's keys on CSA layers).
  * The mHC streams are per token, so nothing else is kept. Memory is O(window + max_len / r) per
- * layer; every byte is allocated once in ds4_decoder_new (DS4_MEM_ACT), none per step.
+ * layer, allocated once in ds4_decoder_new (DS4_MEM_ACT); a step's one-token unit outputs come and go
+ * through the activation store as in a forward-only pass.
  * MTP is not used for decoding. */
 #ifndef DS4_DECODE_H
 #define DS4_DECODE_H

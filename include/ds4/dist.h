@@ -42,6 +42,11 @@ ds4_status ds4_comm_sum_f64(ds4_comm *c, double *x, int64_t n);
 ds4_status ds4_comm_sum_i64(ds4_comm *c, int64_t *x, int64_t n);
 ds4_status ds4_comm_barrier(ds4_comm *c);
 
+/* A route of expert parallelism (ds4/model.h) with zeroed counts, in one DS4_MEM_OTHER allocation (free:
+ * ds4_ep_route_free or ds4_free); NULL on allocation failure. */
+ds4_ep_route *ds4_ep_route_new(int nsrc, int64_t e0, int64_t e1);
+void ds4_ep_route_free(ds4_ep_route *r);
+
 /* ------------------------------------------------------------------ FSDP + EP */
 /* World of W ranks, EP degree ep (divides W and n_routed_experts). Dense regions are sharded over all W
  * ranks (the FSDP communicator); expert e lives on EP rank e / (E / ep) of each EP group (ranks

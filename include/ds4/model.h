@@ -104,16 +104,13 @@ typedef struct {
     void *ctx;
     int64_t e0, e1;          /* this rank's experts */
     /* Exchanges the per-expert counts cnt[E] of this rank's assignments (a collective of the EP group).
-     * In shape-only mode the counts are those of balanced routing. Free with ds4_ep_route_free. */
+     * In shape-only mode the counts are those of balanced routing. *out is one allocation: the model
+     * frees it with ds4_free. */
     ds4_status (*route)(void *ctx, const int64_t *cnt, ds4_ep_route **out);
     /* rows [N·K, width] in assignment order → recv [rows, width] (dispatch) and back (combine). */
     ds4_status (*dispatch)(void *ctx, const ds4_ep_route *r, const float *send, float *recv, int64_t width);
     ds4_status (*combine)(void *ctx, const ds4_ep_route *r, const float *recv, float *send, int64_t width);
 } ds4_ep_ops;
-
-/* A route with zeroed counts (arrays counted as DS4_MEM_OTHER); NULL on allocation failure. */
-ds4_ep_route *ds4_ep_route_new(int nsrc, int64_t e0, int64_t e1);
-void ds4_ep_route_free(ds4_ep_route *r);
 
 /* What a parallel wrapper does around the model (NULL members: nothing). The model calls gather
  * before it reads a group's weights and drop after its last read; grad_begin before the first

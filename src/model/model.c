@@ -88,7 +88,8 @@ const float *ds4_pass_logits(const ds4_pass *p) { return p->opts.keep_logits ? p
 const float *ds4_pass_mtp_logits(const ds4_pass *p) { return p->opts.keep_logits ? p->mhead.logits : NULL; }
 const int32_t *ds4_pass_topk(const ds4_pass *p, int64_t layer) {
     if (layer < 0 || layer >= p->m->cfg.n_layers) return NULL;
-    return p->ba[layer].topk ? p->ba[layer].topk : p->topk_kept[layer];
+    const int32_t *held = p->ba[layer].out[U_INDEXER_TOPK][TOPK_SEL];
+    return held ? held : p->topk_kept[layer];
 }
 const int64_t *ds4_pass_expert_load(const ds4_pass *p, int64_t layer) {
     return p->expert_load + layer * p->m->cfg.n_routed_experts;
@@ -120,7 +121,9 @@ static block_ctx make_ctx(ds4_pass *p, int64_t layer, const int32_t *ids) {
                        .dense_csa = p->opts.csa_dense || p->m->cfg.csa_dense,
                        .keep = p->opts.need_backward,
                        .ep = p->opts.hooks ? p->opts.hooks->ep : NULL,
-                       .force_balance = p->opts.moe_force_balance};
+                       .force_balance = p->opts.moe_force_balance,
+                       .rope_main = &p->m->rope_main,
+                       .rope_cmp = &p->m->rope_cmp};
 }
 
 /* A caller that keeps the logits (debug-state) also gets every CSA layer's top-k, whatever the

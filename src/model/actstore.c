@@ -1,0 +1,166 @@
+/* The activation store of a block: every rule about saved unit outputs, derived from the unit
+ * declarations (model/block.h) and nothing else:
+ *   - a unit's outputs are allocated from its declared slots (shape expression, dtype) just before its
+ *     forward, in slot order;
+ *   - a unit the pass's recompute mask names is released once its last forward reader (the last unit
+ *     whose declared inputs name it) has run;
+ *   - before a backward reads a unit, the unit is made present again by replaying its forward, its
+ *     released inputs first (in forward order);
+ *   - after the last backward that reads a unit, its outputs are freed;
+ *   - per unit: the bytes of one copy, the releases, the replays and their time (--memory-report).
+ * It sits in src/model, below src/memory, because ds4_forward honours ds4_pass_opts.release_mask by
+ * itself (the trainer, memplan and the tests hand it masks, not a store); it talks to the rest of the
+ * model only through the declarations and unit_decl.fwd, so a store above the model can take its place
+ * behind a pass option once those callers make one. The recompute policy (src/memory/recompute.c)
+ * only names units. */
+#include "model/block.h"
+
+#include <string.h>
+
+_Static_assert(sizeof(block_acts) == 2112, "block_acts changed size: memplan's other-category bytes move");
+
+const char *unit_name(unit_id u) { return (unsigned)u < U_COUNT ? k_block_units[u]->name : "?"; }
+
+bool unit_runs_here(unit_id u, const block_acts *a) {
+    switch (k_block_units[u]->on) {
+    case ON_COMPRESSED: return a->ratio > 0;
+    case ON_CSA: return a->ratio == 4;
+    default: return true;
+    }
+}
+
+/* ================================================================== derived from the declarations */
+/* The last unit whose forward reads u: u may be released once that unit has run. */
+static unit_id last_forward_reader(unit_id u) {
+    unit_id last = u;
+    for (int v = (int)u + 1; v < U_COUNT; v++)
+        if (k_block_units[v]->inputs & UNIT_BIT(u)) last = (unit_id)v;
+    return last;
+}
+
+/* The last step of k_block_bwd_order whose backward reads u (-1: none). */
+static int last_backward_reader(unit_id u) {
+    int last = -1;
+    for (int s = 0; s < k_block_bwd_steps; s++)
+        if (k_block_units[k_block_bwd_order[s]]->bwd_reads & UNIT_BIT(u)) last = s;
+    return last;
+}
+
+static int64_t act_dim_value(const block_ctx *bc, const block_acts *a, act_dim d) {
+    const ds4_config *c = &bc->m->cfg;
+    const int64_t N = bc->B * bc->T, K = c->n_activated_experts;
+    switch (d) {
+    case X_1: return 1;
+    case X_N: return N;
+    case X_B: return bc->B;
+    case X_D: return c->dim;
+    case X_HC: return c->hc_mult;
+    case X_MIX: return mix_hc(c);
+    case X_QR: return c->q_lora_rank;
+    case X_H: return c->n_heads;
+    case X_HD: return c->head_dim;
+    case X_NC: return a->Nc;
+    case X_CMP_C: return (a->ratio == 4 ? 2 : 1) * c->head_dim;
+    case X_HI: return c->index_n_heads;
+    case X_DI: return c->index_head_dim;
+    case X_IDX_C: return 2 * c->index_head_dim;
+    case X_TOPK: return c->index_topk;
+    case X_GR: return c->o_groups * c->o_lora_rank;
+    case X_E: return c->n_routed_experts;
+    case X_E1: return c->n_routed_experts + 1;
+    case X_K: return K;
+    case X_ROWS: return bc->ep ? a->route->rows : N * K;
+    case X_I: return c->moe_inter_dim;
+    case X_IS: return c->moe_inter_dim * c->n_shared_experts;
+    }
+    return 0;
+}
+
+static size_t act_dtype_size(act_dtype t) { return t == ACT_I64 ? sizeof(int64_t) : t == ACT_I32 ? 4 : sizeof(float); }
+
+/* ================================================================== allocation and release */
+static ds4_status alloc_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
+    const unit_decl *ud = k_block_units[u];
+    for (int s = 0; s < ud->nouts; s++) {
+        const act_slot *sl = &ud->outs[s];
+        if (sl->ep_only && !bc->ep) continue;
+        int64_t numel = 1;
+        for (int k = 0; k < 3; k++) numel *= act_dim_value(bc, a, sl->dim[k]);
+        a->out[u][s] = ds4_alloc(DS4_MEM_ACT, (size_t)numel * act_dtype_size(sl->dtype));
+        if (!a->out[u][s]) return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer);
+    }
+    return DS4_OK;
+}
+
+ds4_status act_run_cached(const block_ctx *bc, block_acts *a, unit_id u, unit_cache *kc) {
+    const unit_decl *ud = k_block_units[u];
+    if (!unit_runs_here(u, a)) return DS4_OK;
+    if (ud->prepare) DS4_TRY(ud->prepare(bc, a));
+    DS4_TRY(alloc_outputs(bc, a, u));
+    return kc && ud->decode ? ud->decode(bc, a, kc) : ud->fwd(bc, a);
+}
+
+ds4_status act_run(const block_ctx *bc, block_acts *a, unit_id u) { return act_run_cached(bc, a, u, NULL); }
+
+/* Frees a unit's outputs (their bytes go back to the allocator at once) and what its prepare made.
+ * Reads of a released output then find NULL and crash loudly instead of reading stale memory. */
+static void unit_release(block_acts *a, unit_id u) {
+    for (int s = 0; s < UNIT_MAX_OUTS; s++) {
+        ds4_free(a->out[u][s]);
+        a->out[u][s] = NULL;
+    }
+    a->present[u] = false;
+    if (k_block_units[u]->discard) k_block_units[u]->discard(a);
+}
+
+void act_release_after_fwd(const block_ctx *bc, block_acts *a, unit_id u) {
+    for (int v = 0; v <= (int)u; v++)
+        if ((a->release_mask & UNIT_BIT(v)) && a->present[v] && last_forward_reader((unit_id)v) == u) {
+            if (v == U_INDEXER_TOPK && bc->topk_copy && a->out[v][TOPK_SEL] && !ds4_shape_only())
+                memcpy(bc->topk_copy, a->out[v][TOPK_SEL],
+                       (size_t)(bc->B * bc->T * bc->m->cfg.index_topk) * sizeof(int32_t));
+            unit_release(a, (unit_id)v);
+            if (a->stats) a->stats[v].released++;
+        }
+}
+
+void act_free_after_bwd(block_acts *a, int step) {
+    for (int u = 0; u < U_COUNT; u++)
+        if (last_backward_reader((unit_id)u) == step && a->present[u]) unit_release(a, (unit_id)u);
+}
+
+void block_acts_free(block_acts *a) {
+    for (int u = 0; u < U_COUNT; u++) unit_release(a, (unit_id)u);
+    memset(a, 0, sizeof *a);
+}
+
+/* ================================================================== replay */
+/* Makes unit u's outputs present, replaying it (and its released inputs, in forward order) if needed. */
+static ds4_status act_need_one(const block_ctx *bc, block_acts *a, unit_id u) {
+    if (a->present[u]) return DS4_OK;
+    if (u == U_HC_POST_FFN) return ds4_fail(DS4_ERR_INTERNAL, "hc_post_ffn is never replayed");
+    for (int d = 0; d < (int)u; d++)
+        if (k_block_units[u]->inputs & UNIT_BIT(d)) DS4_TRY(act_need_one(bc, a, (unit_id)d));
+    double t0 = ds4_now();
+    DS4_TRY(act_run(bc, a, u));
+    a->present[u] = true;
+    if (a->stats) {
+        a->stats[u].replays++;
+        a->stats[u].replay_seconds += ds4_now() - t0;
+    }
+    return DS4_OK;
+}
+
+ds4_status act_need(const block_ctx *bc, block_acts *a, uint32_t units) {
+    for (int u = 0; u < U_COUNT; u++)
+        if (units & UNIT_BIT(u)) DS4_TRY(act_need_one(bc, a, (unit_id)u));
+    return DS4_OK;
+}
+
+/* ================================================================== accounting */
+int64_t act_unit_bytes(const block_acts *a, unit_id u) {
+    int64_t b = 0;
+    for (int s = 0; s < UNIT_MAX_OUTS; s++)
+        if (a->out[u][s]) b += (int64_t)ds4_alloc_size(a->out[u][s]);
+    return b;
+}

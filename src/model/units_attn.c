@@ -1,0 +1,567 @@
+/* The attention units of a block (docs/dsv4-architecture.md §3, §4): attn_norm → q_down → q_up → kv →
+ * compressor → indexer → indexer_topk → sparse_attn → o_proj. Each unit: its saved outputs, forward,
+ * backward, declaration; the units that look across positions also have the cached decoder's variant
+ * (one position against the layer's cache, model/decode.c). Forwards overwrite, backwards accumulate. */
+#include "model/block.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ attn_norm: xa = attn_norm(y) */
+static const act_slot k_attn_norm_outs[] = {
+    [NORM_X] = {"xa", ACT_F32, {X_N, X_D}},
+    [NORM_RSTD] = {"rstd", ACT_F32, {X_N}},
+};
+
+static ds4_status attn_norm_fwd(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    rmsnorm_fwd(F32(U_ATTN_NORM, NORM_X), F32(U_ATTN_NORM, NORM_RSTD), F32(U_HC_PRE_ATTN, HC_Y), W->attn_norm, N, D,
+                eps);
+    return DS4_OK;
+}
+
+static ds4_status attn_norm_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
+    UNIT_PROLOGUE;
+    rmsnorm_bwd(g->dyA, Gw->attn_norm, g->dxa, F32(U_HC_PRE_ATTN, HC_Y), W->attn_norm, F32(U_ATTN_NORM, NORM_RSTD),
+                N, D);
+    return DS4_OK;
+}
+
+const unit_decl unit_attn_norm = {
+    .name = "attn_norm",
+    .inputs = UNIT_BIT(U_HC_PRE_ATTN),
+    .outs = k_attn_norm_outs, .nouts = 2,
+    .fwd = attn_norm_fwd, .bwd = attn_norm_bwd,
+    .bwd_reads = UNIT_BIT(U_HC_PRE_ATTN) | UNIT_BIT(U_ATTN_NORM),
+};
+
+/* ------------------------------------------------------------------ q_down: qr = q_norm(wq_a xa) */
+/* qr: [N, QR], also the indexer's query latent */
+static const act_slot k_q_down_outs[] = {
+    [QD_QA] = {"qa", ACT_F32, {X_N, X_QR}},
+    [QD_RSTD] = {"rstd", ACT_F32, {X_N}},
+    [QD_QR] = {"qr", ACT_F32, {X_N, X_QR}},
+};
+
+static ds4_status q_down_fwd(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t QR = c->q_lora_rank;
+    linear_fwd(F32(U_Q_DOWN, QD_QA), F32(U_ATTN_NORM, NORM_X), W->wq_a, N, D, QR);
+    rmsnorm_fwd(F32(U_Q_DOWN, QD_QR), F32(U_Q_DOWN, QD_RSTD), F32(U_Q_DOWN, QD_QA), W->q_norm, N, QR, eps);
+    return DS4_OK;
+}
+
+static ds4_status q_down_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
+    UNIT_PROLOGUE;
+    const int64_t QR = c->q_lora_rank;
+    float *dqa = work_zeros(N * QR);
+    if (!dqa) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
+    rmsnorm_bwd(dqa, Gw->q_norm, g->dqr, F32(U_Q_DOWN, QD_QA), W->q_norm, F32(U_Q_DOWN, QD_RSTD), N, QR);
+    linear_bwd(g->dxa, Gw->wq_a, dqa, F32(U_ATTN_NORM, NORM_X), W->wq_a, N, D, QR);
+    ds4_free(dqa);
+    return DS4_OK;
+}
+
+const unit_decl unit_q_down = {
+    .name = "q_down",
+    .inputs = UNIT_BIT(U_ATTN_NORM),
+    .outs = k_q_down_outs, .nouts = 3,
+    .fwd = q_down_fwd, .bwd = q_down_bwd,
+    .bwd_reads = UNIT_BIT(U_Q_DOWN) | UNIT_BIT(U_ATTN_NORM),
+};
+
+/* ------------------------------------------------------------------ q_up: q = rope(headnorm(wq_b qr)) */
+static const act_slot k_q_up_outs[] = {
+    [QU_RAW] = {"qraw", ACT_F32, {X_N, X_H, X_HD}},
+    [QU_RSTD] = {"rstd", ACT_F32, {X_N, X_H}},
+    [QU_Q] = {"q", ACT_F32, {X_N, X_H, X_HD}}, /* normalised, roped */
+};
+
+static ds4_status q_up_fwd(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t H = c->n_heads, hd = c->head_dim, QR = c->q_lora_rank;
+    float *q = F32(U_Q_UP, QU_Q);
+    linear_fwd(F32(U_Q_UP, QU_RAW), F32(U_Q_DOWN, QD_QR), W->wq_b, N, QR, H * hd);
+    rmsnorm_fwd(q, F32(U_Q_UP, QU_RSTD), F32(U_Q_UP, QU_RAW), NULL, N * H, hd, eps);
+    rope_fwd(q, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1, .table = block_rope(bc, a->ratio),
+        .inverse = false});
+    return DS4_OK;
+}
+
+static ds4_status q_up_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
+    UNIT_PROLOGUE;
+    const int64_t H = c->n_heads, hd = c->head_dim, QR = c->q_lora_rank;
+    float *dqraw = work_zeros(N * H * hd);
+    if (!dqraw) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
+    rope_bwd(g->dq, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1,
+        .table = block_rope(bc, a->ratio), .inverse = false});
+    rmsnorm_bwd(dqraw, NULL, g->dq, F32(U_Q_UP, QU_RAW), NULL, F32(U_Q_UP, QU_RSTD), N * H, hd);
+    linear_bwd(g->dqr, Gw->wq_b, dqraw, F32(U_Q_DOWN, QD_QR), W->wq_b, N, QR, H * hd);
+    ds4_free(dqraw);
+    return DS4_OK;
+}
+
+const unit_decl unit_q_up = {
+    .name = "q_up",
+    .inputs = UNIT_BIT(U_Q_DOWN),
+    .outs = k_q_up_outs, .nouts = 3,
+    .fwd = q_up_fwd, .bwd = q_up_bwd,
+    .bwd_reads = UNIT_BIT(U_Q_UP) | UNIT_BIT(U_Q_DOWN),
+};
+
+/* ------------------------------------------------------------------ kv = rope(kv_norm(wkv xa)) */
+/* kv: [N, hd], the one shared K = V head */
+static const act_slot k_kv_outs[] = {
+    [KV_RAW] = {"kvraw", ACT_F32, {X_N, X_HD}},
+    [KV_RSTD] = {"rstd", ACT_F32, {X_N}},
+    [KV_KV] = {"kv", ACT_F32, {X_N, X_HD}}, /* normalised, roped */
+};
+
+static ds4_status kv_fwd(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t hd = c->head_dim;
+    float *kv = F32(U_KV, KV_KV);
+    linear_fwd(F32(U_KV, KV_RAW), F32(U_ATTN_NORM, NORM_X), W->wkv, N, D, hd);
+    rmsnorm_fwd(kv, F32(U_KV, KV_RSTD), F32(U_KV, KV_RAW), W->kv_norm, N, hd, eps);
+    rope_fwd(kv, &(rope_args){.N = N, .H = 1, .hd = hd, .period = T, .mult = 1, .table = block_rope(bc, a->ratio),
+        .inverse = false});
+    return DS4_OK;
+}
+
+static ds4_status kv_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
+    UNIT_PROLOGUE;
+    const int64_t hd = c->head_dim;
+    float *dkvraw = work_zeros(N * hd);
+    if (!dkvraw) return ds4_fail(DS4_ERR_OOM, "out of memory in kv backward");
+    rope_bwd(g->dkv, &(rope_args){.N = N, .H = 1, .hd = hd, .period = T, .mult = 1,
+        .table = block_rope(bc, a->ratio), .inverse = false});
+    rmsnorm_bwd(dkvraw, Gw->kv_norm, g->dkv, F32(U_KV, KV_RAW), W->kv_norm, F32(U_KV, KV_RSTD), N, hd);
+    linear_bwd(g->dxa, Gw->wkv, dkvraw, F32(U_ATTN_NORM, NORM_X), W->wkv, N, D, hd);
+    ds4_free(dkvraw);
+    return DS4_OK;
+}
+
+/* Decoding: the position's kv also goes into the window ring. */
+static ds4_status kv_decode(const block_ctx *bc, block_acts *a, unit_cache *kc) {
+    const int64_t hd = bc->m->cfg.head_dim;
+    DS4_TRY(kv_fwd(bc, a));
+    memcpy(kc->keys + (kc->ncap + kc->pos % bc->m->cfg.window) * hd, F32(U_KV, KV_KV), (size_t)hd * sizeof(float));
+    return DS4_OK;
+}
+
+const unit_decl unit_kv = {
+    .name = "kv",
+    .inputs = UNIT_BIT(U_ATTN_NORM),
+    .outs = k_kv_outs, .nouts = 3,
+    .fwd = kv_fwd, .bwd = kv_bwd, .decode = kv_decode,
+    .bwd_reads = UNIT_BIT(U_KV) | UNIT_BIT(U_ATTN_NORM),
+};
+
+/* ------------------------------------------------------------------ compressors */
+/* One compressor of ratio r and entry width d, its slots from `first` of unit u (CMP_* order):
+ * out [B, Nc, d] = rope(norm(pool(wkv xa, wgate xa))), entry i roped at i·r. */
+static void compress_fwd(const block_ctx *bc, block_acts *a, unit_id u, int first, const compressor_w *cw, int64_t r,
+                         int64_t d) {
+    UNIT_PROLOGUE;
+    const int64_t coff = r == 4 ? 2 : 1, Nc = a->Nc;
+    float *ca = F32(u, first + CMP_A), *cz = F32(u, first + CMP_Z), *pool = F32(u, first + CMP_POOL);
+    float *out = F32(u, first + CMP_OUT);
+    const float *xa = F32(U_ATTN_NORM, NORM_X);
+    linear_fwd(ca, xa, cw->wkv, N, D, coff * d);
+    linear_fwd(cz, xa, cw->wgate, N, D, coff * d);
+    compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = r == 4},
+        .a = ca, .z = cz, .ape = cw->ape, .out = pool});
+    rmsnorm_fwd(out, F32(u, first + CMP_RSTD), pool, cw->norm, B * Nc, d, eps);
+    rope_fwd(out, &(rope_args){.N = B * Nc, .H = 1, .hd = d, .period = Nc, .mult = r, .table = block_rope(bc, r),
+        .inverse = false});
+}
+
+/* Its backward from d(normalised, roped entries) (dout is rotated in place); dxa += … (NULL: detached). */
+static ds4_status compress_bwd(const block_ctx *bc, block_acts *a, unit_id u, int first, compressor_w *G,
+                               const compressor_w *cw, float *dxa, float *dout, int64_t r, int64_t d) {
+    UNIT_PROLOGUE;
+    const int64_t coff = r == 4 ? 2 : 1, Nc = a->Nc;
+    const float *ca = F32(u, first + CMP_A), *cz = F32(u, first + CMP_Z), *xa = F32(U_ATTN_NORM, NORM_X);
+    float *dpool = work_zeros(B * Nc * d), *da = work_zeros(N * coff * d), *dz = work_zeros(N * coff * d);
+    ds4_status st = DS4_OK;
+    if (!dpool || !da || !dz) st = ds4_fail(DS4_ERR_OOM, "out of memory in compressor backward");
+    if (st == DS4_OK) {
+        rope_bwd(dout, &(rope_args){.N = B * Nc, .H = 1, .hd = d, .period = Nc, .mult = r,
+            .table = block_rope(bc, r), .inverse = false});
+        rmsnorm_bwd(dpool, G->norm, dout, F32(u, first + CMP_POOL), cw->norm, F32(u, first + CMP_RSTD), B * Nc, d);
+        compressor_pool_bwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = r == 4},
+            .a = ca, .z = cz, .ape = cw->ape}, &(compressor_pool_grads){.dout = dpool, .da = da, .dz = dz,
+            .dape = G->ape});
+        linear_bwd(dxa, G->wkv, da, xa, cw->wkv, N, D, coff * d);
+        linear_bwd(dxa, G->wgate, dz, xa, cw->wgate, N, D, coff * d);
+    }
+    ds4_free(dpool);
+    ds4_free(da);
+    ds4_free(dz);
+    return st;
+}
+
+/* Decoding: appends position p's wkv / wgate rows (from xa: [D]) to the pending block; when the block
+ * completes, (p + 1) % r == 0, emits entry i = (p + 1)/r − 1 = rope(norm(pool)) at position i·r, as the
+ * pass's pooling of that block (T = r, or T = 2r with the previous block for ratio 4, taking entry 1). */
+static void compress_decode(const block_ctx *bc, unit_cache *kc, cmp_cache *cs, const compressor_w *cw,
+    const float *xa) {
+    const ds4_config *c = &bc->m->cfg;
+    const int64_t p = kc->pos, r = cs->r, d = cs->d, C = cs->C, row = (cs->overlap ? r : 0) + p % r;
+    linear_fwd(cs->a + row * C, xa, cw->wkv, 1, c->dim, C);   // [C]
+    linear_fwd(cs->z + row * C, xa, cw->wgate, 1, c->dim, C); // [C]
+    if ((p + 1) % r != 0) return;
+    const int64_t i = (p + 1) / r - 1;
+    const float *pooled = kc->pool; // [d]
+    if (!cs->overlap) {
+        compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = 1, .T = r, .r = r, .d = d, .overlap = false},
+            .a = cs->a, .z = cs->z, .ape = cw->ape, .out = kc->pool});
+    } else if (i == 0) { /* no previous block: the current block alone, as the pass's entry 0 */
+        compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = 1, .T = r, .r = r, .d = d, .overlap = true},
+            .a = cs->a + r * C, .z = cs->z + r * C, .ape = cw->ape, .out = kc->pool});
+    } else { /* [previous | current] as a 2-entry sequence; its entry 1 is this one */
+        compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = 1, .T = 2 * r, .r = r, .d = d, .overlap = true},
+            .a = cs->a, .z = cs->z, .ape = cw->ape, .out = kc->pool});
+        pooled = kc->pool + d;
+    }
+    if (cs->overlap) { /* the current block becomes the previous one */
+        memcpy(cs->a, cs->a + r * C, (size_t)(r * C) * sizeof(float));
+        memcpy(cs->z, cs->z + r * C, (size_t)(r * C) * sizeof(float));
+    }
+    float *e = cs->out + i * d; // [d]
+    const ds4_rope at = rope_view(&bc->m->rope_cmp, i * r); /* the entry's position */
+    rmsnorm_fwd(e, kc->rstd, pooled, cw->norm, 1, d, (float)c->norm_eps);
+    rope_fwd(e, &(rope_args){.N = 1, .H = 1, .hd = d, .period = 1, .mult = 1, .table = &at, .inverse = false});
+    cs->n = i + 1;
+}
+
+/* compressor: kvc [B, Nc, hd] (ratio > 0) */
+static const act_slot k_compressor_outs[] = {
+    [CMP_A] = {"a", ACT_F32, {X_N, X_CMP_C}},
+    [CMP_Z] = {"z", ACT_F32, {X_N, X_CMP_C}},
+    [CMP_POOL] = {"pool", ACT_F32, {X_B, X_NC, X_HD}},
+    [CMP_RSTD] = {"rstd", ACT_F32, {X_B, X_NC}},
+    [CMP_OUT] = {"kvc", ACT_F32, {X_B, X_NC, X_HD}}, /* normalised, roped */
+};
+
+static ds4_status compressor_fwd(const block_ctx *bc, block_acts *a) {
+    compress_fwd(bc, a, U_COMPRESSOR, 0, &bc->m->w.blocks[bc->layer].cmp, a->ratio, bc->m->cfg.head_dim);
+    return DS4_OK;
+}
+
+static ds4_status compressor_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
+    UNIT_PROLOGUE;
+    return compress_bwd(bc, a, U_COMPRESSOR, 0, &Gw->cmp, &W->cmp, g->dxa, g->dkvc, a->ratio, c->head_dim);
+}
+
+static ds4_status compressor_decode(const block_ctx *bc, block_acts *a, unit_cache *kc) {
+    compress_decode(bc, kc, &kc->cmp, &bc->m->w.blocks[bc->layer].cmp, F32(U_ATTN_NORM, NORM_X));
+    return DS4_OK;
+}
+
+const unit_decl unit_compressor = {
+    .name = "compressor",
+    .on = ON_COMPRESSED,
+    .inputs = UNIT_BIT(U_ATTN_NORM),
+    .outs = k_compressor_outs, .nouts = 5,
+    .fwd = compressor_fwd, .bwd = compressor_bwd, .decode = compressor_decode,
+    .bwd_reads = UNIT_BIT(U_COMPRESSOR) | UNIT_BIT(U_ATTN_NORM),
+};
+
+/* ------------------------------------------------------------------ indexer (CSA) */
+/* Lightning indexer: queries, weights and compressed keys from xa, qr (detached in backward). */
+static const act_slot k_indexer_outs[] = {
+    [IDX_QI] = {"qi", ACT_F32, {X_N, X_HI, X_DI}}, /* roped */
+    [IDX_WI] = {"wi", ACT_F32, {X_N, X_HI}},
+    [IDX_CMP + CMP_A] = {"a", ACT_F32, {X_N, X_IDX_C}},
+    [IDX_CMP + CMP_Z] = {"z", ACT_F32, {X_N, X_IDX_C}},
+    [IDX_CMP + CMP_POOL] = {"pool", ACT_F32, {X_B, X_NC, X_DI}},
+    [IDX_CMP + CMP_RSTD] = {"rstd", ACT_F32, {X_B, X_NC}},
+    [IDX_CMP + CMP_OUT] = {"ki", ACT_F32, {X_B, X_NC, X_DI}},
+};
+
+/* The indexer's queries qi (roped) and head weights wi of every position. */
+static void indexer_queries(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t HI = c->index_n_heads, dI = c->index_head_dim, QR = c->q_lora_rank;
+    float *qi = F32(U_INDEXER, IDX_QI);
+    linear_fwd(qi, F32(U_Q_DOWN, QD_QR), W->idx_wq_b, N, QR, HI * dI);
+    rope_fwd(qi, &(rope_args){.N = N, .H = HI, .hd = dI, .period = T, .mult = 1, .table = bc->rope_cmp,
+        .inverse = false});
+    linear_fwd(F32(U_INDEXER, IDX_WI), F32(U_ATTN_NORM, NORM_X), W->idx_weights_proj, N, D, HI);
+}
+
+static ds4_status indexer_fwd(const block_ctx *bc, block_acts *a) {
+    indexer_queries(bc, a);
+    compress_fwd(bc, a, U_INDEXER, IDX_CMP, &bc->m->w.blocks[bc->layer].idx_cmp, 4, bc->m->cfg.index_head_dim);
+    return DS4_OK;
+}
+
+/* Decoding: the position's queries; its keys join the indexer's compressed entries in the cache. */
+static ds4_status indexer_decode(const block_ctx *bc, block_acts *a, unit_cache *kc) {
+    indexer_queries(bc, a);
+    compress_decode(bc, kc, &kc->icmp, &bc->m->w.blocks[bc->layer].idx_cmp, F32(U_ATTN_NORM, NORM_X));
+    return DS4_OK;
+}
+
+/* The indexer KL loss (the layer's, into kl_sum / kl_rows) and its gradient into the indexer's own
+ * parameters (its inputs are detached). */
+static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
+    UNIT_PROLOGUE;
+    const int64_t HI = c->index_n_heads, dI = c->index_head_dim, QR = c->q_lora_rank, Nc = a->Nc;
+    const int32_t *sel = attn_selection(bc, a);
+    const int64_t rows = usable_rows(B, T, 4);
+    const float gscale = rows > 0 ? (float)(c->indexer_loss_coeff / (double)rows) : 0.0f;
+    float *dqi = work_zeros(N * HI * dI), *dki = work_zeros(B * Nc * dI + 1), *dwi = work_zeros(N * HI);
+    ds4_status st = DS4_OK;
+    if (!dqi || !dki || !dwi) st = ds4_fail(DS4_ERR_OOM, "out of memory in indexer backward");
+    double kl = 0;
+    int64_t got = 0;
+    const int64_t oom = ds4_alloc_failures();
+    if (st == DS4_OK) {
+        indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = B, .T = T, .HI = HI, .dI = dI, .Nc = Nc, .ratio = 4,
+            .K = sel ? c->index_topk : 0}, .H = c->n_heads, .c = c->head_dim, .scale = attn_scale(c),
+            .wscale = indexer_wscale(c), .grad_scale = gscale, .qi = F32(U_INDEXER, IDX_QI),
+            .ki = F32(U_INDEXER, IDX_CMP + CMP_OUT), .w = F32(U_INDEXER, IDX_WI), .q = F32(U_Q_UP, QU_Q),
+            .kvc = F32(U_COMPRESSOR, CMP_OUT), .lse = F32(U_SPARSE_ATTN, SA_LSE), .topk = sel, .dqi = dqi,
+            .dki = dki, .dw = dwi, .kl_sum = &kl, .n_rows = &got});
+        *g->kl_sum += kl;
+        *g->kl_rows += got;
+        st = kernel_status(oom, "indexer backward");
+    }
+    if (st == DS4_OK) {
+        linear_bwd(NULL, Gw->idx_weights_proj, dwi, F32(U_ATTN_NORM, NORM_X), W->idx_weights_proj, N, D, HI);
+        rope_bwd(dqi, &(rope_args){.N = N, .H = HI, .hd = dI, .period = T, .mult = 1, .table = bc->rope_cmp,
+            .inverse = false});
+        linear_bwd(NULL, Gw->idx_wq_b, dqi, F32(U_Q_DOWN, QD_QR), W->idx_wq_b, N, QR, HI * dI);
+        st = compress_bwd(bc, a, U_INDEXER, IDX_CMP, &Gw->idx_cmp, &W->idx_cmp, NULL, dki, 4, dI);
+    }
+    ds4_free(dqi);
+    ds4_free(dki);
+    ds4_free(dwi);
+    if (st == DS4_OK && got != rows && !ds4_shape_only())
+        st = ds4_fail(DS4_ERR_INTERNAL, "indexer loss: %lld rows counted, %lld expected", (long long)got,
+                      (long long)rows);
+    return st;
+}
+
+/* Its backward is the KL against the attention's distribution, so it reads the attention's inputs and
+ * log-sum-exp, and runs before sparse attention's backward. */
+const unit_decl unit_indexer = {
+    .name = "indexer",
+    .on = ON_CSA,
+    .inputs = UNIT_BIT(U_ATTN_NORM) | UNIT_BIT(U_Q_DOWN),
+    .outs = k_indexer_outs, .nouts = 7,
+    .fwd = indexer_fwd, .bwd = indexer_bwd, .decode = indexer_decode,
+    .bwd_reads = UNIT_BIT(U_INDEXER) | UNIT_BIT(U_INDEXER_TOPK) | UNIT_BIT(U_Q_UP) | UNIT_BIT(U_COMPRESSOR) |
+                 UNIT_BIT(U_SPARSE_ATTN) | UNIT_BIT(U_ATTN_NORM) | UNIT_BIT(U_Q_DOWN),
+};
+
+/* ------------------------------------------------------------------ indexer_topk */
+/* Top-k of the indexer scores: [N, index_topk], ties to the lower index. Small: kept even when the
+ * indexer is released. */
+static const act_slot k_indexer_topk_outs[] = {[TOPK_SEL] = {"topk", ACT_I32, {X_N, X_TOPK}}};
+
+static ds4_status indexer_topk_fwd_unit(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t oom = ds4_alloc_failures();
+    indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = B, .T = T, .HI = c->index_n_heads, .dI = c->index_head_dim,
+        .Nc = a->Nc, .ratio = 4, .K = c->index_topk}, .wscale = indexer_wscale(c), .qi = F32(U_INDEXER, IDX_QI),
+        .ki = F32(U_INDEXER, IDX_CMP + CMP_OUT), .w = F32(U_INDEXER, IDX_WI), .topk = I32(U_INDEXER_TOPK, TOPK_SEL)});
+    return kernel_status(oom, "indexer top-k");
+}
+
+/* x·k over n floats in the indexer kernel's order: two 8-lane accumulators (elements i..i+7 and
+ * i+8..i+15 of each 16), a last 8-lane step, the lanes summed pairwise, then the tail. */
+static float ix_dot(const float *x, const float *k, int64_t n) {
+    float a[8] = {0}, b[8] = {0}, v[8];
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 8; l++) a[l] += x[i + l] * k[i + l], b[l] += x[i + 8 + l] * k[i + 8 + l];
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) a[l] += x[i + l] * k[i + l];
+    for (int l = 0; l < 8; l++) v[l] = a[l] + b[l];
+    float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    for (; i < n; i++) s += x[i] * k[i];
+    return s;
+}
+
+/* A key that orders like the score (NaN as −inf), as the kernel's selection uses. */
+static uint64_t score_key(float x) {
+    if (x != x) x = -INFINITY;
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (u >> 31) ? (uint32_t)~u : (u | 0x80000000u);
+}
+
+static int cmp_desc_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* Decoding: the top-k of the position's row over the nu usable indexer entries, written here in the
+ * kernel's operation order because the kernel ties a row's usable entries to its position in the
+ * sequence: I[s] = Σ_h (wscale·w[h])·ReLU(qi[h]·ki[s]), heads ascending; the K largest, ties to the
+ * lower index, written ascending, −1 padded. qi: [HI, dI]; ki: [nu, dI]; w: [HI]; topk: [K]. */
+static ds4_status indexer_topk_decode(const block_ctx *bc, block_acts *a, unit_cache *kc) {
+    if (bc->dense_csa) return DS4_OK;
+    const ds4_config *c = &bc->m->cfg;
+    const int64_t HI = c->index_n_heads, dI = c->index_head_dim, K = c->index_topk, nu = kc->icmp.n;
+    const float *qi = F32(U_INDEXER, IDX_QI), *w = F32(U_INDEXER, IDX_WI), *ki = kc->icmp.out;
+    const float wscale = indexer_wscale(c);
+    int32_t *topk = I32(U_INDEXER_TOPK, TOPK_SEL);
+    int64_t n = 0;
+    if (nu <= K) {
+        for (; n < nu; n++) topk[n] = (int32_t)n;
+    } else {
+        for (int64_t s = 0; s < nu; s++) {
+            float acc = 0;
+            for (int64_t h = 0; h < HI; h++) {
+                float dd = ix_dot(qi + h * dI, ki + s * dI, dI), ww = wscale * w[h];
+                acc += ww * (dd > 0 ? dd : 0);
+            }
+            kc->iscore[s] = acc;
+            kc->ikey[s] = kc->isort[s] = score_key(acc);
+        }
+        /* the K-th largest key; take every larger key and the lowest-index equal ones */
+        qsort(kc->isort, (size_t)nu, sizeof(uint64_t), cmp_desc_u64);
+        const uint64_t kth = kc->isort[K - 1];
+        int64_t need = 0;
+        for (int64_t j = 0; j < K; j++) need += kc->isort[j] == kth;
+        for (int64_t s = 0; s < nu && n < K; s++) {
+            bool take = kc->ikey[s] > kth || (kc->ikey[s] == kth && need > 0);
+            if (take && kc->ikey[s] == kth) need--;
+            if (take) topk[n++] = (int32_t)s;
+        }
+    }
+    for (; n < K; n++) topk[n] = -1;
+    return DS4_OK;
+}
+
+/* A selection: no gradient of its own. */
+const unit_decl unit_indexer_topk = {
+    .name = "indexer_topk",
+    .on = ON_CSA,
+    .inputs = UNIT_BIT(U_INDEXER),
+    .outs = k_indexer_topk_outs, .nouts = 1,
+    .fwd = indexer_topk_fwd_unit, .decode = indexer_topk_decode,
+};
+
+/* ------------------------------------------------------------------ sparse_attn */
+/* Sparse attention over window + (selected | all usable) compressed entries, with the sink. */
+static const act_slot k_sparse_attn_outs[] = {
+    [SA_O] = {"o", ACT_F32, {X_N, X_H, X_HD}},
+    [SA_LSE] = {"lse", ACT_F32, {X_N, X_H}},
+};
+
+static ds4_status sparse_attn_fwd_unit(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t H = c->n_heads, hd = c->head_dim;
+    const int32_t *sel = attn_selection(bc, a);
+    const int64_t oom = ds4_alloc_failures();
+    sparse_attn_fwd(&(sparse_attn_args){.dims = {.B = B, .T = T, .H = H, .c = hd, .window = c->window,
+        .ratio = a->ratio, .Nc = a->Nc, .K = sel ? c->index_topk : 0}, .scale = attn_scale(c),
+        .q = F32(U_Q_UP, QU_Q), .kv = F32(U_KV, KV_KV), .kvc = F32(U_COMPRESSOR, CMP_OUT), .sink = W->attn_sink,
+        .topk = sel, .o = F32(U_SPARSE_ATTN, SA_O), .lse = F32(U_SPARSE_ATTN, SA_LSE)});
+    return kernel_status(oom, "sparse attention");
+}
+
+static ds4_status sparse_attn_bwd_unit(const block_ctx *bc, block_acts *a, block_grads *g) {
+    UNIT_PROLOGUE;
+    const int64_t H = c->n_heads, hd = c->head_dim, r = a->ratio;
+    const int32_t *sel = attn_selection(bc, a);
+    const int64_t oom = ds4_alloc_failures();
+    sparse_attn_bwd(&(sparse_attn_args){.dims = {.B = B, .T = T, .H = H, .c = hd, .window = c->window, .ratio = r,
+        .Nc = a->Nc, .K = sel ? c->index_topk : 0}, .scale = attn_scale(c), .q = F32(U_Q_UP, QU_Q),
+        .kv = F32(U_KV, KV_KV), .kvc = F32(U_COMPRESSOR, CMP_OUT), .sink = W->attn_sink, .topk = sel,
+        .o = F32(U_SPARSE_ATTN, SA_O), .lse = F32(U_SPARSE_ATTN, SA_LSE)}, &(sparse_attn_grads){.dout = g->do_,
+        .dq = g->dq, .dkv = g->dkv, .dkvc = r > 0 ? g->dkvc : NULL, .dsink = Gw->attn_sink});
+    return kernel_status(oom, "sparse attention backward");
+}
+
+/* Decoding: the query at p over the window and the compressed entries (selected by the top-k on sparse
+ * CSA layers, all emitted otherwise) with the sink: a T = 1, window 0 call whose "compressed entries" are
+ * the layer's key buffer and whose top-k list names the keys in the pass's order (window rows by
+ * position, then the compressed entries), so the kernel runs the same row math. */
+static ds4_status sparse_attn_decode(const block_ctx *bc, block_acts *a, unit_cache *kc) {
+    const ds4_config *c = &bc->m->cfg;
+    const int64_t win = c->window, H = c->n_heads, hd = c->head_dim, p = kc->pos;
+    const int32_t *sel = attn_selection(bc, a);
+    int64_t nk = 0;
+    for (int64_t j = p - win + 1 > 0 ? p - win + 1 : 0; j <= p; j++) kc->keylist[nk++] = (int32_t)(kc->ncap + j % win);
+    if (kc->ratio > 0) {
+        if (sel) {
+            for (int64_t k = 0; k < c->index_topk; k++)
+                if (sel[k] >= 0) kc->keylist[nk++] = sel[k];
+        } else {
+            for (int64_t i = 0; i < kc->cmp.n; i++) kc->keylist[nk++] = (int32_t)i;
+        }
+    }
+    sparse_attn_fwd(&(sparse_attn_args){.dims = {.B = 1, .T = 1, .H = H, .c = hd, .window = 0, .ratio = 1,
+        .Nc = kc->ncap + win, .K = nk}, .scale = attn_scale(c), .q = F32(U_Q_UP, QU_Q), .kv = kc->keys,
+        .kvc = kc->keys, .sink = bc->m->w.blocks[bc->layer].attn_sink, .topk = kc->keylist,
+        .o = F32(U_SPARSE_ATTN, SA_O), .lse = F32(U_SPARSE_ATTN, SA_LSE)});
+    return DS4_OK;
+}
+
+const unit_decl unit_sparse_attn = {
+    .name = "sparse_attn",
+    .inputs = UNIT_BIT(U_Q_UP) | UNIT_BIT(U_KV) | UNIT_BIT(U_COMPRESSOR) | UNIT_BIT(U_INDEXER_TOPK),
+    .outs = k_sparse_attn_outs, .nouts = 2,
+    .fwd = sparse_attn_fwd_unit, .bwd = sparse_attn_bwd_unit, .decode = sparse_attn_decode,
+    .bwd_reads = UNIT_BIT(U_SPARSE_ATTN) | UNIT_BIT(U_Q_UP) | UNIT_BIT(U_KV) | UNIT_BIT(U_COMPRESSOR) |
+                 UNIT_BIT(U_INDEXER_TOPK),
+};
+
+/* ------------------------------------------------------------------ o_proj */
+/* attn_out [N, D] = wo_b(wo_a(inverse_rope(o))), grouped wo_a. The inverse-roped o is cheap to rebuild,
+ * so o_proj keeps only its GEMM outputs. */
+static const act_slot k_o_proj_outs[] = {
+    [OP_Z] = {"z", ACT_F32, {X_N, X_GR}},
+    [OP_OUT] = {"attn_out", ACT_F32, {X_N, X_D}},
+};
+
+/* Workspace copy of o with the inverse rope at the query position: [N, H, hd]. */
+static float *inverse_roped_o(const block_ctx *bc, const block_acts *a) {
+    const ds4_config *c = &bc->m->cfg;
+    const int64_t N = bc->B * bc->T, H = c->n_heads, hd = c->head_dim;
+    float *o_r = work(N * H * hd);
+    if (!o_r) return NULL;
+    if (!ds4_shape_only()) memcpy(o_r, F32(U_SPARSE_ATTN, SA_O), (size_t)(N * H * hd) * sizeof(float));
+    rope_fwd(o_r, &(rope_args){.N = N, .H = H, .hd = hd, .period = bc->T, .mult = 1,
+        .table = block_rope(bc, a->ratio), .inverse = true});
+    return o_r;
+}
+
+static ds4_status o_proj_fwd(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t H = c->n_heads, hd = c->head_dim, G = c->o_groups, R = c->o_lora_rank;
+    float *o_r = inverse_roped_o(bc, a);
+    if (!o_r) return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer);
+    grouped_linear_fwd(F32(U_O_PROJ, OP_Z), o_r, W->wo_a, N, G, R, H * hd / G);
+    linear_fwd(F32(U_O_PROJ, OP_OUT), F32(U_O_PROJ, OP_Z), W->wo_b, N, G * R, D);
+    ds4_free(o_r);
+    return DS4_OK;
+}
+
+static ds4_status o_proj_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
+    UNIT_PROLOGUE;
+    const int64_t H = c->n_heads, hd = c->head_dim, G = c->o_groups, R = c->o_lora_rank;
+    float *o_r = inverse_roped_o(bc, a);
+    if (!o_r) return ds4_fail(DS4_ERR_OOM, "out of memory in o_proj backward");
+    linear_bwd(g->dz, Gw->wo_b, g->dattn, F32(U_O_PROJ, OP_Z), W->wo_b, N, G * R, D);
+    grouped_linear_bwd(g->do_, Gw->wo_a, g->dz, o_r, W->wo_a, N, G, R, H * hd / G);
+    rope_bwd(g->do_, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1,
+        .table = block_rope(bc, a->ratio), .inverse = true});
+    ds4_free(o_r);
+    return DS4_OK;
+}
+
+const unit_decl unit_o_proj = {
+    .name = "o_proj",
+    .inputs = UNIT_BIT(U_SPARSE_ATTN),
+    .outs = k_o_proj_outs, .nouts = 2,
+    .fwd = o_proj_fwd, .bwd = o_proj_bwd,
+    .bwd_reads = UNIT_BIT(U_O_PROJ) | UNIT_BIT(U_SPARSE_ATTN),
+};

@@ -1,0 +1,468 @@
+/* The FFN units of a block (docs/dsv4-architecture.md §5): ffn_norm → router → moe. Each unit: its
+ * saved outputs, forward, backward, declaration. Forwards overwrite, backwards accumulate. */
+#include "model/block.h"
+
+#include <string.h>
+
+/* ------------------------------------------------------------------ ffn_norm: xf = ffn_norm(y) */
+static const act_slot k_ffn_norm_outs[] = {
+    [NORM_X] = {"xf", ACT_F32, {X_N, X_D}},
+    [NORM_RSTD] = {"rstd", ACT_F32, {X_N}},
+};
+
+static ds4_status ffn_norm_fwd(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    rmsnorm_fwd(F32(U_FFN_NORM, NORM_X), F32(U_FFN_NORM, NORM_RSTD), F32(U_HC_PRE_FFN, HC_Y), W->ffn_norm, N, D, eps);
+    return DS4_OK;
+}
+
+static ds4_status ffn_norm_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
+    UNIT_PROLOGUE;
+    rmsnorm_bwd(g->dyF, Gw->ffn_norm, g->dxf, F32(U_HC_PRE_FFN, HC_Y), W->ffn_norm, F32(U_FFN_NORM, NORM_RSTD), N, D);
+    return DS4_OK;
+}
+
+const unit_decl unit_ffn_norm = {
+    .name = "ffn_norm",
+    .inputs = UNIT_BIT(U_HC_PRE_FFN),
+    .outs = k_ffn_norm_outs, .nouts = 2,
+    .fwd = ffn_norm_fwd, .bwd = ffn_norm_bwd,
+    .bwd_reads = UNIT_BIT(U_HC_PRE_FFN) | UNIT_BIT(U_FFN_NORM),
+};
+
+/* ------------------------------------------------------------------ router */
+/* Gate logits and scores, the top-k experts of each token with their normalised weights, and the N·K
+ * (token, slot) assignments grouped by expert: expert e's are [eoff[e], eoff[e + 1]). */
+static const act_slot k_router_outs[] = {
+    [RT_LOGITS] = {"logits", ACT_F32, {X_N, X_E}},
+    [RT_SCORES] = {"scores", ACT_F32, {X_N, X_E}},
+    [RT_IDX] = {"idx", ACT_I32, {X_N, X_K}},
+    [RT_W] = {"w", ACT_F32, {X_N, X_K}},
+    [RT_EOFF] = {"eoff", ACT_I64, {X_E1}},
+    [RT_ETOK] = {"etok", ACT_I32, {X_N, X_K}},  /* token of each assignment */
+    [RT_ESLOT] = {"eslot", ACT_I32, {X_N, X_K}}, /* its top-k slot */
+};
+
+/* The router's assignment lists as the MoE unit reads them. */
+typedef struct {
+    const int64_t *eoff; /* [E + 1] */
+    const int32_t *etok, *eslot; /* [N·K] */
+    const float *w;      /* [N, K] */
+} routing;
+
+static routing routing_of(const block_acts *a) {
+    return (routing){I64(U_ROUTER, RT_EOFF), I32(U_ROUTER, RT_ETOK), I32(U_ROUTER, RT_ESLOT), F32(U_ROUTER, RT_W)};
+}
+
+/* Groups the N·K (token, slot) assignments by expert, tokens ascending within an expert. */
+static ds4_status route_assignments(block_acts *a, int64_t N, int64_t E, int64_t K) {
+    int64_t *eoff = I64(U_ROUTER, RT_EOFF);
+    const int32_t *idx = I32(U_ROUTER, RT_IDX);
+    int32_t *etok = I32(U_ROUTER, RT_ETOK), *eslot = I32(U_ROUTER, RT_ESLOT);
+    memset(eoff, 0, (size_t)(E + 1) * sizeof(int64_t));
+    for (int64_t i = 0; i < N * K; i++) eoff[idx[i] + 1]++;
+    for (int64_t e = 0; e < E; e++) eoff[e + 1] += eoff[e];
+    int64_t *fill = ds4_alloc(DS4_MEM_WORK, (size_t)E * sizeof(int64_t));
+    if (!fill) return ds4_fail(DS4_ERR_OOM, "out of memory routing tokens to experts");
+    memcpy(fill, eoff, (size_t)E * sizeof(int64_t));
+    for (int64_t t = 0; t < N; t++)
+        for (int64_t k = 0; k < K; k++) {
+            int64_t e = idx[t * K + k], j = fill[e]++;
+            etok[j] = (int32_t)t;
+            eslot[j] = (int32_t)k;
+        }
+    ds4_free(fill);
+    return DS4_OK;
+}
+
+/* sqrt-softplus scores, bias (selection only) or hash table, normalised weights. */
+static ds4_status router_fwd(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t E = c->n_routed_experts, K = c->n_activated_experts;
+    float *logits = F32(U_ROUTER, RT_LOGITS);
+    linear_fwd(logits, F32(U_FFN_NORM, NORM_X), W->gate, N, D, E);
+    bool hash = block_is_hash(c, bc->layer);
+    const int64_t *table = hash ? m->tid2eid[bc->layer] : NULL;
+    const int32_t *ids = bc->ids;
+    int64_t *forced = NULL; /* force_balance: a per-token table [N, K] read through ids = 0, 1, ..., N-1 */
+    int32_t *iota = NULL;
+    if (bc->force_balance) {
+        forced = ds4_alloc(DS4_MEM_WORK, (size_t)(N * K) * sizeof(int64_t));
+        iota = ds4_alloc(DS4_MEM_WORK, (size_t)N * sizeof(int32_t));
+        if (!forced || !iota) {
+            ds4_free(forced);
+            ds4_free(iota);
+            return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer);
+        }
+        for (int64_t j = 0; j < (ds4_shape_only() ? 0 : N * K); j++) forced[j] = j % E;
+        for (int64_t t = 0; t < (ds4_shape_only() ? 0 : N); t++) iota[t] = (int32_t)t;
+        table = forced;
+        ids = iota;
+    }
+    moe_gate_fwd(&(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)c->route_scale,
+        .logits = logits, .bias = table ? NULL : W->gate_bias, .tid2eid = table, .ids = ids,
+        .idx = I32(U_ROUTER, RT_IDX), .weights = F32(U_ROUTER, RT_W), .scores = F32(U_ROUTER, RT_SCORES)});
+    ds4_free(forced);
+    ds4_free(iota);
+    return ds4_shape_only() ? DS4_OK : route_assignments(a, N, E, K);
+}
+
+/* The gate's gradient needs d(routing weights) from the experts: the router is differentiated at the
+ * end of moe's backward. */
+const unit_decl unit_router = {
+    .name = "router",
+    .inputs = UNIT_BIT(U_FFN_NORM),
+    .outs = k_router_outs, .nouts = 7,
+    .fwd = router_fwd,
+};
+
+/* ------------------------------------------------------------------ moe */
+/* ffn_out = Σ_k w_k · w2(swiglu(w1 x, w3 x)) over the routed experts + the shared expert. Under expert
+ * parallelism the rows go to the experts' owners, which save what they received (xr, wr). */
+static const act_slot k_moe_outs[] = {
+    [MOE_H1] = {"h1", ACT_F32, {X_ROWS, X_I}}, /* routed w1 outputs */
+    [MOE_H3] = {"h3", ACT_F32, {X_ROWS, X_I}},
+    [MOE_SH1] = {"sh1", ACT_F32, {X_N, X_IS}}, /* shared expert */
+    [MOE_SH3] = {"sh3", ACT_F32, {X_N, X_IS}},
+    [MOE_OUT] = {"ffn_out", ACT_F32, {X_N, X_D}},
+    [MOE_XR] = {"xr", ACT_F32, {X_ROWS, X_D}, .ep_only = true}, /* received rows */
+    [MOE_WR] = {"wr", ACT_F32, {X_ROWS}, .ep_only = true},      /* their routing weights */
+};
+
+static void gather_rows(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D) {
+    for (int64_t i = 0; i < n; i++) memcpy(dst + i * D, src + (int64_t)rows[i] * D, (size_t)D * sizeof(float));
+}
+
+/* dst[rows[i]] += src[i], in row order (deterministic). */
+static void scatter_add_rows(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D) {
+    for (int64_t i = 0; i < n; i++) {
+        float *d = dst + (int64_t)rows[i] * D;
+        for (int64_t k = 0; k < D; k++) d[k] += src[i * D + k];
+    }
+}
+
+/* Routing weight of each assignment: wj [N·K]. */
+static void assignment_weights(const block_acts *a, int64_t NK, int64_t K, float *wj) {
+    const routing r = routing_of(a);
+    for (int64_t j = 0; j < NK; j++) wj[j] = r.w[(int64_t)r.etok[j] * K + r.eslot[j]];
+}
+
+/* One expert on ne rows: x [ne, D] with routing weights w [ne] → h1, h3 [ne, I] (saved for backward)
+ * and y [ne, D] = w2(w · swiglu(h1, h3)). act: [ne, I] scratch. */
+static void expert_fwd(const expert_w *ew, const float *x, const float *w, int64_t ne, int64_t D, int64_t I,
+                       float limit, float *h1, float *h3, float *act, float *y) {
+    linear_fwd(h1, x, ew->w1, ne, D, I);
+    linear_fwd(h3, x, ew->w3, ne, D, I);
+    swiglu_fwd(act, h1, h3, ne, I, limit);
+    for (int64_t i = 0; i < ne; i++)
+        for (int64_t k = 0; k < I; k++) act[i * I + k] *= w[i]; /* routing weight before w2 */
+    linear_fwd(y, act, ew->w2, ne, I, D);
+}
+
+/* Per-expert assignment counts of the pass: from the routing, or those of balanced routing in
+ * shape-only mode (slot j → expert j mod E, as force_balance routes). cnt: [E] */
+static void assignment_counts(const block_acts *a, int64_t N, int64_t E, int64_t K, int64_t *cnt) {
+    for (int64_t e = 0; e < E; e++)
+        cnt[e] = ds4_shape_only() ? N * K / E + (e < N * K % E) : I64(U_ROUTER, RT_EOFF)[e + 1] - I64(U_ROUTER,
+            RT_EOFF)[e];
+}
+
+/* moe's prepare under expert parallelism: tells the experts' owners how many rows are coming (a
+ * collective), which sizes the received rows. */
+static ds4_status moe_route(const block_ctx *bc, block_acts *a) {
+    if (!bc->ep) return DS4_OK;
+    const ds4_config *c = &bc->m->cfg;
+    const int64_t E = c->n_routed_experts, N = bc->B * bc->T;
+    int64_t *cnt = ds4_alloc(DS4_MEM_OTHER, (size_t)E * sizeof(int64_t));
+    if (!cnt) return ds4_fail(DS4_ERR_OOM, "out of memory routing block %lld", (long long)bc->layer);
+    assignment_counts(a, N, E, c->n_activated_experts, cnt);
+    ds4_status st = bc->ep->route(bc->ep->ctx, cnt, &a->route);
+    ds4_free(cnt);
+    return st;
+}
+
+static void moe_route_free(block_acts *a) {
+    ds4_free(a->route); /* one allocation (ds4/model.h) */
+    a->route = NULL;
+}
+
+/* Rows of local expert i in the received layout: first row and count (all sources). */
+static int64_t route_expert_rows(const ds4_ep_route *r, int64_t i, int64_t *first) {
+    int64_t o = 0, n = 0;
+    for (int64_t j = 0; j <= i; j++)
+        for (int s = 0; s < r->nsrc; s++) {
+            if (j < i) o += r->recv_cnt[j * r->nsrc + s];
+            else n += r->recv_cnt[j * r->nsrc + s];
+        }
+    *first = o;
+    return n;
+}
+
+/* Routed experts, every expert local: ffn_out += Σ over assignments (expert-major, then token order). */
+static void moe_routed_fwd_local(const block_ctx *bc, block_acts *a, const float *wj, float *xe, float *act,
+    float *ye) {
+    UNIT_PROLOGUE;
+    const int64_t E = c->n_routed_experts, I = c->moe_inter_dim;
+    const routing r = routing_of(a);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t j0 = r.eoff[e], ne = r.eoff[e + 1] - j0;
+        if (ne == 0) continue;
+        gather_rows(xe, F32(U_FFN_NORM, NORM_X), r.etok + j0, ne, D);
+        expert_fwd(&W->experts[e], xe, wj + j0, ne, D, I, (float)c->swiglu_limit, F32(U_MOE, MOE_H1) + j0 * I,
+                   F32(U_MOE, MOE_H3) + j0 * I, act, ye);
+        scatter_add_rows(F32(U_MOE, MOE_OUT), ye, r.etok + j0, ne, D);
+    }
+}
+
+/* Routed experts over EP: rows (x | weight) go to the experts' owners, the owners run their experts on
+ * everything they received (saving x and the weights for backward), results come back in assignment
+ * order and are added in that order, so every rank's output is what a single process computes. */
+static ds4_status moe_routed_fwd_ep(const block_ctx *bc, block_acts *a, const float *wj, float *act) {
+    UNIT_PROLOGUE;
+    const int64_t K = c->n_activated_experts, I = c->moe_inter_dim, NK = N * K, R = a->route->rows;
+    const bool shape = ds4_shape_only();
+    const int32_t *etok = I32(U_ROUTER, RT_ETOK);
+    const float *xf = F32(U_FFN_NORM, NORM_X);
+    float *xr = F32(U_MOE, MOE_XR), *wr = F32(U_MOE, MOE_WR);
+    float *send = work(NK * (D + 1)), *recv = work(R * (D + 1)), *yr = work(R * D), *ys = work(NK * D);
+    ds4_status st = send && recv && yr && ys ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
+    for (int64_t j = 0; st == DS4_OK && !shape && j < NK; j++) {
+        memcpy(send + j * (D + 1), xf + (int64_t)etok[j] * D, (size_t)D * sizeof(float));
+        send[j * (D + 1) + D] = wj[j];
+    }
+    if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, a->route, send, recv, D + 1);
+    for (int64_t i = 0; st == DS4_OK && !shape && i < R; i++) {
+        memcpy(xr + i * D, recv + i * (D + 1), (size_t)D * sizeof(float));
+        wr[i] = recv[i * (D + 1) + D];
+    }
+    for (int64_t i = 0; st == DS4_OK && !shape && i < a->route->e1 - a->route->e0; i++) {
+        int64_t o, ne = route_expert_rows(a->route, i, &o);
+        if (ne > 0)
+            expert_fwd(&W->experts[a->route->e0 + i], xr + o * D, wr + o, ne, D, I, (float)c->swiglu_limit,
+                       F32(U_MOE, MOE_H1) + o * I, F32(U_MOE, MOE_H3) + o * I, act, yr + o * D);
+    }
+    if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, a->route, yr, ys, D);
+    if (st == DS4_OK && !shape) scatter_add_rows(F32(U_MOE, MOE_OUT), ys, etok, NK, D);
+    ds4_free(send);
+    ds4_free(recv);
+    ds4_free(yr);
+    ds4_free(ys);
+    return st;
+}
+
+static ds4_status moe_fwd(const block_ctx *bc, block_acts *a) {
+    UNIT_PROLOGUE;
+    const int64_t K = c->n_activated_experts, I = c->moe_inter_dim;
+    const int64_t Is = I * c->n_shared_experts;
+    const float limit = (float)c->swiglu_limit;
+    const bool shape = ds4_shape_only(); /* memplan: no routing data; the per-expert GEMMs allocate nothing */
+    const int64_t R = bc->ep ? a->route->rows : N * K; /* routed rows computed here */
+    float *ffn_out = F32(U_MOE, MOE_OUT), *sh1 = F32(U_MOE, MOE_SH1), *sh3 = F32(U_MOE, MOE_SH3);
+    const float *xf = F32(U_FFN_NORM, NORM_X);
+    if (!shape) memset(ffn_out, 0, (size_t)(N * D) * sizeof(float));
+    const int64_t Rmax = R > N * K ? R : N * K;
+    float *wj = work(N * K), *act = work(Rmax * I > N * Is ? Rmax * I : N * Is),
+        *ye = work(N * (K * D > D ? K * D : D));
+    float *xe = bc->ep ? NULL : work(N * K * D);
+    ds4_status st = (wj && act && ye && (bc->ep || xe)) ? DS4_OK : ds4_fail(DS4_ERR_OOM,
+        "out of memory in MoE forward");
+    if (st == DS4_OK && !shape) assignment_weights(a, N * K, K, wj);
+    if (st == DS4_OK && bc->ep) st = moe_routed_fwd_ep(bc, a, wj, act);
+    else if (st == DS4_OK && !shape) moe_routed_fwd_local(bc, a, wj, xe, act, ye);
+    if (st == DS4_OK) {
+        linear_fwd(sh1, xf, W->shared.w1, N, D, Is);
+        linear_fwd(sh3, xf, W->shared.w3, N, D, Is);
+        swiglu_fwd(act, sh1, sh3, N, Is, limit);
+        linear_fwd(ye, act, W->shared.w2, N, Is, D);
+        for (int64_t i = 0; i < (shape ? 0 : N * D); i++) ffn_out[i] += ye[i];
+    }
+    ds4_free(wj);
+    ds4_free(xe);
+    ds4_free(act);
+    ds4_free(ye);
+    return st;
+}
+
+/* Backward of one expert on ne rows (expert_fwd's inputs x, w, saved h1, h3; dy = d of its output):
+ * dx [ne, D] and dw [ne] (d routing weight) are overwritten; weight gradients accumulate into eg.
+ * Scratch act, dact, dh1, dh3: [ne, I]. */
+static void expert_bwd(const expert_w *ew, expert_w *eg, const float *x, const float *dy, const float *w,
+                       const float *h1, const float *h3, int64_t ne, int64_t D, int64_t I, float limit, float *dx,
+                       float *dw, float *act, float *dact, float *dh1, float *dh3) {
+    swiglu_fwd(act, h1, h3, ne, I, limit); /* unweighted activation */
+    float *wact = dh1;                     /* scratch: the weighted activation that fed w2 */
+    for (int64_t i = 0; i < ne; i++)
+        for (int64_t k = 0; k < I; k++) wact[i * I + k] = act[i * I + k] * w[i];
+    memset(dact, 0, (size_t)(ne * I) * sizeof(float));
+    linear_bwd(dact, eg->w2, dy, wact, ew->w2, ne, I, D);
+    /* d weight = ⟨d wact, act⟩; d act = d wact · weight */
+    for (int64_t i = 0; i < ne; i++) {
+        double s = 0;
+        for (int64_t k = 0; k < I; k++) s += (double)dact[i * I + k] * act[i * I + k];
+        dw[i] = (float)s;
+        for (int64_t k = 0; k < I; k++) dact[i * I + k] *= w[i];
+    }
+    memset(dh1, 0, (size_t)(ne * I) * sizeof(float));
+    memset(dh3, 0, (size_t)(ne * I) * sizeof(float));
+    swiglu_bwd(dh1, dh3, dact, h1, h3, ne, I, limit);
+    memset(dx, 0, (size_t)(ne * D) * sizeof(float));
+    linear_bwd(dx, eg->w1, dh1, x, ew->w1, ne, D, I);
+    linear_bwd(dx, eg->w3, dh3, x, ew->w3, ne, D, I);
+}
+
+/* Scratch of the routed-expert backward, each big enough for the rows one expert gets from one source. */
+typedef struct {
+    float *act, *dact, *dh1, *dh3; /* [N·K, I] */
+    float *xe, *dye, *dxe, *dwe;   /* [N·K, D] ×3, [N·K] */
+    float *wj;                     /* [N·K] routing weight of each assignment */
+} moe_scratch;
+
+/* Routed experts, every expert local, one at a time; dx scattered in a fixed (expert, token) order. */
+static void moe_routed_bwd_local(const block_ctx *bc, block_acts *a, block_grads *g, float *dgw,
+    const moe_scratch *s) {
+    UNIT_PROLOGUE;
+    const int64_t E = c->n_routed_experts, K = c->n_activated_experts, I = c->moe_inter_dim;
+    const routing r = routing_of(a);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t j0 = r.eoff[e], ne = r.eoff[e + 1] - j0;
+        if (ne == 0) continue;
+        gather_rows(s->xe, F32(U_FFN_NORM, NORM_X), r.etok + j0, ne, D);
+        gather_rows(s->dye, g->dffn, r.etok + j0, ne, D);
+        expert_bwd(&W->experts[e], &Gw->experts[e], s->xe, s->dye, s->wj + j0, F32(U_MOE, MOE_H1) + j0 * I,
+                   F32(U_MOE, MOE_H3) + j0 * I, ne, D, I, (float)c->swiglu_limit, s->dxe, s->dwe, s->act, s->dact,
+                   s->dh1, s->dh3);
+        for (int64_t i = 0; i < ne; i++) dgw[(int64_t)r.etok[j0 + i] * K + r.eslot[j0 + i]] += s->dwe[i];
+        scatter_add_rows(g->dxf, s->dxe, r.etok + j0, ne, D);
+    }
+}
+
+/* Adds n floats of src into dst, in index order. */
+static void add_into(float *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] += src[i];
+}
+
+/* Routed experts over EP. The output gradients travel to the experts' owners; each (expert, source)
+ * block is differentiated on its own — weight gradients into a zeroed buffer that is then added to the
+ * expert's gradient in source order — so the expert gradient is the rank-ordered sum of what each
+ * source alone would give; (dx | d weight) rows come back in assignment order. */
+static ds4_status moe_routed_bwd_ep(const block_ctx *bc, block_acts *a, block_grads *g, float *dgw,
+                                    const moe_scratch *s) {
+    UNIT_PROLOGUE;
+    const int64_t K = c->n_activated_experts, I = c->moe_inter_dim, NK = N * K;
+    const ds4_ep_route *r = a->route;
+    const routing rt = routing_of(a);
+    const int64_t R = r->rows;
+    const bool shape = ds4_shape_only(), split = r->nsrc > 1;
+    const float *xr = F32(U_MOE, MOE_XR), *wr = F32(U_MOE, MOE_WR);
+    float *dys = work(NK * D), *dyr = work(R * D), *dxr = work(R * (D + 1)), *dxs = work(NK * (D + 1));
+    float *tmp = split ? work(3 * I * D) : NULL;
+    ds4_status st = dys && dyr && dxr && dxs && (!split || tmp) ? DS4_OK
+                                                                 : ds4_fail(DS4_ERR_OOM,
+                                                                     "out of memory in MoE backward");
+    if (st == DS4_OK && !shape) gather_rows(dys, g->dffn, rt.etok, NK, D);
+    if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, r, dys, dyr, D);
+    expert_w tg = {tmp, tmp ? tmp + I * D : NULL, tmp ? tmp + 2 * I * D : NULL};
+    for (int64_t i = 0, o = 0; st == DS4_OK && !shape && i < r->e1 - r->e0; i++) {
+        const int64_t e = r->e0 + i;
+        for (int src = 0; src < r->nsrc; o += r->recv_cnt[i * r->nsrc + src], src++) {
+            const int64_t ne = r->recv_cnt[i * r->nsrc + src];
+            if (ne == 0) continue;
+            if (split) memset(tmp, 0, (size_t)(3 * I * D) * sizeof(float));
+            expert_bwd(&W->experts[e], split ? &tg : &Gw->experts[e], xr + o * D, dyr + o * D, wr + o,
+                       F32(U_MOE, MOE_H1) + o * I, F32(U_MOE, MOE_H3) + o * I, ne, D, I, (float)c->swiglu_limit,
+                       s->dxe, s->dwe, s->act, s->dact, s->dh1, s->dh3);
+            if (split) {
+                add_into(Gw->experts[e].w1, tg.w1, I * D);
+                add_into(Gw->experts[e].w2, tg.w2, I * D);
+                add_into(Gw->experts[e].w3, tg.w3, I * D);
+            }
+            for (int64_t q = 0; q < ne; q++) {
+                memcpy(dxr + (o + q) * (D + 1), s->dxe + q * D, (size_t)D * sizeof(float));
+                dxr[(o + q) * (D + 1) + D] = s->dwe[q];
+            }
+        }
+    }
+    if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, r, dxr, dxs, D + 1);
+    for (int64_t j = 0; st == DS4_OK && !shape && j < NK; j++) {
+        float *d = g->dxf + (int64_t)rt.etok[j] * D;
+        const float *src = dxs + j * (D + 1);
+        for (int64_t k = 0; k < D; k++) d[k] += src[k];
+        dgw[(int64_t)rt.etok[j] * K + rt.eslot[j]] += src[D];
+    }
+    ds4_free(dys);
+    ds4_free(dyr);
+    ds4_free(dxr);
+    ds4_free(dxs);
+    ds4_free(tmp);
+    return st;
+}
+
+static void moe_scratch_free(moe_scratch *s) {
+    ds4_free(s->act);
+    ds4_free(s->dact);
+    ds4_free(s->dh1);
+    ds4_free(s->dh3);
+    ds4_free(s->xe);
+    ds4_free(s->dye);
+    ds4_free(s->dxe);
+    ds4_free(s->dwe);
+    ds4_free(s->wj);
+}
+
+/* The shared expert's backward: dxf += …, its weights' gradients. */
+static void shared_expert_bwd(const block_ctx *bc, block_acts *a, block_grads *g, const moe_scratch *s) {
+    UNIT_PROLOGUE;
+    const int64_t Is = c->moe_inter_dim * c->n_shared_experts;
+    const float limit = (float)c->swiglu_limit;
+    const bool shape = ds4_shape_only(); /* memplan: no data */
+    const float *sh1 = F32(U_MOE, MOE_SH1), *sh3 = F32(U_MOE, MOE_SH3), *xf = F32(U_FFN_NORM, NORM_X);
+    swiglu_fwd(s->act, sh1, sh3, N, Is, limit);
+    if (!shape) memset(s->dact, 0, (size_t)(N * Is) * sizeof(float));
+    linear_bwd(s->dact, Gw->shared.w2, g->dffn, s->act, W->shared.w2, N, Is, D);
+    if (!shape) memset(s->dh1, 0, (size_t)(N * Is) * sizeof(float));
+    if (!shape) memset(s->dh3, 0, (size_t)(N * Is) * sizeof(float));
+    swiglu_bwd(s->dh1, s->dh3, s->dact, sh1, sh3, N, Is, limit);
+    linear_bwd(g->dxf, Gw->shared.w1, s->dh1, xf, W->shared.w1, N, D, Is);
+    linear_bwd(g->dxf, Gw->shared.w3, s->dh3, xf, W->shared.w3, N, D, Is);
+}
+
+/* dxf += …: the shared expert, the routed experts, then the router (its gate from d routing weights). */
+static ds4_status moe_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
+    UNIT_PROLOGUE;
+    const int64_t E = c->n_routed_experts, K = c->n_activated_experts, I = c->moe_inter_dim;
+    const int64_t Is = I * c->n_shared_experts, Imax = (K * I > Is ? K * I : Is);
+    float *dgw = work_zeros(N * K), *dlog = work_zeros(N * E);
+    moe_scratch s = {.act = work(N * Imax), .dact = work(N * Imax), .dh1 = work(N * Imax), .dh3 = work(N * Imax),
+                     .xe = bc->ep ? NULL : work(N * K * D), .dye = bc->ep ? NULL : work(N * K * D),
+                     .dxe = work(N * K * D), .dwe = work(N * K), .wj = work(N * K)};
+    ds4_status st = DS4_OK;
+    if (!dgw || !dlog || !s.act || !s.dact || !s.dh1 || !s.dh3 || (!bc->ep && (!s.xe || !s.dye)) || !s.dxe ||
+        !s.dwe || !s.wj)
+        st = ds4_fail(DS4_ERR_OOM, "out of memory in MoE backward");
+    const bool shape = ds4_shape_only(); /* memplan: no routing to follow */
+    if (st == DS4_OK) {
+        shared_expert_bwd(bc, a, g, &s);
+        if (!shape) assignment_weights(a, N * K, K, s.wj);
+        if (bc->ep) st = moe_routed_bwd_ep(bc, a, g, dgw, &s);
+        else if (!shape) moe_routed_bwd_local(bc, a, g, dgw, &s);
+    }
+    if (st == DS4_OK) {
+        moe_gate_bwd(&(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)c->route_scale,
+            .logits = F32(U_ROUTER, RT_LOGITS), .scores = F32(U_ROUTER, RT_SCORES), .idx = I32(U_ROUTER, RT_IDX)},
+            &(moe_gate_grads){.dweights = dgw, .dlogits = dlog});
+        linear_bwd(g->dxf, Gw->gate, dlog, F32(U_FFN_NORM, NORM_X), W->gate, N, D, E);
+    }
+    ds4_free(dgw);
+    ds4_free(dlog);
+    moe_scratch_free(&s);
+    return st;
+}
+
+const unit_decl unit_moe = {
+    .name = "moe",
+    .inputs = UNIT_BIT(U_FFN_NORM) | UNIT_BIT(U_ROUTER),
+    .outs = k_moe_outs, .nouts = 7,
+    .prepare = moe_route, .discard = moe_route_free,
+    .fwd = moe_fwd, .bwd = moe_bwd,
+    .bwd_reads = UNIT_BIT(U_FFN_NORM) | UNIT_BIT(U_ROUTER) | UNIT_BIT(U_MOE),
+};
