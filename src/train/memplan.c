@@ -106,7 +106,7 @@ ds4_status ds4_step_memory_run(const ds4_config *c, int64_t B, int64_t T, const 
 ds4_status ds4_step_memory_run_dist_opts(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *opts,
                                          bool plan, ds4_comm *comm, int ep, bool force_balance, ds4_step_memory *out) {
     if (ds4_comm_is_plan(comm) && !plan)
-        return ds4_fail(DS4_ERR_ARG, "memplan: a simulated world can only plan (shape-only)");
+        return ds4_fail(DS4_ERR_ARG, "memplan: a simulated world can only plan");
     const step_world w = {comm, ep, force_balance};
     return measure(c, B, T, opts, plan, &w, out);
 }
