@@ -81,10 +81,16 @@ typedef struct {
 
 /* Weights from d (a model directory), else the init rules with seed. The form is sharded when the world
  * has several ranks, ep > 1 or shard is set. A plan state (opts->exec) runs under its plan context in the
- * allocator while it is opened, stepped (ds4_train_step) and freed; its sharded form runs on a plan
- * communicator (world itself, or one of world's size and rank). A plan communicator needs a plan. */
+ * allocator while it is set up, stepped (ds4_train_step) and freed; a plan communicator (ds4_comm_plan)
+ * runs only a plan, and a sharded plan needs one. */
 ds4_status ds4_train_state_open(const ds4_config *mc, const ds4_model_dir *d, uint64_t seed, ds4_comm *world,
                                 const ds4_train_state_opts *opts, ds4_train_state **out);
+/* The same in two parts, for a caller that counts what the state holds apart from the handle (memplan):
+ * new makes an empty state of context exec (NULL: real), setup fills it (opts->exec unused there); free
+ * it also after a failed setup. */
+ds4_status ds4_train_state_new(const ds4_exec *exec, ds4_train_state **out);
+ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const ds4_model_dir *d, uint64_t seed,
+                                 ds4_comm *world, const ds4_train_state_opts *opts);
 void ds4_train_state_free(ds4_train_state *s);
 const ds4_exec *ds4_train_state_exec(const ds4_train_state *s); /* real or plan */
 int ds4_train_state_ranks(const ds4_train_state *s);               /* ranks of its world */

@@ -17,20 +17,17 @@ typedef struct {
     bool force_balance;
 } step_world;
 
-/* Opens the state, runs one step of one micro-batch ids [B, T] (loads: [n_blocks, E] scratch) and frees
- * it; *end: the counters after the step, with what stays between steps (parameters, gradients, optimizer
- * state) still live. */
-static ds4_status one_step(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *so, const ds4_exec *x,
+/* Sets the state up, runs one step of one micro-batch ids [B, T] (loads: [n_blocks, E] scratch); *end: the
+ * counters after the step, with what stays between steps (parameters, gradients, optimizer state) live. */
+static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *so,
                            const step_world *w, int32_t *ids, int64_t *loads, ds4_mem_stats *end) {
     const ds4_train_state_opts o = {.ep = w->comm ? w->ep : 1,
                                     .shard = w->comm != NULL,
                                     .swap_optimizer = so->swap_optimizer,
                                     .swap_layer_input = so->swap_layer_input,
                                     .offload_dir = so->offload_dir,
-                                    .swap_chunk_bytes = so->swap_chunk_bytes,
-                                    .exec = x};
-    ds4_train_state *s = NULL;
-    ds4_status st = ds4_train_state_open(c, NULL, 1, w->comm ? w->comm : ds4_comm_self(), &o, &s);
+                                    .swap_chunk_bytes = so->swap_chunk_bytes};
+    ds4_status st = ds4_train_state_setup(s, c, NULL, 1, w->comm ? w->comm : ds4_comm_self(), &o);
     const ds4_step_args a = {.step = 1,
                              .micro_batches = 1,
                              .B = B,
@@ -46,7 +43,6 @@ static ds4_status one_step(const ds4_config *c, int64_t B, int64_t T, const ds4_
     ds4_step_result r;
     if (st == DS4_OK) st = ds4_train_step(s, &a, &r);
     ds4_mem_get(end);
-    ds4_train_state_free(s);
     return st;
 }
 
@@ -54,8 +50,8 @@ static ds4_status measure(const ds4_config *c, int64_t B, int64_t T, const ds4_s
                           const step_world *w, ds4_step_memory *out) {
     memset(out, 0, sizeof *out);
     /* token ids [B, T] and the router loads [n_blocks, E] are metadata-sized and real in both modes (the
-     * forward validates the ids); B and T come from flags, so their product is checked before it sizes
-     * anything */
+     * forward validates the ids), made before the counting starts, as the trainer makes them before its
+     * steps; B and T come from flags, so their product is checked before it sizes anything */
     int64_t n, nl;
     if (B < 1 || T < 1 || !ds4_shape_fits(2, (const int64_t[]){B, T}, sizeof(int32_t), &n))
         return ds4_fail(DS4_ERR_ARG, "memplan: batch %lld x sequence %lld tokens: need both >= 1 and a product that fits",
@@ -63,19 +59,23 @@ static ds4_status measure(const ds4_config *c, int64_t B, int64_t T, const ds4_s
     if (!ds4_shape_fits(2, (const int64_t[]){c->n_layers + c->n_mtp_layers, c->n_routed_experts}, sizeof(int64_t), &nl))
         return ds4_fail(DS4_ERR_ARG, "memplan: %lld x %lld router loads do not fit",
                         (long long)(c->n_layers + c->n_mtp_layers), (long long)c->n_routed_experts);
+    const ds4_exec x = {.plan = plan};
     int32_t *ids = ds4_calloc(DS4_MEM_OTHER, (size_t)n * sizeof(int32_t));
     int64_t *loads = ds4_calloc(DS4_MEM_OTHER, (size_t)nl * sizeof(int64_t));
-    if (!ids || !loads) {
+    ds4_train_state *s = NULL; /* made before the counting too: the handle the step runs through */
+    ds4_status st = ids && loads ? ds4_train_state_new(&x, &s)
+                                 : ds4_fail(DS4_ERR_OOM, "memplan: out of memory for %lld token ids", (long long)n);
+    if (st != DS4_OK) {
         ds4_free(ids);
         ds4_free(loads);
-        return ds4_fail(DS4_ERR_OOM, "memplan: out of memory for %lld token ids and the router loads", (long long)n);
+        return st;
     }
-    const ds4_exec x = {.plan = plan};
     double t0 = ds4_now();
     ds4_mem_stats s0, s1, end = {0};
     ds4_mem_reset_peak();
     ds4_mem_get(&s0);
-    ds4_status st = one_step(c, B, T, so, &x, w, ids, loads, &end);
+    st = one_step(s, c, B, T, so, w, ids, loads, &end);
+    ds4_train_state_free(s);
     ds4_mem_get(&s1);
     for (int k = 0; k < DS4_MEM_NCAT; k++) {
         out->peak[k] = s1.peak[k] - s0.live[k];

@@ -21,10 +21,10 @@
 
 struct ds4_train_state {
     ds4_exec exec;    /* real or plan */
+    bool sharded;
     ds4_model *m;     /* whole, or unmapped behind the FSDP hooks */
     ds4_fsdp *f;      /* NULL: whole */
     ds4_comm *world;
-    ds4_comm *plan_world; /* a plan of a real world: made (and freed) here, = world */
     ds4_adamw opt;    /* [numel] whole, [shard_numel] sharded */
     ds4_offload *store;     /* NULL: no offload */
     ds4_act_offload *act;   /* --swap-layer-input */
@@ -62,36 +62,9 @@ ds4_status ds4_train_agree(ds4_comm *world, ds4_status st) {
 }
 
 /* ------------------------------------------------------------------ open / free */
-static ds4_status open_whole(ds4_train_state *s, const ds4_config *mc, const ds4_model_dir *d, uint64_t seed,
-                             const ds4_train_state_opts *o) {
-    DS4_TRY(ds4_model_create(mc, &s->m));
-    if (d) DS4_TRY(ds4_model_load(s->m, d));
-    else ds4_model_init_random(s->m, seed);
-    return o->swap_optimizer ? ds4_adamw_init_swapped(&s->opt, s->m, s->store, o->swap_chunk_bytes)
-                             : ds4_adamw_init(&s->opt, s->m);
-}
-
-static ds4_status open_sharded(ds4_train_state *s, const ds4_config *mc, const ds4_model_dir *d, uint64_t seed,
-                               const ds4_train_state_opts *o) {
-    DS4_TRY(ds4_model_create_unmapped(mc, &s->m));
-    DS4_TRY(ds4_fsdp_create(s->m, s->world, o->ep, &s->f));
-    DS4_TRY(d ? ds4_fsdp_load(s->f, d) : ds4_fsdp_init_random(s->f, seed));
-    int64_t n = ds4_fsdp_shard_numel(s->f);
-    DS4_TRY(o->swap_optimizer ? ds4_adamw_init_n_swapped(&s->opt, n, s->store, o->swap_chunk_bytes)
-                              : ds4_adamw_init_n(&s->opt, n));
-    return ds4_fsdp_adamw_ranges(s->f, &s->opt);
-}
-
-/* The world the state steps on: a sharded plan runs on a plan communicator (the given one, or one of the
- * given world's size and rank), a real step never does. */
-static ds4_status open_world(ds4_train_state *s, ds4_comm *world, bool sharded) {
-    s->world = world;
-    if (ds4_comm_is_plan(world) && !s->exec.plan)
-        return ds4_fail(DS4_ERR_ARG, "a simulated world (plan communicator) can only run a plan step");
-    if (!sharded || !s->exec.plan || ds4_comm_is_plan(world)) return DS4_OK;
-    DS4_TRY(ds4_comm_plan(ds4_comm_size(world), ds4_comm_rank(world), &s->plan_world));
-    s->world = s->plan_world;
-    return DS4_OK;
+/* The model first (the order memplan's numbers were first taken in): whole, or unmapped behind FSDP. */
+static ds4_status open_model(ds4_train_state *s, const ds4_config *mc) {
+    return s->sharded ? ds4_model_create_unmapped(mc, &s->m) : ds4_model_create(mc, &s->m);
 }
 
 /* The offload store and the layer-input hooks, when a swap policy asks for them. */
@@ -101,19 +74,60 @@ static ds4_status open_offload(ds4_train_state *s, const ds4_train_state_opts *o
     return o->swap_layer_input ? ds4_act_offload_new(s->store, &s->act) : DS4_OK;
 }
 
+static ds4_status open_whole(ds4_train_state *s, const ds4_model_dir *d, uint64_t seed, const ds4_train_state_opts *o) {
+    if (d) DS4_TRY(ds4_model_load(s->m, d));
+    else ds4_model_init_random(s->m, seed);
+    return o->swap_optimizer ? ds4_adamw_init_swapped(&s->opt, s->m, s->store, o->swap_chunk_bytes)
+                             : ds4_adamw_init(&s->opt, s->m);
+}
+
+static ds4_status open_sharded(ds4_train_state *s, const ds4_model_dir *d, uint64_t seed, int ep,
+                               const ds4_train_state_opts *o) {
+    DS4_TRY(ds4_fsdp_create(s->m, s->world, ep, &s->f));
+    DS4_TRY(d ? ds4_fsdp_load(s->f, d) : ds4_fsdp_init_random(s->f, seed));
+    int64_t n = ds4_fsdp_shard_numel(s->f);
+    DS4_TRY(o->swap_optimizer ? ds4_adamw_init_n_swapped(&s->opt, n, s->store, o->swap_chunk_bytes)
+                              : ds4_adamw_init_n(&s->opt, n));
+    return ds4_fsdp_adamw_ranges(s->f, &s->opt);
+}
+
+/* A plan communicator moves no data: only a plan steps on it, and a sharded plan needs one. */
+static ds4_status check_world(const ds4_train_state *s, const ds4_comm *world) {
+    if (ds4_comm_is_plan(world) && !s->exec.plan)
+        return ds4_fail(DS4_ERR_ARG, "a simulated world (plan communicator) can only run a plan step");
+    if (s->sharded && s->exec.plan && !ds4_comm_is_plan(world))
+        return ds4_fail(DS4_ERR_ARG, "a sharded plan runs on a plan communicator (ds4_comm_plan), not on a real world");
+    return DS4_OK;
+}
+
+ds4_status ds4_train_state_new(const ds4_exec *exec, ds4_train_state **out) {
+    *out = ds4_calloc(DS4_MEM_OTHER, sizeof **out);
+    if (!*out) return DS4_ERR_OOM;
+    (*out)->exec = exec ? *exec : (ds4_exec){0};
+    return DS4_OK;
+}
+
+ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const ds4_model_dir *d, uint64_t seed,
+                                 ds4_comm *world, const ds4_train_state_opts *opts) {
+    if (s->m) return ds4_fail(DS4_ERR_INTERNAL, "train state: set up twice");
+    const ds4_exec prev = ds4_exec_enter(&s->exec);
+    s->world = world;
+    s->sharded = ds4_comm_size(world) > 1 || opts->ep > 1 || opts->shard;
+    ds4_status st = check_world(s, world);
+    if (st == DS4_OK) st = open_model(s, mc);
+    if (st == DS4_OK) st = open_offload(s, opts);
+    if (st == DS4_OK) st = s->sharded ? open_sharded(s, d, seed, opts->ep, opts) : open_whole(s, d, seed, opts);
+    s->opt.plan = s->exec.plan; /* after the AdamW init, which clears it */
+    ds4_exec_leave(prev);
+    return st;
+}
+
 ds4_status ds4_train_state_open(const ds4_config *mc, const ds4_model_dir *d, uint64_t seed, ds4_comm *world,
                                 const ds4_train_state_opts *opts, ds4_train_state **out) {
     *out = NULL;
-    ds4_train_state *s = ds4_calloc(DS4_MEM_OTHER, sizeof *s);
-    if (!s) return DS4_ERR_OOM;
-    s->exec = opts->exec ? *opts->exec : (ds4_exec){0};
-    const ds4_exec prev = ds4_exec_enter(&s->exec);
-    bool sharded = ds4_comm_size(world) > 1 || opts->ep > 1 || opts->shard;
-    ds4_status st = open_world(s, world, sharded);
-    if (st == DS4_OK) st = open_offload(s, opts);
-    if (st == DS4_OK) st = sharded ? open_sharded(s, mc, d, seed, opts) : open_whole(s, mc, d, seed, opts);
-    s->opt.plan = s->exec.plan; /* set after init, which clears it */
-    ds4_exec_leave(prev);
+    ds4_train_state *s;
+    DS4_TRY(ds4_train_state_new(opts->exec, &s));
+    ds4_status st = ds4_train_state_setup(s, mc, d, seed, world, opts);
     if (st != DS4_OK) {
         ds4_train_state_free(s);
         return st;
@@ -130,7 +144,6 @@ void ds4_train_state_free(ds4_train_state *s) {
     ds4_offload_close(s->store); /* after everything it holds */
     ds4_fsdp_free(s->f);
     ds4_model_free(s->m);
-    ds4_comm_free(s->plan_world);
     ds4_exec_leave(prev);
     ds4_free(s);
 }
