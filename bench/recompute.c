@@ -9,8 +9,8 @@
  * --threads N for an idle machine. --budget S: stop timing after the round that would pass S
  * seconds (a warning says how many steps the medians hold).
  *
- * A second table plans the same policies for one device of a large run with memplan (a shape-only run
- * of the same step on one rank of a simulated FSDP + EP world): by default DeepSeek-V4-Flash at 4K,
+ * A second table plans the same policies for one device of a large run with memplan (the trainer's step
+ * run as a plan on one rank of a simulated FSDP + EP world): by default DeepSeek-V4-Flash at 4K,
  * micro-batch 1, FSDP 128 + EP 128 as in the practice report (--plan none skips it).
  *
  * Usage: recompute [--config bench/configs/recompute-1k.json] [--seq 1024] [--batch 1] [--steps 5]

@@ -77,7 +77,8 @@ typedef enum {
 const char *ds4_mem_cat_name(ds4_mem_cat c);
 
 /* 64-byte aligned, counted under `cat`. Returns NULL on failure (and sets the message).
- * bytes == 0 returns a valid unique pointer counted as 0 bytes. */
+ * bytes == 0 returns a valid unique pointer counted as 0 bytes. In a plan context (ds4_exec below) only
+ * DS4_MEM_OTHER gets memory behind the pointer. */
 void *ds4_alloc(ds4_mem_cat cat, size_t bytes);
 void *ds4_calloc(ds4_mem_cat cat, size_t bytes);
 void ds4_free(void *p);             /* NULL is a no-op */
@@ -108,14 +109,28 @@ typedef struct {
 } ds4_mem_stats;
 
 void ds4_mem_get(ds4_mem_stats *out);
-
-/* Shape-only mode (memplan): allocations of every category but DS4_MEM_OTHER are counted exactly as
- * usual but get no memory behind them, and the kernels run the plan backend (src/kernels/plan.c),
- * which counts their workspace without touching data. Code outside the kernels that reads or writes
- * tensor data checks ds4_shape_only() and skips. Metadata (DS4_MEM_OTHER) stays real. */
-void ds4_set_shape_only(bool on);
-bool ds4_shape_only(void);
 void ds4_mem_reset_peak(void);    /* peaks := current live (both tiers) */
+
+/* ---------------------------------------------------------------- execution context */
+/* What a step runs as: real (data and arithmetic) or a plan (memplan): in a plan every allocation is
+ * counted exactly as in the real run, but only DS4_MEM_OTHER (metadata: ids, tables, counts) has memory
+ * behind it, and no tensor data is read or written. Made by whoever starts the work (the trainer,
+ * memplan) and passed down: the train state (ds4/trainer.h) gets it when opened, the optimizer and FSDP
+ * read it from what they are given (the AdamW state, a plan communicator). */
+typedef struct {
+    bool plan;
+} ds4_exec;
+
+/* The allocator serves one context at a time (plan: counted, not backed). ds4_exec_enter makes x the
+ * current one (NULL: real) and returns the one it replaced, which ds4_exec_leave restores. Not while
+ * other threads allocate. */
+ds4_exec ds4_exec_enter(const ds4_exec *x);
+void ds4_exec_leave(ds4_exec prev);
+/* Whether the allocator's current context is a plan: for the code that is not handed its context yet
+ * (the model's units, the kernels, the offload store). ds4_set_shape_only(on) enters a plan (on) or a
+ * real context without an owner (tests). */
+bool ds4_shape_only(void);
+void ds4_set_shape_only(bool on);
 
 /* Allocation-failure injection (tests only, SQLite's discipline): the n-th allocation from now fails as
  * if memory ran out (NULL and the usual out-of-memory message), once; n <= 0 disables. Counted: ds4_alloc,

@@ -19,12 +19,14 @@ typedef struct ds4_comm ds4_comm;
 ds4_status ds4_dist_init(void);
 void ds4_dist_finalize(void);
 ds4_comm *ds4_comm_world(void); /* the world; a one-rank communicator without mpirun */
-/* A simulated world of `size` ranks seen from `rank` (memplan): collectives move no data. */
+ds4_comm *ds4_comm_self(void);  /* this process alone (one rank, also under mpirun) */
+/* A simulated world of `size` ranks seen from `rank` (memplan): collectives move no data. The
+ * communicator of a plan step (ds4_exec): FSDP on it plans (counts, touches no values). */
 ds4_status ds4_comm_plan(int size, int rank, ds4_comm **out);
 /* Ranks of c with the same color form a new communicator, ordered by key. Always a new one, also when
  * it has the same ranks as c. */
 ds4_status ds4_comm_split(ds4_comm *c, int color, int key, ds4_comm **out);
-void ds4_comm_free(ds4_comm *c); /* not the world */
+void ds4_comm_free(ds4_comm *c); /* not the world or self */
 int ds4_comm_rank(const ds4_comm *c);
 int ds4_comm_size(const ds4_comm *c);
 bool ds4_comm_is_plan(const ds4_comm *c);
@@ -57,7 +59,9 @@ void ds4_ep_route_free(ds4_ep_route *r);
  * (its owner accumulates their rows), then over the EP groups in order. */
 typedef struct ds4_fsdp ds4_fsdp;
 
-ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out); /* m: unmapped */
+/* m: unmapped. On a plan communicator (ds4_comm_plan) it is the FSDP of a plan step (ds4_exec): every
+ * buffer is counted as in a real run, no value is read, written or exchanged. */
+ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out);
 void ds4_fsdp_free(ds4_fsdp *f);
 const ds4_param_hooks *ds4_fsdp_hooks(ds4_fsdp *f);
 int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f);

@@ -1,6 +1,7 @@
-/* memplan: the peak memory of one training step, by category, without running it. The same code
- * path as a real step runs in shape-only mode (allocations counted, no data, no arithmetic), so
- * the prediction equals the measured peak of a real step byte for byte (tested on small configs). */
+/* memplan: the peak memory of one training step, by category, without running it. The trainer's own step
+ * (ds4_train_step, ds4/trainer.h) runs on a state opened under a plan context (ds4_exec: allocations
+ * counted, no data, no arithmetic), so the prediction equals the measured peak of a real step byte for
+ * byte (tested on small configs). src/train/memplan.c. */
 #ifndef DS4_MEMPLAN_H
 #define DS4_MEMPLAN_H
 
@@ -26,28 +27,29 @@ typedef struct {
     const uint32_t *masks;    /* per-layer recompute release masks (ds4/recompute.h); NULL: none */
     bool swap_optimizer;      /* --swap-optimizer: AdamW state in the offload store between updates */
     bool swap_layer_input;    /* --swap-layer-input: layer input streams in the store until their backward */
-    const char *offload_dir;  /* the store's directory; NULL: $TMPDIR or /tmp (no file when shape-only) */
+    const char *offload_dir;  /* the store's directory; NULL: $TMPDIR or /tmp (no file in a plan) */
     size_t swap_chunk_bytes;  /* optimizer update buffer; 0: DS4_ADAMW_SWAP_CHUNK */
 } ds4_step_opts;
 
-/* One training step — model creation, AdamW state, forward + backward of a [B, T] micro-batch under
- * the release masks (NULL: no recompute), gradient clipping, optimizer update — measured with the
- * allocator's counters (memory and offload tiers). shape_only = true: memplan; false: a real step on random weights. */
-ds4_status ds4_step_memory_run(const ds4_config *c, int64_t B, int64_t T, const uint32_t *masks, bool shape_only,
+/* One training step — the state opened (model, AdamW state, offload store), ds4_train_step on one [B, T]
+ * micro-batch under the release masks (NULL: no recompute): forward + backward, gradient scaling, clipping,
+ * the AdamW update, the router bias rule — measured with the allocator's counters (memory and offload
+ * tiers). plan = true: memplan; false: a real step on random weights. */
+ds4_status ds4_step_memory_run(const ds4_config *c, int64_t B, int64_t T, const uint32_t *masks, bool plan,
                                ds4_step_memory *out);
 /* The same under recompute and offload options. */
-ds4_status ds4_step_memory_run_opts(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *opts,
-                                    bool shape_only, ds4_step_memory *out);
+ds4_status ds4_step_memory_run_opts(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *opts, bool plan,
+                                    ds4_step_memory *out);
 
-/* The same step on one rank of FSDP + expert parallelism (ds4/dist.h): comm is the world (a real run,
- * every rank calls it) or a plan communicator (ds4_comm_plan: shape_only must be true; routing is
- * then balanced, as force_balance makes a real run). Micro-batch [B, T] per rank. */
+/* The same step on one rank of FSDP + expert parallelism (ds4/dist.h), also for one rank at ep 1: comm is
+ * the world (a real run, every rank calls it; with plan = true its plan) or a plan communicator
+ * (ds4_comm_plan: plan must be true; routing is then balanced, as force_balance makes a real run).
+ * Micro-batch [B, T] per rank. */
 typedef struct ds4_comm ds4_comm;
-ds4_status ds4_step_memory_run_dist(const ds4_config *c, int64_t B, int64_t T, const uint32_t *masks, bool shape_only,
+ds4_status ds4_step_memory_run_dist(const ds4_config *c, int64_t B, int64_t T, const uint32_t *masks, bool plan,
                                     ds4_comm *comm, int ep, bool force_balance, ds4_step_memory *out);
 ds4_status ds4_step_memory_run_dist_opts(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *opts,
-                                         bool shape_only, ds4_comm *comm, int ep, bool force_balance,
-                                         ds4_step_memory *out);
+                                         bool plan, ds4_comm *comm, int ep, bool force_balance, ds4_step_memory *out);
 
 #ifdef __cplusplus
 }

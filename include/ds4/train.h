@@ -37,6 +37,8 @@ typedef struct {
     ds4_offload *store;
     int64_t h_m, h_v;
     int64_t chunk;   /* elements per update chunk while swapped */
+    bool plan;       /* the state of a plan step (ds4_exec): buffers counted, updates touch no values; set
+                      * by its owner after init (init clears it) */
 } ds4_adamw;
 
 ds4_status ds4_adamw_init(ds4_adamw *o, ds4_model *m);

@@ -72,19 +72,34 @@ typedef struct ds4_train_state ds4_train_state;
 
 typedef struct {
     int ep;                                 /* expert-parallel degree */
+    bool shard;                             /* the FSDP form also for one rank at ep 1 (memplan) */
     bool swap_optimizer, swap_layer_input;  /* the offload policies (ds4/offload.h) */
     const char *offload_dir;                /* NULL or "": $TMPDIR, else /tmp */
+    size_t swap_chunk_bytes;                /* --swap-optimizer update buffers; 0: DS4_ADAMW_SWAP_CHUNK */
+    const ds4_exec *exec;                   /* real (NULL too) or a plan (memplan), ds4/core.h */
 } ds4_train_state_opts;
 
-/* Weights from d (a model directory), else the init rules with seed. */
+/* Weights from d (a model directory), else the init rules with seed. The form is sharded when the world
+ * has several ranks, ep > 1 or shard is set. A plan state (opts->exec) runs under its plan context in the
+ * allocator while it is set up, stepped (ds4_train_step) and freed; a plan communicator (ds4_comm_plan)
+ * runs only a plan, and a sharded plan needs one. */
 ds4_status ds4_train_state_open(const ds4_config *mc, const ds4_model_dir *d, uint64_t seed, ds4_comm *world,
                                 const ds4_train_state_opts *opts, ds4_train_state **out);
+/* The same in two parts, for a caller that counts what the state holds apart from the handle (memplan):
+ * new makes an empty state of context exec (NULL: real), setup fills it (opts->exec unused there); free
+ * it also after a failed setup. */
+ds4_status ds4_train_state_new(const ds4_exec *exec, ds4_train_state **out);
+ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const ds4_model_dir *d, uint64_t seed,
+                                 ds4_comm *world, const ds4_train_state_opts *opts);
 void ds4_train_state_free(ds4_train_state *s);
+const ds4_exec *ds4_train_state_exec(const ds4_train_state *s); /* real or plan */
+int ds4_train_state_ranks(const ds4_train_state *s);               /* ranks of its world */
 ds4_model *ds4_train_state_model(ds4_train_state *s);               /* what ds4_forward runs on */
 const ds4_param_hooks *ds4_train_state_hooks(ds4_train_state *s);  /* for ds4_pass_opts; NULL: whole */
 const ds4_act_hooks *ds4_train_state_act(ds4_train_state *s);      /* training passes; NULL: no swap */
 int64_t ds4_train_state_numel(const ds4_train_state *s);           /* parameters of the whole model */
 void ds4_train_state_zero_grads(ds4_train_state *s);
+/* The pieces of ds4_train_step below, one by one (on a plan state: only inside ds4_train_step). */
 /* Gradients /= micro_batches (all ranks' micro-batches of the step): the mean over the global batch. */
 void ds4_train_state_scale_grads(ds4_train_state *s, int64_t micro_batches);
 /* x [n] := the mean over ranks (rank-ordered sum / W); unchanged when whole. */
@@ -95,12 +110,47 @@ ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c
 /* The router bias rule with loads [n_blocks, E] of this rank (summed over ranks in place first). */
 ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, double gamma);
 /* Counts NaN / Inf in the weights and AdamW moments (over every rank): an error naming `step` when there
- * is any, so a diverged state is never saved. A collective when sharded. */
+ * is any, so a diverged state is never saved. A collective when sharded. The functions from here on need
+ * values: a plan state has none and gets an error. */
 ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step);
 /* Checkpoints in the single-process format (ds4/train.h); save writes on rank 0 and every rank returns
  * its outcome; load reads on every rank. */
 ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t keep_latest_k, const ds4_ckpt_meta *meta);
 ds4_status ds4_train_state_load(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta);
+
+/* ------------------------------------------------------------------ one optimizer step
+ * Everything `ds4 train` does to the state in one step, and what `ds4 memplan` runs on a plan state (so
+ * plan and run are one code path): zero the gradients; forward + backward of each micro-batch under the
+ * pass options, summing losses and expert loads; gradients / (micro-batches of all ranks); losses := their
+ * mean over ranks; clip to max_norm; a non-finite loss or norm is an error; AdamW at lr; the router bias
+ * rule with the loads. src/train/step.c. */
+typedef struct {
+    int64_t step;              /* 1-based, for messages */
+    int64_t micro_batches;     /* of this rank, >= 1 */
+    int64_t B, T;              /* one micro-batch: ids [B, T] */
+    int32_t *ids;              /* [B, T] */
+    /* fills ids with the next micro-batch; NULL: ids already hold it (every micro-batch the same) */
+    ds4_status (*next_ids)(void *ctx, int32_t *ids);
+    void *ctx;
+    int64_t *loads;            /* [n_layers + n_mtp_layers, n_routed_experts] scratch for the router loads */
+    /* the passes */
+    bool csa_dense;            /* CSA layers attend densely (training.csa_dense_steps) */
+    const uint32_t *release_mask; /* recompute masks (ds4/recompute.h); NULL: none */
+    bool moe_force_balance;    /* balanced routing (memplan of a real world) */
+    /* the update */
+    const ds4_adamw_cfg *adamw;
+    double lr, max_norm, router_bias_gamma;
+    /* called after each micro-batch's backward, before its pass is freed (reports); NULL: none */
+    void (*on_pass)(void *ctx, int64_t micro, const ds4_pass *p);
+} ds4_step_args;
+
+typedef struct {
+    double loss, mtp_loss, indexer_loss, total_loss; /* means over the global batch (none in a plan) */
+    double grad_norm;          /* before clipping (0 in a plan) */
+    bool agreed;               /* on failure: every rank fails the same way (a non-finite loss or norm) */
+} ds4_step_result;
+
+ds4_status ds4_train_step(ds4_train_state *s, const ds4_step_args *a, ds4_step_result *out);
 
 /* st of every rank → the first failure in rank order on every rank (its message, "rank R: ..." when it
  * is another rank's), DS4_OK when none failed; a collective of the world. */

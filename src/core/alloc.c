@@ -26,7 +26,7 @@ static _Atomic int64_t g_off_live[DS4_MEM_NCAT];
 static _Atomic int64_t g_off_peak[DS4_MEM_NCAT];
 static _Atomic int64_t g_off_live_total;
 static _Atomic int64_t g_off_peak_total;
-static bool g_shape_only;
+static ds4_exec g_exec; /* the current execution context: real unless a plan step runs */
 
 /* allocation-failure injection: allocations left until the one that fails (0: off); failures so far */
 static _Atomic int64_t g_fail_countdown;
@@ -62,8 +62,17 @@ void *ds4_alloc_hooked_malloc(size_t bytes) {
     return p;
 }
 
-void ds4_set_shape_only(bool on) { g_shape_only = on; }
-bool ds4_shape_only(void) { return g_shape_only; }
+ds4_exec ds4_exec_enter(const ds4_exec *x) {
+    ds4_exec prev = g_exec;
+    g_exec = x ? *x : (ds4_exec){0};
+    return prev;
+}
+void ds4_exec_leave(ds4_exec prev) { g_exec = prev; }
+bool ds4_shape_only(void) { return g_exec.plan; }
+void ds4_set_shape_only(bool on) { g_exec.plan = on; }
+
+/* A plan allocation of `cat` has only its header behind it. */
+static bool unbacked(ds4_mem_cat cat) { return g_exec.plan && cat != DS4_MEM_OTHER; }
 
 static void atomic_max(_Atomic int64_t *p, int64_t v) {
     int64_t cur = atomic_load(p);
@@ -105,9 +114,8 @@ void *ds4_alloc(ds4_mem_cat cat, size_t bytes) {
         ds4_fail(DS4_ERR_OOM, "ds4_alloc: size %zu overflows", bytes);
         return NULL;
     }
-    /* shape-only: only the header is real; the data pointer must never be dereferenced */
-    bool virt = g_shape_only && cat != DS4_MEM_OTHER;
-    void *base = injected_failure() ? NULL : aligned_alloc(64, virt ? HDR : total);
+    /* a plan: only the header is real; the data pointer must never be dereferenced */
+    void *base = injected_failure() ? NULL : aligned_alloc(64, unbacked(cat) ? HDR : total);
     if (!base) {
         atomic_fetch_add(&g_fail_count, 1);
         ds4_fail(DS4_ERR_OOM, "out of memory allocating %zu bytes of %s", bytes, ds4_mem_cat_name(cat));
@@ -124,7 +132,7 @@ void *ds4_alloc(ds4_mem_cat cat, size_t bytes) {
 
 void *ds4_calloc(ds4_mem_cat cat, size_t bytes) {
     void *p = ds4_alloc(cat, bytes);
-    if (p && !(g_shape_only && cat != DS4_MEM_OTHER)) memset(p, 0, bytes);
+    if (p && !unbacked(cat)) memset(p, 0, bytes);
     return p;
 }
 

@@ -60,6 +60,16 @@ void ds4_dist_finalize(void) {
 
 ds4_comm *ds4_comm_world(void) { return &g_world; }
 
+ds4_comm *ds4_comm_self(void) {
+    static ds4_comm self = {COMM_SELF, 0, 1
+#ifdef DS4_HAVE_MPI
+                            ,
+                            0
+#endif
+    };
+    return &self;
+}
+
 ds4_status ds4_comm_plan(int size, int rank, ds4_comm **out) {
     if (size < 1 || rank < 0 || rank >= size)
         return ds4_fail(DS4_ERR_ARG, "plan communicator: rank %d of %d ranks is not valid", rank, size);
@@ -102,7 +112,7 @@ ds4_status ds4_comm_split(ds4_comm *c, int color, int key, ds4_comm **out) {
 }
 
 void ds4_comm_free(ds4_comm *c) {
-    if (!c || c == &g_world) return;
+    if (!c || c == &g_world || c == ds4_comm_self()) return;
 #ifdef DS4_HAVE_MPI
     if (c->kind == COMM_MPI) MPI_Comm_free(&c->mpi);
 #endif
@@ -134,7 +144,7 @@ static void self_copy(const void *send, int64_t count, void *recv, int64_t displ
 /* All-gather (root < 0) or gather to root of variable counts: the one body both collectives share. */
 static ds4_status gather_any(ds4_comm *c, const void *send, int64_t scount, void *recv, const int64_t *rcounts,
                              const int64_t *rdispls, size_t elem, int root) {
-    if (c->kind == COMM_PLAN || ds4_shape_only()) return DS4_OK;
+    if (c->kind == COMM_PLAN) return DS4_OK; /* a plan: nothing moves */
     if (c->kind == COMM_SELF) {
         self_copy(send, scount, recv, rdispls[0], elem);
         return DS4_OK;
@@ -168,7 +178,7 @@ ds4_status ds4_comm_allgatherv(ds4_comm *c, const void *send, int64_t scount, vo
 
 ds4_status ds4_comm_alltoallv(ds4_comm *c, const void *send, const int64_t *scounts, const int64_t *sdispls,
                               void *recv, const int64_t *rcounts, const int64_t *rdispls, size_t elem) {
-    if (c->kind == COMM_PLAN || ds4_shape_only()) return DS4_OK;
+    if (c->kind == COMM_PLAN) return DS4_OK; /* a plan: nothing moves */
     if (c->kind == COMM_SELF) {
         (void)rcounts;
         self_copy(send ? (const char *)send + (size_t)sdispls[0] * elem : NULL, scounts[0], recv, rdispls[0], elem);
@@ -211,12 +221,7 @@ static ds4_status sum_ordered(ds4_comm *c, void *x, int64_t n, size_t elem, bool
         cnt[r] = n;
         cnt[c->size + r] = (int64_t)r * n;
     }
-    if (st == DS4_OK) {
-        bool shape = ds4_shape_only(); /* these are metadata-sized values: exchange them in any mode */
-        ds4_set_shape_only(false);
-        st = ds4_comm_allgatherv(c, x, n, all, cnt, cnt + c->size, elem);
-        ds4_set_shape_only(shape);
-    }
+    if (st == DS4_OK) st = ds4_comm_allgatherv(c, x, n, all, cnt, cnt + c->size, elem);
     for (int64_t i = 0; st == DS4_OK && i < n; i++) {
         if (is_double) {
             double s = 0;

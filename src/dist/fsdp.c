@@ -37,6 +37,9 @@ struct ds4_fsdp {
     ds4_ep_ops ops;
 };
 
+/* On a plan communicator FSDP plans: shards and buffers are counted, no value is read, written or sent. */
+static bool planning(const ds4_fsdp *f) { return ds4_comm_is_plan(f->world); }
+
 static ds4_comm *piece_comm(const ds4_fsdp *f, const piece *p) { return p->expert ? f->rep : f->fsdp; }
 
 /* Length of rank r's piece of a region of len elements cut in chunks. */
@@ -111,7 +114,7 @@ static ds4_status reduce_piece(ds4_fsdp *f, const piece *p) {
         st = ds4_comm_alltoallv(c, ds4_model_grads_flat(f->m) + p->start, v, v + n, recv, v + 2 * n, v + 3 * n,
                                 sizeof(float));
     }
-    if (st == DS4_OK && !ds4_shape_only()) {
+    if (st == DS4_OK && !planning(f)) {
         float *g = f->sg + p->shard_off;
         for (int64_t i = 0; i < p->len; i++) {
             float t = recv[i];
@@ -160,14 +163,11 @@ static ds4_status ep_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
         for (int64_t e = q * L; e < (q + 1) * L; e++) r->send_cnt[q] += cnt[e];
     }
     ds4_status st = DS4_OK;
-    if (ds4_shape_only()) { /* balanced routing: every source sends what this rank's counts say */
+    if (planning(f)) { /* balanced routing: every source sends what this rank's counts say */
         for (int s = 0; s < n; s++)
             for (int64_t i = 0; i < L; i++) got[(int64_t)s * L + i] = cnt[f->e0 + i];
     } else {
-        bool shape = ds4_shape_only();
-        ds4_set_shape_only(false);
         st = ds4_comm_alltoallv(f->ep, cnt, sc, sd, got, rc, rd, sizeof(int64_t));
-        ds4_set_shape_only(shape);
     }
     r->rows = 0;
     for (int s = 0; s < n; s++) {
@@ -235,7 +235,7 @@ static ds4_status ep_exchange(ds4_fsdp *f, const ds4_ep_route *r, const float *i
     for (int q = 0; st == DS4_OK && q < r->nsrc; q++) {
         sc[q] *= width, sd[q] *= width, rc[q] *= width, rd[q] *= width;
     }
-    const bool data = !ds4_shape_only();
+    const bool data = !planning(f);
     if (st == DS4_OK && !dispatch && data) ep_permute(r, in, wire, width, false);
     if (st == DS4_OK)
         st = dispatch ? ds4_comm_alltoallv(f->ep, in, sc, sd, wire, rc, rd, sizeof(float))
@@ -357,7 +357,7 @@ int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f) { return f->ns; }
 float *ds4_fsdp_shard_params(ds4_fsdp *f) { return f->sp; }
 float *ds4_fsdp_shard_grads(ds4_fsdp *f) { return f->sg; }
 void ds4_fsdp_zero_grads(ds4_fsdp *f) {
-    if (!ds4_shape_only()) memset(f->sg, 0, (size_t)f->ns * sizeof(float));
+    if (!planning(f)) memset(f->sg, 0, (size_t)f->ns * sizeof(float));
 }
 
 /* ------------------------------------------------------------------ shards: init, load, optimizer rules */
@@ -390,7 +390,7 @@ static void init_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_
 }
 
 ds4_status ds4_fsdp_init_random(ds4_fsdp *f, uint64_t seed) {
-    if (ds4_shape_only()) return DS4_OK;
+    if (planning(f)) return DS4_OK;
     init_ctx c = {f, seed};
     for_each_overlap(f, init_overlap, &c);
     for (int64_t i = 0; i < ds4_model_nparams(f->m); i++)
@@ -410,7 +410,7 @@ ds4_status ds4_fsdp_load(ds4_fsdp *f, const ds4_model_dir *d) {
             int64_t a = p->is_int ? -1 : p->data - flat;
             if (a >= q->start && a < q->end) st = ds4_model_load_param(m, d, i);
         }
-        if (st == DS4_OK && !ds4_shape_only())
+        if (st == DS4_OK && !planning(f))
             memcpy(f->sp + q->shard_off, flat + q->start + q->off, (size_t)q->len * sizeof(float));
         ds4_model_unmap(m, q->start, q->map_end, false);
         DS4_TRY(st);
@@ -523,7 +523,7 @@ static void scatter_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int
 }
 
 ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, ds4_packed_read_fn read, void *ctx, float *shard) {
-    if (ds4_shape_only()) return DS4_OK;
+    if (planning(f)) return DS4_OK;
     int64_t *poff = packed_offsets(f->m);
     if (!poff) return ds4_fail(DS4_ERR_OOM, "out of memory scattering into a shard");
     scatter_ctx c = {f->m, poff, read, ctx, shard, DS4_OK};
@@ -533,7 +533,7 @@ ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, ds4_packed_read_fn read, v
 }
 
 ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm) {
-    const int64_t n = ds4_shape_only() ? 0 : f->ns;
+    const int64_t n = planning(f) ? 0 : f->ns;
     ds4_sumsq_acc a;
     ds4_sumsq_exact(f->sg, n, &a);
     DS4_TRY(ds4_comm_sum_i64(f->world, a.limb, DS4_SUMSQ_LIMBS + 1));
@@ -556,7 +556,7 @@ static void bias_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_
 }
 
 void ds4_fsdp_router_bias_update(ds4_fsdp *f, const int64_t *loads, double gamma) {
-    if (ds4_shape_only()) return;
+    if (planning(f)) return;
     bias_ctx c = {f, loads, gamma};
     for_each_overlap(f, bias_overlap, &c);
 }

@@ -208,7 +208,7 @@ static void update_span(const ds4_adamw *o, const adamw_k *k, int64_t i0, int64_
 
 /* Elements [i0, i0 + n) of moment k, from memory or the store, into buf / back from buf. */
 static ds4_status span_read(const ds4_adamw *o, int k, int64_t i0, int64_t n, float *buf) {
-    if (ds4_shape_only()) return DS4_OK;
+    if (o->plan) return DS4_OK;
     const float *mem = arr_mem(o, k);
     if (mem) {
         memcpy(buf, mem + i0, (size_t)n * sizeof(float));
@@ -217,7 +217,7 @@ static ds4_status span_read(const ds4_adamw *o, int k, int64_t i0, int64_t n, fl
     return ds4_offload_read(o->store, arr_h(o, k), (size_t)i0 * sizeof(float), buf, (size_t)n * sizeof(float));
 }
 static ds4_status span_write(ds4_adamw *o, int k, int64_t i0, int64_t n, const float *buf) {
-    if (ds4_shape_only()) return DS4_OK;
+    if (o->plan) return DS4_OK;
     float *mem = arr_mem(o, k);
     if (mem) {
         memcpy(mem + i0, buf, (size_t)n * sizeof(float));
@@ -235,7 +235,7 @@ static ds4_status step_swapped(ds4_adamw *o, float *w, const float *g, const ada
     for (int a = 0; a < S_COUNT; a++)
         if (!(buf[a] = ds4_alloc(DS4_MEM_OPTIM, (size_t)C * sizeof(float))))
             st = ds4_fail(DS4_ERR_OOM, "swap-optimizer: out of memory for %lld-element update buffers", (long long)C);
-    for (int64_t i0 = 0; i0 < (ds4_shape_only() ? 0 : o->n) && st == DS4_OK; i0 += C) {
+    for (int64_t i0 = 0; i0 < (o->plan ? 0 : o->n) && st == DS4_OK; i0 += C) {
         const int64_t n = o->n - i0 < C ? o->n - i0 : C;
         for (int a = 0; a < S_COUNT && st == DS4_OK; a++) st = span_read(o, a, i0, n, buf[a]);
         if (st != DS4_OK) break;
@@ -252,11 +252,11 @@ ds4_status ds4_adamw_step(ds4_adamw *o, ds4_model *m, const ds4_adamw_cfg *c, do
 
 ds4_status ds4_adamw_step_flat(ds4_adamw *o, float *w, const float *g, const ds4_adamw_cfg *c, double lr) {
     const bool resident = o->m && o->v;
-    if (ds4_shape_only() && resident) return DS4_OK;
+    if (o->plan && resident) return DS4_OK;
     const adamw_k k = adamw_consts(o->step + 1, c, lr);
     ds4_status st = resident ? DS4_OK : step_swapped(o, w, g, &k);
     if (resident) update_span(o, &k, 0, o->n, o->m, o->v, w, g);
-    if (st == DS4_OK && !ds4_shape_only()) o->step++;
+    if (st == DS4_OK && !o->plan) o->step++;
     return st;
 }
 
@@ -433,7 +433,6 @@ ds4_status ds4_fsdp_adamw_ranges(const ds4_fsdp *f, ds4_adamw *o) {
 }
 
 double ds4_clip_grad_norm(ds4_model *m, double max_norm) {
-    if (ds4_shape_only()) return 0;
     float *g = ds4_model_grads_flat(m);
     const int64_t n = ds4_model_numel(m);
     double norm = sqrt(ds4_sumsq(g, n));

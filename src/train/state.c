@@ -8,7 +8,9 @@
  * moments and writes them with ds4_checkpoint_save; on load every rank reads the files and keeps its
  * elements. So a run saved by N ranks resumes on any number of ranks.
  * Offload (--swap-optimizer, --swap-layer-input) puts the AdamW state and the layer input streams in one
- * offload store (ds4/offload.h) owned here; the moments come back to memory only around checkpoints. */
+ * offload store (ds4/offload.h) owned here; the moments come back to memory only around checkpoints.
+ * A plan state (memplan) is the same state under a plan context (ds4_exec): opened, stepped and freed
+ * with the allocator counting it, its AdamW state and FSDP (on a plan communicator) touching no values. */
 #include "ds4/io.h"
 #include "ds4/offload.h"
 #include "ds4/trainer.h"
@@ -18,6 +20,8 @@
 #include <string.h>
 
 struct ds4_train_state {
+    ds4_exec exec;    /* real or plan */
+    bool sharded;
     ds4_model *m;     /* whole, or unmapped behind the FSDP hooks */
     ds4_fsdp *f;      /* NULL: whole */
     ds4_comm *world;
@@ -58,22 +62,9 @@ ds4_status ds4_train_agree(ds4_comm *world, ds4_status st) {
 }
 
 /* ------------------------------------------------------------------ open / free */
-static ds4_status open_whole(ds4_train_state *s, const ds4_config *mc, const ds4_model_dir *d, uint64_t seed,
-                             bool swap_optimizer) {
-    DS4_TRY(ds4_model_create(mc, &s->m));
-    if (d) DS4_TRY(ds4_model_load(s->m, d));
-    else ds4_model_init_random(s->m, seed);
-    return swap_optimizer ? ds4_adamw_init_swapped(&s->opt, s->m, s->store, 0) : ds4_adamw_init(&s->opt, s->m);
-}
-
-static ds4_status open_sharded(ds4_train_state *s, const ds4_config *mc, const ds4_model_dir *d, uint64_t seed,
-                               int ep, bool swap_optimizer) {
-    DS4_TRY(ds4_model_create_unmapped(mc, &s->m));
-    DS4_TRY(ds4_fsdp_create(s->m, s->world, ep, &s->f));
-    DS4_TRY(d ? ds4_fsdp_load(s->f, d) : ds4_fsdp_init_random(s->f, seed));
-    int64_t n = ds4_fsdp_shard_numel(s->f);
-    DS4_TRY(swap_optimizer ? ds4_adamw_init_n_swapped(&s->opt, n, s->store, 0) : ds4_adamw_init_n(&s->opt, n));
-    return ds4_fsdp_adamw_ranges(s->f, &s->opt);
+/* The model first (the order memplan's numbers were first taken in): whole, or unmapped behind FSDP. */
+static ds4_status open_model(ds4_train_state *s, const ds4_config *mc) {
+    return s->sharded ? ds4_model_create_unmapped(mc, &s->m) : ds4_model_create(mc, &s->m);
 }
 
 /* The offload store and the layer-input hooks, when a swap policy asks for them. */
@@ -83,17 +74,60 @@ static ds4_status open_offload(ds4_train_state *s, const ds4_train_state_opts *o
     return o->swap_layer_input ? ds4_act_offload_new(s->store, &s->act) : DS4_OK;
 }
 
+static ds4_status open_whole(ds4_train_state *s, const ds4_model_dir *d, uint64_t seed, const ds4_train_state_opts *o) {
+    if (d) DS4_TRY(ds4_model_load(s->m, d));
+    else ds4_model_init_random(s->m, seed);
+    return o->swap_optimizer ? ds4_adamw_init_swapped(&s->opt, s->m, s->store, o->swap_chunk_bytes)
+                             : ds4_adamw_init(&s->opt, s->m);
+}
+
+static ds4_status open_sharded(ds4_train_state *s, const ds4_model_dir *d, uint64_t seed, int ep,
+                               const ds4_train_state_opts *o) {
+    DS4_TRY(ds4_fsdp_create(s->m, s->world, ep, &s->f));
+    DS4_TRY(d ? ds4_fsdp_load(s->f, d) : ds4_fsdp_init_random(s->f, seed));
+    int64_t n = ds4_fsdp_shard_numel(s->f);
+    DS4_TRY(o->swap_optimizer ? ds4_adamw_init_n_swapped(&s->opt, n, s->store, o->swap_chunk_bytes)
+                              : ds4_adamw_init_n(&s->opt, n));
+    return ds4_fsdp_adamw_ranges(s->f, &s->opt);
+}
+
+/* A plan communicator moves no data: only a plan steps on it, and a sharded plan needs one. */
+static ds4_status check_world(const ds4_train_state *s, const ds4_comm *world) {
+    if (ds4_comm_is_plan(world) && !s->exec.plan)
+        return ds4_fail(DS4_ERR_ARG, "a simulated world (plan communicator) can only run a plan step");
+    if (s->sharded && s->exec.plan && !ds4_comm_is_plan(world))
+        return ds4_fail(DS4_ERR_ARG, "a sharded plan runs on a plan communicator (ds4_comm_plan), not on a real world");
+    return DS4_OK;
+}
+
+ds4_status ds4_train_state_new(const ds4_exec *exec, ds4_train_state **out) {
+    *out = ds4_calloc(DS4_MEM_OTHER, sizeof **out);
+    if (!*out) return DS4_ERR_OOM;
+    (*out)->exec = exec ? *exec : (ds4_exec){0};
+    return DS4_OK;
+}
+
+ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const ds4_model_dir *d, uint64_t seed,
+                                 ds4_comm *world, const ds4_train_state_opts *opts) {
+    if (s->m) return ds4_fail(DS4_ERR_INTERNAL, "train state: set up twice");
+    const ds4_exec prev = ds4_exec_enter(&s->exec);
+    s->world = world;
+    s->sharded = ds4_comm_size(world) > 1 || opts->ep > 1 || opts->shard;
+    ds4_status st = check_world(s, world);
+    if (st == DS4_OK) st = open_model(s, mc);
+    if (st == DS4_OK) st = open_offload(s, opts);
+    if (st == DS4_OK) st = s->sharded ? open_sharded(s, d, seed, opts->ep, opts) : open_whole(s, d, seed, opts);
+    s->opt.plan = s->exec.plan; /* after the AdamW init, which clears it */
+    ds4_exec_leave(prev);
+    return st;
+}
+
 ds4_status ds4_train_state_open(const ds4_config *mc, const ds4_model_dir *d, uint64_t seed, ds4_comm *world,
                                 const ds4_train_state_opts *opts, ds4_train_state **out) {
     *out = NULL;
-    ds4_train_state *s = ds4_calloc(DS4_MEM_OTHER, sizeof *s);
-    if (!s) return DS4_ERR_OOM;
-    s->world = world;
-    bool sharded = ds4_comm_size(world) > 1 || opts->ep > 1;
-    ds4_status st = open_offload(s, opts);
-    if (st == DS4_OK)
-        st = sharded ? open_sharded(s, mc, d, seed, opts->ep, opts->swap_optimizer)
-                     : open_whole(s, mc, d, seed, opts->swap_optimizer);
+    ds4_train_state *s;
+    DS4_TRY(ds4_train_state_new(opts->exec, &s));
+    ds4_status st = ds4_train_state_setup(s, mc, d, seed, world, opts);
     if (st != DS4_OK) {
         ds4_train_state_free(s);
         return st;
@@ -104,13 +138,18 @@ ds4_status ds4_train_state_open(const ds4_config *mc, const ds4_model_dir *d, ui
 
 void ds4_train_state_free(ds4_train_state *s) {
     if (!s) return;
+    const ds4_exec prev = ds4_exec_enter(&s->exec);
     ds4_act_offload_free(s->act);
     ds4_adamw_free(&s->opt);
     ds4_offload_close(s->store); /* after everything it holds */
     ds4_fsdp_free(s->f);
     ds4_model_free(s->m);
+    ds4_exec_leave(prev);
     ds4_free(s);
 }
+
+const ds4_exec *ds4_train_state_exec(const ds4_train_state *s) { return &s->exec; }
+int ds4_train_state_ranks(const ds4_train_state *s) { return ds4_comm_size(s->world); }
 
 ds4_model *ds4_train_state_model(ds4_train_state *s) { return s->m; }
 const ds4_param_hooks *ds4_train_state_hooks(ds4_train_state *s) { return s->f ? ds4_fsdp_hooks(s->f) : NULL; }
@@ -126,7 +165,7 @@ void ds4_train_state_zero_grads(ds4_train_state *s) {
 }
 
 void ds4_train_state_scale_grads(ds4_train_state *s, int64_t micro_batches) {
-    if (micro_batches <= 1) return;
+    if (micro_batches <= 1 || s->exec.plan) return;
     float *g = s->f ? ds4_fsdp_shard_grads(s->f) : ds4_model_grads_flat(s->m), k = 1.0f / (float)micro_batches;
     int64_t n = s->f ? ds4_fsdp_shard_numel(s->f) : ds4_model_numel(s->m);
     for (int64_t i = 0; i < n; i++) g[i] *= k;
@@ -141,8 +180,8 @@ ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n) {
 }
 
 ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *norm) {
-    if (s->f) return ds4_fsdp_clip_grad_norm(s->f, max_norm, norm);
-    *norm = ds4_clip_grad_norm(s->m, max_norm);
+    if (s->f) return ds4_fsdp_clip_grad_norm(s->f, max_norm, norm); /* FSDP plans by itself */
+    *norm = s->exec.plan ? 0 : ds4_clip_grad_norm(s->m, max_norm);
     return DS4_OK;
 }
 
@@ -153,7 +192,7 @@ ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c
 
 ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, double gamma) {
     if (!s->f) {
-        ds4_router_bias_update(s->m, loads, gamma);
+        if (!s->exec.plan) ds4_router_bias_update(s->m, loads, gamma);
         return DS4_OK;
     }
     const ds4_config *c = ds4_model_config(s->m);
@@ -288,7 +327,13 @@ static const char *first_nonfinite_param(ds4_model *m) {
     return NULL;
 }
 
+/* The functions that read or write values: a plan state has none. */
+static ds4_status needs_values(const ds4_train_state *s, const char *what) {
+    return s->exec.plan ? ds4_fail(DS4_ERR_ARG, "%s: a plan state has no values", what) : DS4_OK;
+}
+
 ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step) {
+    DS4_TRY(needs_values(s, "finite check"));
     int64_t bad[3] = {0, 0, 0}; /* weights, first moments, second moments */
     bad[0] = s->f ? count_nonfinite(ds4_fsdp_shard_params(s->f), ds4_fsdp_shard_numel(s->f))
                   : count_nonfinite(ds4_model_params_flat(s->m), ds4_model_numel(s->m));
@@ -307,6 +352,7 @@ ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step) {
 }
 
 ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t keep_latest_k, const ds4_ckpt_meta *meta) {
+    DS4_TRY(needs_values(s, "checkpoint save"));
     if (!s->f) return ds4_checkpoint_save(root, keep_latest_k, s->m, &s->opt, meta);
     return save_sharded(s, root, keep_latest_k, meta);
 }
@@ -337,6 +383,7 @@ static ds4_status load_sharded(ds4_train_state *s, const char *path, ds4_ckpt_me
 }
 
 ds4_status ds4_train_state_load(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta) {
+    DS4_TRY(needs_values(s, "checkpoint load"));
     if (!s->f) return ds4_checkpoint_load(path, s->m, &s->opt, meta);
     return load_sharded(s, path, meta);
 }

@@ -314,6 +314,7 @@ typedef struct {
     double peak_flops, flops_per_token;
     bool report_pending; /* --memory-report: print it for the run's first step */
     bool stopped;        /* a stop signal reached some rank: every rank stops after the same step */
+    int64_t step;        /* the step running (for the reports) */
 } trainer;
 
 static ds4_status open_model(const ds4_train_cfg *c, trainer *tr) {
@@ -329,70 +330,59 @@ static ds4_status open_model(const ds4_train_cfg *c, trainer *tr) {
     if (c->indexer_loss_coeff >= 0) mc.indexer_loss_coeff = c->indexer_loss_coeff;
     ds4_status st = check_cfg(c, &mc);
     if (st == DS4_OK) st = check_parallel(c, &mc, tr->W);
+    const ds4_exec real = {.plan = false}; /* training runs real steps; memplan opens the same state as a plan */
     ds4_train_state_opts so = {.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
-                               .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir};
+                               .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir, .exec = &real};
     if (st == DS4_OK) st = ds4_train_state_open(&mc, d, (uint64_t)c->init_seed, tr->world, &so, &tr->s);
     if (st == DS4_OK) tr->m = ds4_train_state_model(tr->s);
     ds4_model_dir_close(d);
     return st;
 }
 
-/* Losses of one step, summed over micro-batches. */
-typedef struct {
-    double loss, mtp, idx, total;
-} step_losses;
-
-static ds4_status train_step(trainer *tr, int64_t step, step_losses *sl) {
-    const ds4_train_cfg *c = tr->cfg;
-    const ds4_config *mc = ds4_model_config(tr->m);
-    const int64_t accum = c->global_batch / (c->micro_batch * tr->W), nb = mc->n_layers + mc->n_mtp_layers;
-    memset(sl, 0, sizeof *sl);
-    memset(tr->loads, 0, (size_t)(nb * mc->n_routed_experts) * sizeof(int64_t));
-    ds4_train_state_zero_grads(tr->s);
-    for (int64_t a = 0; a < accum; a++) {
-        DS4_TRY(ds4_data_next(tr->train, tr->ids));
-        ds4_pass_opts o = {.need_backward = true,
-                           .csa_dense = step <= c->csa_dense_steps,
-                           .release_mask = ds4_recompute_any(&c->recompute) ? tr->masks : NULL,
-                           .hooks = ds4_train_state_hooks(tr->s),
-                           .act = ds4_train_state_act(tr->s)};
-        ds4_pass *p;
-        DS4_TRY(ds4_forward(tr->m, tr->ids, c->micro_batch, c->seq_len, &o, &p));
-        ds4_status st = ds4_backward(tr->m, p);
-        if (st == DS4_OK) {
-            const ds4_losses *L = ds4_pass_losses(p);
-            sl->loss += L->loss / (double)accum;
-            sl->mtp += L->mtp_loss / (double)accum;
-            sl->idx += L->indexer_loss / (double)accum;
-            sl->total += L->total_loss / (double)accum;
-            for (int64_t l = 0; l < nb; l++) {
-                const int64_t *ld = ds4_pass_expert_load(p, l);
-                for (int64_t e = 0; e < mc->n_routed_experts; e++) tr->loads[l * mc->n_routed_experts + e] += ld[e];
-            }
-            if (c->memory_report && a == 0 && tr->report_pending && tr->lead) {
-                fprintf(stderr, "memory report, step %lld (per layer and unit: kept/released bytes, replays)\n",
-                        (long long)step);
-                for (int64_t l = 0; l < nb; l++)
-                    for (int u = 0; u < DS4_NUM_UNITS; u++) {
-                        ds4_unit_report r = ds4_pass_unit_report(p, l, u);
-                        if (!r.bytes) continue;
-                        fprintf(stderr, "  layer %2lld %-13s %10lld B %-8s replays %lld (%.3f ms)\n", (long long)l,
-                                ds4_unit_name(u), (long long)r.bytes, r.released ? "released" : "kept",
-                                (long long)r.replays, 1e3 * r.replay_seconds);
-                    }
-            }
-        }
-        ds4_pass_free(p);
-        DS4_TRY(st);
-    }
-    ds4_train_state_scale_grads(tr->s, accum * tr->W); /* the mean over the global batch */
-    double v[4] = {sl->loss, sl->mtp, sl->idx, sl->total};
-    DS4_TRY(ds4_train_state_mean(tr->s, v, 4)); /* the mean over ranks */
-    *sl = (step_losses){v[0], v[1], v[2], v[3]};
-    return DS4_OK;
+/* ds4_train_step's source of micro-batches: the next one of this rank from the loader. */
+static ds4_status next_micro_batch(void *ctx, int32_t *ids) {
+    trainer *tr = ctx;
+    return ds4_data_next(tr->train, ids);
 }
 
-static ds4_status log_step(trainer *tr, int64_t step, const step_losses *sl, double gnorm, double lr, double dt) {
+/* --memory-report, the run's first step: per layer and unit, what the first micro-batch kept and replayed. */
+static void report_units(void *ctx, int64_t micro, const ds4_pass *p) {
+    trainer *tr = ctx;
+    if (!tr->cfg->memory_report || micro != 0 || !tr->report_pending || !tr->lead) return;
+    const ds4_config *mc = ds4_model_config(tr->m);
+    fprintf(stderr, "memory report, step %lld (per layer and unit: kept/released bytes, replays)\n",
+            (long long)tr->step);
+    for (int64_t l = 0; l < mc->n_layers + mc->n_mtp_layers; l++)
+        for (int u = 0; u < DS4_NUM_UNITS; u++) {
+            ds4_unit_report r = ds4_pass_unit_report(p, l, u);
+            if (!r.bytes) continue;
+            fprintf(stderr, "  layer %2lld %-13s %10lld B %-8s replays %lld (%.3f ms)\n", (long long)l,
+                    ds4_unit_name(u), (long long)r.bytes, r.released ? "released" : "kept", (long long)r.replays,
+                    1e3 * r.replay_seconds);
+        }
+}
+
+/* The arguments of step `step` of this run. */
+static ds4_step_args step_args(trainer *tr, int64_t step, double lr) {
+    const ds4_train_cfg *c = tr->cfg;
+    return (ds4_step_args){.step = step,
+                           .micro_batches = c->global_batch / (c->micro_batch * tr->W),
+                           .B = c->micro_batch,
+                           .T = c->seq_len,
+                           .ids = tr->ids,
+                           .next_ids = next_micro_batch,
+                           .ctx = tr,
+                           .loads = tr->loads,
+                           .csa_dense = step <= c->csa_dense_steps,
+                           .release_mask = ds4_recompute_any(&c->recompute) ? tr->masks : NULL,
+                           .adamw = &c->adamw,
+                           .lr = lr,
+                           .max_norm = c->max_norm,
+                           .router_bias_gamma = c->router_bias_gamma,
+                           .on_pass = report_units};
+}
+
+static ds4_status log_step(trainer *tr, int64_t step, const ds4_step_result *r, double lr, double dt) {
     const ds4_train_cfg *c = tr->cfg;
     ds4_mem_stats ms;
     ds4_mem_get(&ms);
@@ -402,14 +392,15 @@ static ds4_status log_step(trainer *tr, int64_t step, const step_losses *sl, dou
     double gib = (double)ms.peak_total / (1024.0 * 1024.0 * 1024.0);
     if (tr->lead && (step == 1 || step % c->log_freq == 0 || step == c->steps)) {
         printf("step %5lld  loss %7.4f  grad_norm %7.4f  memory %6.3fGiB  tps %8.0f  tflops %6.3f  mfu %5.2f%%\n",
-               (long long)step, sl->loss, gnorm, gib, tps, tflops, mfu);
+               (long long)step, r->loss, r->grad_norm, gib, tps, tflops, mfu);
         fflush(stdout);
         if (tr->jsonl) {
             fprintf(tr->jsonl,
                     "{\"step\": %lld, \"loss\": %.6f, \"mtp_loss\": %.6f, \"indexer_loss\": %.6f, \"total_loss\": %.6f, "
                     "\"grad_norm\": %.6f, \"lr\": %.6g, \"memory_gib\": %.6f, \"memory_bytes\": %lld, "
                     "\"activation_peak_bytes\": %lld, \"tps\": %.2f, \"tflops\": %.6f, \"mfu\": %.4f, \"step_time\": %.6f}\n",
-                    (long long)step, sl->loss, sl->mtp, sl->idx, sl->total, gnorm, lr, gib, (long long)ms.peak_total,
+                    (long long)step, r->loss, r->mtp_loss, r->indexer_loss, r->total_loss, r->grad_norm, lr, gib,
+                    (long long)ms.peak_total,
                     (long long)ms.peak[DS4_MEM_ACT], tps, tflops, mfu, dt);
             if (fflush(tr->jsonl) != 0 || ferror(tr->jsonl))
                 return ds4_fail(DS4_ERR_IO, "%s: cannot write the metrics of step %lld: %s", c->jsonl, (long long)step,
@@ -554,6 +545,19 @@ static void print_model_line(trainer *tr) {
                tr->W, (long long)c->ep, (long long)(c->global_batch / (c->micro_batch * tr->W)));
 }
 
+/* The peaks of the run's first step by category (--memory-report). */
+static void report_peaks(trainer *tr, int64_t step) {
+    if (tr->report_pending && tr->lead) {
+        ds4_mem_stats ms;
+        ds4_mem_get(&ms);
+        fprintf(stderr, "  step %lld peak by category:", (long long)step);
+        for (int k = 0; k < DS4_MEM_NCAT; k++)
+            fprintf(stderr, " %s %lld", ds4_mem_cat_name((ds4_mem_cat)k), (long long)ms.peak[k]);
+        fprintf(stderr, "; total %lld bytes\n", (long long)ms.peak_total);
+    }
+    tr->report_pending = false;
+}
+
 /* The steps after `start`. On failure *agreed says whether every rank failed the same way: a
  * non-finite loss or norm (both global) and a failed save (ds4_train_state_save agrees) are; anything
  * else may be this rank's alone. */
@@ -566,31 +570,16 @@ static ds4_status run_steps(trainer *tr, int64_t start, int64_t *last, bool *agr
         step++;
         double t0 = ds4_now(), lr = ds4_lr_at(&c->sched, step);
         ds4_mem_reset_peak();
-        step_losses sl;
-        double gnorm = 0;
-        st = train_step(tr, step, &sl);
-        if (st == DS4_OK) st = ds4_train_state_clip(tr->s, c->max_norm, &gnorm);
-        if (st != DS4_OK) break;
-        if (!isfinite(sl.total) || !isfinite(gnorm)) {
-            *agreed = true;
-            st = ds4_fail(DS4_ERR_INTERNAL, "step %lld: loss %g / grad norm %g is not finite", (long long)step,
-                          sl.total, gnorm);
+        tr->step = step;
+        const ds4_step_args args = step_args(tr, step, lr);
+        ds4_step_result r;
+        st = ds4_train_step(tr->s, &args, &r);
+        if (st != DS4_OK) {
+            *agreed = r.agreed;
             break;
         }
-        st = ds4_train_state_adamw_step(tr->s, &c->adamw, lr);
-        if (st != DS4_OK) break;
-        if (tr->report_pending && tr->lead) {
-            ds4_mem_stats ms;
-            ds4_mem_get(&ms);
-            fprintf(stderr, "  step %lld peak by category:", (long long)step);
-            for (int k = 0; k < DS4_MEM_NCAT; k++)
-                fprintf(stderr, " %s %lld", ds4_mem_cat_name((ds4_mem_cat)k), (long long)ms.peak[k]);
-            fprintf(stderr, "; total %lld bytes\n", (long long)ms.peak_total);
-        }
-        tr->report_pending = false;
-        st = ds4_train_state_router_bias(tr->s, tr->loads, c->router_bias_gamma);
-        if (st != DS4_OK) break;
-        st = ds4_train_agree(tr->world, log_step(tr, step, &sl, gnorm, lr, ds4_now() - t0)); /* rank 0 writes */
+        report_peaks(tr, step); /* after the whole step (its last part, the router bias rule, allocates nothing) */
+        st = ds4_train_agree(tr->world, log_step(tr, step, &r, lr, ds4_now() - t0)); /* rank 0 writes */
         if (st != DS4_OK) {
             *agreed = true;
             break;
