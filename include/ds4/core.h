@@ -91,7 +91,7 @@ size_t ds4_alloc_size(const void *p); /* bytes requested for p */
 /* Counts memory that is managed outside ds4_alloc (pages of a reserved range made resident or released
  * again, e.g. FSDP's gathered layer weights): delta bytes, positive or negative, under `cat`. */
 void ds4_mem_track(ds4_mem_cat cat, int64_t delta);
-/* The offload tier (DESIGN.md idea 3): bytes of `cat` that live outside memory, in an offload store
+/* The offload tier (docs/DESIGN.md idea 3): bytes of `cat` that live outside memory, in an offload store
  * (ds4/offload.h). Counted on their own: they never enter live/peak/live_total/peak_total above. */
 void ds4_mem_track_offload(ds4_mem_cat cat, int64_t delta);
 

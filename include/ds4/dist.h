@@ -1,5 +1,5 @@
 /* Many processes: communicators (single process | MPI | a simulated world for memplan), and FSDP with
- * expert parallelism around the model (DESIGN.md idea 6). The model sees full tensors of one group at a
+ * expert parallelism around the model (docs/DESIGN.md idea 6). The model sees full tensors of one group at a
  * time through ds4_param_hooks; this layer gathers them before use, reduce-scatters gradients after, and
  * moves MoE token rows to the experts' owners with all-to-all on a communicator of its own (the
  * practice report's fix: FSDP's all-gather / reduce-scatter never queue behind EP's all-to-all). */

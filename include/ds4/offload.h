@@ -1,4 +1,4 @@
-/* The offload tier (DESIGN.md idea 3): a backing store outside counted memory, and the two policies
+/* The offload tier (docs/DESIGN.md idea 3): a backing store outside counted memory, and the two policies
  * that use it, as MindSpeed names them:
  *   --swap-optimizer    AdamW moments (m and v) live in the store between updates (ds4/train.h:
  *                       ds4_adamw_swap_out); the update streams them through a bounded buffer.

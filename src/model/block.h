@@ -5,7 +5,7 @@
  * of a unit's outputs, release after their last forward reader when the pass's recompute mask says so,
  * replay (inputs first) before a backward reader, free after the last backward reader, and the per-unit
  * byte count of the memory report. Replays run the same deterministic forward, so losses and gradients
- * are bitwise those of a pass that keeps everything (DESIGN.md idea 2). */
+ * are bitwise those of a pass that keeps everything (docs/DESIGN.md idea 2). */
 #ifndef DS4_MODEL_BLOCK_H
 #define DS4_MODEL_BLOCK_H
 
