@@ -83,7 +83,7 @@ int64_t ds4_model_nregions(const ds4_model *m);
 const ds4_region *ds4_model_region(const ds4_model *m, int64_t i);
 /* Unmapped models: makes flat values (grad = false) or gradients [start, end) resident and zero,
  * counted as DS4_MEM_PARAM / DS4_MEM_GRAD; unmap returns the pages (contents are lost). Both must
- * cover whole regions. A no-op count-only in shape-only mode. */
+ * cover whole regions. A no-op count-only in a plan (memplan). */
 ds4_status ds4_model_map(ds4_model *m, int64_t start, int64_t end, bool grad);
 void ds4_model_unmap(ds4_model *m, int64_t start, int64_t end, bool grad);
 
@@ -104,7 +104,7 @@ typedef struct {
     void *ctx;
     int64_t e0, e1;          /* this rank's experts */
     /* Exchanges the per-expert counts cnt[E] of this rank's assignments (a collective of the EP group).
-     * In shape-only mode the counts are those of balanced routing. *out is one allocation: the model
+     * In a plan (memplan) the counts are those of balanced routing. *out is one allocation: the model
      * frees it with ds4_free. */
     ds4_status (*route)(void *ctx, const int64_t *cnt, ds4_ep_route **out);
     /* rows [N·K, width] in assignment order → recv [rows, width] (dispatch) and back (combine). */

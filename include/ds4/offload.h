@@ -9,7 +9,7 @@
  * pwrite and read back with pread: offloaded bytes leave the process's memory (the kernel may keep them
  * in its reclaimable page cache, which no allocator counts). Bytes held by the store are counted in the
  * offload tier of ds4_mem_stats (offload_live / offload_peak, by category), never in the memory tier.
- * Shape-only mode (memplan): the store opens no file and does no I/O; it only counts. */
+ * A plan (memplan): the store opens no file and does no I/O; it only counts. */
 #ifndef DS4_OFFLOAD_H
 #define DS4_OFFLOAD_H
 
@@ -23,7 +23,7 @@ extern "C" {
 typedef struct ds4_offload ds4_offload;
 
 /* Opens a store backed by a new, already unlinked file in `dir` (NULL or "": $TMPDIR, else /tmp).
- * Fails naming the directory and the OS error (missing, not writable, ...). In shape-only mode no file
+ * Fails naming the directory and the OS error (missing, not writable, ...). In a plan (memplan) no file
  * is made. One thread at a time per store. */
 ds4_status ds4_offload_open(const char *dir, ds4_offload **out);
 /* Drops every handle still held (their bytes leave the offload tier) and closes the file. NULL: no-op. */
