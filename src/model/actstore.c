@@ -17,8 +17,6 @@
 
 #include <string.h>
 
-_Static_assert(sizeof(block_acts) == 2112, "block_acts changed size: memplan's other-category bytes move");
-
 const char *unit_name(unit_id u) { return (unsigned)u < U_COUNT ? k_block_units[u]->name : "?"; }
 
 bool unit_runs_here(unit_id u, const block_acts *a) {

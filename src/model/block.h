@@ -104,10 +104,6 @@ typedef struct {
     int64_t ratio, Nc;
     const ds4_ep_ops *ep;   /* expert parallelism (NULL: every expert local) */
     ds4_ep_route *route;    /* where moe's assignments went under EP */
-    /* Keeps the struct at the 2112 bytes of the layout before the unit declarations, so memplan's
-     * DS4_MEM_OTHER bytes (the pass holds one block_acts per block) stay bit for bit comparable while
-     * issue 11 lands; drop it when the recorded memplan results are renewed. */
-    char layout_pad[1008];
 } block_acts;
 
 /* The saved output slot s of unit u, in the block_acts `a` in scope. */
