@@ -5,10 +5,12 @@ import os
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
+
 build = sys.argv[sys.argv.index("--build") + 1] if "--build" in sys.argv else "build"
 ds4 = os.path.join(build, "ds4")
 LEVELS = ["generic", "avx2", "avx512", "avx512bf16", "amx"]
-passed = failed = 0
 
 
 def run(args, isa=None):
@@ -18,14 +20,6 @@ def run(args, isa=None):
         env["DS4_ISA"] = isa
     return subprocess.run([ds4, *args], capture_output=True, text=True, timeout=60, env=env)
 
-
-def check(name, ok, detail=""):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL {name}: {detail}")
 
 
 def field(out, key):
@@ -62,5 +56,4 @@ for lv in bad:
         check(f"DS4_ISA={lv!r} {args[0]}", e.returncode == 2 and len(err) == 1 and "DS4_ISA" in err[0] and not e.stdout,
               f"rc={e.returncode} stderr={e.stderr!r}")
 
-print(f"test_cli_isa: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+finish("test_cli_isa")

@@ -41,6 +41,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, failed, finish  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "data", "golden.txt")
 THREADS = 2
@@ -52,16 +55,7 @@ DS4 = os.path.abspath(os.path.join(ROOT, build, "ds4") if not os.path.isabs(buil
 RECORD = "--record" in args
 KEEP = "--keep" in args
 ONLY = args[args.index("--only") + 1] if "--only" in args else ""
-passed = failed = 0
 
-
-def check(name, ok, detail=""):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL {name}: {detail}")
 
 
 def sha(b):
@@ -397,7 +391,7 @@ def main():
         if not RECORD:
             for name in (n for n in want if ONLY in n):
                 check(f"{name} still runs", name in attempted, "recorded case no longer produced")
-        elif failed == 0:
+        elif failed() == 0:
             write_golden(results)
             print(f"recorded {len(results)} cases in {os.path.relpath(GOLDEN, ROOT)}")
     finally:
@@ -412,5 +406,4 @@ if os.environ.get("DS4_SKIP_GOLDEN"):  # `make test-levels`: this test pins DS4_
     print("SKIP test_golden: DS4_SKIP_GOLDEN is set")
 else:
     main()
-print(f"test_golden: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+finish("test_golden")

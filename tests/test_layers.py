@@ -7,18 +7,12 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
+
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 script = os.path.join(root, "scripts", "check-layers.sh")
-passed = failed = 0
 
-
-def check(name, ok, detail=""):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL {name}: {detail}")
 
 
 def run(tree):
@@ -52,5 +46,4 @@ with tempfile.TemporaryDirectory() as tmp:
         check(f"{rel} + {inc} fails", r.returncode == 1, r.stdout)
         check(f"{rel} + {inc} is named", f"{rel}:{nlines + 1} {want}" in r.stdout, r.stdout)
 
-print(f"test_layers: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+finish("test_layers")
