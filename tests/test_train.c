@@ -3,6 +3,7 @@
 #include "ds4/shard.h"
 #include "ds4/trainer.h"
 #include "ds4/io.h"
+#include "ds4/kernels.h"
 #include "test.h"
 #include "test_files.h"
 

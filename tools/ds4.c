@@ -1,6 +1,7 @@
 /* ds4 command line: one subcommand per verb. */
 #include "cmds.h"
 #include "ds4/dist.h"
+#include "ds4/kernels.h"
 
 #include <stdio.h>
 #include <string.h>

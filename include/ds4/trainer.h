@@ -11,6 +11,7 @@
 #define DS4_TRAINER_H
 
 #include "ds4/dist.h"
+#include "ds4/kernels.h"
 #include "ds4/recompute.h"
 #include "ds4/toml.h"
 #include "ds4/train.h"
@@ -28,7 +29,7 @@ typedef struct {
     int64_t steps, seq_len, global_batch, micro_batch, seed, threads, csa_dense_steps;
     double max_norm, router_bias_gamma;
     double mtp_loss_weight, indexer_loss_coeff; /* < 0: keep the model config's value */
-    ds4_matmul_precision matmul_precision;      /* training.matmul_precision "fp32" (default) | "bf16" (AMX) */
+    ds4_matmul_precision matmul_precision;      /* training.matmul_precision "fp32" (default) | "bf16" */
     /* [optimizer] */
     ds4_adamw_cfg adamw;
     /* [lr_scheduler] */

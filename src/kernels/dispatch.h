@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "ds4/core.h"
+#include "ds4/kernels.h"
 
 /* Whether this build compiles the x86 engines: GCC on x86-64 (per-file target pragmas), unless the
  * build asks for the portable library only (-DDS4_PORTABLE_ONLY, what a non-x86 target gets) or leaves

@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "ds4/core.h"
+#include "ds4/kernels.h"
 #include "kernels/backend.h"
 
 /* ================================================================ gemm (gemm.c, cpu/gemm.c, x86/)

@@ -5,6 +5,7 @@
 
 #include "ds4/data.h"
 #include "ds4/io.h"
+#include "ds4/kernels.h"
 
 #include <errno.h>
 #include <math.h>

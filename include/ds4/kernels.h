@@ -1,0 +1,50 @@
+/* The public switches of the kernel layer: the GEMM precision and the ISA level of the cpu backend's
+ * engines (src/kernels/dispatch.c implements them). */
+#ifndef DS4_PUBLIC_KERNELS_H
+#define DS4_PUBLIC_KERNELS_H
+
+#include "ds4/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- matmul precision */
+/* Process-wide precision of the GEMM kernels (gemm_nt/nn/tn). FP32 (the default): fp32 operands and
+ * arithmetic. BF16: operands rounded to bf16 (nearest even), their exact products accumulated in fp32,
+ * fp32 output: on AMX tiles, AVX512-BF16 dot products, or fp32 FMAs of the rounded operands, whichever
+ * the CPU has (ds4_isa_current). Every CPU runs it. Set it before work starts, not while GEMMs run. */
+typedef enum { DS4_MATMUL_FP32 = 0, DS4_MATMUL_BF16 } ds4_matmul_precision;
+ds4_status ds4_set_matmul_precision(ds4_matmul_precision p);
+ds4_matmul_precision ds4_get_matmul_precision(void);
+const char *ds4_matmul_precision_name(ds4_matmul_precision p); /* "fp32", "bf16" */
+
+/* ---------------------------------------------------------------- kernel engines (ISA levels) */
+/* The kernels are built for the target's baseline; engines for richer instruction sets are compiled
+ * on the side and chosen at run time, once, from CPUID (and, for AMX, Linux's tile permission). Levels
+ * are ordered: each includes the ones below it. The environment variable DS4_ISA (generic, avx2,
+ * avx512, avx512bf16, amx) caps the level, e.g. to test the portable path on a big machine. */
+typedef enum {
+    DS4_ISA_GENERIC = 0, /* portable C: the reference GEMMs */
+    DS4_ISA_AVX2,        /* AVX2 + FMA */
+    DS4_ISA_AVX512,      /* AVX-512 F/VL/BW/DQ */
+    DS4_ISA_AVX512BF16,  /* + AVX512-BF16 */
+    DS4_ISA_AMX,         /* + AMX-TILE, AMX-BF16, tile data granted by the OS */
+    DS4_ISA_COUNT
+} ds4_isa;
+const char *ds4_isa_name(ds4_isa isa);             /* "generic", "avx2", ... */
+bool ds4_isa_parse(const char *s, ds4_isa *out);   /* the inverse; false for an unknown name */
+ds4_isa ds4_isa_best(void);                        /* the best level this CPU and OS run */
+ds4_isa ds4_isa_current(void);                     /* the level the kernels use now */
+/* Use at most `isa` from now on. Fails (level unchanged) when the CPU lacks it; the message says what
+ * is missing. Not while kernels run. */
+ds4_status ds4_isa_select(ds4_isa isa);
+/* Applies DS4_ISA if set: an unknown name or a level above the CPU's is an error naming the variable. */
+ds4_status ds4_isa_from_env(void);
+/* What was found and chosen, several lines for `ds4 info`: CPU features, level, engine of each family. */
+void ds4_isa_describe(char *buf, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
