@@ -371,12 +371,12 @@ static void test_isa_switch(void) {
 
 /* ---------------------------------------------------------------- memory */
 
-/* WORK bytes (peak above live) of one bf16 GEMM, real or shape-only, with the workspace reserved (in
- * the same mode, as a model does) or not. */
-static int64_t work_peak_of(int op, bool shape_only, bool reserve, const float *A, const float *B, float *C,
+/* WORK bytes (peak above live) of one bf16 GEMM, real or in a plan context, with the workspace reserved
+ * (in the same context, as a model does) or not. */
+static int64_t work_peak_of(int op, bool plan, bool reserve, const float *A, const float *B, float *C,
                             int64_t M, int64_t N, int64_t K) {
     ds4_mem_stats s0, s1;
-    ds4_set_shape_only(shape_only);
+    const ds4_exec prev = ds4_exec_enter(&(ds4_exec){.plan = plan});
     if (reserve) gemm_workspace_reserve();
     ds4_mem_reset_peak();
     ds4_mem_get(&s0);
@@ -384,7 +384,7 @@ static int64_t work_peak_of(int op, bool shape_only, bool reserve, const float *
     fast_of(op)(M, N, K, A, lda, B, ldb, C, N, 0.0f);
     ds4_mem_get(&s1);
     if (reserve) gemm_workspace_release();
-    ds4_set_shape_only(false);
+    ds4_exec_leave(prev);
     return s1.peak[DS4_MEM_WORK] - s0.live[DS4_MEM_WORK];
 }
 

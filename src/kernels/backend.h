@@ -4,7 +4,7 @@
  * Backends today (README.md in this folder says how to add one, e.g. CUDA):
  *  - "cpu"  (cpu/, x86/): portable C with OpenMP and vector types; its GEMM runs the engine that
  *           dispatch.c picks from the CPU at start (ISA level, DS4_ISA caps it).
- *  - "plan" (plan.c): what memplan runs (shape-only mode): no data is touched; the entries that
+ *  - "plan" (plan.c): what a plan step runs (memplan): no data is touched; the entries that
  *           allocate workspace in the cpu backend allocate and free the same bytes, so a plan counts
  *           what a real step allocates; every other entry is NULL (the wrapper does nothing).
  * ds4_kernels() is the one place that picks between them. */
@@ -93,7 +93,8 @@ typedef struct ds4_kernel_backend {
     X(indexer_kl_fwd_bwd) X(moe_gate_fwd) X(moe_gate_bwd) X(swiglu_fwd) X(swiglu_bwd)                       \
     X(cross_entropy_fwd_bwd)
 
-/* The table in use: the plan backend in shape-only mode, else the compute backend. */
+/* The table in use: the plan backend while the allocator serves a plan (ds4_exec_current), else the
+ * compute backend. */
 const ds4_kernel_backend *ds4_kernels(void);
 /* The backends, for tests and `ds4 info`. */
 const ds4_kernel_backend *ds4_kernel_backend_cpu(void);

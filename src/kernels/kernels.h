@@ -12,7 +12,7 @@
  *    in named fields; a backward takes the same descriptor (its outputs are then read) plus
  *    `<op>_grads` (the incoming gradient and the gradient outputs).
  *  - Every function here calls through the kernel backend table (backend.h): the cpu backend
- *    (cpu/, x86/) computes; in shape-only mode (memplan) the plan backend touches no data and only
+ *    (cpu/, x86/) computes; in a plan (memplan) the plan backend touches no data and only
  *    counts the workspace the cpu backend would allocate. README.md in this folder says how a backend
  *    (CUDA) slots in.
  */

@@ -123,7 +123,8 @@ static block_ctx make_ctx(ds4_pass *p, int64_t layer, const int32_t *ids) {
                        .ep = p->opts.hooks ? p->opts.hooks->ep : NULL,
                        .force_balance = p->opts.moe_force_balance,
                        .rope_main = &p->m->rope_main,
-                       .rope_cmp = &p->m->rope_cmp};
+                       .rope_cmp = &p->m->rope_cmp,
+                       .plan = p->m->exec.plan};
 }
 
 /* A caller that keeps the logits (debug-state) also gets every CSA layer's top-k, whatever the
@@ -194,7 +195,7 @@ static ds4_status gather_for_backward(ds4_pass *p, int64_t group) {
 static ds4_status finish_backward(ds4_pass *p, int64_t group) {
     const ds4_config *c = &p->m->cfg;
     int64_t l = group == group_mtp(c) ? c->n_layers : group - 1;
-    if (l >= 0 && l < n_blocks(c) && group != group_head(c) && p->m->g.blocks[l].gate_bias && !ds4_shape_only())
+    if (l >= 0 && l < n_blocks(c) && group != group_head(c) && p->m->g.blocks[l].gate_bias && !p->m->exec.plan)
         memset(p->m->g.blocks[l].gate_bias, 0, (size_t)c->n_routed_experts * sizeof(float));
     ds4_status st = grad_end(p, group);
     drop(p, group);
@@ -222,7 +223,7 @@ static ds4_status head_fwd(ds4_pass *p, head_acts *h, const float *X, const floa
     rmsnorm_fwd(h->yn, h->rstd, h->y, normw, N, D, (float)c->norm_eps);
     linear_fwd(h->logits, h->yn, m->w.head, N, D, V);
     /* position t predicts ids[t + shift] */
-    for (int64_t b = 0; b < (ds4_shape_only() ? 0 : p->B); b++)
+    for (int64_t b = 0; b < (p->m->exec.plan ? 0 : p->B); b++)
         for (int64_t t = 0; t < p->T; t++)
             h->targets[b * p->T + t] = t + shift < p->T ? p->ids[b * p->T + t + shift] : -1;
     cross_entropy_fwd_bwd(&h->loss_sum, &h->n_scored, NULL, h->logits, h->targets, N, V, 0.0f);
@@ -283,7 +284,7 @@ static ds4_status mtp_input_fwd(ds4_pass *p) {
     linear_fwd(ep, p->m_en, m->w.e_proj, N, D, D);
     rmsnorm_fwd(p->m_hn, p->m_hn_rstd, p->X[c->n_layers], m->w.hnorm, N * n, D, eps);
     linear_fwd(p->m_X0, p->m_hn, m->w.h_proj, N * n, D, D);
-    for (int64_t t = 0; t < (ds4_shape_only() ? 0 : N); t++)
+    for (int64_t t = 0; t < (p->m->exec.plan ? 0 : N); t++)
         for (int64_t k = 0; k < n; k++) {
             float *dst = p->m_X0 + (t * n + k) * D;
             for (int64_t d = 0; d < D; d++) dst[d] += ep[t * D + d];
@@ -306,7 +307,7 @@ static ds4_status mtp_input_bwd(ds4_pass *p, const float *dX0, float *dXL) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory in the MTP input backward");
         goto done;
     }
-    for (int64_t t = 0; t < (ds4_shape_only() ? 0 : N); t++)
+    for (int64_t t = 0; t < (p->m->exec.plan ? 0 : N); t++)
         for (int64_t k = 0; k < n; k++)
             for (int64_t d = 0; d < D; d++) dep[t * D + d] += dX0[(t * n + k) * D + d];
     linear_bwd(den, m->g.e_proj, dep, p->m_en, m->w.e_proj, N, D, D);
@@ -412,8 +413,8 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
         st = ds4_fail(DS4_ERR_OOM, "out of memory starting the forward pass");
         goto fail;
     }
-    const bool shape = ds4_shape_only(); /* memplan: allocate as usual, touch no data */
-    if (!shape) {
+    const bool plan = p->m->exec.plan; /* memplan: allocate as usual, touch no data */
+    if (!plan) {
         memcpy(p->ids, ids, (size_t)N * sizeof(int32_t));
         for (int64_t b = 0; b < B; b++)
             for (int64_t t = 0; t < T; t++) p->ids_next[b * T + t] = t + 1 < T ? ids[b * T + t + 1] : 0;
@@ -428,7 +429,7 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     if ((st = gather(p, 0)) != DS4_OK) goto fail;
     embedding_fwd(p->X[0], m->w.embed, p->ids, N, D);
     drop(p, 0);
-    for (int64_t t = shape ? -1 : N - 1; t >= 0; t--)
+    for (int64_t t = plan ? -1 : N - 1; t >= 0; t--)
         for (int64_t k = n - 1; k >= 0; k--)
             memmove(p->X[0] + (t * n + k) * D, p->X[0] + t * D, (size_t)D * sizeof(float));
     /* blocks */
@@ -510,7 +511,7 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
         float *de = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
         if (!de) st = ds4_fail(DS4_ERR_OOM, "out of memory in embedding backward");
         else {
-            for (int64_t t = 0; t < (ds4_shape_only() ? 0 : N); t++)
+            for (int64_t t = 0; t < (p->m->exec.plan ? 0 : N); t++)
                 for (int64_t k = 0; k < n; k++)
                     for (int64_t d = 0; d < D; d++) de[t * D + d] += dX[(t * n + k) * D + d];
             embedding_bwd(m->g.embed, de, p->ids, N, D);
