@@ -150,6 +150,12 @@ static void test_plan_touches_no_data(void) {
     rmsnorm_fwd(NULL, NULL, NULL, NULL, 8, 16, 1e-6f);
     cross_entropy_fwd_bwd(NULL, NULL, NULL, NULL, NULL, 8, 16, 1.0f);
     gemm_nt(GM, GN, GK, NULL, GK, NULL, GK, NULL, GN, 0);
+    tensor_copy(NULL, NULL, 64); /* the model's copies and fills are ops too: skipped in a plan */
+    tensor_zero(NULL, 64);
+    shift_ids(NULL, NULL, 2, 8, 1, 0);
+    streams_expand(NULL, 8, 4, 16);
+    streams_add(NULL, NULL, 8, 4, 16);
+    streams_sum(NULL, NULL, 8, 4, 16);
     ds4_exec_leave(prev);
     CHECK(kl == 0 && rows == 0, "the plan KL loss writes 0 rows and loss 0, as the kernel does before computing");
 }

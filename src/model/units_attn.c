@@ -528,7 +528,7 @@ static float *inverse_roped_o(const block_ctx *bc, const block_acts *a) {
     const int64_t N = bc->B * bc->T, H = c->n_heads, hd = c->head_dim;
     float *o_r = work(N * H * hd);
     if (!o_r) return NULL;
-    if (!bc->plan) memcpy(o_r, F32(U_SPARSE_ATTN, SA_O), (size_t)(N * H * hd) * sizeof(float));
+    tensor_copy(o_r, F32(U_SPARSE_ATTN, SA_O), (size_t)(N * H * hd) * sizeof(float));
     rope_fwd(o_r, &(rope_args){.N = N, .H = H, .hd = hd, .period = bc->T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = true});
     return o_r;

@@ -259,7 +259,7 @@ static ds4_status moe_fwd(const block_ctx *bc, block_acts *a) {
     const int64_t R = bc->ep ? a->route->rows : N * K; /* routed rows computed here */
     float *ffn_out = F32(U_MOE, MOE_OUT), *sh1 = F32(U_MOE, MOE_SH1), *sh3 = F32(U_MOE, MOE_SH3);
     const float *xf = F32(U_FFN_NORM, NORM_X);
-    if (!plan) memset(ffn_out, 0, (size_t)(N * D) * sizeof(float));
+    tensor_zero(ffn_out, (size_t)(N * D) * sizeof(float));
     const int64_t Rmax = R > N * K ? R : N * K;
     float *wj = work(N * K), *act = work(Rmax * I > N * Is ? Rmax * I : N * Is),
         *ye = work(N * (K * D > D ? K * D : D));
@@ -414,13 +414,12 @@ static void shared_expert_bwd(const block_ctx *bc, block_acts *a, block_grads *g
     UNIT_PROLOGUE;
     const int64_t Is = c->moe_inter_dim * c->n_shared_experts;
     const float limit = (float)c->swiglu_limit;
-    const bool plan = bc->plan; /* memplan: no data */
     const float *sh1 = F32(U_MOE, MOE_SH1), *sh3 = F32(U_MOE, MOE_SH3), *xf = F32(U_FFN_NORM, NORM_X);
     swiglu_fwd(s->act, sh1, sh3, N, Is, limit);
-    if (!plan) memset(s->dact, 0, (size_t)(N * Is) * sizeof(float));
+    tensor_zero(s->dact, (size_t)(N * Is) * sizeof(float));
     linear_bwd(s->dact, Gw->shared.w2, g->dffn, s->act, W->shared.w2, N, Is, D);
-    if (!plan) memset(s->dh1, 0, (size_t)(N * Is) * sizeof(float));
-    if (!plan) memset(s->dh3, 0, (size_t)(N * Is) * sizeof(float));
+    tensor_zero(s->dh1, (size_t)(N * Is) * sizeof(float));
+    tensor_zero(s->dh3, (size_t)(N * Is) * sizeof(float));
     swiglu_bwd(s->dh1, s->dh3, s->dact, sh1, sh3, N, Is, limit);
     linear_bwd(g->dxf, Gw->shared.w1, s->dh1, xf, W->shared.w1, N, D, Is);
     linear_bwd(g->dxf, Gw->shared.w3, s->dh3, xf, W->shared.w3, N, D, Is);
