@@ -2,7 +2,7 @@
  * AVX512-BF16 dot products, fp32 FMAs of rounded operands on AVX-512 or AVX2, the VDPBF16PS panel
  * layout with a portable tile, the portable reference) against the bf16 reference on edge shapes with
  * a derived bound, determinism over threads and runs, the precision and ISA switches and their errors,
- * and memory that does not depend on the data (shape-only runs count the same bytes). An engine the CPU
+ * and memory that does not depend on the data (a plan run counts the same bytes). An engine the CPU
  * lacks is reported as skipped. */
 #include <float.h>
 #include <omp.h>
@@ -388,7 +388,7 @@ static int64_t work_peak_of(int op, bool plan, bool reserve, const float *A, con
     return s1.peak[DS4_MEM_WORK] - s0.live[DS4_MEM_WORK];
 }
 
-/* The packing buffers depend on the shape only: a shape-only run (memplan) counts what a real run
+/* The packing buffers depend on the shape only: a run in a plan context (memplan) counts what a real run
  * allocates; with the workspace reserved the bf16 slices fit in it (nothing more allocated) and the
  * result bits do not depend on which buffers were used. */
 static void test_memory(void) {
@@ -400,7 +400,7 @@ static void test_memory(void) {
     for (int op = 0; op < 3; op++) {
         int64_t real = work_peak_of(op, false, false, A, B, c1, M, N, K);
         int64_t plan = work_peak_of(op, true, false, A, B, c2, M, N, K);
-        CHECK(real > 0 && real == plan, "gemm_%s: real run %lld WORK bytes, shape-only %lld", OP_NAME[op],
+        CHECK(real > 0 && real == plan, "gemm_%s: real run %lld WORK bytes, plan %lld", OP_NAME[op],
               (long long)real, (long long)plan);
         int64_t pooled = work_peak_of(op, false, true, A, B, c2, M, N, K);
         int64_t pooled_plan = work_peak_of(op, true, true, A, B, c2, M, N, K);
