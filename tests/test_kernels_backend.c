@@ -1,4 +1,4 @@
-/* The kernel backend seam: the cpu table fills every entry, shape-only mode runs the plan table, and
+/* The kernel backend seam: the cpu table fills every entry, a plan context runs the plan table, and
  * each plan entry counts exactly the workspace its cpu kernel allocates (memplan's byte-for-byte
  * prediction rests on it) while touching no data. */
 #include <stdint.h>
@@ -7,16 +7,18 @@
 #include "kernels/kernels.h"
 #include "test.h"
 
+static const ds4_exec k_plan_ctx = {.plan = true}; /* the context of a plan step (memplan) */
+
 static void test_tables(void) {
     const ds4_kernel_backend *cpu = ds4_kernel_backend_cpu(), *plan = ds4_kernel_backend_plan();
     const char *missing = ds4_kernel_backend_missing(cpu);
     CHECK(missing == NULL, "the cpu backend lacks %s", missing);
     CHECK(!strcmp(cpu->name, "cpu") && !strcmp(plan->name, "plan"), "names %s, %s", cpu->name, plan->name);
     CHECK(ds4_kernel_backend_missing(plan) != NULL, "the plan backend computes nothing: it has NULL entries");
-    CHECK(ds4_kernels() == cpu, "the cpu backend runs outside shape-only mode");
-    ds4_set_shape_only(true);
-    CHECK(ds4_kernels() == plan, "the plan backend runs in shape-only mode");
-    ds4_set_shape_only(false);
+    CHECK(ds4_kernels() == cpu, "the cpu backend runs in a real context");
+    const ds4_exec prev = ds4_exec_enter(&k_plan_ctx);
+    CHECK(ds4_kernels() == plan, "the plan backend runs while the allocator serves a plan");
+    ds4_exec_leave(prev);
     CHECK(ds4_kernels() == cpu, "and the cpu backend again after it");
 }
 
@@ -38,16 +40,16 @@ static ws_use measure_end(ws_use b) {
     return (ws_use){s.peak[DS4_MEM_WORK] - b.peak, s.n_allocs - b.allocs, s.live[DS4_MEM_WORK] - b.left};
 }
 
-/* Runs fn(ctx) for real, then in shape-only mode, and compares the workspace both used. */
+/* Runs fn(ctx) for real, then in a plan context, and compares the workspace both used. */
 static void check_same_workspace(const char *what, void (*fn)(void *), void *ctx, bool expect_some) {
     ws_use b = measure_begin();
     fn(ctx);
     ws_use real = measure_end(b);
-    ds4_set_shape_only(true);
+    const ds4_exec prev = ds4_exec_enter(&k_plan_ctx);
     b = measure_begin();
     fn(ctx);
     ws_use plan = measure_end(b);
-    ds4_set_shape_only(false);
+    ds4_exec_leave(prev);
     CHECK(real.peak == plan.peak && real.allocs == plan.allocs,
           "%s: real %lld bytes in %lld allocations, plan %lld in %lld", what, (long long)real.peak,
           (long long)real.allocs, (long long)plan.peak, (long long)plan.allocs);
@@ -135,7 +137,7 @@ static void test_plan_counts_the_cpu_workspace(void) {
 
 /* The plan entries never read or write a tensor: every data pointer NULL, no crash, no output. */
 static void test_plan_touches_no_data(void) {
-    ds4_set_shape_only(true);
+    const ds4_exec prev = ds4_exec_enter(&k_plan_ctx);
     double kl = -1;
     int64_t rows = -1;
     sparse_attn_args a = {.dims = {.B = B, .T = T, .H = H, .c = C, .window = 8, .ratio = 4, .Nc = NC, .K = KSEL}};
@@ -148,7 +150,13 @@ static void test_plan_touches_no_data(void) {
     rmsnorm_fwd(NULL, NULL, NULL, NULL, 8, 16, 1e-6f);
     cross_entropy_fwd_bwd(NULL, NULL, NULL, NULL, NULL, 8, 16, 1.0f);
     gemm_nt(GM, GN, GK, NULL, GK, NULL, GK, NULL, GN, 0);
-    ds4_set_shape_only(false);
+    tensor_copy(NULL, NULL, 64); /* the model's copies and fills are ops too: skipped in a plan */
+    tensor_zero(NULL, 64);
+    shift_ids(NULL, NULL, 2, 8, 1, 0);
+    streams_expand(NULL, 8, 4, 16);
+    streams_add(NULL, NULL, 8, 4, 16);
+    streams_sum(NULL, NULL, 8, 4, 16);
+    ds4_exec_leave(prev);
     CHECK(kl == 0 && rows == 0, "the plan KL loss writes 0 rows and loss 0, as the kernel does before computing");
 }
 

@@ -2,7 +2,7 @@
  * AVX512-BF16 dot products, fp32 FMAs of rounded operands on AVX-512 or AVX2, the VDPBF16PS panel
  * layout with a portable tile, the portable reference) against the bf16 reference on edge shapes with
  * a derived bound, determinism over threads and runs, the precision and ISA switches and their errors,
- * and memory that does not depend on the data (shape-only runs count the same bytes). An engine the CPU
+ * and memory that does not depend on the data (a plan run counts the same bytes). An engine the CPU
  * lacks is reported as skipped. */
 #include <float.h>
 #include <omp.h>
@@ -371,12 +371,12 @@ static void test_isa_switch(void) {
 
 /* ---------------------------------------------------------------- memory */
 
-/* WORK bytes (peak above live) of one bf16 GEMM, real or shape-only, with the workspace reserved (in
- * the same mode, as a model does) or not. */
-static int64_t work_peak_of(int op, bool shape_only, bool reserve, const float *A, const float *B, float *C,
+/* WORK bytes (peak above live) of one bf16 GEMM, real or in a plan context, with the workspace reserved
+ * (in the same context, as a model does) or not. */
+static int64_t work_peak_of(int op, bool plan, bool reserve, const float *A, const float *B, float *C,
                             int64_t M, int64_t N, int64_t K) {
     ds4_mem_stats s0, s1;
-    ds4_set_shape_only(shape_only);
+    const ds4_exec prev = ds4_exec_enter(&(ds4_exec){.plan = plan});
     if (reserve) gemm_workspace_reserve();
     ds4_mem_reset_peak();
     ds4_mem_get(&s0);
@@ -384,11 +384,11 @@ static int64_t work_peak_of(int op, bool shape_only, bool reserve, const float *
     fast_of(op)(M, N, K, A, lda, B, ldb, C, N, 0.0f);
     ds4_mem_get(&s1);
     if (reserve) gemm_workspace_release();
-    ds4_set_shape_only(false);
+    ds4_exec_leave(prev);
     return s1.peak[DS4_MEM_WORK] - s0.live[DS4_MEM_WORK];
 }
 
-/* The packing buffers depend on the shape only: a shape-only run (memplan) counts what a real run
+/* The packing buffers depend on the shape only: a run in a plan context (memplan) counts what a real run
  * allocates; with the workspace reserved the bf16 slices fit in it (nothing more allocated) and the
  * result bits do not depend on which buffers were used. */
 static void test_memory(void) {
@@ -400,7 +400,7 @@ static void test_memory(void) {
     for (int op = 0; op < 3; op++) {
         int64_t real = work_peak_of(op, false, false, A, B, c1, M, N, K);
         int64_t plan = work_peak_of(op, true, false, A, B, c2, M, N, K);
-        CHECK(real > 0 && real == plan, "gemm_%s: real run %lld WORK bytes, shape-only %lld", OP_NAME[op],
+        CHECK(real > 0 && real == plan, "gemm_%s: real run %lld WORK bytes, plan %lld", OP_NAME[op],
               (long long)real, (long long)plan);
         int64_t pooled = work_peak_of(op, false, true, A, B, c2, M, N, K);
         int64_t pooled_plan = work_peak_of(op, true, true, A, B, c2, M, N, K);

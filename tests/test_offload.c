@@ -128,17 +128,18 @@ static void test_store_errors(void) {
     ds4_offload_close(s);
 }
 
-/* Shape-only: counts, no file. */
-static void test_store_shape_only(void) {
-    ds4_set_shape_only(true);
+/* A plan store: counts, no file. */
+static void test_store_plan(void) {
+    const ds4_exec plan = {.plan = true};
+    const ds4_exec prev = ds4_exec_enter(&plan);
     ds4_offload *s;
-    ds4_status st = ds4_offload_open("/nonexistent-ds4-dir", &s);
+    ds4_status st = ds4_offload_open_for(&plan, "/nonexistent-ds4-dir", &s);
     int64_t h = -1;
     if (st == DS4_OK) st = ds4_offload_alloc(s, DS4_MEM_OPTIM, 1 << 30, &h);
     ds4_mem_stats m;
     ds4_mem_get(&m);
-    ds4_set_shape_only(false);
-    CHECK(st == DS4_OK, "shape-only opens no file: %s", ds4_errmsg());
+    ds4_exec_leave(prev);
+    CHECK(st == DS4_OK, "a plan store opens no file: %s", ds4_errmsg());
     CHECK(m.offload_live[DS4_MEM_OPTIM] == 1 << 30, "and counts the bytes");
     if (st == DS4_OK) ds4_offload_close(s);
 }
@@ -402,7 +403,7 @@ int main(void) {
     ds4_set_threads(2);
     RUN(test_store_round_trip);
     RUN(test_store_errors);
-    RUN(test_store_shape_only);
+    RUN(test_store_plan);
     RUN(test_swap_optimizer_equals_resident);
     RUN(test_swap_optimizer_checkpoint);
     RUN(test_swap_layer_input_tiny_a);

@@ -126,11 +126,10 @@ typedef struct {
  * other threads allocate. */
 ds4_exec ds4_exec_enter(const ds4_exec *x);
 void ds4_exec_leave(ds4_exec prev);
-/* Whether the allocator's current context is a plan: for the code that is not handed its context yet
- * (the model's units, the kernels, the offload store). ds4_set_shape_only(on) enters a plan (on) or a
- * real context without an owner (tests). */
-bool ds4_shape_only(void);
-void ds4_set_shape_only(bool on);
+/* The context the allocator serves now. Everything else is handed its context by whoever made it (the
+ * model and the offload store when created, FSDP by its communicator); the kernel layer alone reads this
+ * one, to pick the backend table for the allocations it makes. */
+ds4_exec ds4_exec_current(void);
 
 /* Allocation-failure injection (tests only, SQLite's discipline): the n-th allocation from now fails as
  * if memory ran out (NULL and the usual out-of-memory message), once; n <= 0 disables. Counted: ds4_alloc,

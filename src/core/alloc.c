@@ -68,8 +68,7 @@ ds4_exec ds4_exec_enter(const ds4_exec *x) {
     return prev;
 }
 void ds4_exec_leave(ds4_exec prev) { g_exec = prev; }
-bool ds4_shape_only(void) { return g_exec.plan; }
-void ds4_set_shape_only(bool on) { g_exec.plan = on; }
+ds4_exec ds4_exec_current(void) { return g_exec; }
 
 /* A plan allocation of `cat` has only its header behind it. */
 static bool unbacked(ds4_mem_cat cat) { return g_exec.plan && cat != DS4_MEM_OTHER; }

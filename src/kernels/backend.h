@@ -4,7 +4,7 @@
  * Backends today (README.md in this folder says how to add one, e.g. CUDA):
  *  - "cpu"  (cpu/, x86/): portable C with OpenMP and vector types; its GEMM runs the engine that
  *           dispatch.c picks from the CPU at start (ISA level, DS4_ISA caps it).
- *  - "plan" (plan.c): what memplan runs (shape-only mode): no data is touched; the entries that
+ *  - "plan" (plan.c): what a plan step runs (memplan): no data is touched; the entries that
  *           allocate workspace in the cpu backend allocate and free the same bytes, so a plan counts
  *           what a real step allocates; every other entry is NULL (the wrapper does nothing).
  * ds4_kernels() is the one place that picks between them. */
@@ -12,6 +12,7 @@
 #define DS4_KERNELS_BACKEND_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "ds4/core.h"
@@ -81,6 +82,12 @@ typedef struct ds4_kernel_backend {
                        int64_t I, float limit);
     void (*cross_entropy_fwd_bwd)(double *loss_sum, int64_t *n_scored, float *dlogits, const float *logits,
                                   const int32_t *targets, int64_t N, int64_t V, float grad_scale);
+    void (*tensor_copy)(void *dst, const void *src, size_t bytes);
+    void (*tensor_zero)(void *dst, size_t bytes);
+    void (*shift_ids)(int32_t *out, const int32_t *ids, int64_t B, int64_t T, int64_t shift, int32_t fill);
+    void (*streams_expand)(float *X, int64_t N, int64_t n, int64_t D);
+    void (*streams_add)(float *X, const float *x, int64_t N, int64_t n, int64_t D);
+    void (*streams_sum)(float *dx, const float *dX, int64_t N, int64_t n, int64_t D);
 } ds4_kernel_backend;
 
 /* Every entry of the table, for checks that walk it (X(name) per entry). */
@@ -91,9 +98,11 @@ typedef struct ds4_kernel_backend {
     X(hc_pre_fwd) X(hc_pre_bwd) X(hc_post_fwd) X(hc_post_bwd) X(hc_head_fwd) X(hc_head_bwd)                 \
     X(compressor_pool_fwd) X(compressor_pool_bwd) X(sparse_attn_fwd) X(sparse_attn_bwd) X(indexer_topk_fwd) \
     X(indexer_kl_fwd_bwd) X(moe_gate_fwd) X(moe_gate_bwd) X(swiglu_fwd) X(swiglu_bwd)                       \
-    X(cross_entropy_fwd_bwd)
+    X(cross_entropy_fwd_bwd) X(tensor_copy) X(tensor_zero) X(shift_ids) X(streams_expand) X(streams_add)    \
+    X(streams_sum)
 
-/* The table in use: the plan backend in shape-only mode, else the compute backend. */
+/* The table in use: the plan backend while the allocator serves a plan (ds4_exec_current), else the
+ * compute backend. */
 const ds4_kernel_backend *ds4_kernels(void);
 /* The backends, for tests and `ds4 info`. */
 const ds4_kernel_backend *ds4_kernel_backend_cpu(void);

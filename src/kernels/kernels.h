@@ -12,7 +12,7 @@
  *    in named fields; a backward takes the same descriptor (its outputs are then read) plus
  *    `<op>_grads` (the incoming gradient and the gradient outputs).
  *  - Every function here calls through the kernel backend table (backend.h): the cpu backend
- *    (cpu/, x86/) computes; in shape-only mode (memplan) the plan backend touches no data and only
+ *    (cpu/, x86/) computes; in a plan (memplan) the plan backend touches no data and only
  *    counts the workspace the cpu backend would allocate. README.md in this folder says how a backend
  *    (CUDA) slots in.
  */
@@ -397,6 +397,41 @@ static inline void cross_entropy_fwd_bwd(double *loss_sum, int64_t *n_scored, fl
     const ds4_kernel_backend *k = ds4_kernels();
     if (k->cross_entropy_fwd_bwd)
         k->cross_entropy_fwd_bwd(loss_sum, n_scored, dlogits, logits, targets, N, V, grad_scale);
+}
+
+/* ================================================================ data movement (cpu/data.c)
+ * The model's copies and fills, as ops: a plan (memplan) then skips them with every other op. */
+/* dst[bytes] = src[bytes] (no overlap). */
+static inline void tensor_copy(void *dst, const void *src, size_t bytes) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->tensor_copy) k->tensor_copy(dst, src, bytes);
+}
+/* dst[bytes] = 0. */
+static inline void tensor_zero(void *dst, size_t bytes) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->tensor_zero) k->tensor_zero(dst, bytes);
+}
+/* Token ids shifted left along each sequence: out[b, t] = ids[b, t + shift] while t + shift < T, else
+ * fill. out, ids: [B, T] (shift 0: a copy). */
+static inline void shift_ids(int32_t *out, const int32_t *ids, int64_t B, int64_t T, int64_t shift, int32_t fill) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->shift_ids) k->shift_ids(out, ids, B, T, shift, fill);
+}
+/* The n residual streams of one row (§3): X [N, n, D], whose first N·D floats hold x [N, D] on entry,
+ * gets X[t, k] = x[t] for every k, in place. */
+static inline void streams_expand(float *X, int64_t N, int64_t n, int64_t D) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->streams_expand) k->streams_expand(X, N, n, D);
+}
+/* X[t, k] += x[t] for every stream k. X: [N, n, D]; x: [N, D]. */
+static inline void streams_add(float *X, const float *x, int64_t N, int64_t n, int64_t D) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->streams_add) k->streams_add(X, x, N, n, D);
+}
+/* Backward of both: dx[t] += Σ_k dX[t, k], k in order. dx: [N, D]; dX: [N, n, D]. */
+static inline void streams_sum(float *dx, const float *dX, int64_t N, int64_t n, int64_t D) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->streams_sum) k->streams_sum(dx, dX, N, n, D);
 }
 
 #endif

@@ -1,4 +1,4 @@
-/* The plan backend: what the kernels do while memplan plans a step (shape-only mode). Tensors have no
+/* The plan backend: what the kernels do while memplan plans a step (a plan context). Tensors have no
  * memory behind them then, so no entry touches data. The entries that allocate workspace in the cpu
  * backend (GEMM packing buffers, attention and indexer scratch) are that backend's workspace mirrors
  * (cpu/cpu.h): same bytes, allocated and freed in the same order, so a plan counts what a real step

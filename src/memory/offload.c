@@ -27,7 +27,7 @@ typedef struct {
 } extent;
 
 struct ds4_offload {
-    int fd;               /* -1 in shape-only mode */
+    int fd;               /* -1: a plan store (no file, no I/O) */
     char dir[1024];
     char path[1100];      /* the file's name before it was unlinked, for messages */
     int64_t file_end;     /* extents cover [0, file_end) */
@@ -42,7 +42,7 @@ static const char *default_dir(void) {
     return t && *t ? t : "/tmp";
 }
 
-ds4_status ds4_offload_open(const char *dir, ds4_offload **out) {
+ds4_status ds4_offload_open_for(const ds4_exec *exec, const char *dir, ds4_offload **out) {
     *out = NULL;
     if (!dir || !*dir) dir = default_dir();
     if (strlen(dir) >= sizeof((ds4_offload *)0)->dir)
@@ -51,7 +51,7 @@ ds4_status ds4_offload_open(const char *dir, ds4_offload **out) {
     if (!s) return ds4_fail(DS4_ERR_OOM, "offload store in %s: out of memory", dir);
     s->fd = -1;
     snprintf(s->dir, sizeof s->dir, "%s", dir);
-    if (!ds4_shape_only()) {
+    if (!(exec && exec->plan)) {
         snprintf(s->path, sizeof s->path, "%s/ds4-offload-XXXXXX", dir);
         s->fd = mkostemp(s->path, O_CLOEXEC);
         if (s->fd < 0) {
@@ -65,6 +65,8 @@ ds4_status ds4_offload_open(const char *dir, ds4_offload **out) {
     *out = s;
     return DS4_OK;
 }
+
+ds4_status ds4_offload_open(const char *dir, ds4_offload **out) { return ds4_offload_open_for(NULL, dir, out); }
 
 void ds4_offload_close(ds4_offload *s) {
     if (!s) return;

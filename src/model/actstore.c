@@ -114,8 +114,8 @@ static void unit_release(block_acts *a, unit_id u) {
 void act_release_after_fwd(const block_ctx *bc, block_acts *a, unit_id u) {
     for (int v = 0; v <= (int)u; v++)
         if ((a->release_mask & UNIT_BIT(v)) && a->present[v] && last_forward_reader((unit_id)v) == u) {
-            if (v == U_INDEXER_TOPK && bc->topk_copy && a->out[v][TOPK_SEL] && !ds4_shape_only())
-                memcpy(bc->topk_copy, a->out[v][TOPK_SEL],
+            if (v == U_INDEXER_TOPK && bc->topk_copy && a->out[v][TOPK_SEL])
+                tensor_copy(bc->topk_copy, a->out[v][TOPK_SEL],
                        (size_t)(bc->B * bc->T * bc->m->cfg.index_topk) * sizeof(int32_t));
             unit_release(a, (unit_id)v);
             if (a->stats) a->stats[v].released++;

@@ -83,7 +83,7 @@ static ds4_status indexer_kl_forward_only(const block_ctx *bc, block_acts *a, do
 static ds4_status after_unit(const block_ctx *bc, block_acts *a, unit_id u, int64_t *expert_load, double *kl_sum,
                              int64_t *kl_rows) {
     if (u == U_SPARSE_ATTN && a->ratio == 4 && !bc->keep) return indexer_kl_forward_only(bc, a, kl_sum, kl_rows);
-    if (u == U_ROUTER && expert_load && !ds4_shape_only()) {
+    if (u == U_ROUTER && expert_load && !bc->plan) {
         const int64_t *eoff = I64(U_ROUTER, RT_EOFF);
         for (int64_t e = 0; e < bc->m->cfg.n_routed_experts; e++) expert_load[e] += eoff[e + 1] - eoff[e];
     }

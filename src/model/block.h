@@ -123,6 +123,7 @@ typedef struct {
     bool force_balance; /* route slot k of token t to expert (t·K + k) mod E */
     int32_t *topk_copy; /* [N, index_topk]: the top-k is copied here before a recompute release (NULL: not kept) */
     const ds4_rope *rope_main, *rope_cmp; /* tables from position 0 (the pass) or views from the decoded one */
+    bool plan;          /* a plan (the model's context, memplan): tensors have no memory; routing is balanced */
 } block_ctx;
 
 /* One compressor's state in the cached decoder. */

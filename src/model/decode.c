@@ -144,7 +144,7 @@ static ds4_status layer_step(ds4_decoder *dec, int64_t l, int32_t token, int64_t
     unit_cache *lc = &dec->layers[l];
     const ds4_rope rope_main = rope_view(&m->rope_main, p), rope_cmp = rope_view(&m->rope_cmp, p);
     const block_ctx bc = {.m = m, .layer = l, .B = 1, .T = 1, .ids = &token, .dense_csa = m->cfg.csa_dense,
-                          .rope_main = &rope_main, .rope_cmp = &rope_cmp};
+                          .rope_main = &rope_main, .rope_cmp = &rope_cmp, .plan = m->exec.plan};
     block_acts a = {.X_in = dec->X, .X_out = dec->Xnext, .ratio = lc->ratio};
     lc->pos = p;
     ds4_status st = DS4_OK;

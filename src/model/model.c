@@ -123,7 +123,8 @@ static block_ctx make_ctx(ds4_pass *p, int64_t layer, const int32_t *ids) {
                        .ep = p->opts.hooks ? p->opts.hooks->ep : NULL,
                        .force_balance = p->opts.moe_force_balance,
                        .rope_main = &p->m->rope_main,
-                       .rope_cmp = &p->m->rope_cmp};
+                       .rope_cmp = &p->m->rope_cmp,
+                       .plan = p->m->exec.plan};
 }
 
 /* A caller that keeps the logits (debug-state) also gets every CSA layer's top-k, whatever the
@@ -194,8 +195,8 @@ static ds4_status gather_for_backward(ds4_pass *p, int64_t group) {
 static ds4_status finish_backward(ds4_pass *p, int64_t group) {
     const ds4_config *c = &p->m->cfg;
     int64_t l = group == group_mtp(c) ? c->n_layers : group - 1;
-    if (l >= 0 && l < n_blocks(c) && group != group_head(c) && p->m->g.blocks[l].gate_bias && !ds4_shape_only())
-        memset(p->m->g.blocks[l].gate_bias, 0, (size_t)c->n_routed_experts * sizeof(float));
+    if (l >= 0 && l < n_blocks(c) && group != group_head(c) && p->m->g.blocks[l].gate_bias)
+        tensor_zero(p->m->g.blocks[l].gate_bias, (size_t)c->n_routed_experts * sizeof(float));
     ds4_status st = grad_end(p, group);
     drop(p, group);
     return st;
@@ -222,9 +223,7 @@ static ds4_status head_fwd(ds4_pass *p, head_acts *h, const float *X, const floa
     rmsnorm_fwd(h->yn, h->rstd, h->y, normw, N, D, (float)c->norm_eps);
     linear_fwd(h->logits, h->yn, m->w.head, N, D, V);
     /* position t predicts ids[t + shift] */
-    for (int64_t b = 0; b < (ds4_shape_only() ? 0 : p->B); b++)
-        for (int64_t t = 0; t < p->T; t++)
-            h->targets[b * p->T + t] = t + shift < p->T ? p->ids[b * p->T + t + shift] : -1;
+    shift_ids(h->targets, p->ids, p->B, p->T, shift, -1);
     cross_entropy_fwd_bwd(&h->loss_sum, &h->n_scored, NULL, h->logits, h->targets, N, V, 0.0f);
     return DS4_OK;
 }
@@ -283,11 +282,7 @@ static ds4_status mtp_input_fwd(ds4_pass *p) {
     linear_fwd(ep, p->m_en, m->w.e_proj, N, D, D);
     rmsnorm_fwd(p->m_hn, p->m_hn_rstd, p->X[c->n_layers], m->w.hnorm, N * n, D, eps);
     linear_fwd(p->m_X0, p->m_hn, m->w.h_proj, N * n, D, D);
-    for (int64_t t = 0; t < (ds4_shape_only() ? 0 : N); t++)
-        for (int64_t k = 0; k < n; k++) {
-            float *dst = p->m_X0 + (t * n + k) * D;
-            for (int64_t d = 0; d < D; d++) dst[d] += ep[t * D + d];
-        }
+    streams_add(p->m_X0, ep, N, n, D);
     ds4_free(ep);
     return DS4_OK;
 }
@@ -306,9 +301,7 @@ static ds4_status mtp_input_bwd(ds4_pass *p, const float *dX0, float *dXL) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory in the MTP input backward");
         goto done;
     }
-    for (int64_t t = 0; t < (ds4_shape_only() ? 0 : N); t++)
-        for (int64_t k = 0; k < n; k++)
-            for (int64_t d = 0; d < D; d++) dep[t * D + d] += dX0[(t * n + k) * D + d];
+    streams_sum(dep, dX0, N, n, D);
     linear_bwd(den, m->g.e_proj, dep, p->m_en, m->w.e_proj, N, D, D);
     rmsnorm_bwd(de, m->g.enorm, den, p->m_e, m->w.enorm, p->m_en_rstd, N, D);
     embedding_bwd(m->g.embed, de, p->ids_next, N, D);
@@ -412,12 +405,8 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
         st = ds4_fail(DS4_ERR_OOM, "out of memory starting the forward pass");
         goto fail;
     }
-    const bool shape = ds4_shape_only(); /* memplan: allocate as usual, touch no data */
-    if (!shape) {
-        memcpy(p->ids, ids, (size_t)N * sizeof(int32_t));
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t t = 0; t < T; t++) p->ids_next[b * T + t] = t + 1 < T ? ids[b * T + t + 1] : 0;
-    }
+    shift_ids(p->ids, ids, B, T, 0, 0);
+    shift_ids(p->ids_next, ids, B, T, 1, 0);
 
     /* embedding into n identical streams: X0 [N, n, D] */
     p->X[0] = pass_alloc(N * n * D);
@@ -428,9 +417,7 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     if ((st = gather(p, 0)) != DS4_OK) goto fail;
     embedding_fwd(p->X[0], m->w.embed, p->ids, N, D);
     drop(p, 0);
-    for (int64_t t = shape ? -1 : N - 1; t >= 0; t--)
-        for (int64_t k = n - 1; k >= 0; k--)
-            memmove(p->X[0] + (t * n + k) * D, p->X[0] + t * D, (size_t)D * sizeof(float));
+    streams_expand(p->X[0], N, n, D);
     /* blocks */
     for (int64_t l = 0; l < c->n_layers && st == DS4_OK; l++) {
         p->X[l + 1] = pass_alloc(N * n * D);
@@ -510,9 +497,7 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
         float *de = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
         if (!de) st = ds4_fail(DS4_ERR_OOM, "out of memory in embedding backward");
         else {
-            for (int64_t t = 0; t < (ds4_shape_only() ? 0 : N); t++)
-                for (int64_t k = 0; k < n; k++)
-                    for (int64_t d = 0; d < D; d++) de[t * D + d] += dX[(t * n + k) * D + d];
+            streams_sum(de, dX, N, n, D);
             embedding_bwd(m->g.embed, de, p->ids, N, D);
             ds4_free(de);
             st = grad_end(p, 0);

@@ -126,13 +126,14 @@ static float *reserve_range(size_t bytes) {
     return p == MAP_FAILED ? NULL : p;
 }
 
-static ds4_status model_create(const ds4_config *cfg, bool unmapped, ds4_model **out) {
+static ds4_status model_create(const ds4_exec *exec, const ds4_config *cfg, bool unmapped, ds4_model **out) {
     *out = NULL;
     DS4_TRY(ds4_config_validate(cfg, "config"));
     ds4_model *m = ds4_calloc(DS4_MEM_OTHER, sizeof *m);
     if (!m) return DS4_ERR_OOM;
     m->cfg = *cfg;
     m->unmapped = unmapped;
+    m->exec = exec ? *exec : (ds4_exec){0};
     int64_t nb = n_blocks(cfg), E = cfg->n_routed_experts;
     m->w.blocks = ds4_calloc(DS4_MEM_OTHER, (size_t)nb * sizeof(block_w));
     m->g.blocks = ds4_calloc(DS4_MEM_OTHER, (size_t)nb * sizeof(block_w));
@@ -186,8 +187,11 @@ oom:
     return ds4_fail(DS4_ERR_OOM, "out of memory creating the model parameter table");
 }
 
-ds4_status ds4_model_create(const ds4_config *cfg, ds4_model **out) { return model_create(cfg, false, out); }
-ds4_status ds4_model_create_unmapped(const ds4_config *cfg, ds4_model **out) { return model_create(cfg, true, out); }
+ds4_status ds4_model_create(const ds4_config *cfg, ds4_model **out) { return model_create(NULL, cfg, false, out); }
+ds4_status ds4_model_create_unmapped(const ds4_config *cfg, ds4_model **out) { return model_create(NULL, cfg, true, out); }
+ds4_status ds4_model_create_for(const ds4_exec *exec, const ds4_config *cfg, bool unmapped, ds4_model **out) {
+    return model_create(exec, cfg, unmapped, out);
+}
 
 static void free_range(float *p, size_t bytes, bool unmapped) {
     if (!p) return;
@@ -222,7 +226,7 @@ int64_t ds4_model_numel(const ds4_model *m) { return m->numel; }
 float *ds4_model_params_flat(ds4_model *m) { return m->flat; }
 float *ds4_model_grads_flat(ds4_model *m) { return m->gflat; }
 void ds4_model_zero_grad(ds4_model *m) {
-    if (!ds4_shape_only() && !m->unmapped) memset(m->gflat, 0, (size_t)m->numel * sizeof(float));
+    if (!m->exec.plan && !m->unmapped) memset(m->gflat, 0, (size_t)m->numel * sizeof(float));
 }
 
 int64_t ds4_model_ngroups(const ds4_model *m) { return m->cfg.n_layers + 2 + (m->cfg.n_mtp_layers > 0); }
@@ -241,7 +245,7 @@ ds4_status ds4_model_map(ds4_model *m, int64_t start, int64_t end, bool grad) {
     DS4_TRY(check_range(m, start, end));
     size_t bytes = (size_t)(end - start) * sizeof(float);
     if (bytes == 0) return DS4_OK;
-    if (!ds4_shape_only() && mprotect((grad ? m->gflat : m->flat) + start, bytes, PROT_READ | PROT_WRITE) != 0)
+    if (!m->exec.plan && mprotect((grad ? m->gflat : m->flat) + start, bytes, PROT_READ | PROT_WRITE) != 0)
         return ds4_fail(DS4_ERR_OOM, "out of memory mapping %zu bytes of %s", bytes, grad ? "gradients" : "parameters");
     ds4_mem_track(grad ? DS4_MEM_GRAD : DS4_MEM_PARAM, (int64_t)bytes);
     return DS4_OK;
@@ -251,7 +255,7 @@ void ds4_model_unmap(ds4_model *m, int64_t start, int64_t end, bool grad) {
     if (check_range(m, start, end) != DS4_OK) return;
     size_t bytes = (size_t)(end - start) * sizeof(float);
     if (bytes == 0) return;
-    if (!ds4_shape_only()) {
+    if (!m->exec.plan) { /* a plan's pages were never made resident */
         float *p = (grad ? m->gflat : m->flat) + start;
         madvise(p, bytes, MADV_DONTNEED); /* the pages go back; the next map reads zeros */
         mprotect(p, bytes, PROT_NONE);     /* a read after unmap faults instead of seeing stale data */
@@ -323,7 +327,7 @@ void ds4_param_init_values(const ds4_param *p, uint64_t seed, int64_t k0, int64_
 }
 
 void ds4_model_init_param(ds4_model *m, int64_t i, uint64_t seed) {
-    if (ds4_shape_only()) return;
+    if (m->exec.plan) return;
     ds4_param *p = &m->params[i];
     uint64_t stream = ds4_hash_str(p->name);
     if (p->is_int) {

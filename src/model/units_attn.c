@@ -340,7 +340,7 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, block_grads *g
     ds4_free(dqi);
     ds4_free(dki);
     ds4_free(dwi);
-    if (st == DS4_OK && got != rows && !ds4_shape_only())
+    if (st == DS4_OK && got != rows && !bc->plan)
         st = ds4_fail(DS4_ERR_INTERNAL, "indexer loss: %lld rows counted, %lld expected", (long long)got,
                       (long long)rows);
     return st;
@@ -528,7 +528,7 @@ static float *inverse_roped_o(const block_ctx *bc, const block_acts *a) {
     const int64_t N = bc->B * bc->T, H = c->n_heads, hd = c->head_dim;
     float *o_r = work(N * H * hd);
     if (!o_r) return NULL;
-    if (!ds4_shape_only()) memcpy(o_r, F32(U_SPARSE_ATTN, SA_O), (size_t)(N * H * hd) * sizeof(float));
+    tensor_copy(o_r, F32(U_SPARSE_ATTN, SA_O), (size_t)(N * H * hd) * sizeof(float));
     rope_fwd(o_r, &(rope_args){.N = N, .H = H, .hd = hd, .period = bc->T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = true});
     return o_r;

@@ -94,8 +94,8 @@ static ds4_status router_fwd(const block_ctx *bc, block_acts *a) {
             ds4_free(iota);
             return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer);
         }
-        for (int64_t j = 0; j < (ds4_shape_only() ? 0 : N * K); j++) forced[j] = j % E;
-        for (int64_t t = 0; t < (ds4_shape_only() ? 0 : N); t++) iota[t] = (int32_t)t;
+        for (int64_t j = 0; j < (bc->plan ? 0 : N * K); j++) forced[j] = j % E;
+        for (int64_t t = 0; t < (bc->plan ? 0 : N); t++) iota[t] = (int32_t)t;
         table = forced;
         ids = iota;
     }
@@ -104,7 +104,7 @@ static ds4_status router_fwd(const block_ctx *bc, block_acts *a) {
         .idx = I32(U_ROUTER, RT_IDX), .weights = F32(U_ROUTER, RT_W), .scores = F32(U_ROUTER, RT_SCORES)});
     ds4_free(forced);
     ds4_free(iota);
-    return ds4_shape_only() ? DS4_OK : route_assignments(a, N, E, K);
+    return bc->plan ? DS4_OK : route_assignments(a, N, E, K);
 }
 
 /* The gate's gradient needs d(routing weights) from the experts: the router is differentiated at the
@@ -159,11 +159,11 @@ static void expert_fwd(const expert_w *ew, const float *x, const float *w, int64
     linear_fwd(y, act, ew->w2, ne, I, D);
 }
 
-/* Per-expert assignment counts of the pass: from the routing, or those of balanced routing in
- * shape-only mode (slot j → expert j mod E, as force_balance routes). cnt: [E] */
-static void assignment_counts(const block_acts *a, int64_t N, int64_t E, int64_t K, int64_t *cnt) {
+/* Per-expert assignment counts of the pass: from the routing, or those of balanced routing in a plan
+ * (slot j → expert j mod E, as force_balance routes). cnt: [E] */
+static void assignment_counts(const block_acts *a, bool plan, int64_t N, int64_t E, int64_t K, int64_t *cnt) {
     for (int64_t e = 0; e < E; e++)
-        cnt[e] = ds4_shape_only() ? N * K / E + (e < N * K % E) : I64(U_ROUTER, RT_EOFF)[e + 1] - I64(U_ROUTER,
+        cnt[e] = plan ? N * K / E + (e < N * K % E) : I64(U_ROUTER, RT_EOFF)[e + 1] - I64(U_ROUTER,
             RT_EOFF)[e];
 }
 
@@ -175,7 +175,7 @@ static ds4_status moe_route(const block_ctx *bc, block_acts *a) {
     const int64_t E = c->n_routed_experts, N = bc->B * bc->T;
     int64_t *cnt = ds4_alloc(DS4_MEM_OTHER, (size_t)E * sizeof(int64_t));
     if (!cnt) return ds4_fail(DS4_ERR_OOM, "out of memory routing block %lld", (long long)bc->layer);
-    assignment_counts(a, N, E, c->n_activated_experts, cnt);
+    assignment_counts(a, bc->plan, N, E, c->n_activated_experts, cnt);
     ds4_status st = bc->ep->route(bc->ep->ctx, cnt, &a->route);
     ds4_free(cnt);
     return st;
@@ -220,29 +220,29 @@ static void moe_routed_fwd_local(const block_ctx *bc, block_acts *a, const float
 static ds4_status moe_routed_fwd_ep(const block_ctx *bc, block_acts *a, const float *wj, float *act) {
     UNIT_PROLOGUE;
     const int64_t K = c->n_activated_experts, I = c->moe_inter_dim, NK = N * K, R = a->route->rows;
-    const bool shape = ds4_shape_only();
+    const bool plan = bc->plan;
     const int32_t *etok = I32(U_ROUTER, RT_ETOK);
     const float *xf = F32(U_FFN_NORM, NORM_X);
     float *xr = F32(U_MOE, MOE_XR), *wr = F32(U_MOE, MOE_WR);
     float *send = work(NK * (D + 1)), *recv = work(R * (D + 1)), *yr = work(R * D), *ys = work(NK * D);
     ds4_status st = send && recv && yr && ys ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
-    for (int64_t j = 0; st == DS4_OK && !shape && j < NK; j++) {
+    for (int64_t j = 0; st == DS4_OK && !plan && j < NK; j++) {
         memcpy(send + j * (D + 1), xf + (int64_t)etok[j] * D, (size_t)D * sizeof(float));
         send[j * (D + 1) + D] = wj[j];
     }
     if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, a->route, send, recv, D + 1);
-    for (int64_t i = 0; st == DS4_OK && !shape && i < R; i++) {
+    for (int64_t i = 0; st == DS4_OK && !plan && i < R; i++) {
         memcpy(xr + i * D, recv + i * (D + 1), (size_t)D * sizeof(float));
         wr[i] = recv[i * (D + 1) + D];
     }
-    for (int64_t i = 0; st == DS4_OK && !shape && i < a->route->e1 - a->route->e0; i++) {
+    for (int64_t i = 0; st == DS4_OK && !plan && i < a->route->e1 - a->route->e0; i++) {
         int64_t o, ne = route_expert_rows(a->route, i, &o);
         if (ne > 0)
             expert_fwd(&W->experts[a->route->e0 + i], xr + o * D, wr + o, ne, D, I, (float)c->swiglu_limit,
                        F32(U_MOE, MOE_H1) + o * I, F32(U_MOE, MOE_H3) + o * I, act, yr + o * D);
     }
     if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, a->route, yr, ys, D);
-    if (st == DS4_OK && !shape) scatter_add_rows(F32(U_MOE, MOE_OUT), ys, etok, NK, D);
+    if (st == DS4_OK && !plan) scatter_add_rows(F32(U_MOE, MOE_OUT), ys, etok, NK, D);
     ds4_free(send);
     ds4_free(recv);
     ds4_free(yr);
@@ -255,26 +255,26 @@ static ds4_status moe_fwd(const block_ctx *bc, block_acts *a) {
     const int64_t K = c->n_activated_experts, I = c->moe_inter_dim;
     const int64_t Is = I * c->n_shared_experts;
     const float limit = (float)c->swiglu_limit;
-    const bool shape = ds4_shape_only(); /* memplan: no routing data; the per-expert GEMMs allocate nothing */
+    const bool plan = bc->plan; /* memplan: no routing data; the per-expert GEMMs allocate nothing */
     const int64_t R = bc->ep ? a->route->rows : N * K; /* routed rows computed here */
     float *ffn_out = F32(U_MOE, MOE_OUT), *sh1 = F32(U_MOE, MOE_SH1), *sh3 = F32(U_MOE, MOE_SH3);
     const float *xf = F32(U_FFN_NORM, NORM_X);
-    if (!shape) memset(ffn_out, 0, (size_t)(N * D) * sizeof(float));
+    tensor_zero(ffn_out, (size_t)(N * D) * sizeof(float));
     const int64_t Rmax = R > N * K ? R : N * K;
     float *wj = work(N * K), *act = work(Rmax * I > N * Is ? Rmax * I : N * Is),
         *ye = work(N * (K * D > D ? K * D : D));
     float *xe = bc->ep ? NULL : work(N * K * D);
     ds4_status st = (wj && act && ye && (bc->ep || xe)) ? DS4_OK : ds4_fail(DS4_ERR_OOM,
         "out of memory in MoE forward");
-    if (st == DS4_OK && !shape) assignment_weights(a, N * K, K, wj);
+    if (st == DS4_OK && !plan) assignment_weights(a, N * K, K, wj);
     if (st == DS4_OK && bc->ep) st = moe_routed_fwd_ep(bc, a, wj, act);
-    else if (st == DS4_OK && !shape) moe_routed_fwd_local(bc, a, wj, xe, act, ye);
+    else if (st == DS4_OK && !plan) moe_routed_fwd_local(bc, a, wj, xe, act, ye);
     if (st == DS4_OK) {
         linear_fwd(sh1, xf, W->shared.w1, N, D, Is);
         linear_fwd(sh3, xf, W->shared.w3, N, D, Is);
         swiglu_fwd(act, sh1, sh3, N, Is, limit);
         linear_fwd(ye, act, W->shared.w2, N, Is, D);
-        for (int64_t i = 0; i < (shape ? 0 : N * D); i++) ffn_out[i] += ye[i];
+        for (int64_t i = 0; i < (plan ? 0 : N * D); i++) ffn_out[i] += ye[i];
     }
     ds4_free(wj);
     ds4_free(xe);
@@ -352,17 +352,17 @@ static ds4_status moe_routed_bwd_ep(const block_ctx *bc, block_acts *a, block_gr
     const ds4_ep_route *r = a->route;
     const routing rt = routing_of(a);
     const int64_t R = r->rows;
-    const bool shape = ds4_shape_only(), split = r->nsrc > 1;
+    const bool plan = bc->plan, split = r->nsrc > 1;
     const float *xr = F32(U_MOE, MOE_XR), *wr = F32(U_MOE, MOE_WR);
     float *dys = work(NK * D), *dyr = work(R * D), *dxr = work(R * (D + 1)), *dxs = work(NK * (D + 1));
     float *tmp = split ? work(3 * I * D) : NULL;
     ds4_status st = dys && dyr && dxr && dxs && (!split || tmp) ? DS4_OK
                                                                  : ds4_fail(DS4_ERR_OOM,
                                                                      "out of memory in MoE backward");
-    if (st == DS4_OK && !shape) gather_rows(dys, g->dffn, rt.etok, NK, D);
+    if (st == DS4_OK && !plan) gather_rows(dys, g->dffn, rt.etok, NK, D);
     if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, r, dys, dyr, D);
     expert_w tg = {tmp, tmp ? tmp + I * D : NULL, tmp ? tmp + 2 * I * D : NULL};
-    for (int64_t i = 0, o = 0; st == DS4_OK && !shape && i < r->e1 - r->e0; i++) {
+    for (int64_t i = 0, o = 0; st == DS4_OK && !plan && i < r->e1 - r->e0; i++) {
         const int64_t e = r->e0 + i;
         for (int src = 0; src < r->nsrc; o += r->recv_cnt[i * r->nsrc + src], src++) {
             const int64_t ne = r->recv_cnt[i * r->nsrc + src];
@@ -383,7 +383,7 @@ static ds4_status moe_routed_bwd_ep(const block_ctx *bc, block_acts *a, block_gr
         }
     }
     if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, r, dxr, dxs, D + 1);
-    for (int64_t j = 0; st == DS4_OK && !shape && j < NK; j++) {
+    for (int64_t j = 0; st == DS4_OK && !plan && j < NK; j++) {
         float *d = g->dxf + (int64_t)rt.etok[j] * D;
         const float *src = dxs + j * (D + 1);
         for (int64_t k = 0; k < D; k++) d[k] += src[k];
@@ -414,13 +414,12 @@ static void shared_expert_bwd(const block_ctx *bc, block_acts *a, block_grads *g
     UNIT_PROLOGUE;
     const int64_t Is = c->moe_inter_dim * c->n_shared_experts;
     const float limit = (float)c->swiglu_limit;
-    const bool shape = ds4_shape_only(); /* memplan: no data */
     const float *sh1 = F32(U_MOE, MOE_SH1), *sh3 = F32(U_MOE, MOE_SH3), *xf = F32(U_FFN_NORM, NORM_X);
     swiglu_fwd(s->act, sh1, sh3, N, Is, limit);
-    if (!shape) memset(s->dact, 0, (size_t)(N * Is) * sizeof(float));
+    tensor_zero(s->dact, (size_t)(N * Is) * sizeof(float));
     linear_bwd(s->dact, Gw->shared.w2, g->dffn, s->act, W->shared.w2, N, Is, D);
-    if (!shape) memset(s->dh1, 0, (size_t)(N * Is) * sizeof(float));
-    if (!shape) memset(s->dh3, 0, (size_t)(N * Is) * sizeof(float));
+    tensor_zero(s->dh1, (size_t)(N * Is) * sizeof(float));
+    tensor_zero(s->dh3, (size_t)(N * Is) * sizeof(float));
     swiglu_bwd(s->dh1, s->dh3, s->dact, sh1, sh3, N, Is, limit);
     linear_bwd(g->dxf, Gw->shared.w1, s->dh1, xf, W->shared.w1, N, D, Is);
     linear_bwd(g->dxf, Gw->shared.w3, s->dh3, xf, W->shared.w3, N, D, Is);
@@ -439,12 +438,12 @@ static ds4_status moe_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     if (!dgw || !dlog || !s.act || !s.dact || !s.dh1 || !s.dh3 || (!bc->ep && (!s.xe || !s.dye)) || !s.dxe ||
         !s.dwe || !s.wj)
         st = ds4_fail(DS4_ERR_OOM, "out of memory in MoE backward");
-    const bool shape = ds4_shape_only(); /* memplan: no routing to follow */
+    const bool plan = bc->plan; /* memplan: no routing to follow */
     if (st == DS4_OK) {
         shared_expert_bwd(bc, a, g, &s);
-        if (!shape) assignment_weights(a, N * K, K, s.wj);
+        if (!plan) assignment_weights(a, N * K, K, s.wj);
         if (bc->ep) st = moe_routed_bwd_ep(bc, a, g, dgw, &s);
-        else if (!shape) moe_routed_bwd_local(bc, a, g, dgw, &s);
+        else if (!plan) moe_routed_bwd_local(bc, a, g, dgw, &s);
     }
     if (st == DS4_OK) {
         moe_gate_bwd(&(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)c->route_scale,

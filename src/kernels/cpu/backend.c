@@ -38,6 +38,12 @@ static const ds4_kernel_backend k_cpu = {
     .swiglu_fwd = cpu_swiglu_fwd,
     .swiglu_bwd = cpu_swiglu_bwd,
     .cross_entropy_fwd_bwd = cpu_cross_entropy_fwd_bwd,
+    .tensor_copy = cpu_tensor_copy,
+    .tensor_zero = cpu_tensor_zero,
+    .shift_ids = cpu_shift_ids,
+    .streams_expand = cpu_streams_expand,
+    .streams_add = cpu_streams_add,
+    .streams_sum = cpu_streams_sum,
 };
 
 const ds4_kernel_backend *ds4_kernel_backend_cpu(void) { return &k_cpu; }

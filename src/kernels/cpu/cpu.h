@@ -54,6 +54,12 @@ void cpu_swiglu_bwd(float *dg, float *du, const float *dact, const float *g, con
                     float limit);
 void cpu_cross_entropy_fwd_bwd(double *loss_sum, int64_t *n_scored, float *dlogits, const float *logits,
                                const int32_t *targets, int64_t N, int64_t V, float grad_scale);
+void cpu_tensor_copy(void *dst, const void *src, size_t bytes);
+void cpu_tensor_zero(void *dst, size_t bytes);
+void cpu_shift_ids(int32_t *out, const int32_t *ids, int64_t B, int64_t T, int64_t shift, int32_t fill);
+void cpu_streams_expand(float *X, int64_t N, int64_t n, int64_t D);
+void cpu_streams_add(float *X, const float *x, int64_t N, int64_t n, int64_t D);
+void cpu_streams_sum(float *dx, const float *dX, int64_t N, int64_t n, int64_t D);
 
 /* ---- workspace mirrors (the plan backend's entries) ----
  * Same signature as the entry they mirror; they allocate and free exactly the workspace that entry

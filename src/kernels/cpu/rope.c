@@ -50,7 +50,7 @@ bool rope_table_init(ds4_rope *r, int64_t rd, int64_t max_pos, double base, doub
         ds4_fail(DS4_ERR_ARG, "rope_table_init: %lld positions x %lld frequencies overflow", (long long)max_pos, (long long)half);
         return false;
     }
-    double *theta = ds4_alloc(DS4_MEM_OTHER, (size_t)half * sizeof(double)); /* real even in shape-only mode */
+    double *theta = ds4_alloc(DS4_MEM_OTHER, (size_t)half * sizeof(double)); /* real even in a plan */
     r->cos = ds4_alloc(DS4_MEM_OTHER, (size_t)(max_pos * half) * sizeof(float));
     r->sin = ds4_alloc(DS4_MEM_OTHER, (size_t)(max_pos * half) * sizeof(float));
     if (!theta || !r->cos || !r->sin) {

@@ -1,0 +1,39 @@
+/* Data movement of the model around its ops: copies and fills, the shifted token ids, and the n residual
+ * streams made from one row and summed back (cpu_<op>, cpu.h). Plain loops in a fixed order: every
+ * element is written (or accumulated) exactly as the model's own loops did, so results keep their bits. */
+#include <string.h>
+
+#include "kernels/cpu/cpu.h"
+
+void cpu_tensor_copy(void *dst, const void *src, size_t bytes) { memcpy(dst, src, bytes); }
+
+void cpu_tensor_zero(void *dst, size_t bytes) { memset(dst, 0, bytes); }
+
+/* out[b, t] = ids[b, t + shift] while t + shift < T, else fill. out, ids: [B, T]. */
+void cpu_shift_ids(int32_t *out, const int32_t *ids, int64_t B, int64_t T, int64_t shift, int32_t fill) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) out[b * T + t] = t + shift < T ? ids[b * T + t + shift] : fill;
+}
+
+/* X: [N, n, D], its first N·D floats holding x [N, D]: every stream X[t, k] becomes x[t]. In place, from
+ * the last token down, so no row is overwritten before it is read. */
+void cpu_streams_expand(float *X, int64_t N, int64_t n, int64_t D) {
+    for (int64_t t = N - 1; t >= 0; t--)
+        for (int64_t k = n - 1; k >= 0; k--) memmove(X + (t * n + k) * D, X + t * D, (size_t)D * sizeof(float));
+}
+
+/* X[t, k] += x[t] for every stream k. X: [N, n, D]; x: [N, D]. */
+void cpu_streams_add(float *X, const float *x, int64_t N, int64_t n, int64_t D) {
+    for (int64_t t = 0; t < N; t++)
+        for (int64_t k = 0; k < n; k++) {
+            float *dst = X + (t * n + k) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] += x[t * D + d];
+        }
+}
+
+/* dx[t] += Σ_k dX[t, k], streams in order (the backward of expand and add). dx: [N, D]; dX: [N, n, D]. */
+void cpu_streams_sum(float *dx, const float *dX, int64_t N, int64_t n, int64_t D) {
+    for (int64_t t = 0; t < N; t++)
+        for (int64_t k = 0; k < n; k++)
+            for (int64_t d = 0; d < D; d++) dx[t * D + d] += dX[(t * n + k) * D + d];
+}
