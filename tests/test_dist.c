@@ -7,7 +7,7 @@
  *    summed in ds4's fixed order, bit for bit: dense parameters in rank order; a routed expert first
  *    over the sources of each EP group in rank order (its owner accumulates them), then over the EP
  *    groups in order (FSDP alone, FSDP + EP over some ranks, over all ranks);
- *  - memplan's per-rank plan (a simulated world, shape-only) equals the measured memory of the real
+ *  - memplan's per-rank plan (a simulated world, plan) equals the measured memory of the real
  *    step on that rank, byte for byte per category (balanced routing in both);
  *  - AdamW on the shards (rules by ranges cut at the shard boundaries), resident and swapped, gives bit
  *    for bit the whole model's parameters and moments; its state is 8 bytes per shard element, counted

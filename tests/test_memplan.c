@@ -1,4 +1,4 @@
-/* memplan: the shape-only run of one training step predicts the measured peak of a real step byte
+/* memplan: the plan run of one training step predicts the measured peak of a real step byte
  * for byte, per category, on the small configs and under recompute policies; and it plans the real
  * DeepSeek-V4-Flash and -Pro configurations at 4K and 64K quickly. */
 #include "ds4/dist.h"
