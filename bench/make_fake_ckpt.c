@@ -7,6 +7,7 @@
  *
  * Writes with the streaming writer, so it needs little memory whatever the size. */
 #include "ds4/io.h"
+#include "ds4/model.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>

@@ -4,6 +4,7 @@
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/io.h"
+#include "ds4/model.h"
 
 #include <stdio.h>
 #include <string.h>

@@ -195,6 +195,19 @@ typedef struct {
 /* Per (block, unit) figures of a pass; valid after forward (released) and after backward (replays). */
 ds4_unit_report ds4_pass_unit_report(const ds4_pass *p, int64_t layer, int unit);
 
+/* ---------------------------------------------------------------- expected tensors of a config */
+/* Calls fn for every tensor a model of `cfg` has, in the order and with the names and shapes of the
+ * parameter table of ds4_model_create, without allocating the model. Stops at the first non-OK. */
+typedef ds4_status (*ds4_expected_fn)(void *ctx, const char *name, int ndim, const int64_t *shape, bool is_int);
+ds4_status ds4_model_expected_tensors(const ds4_config *cfg, ds4_expected_fn fn, void *ctx);
+
+/* Verifies that directory d holds every tensor its config needs (official or HF names), with the
+ * right logical shape and a usable dtype, and nothing else. Each problem is passed to fn with
+ * what = "missing" | "shape" | "dtype" | "bad" | "extra"; *n_problems counts them. Returns non-OK
+ * only when the check itself cannot run (out of memory). */
+typedef void (*ds4_check_fn)(void *ctx, const char *what, const char *name, const char *detail);
+ds4_status ds4_model_dir_check(const ds4_model_dir *d, ds4_check_fn fn, void *ctx, int64_t *n_problems);
+
 #ifdef __cplusplus
 }
 #endif

@@ -2,6 +2,7 @@
  * valid config and two valid shards, then lookups and --check. The index may name shards, tensors
  * and paths at will; it must never reach outside the directory or crash. */
 #include "ds4/io.h"
+#include "ds4/model.h"
 
 #include <stdint.h>
 #include <stdio.h>

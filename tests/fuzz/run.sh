@@ -17,7 +17,7 @@ CFLAGS="-std=c17 -D_GNU_SOURCE -g -O1 -fno-omit-frame-pointer -fopenmp -Iinclude
 LIBS="-lcjson -lpcre2-8 -lm"
 # the code under test: core, the safetensors / model-directory / config / dequantization readers
 SRC="$(ls src/core/*.c) src/io/safetensors.c src/io/modeldir.c src/io/config.c src/io/fileio.c src/io/quant.c
-     src/io/names.c src/io/tensorloc.c src/io/check.c src/model/param_table.c"
+     src/io/names.c src/io/tensorloc.c src/model/dircheck.c src/model/param_table.c"
 mkdir -p "$OUT/obj" "$OUT/tmp"
 objs=()
 for s in $SRC; do

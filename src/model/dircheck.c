@@ -4,6 +4,7 @@
  * official or Hugging Face name; each stored tensor it uses (weight, scale, fused expert tensor) is
  * marked, and whatever stays unmarked is extra. */
 #include "ds4/io.h"
+#include "ds4/model.h"
 
 #include <inttypes.h>
 #include <stdarg.h>
