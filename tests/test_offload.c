@@ -9,6 +9,7 @@
 #include "ds4/recompute.h"
 #include "ds4/train.h"
 #include "test.h"
+#include "test_models.h"
 #include "test_files.h"
 
 #include <errno.h>
@@ -145,15 +146,6 @@ static void test_store_plan(void) {
 }
 
 /* ------------------------------------------------------------------ --swap-optimizer */
-static ds4_model *tiny_model(const char *cfg_path, uint64_t seed) {
-    ds4_config c;
-    ds4_model *m = NULL;
-    CHECK(ds4_config_load(cfg_path, &c) == DS4_OK, "%s", ds4_errmsg());
-    CHECK(ds4_model_create(&c, &m) == DS4_OK, "%s", ds4_errmsg());
-    if (m) ds4_model_init_random(m, seed);
-    return m;
-}
-
 static bool moments_equal(const ds4_adamw *a, const ds4_adamw *b) {
     float *x = malloc((size_t)a->n * sizeof(float)), *y = malloc((size_t)a->n * sizeof(float));
     bool eq = a->n == b->n;

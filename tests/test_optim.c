@@ -9,21 +9,13 @@
 #include "ds4/offload.h"
 #include "ds4/train.h"
 #include "test.h"
+#include "test_models.h"
 
 #include <unistd.h>
 
 static const ds4_adamw_cfg k_cfg = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
 static const double k_lr[] = {1e-3, 3e-3, 2e-3, 5e-4, 1e-3};
 enum { STEPS = 5 };
-
-static ds4_model *tiny_model(const char *cfg_path, uint64_t seed) {
-    ds4_config c;
-    ds4_model *m = NULL;
-    CHECK(ds4_config_load(cfg_path, &c) == DS4_OK, "%s", ds4_errmsg());
-    CHECK(ds4_model_create(&c, &m) == DS4_OK, "%s", ds4_errmsg());
-    if (m) ds4_model_init_random(m, seed);
-    return m;
-}
 
 /* ------------------------------------------------------------------ the reference */
 /* One flag of each kind per element of the flat layout, from the parameter table (0 between params). */
