@@ -197,7 +197,7 @@ int main(int argc, char **argv) {
     if (threads > 0) ds4_set_threads(threads);
     ds4_config c;
     ds4_model *m;
-    if (ds4_config_load(cfg_path, &c) != DS4_OK || ds4_model_create(&c, &m) != DS4_OK) {
+    if (ds4_config_load(cfg_path, &c) != DS4_OK || ds4_model_create(NULL, &c, false, &m) != DS4_OK) {
         fprintf(stderr, "error: %s\n", ds4_errmsg());
         return 1;
     }

@@ -121,7 +121,7 @@ static ds4_status load_run(void *ctx) {
     load_ctx *c = ctx;
     ds4_model_dir *d;
     DS4_TRY(ds4_model_dir_open(c->dir, &d));
-    ds4_status st = ds4_model_create(ds4_model_dir_config(d), &c->m);
+    ds4_status st = ds4_model_create(NULL, ds4_model_dir_config(d), false, &c->m);
     if (st == DS4_OK) st = ds4_model_load(c->m, d);
     ds4_model_dir_close(d);
     return st;
@@ -137,7 +137,7 @@ static void load_teardown(void *ctx, bool ok) {
 static void test_model_load(void) {
     load_ctx c = {0};
     snprintf(c.dir, sizeof c.dir, "%s/model", g_dir);
-    CHECK(ds4_model_create(&g_cfg, &c.ref) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(NULL, &g_cfg, false, &c.ref) == DS4_OK, "%s", ds4_errmsg());
     ds4_model_init_random(c.ref, 21);
     mkdir(c.dir, 0755);
     CHECK(ds4_model_save(c.ref, c.dir, DS4_F32) == DS4_OK, "%s", ds4_errmsg());
@@ -194,7 +194,7 @@ static ds4_status step_run(void *ctx) {
 
 static size_t param_bytes(void) {
     ds4_model *m;
-    if (ds4_model_create(&g_cfg, &m) != DS4_OK) return 0;
+    if (ds4_model_create(NULL, &g_cfg, false, &m) != DS4_OK) return 0;
     size_t b = (size_t)ds4_model_numel(m) * sizeof(float);
     ds4_model_free(m);
     return b;
@@ -382,7 +382,7 @@ typedef struct {
 
 static ds4_status fresh_setup(void *ctx) {
     fresh_ctx *c = ctx;
-    DS4_TRY(ds4_model_create(&g_cfg, &c->m));
+    DS4_TRY(ds4_model_create(NULL, &g_cfg, false, &c->m));
     DS4_TRY(ds4_model_load(c->m, c->d)); /* the weights of test_model_load's directory */
     for (int i = 0; i < T_SEQ; i++) c->ids[i] = (int32_t)(ds4_rng_u64(3, 2, (uint64_t)i) % 256);
     ds4_mem_stats ms;

@@ -200,7 +200,7 @@ static void test_expected_tensors(void) {
         ds4_config c;
         CHECK(ds4_config_load(find_file(cfgs[k]), &c) == DS4_OK, "%s", ds4_errmsg());
         ds4_model *m;
-        if (ds4_model_create(&c, &m) != DS4_OK) {
+        if (ds4_model_create(NULL, &c, false, &m) != DS4_OK) {
             CHECK(false, "%s", ds4_errmsg());
             continue;
         }
@@ -730,7 +730,7 @@ static void test_hf_model_roundtrip(void) {
     ds4_config c;
     CHECK(ds4_config_load(find_file("tests/configs/tiny-b.json"), &c) == DS4_OK, "%s", ds4_errmsg());
     ds4_model *m, *m2;
-    if (ds4_model_create(&c, &m) != DS4_OK) return;
+    if (ds4_model_create(NULL, &c, false, &m) != DS4_OK) return;
     ds4_model_init_random(m, 7);
     const char *dir = tpath("tiny_off"), *hf = tpath("tiny_hf");
     CHECK(ds4_model_save(m, dir, DS4_F32) == DS4_OK, "%s", ds4_errmsg());
@@ -749,7 +749,7 @@ static void test_hf_model_roundtrip(void) {
         official += strncmp(nm, "model.", 6) != 0 && strcmp(nm, "lm_head.weight") != 0 && strncmp(nm, "mtp.0.", 6) != 0;
     }
     CHECK(official == 0, "%d official names left", official);
-    CHECK(ds4_model_create(&c, &m2) == DS4_OK);
+    CHECK(ds4_model_create(NULL, &c, false, &m2) == DS4_OK);
     CHECK(ds4_model_load(m2, d) == DS4_OK, "%s", ds4_errmsg());
     CHECK(memcmp(ds4_model_params_flat(m), ds4_model_params_flat(m2), (size_t)ds4_model_numel(m) * 4) == 0);
     int tid = 0;
@@ -814,7 +814,7 @@ static void test_export(void) {
     ds4_config c;
     CHECK(ds4_config_load(find_file("tests/configs/tiny-a.json"), &c) == DS4_OK);
     ds4_model *m;
-    if (ds4_model_create(&c, &m) != DS4_OK) return;
+    if (ds4_model_create(NULL, &c, false, &m) != DS4_OK) return;
     ds4_model_init_random(m, 11);
     const char *ck = tpath("ckpt");
     CHECK(ds4_model_save(m, ck, DS4_F32) == DS4_OK);
@@ -847,7 +847,7 @@ static void test_export(void) {
     if (d) {
         CHECK(ds4_model_dir_nfiles(d) == 1 && ds4_model_dir_find(d, "model.layers.1.mlp.experts.gate_up_proj", NULL));
         ds4_model *m2;
-        CHECK(ds4_model_create(&c, &m2) == DS4_OK);
+        CHECK(ds4_model_create(NULL, &c, false, &m2) == DS4_OK);
         CHECK(ds4_model_load(m2, d) == DS4_OK, "%s", ds4_errmsg());
         int bad = 0;
         for (int64_t k = 0; k < ds4_model_nparams(m); k++) {
@@ -889,7 +889,7 @@ static void test_check(void) {
     ds4_config c;
     CHECK(ds4_config_load(find_file("tests/configs/tiny-a.json"), &c) == DS4_OK);
     ds4_model *m;
-    if (ds4_model_create(&c, &m) != DS4_OK) return;
+    if (ds4_model_create(NULL, &c, false, &m) != DS4_OK) return;
     const char *dir = tpath("chk");
     CHECK(ds4_model_save(m, dir, DS4_BF16) == DS4_OK);
     ds4_model_dir *d;
@@ -1073,7 +1073,7 @@ static void check_loads_back(const char *dir, bool hf, const ds4_config *c, ds4_
     CHECK(ds4_model_dir_open(dir, &d) == DS4_OK, "%s", ds4_errmsg());
     if (!d) return;
     ds4_model *m2;
-    CHECK(ds4_model_create(ds4_model_dir_config(d), &m2) == DS4_OK);
+    CHECK(ds4_model_create(NULL, ds4_model_dir_config(d), false, &m2) == DS4_OK);
     CHECK(ds4_model_load(m2, d) == DS4_OK, "%s", ds4_errmsg());
     CHECK(params_differ(m, m2) == 0, "%s: parameters differ", dir);
     int64_t np;
@@ -1089,7 +1089,7 @@ static void test_export_hf_config(void) {
     ds4_config c;
     CHECK(ds4_config_load(find_file("tests/configs/tiny-a.json"), &c) == DS4_OK, "%s", ds4_errmsg());
     ds4_model *m;
-    if (ds4_model_create(&c, &m) != DS4_OK) return;
+    if (ds4_model_create(NULL, &c, false, &m) != DS4_OK) return;
     ds4_model_init_random(m, 23);
     const char *ck = tpath("hfc_ckpt"), *hf = tpath("hfc_hf"), *off = tpath("hfc_off");
     CHECK(ds4_model_save(m, ck, DS4_F32) == DS4_OK, "%s", ds4_errmsg());
@@ -1103,7 +1103,7 @@ static void test_export_hf_config(void) {
 
     /* HCA layers of two ratios */
     c.compress_ratios[3] = 8;
-    if (ds4_model_create(&c, &m) != DS4_OK) return;
+    if (ds4_model_create(NULL, &c, false, &m) != DS4_OK) return;
     ds4_model_init_random(m, 24);
     const char *ck2 = tpath("hfc_ckpt2"), *hf2 = tpath("hfc_hf2");
     CHECK(ds4_model_save(m, ck2, DS4_F32) == DS4_OK, "%s", ds4_errmsg());
@@ -1128,7 +1128,7 @@ static void test_export_hf_keeps_f32(void) {
     ds4_config c;
     CHECK(ds4_config_load(find_file("tests/configs/tiny-a.json"), &c) == DS4_OK, "%s", ds4_errmsg());
     ds4_model *m;
-    if (ds4_model_create(&c, &m) != DS4_OK) return;
+    if (ds4_model_create(NULL, &c, false, &m) != DS4_OK) return;
     ds4_model_init_random(m, 29);
     /* move the parameters init leaves at 0 or 1 off values bf16 holds exactly */
     int64_t n_f32 = 0;
@@ -1189,7 +1189,7 @@ static void test_export_hf_keeps_f32(void) {
     ds4_model *m2 = NULL;
     if (d) {
         CHECK(memcmp(ds4_model_dir_config(d), &c, sizeof c) == 0, "the config reads back differently");
-        CHECK(ds4_model_create(ds4_model_dir_config(d), &m2) == DS4_OK);
+        CHECK(ds4_model_create(NULL, ds4_model_dir_config(d), false, &m2) == DS4_OK);
         CHECK(m2 && ds4_model_load(m2, d) == DS4_OK, "%s", ds4_errmsg());
         ds4_model_dir_close(d);
     }

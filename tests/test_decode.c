@@ -15,7 +15,7 @@ static ds4_model *make_model(const char *cfg_path, bool csa_dense, uint64_t seed
     if (st != DS4_OK) return NULL;
     cfg.csa_dense = csa_dense;
     ds4_model *m = NULL;
-    st = ds4_model_create(&cfg, &m);
+    st = ds4_model_create(NULL, &cfg, false, &m);
     CHECK(st == DS4_OK, "model create: %s", ds4_errmsg());
     if (st != DS4_OK) return NULL;
     ds4_model_init_random(m, seed);

@@ -40,7 +40,7 @@ typedef struct {
 
 static bool reference_run(const ds4_config *c, int ranks, reference *ref) {
     memset(ref, 0, sizeof *ref);
-    if (ds4_model_create(c, &ref->m) != DS4_OK) return false;
+    if (ds4_model_create(NULL, c, false, &ref->m) != DS4_OK) return false;
     ds4_model_init_random(ref->m, 7);
     int64_t n = ds4_model_numel(ref->m);
     ref->ranks = ranks;
@@ -113,7 +113,7 @@ static void fsdp_matches_reference(const char *cfg_path, int ep) {
     CHECK(reference_run(&c, ds4_comm_size(world), &ref), "%s", ds4_errmsg());
     ds4_model *m = NULL;
     ds4_fsdp *f = NULL;
-    CHECK(ds4_model_create_unmapped(&c, &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(NULL, &c, true, &m) == DS4_OK, "%s", ds4_errmsg());
     CHECK(ds4_fsdp_create(m, world, ep, &f) == DS4_OK, "%s", ds4_errmsg());
     if (!f) return;
     CHECK(ds4_fsdp_init_random(f, 7) == DS4_OK);
@@ -228,7 +228,7 @@ static ds4_status compare_packed(void *ctx, int64_t param, const float *values, 
 
 /* Whole-model AdamW (held to the per-element rule by test_optim) over ADAMW_STEPS steps. */
 static void whole_adamw_run(const ds4_config *c, ds4_model **ref, ds4_adamw *ro) {
-    CHECK(ds4_model_create(c, ref) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(NULL, c, false, ref) == DS4_OK, "%s", ds4_errmsg());
     ds4_model_init_random(*ref, 7);
     CHECK(ds4_adamw_init(ro, *ref) == DS4_OK, "%s", ds4_errmsg());
     float *g = ds4_model_grads_flat(*ref);
@@ -250,12 +250,12 @@ static void fsdp_adamw_matches_whole(const char *cfg_path, int ep, bool swap) {
     whole_adamw_run(&c, &ref, &ro);
     ds4_fsdp *f = NULL;
     ds4_offload *store = NULL;
-    CHECK(ds4_model_create_unmapped(&c, &m) == DS4_OK && ds4_fsdp_create(m, world, ep, &f) == DS4_OK, "%s",
+    CHECK(ds4_model_create(NULL, &c, true, &m) == DS4_OK && ds4_fsdp_create(m, world, ep, &f) == DS4_OK, "%s",
           ds4_errmsg());
     if (!f || !ref) return;
     CHECK(ds4_fsdp_init_random(f, 7) == DS4_OK);
     const int64_t ns = ds4_fsdp_shard_numel(f);
-    if (swap) CHECK(ds4_offload_open(NULL, &store) == DS4_OK, "%s", ds4_errmsg());
+    if (swap) CHECK(ds4_offload_open(NULL, NULL, &store) == DS4_OK, "%s", ds4_errmsg());
     CHECK((swap ? ds4_adamw_init_n_swapped(&so, ns, store, 4096) : ds4_adamw_init_n(&so, ns)) == DS4_OK &&
               ds4_fsdp_adamw_ranges(f, &so) == DS4_OK, "%s", ds4_errmsg());
     ds4_adamw wrong;
@@ -303,7 +303,7 @@ static void optimizer_counted_once(int ep) {
     CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
     ds4_model *m = NULL;
     ds4_fsdp *f = NULL;
-    CHECK(ds4_model_create_unmapped(&c, &m) == DS4_OK && ds4_fsdp_create(m, world, ep, &f) == DS4_OK, "%s",
+    CHECK(ds4_model_create(NULL, &c, true, &m) == DS4_OK && ds4_fsdp_create(m, world, ep, &f) == DS4_OK, "%s",
           ds4_errmsg());
     const int64_t ns = f ? ds4_fsdp_shard_numel(f) : 0;
     ds4_fsdp_free(f);
@@ -341,11 +341,11 @@ static void test_shard_sizes(void) {
     CHECK(ds4_config_load("tests/configs/tiny-b.json", &c) == DS4_OK);
     ds4_model *m = NULL;
     ds4_fsdp *f = NULL;
-    CHECK(ds4_model_create_unmapped(&c, &m) == DS4_OK);
+    CHECK(ds4_model_create(NULL, &c, true, &m) == DS4_OK);
     const int W = ds4_comm_size(ds4_comm_world());
     CHECK(ds4_fsdp_create(m, ds4_comm_world(), 2, &f) == DS4_OK, "%s", ds4_errmsg());
     ds4_model *full = NULL;
-    CHECK(ds4_model_create(&c, &full) == DS4_OK);
+    CHECK(ds4_model_create(NULL, &c, false, &full) == DS4_OK);
     if (f && full) {
         double ratio = (double)ds4_fsdp_shard_numel(f) / (double)ds4_model_numel(full);
         CHECK(ratio > 0.9 / W && ratio < 1.1 / W, "shard holds %.3f of the parameters on %d ranks", ratio, W);

@@ -170,7 +170,7 @@ static void test_memplan_batch_overflow(void) {
 static void test_decoder_huge_length(void) {
     ds4_config c = tiny_config();
     ds4_model *m = NULL;
-    CHECK(ds4_model_create(&c, &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
     if (!m) return;
     ds4_decoder *dec = NULL;
     ds4_status s = ds4_decoder_new(m, (int64_t)1 << 62, &dec);   /* x 4 frequencies x 4 bytes wraps to 0 */
@@ -371,7 +371,7 @@ static const char *cli_model(void) {
     if (made) return dir;
     ds4_config c = tiny_config();
     ds4_model *m = NULL;
-    CHECK(ds4_model_create(&c, &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
     if (!m) return dir;
     ds4_model_init_random(m, 1);
     mkdir(dir, 0700);

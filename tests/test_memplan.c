@@ -84,7 +84,7 @@ static void test_swap_plan_equals_measured(void) {
                               (ds4_step_opts){.swap_optimizer = true, .swap_layer_input = true}, "both");
     /* what each option moves: the optimizer's 8 B/param (m and v), one [N, n, D] stream per main layer */
     ds4_model *m = NULL;
-    CHECK(ds4_model_create(&c, &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
     const int64_t n = m ? ds4_model_numel(m) : 0;
     ds4_model_free(m);
     const size_t chunk = 1 << 16;

@@ -11,7 +11,7 @@ static ds4_model *tiny_model(uint64_t seed) {
     ds4_model *m = NULL;
     CHECK(g_have_cfg, "tests/configs/tiny-a.json did not load");
     if (!g_have_cfg) return NULL;
-    ds4_status st = ds4_model_create(&g_cfg, &m);
+    ds4_status st = ds4_model_create(NULL, &g_cfg, false, &m);
     CHECK(st == DS4_OK, "model create: %s", ds4_errmsg());
     if (st != DS4_OK) return NULL;
     ds4_model_init_random(m, seed);

@@ -11,7 +11,7 @@ static inline ds4_model *tiny_model(const char *cfg_path, uint64_t seed) {
     ds4_config c;
     ds4_model *m = NULL;
     CHECK(ds4_config_load(cfg_path, &c) == DS4_OK, "%s", ds4_errmsg());
-    CHECK(ds4_model_create(&c, &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
     if (m) ds4_model_init_random(m, seed);
     return m;
 }

@@ -38,7 +38,7 @@ static void test_store_round_trip(void) {
     ds4_mem_stats s0, s1;
     ds4_mem_get(&s0);
     ds4_offload *s;
-    CHECK(ds4_offload_open(tmpdir(), &s) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_offload_open(NULL, tmpdir(), &s) == DS4_OK, "%s", ds4_errmsg());
     if (!s) return;
     const size_t sizes[3] = {10000, 1, 3 * 4096};
     uint8_t *src[3], *dst = malloc(3 * 4096);
@@ -94,7 +94,7 @@ static void test_store_round_trip(void) {
 
 static void test_store_errors(void) {
     ds4_offload *s = NULL;
-    CHECK(ds4_offload_open("/nonexistent-ds4-dir/x", &s) == DS4_ERR_IO && !s);
+    CHECK(ds4_offload_open(NULL, "/nonexistent-ds4-dir/x", &s) == DS4_ERR_IO && !s);
     CHECK(strstr(ds4_errmsg(), "/nonexistent-ds4-dir/x") && strstr(ds4_errmsg(), "No such file"),
           "names the directory and the OS error: %s", ds4_errmsg());
     /* a file where the directory should be (root ignores permission bits, not this) */
@@ -102,11 +102,11 @@ static void test_store_errors(void) {
     snprintf(file, sizeof file, "%s/plain-file", tmpdir());
     FILE *f = fopen(file, "w");
     if (f) fclose(f);
-    CHECK(ds4_offload_open(file, &s) == DS4_ERR_IO && strstr(ds4_errmsg(), file) &&
+    CHECK(ds4_offload_open(NULL, file, &s) == DS4_ERR_IO && strstr(ds4_errmsg(), file) &&
               strstr(ds4_errmsg(), "Not a directory"), "%s", ds4_errmsg());
     unlink(file);
     /* the file cannot grow (as on a full disk): the error names the file and the OS error */
-    CHECK(ds4_offload_open(tmpdir(), &s) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_offload_open(NULL, tmpdir(), &s) == DS4_OK, "%s", ds4_errmsg());
     if (!s) return;
     struct rlimit old, lim;
     getrlimit(RLIMIT_FSIZE, &old);
@@ -134,7 +134,7 @@ static void test_store_plan(void) {
     const ds4_exec plan = {.plan = true};
     const ds4_exec prev = ds4_exec_enter(&plan);
     ds4_offload *s;
-    ds4_status st = ds4_offload_open_for(&plan, "/nonexistent-ds4-dir", &s);
+    ds4_status st = ds4_offload_open(&plan, "/nonexistent-ds4-dir", &s);
     int64_t h = -1;
     if (st == DS4_OK) st = ds4_offload_alloc(s, DS4_MEM_OPTIM, 1 << 30, &h);
     ds4_mem_stats m;
@@ -161,7 +161,7 @@ static void test_swap_optimizer_equals_resident(void) {
     const size_t chunk = 1 << 16; /* 8192 elements of m and v: chunks straddle parameters */
     ds4_model *ma = tiny_model("tests/configs/tiny-a.json", 3), *mb = tiny_model("tests/configs/tiny-a.json", 3);
     ds4_offload *s = NULL;
-    CHECK(ds4_offload_open(tmpdir(), &s) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_offload_open(NULL, tmpdir(), &s) == DS4_OK, "%s", ds4_errmsg());
     if (!ma || !mb || !s) return;
     const int64_t n = ds4_model_numel(ma);
     ds4_adamw ra, sb;
@@ -221,7 +221,7 @@ static void test_swap_optimizer_equals_resident(void) {
 static void test_swap_optimizer_checkpoint(void) {
     ds4_model *m = tiny_model("tests/configs/tiny-a.json", 5);
     ds4_offload *s = NULL;
-    CHECK(ds4_offload_open(tmpdir(), &s) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_offload_open(NULL, tmpdir(), &s) == DS4_OK, "%s", ds4_errmsg());
     if (!m || !s) return;
     const int64_t n = ds4_model_numel(m);
     ds4_adamw r, w;
@@ -320,7 +320,7 @@ static void swap_layer_input_equal(const char *cfg_path, int64_t B, int64_t T, i
     ds4_model *m = tiny_model(cfg_path, 11);
     ds4_offload *s = NULL;
     ds4_act_offload *a = NULL;
-    CHECK(ds4_offload_open(tmpdir(), &s) == DS4_OK && ds4_act_offload_new(s, &a) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_offload_open(NULL, tmpdir(), &s) == DS4_OK && ds4_act_offload_new(s, &a) == DS4_OK, "%s", ds4_errmsg());
     if (!m || !a) return;
     const ds4_config *c = ds4_model_config(m);
     uint32_t masks[DS4_MAX_LAYERS];
@@ -372,7 +372,7 @@ static void test_swap_layer_input_eval_and_abandon(void) {
     ds4_model *m = tiny_model("tests/configs/tiny-a.json", 2);
     ds4_offload *s = NULL;
     ds4_act_offload *a = NULL;
-    CHECK(ds4_offload_open(tmpdir(), &s) == DS4_OK && ds4_act_offload_new(s, &a) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_offload_open(NULL, tmpdir(), &s) == DS4_OK && ds4_act_offload_new(s, &a) == DS4_OK, "%s", ds4_errmsg());
     if (!m || !a) return;
     int32_t ids[32];
     for (int i = 0; i < 32; i++) ids[i] = i * 7 % 256;

@@ -125,7 +125,7 @@ static void test_resident_equals_reference(void) {
 
 static void test_swapped_equals_reference(void) {
     ds4_offload *s = NULL;
-    CHECK(ds4_offload_open(NULL, &s) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_offload_open(NULL, NULL, &s) == DS4_OK, "%s", ds4_errmsg());
     if (!s) return;
     run_against_reference("tests/configs/tiny-a.json", s, 1000, "chunks of 125"); /* cut inside parameters */
     run_against_reference("tests/configs/tiny-a.json", s, 0, "default chunk");
@@ -163,7 +163,7 @@ static bool cuts_param(ds4_model *m, int64_t x) {
 static void test_slice_equals_reference(void) {
     ds4_model *m = tiny_model("tests/configs/tiny-a.json", 4);
     ds4_offload *store = NULL;
-    CHECK(ds4_offload_open(NULL, &store) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_offload_open(NULL, NULL, &store) == DS4_OK, "%s", ds4_errmsg());
     if (!m || !store) return;
     const int64_t n = ds4_model_numel(m), a = n / 3 + 7, b = 2 * n / 3 + 11;
     CHECK(cuts_param(m, a) && cuts_param(m, b), "the slice [%lld, %lld) must cut parameters", (long long)a, (long long)b);
@@ -240,7 +240,7 @@ static void test_state_is_8_bytes_per_element(void) {
 static void test_swapped_bytes(void) {
     ds4_model *m = tiny_model("tests/configs/tiny-a.json", 1);
     ds4_offload *s = NULL;
-    CHECK(ds4_offload_open(NULL, &s) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_offload_open(NULL, NULL, &s) == DS4_OK, "%s", ds4_errmsg());
     if (!m || !s) return;
     const int64_t n = ds4_model_numel(m);
     const size_t chunk = 4096; /* 512 elements of m and v */

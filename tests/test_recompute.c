@@ -55,7 +55,7 @@ static void make_ids(int32_t *ids, int64_t n, int64_t V) {
 /* 3 AdamW steps from the same init under a policy. */
 static bool run_steps(const ds4_config *c, const uint32_t *masks, int64_t B, int64_t T, run_result *out) {
     ds4_model *m;
-    if (ds4_model_create(c, &m) != DS4_OK) return false;
+    if (ds4_model_create(NULL, c, false, &m) != DS4_OK) return false;
     ds4_model_init_random(m, 21);
     ds4_adamw opt;
     ds4_adamw_init(&opt, m);
@@ -125,7 +125,7 @@ static void test_release_accounting(void) {
     ds4_config c;
     CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK);
     ds4_model *m;
-    CHECK(ds4_model_create(&c, &m) == DS4_OK);
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK);
     ds4_model_init_random(m, 2);
     int32_t ids[2 * 64];
     make_ids(ids, 128, c.vocab_size);
@@ -182,7 +182,7 @@ static void test_peak_ordering(void) {
     ds4_config c;
     CHECK(ds4_config_load("tests/configs/tiny-b.json", &c) == DS4_OK);
     ds4_model *m;
-    CHECK(ds4_model_create(&c, &m) == DS4_OK);
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK);
     ds4_model_init_random(m, 2);
     int32_t ids[300];
     make_ids(ids, 300, c.vocab_size);

@@ -238,7 +238,7 @@ static void test_kill9_during_saves_keeps_a_loadable_checkpoint(void) {
         waitpid(pid, NULL, 0);
         if (ds4_checkpoint_find(root, -1, path, sizeof path) != DS4_OK) continue; /* killed before the first save */
         ds4_model *m;
-        CHECK(ds4_model_create(&mc, &m) == DS4_OK);
+        CHECK(ds4_model_create(NULL, &mc, false, &m) == DS4_OK);
         ds4_ckpt_meta meta;
         CHECK(ds4_checkpoint_load(path, m, NULL, &meta) == DS4_OK, "trial %d: %s", trial, ds4_errmsg());
         ds4_model_free(m);

@@ -39,7 +39,7 @@ static ds4_status open_model(const char *cmd, const char *model_dir, const char 
     ds4_model_dir *d;
     DS4_TRY(ds4_model_dir_open(path, &d));
     ds4_model *m = NULL;
-    ds4_status st = ds4_model_create(ds4_model_dir_config(d), &m);
+    ds4_status st = ds4_model_create(NULL, ds4_model_dir_config(d), false, &m);
     if (st == DS4_OK) st = ds4_model_load(m, d);
     ds4_model_dir_close(d);
     if (st != DS4_OK) {

@@ -71,7 +71,7 @@ int cmd_init(int argc, char **argv) {
     ds4_config cfg;
     if (ds4_check_input(cfgp, NULL) != DS4_OK || ds4_config_load(cfgp, &cfg) != DS4_OK) return cli_fail();
     ds4_model *m;
-    if (ds4_model_create(&cfg, &m) != DS4_OK) return cli_fail();
+    if (ds4_model_create(NULL, &cfg, false, &m) != DS4_OK) return cli_fail();
     if (!make_dirs("init", out)) {
         ds4_model_free(m);
         return 1;
@@ -268,14 +268,14 @@ int cmd_debug_state(int argc, char **argv) {
     ds4_model *m = NULL;
     int32_t *ids = NULL;
     int64_t B = 0, T = 0;
-    ds4_status st = ds4_model_create(ds4_model_dir_config(d), &m);
+    ds4_status st = ds4_model_create(NULL, ds4_model_dir_config(d), false, &m);
     if (st == DS4_OK) st = ds4_model_load(m, d);
     ds4_model_dir_close(d);
     if (st == DS4_OK) st = read_batch(bp, &ids, &B, &T);
     ds4_offload *store = NULL;
     ds4_act_offload *act = NULL;
     if (st == DS4_OK && cli_get(f, NFLAGS(f), "swap-layer-input")) {
-        st = ds4_offload_open(cli_get(f, NFLAGS(f), "offload-dir"), &store);
+        st = ds4_offload_open(NULL, cli_get(f, NFLAGS(f), "offload-dir"), &store);
         if (st == DS4_OK) st = ds4_act_offload_new(store, &act);
     }
     if (st == DS4_OK) {

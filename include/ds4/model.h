@@ -34,15 +34,14 @@ typedef struct {
 
 typedef struct ds4_model ds4_model;
 
-ds4_status ds4_model_create(const ds4_config *cfg, ds4_model **out);  /* params zero */
-/* A model whose flat value and gradient buffers are reserved address ranges with no memory behind
- * them (for FSDP / EP wrappers): a wrapper makes a range resident with ds4_model_map before the model
- * reads or writes it and gives it back with ds4_model_unmap. Every region starts on a page. */
-ds4_status ds4_model_create_unmapped(const ds4_config *cfg, ds4_model **out);
-/* Either of the two (unmapped or not) for a step run as `exec` (NULL: real, as the two above). In a plan
- * (memplan) the model's buffers are counted but never touched: init, zero_grad and map/unmap only count,
- * and its passes read and write no tensor data (routing is balanced, as moe_force_balance makes it). */
-ds4_status ds4_model_create_for(const ds4_exec *exec, const ds4_config *cfg, bool unmapped, ds4_model **out);
+/* A model of `cfg` for steps run as `exec` (NULL: real), parameters zero. unmapped = false: its flat value
+ * and gradient buffers are allocated. unmapped = true (for FSDP / EP wrappers): they are reserved address
+ * ranges with no memory behind them; a wrapper makes a range resident with ds4_model_map before the
+ * model reads or writes it and gives it back with ds4_model_unmap. Every region starts on a page. In a
+ * plan (memplan) the model's buffers are counted but never touched: init, zero_grad and map/unmap only
+ * count, and its passes read and write no tensor data (routing is balanced, as moe_force_balance makes
+ * it). A pass must run under the context the model was made for (ds4_forward checks). */
+ds4_status ds4_model_create(const ds4_exec *exec, const ds4_config *cfg, bool unmapped, ds4_model **out);
 void ds4_model_free(ds4_model *m);
 const ds4_config *ds4_model_config(const ds4_model *m);
 int64_t ds4_model_nparams(const ds4_model *m);                          /* number of named tensors */

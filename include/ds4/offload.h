@@ -22,12 +22,11 @@ extern "C" {
 
 typedef struct ds4_offload ds4_offload;
 
-/* Opens a store backed by a new, already unlinked file in `dir` (NULL or "": $TMPDIR, else /tmp).
- * Fails naming the directory and the OS error (missing, not writable, ...). One thread at a time per store. */
-ds4_status ds4_offload_open(const char *dir, ds4_offload **out);
-/* The same for a step run as `exec` (NULL: real, as above). A plan store (memplan) makes no file and
- * does no I/O: it only counts. */
-ds4_status ds4_offload_open_for(const ds4_exec *exec, const char *dir, ds4_offload **out);
+/* Opens a store for steps run as `exec` (NULL: real) backed by a new, already unlinked file in `dir`
+ * (NULL or "": $TMPDIR, else /tmp). Fails naming the directory and the OS error (missing, not writable,
+ * ...). A plan store (memplan) makes no file and does no I/O: it only counts. One thread at a time per
+ * store. */
+ds4_status ds4_offload_open(const ds4_exec *exec, const char *dir, ds4_offload **out);
 /* Drops every handle still held (their bytes leave the offload tier) and closes the file. NULL: no-op. */
 void ds4_offload_close(ds4_offload *s);
 

@@ -42,7 +42,7 @@ static const char *default_dir(void) {
     return t && *t ? t : "/tmp";
 }
 
-ds4_status ds4_offload_open_for(const ds4_exec *exec, const char *dir, ds4_offload **out) {
+ds4_status ds4_offload_open(const ds4_exec *exec, const char *dir, ds4_offload **out) {
     *out = NULL;
     if (!dir || !*dir) dir = default_dir();
     if (strlen(dir) >= sizeof((ds4_offload *)0)->dir)
@@ -65,8 +65,6 @@ ds4_status ds4_offload_open_for(const ds4_exec *exec, const char *dir, ds4_offlo
     *out = s;
     return DS4_OK;
 }
-
-ds4_status ds4_offload_open(const char *dir, ds4_offload **out) { return ds4_offload_open_for(NULL, dir, out); }
 
 void ds4_offload_close(ds4_offload *s) {
     if (!s) return;

@@ -52,8 +52,8 @@ struct ds4_model {
     bool gemm_ws;                     /* holds a reference on the GEMM packing workspace */
     ds4_region *regions;              /* [nregions] in flat order */
     int64_t nregions;
-    bool unmapped;                    /* flat / gflat are reserved ranges (ds4_model_create_unmapped) */
-    ds4_exec exec;                    /* real or plan (ds4_model_create_for): a plan touches no data */
+    bool unmapped;                    /* flat / gflat are reserved ranges (ds4_model_create with unmapped) */
+    ds4_exec exec;                    /* real or plan (ds4_model_create): a plan touches no data */
     size_t reserved_bytes;            /* bytes of each reservation */
 };
 

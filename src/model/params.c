@@ -187,9 +187,7 @@ oom:
     return ds4_fail(DS4_ERR_OOM, "out of memory creating the model parameter table");
 }
 
-ds4_status ds4_model_create(const ds4_config *cfg, ds4_model **out) { return model_create(NULL, cfg, false, out); }
-ds4_status ds4_model_create_unmapped(const ds4_config *cfg, ds4_model **out) { return model_create(NULL, cfg, true, out); }
-ds4_status ds4_model_create_for(const ds4_exec *exec, const ds4_config *cfg, bool unmapped, ds4_model **out) {
+ds4_status ds4_model_create(const ds4_exec *exec, const ds4_config *cfg, bool unmapped, ds4_model **out) {
     return model_create(exec, cfg, unmapped, out);
 }
 

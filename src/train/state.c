@@ -64,13 +64,13 @@ ds4_status ds4_train_agree(ds4_comm *world, ds4_status st) {
 /* ------------------------------------------------------------------ open / free */
 /* The model first (the order memplan's numbers were first taken in): whole, or unmapped behind FSDP. */
 static ds4_status open_model(ds4_train_state *s, const ds4_config *mc) {
-    return ds4_model_create_for(&s->exec, mc, s->sharded, &s->m);
+    return ds4_model_create(&s->exec, mc, s->sharded, &s->m);
 }
 
 /* The offload store and the layer-input hooks, when a swap policy asks for them. */
 static ds4_status open_offload(ds4_train_state *s, const ds4_train_state_opts *o) {
     if (!o->swap_optimizer && !o->swap_layer_input) return DS4_OK;
-    DS4_TRY(ds4_offload_open_for(&s->exec, o->offload_dir, &s->store));
+    DS4_TRY(ds4_offload_open(&s->exec, o->offload_dir, &s->store));
     return o->swap_layer_input ? ds4_act_offload_new(s->store, &s->act) : DS4_OK;
 }
 
