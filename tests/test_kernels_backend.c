@@ -156,13 +156,38 @@ static void test_plan_touches_no_data(void) {
     streams_expand(NULL, 8, 4, 16);
     streams_add(NULL, NULL, 8, 4, 16);
     streams_sum(NULL, NULL, 8, 4, 16);
+    moe_group_by_expert(NULL, NULL, NULL, NULL, 8, 16, 2); /* routing is data: skipped too */
+    moe_experts_fwd(&(moe_experts_args){.nexp = 16, .D = 16, .I = 8}, NULL);
+    rows_scatter_add(NULL, NULL, NULL, 8, 16);
+    tensor_add(NULL, NULL, 64);
     ds4_exec_leave(prev);
     CHECK(kl == 0 && rows == 0, "the plan KL loss writes 0 rows and loss 0, as the kernel does before computing");
+}
+
+/* MoE routing: grouped by expert with tokens ascending; a plan counts balanced routing's rows. */
+static void test_routing_ops(void) {
+    const int32_t idx[3 * 2] = {2, 0, 0, 3, 2, 3}; /* N = 3 tokens, K = 2 slots, E = 4 experts */
+    int64_t eoff[5], cnt[4];
+    int32_t etok[6], eslot[6];
+    moe_group_by_expert(eoff, etok, eslot, idx, 3, 4, 2);
+    const int64_t want_off[5] = {0, 2, 2, 4, 6};
+    const int32_t want_tok[6] = {0, 1, 0, 2, 1, 2}, want_slot[6] = {1, 0, 0, 0, 1, 1};
+    CHECK(!memcmp(eoff, want_off, sizeof eoff), "offsets %lld %lld %lld %lld %lld", (long long)eoff[0],
+          (long long)eoff[1], (long long)eoff[2], (long long)eoff[3], (long long)eoff[4]);
+    CHECK(!memcmp(etok, want_tok, sizeof etok) && !memcmp(eslot, want_slot, sizeof eslot), "assignments");
+    moe_expert_counts(cnt, eoff, 4, 6);
+    CHECK(cnt[0] == 2 && cnt[1] == 0 && cnt[2] == 2 && cnt[3] == 2, "counts of the routing");
+    const ds4_exec prev = ds4_exec_enter(&k_plan_ctx);
+    moe_expert_counts(cnt, NULL, 4, 10);
+    ds4_exec_leave(prev);
+    CHECK(cnt[0] == 3 && cnt[1] == 3 && cnt[2] == 2 && cnt[3] == 2, "a plan's counts are balanced routing's");
+    CHECK(indexer_kl_rows(2, 8, 4) == 10 && indexer_kl_rows(2, 3, 4) == 0, "KL rows: those that see an entry");
 }
 
 int main(void) {
     RUN(test_tables);
     RUN(test_plan_counts_the_cpu_workspace);
     RUN(test_plan_touches_no_data);
+    RUN(test_routing_ops);
     TEST_MAIN_END("test_kernels_backend");
 }

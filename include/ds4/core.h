@@ -94,6 +94,18 @@ void ds4_mem_track(ds4_mem_cat cat, int64_t delta);
 /* The offload tier (docs/DESIGN.md idea 3): bytes of `cat` that live outside memory, in an offload store
  * (ds4/offload.h). Counted on their own: they never enter live/peak/live_total/peak_total above. */
 void ds4_mem_track_offload(ds4_mem_cat cat, int64_t delta);
+/* Whether an allocation of `cat` has memory behind it in the current context (false in a plan, but for
+ * DS4_MEM_OTHER): code that writes a buffer it did not get from a kernel asks this. */
+bool ds4_mem_backed(ds4_mem_cat cat);
+
+/* Reserved address ranges: `bytes` of address space with no memory behind it (NULL on failure), whose
+ * pieces are made resident and counted one at a time (an FSDP wrapper's view of a model). map makes
+ * [p, p + bytes) resident and zero, counted under `cat` (false: out of memory); unmap returns its pages
+ * (the contents are lost; a later read faults until it is mapped again). In a plan both only count. */
+void *ds4_range_reserve(size_t bytes);
+void ds4_range_release(void *p, size_t bytes);
+bool ds4_range_map(void *p, size_t bytes, ds4_mem_cat cat);
+void ds4_range_unmap(void *p, size_t bytes, ds4_mem_cat cat);
 
 typedef struct {
     int64_t live[DS4_MEM_NCAT];

@@ -5,6 +5,7 @@
 #include <cjson/cJSON.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <string.h>
 
 #define HDR 64
@@ -193,4 +194,30 @@ char *ds4_strndup(const char *s, size_t n) {
     memcpy(d, s, n);
     d[n] = 0;
     return d;
+}
+
+/* ------------------------------------------------------------------ reserved address ranges */
+bool ds4_mem_backed(ds4_mem_cat cat) { return !unbacked(cat); }
+
+void *ds4_range_reserve(size_t bytes) {
+    void *p = mmap(NULL, bytes ? bytes : 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+void ds4_range_release(void *p, size_t bytes) {
+    if (p) munmap(p, bytes ? bytes : 4096);
+}
+
+bool ds4_range_map(void *p, size_t bytes, ds4_mem_cat cat) {
+    if (!unbacked(cat) && mprotect(p, bytes, PROT_READ | PROT_WRITE) != 0) return false;
+    ds4_mem_track(cat, (int64_t)bytes);
+    return true;
+}
+
+void ds4_range_unmap(void *p, size_t bytes, ds4_mem_cat cat) {
+    if (!unbacked(cat)) { /* a plan's pages were never made resident */
+        madvise(p, bytes, MADV_DONTNEED); /* the pages go back; the next map reads zeros */
+        mprotect(p, bytes, PROT_NONE);     /* a read after unmap faults instead of seeing stale data */
+    }
+    ds4_mem_track(cat, -(int64_t)bytes);
 }

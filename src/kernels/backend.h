@@ -35,6 +35,9 @@ typedef struct indexer_topk_args indexer_topk_args;
 typedef struct indexer_kl_args indexer_kl_args;
 typedef struct moe_gate_args moe_gate_args;
 typedef struct moe_gate_grads moe_gate_grads;
+typedef struct moe_expert_w moe_expert_w;
+typedef struct moe_experts_args moe_experts_args;
+typedef struct moe_experts_grads moe_experts_grads;
 
 /* C[M,N] = beta·C + op(A)·op(B): the signature of gemm_nt / gemm_nn / gemm_tn (kernels.h). */
 typedef void gemm_signature(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
@@ -75,8 +78,26 @@ typedef struct ds4_kernel_backend {
     void (*sparse_attn_bwd)(const sparse_attn_args *a, const sparse_attn_grads *g);
     void (*indexer_topk_fwd)(const indexer_topk_args *a);
     void (*indexer_kl_fwd_bwd)(const indexer_kl_args *a);
+    int64_t (*indexer_kl_rows)(int64_t B, int64_t T, int64_t ratio);
     void (*moe_gate_fwd)(const moe_gate_args *a);
     void (*moe_gate_bwd)(const moe_gate_args *a, const moe_gate_grads *g);
+    void (*moe_balanced_table)(int64_t *table, int32_t *ids, int64_t N, int64_t K, int64_t E);
+    void (*moe_group_by_expert)(int64_t *eoff, int32_t *etok, int32_t *eslot, const int32_t *idx, int64_t N,
+                                int64_t E, int64_t K);
+    void (*moe_expert_counts)(int64_t *cnt, const int64_t *eoff, int64_t E, int64_t NK);
+    void (*moe_expert_load)(int64_t *load, const int64_t *eoff, int64_t E);
+    void (*moe_assignment_weights)(float *wj, const float *w, const int32_t *etok, const int32_t *eslot, int64_t NK,
+                                   int64_t K);
+    void (*moe_weight_grads_add)(float *dgw, const float *dw, const int32_t *etok, const int32_t *eslot, int64_t NK,
+                                 int64_t K);
+    void (*rows_gather)(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D);
+    void (*rows_scatter_add)(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D);
+    void (*rows_pack)(float *dst, const float *x, const int32_t *rows, const float *w, int64_t n, int64_t D);
+    void (*rows_unpack)(float *x, float *w, const float *src, int64_t n, int64_t D);
+    void (*moe_unpack_grads_add)(float *dx, float *dgw, const float *src, const int32_t *etok, const int32_t *eslot,
+                                 int64_t NK, int64_t D, int64_t K);
+    void (*moe_experts_fwd)(const moe_experts_args *a, float *y);
+    void (*moe_experts_bwd)(const moe_experts_args *a, const moe_experts_grads *g);
     void (*swiglu_fwd)(float *act, const float *g, const float *u, int64_t N, int64_t I, float limit);
     void (*swiglu_bwd)(float *dg, float *du, const float *dact, const float *g, const float *u, int64_t N,
                        int64_t I, float limit);
@@ -84,6 +105,7 @@ typedef struct ds4_kernel_backend {
                                   const int32_t *targets, int64_t N, int64_t V, float grad_scale);
     void (*tensor_copy)(void *dst, const void *src, size_t bytes);
     void (*tensor_zero)(void *dst, size_t bytes);
+    void (*tensor_add)(float *dst, const float *src, int64_t n);
     void (*shift_ids)(int32_t *out, const int32_t *ids, int64_t B, int64_t T, int64_t shift, int32_t fill);
     void (*streams_expand)(float *X, int64_t N, int64_t n, int64_t D);
     void (*streams_add)(float *X, const float *x, int64_t N, int64_t n, int64_t D);
@@ -92,14 +114,17 @@ typedef struct ds4_kernel_backend {
 
 /* Every entry of the table, for checks that walk it (X(name) per entry). */
 #define DS4_KERNEL_ENTRIES(X)                                                                                 \
-    X(gemm_nt) X(gemm_nn) X(gemm_tn) X(gemm_workspace_reserve) X(gemm_workspace_release) X(linear_fwd)      \
-    X(linear_bwd) X(grouped_linear_fwd) X(grouped_linear_bwd) X(embedding_fwd) X(embedding_bwd)             \
-    X(rmsnorm_fwd) X(rmsnorm_bwd) X(rope_fwd) X(rope_bwd) X(hc_split_sinkhorn_fwd) X(hc_split_sinkhorn_bwd) \
-    X(hc_pre_fwd) X(hc_pre_bwd) X(hc_post_fwd) X(hc_post_bwd) X(hc_head_fwd) X(hc_head_bwd)                 \
-    X(compressor_pool_fwd) X(compressor_pool_bwd) X(sparse_attn_fwd) X(sparse_attn_bwd) X(indexer_topk_fwd) \
-    X(indexer_kl_fwd_bwd) X(moe_gate_fwd) X(moe_gate_bwd) X(swiglu_fwd) X(swiglu_bwd)                       \
-    X(cross_entropy_fwd_bwd) X(tensor_copy) X(tensor_zero) X(shift_ids) X(streams_expand) X(streams_add)    \
-    X(streams_sum)
+    X(gemm_nt) X(gemm_nn) X(gemm_tn) X(gemm_workspace_reserve) X(gemm_workspace_release) X(linear_fwd)        \
+    X(linear_bwd) X(grouped_linear_fwd) X(grouped_linear_bwd) X(embedding_fwd) X(embedding_bwd)               \
+    X(rmsnorm_fwd) X(rmsnorm_bwd) X(rope_fwd) X(rope_bwd) X(hc_split_sinkhorn_fwd) X(hc_split_sinkhorn_bwd)   \
+    X(hc_pre_fwd) X(hc_pre_bwd) X(hc_post_fwd) X(hc_post_bwd) X(hc_head_fwd) X(hc_head_bwd)                   \
+    X(compressor_pool_fwd) X(compressor_pool_bwd) X(sparse_attn_fwd) X(sparse_attn_bwd) X(indexer_topk_fwd)   \
+    X(indexer_kl_fwd_bwd) X(indexer_kl_rows) X(moe_gate_fwd) X(moe_gate_bwd) X(moe_balanced_table)            \
+    X(moe_group_by_expert) X(moe_expert_counts) X(moe_expert_load) X(moe_assignment_weights)                  \
+    X(moe_weight_grads_add) X(rows_gather) X(rows_scatter_add) X(rows_pack) X(rows_unpack)                    \
+    X(moe_unpack_grads_add) X(moe_experts_fwd) X(moe_experts_bwd) X(swiglu_fwd) X(swiglu_bwd)                 \
+    X(cross_entropy_fwd_bwd) X(tensor_copy) X(tensor_zero) X(tensor_add) X(shift_ids) X(streams_expand)       \
+    X(streams_add) X(streams_sum)
 
 /* The table in use: the plan backend while the allocator serves a plan (ds4_exec_current), else the
  * compute backend. */

@@ -340,6 +340,12 @@ struct indexer_kl_args {
     double *kl_sum;
     int64_t *n_rows;
 };
+/* The rows indexer_kl_fwd_bwd scores over [B, T] at ratio r: every row that sees a compressed entry,
+ * B·(T − r + 1). A plan scores none (0), as its KL writes 0 rows. */
+static inline int64_t indexer_kl_rows(int64_t B, int64_t T, int64_t ratio) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    return k->indexer_kl_rows ? k->indexer_kl_rows(B, T, ratio) : 0;
+}
 static inline void indexer_kl_fwd_bwd(const indexer_kl_args *a) {
     const ds4_kernel_backend *k = ds4_kernels();
     if (k->indexer_kl_fwd_bwd) k->indexer_kl_fwd_bwd(a);
@@ -374,6 +380,111 @@ static inline void moe_gate_fwd(const moe_gate_args *a) {
 static inline void moe_gate_bwd(const moe_gate_args *a, const moe_gate_grads *g) {
     const ds4_kernel_backend *k = ds4_kernels();
     if (k->moe_gate_bwd) k->moe_gate_bwd(a, g);
+}
+
+/* ---- MoE routing as data ops (cpu/route.c): the data-dependent steps of the router and the MoE unit.
+ * A plan skips them with every other op; its routing is balanced (moe_expert_counts). NK = N·K
+ * assignments (token t, slot k), grouped by expert: expert e's are [eoff[e], eoff[e + 1]). */
+/* force_balance's table: table [N·K] = j mod E, read through ids [N] = 0, 1, ..., N − 1. */
+static inline void moe_balanced_table(int64_t *table, int32_t *ids, int64_t N, int64_t K, int64_t E) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->moe_balanced_table) k->moe_balanced_table(table, ids, N, K, E);
+}
+/* Groups the assignments idx [N, K] by expert, tokens ascending within an expert: eoff [E + 1],
+ * etok [N·K] (token of each), eslot [N·K] (its top-k slot). */
+static inline void moe_group_by_expert(int64_t *eoff, int32_t *etok, int32_t *eslot, const int32_t *idx, int64_t N,
+                                       int64_t E, int64_t K) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->moe_group_by_expert) k->moe_group_by_expert(eoff, etok, eslot, idx, N, E, K);
+}
+/* cnt [E] = assignments per expert: eoff [E + 1] differenced. The plan backend writes those of balanced
+ * routing (slot j to expert j mod E) instead, so a plan sizes expert parallelism's rows as
+ * moe_force_balance routes them. */
+static inline void moe_expert_counts(int64_t *cnt, const int64_t *eoff, int64_t E, int64_t NK) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->moe_expert_counts) k->moe_expert_counts(cnt, eoff, E, NK);
+}
+/* load [E] += assignments per expert (eoff [E + 1] differenced): the expert load of the step. */
+static inline void moe_expert_load(int64_t *load, const int64_t *eoff, int64_t E) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->moe_expert_load) k->moe_expert_load(load, eoff, E);
+}
+/* wj [NK] = w [N, K] at (etok[j], eslot[j]): the routing weight of each assignment. */
+static inline void moe_assignment_weights(float *wj, const float *w, const int32_t *etok, const int32_t *eslot,
+                                          int64_t NK, int64_t K) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->moe_assignment_weights) k->moe_assignment_weights(wj, w, etok, eslot, NK, K);
+}
+/* dgw [N, K] at (etok[j], eslot[j]) += dw [j], j ascending. */
+static inline void moe_weight_grads_add(float *dgw, const float *dw, const int32_t *etok, const int32_t *eslot,
+                                        int64_t NK, int64_t K) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->moe_weight_grads_add) k->moe_weight_grads_add(dgw, dw, etok, eslot, NK, K);
+}
+/* dst [n, D] = src rows rows[i] (src: [*, D]). */
+static inline void rows_gather(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->rows_gather) k->rows_gather(dst, src, rows, n, D);
+}
+/* dst row rows[i] += src row i, i ascending (deterministic). dst: [*, D]; src: [n, D]. */
+static inline void rows_scatter_add(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->rows_scatter_add) k->rows_scatter_add(dst, src, rows, n, D);
+}
+/* Rows with a trailing weight, as expert parallelism sends them: dst [n, D + 1], row i = (x row
+ * rows[i] (rows NULL: row i) | w[i]). unpack: the inverse, x [n, D] and w [n] from src [n, D + 1]. */
+static inline void rows_pack(float *dst, const float *x, const int32_t *rows, const float *w, int64_t n, int64_t D) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->rows_pack) k->rows_pack(dst, x, rows, w, n, D);
+}
+static inline void rows_unpack(float *x, float *w, const float *src, int64_t n, int64_t D) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->rows_unpack) k->rows_unpack(x, w, src, n, D);
+}
+/* Backward of a packed send: dx row etok[j] += src row j [:D], dgw (etok[j], eslot[j]) += src[j, D],
+ * j ascending. src: [NK, D + 1]; dx: [N, D]; dgw: [N, K]. */
+static inline void moe_unpack_grads_add(float *dx, float *dgw, const float *src, const int32_t *etok,
+                                        const int32_t *eslot, int64_t NK, int64_t D, int64_t K) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->moe_unpack_grads_add) k->moe_unpack_grads_add(dx, dgw, src, etok, eslot, NK, D, K);
+}
+/* dst [n] += src [n], in index order. */
+static inline void tensor_add(float *dst, const float *src, int64_t n) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->tensor_add) k->tensor_add(dst, src, n);
+}
+
+/* ---- routed experts (cpu/experts.c): SwiGLU experts on rows grouped by expert, §5.
+ * Expert e of the nexp run here owns rows [off[e], off[e + 1]) of x [R, D] (routing weights rw [R]);
+ * each runs h1 = w1 x, h3 = w3 x (saved [R, I]), y = w2(rw · swiglu(h1, h3)) [R, D]. A plan runs none:
+ * which rows go where is data. */
+struct moe_expert_w {
+    float *w1, *w2, *w3; /* w1, w3: [I, D]; w2: [D, I] */
+};
+struct moe_experts_args {
+    int64_t nexp, D, I;
+    float limit;
+    const int64_t *off;      /* [nexp + 1] */
+    const moe_expert_w *w;   /* [nexp] */
+    const float *x, *rw;     /* [R, D], [R] */
+    float *h1, *h3;          /* [R, I]: written by the forward, read by the backward */
+    float *act;              /* [rows of the largest expert, I] scratch */
+};
+/* Backward given dy [R, D]: dx [R, D] and dw [R] (d routing weight) are overwritten; weight gradients
+ * accumulate into g [nexp]. Scratch dact, dh1, dh3: [rows of the largest expert, I]. */
+struct moe_experts_grads {
+    moe_expert_w *g;
+    const float *dy;
+    float *dx, *dw;
+    float *dact, *dh1, *dh3;
+};
+static inline void moe_experts_fwd(const moe_experts_args *a, float *y) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->moe_experts_fwd) k->moe_experts_fwd(a, y);
+}
+static inline void moe_experts_bwd(const moe_experts_args *a, const moe_experts_grads *g) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->moe_experts_bwd) k->moe_experts_bwd(a, g);
 }
 
 /* act[n, i] = silu(min(g, limit)) · clamp(u, −limit, limit); limit <= 0: no clamp.

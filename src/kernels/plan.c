@@ -2,7 +2,8 @@
  * memory behind them then, so no entry touches data. The entries that allocate workspace in the cpu
  * backend (GEMM packing buffers, attention and indexer scratch) are that backend's workspace mirrors
  * (cpu/cpu.h): same bytes, allocated and freed in the same order, so a plan counts what a real step
- * allocates, byte for byte. Every other entry is NULL: the kernels.h wrapper does nothing. */
+ * allocates, byte for byte. moe_expert_counts gives balanced routing's counts, which size expert
+ * parallelism's rows in a plan. Every other entry is NULL: the kernels.h wrapper does nothing. */
 #include "kernels/cpu/cpu.h"
 
 static const ds4_kernel_backend k_plan = {
@@ -20,6 +21,7 @@ static const ds4_kernel_backend k_plan = {
     .sparse_attn_bwd = cpu_sparse_attn_bwd_plan,
     .indexer_topk_fwd = cpu_indexer_topk_fwd_plan,
     .indexer_kl_fwd_bwd = cpu_indexer_kl_fwd_bwd_plan,
+    .moe_expert_counts = cpu_moe_expert_counts_plan, /* a plan routes as moe_force_balance does */
 };
 
 const ds4_kernel_backend *ds4_kernel_backend_plan(void) { return &k_plan; }

@@ -44,8 +44,6 @@ ds4_rope rope_view(const ds4_rope *r, int64_t pos) {
     return at;
 }
 
-int64_t usable_rows(int64_t B, int64_t T, int64_t r) { return T >= r ? B * (T - r + 1) : 0; }
-
 float attn_scale(const ds4_config *c) { return (float)(1.0 / sqrt((double)c->head_dim)); }
 float indexer_wscale(const ds4_config *c) {
     return (float)(1.0 / sqrt((double)c->index_head_dim) / sqrt((double)c->index_n_heads));
@@ -83,10 +81,7 @@ static ds4_status indexer_kl_forward_only(const block_ctx *bc, block_acts *a, do
 static ds4_status after_unit(const block_ctx *bc, block_acts *a, unit_id u, int64_t *expert_load, double *kl_sum,
                              int64_t *kl_rows) {
     if (u == U_SPARSE_ATTN && a->ratio == 4 && !bc->keep) return indexer_kl_forward_only(bc, a, kl_sum, kl_rows);
-    if (u == U_ROUTER && expert_load && !bc->plan) {
-        const int64_t *eoff = I64(U_ROUTER, RT_EOFF);
-        for (int64_t e = 0; e < bc->m->cfg.n_routed_experts; e++) expert_load[e] += eoff[e + 1] - eoff[e];
-    }
+    if (u == U_ROUTER && expert_load) moe_expert_load(expert_load, I64(U_ROUTER, RT_EOFF), bc->m->cfg.n_routed_experts);
     return DS4_OK;
 }
 

@@ -123,7 +123,6 @@ typedef struct {
     bool force_balance; /* route slot k of token t to expert (t·K + k) mod E */
     int32_t *topk_copy; /* [N, index_topk]: the top-k is copied here before a recompute release (NULL: not kept) */
     const ds4_rope *rope_main, *rope_cmp; /* tables from position 0 (the pass) or views from the decoded one */
-    bool plan;          /* a plan (the model's context, memplan): tensors have no memory; routing is balanced */
 } block_ctx;
 
 /* One compressor's state in the cached decoder. */
@@ -223,7 +222,6 @@ const ds4_rope *block_rope(const block_ctx *bc, int64_t ratio); /* the main or t
 ds4_rope rope_view(const ds4_rope *r, int64_t pos); /* the table seen from position pos, one row long */
 float attn_scale(const ds4_config *c);
 float indexer_wscale(const ds4_config *c);
-int64_t usable_rows(int64_t B, int64_t T, int64_t r);
 /* An attention kernel returns no status: an allocation failing inside it (the failure count moved
  * since `before`) left a poisoned or empty result, so the unit fails. */
 ds4_status kernel_status(int64_t before, const char *what);

@@ -144,7 +144,7 @@ static ds4_status layer_step(ds4_decoder *dec, int64_t l, int32_t token, int64_t
     unit_cache *lc = &dec->layers[l];
     const ds4_rope rope_main = rope_view(&m->rope_main, p), rope_cmp = rope_view(&m->rope_cmp, p);
     const block_ctx bc = {.m = m, .layer = l, .B = 1, .T = 1, .ids = &token, .dense_csa = m->cfg.csa_dense,
-                          .rope_main = &rope_main, .rope_cmp = &rope_cmp, .plan = m->exec.plan};
+                          .rope_main = &rope_main, .rope_cmp = &rope_cmp};
     block_acts a = {.X_in = dec->X, .X_out = dec->Xnext, .ratio = lc->ratio};
     lc->pos = p;
     ds4_status st = DS4_OK;
@@ -157,6 +157,7 @@ ds4_status ds4_decoder_step(ds4_decoder *dec, int32_t token, float *logits_out) 
     ds4_model *m = dec->m;
     const ds4_config *c = &m->cfg;
     const int64_t D = c->dim, n = c->hc_mult, p = dec->pos;
+    DS4_TRY(model_check_exec(m, "decoder"));
     if (token < 0 || token >= c->vocab_size)
         return ds4_fail(DS4_ERR_ARG, "decoder: token %d at position %lld is outside the vocabulary [0, %lld)", token,
                         (long long)p, (long long)c->vocab_size);

@@ -5,10 +5,8 @@
 #include "ds4/model.h"
 #include "kernels/kernels.h"
 
-/* One expert's SwiGLU weights. w1, w3: [I, D]; w2: [D, I]. */
-typedef struct {
-    float *w1, *w2, *w3;
-} expert_w;
+/* One expert's SwiGLU weights (the kernels' moe_expert_w). w1, w3: [I, D]; w2: [D, I]. */
+typedef moe_expert_w expert_w;
 
 /* A compressor. wkv, wgate: [coff·d, D]; ape: [r, coff·d]; norm: [d]. */
 typedef struct {
@@ -53,13 +51,15 @@ struct ds4_model {
     ds4_region *regions;              /* [nregions] in flat order */
     int64_t nregions;
     bool unmapped;                    /* flat / gflat are reserved ranges (ds4_model_create with unmapped) */
-    ds4_exec exec;                    /* real or plan (ds4_model_create): a plan touches no data */
+    ds4_exec exec;                    /* the context it was made for (ds4_model_create); passes check it */
     size_t reserved_bytes;            /* bytes of each reservation */
 };
 
 /* Parameter groups (ds4/model.h): embed, layers, head, MTP. */
 static inline int64_t group_of_layer(int64_t l) { return 1 + l; }
 
+/* DS4_ERR_ARG unless the current context (ds4_exec_current) is the one m was made for (model.c). */
+ds4_status model_check_exec(const ds4_model *m, const char *what);
 /* Rope tables for positions [0, T) (model.c; grows only). For model/decode.c. */
 ds4_status model_ensure_rope(ds4_model *m, int64_t T);
 

@@ -6,7 +6,6 @@
 #include "ds4/io.h"
 
 #include <errno.h>
-#include <sys/mman.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -120,12 +119,6 @@ static void reg_model(table_builder *tb) {
     regions_finish(tb);
 }
 
-/* An address range of `bytes` with no memory behind it (pages are made resident by ds4_model_map). */
-static float *reserve_range(size_t bytes) {
-    void *p = mmap(NULL, bytes ? bytes : 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    return p == MAP_FAILED ? NULL : p;
-}
-
 static ds4_status model_create(const ds4_exec *exec, const ds4_config *cfg, bool unmapped, ds4_model **out) {
     *out = NULL;
     DS4_TRY(ds4_config_validate(cfg, "config"));
@@ -154,8 +147,8 @@ static ds4_status model_create(const ds4_exec *exec, const ds4_config *cfg, bool
     m->gemm_ws = true;
     if (unmapped) {
         m->reserved_bytes = (size_t)m->numel * sizeof(float);
-        m->flat = reserve_range(m->reserved_bytes);
-        m->gflat = reserve_range(m->reserved_bytes);
+        m->flat = ds4_range_reserve(m->reserved_bytes); /* pages are made resident by ds4_model_map */
+        m->gflat = ds4_range_reserve(m->reserved_bytes);
     } else {
         m->flat = ds4_calloc(DS4_MEM_PARAM, (size_t)m->numel * sizeof(float));
         m->gflat = ds4_calloc(DS4_MEM_GRAD, (size_t)m->numel * sizeof(float));
@@ -193,7 +186,7 @@ ds4_status ds4_model_create(const ds4_exec *exec, const ds4_config *cfg, bool un
 
 static void free_range(float *p, size_t bytes, bool unmapped) {
     if (!p) return;
-    if (unmapped) munmap(p, bytes ? bytes : 4096);
+    if (unmapped) ds4_range_release(p, bytes);
     else ds4_free(p);
 }
 
@@ -224,7 +217,7 @@ int64_t ds4_model_numel(const ds4_model *m) { return m->numel; }
 float *ds4_model_params_flat(ds4_model *m) { return m->flat; }
 float *ds4_model_grads_flat(ds4_model *m) { return m->gflat; }
 void ds4_model_zero_grad(ds4_model *m) {
-    if (!m->exec.plan && !m->unmapped) memset(m->gflat, 0, (size_t)m->numel * sizeof(float));
+    if (!m->unmapped) tensor_zero(m->gflat, (size_t)m->numel * sizeof(float)); /* a plan's: skipped */
 }
 
 int64_t ds4_model_ngroups(const ds4_model *m) { return m->cfg.n_layers + 2 + (m->cfg.n_mtp_layers > 0); }
@@ -243,9 +236,8 @@ ds4_status ds4_model_map(ds4_model *m, int64_t start, int64_t end, bool grad) {
     DS4_TRY(check_range(m, start, end));
     size_t bytes = (size_t)(end - start) * sizeof(float);
     if (bytes == 0) return DS4_OK;
-    if (!m->exec.plan && mprotect((grad ? m->gflat : m->flat) + start, bytes, PROT_READ | PROT_WRITE) != 0)
+    if (!ds4_range_map((grad ? m->gflat : m->flat) + start, bytes, grad ? DS4_MEM_GRAD : DS4_MEM_PARAM))
         return ds4_fail(DS4_ERR_OOM, "out of memory mapping %zu bytes of %s", bytes, grad ? "gradients" : "parameters");
-    ds4_mem_track(grad ? DS4_MEM_GRAD : DS4_MEM_PARAM, (int64_t)bytes);
     return DS4_OK;
 }
 
@@ -253,12 +245,7 @@ void ds4_model_unmap(ds4_model *m, int64_t start, int64_t end, bool grad) {
     if (check_range(m, start, end) != DS4_OK) return;
     size_t bytes = (size_t)(end - start) * sizeof(float);
     if (bytes == 0) return;
-    if (!m->exec.plan) { /* a plan's pages were never made resident */
-        float *p = (grad ? m->gflat : m->flat) + start;
-        madvise(p, bytes, MADV_DONTNEED); /* the pages go back; the next map reads zeros */
-        mprotect(p, bytes, PROT_NONE);     /* a read after unmap faults instead of seeing stale data */
-    }
-    ds4_mem_track(grad ? DS4_MEM_GRAD : DS4_MEM_PARAM, -(int64_t)bytes);
+    ds4_range_unmap((grad ? m->gflat : m->flat) + start, bytes, grad ? DS4_MEM_GRAD : DS4_MEM_PARAM);
 }
 
 ds4_param *ds4_model_find(ds4_model *m, const char *name) {
@@ -325,7 +312,7 @@ void ds4_param_init_values(const ds4_param *p, uint64_t seed, int64_t k0, int64_
 }
 
 void ds4_model_init_param(ds4_model *m, int64_t i, uint64_t seed) {
-    if (m->exec.plan) return;
+    if (!ds4_mem_backed(DS4_MEM_PARAM)) return; /* a plan: the parameters have no memory behind them */
     ds4_param *p = &m->params[i];
     uint64_t stream = ds4_hash_str(p->name);
     if (p->is_int) {

@@ -311,7 +311,7 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, block_grads *g
     UNIT_PROLOGUE;
     const int64_t HI = c->index_n_heads, dI = c->index_head_dim, QR = c->q_lora_rank, Nc = a->Nc;
     const int32_t *sel = attn_selection(bc, a);
-    const int64_t rows = usable_rows(B, T, 4);
+    const int64_t rows = indexer_kl_rows(B, T, 4); /* the rows the KL scores (a plan: none) */
     const float gscale = rows > 0 ? (float)(c->indexer_loss_coeff / (double)rows) : 0.0f;
     float *dqi = work_zeros(N * HI * dI), *dki = work_zeros(B * Nc * dI + 1), *dwi = work_zeros(N * HI);
     ds4_status st = DS4_OK;
@@ -340,7 +340,7 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, block_grads *g
     ds4_free(dqi);
     ds4_free(dki);
     ds4_free(dwi);
-    if (st == DS4_OK && got != rows && !bc->plan)
+    if (st == DS4_OK && got != rows)
         st = ds4_fail(DS4_ERR_INTERNAL, "indexer loss: %lld rows counted, %lld expected", (long long)got,
                       (long long)rows);
     return st;

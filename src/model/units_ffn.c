@@ -54,27 +54,6 @@ static routing routing_of(const block_acts *a) {
     return (routing){I64(U_ROUTER, RT_EOFF), I32(U_ROUTER, RT_ETOK), I32(U_ROUTER, RT_ESLOT), F32(U_ROUTER, RT_W)};
 }
 
-/* Groups the N·K (token, slot) assignments by expert, tokens ascending within an expert. */
-static ds4_status route_assignments(block_acts *a, int64_t N, int64_t E, int64_t K) {
-    int64_t *eoff = I64(U_ROUTER, RT_EOFF);
-    const int32_t *idx = I32(U_ROUTER, RT_IDX);
-    int32_t *etok = I32(U_ROUTER, RT_ETOK), *eslot = I32(U_ROUTER, RT_ESLOT);
-    memset(eoff, 0, (size_t)(E + 1) * sizeof(int64_t));
-    for (int64_t i = 0; i < N * K; i++) eoff[idx[i] + 1]++;
-    for (int64_t e = 0; e < E; e++) eoff[e + 1] += eoff[e];
-    int64_t *fill = ds4_alloc(DS4_MEM_WORK, (size_t)E * sizeof(int64_t));
-    if (!fill) return ds4_fail(DS4_ERR_OOM, "out of memory routing tokens to experts");
-    memcpy(fill, eoff, (size_t)E * sizeof(int64_t));
-    for (int64_t t = 0; t < N; t++)
-        for (int64_t k = 0; k < K; k++) {
-            int64_t e = idx[t * K + k], j = fill[e]++;
-            etok[j] = (int32_t)t;
-            eslot[j] = (int32_t)k;
-        }
-    ds4_free(fill);
-    return DS4_OK;
-}
-
 /* sqrt-softplus scores, bias (selection only) or hash table, normalised weights. */
 static ds4_status router_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
@@ -94,8 +73,7 @@ static ds4_status router_fwd(const block_ctx *bc, block_acts *a) {
             ds4_free(iota);
             return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer);
         }
-        for (int64_t j = 0; j < (bc->plan ? 0 : N * K); j++) forced[j] = j % E;
-        for (int64_t t = 0; t < (bc->plan ? 0 : N); t++) iota[t] = (int32_t)t;
+        moe_balanced_table(forced, iota, N, K, E);
         table = forced;
         ids = iota;
     }
@@ -104,7 +82,9 @@ static ds4_status router_fwd(const block_ctx *bc, block_acts *a) {
         .idx = I32(U_ROUTER, RT_IDX), .weights = F32(U_ROUTER, RT_W), .scores = F32(U_ROUTER, RT_SCORES)});
     ds4_free(forced);
     ds4_free(iota);
-    return bc->plan ? DS4_OK : route_assignments(a, N, E, K);
+    moe_group_by_expert(I64(U_ROUTER, RT_EOFF), I32(U_ROUTER, RT_ETOK), I32(U_ROUTER, RT_ESLOT), I32(U_ROUTER, RT_IDX),
+                        N, E, K);
+    return DS4_OK;
 }
 
 /* The gate's gradient needs d(routing weights) from the experts: the router is differentiated at the
@@ -129,42 +109,15 @@ static const act_slot k_moe_outs[] = {
     [MOE_WR] = {"wr", ACT_F32, {X_ROWS}, .ep_only = true},      /* their routing weights */
 };
 
-static void gather_rows(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D) {
-    for (int64_t i = 0; i < n; i++) memcpy(dst + i * D, src + (int64_t)rows[i] * D, (size_t)D * sizeof(float));
-}
-
-/* dst[rows[i]] += src[i], in row order (deterministic). */
-static void scatter_add_rows(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D) {
-    for (int64_t i = 0; i < n; i++) {
-        float *d = dst + (int64_t)rows[i] * D;
-        for (int64_t k = 0; k < D; k++) d[k] += src[i * D + k];
-    }
-}
-
-/* Routing weight of each assignment: wj [N·K]. */
-static void assignment_weights(const block_acts *a, int64_t NK, int64_t K, float *wj) {
-    const routing r = routing_of(a);
-    for (int64_t j = 0; j < NK; j++) wj[j] = r.w[(int64_t)r.etok[j] * K + r.eslot[j]];
-}
-
-/* One expert on ne rows: x [ne, D] with routing weights w [ne] → h1, h3 [ne, I] (saved for backward)
- * and y [ne, D] = w2(w · swiglu(h1, h3)). act: [ne, I] scratch. */
-static void expert_fwd(const expert_w *ew, const float *x, const float *w, int64_t ne, int64_t D, int64_t I,
-                       float limit, float *h1, float *h3, float *act, float *y) {
-    linear_fwd(h1, x, ew->w1, ne, D, I);
-    linear_fwd(h3, x, ew->w3, ne, D, I);
-    swiglu_fwd(act, h1, h3, ne, I, limit);
-    for (int64_t i = 0; i < ne; i++)
-        for (int64_t k = 0; k < I; k++) act[i * I + k] *= w[i]; /* routing weight before w2 */
-    linear_fwd(y, act, ew->w2, ne, I, D);
-}
-
-/* Per-expert assignment counts of the pass: from the routing, or those of balanced routing in a plan
- * (slot j → expert j mod E, as force_balance routes). cnt: [E] */
-static void assignment_counts(const block_acts *a, bool plan, int64_t N, int64_t E, int64_t K, int64_t *cnt) {
-    for (int64_t e = 0; e < E; e++)
-        cnt[e] = plan ? N * K / E + (e < N * K % E) : I64(U_ROUTER, RT_EOFF)[e + 1] - I64(U_ROUTER,
-            RT_EOFF)[e];
+/* The routed experts' arguments over rows grouped by expert: nexp experts from W->experts[e0], rows
+ * [off[e], off[e + 1]) each, saved h1/h3 from row `first` on. */
+static moe_experts_args experts_args(const block_ctx *bc, block_acts *a, int64_t e0, int64_t nexp, const int64_t *off,
+                                     int64_t first, const float *x, const float *rw, float *act) {
+    const ds4_config *c = &bc->m->cfg;
+    const int64_t I = c->moe_inter_dim;
+    return (moe_experts_args){.nexp = nexp, .D = c->dim, .I = I, .limit = (float)c->swiglu_limit, .off = off,
+        .w = &bc->m->w.blocks[bc->layer].experts[e0], .x = x, .rw = rw, .h1 = F32(U_MOE, MOE_H1) + first * I,
+        .h3 = F32(U_MOE, MOE_H3) + first * I, .act = act};
 }
 
 /* moe's prepare under expert parallelism: tells the experts' owners how many rows are coming (a
@@ -175,7 +128,7 @@ static ds4_status moe_route(const block_ctx *bc, block_acts *a) {
     const int64_t E = c->n_routed_experts, N = bc->B * bc->T;
     int64_t *cnt = ds4_alloc(DS4_MEM_OTHER, (size_t)E * sizeof(int64_t));
     if (!cnt) return ds4_fail(DS4_ERR_OOM, "out of memory routing block %lld", (long long)bc->layer);
-    assignment_counts(a, bc->plan, N, E, c->n_activated_experts, cnt);
+    moe_expert_counts(cnt, I64(U_ROUTER, RT_EOFF), E, N * c->n_activated_experts);
     ds4_status st = bc->ep->route(bc->ep->ctx, cnt, &a->route);
     ds4_free(cnt);
     return st;
@@ -198,20 +151,17 @@ static int64_t route_expert_rows(const ds4_ep_route *r, int64_t i, int64_t *firs
     return n;
 }
 
-/* Routed experts, every expert local: ffn_out += Σ over assignments (expert-major, then token order). */
+/* Routed experts, every expert local: ffn_out += Σ over assignments (expert-major, then token order).
+ * xe, ye: [N·K, D] scratch. */
 static void moe_routed_fwd_local(const block_ctx *bc, block_acts *a, const float *wj, float *xe, float *act,
     float *ye) {
     UNIT_PROLOGUE;
-    const int64_t E = c->n_routed_experts, I = c->moe_inter_dim;
+    const int64_t NK = N * c->n_activated_experts;
     const routing r = routing_of(a);
-    for (int64_t e = 0; e < E; e++) {
-        int64_t j0 = r.eoff[e], ne = r.eoff[e + 1] - j0;
-        if (ne == 0) continue;
-        gather_rows(xe, F32(U_FFN_NORM, NORM_X), r.etok + j0, ne, D);
-        expert_fwd(&W->experts[e], xe, wj + j0, ne, D, I, (float)c->swiglu_limit, F32(U_MOE, MOE_H1) + j0 * I,
-                   F32(U_MOE, MOE_H3) + j0 * I, act, ye);
-        scatter_add_rows(F32(U_MOE, MOE_OUT), ye, r.etok + j0, ne, D);
-    }
+    rows_gather(xe, F32(U_FFN_NORM, NORM_X), r.etok, NK, D);
+    const moe_experts_args ea = experts_args(bc, a, 0, c->n_routed_experts, r.eoff, 0, xe, wj, act);
+    moe_experts_fwd(&ea, ye);
+    rows_scatter_add(F32(U_MOE, MOE_OUT), ye, r.etok, NK, D);
 }
 
 /* Routed experts over EP: rows (x | weight) go to the experts' owners, the owners run their experts on
@@ -219,30 +169,22 @@ static void moe_routed_fwd_local(const block_ctx *bc, block_acts *a, const float
  * order and are added in that order, so every rank's output is what a single process computes. */
 static ds4_status moe_routed_fwd_ep(const block_ctx *bc, block_acts *a, const float *wj, float *act) {
     UNIT_PROLOGUE;
-    const int64_t K = c->n_activated_experts, I = c->moe_inter_dim, NK = N * K, R = a->route->rows;
-    const bool plan = bc->plan;
+    const int64_t K = c->n_activated_experts, NK = N * K, R = a->route->rows;
     const int32_t *etok = I32(U_ROUTER, RT_ETOK);
-    const float *xf = F32(U_FFN_NORM, NORM_X);
     float *xr = F32(U_MOE, MOE_XR), *wr = F32(U_MOE, MOE_WR);
     float *send = work(NK * (D + 1)), *recv = work(R * (D + 1)), *yr = work(R * D), *ys = work(NK * D);
     ds4_status st = send && recv && yr && ys ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
-    for (int64_t j = 0; st == DS4_OK && !plan && j < NK; j++) {
-        memcpy(send + j * (D + 1), xf + (int64_t)etok[j] * D, (size_t)D * sizeof(float));
-        send[j * (D + 1) + D] = wj[j];
-    }
+    if (st == DS4_OK) rows_pack(send, F32(U_FFN_NORM, NORM_X), etok, wj, NK, D);
     if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, a->route, send, recv, D + 1);
-    for (int64_t i = 0; st == DS4_OK && !plan && i < R; i++) {
-        memcpy(xr + i * D, recv + i * (D + 1), (size_t)D * sizeof(float));
-        wr[i] = recv[i * (D + 1) + D];
-    }
-    for (int64_t i = 0; st == DS4_OK && !plan && i < a->route->e1 - a->route->e0; i++) {
+    if (st == DS4_OK) rows_unpack(xr, wr, recv, R, D);
+    for (int64_t i = 0; st == DS4_OK && i < a->route->e1 - a->route->e0; i++) {
         int64_t o, ne = route_expert_rows(a->route, i, &o);
-        if (ne > 0)
-            expert_fwd(&W->experts[a->route->e0 + i], xr + o * D, wr + o, ne, D, I, (float)c->swiglu_limit,
-                       F32(U_MOE, MOE_H1) + o * I, F32(U_MOE, MOE_H3) + o * I, act, yr + o * D);
+        const int64_t off[2] = {0, ne};
+        const moe_experts_args ea = experts_args(bc, a, a->route->e0 + i, 1, off, o, xr + o * D, wr + o, act);
+        moe_experts_fwd(&ea, yr + o * D);
     }
     if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, a->route, yr, ys, D);
-    if (st == DS4_OK && !plan) scatter_add_rows(F32(U_MOE, MOE_OUT), ys, etok, NK, D);
+    if (st == DS4_OK) rows_scatter_add(F32(U_MOE, MOE_OUT), ys, etok, NK, D);
     ds4_free(send);
     ds4_free(recv);
     ds4_free(yr);
@@ -255,7 +197,6 @@ static ds4_status moe_fwd(const block_ctx *bc, block_acts *a) {
     const int64_t K = c->n_activated_experts, I = c->moe_inter_dim;
     const int64_t Is = I * c->n_shared_experts;
     const float limit = (float)c->swiglu_limit;
-    const bool plan = bc->plan; /* memplan: no routing data; the per-expert GEMMs allocate nothing */
     const int64_t R = bc->ep ? a->route->rows : N * K; /* routed rows computed here */
     float *ffn_out = F32(U_MOE, MOE_OUT), *sh1 = F32(U_MOE, MOE_SH1), *sh3 = F32(U_MOE, MOE_SH3);
     const float *xf = F32(U_FFN_NORM, NORM_X);
@@ -266,48 +207,24 @@ static ds4_status moe_fwd(const block_ctx *bc, block_acts *a) {
     float *xe = bc->ep ? NULL : work(N * K * D);
     ds4_status st = (wj && act && ye && (bc->ep || xe)) ? DS4_OK : ds4_fail(DS4_ERR_OOM,
         "out of memory in MoE forward");
-    if (st == DS4_OK && !plan) assignment_weights(a, N * K, K, wj);
+    if (st == DS4_OK) {
+        const routing r = routing_of(a);
+        moe_assignment_weights(wj, r.w, r.etok, r.eslot, N * K, K);
+    }
     if (st == DS4_OK && bc->ep) st = moe_routed_fwd_ep(bc, a, wj, act);
-    else if (st == DS4_OK && !plan) moe_routed_fwd_local(bc, a, wj, xe, act, ye);
+    else if (st == DS4_OK) moe_routed_fwd_local(bc, a, wj, xe, act, ye);
     if (st == DS4_OK) {
         linear_fwd(sh1, xf, W->shared.w1, N, D, Is);
         linear_fwd(sh3, xf, W->shared.w3, N, D, Is);
         swiglu_fwd(act, sh1, sh3, N, Is, limit);
         linear_fwd(ye, act, W->shared.w2, N, Is, D);
-        for (int64_t i = 0; i < (plan ? 0 : N * D); i++) ffn_out[i] += ye[i];
+        tensor_add(ffn_out, ye, N * D);
     }
     ds4_free(wj);
     ds4_free(xe);
     ds4_free(act);
     ds4_free(ye);
     return st;
-}
-
-/* Backward of one expert on ne rows (expert_fwd's inputs x, w, saved h1, h3; dy = d of its output):
- * dx [ne, D] and dw [ne] (d routing weight) are overwritten; weight gradients accumulate into eg.
- * Scratch act, dact, dh1, dh3: [ne, I]. */
-static void expert_bwd(const expert_w *ew, expert_w *eg, const float *x, const float *dy, const float *w,
-                       const float *h1, const float *h3, int64_t ne, int64_t D, int64_t I, float limit, float *dx,
-                       float *dw, float *act, float *dact, float *dh1, float *dh3) {
-    swiglu_fwd(act, h1, h3, ne, I, limit); /* unweighted activation */
-    float *wact = dh1;                     /* scratch: the weighted activation that fed w2 */
-    for (int64_t i = 0; i < ne; i++)
-        for (int64_t k = 0; k < I; k++) wact[i * I + k] = act[i * I + k] * w[i];
-    memset(dact, 0, (size_t)(ne * I) * sizeof(float));
-    linear_bwd(dact, eg->w2, dy, wact, ew->w2, ne, I, D);
-    /* d weight = ⟨d wact, act⟩; d act = d wact · weight */
-    for (int64_t i = 0; i < ne; i++) {
-        double s = 0;
-        for (int64_t k = 0; k < I; k++) s += (double)dact[i * I + k] * act[i * I + k];
-        dw[i] = (float)s;
-        for (int64_t k = 0; k < I; k++) dact[i * I + k] *= w[i];
-    }
-    memset(dh1, 0, (size_t)(ne * I) * sizeof(float));
-    memset(dh3, 0, (size_t)(ne * I) * sizeof(float));
-    swiglu_bwd(dh1, dh3, dact, h1, h3, ne, I, limit);
-    memset(dx, 0, (size_t)(ne * D) * sizeof(float));
-    linear_bwd(dx, eg->w1, dh1, x, ew->w1, ne, D, I);
-    linear_bwd(dx, eg->w3, dh3, x, ew->w3, ne, D, I);
 }
 
 /* Scratch of the routed-expert backward, each big enough for the rows one expert gets from one source. */
@@ -317,28 +234,24 @@ typedef struct {
     float *wj;                     /* [N·K] routing weight of each assignment */
 } moe_scratch;
 
+/* The routed experts' backward: dx, dw [rows] from dy, weight gradients into g, on s's scratch. */
+static moe_experts_grads experts_grads(const moe_scratch *s, moe_expert_w *g, const float *dy, float *dx, float *dw) {
+    return (moe_experts_grads){.g = g, .dy = dy, .dx = dx, .dw = dw, .dact = s->dact, .dh1 = s->dh1, .dh3 = s->dh3};
+}
+
 /* Routed experts, every expert local, one at a time; dx scattered in a fixed (expert, token) order. */
 static void moe_routed_bwd_local(const block_ctx *bc, block_acts *a, block_grads *g, float *dgw,
     const moe_scratch *s) {
     UNIT_PROLOGUE;
-    const int64_t E = c->n_routed_experts, K = c->n_activated_experts, I = c->moe_inter_dim;
+    const int64_t E = c->n_routed_experts, K = c->n_activated_experts, NK = N * K;
     const routing r = routing_of(a);
-    for (int64_t e = 0; e < E; e++) {
-        int64_t j0 = r.eoff[e], ne = r.eoff[e + 1] - j0;
-        if (ne == 0) continue;
-        gather_rows(s->xe, F32(U_FFN_NORM, NORM_X), r.etok + j0, ne, D);
-        gather_rows(s->dye, g->dffn, r.etok + j0, ne, D);
-        expert_bwd(&W->experts[e], &Gw->experts[e], s->xe, s->dye, s->wj + j0, F32(U_MOE, MOE_H1) + j0 * I,
-                   F32(U_MOE, MOE_H3) + j0 * I, ne, D, I, (float)c->swiglu_limit, s->dxe, s->dwe, s->act, s->dact,
-                   s->dh1, s->dh3);
-        for (int64_t i = 0; i < ne; i++) dgw[(int64_t)r.etok[j0 + i] * K + r.eslot[j0 + i]] += s->dwe[i];
-        scatter_add_rows(g->dxf, s->dxe, r.etok + j0, ne, D);
-    }
-}
-
-/* Adds n floats of src into dst, in index order. */
-static void add_into(float *dst, const float *src, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] += src[i];
+    rows_gather(s->xe, F32(U_FFN_NORM, NORM_X), r.etok, NK, D);
+    rows_gather(s->dye, g->dffn, r.etok, NK, D);
+    const moe_experts_args ea = experts_args(bc, a, 0, E, r.eoff, 0, s->xe, s->wj, s->act);
+    const moe_experts_grads eg = experts_grads(s, Gw->experts, s->dye, s->dxe, s->dwe);
+    moe_experts_bwd(&ea, &eg);
+    moe_weight_grads_add(dgw, s->dwe, r.etok, r.eslot, NK, K);
+    rows_scatter_add(g->dxf, s->dxe, r.etok, NK, D);
 }
 
 /* Routed experts over EP. The output gradients travel to the experts' owners; each (expert, source)
@@ -352,43 +265,35 @@ static ds4_status moe_routed_bwd_ep(const block_ctx *bc, block_acts *a, block_gr
     const ds4_ep_route *r = a->route;
     const routing rt = routing_of(a);
     const int64_t R = r->rows;
-    const bool plan = bc->plan, split = r->nsrc > 1;
+    const bool split = r->nsrc > 1;
     const float *xr = F32(U_MOE, MOE_XR), *wr = F32(U_MOE, MOE_WR);
     float *dys = work(NK * D), *dyr = work(R * D), *dxr = work(R * (D + 1)), *dxs = work(NK * (D + 1));
     float *tmp = split ? work(3 * I * D) : NULL;
     ds4_status st = dys && dyr && dxr && dxs && (!split || tmp) ? DS4_OK
                                                                  : ds4_fail(DS4_ERR_OOM,
                                                                      "out of memory in MoE backward");
-    if (st == DS4_OK && !plan) gather_rows(dys, g->dffn, rt.etok, NK, D);
+    if (st == DS4_OK) rows_gather(dys, g->dffn, rt.etok, NK, D);
     if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, r, dys, dyr, D);
     expert_w tg = {tmp, tmp ? tmp + I * D : NULL, tmp ? tmp + 2 * I * D : NULL};
-    for (int64_t i = 0, o = 0; st == DS4_OK && !plan && i < r->e1 - r->e0; i++) {
+    for (int64_t i = 0, o = 0; st == DS4_OK && i < r->e1 - r->e0; i++) {
         const int64_t e = r->e0 + i;
         for (int src = 0; src < r->nsrc; o += r->recv_cnt[i * r->nsrc + src], src++) {
-            const int64_t ne = r->recv_cnt[i * r->nsrc + src];
+            const int64_t ne = r->recv_cnt[i * r->nsrc + src], off[2] = {0, ne};
             if (ne == 0) continue;
-            if (split) memset(tmp, 0, (size_t)(3 * I * D) * sizeof(float));
-            expert_bwd(&W->experts[e], split ? &tg : &Gw->experts[e], xr + o * D, dyr + o * D, wr + o,
-                       F32(U_MOE, MOE_H1) + o * I, F32(U_MOE, MOE_H3) + o * I, ne, D, I, (float)c->swiglu_limit,
-                       s->dxe, s->dwe, s->act, s->dact, s->dh1, s->dh3);
+            if (split) tensor_zero(tmp, (size_t)(3 * I * D) * sizeof(float));
+            const moe_experts_args ea = experts_args(bc, a, e, 1, off, o, xr + o * D, wr + o, s->act);
+            const moe_experts_grads eg = experts_grads(s, split ? &tg : &Gw->experts[e], dyr + o * D, s->dxe, s->dwe);
+            moe_experts_bwd(&ea, &eg);
             if (split) {
-                add_into(Gw->experts[e].w1, tg.w1, I * D);
-                add_into(Gw->experts[e].w2, tg.w2, I * D);
-                add_into(Gw->experts[e].w3, tg.w3, I * D);
+                tensor_add(Gw->experts[e].w1, tg.w1, I * D);
+                tensor_add(Gw->experts[e].w2, tg.w2, I * D);
+                tensor_add(Gw->experts[e].w3, tg.w3, I * D);
             }
-            for (int64_t q = 0; q < ne; q++) {
-                memcpy(dxr + (o + q) * (D + 1), s->dxe + q * D, (size_t)D * sizeof(float));
-                dxr[(o + q) * (D + 1) + D] = s->dwe[q];
-            }
+            rows_pack(dxr + o * (D + 1), s->dxe, NULL, s->dwe, ne, D);
         }
     }
     if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, r, dxr, dxs, D + 1);
-    for (int64_t j = 0; st == DS4_OK && !plan && j < NK; j++) {
-        float *d = g->dxf + (int64_t)rt.etok[j] * D;
-        const float *src = dxs + j * (D + 1);
-        for (int64_t k = 0; k < D; k++) d[k] += src[k];
-        dgw[(int64_t)rt.etok[j] * K + rt.eslot[j]] += src[D];
-    }
+    if (st == DS4_OK) moe_unpack_grads_add(g->dxf, dgw, dxs, rt.etok, rt.eslot, NK, D, K);
     ds4_free(dys);
     ds4_free(dyr);
     ds4_free(dxr);
@@ -438,12 +343,12 @@ static ds4_status moe_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     if (!dgw || !dlog || !s.act || !s.dact || !s.dh1 || !s.dh3 || (!bc->ep && (!s.xe || !s.dye)) || !s.dxe ||
         !s.dwe || !s.wj)
         st = ds4_fail(DS4_ERR_OOM, "out of memory in MoE backward");
-    const bool plan = bc->plan; /* memplan: no routing to follow */
     if (st == DS4_OK) {
+        const routing r = routing_of(a);
         shared_expert_bwd(bc, a, g, &s);
-        if (!plan) assignment_weights(a, N * K, K, s.wj);
+        moe_assignment_weights(s.wj, r.w, r.etok, r.eslot, N * K, K);
         if (bc->ep) st = moe_routed_bwd_ep(bc, a, g, dgw, &s);
-        else if (!plan) moe_routed_bwd_local(bc, a, g, dgw, &s);
+        else moe_routed_bwd_local(bc, a, g, dgw, &s);
     }
     if (st == DS4_OK) {
         moe_gate_bwd(&(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)c->route_scale,

@@ -47,8 +47,26 @@ void cpu_sparse_attn_fwd(const sparse_attn_args *a);
 void cpu_sparse_attn_bwd(const sparse_attn_args *a, const sparse_attn_grads *g);
 void cpu_indexer_topk_fwd(const indexer_topk_args *a);
 void cpu_indexer_kl_fwd_bwd(const indexer_kl_args *a);
+int64_t cpu_indexer_kl_rows(int64_t B, int64_t T, int64_t ratio);
 void cpu_moe_gate_fwd(const moe_gate_args *a);
 void cpu_moe_gate_bwd(const moe_gate_args *a, const moe_gate_grads *g);
+void cpu_moe_balanced_table(int64_t *table, int32_t *ids, int64_t N, int64_t K, int64_t E);
+void cpu_moe_group_by_expert(int64_t *eoff, int32_t *etok, int32_t *eslot, const int32_t *idx, int64_t N, int64_t E,
+                             int64_t K);
+void cpu_moe_expert_counts(int64_t *cnt, const int64_t *eoff, int64_t E, int64_t NK);
+void cpu_moe_expert_load(int64_t *load, const int64_t *eoff, int64_t E);
+void cpu_moe_assignment_weights(float *wj, const float *w, const int32_t *etok, const int32_t *eslot, int64_t NK,
+                                int64_t K);
+void cpu_moe_weight_grads_add(float *dgw, const float *dw, const int32_t *etok, const int32_t *eslot, int64_t NK,
+                              int64_t K);
+void cpu_rows_gather(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D);
+void cpu_rows_scatter_add(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D);
+void cpu_rows_pack(float *dst, const float *x, const int32_t *rows, const float *w, int64_t n, int64_t D);
+void cpu_rows_unpack(float *x, float *w, const float *src, int64_t n, int64_t D);
+void cpu_moe_unpack_grads_add(float *dx, float *dgw, const float *src, const int32_t *etok, const int32_t *eslot,
+                              int64_t NK, int64_t D, int64_t K);
+void cpu_moe_experts_fwd(const moe_experts_args *a, float *y);
+void cpu_moe_experts_bwd(const moe_experts_args *a, const moe_experts_grads *g);
 void cpu_swiglu_fwd(float *act, const float *g, const float *u, int64_t N, int64_t I, float limit);
 void cpu_swiglu_bwd(float *dg, float *du, const float *dact, const float *g, const float *u, int64_t N, int64_t I,
                     float limit);
@@ -56,6 +74,7 @@ void cpu_cross_entropy_fwd_bwd(double *loss_sum, int64_t *n_scored, float *dlogi
                                const int32_t *targets, int64_t N, int64_t V, float grad_scale);
 void cpu_tensor_copy(void *dst, const void *src, size_t bytes);
 void cpu_tensor_zero(void *dst, size_t bytes);
+void cpu_tensor_add(float *dst, const float *src, int64_t n);
 void cpu_shift_ids(int32_t *out, const int32_t *ids, int64_t B, int64_t T, int64_t shift, int32_t fill);
 void cpu_streams_expand(float *X, int64_t N, int64_t n, int64_t D);
 void cpu_streams_add(float *X, const float *x, int64_t N, int64_t n, int64_t D);
@@ -78,5 +97,7 @@ void cpu_sparse_attn_fwd_plan(const sparse_attn_args *a);
 void cpu_sparse_attn_bwd_plan(const sparse_attn_args *a, const sparse_attn_grads *g);
 void cpu_indexer_topk_fwd_plan(const indexer_topk_args *a);
 void cpu_indexer_kl_fwd_bwd_plan(const indexer_kl_args *a);
+/* Not a workspace mirror: a plan's routing is balanced (kernels.h: moe_expert_counts). */
+void cpu_moe_expert_counts_plan(int64_t *cnt, const int64_t *eoff, int64_t E, int64_t NK);
 
 #endif

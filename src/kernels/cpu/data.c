@@ -37,3 +37,7 @@ void cpu_streams_sum(float *dx, const float *dX, int64_t N, int64_t n, int64_t D
         for (int64_t k = 0; k < n; k++)
             for (int64_t d = 0; d < D; d++) dx[t * D + d] += dX[(t * n + k) * D + d];
 }
+
+void cpu_tensor_add(float *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] += src[i];
+}

@@ -35,3 +35,5 @@ void cpu_indexer_kl_fwd_bwd_plan(const indexer_kl_args *a) {
     int P;
     ds4_free(cpu_ix_kl_workspace(a, nmax, &per_small, &per_part, &P));
 }
+
+int64_t cpu_indexer_kl_rows(int64_t B, int64_t T, int64_t ratio) { return T >= ratio ? B * (T - ratio + 1) : 0; }
