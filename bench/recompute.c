@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ds4/actstore.h"
 #include "ds4/config.h"
 #include "ds4/core.h"
 #include "ds4/dist.h"
@@ -72,7 +73,8 @@ static ds4_status policy_masks(const policy *p, const ds4_config *c, uint32_t *m
 /* One forward + backward; fills the peaks (first call) or checks they repeat, and the losses. */
 static ds4_status one_step(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, result *r, bool first,
                            double *seconds) {
-    ds4_pass_opts o = {.need_backward = true, .release_mask = r->masks};
+    const ds4_act_policies pol = {.recompute = r->masks};
+    ds4_pass_opts o = {.need_backward = true, .store = ds4_act_store_of(&pol)};
     ds4_mem_stats a, b;
     ds4_pass *p;
     ds4_model_zero_grad(m);

@@ -173,10 +173,9 @@ static ds4_status step_run(void *ctx) {
     step_ctx *c = ctx;
     ds4_model *m = ds4_train_state_model(c->s);
     ds4_train_state_zero_grads(c->s);
-    ds4_pass_opts o = {.need_backward = true,
-                       .release_mask = ds4_recompute_any(&c->rc) ? c->masks : NULL,
-                       .hooks = ds4_train_state_hooks(c->s),
-                       .act = ds4_train_state_act(c->s)};
+    const ds4_act_policies pol = {.recompute = ds4_recompute_any(&c->rc) ? c->masks : NULL,
+                                  .swap = ds4_train_state_swap(c->s)};
+    ds4_pass_opts o = {.need_backward = true, .hooks = ds4_train_state_hooks(c->s), .store = ds4_act_store_of(&pol)};
     ds4_pass *p;
     DS4_TRY(ds4_forward(m, c->ids, 1, T_SEQ, &o, &p));
     ds4_status st = ds4_backward(m, p);

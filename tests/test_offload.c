@@ -3,6 +3,7 @@
  * bitwise the in-memory AdamW with ~no optimizer bytes resident, and its checkpoint file is the same;
  * --swap-layer-input gives bitwise the same losses and gradients, alone and with recompute, and lowers
  * the activation peak by the streams it moved out. */
+#include "ds4/actstore.h"
 #include "ds4/io.h"
 #include "ds4/model.h"
 #include "ds4/offload.h"
@@ -285,7 +286,7 @@ typedef struct {
 
 /* npass (1 or 2) forward + backward passes (gradients accumulate; the second reuses the context) of one
  * model under masks, with or without the layer-input hooks. */
-static void run_passes(ds4_model *m, const uint32_t *masks, ds4_act_offload *a, int64_t B, int64_t T, int npass,
+static void run_passes(ds4_model *m, const uint32_t *masks, ds4_act_swap *a, int64_t B, int64_t T, int npass,
                        pass_result *out) {
     const ds4_config *c = ds4_model_config(m);
     const int64_t n = ds4_model_numel(m);
@@ -296,14 +297,15 @@ static void run_passes(ds4_model *m, const uint32_t *masks, ds4_act_offload *a, 
     ds4_mem_reset_peak();
     ds4_mem_get(&s0);
     for (int k = 0; k < npass; k++) {
-        ds4_pass_opts o = {.need_backward = true, .release_mask = masks, .act = a ? ds4_act_offload_hooks(a) : NULL};
+        const ds4_act_policies pol = {.recompute = masks, .swap = a};
+        ds4_pass_opts o = {.need_backward = true, .store = ds4_act_store_of(&pol)};
         ds4_pass *p = NULL;
         CHECK(ds4_forward(m, ids, B, T, &o, &p) == DS4_OK, "%s", ds4_errmsg());
         if (!p) break;
-        CHECK(!a || ds4_act_offload_held(a) == c->n_layers, "every main layer's input is out after forward: %lld",
-              (long long)(a ? ds4_act_offload_held(a) : 0));
+        CHECK(!a || ds4_act_swap_held(a) == c->n_layers, "every main layer's input is out after forward: %lld",
+              (long long)(a ? ds4_act_swap_held(a) : 0));
         CHECK(ds4_backward(m, p) == DS4_OK, "%s", ds4_errmsg());
-        CHECK(!a || ds4_act_offload_held(a) == 0, "every input came back in backward");
+        CHECK(!a || ds4_act_swap_held(a) == 0, "every input came back in backward");
         out->loss[k] = *ds4_pass_losses(p);
         ds4_pass_free(p);
     }
@@ -319,8 +321,8 @@ static void swap_layer_input_equal(const char *cfg_path, int64_t B, int64_t T, i
                                    const char *const *policy, const char *pname) {
     ds4_model *m = tiny_model(cfg_path, 11);
     ds4_offload *s = NULL;
-    ds4_act_offload *a = NULL;
-    CHECK(ds4_offload_open(NULL, tmpdir(), &s) == DS4_OK && ds4_act_offload_new(s, &a) == DS4_OK, "%s", ds4_errmsg());
+    ds4_act_swap *a = NULL;
+    CHECK(ds4_offload_open(NULL, tmpdir(), &s) == DS4_OK && ds4_act_swap_new(s, &a) == DS4_OK, "%s", ds4_errmsg());
     if (!m || !a) return;
     const ds4_config *c = ds4_model_config(m);
     uint32_t masks[DS4_MAX_LAYERS];
@@ -342,9 +344,13 @@ static void swap_layer_input_equal(const char *cfg_path, int64_t B, int64_t T, i
     CHECK(off.act_peak - on.act_peak >= on.moved_peak - S, "%s %s: activation peak %lld -> %lld, moved out %lld",
           cfg_path, pname, (long long)off.act_peak, (long long)on.act_peak, (long long)on.moved_peak);
     CHECK(off.moved_peak == 0);
+    const ds4_act_swap_stats mv = ds4_act_swap_moved(a); /* every stream out once per pass, and back */
+    CHECK(mv.saves == npass * c->n_layers && mv.fetches == mv.saves && mv.bytes_out == mv.saves * S &&
+          mv.bytes_in == mv.bytes_out, "%s %s: %lld saves, %lld fetches", cfg_path, pname, (long long)mv.saves,
+          (long long)mv.fetches);
     free(off.grads);
     free(on.grads);
-    ds4_act_offload_free(a);
+    ds4_act_swap_free(a);
     ds4_offload_close(s);
     ds4_model_free(m);
 }
@@ -371,24 +377,61 @@ static void test_swap_layer_input_tiny_b(void) {
 static void test_swap_layer_input_eval_and_abandon(void) {
     ds4_model *m = tiny_model("tests/configs/tiny-a.json", 2);
     ds4_offload *s = NULL;
-    ds4_act_offload *a = NULL;
-    CHECK(ds4_offload_open(NULL, tmpdir(), &s) == DS4_OK && ds4_act_offload_new(s, &a) == DS4_OK, "%s", ds4_errmsg());
+    ds4_act_swap *a = NULL;
+    CHECK(ds4_offload_open(NULL, tmpdir(), &s) == DS4_OK && ds4_act_swap_new(s, &a) == DS4_OK, "%s", ds4_errmsg());
     if (!m || !a) return;
     int32_t ids[32];
     for (int i = 0; i < 32; i++) ids[i] = i * 7 % 256;
-    ds4_pass_opts o = {.need_backward = false, .act = ds4_act_offload_hooks(a)};
+    const ds4_act_policies pol = {.swap = a};
+    ds4_pass_opts o = {.need_backward = false, .store = ds4_act_store_of(&pol)};
     ds4_pass *p = NULL;
-    CHECK(ds4_forward(m, ids, 1, 32, &o, &p) == DS4_OK && ds4_act_offload_held(a) == 0, "%s", ds4_errmsg());
+    CHECK(ds4_forward(m, ids, 1, 32, &o, &p) == DS4_OK && ds4_act_swap_held(a) == 0, "%s", ds4_errmsg());
     ds4_pass_free(p);
     o.need_backward = true;
-    CHECK(ds4_forward(m, ids, 1, 32, &o, &p) == DS4_OK && ds4_act_offload_held(a) > 0, "%s", ds4_errmsg());
+    CHECK(ds4_forward(m, ids, 1, 32, &o, &p) == DS4_OK && ds4_act_swap_held(a) > 0, "%s", ds4_errmsg());
     ds4_pass_free(p);
     ds4_mem_stats st;
     ds4_mem_get(&st);
-    CHECK(ds4_act_offload_held(a) == 0 && st.offload_live[DS4_MEM_ACT] == 0, "a freed pass drops its streams");
-    ds4_act_offload_free(a);
+    CHECK(ds4_act_swap_held(a) == 0 && st.offload_live[DS4_MEM_ACT] == 0, "a freed pass drops its streams");
+    ds4_act_swap_free(a);
     ds4_offload_close(s);
     ds4_model_free(m);
+}
+
+/* The store's policies as the model asks them, and a policy the model cannot follow: one clear error. */
+static ds4_act_policy swap_everything(void *ctx, int64_t layer, int unit) {
+    (void)ctx, (void)layer, (void)unit;
+    return DS4_ACT_SWAP;
+}
+static void release_nothing(void *ctx, int64_t layer, int unit, int slot) {
+    (void)ctx, (void)layer, (void)unit, (void)slot;
+}
+
+static void test_act_store_policies(void) {
+    uint32_t masks[2] = {1u << 3, 0};
+    ds4_offload *s = NULL;
+    ds4_act_swap *a = NULL;
+    CHECK(ds4_offload_open(NULL, tmpdir(), &s) == DS4_OK && ds4_act_swap_new(s, &a) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_act_policies pol = {.recompute = masks, .swap = a}, keep = {0};
+    const ds4_act_store st = ds4_act_store_of(&pol), kst = ds4_act_store_of(&keep);
+    CHECK(st.ops->policy(st.ctx, 0, 3) == DS4_ACT_RECOMPUTE && st.ops->policy(st.ctx, 0, 2) == DS4_ACT_KEEP &&
+          st.ops->policy(st.ctx, 1, 3) == DS4_ACT_KEEP, "recompute follows the masks");
+    CHECK(st.ops->policy(st.ctx, 1, DS4_UNIT_INPUT) == DS4_ACT_SWAP &&
+          kst.ops->policy(kst.ctx, 1, DS4_UNIT_INPUT) == DS4_ACT_KEEP && kst.ops->policy(kst.ctx, 0, 3) == DS4_ACT_KEEP,
+          "layer inputs swap only with a swap");
+    ds4_model *m = tiny_model("tests/configs/tiny-a.json", 2);
+    if (m) {
+        int32_t ids[16];
+        for (int i = 0; i < 16; i++) ids[i] = i * 5 % 256;
+        const ds4_act_store_ops bad_ops = {.policy = swap_everything, .release = release_nothing};
+        ds4_pass_opts o = {.need_backward = true, .store = {&bad_ops, NULL}};
+        ds4_pass *p = NULL;
+        CHECK(ds4_forward(m, ids, 1, 16, &o, &p) == DS4_ERR_ARG && !p &&
+              strstr(ds4_errmsg(), "unit hc_pre_attn of layer 0 cannot be swapped"), "%s", ds4_errmsg());
+        ds4_model_free(m);
+    }
+    ds4_act_swap_free(a);
+    ds4_offload_close(s);
 }
 
 int main(void) {
@@ -401,6 +444,7 @@ int main(void) {
     RUN(test_swap_layer_input_tiny_a);
     RUN(test_swap_layer_input_tiny_b);
     RUN(test_swap_layer_input_eval_and_abandon);
+    RUN(test_act_store_policies);
     if (g_dir[0]) {
         char cmd[128];
         snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);

@@ -1,6 +1,7 @@
 /* Fine-grained recompute: every policy gives bitwise the same losses, grad norms and gradients as no
  * recompute over 3 optimizer steps; released bytes return to the allocator exactly; each released
  * unit is replayed exactly once; MTP never recomputes; bad flag combinations are rejected. */
+#include "ds4/actstore.h"
 #include "ds4/io.h"
 #include "ds4/model.h"
 #include "ds4/recompute.h"
@@ -65,7 +66,8 @@ static bool run_steps(const ds4_config *c, const uint32_t *masks, int64_t B, int
     bool ok = true;
     out->n = ds4_model_numel(m);
     for (int s = 0; s < 3 && ok; s++) {
-        ds4_pass_opts o = {.need_backward = true, .release_mask = masks};
+        const ds4_act_policies pol = {.recompute = masks};
+        ds4_pass_opts o = {.need_backward = true, .store = ds4_act_store_of(&pol)};
         ds4_pass *p;
         ds4_model_zero_grad(m);
         ok = ds4_forward(m, ids + 0, B, T, &o, &p) == DS4_OK && ds4_backward(m, p) == DS4_OK;
@@ -133,7 +135,8 @@ static void test_release_accounting(void) {
     CHECK(policy_masks(&k_policies[4], &c, masks) == DS4_OK); /* csa+mhc+norm */
     ds4_mem_stats s0, s1, s2, s3;
     ds4_pass *p;
-    ds4_pass_opts off = {.need_backward = true}, on = {.need_backward = true, .release_mask = masks};
+    const ds4_act_policies pol = {.recompute = masks};
+    ds4_pass_opts off = {.need_backward = true}, on = {.need_backward = true, .store = ds4_act_store_of(&pol)};
     ds4_mem_get(&s0);
     CHECK(ds4_forward(m, ids, 2, 64, &off, &p) == DS4_OK);
     ds4_mem_get(&s1);
@@ -166,7 +169,8 @@ static void test_release_accounting(void) {
 
 /* Peak of one training pass: recompute lowers it, full recompute lowers it most. */
 static int64_t peak_of(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, const uint32_t *masks) {
-    ds4_pass_opts o = {.need_backward = true, .release_mask = masks};
+    const ds4_act_policies pol = {.recompute = masks};
+    ds4_pass_opts o = {.need_backward = true, .store = ds4_act_store_of(&pol)};
     ds4_pass *p;
     ds4_mem_stats a, b;
     ds4_mem_reset_peak();

@@ -1,6 +1,7 @@
 /* Model subcommands: init, inspect, debug-state. */
 #include "cli.h"
 #include "cmds.h"
+#include "ds4/actstore.h"
 #include "ds4/io.h"
 #include "ds4/model.h"
 #include "ds4/offload.h"
@@ -142,14 +143,14 @@ static void print_memory_report(const ds4_pass *p, const ds4_config *c) {
 }
 
 static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, const char *out,
-                              const ds4_recompute_cfg *rc, bool report, const ds4_act_hooks *act) {
+                              const ds4_recompute_cfg *rc, bool report, ds4_act_swap *swap) {
     const ds4_config *c = ds4_model_config(m);
     const int64_t V = c->vocab_size, N = B * T, K = c->index_topk;
     uint32_t masks[DS4_MAX_LAYERS];
     DS4_TRY(ds4_recompute_validate(rc, c));
     ds4_recompute_masks(rc, c, masks);
-    ds4_pass_opts opts = {.need_backward = true, .keep_logits = true,
-                          .release_mask = ds4_recompute_any(rc) ? masks : NULL, .act = act};
+    const ds4_act_policies pol = {.recompute = ds4_recompute_any(rc) ? masks : NULL, .swap = swap};
+    ds4_pass_opts opts = {.need_backward = true, .keep_logits = true, .store = ds4_act_store_of(&pol)};
     ds4_mem_reset_peak();
     ds4_pass *p;
     DS4_TRY(ds4_forward(m, ids, B, T, &opts, &p));
@@ -273,16 +274,16 @@ int cmd_debug_state(int argc, char **argv) {
     ds4_model_dir_close(d);
     if (st == DS4_OK) st = read_batch(bp, &ids, &B, &T);
     ds4_offload *store = NULL;
-    ds4_act_offload *act = NULL;
+    ds4_act_swap *swap = NULL;
     if (st == DS4_OK && cli_get(f, NFLAGS(f), "swap-layer-input")) {
         st = ds4_offload_open(NULL, cli_get(f, NFLAGS(f), "offload-dir"), &store);
-        if (st == DS4_OK) st = ds4_act_offload_new(store, &act);
+        if (st == DS4_OK) st = ds4_act_swap_new(store, &swap);
     }
     if (st == DS4_OK) {
-        st = debug_state(m, ids, B, T, out, &rc, report, act ? ds4_act_offload_hooks(act) : NULL);
+        st = debug_state(m, ids, B, T, out, &rc, report, swap);
         if (st == DS4_ERR_ARG && strstr(ds4_errmsg(), "input_ids")) ds4_fail_prefix(st, "%s", bp);
     }
-    ds4_act_offload_free(act);
+    ds4_act_swap_free(swap);
     ds4_offload_close(store);
     ds4_free(ids);
     ds4_model_free(m);

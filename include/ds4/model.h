@@ -127,19 +127,36 @@ typedef struct {
     const ds4_ep_ops *ep;    /* NULL: every expert is local */
 } ds4_param_hooks;
 
-/* What an activation offload policy does around the model (--swap-layer-input, ds4/offload.h; NULL
- * members: nothing). In a training pass, once block `layer`'s forward (the last forward reader of its
- * input stream X[layer], [N, n, D] floats = `bytes`) is done, the model calls offload for each main
- * layer; the hook may move the stream out (free *buf, set it NULL). Before block `layer`'s backward,
- * and so before any recompute replay that reads X[layer], the model calls restore, which must leave
- * *buf holding the same bytes (a new DS4_MEM_ACT buffer) if offload moved it. discard: the pass is
- * being freed, forget anything still held for `layer`. X[n_layers] is never offered. */
+/* ------------------------------------------------------------------ the activation store
+ * What becomes of a training pass's saved tensors between their last forward reader and backward is
+ * the store's decision, asked per (layer, unit): a unit of ds4_unit_name, or DS4_UNIT_INPUT for main
+ * layer l's input stream X[l] ([N, n, D] floats, slot 0). The model derives everything else from the
+ * units' declarations (when a unit's last forward reader has run, replay order, the per-unit report).
+ * The implementation with the trainer's policies (recompute masks, --swap-layer-input) is the memory
+ * layer's (ds4/actstore.h). */
+#define DS4_NUM_UNITS 16
+#define DS4_UNIT_INPUT DS4_NUM_UNITS /* a main layer's input stream */
+typedef enum {
+    DS4_ACT_KEEP = 0,  /* stays in memory until backward has read it */
+    DS4_ACT_RECOMPUTE, /* freed; backward replays the unit (its released inputs first) */
+    DS4_ACT_SWAP,      /* moved out by save, brought back by fetch before the first backward reader (and
+                        * before any replay that reads it); layer inputs only */
+} ds4_act_policy;
+
 typedef struct {
+    ds4_act_policy (*policy)(void *ctx, int64_t layer, int unit);
+    /* SWAP: *buf [bytes] leaves memory: the store keeps its bytes, frees *buf and sets it NULL. */
+    ds4_status (*save)(void *ctx, int64_t layer, int unit, int slot, void **buf, size_t bytes);
+    /* SWAP: *buf becomes a new DS4_MEM_ACT buffer with the saved bytes (no-op when it is not held). */
+    ds4_status (*fetch)(void *ctx, int64_t layer, int unit, int slot, void **buf, size_t bytes);
+    /* The pass is freed: forget anything still held for (layer, unit, slot). */
+    void (*release)(void *ctx, int64_t layer, int unit, int slot);
+} ds4_act_store_ops;
+
+typedef struct {
+    const ds4_act_store_ops *ops; /* NULL: every saved tensor stays in memory */
     void *ctx;
-    ds4_status (*offload)(void *ctx, int64_t layer, float **buf, size_t bytes);
-    ds4_status (*restore)(void *ctx, int64_t layer, float **buf, size_t bytes);
-    void (*discard)(void *ctx, int64_t layer);
-} ds4_act_hooks;
+} ds4_act_store;
 
 /* ------------------------------------------------------------------ one pass */
 typedef struct {
@@ -151,15 +168,12 @@ typedef struct {
     bool keep_logits;       /* keep logits / mtp_logits, and every CSA layer's top-k even when recompute
                                releases it, for the caller (debug-state) */
     bool csa_dense;         /* attend all usable compressed entries on CSA layers */
-    /* Recompute: per main layer, a bit mask of units (ds4_unit_names order) whose outputs are released
-     * after their last forward read and replayed in backward. NULL: keep everything. The policy that
-     * chooses the masks lives outside the model (src/memory/recompute.c). */
-    const uint32_t *release_mask;
     const ds4_param_hooks *hooks; /* NULL: the whole model is resident and local */
     /* Benchmarks and memplan checks (TorchTitan's moe_force_load_balance): slot k of token t goes to
      * expert (t·K + k) mod E, weighted by its normalised score; gradients follow that choice. */
     bool moe_force_balance;
-    const ds4_act_hooks *act;     /* NULL: every saved activation stays in memory */
+    /* Recompute and offload of saved tensors (training passes; MTP blocks always keep theirs). */
+    ds4_act_store store;
 } ds4_pass_opts;
 
 typedef struct ds4_pass ds4_pass;
@@ -182,7 +196,6 @@ void ds4_pass_free(ds4_pass *p);
 double ds4_probe_peak_flops(void);
 
 /* ------------------------------------------------------------------ units (for policies and reports) */
-#define DS4_NUM_UNITS 16
 const char *ds4_unit_name(int unit);  /* "hc_pre_attn", "attn_norm", ..., "hc_post_ffn" */
 int ds4_unit_find(const char *name);  /* -1 if unknown */
 typedef struct {

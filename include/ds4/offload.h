@@ -3,7 +3,7 @@
  *   --swap-optimizer    AdamW moments (m and v) live in the store between updates (ds4/train.h:
  *                       ds4_adamw_swap_out); the update streams them through a bounded buffer.
  *   --swap-layer-input  the layer input streams X[l] of a training pass go to the store after block l's
- *                       forward and come back just before block l's backward (ds4_act_offload below).
+ *                       forward and come back just before block l's backward (ds4/actstore.h).
  *
  * On this CPU engine the store is an unlinked temporary file in a caller-given directory, written with
  * pwrite and read back with pread: offloaded bytes leave the process's memory (the kernel may keep them
@@ -14,7 +14,6 @@
 #define DS4_OFFLOAD_H
 
 #include "ds4/core.h"
-#include "ds4/model.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -45,19 +44,6 @@ void ds4_offload_drop(ds4_offload *s, int64_t handle);
 size_t ds4_offload_size(const ds4_offload *s, int64_t handle); /* 0 for an unknown handle */
 int64_t ds4_offload_file_bytes(const ds4_offload *s);         /* extent of the backing file */
 const char *ds4_offload_dir(const ds4_offload *s);
-
-/* ------------------------------------------------------------------ --swap-layer-input
- * Activation hooks (ds4_pass_opts.act) that move each layer input stream X[l] (l < n_layers) of a
- * training pass into the store after its last forward reader and back before block l's backward, so
- * recompute replays find it too. X[n_layers] is never offered (the heads and MTP read it in forward
- * and first thing in backward). Losses and gradients are bitwise those of a run without. One pass at
- * a time per context; the store must outlive it. */
-typedef struct ds4_act_offload ds4_act_offload;
-ds4_status ds4_act_offload_new(ds4_offload *store, ds4_act_offload **out);
-const ds4_act_hooks *ds4_act_offload_hooks(ds4_act_offload *a);
-/* Streams currently in the store (after a forward, before their restore). */
-int64_t ds4_act_offload_held(const ds4_act_offload *a);
-void ds4_act_offload_free(ds4_act_offload *a);  /* drops what it still holds; NULL: no-op */
 
 #ifdef __cplusplus
 }

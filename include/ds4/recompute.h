@@ -1,6 +1,6 @@
-/* Recompute policy: turns the MindSpeed/Megatron flags into per-layer release masks for the model
- * (ds4_pass_opts.release_mask). The model only knows "release these units and replay them"; which
- * units and which layers is decided here.
+/* Recompute policy: turns the MindSpeed/Megatron flags into per-layer release masks, the activation
+ * store's recompute policy (ds4/actstore.h). The model only knows "release these units and replay
+ * them"; which units and which layers is decided here.
  *
  *   --recompute-csa-attention        q_up, compressor, indexer, sparse_attn, o_proj (+ q_down with
  *                                    --recompute-norm on the layer: "q-up + q-norm + RoPE")

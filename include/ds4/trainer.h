@@ -10,6 +10,7 @@
 #ifndef DS4_TRAINER_H
 #define DS4_TRAINER_H
 
+#include "ds4/actstore.h"
 #include "ds4/dist.h"
 #include "ds4/kernels.h"
 #include "ds4/recompute.h"
@@ -97,7 +98,7 @@ const ds4_exec *ds4_train_state_exec(const ds4_train_state *s); /* real or plan 
 int ds4_train_state_ranks(const ds4_train_state *s);               /* ranks of its world */
 ds4_model *ds4_train_state_model(ds4_train_state *s);               /* what ds4_forward runs on */
 const ds4_param_hooks *ds4_train_state_hooks(ds4_train_state *s);  /* for ds4_pass_opts; NULL: whole */
-const ds4_act_hooks *ds4_train_state_act(ds4_train_state *s);      /* training passes; NULL: no swap */
+ds4_act_swap *ds4_train_state_swap(ds4_train_state *s);           /* --swap-layer-input; NULL: none */
 int64_t ds4_train_state_numel(const ds4_train_state *s);           /* parameters of the whole model */
 void ds4_train_state_zero_grads(ds4_train_state *s);
 /* The pieces of ds4_train_step below, one by one (on a plan state: only inside ds4_train_step). */
@@ -136,7 +137,7 @@ typedef struct {
     int64_t *loads;            /* [n_layers + n_mtp_layers, n_routed_experts] scratch for the router loads */
     /* the passes */
     bool csa_dense;            /* CSA layers attend densely (training.csa_dense_steps) */
-    const uint32_t *release_mask; /* recompute masks (ds4/recompute.h); NULL: none */
+    const uint32_t *release_mask; /* the activation store's recompute masks (ds4/recompute.h); NULL: none */
     bool moe_force_balance;    /* balanced routing (memplan of a real world) */
     /* the update */
     const ds4_adamw_cfg *adamw;

@@ -1,7 +1,6 @@
 /* The offload store: an unlinked temporary file holding handles' bytes at page-aligned extents,
  * written with pwrite and read with pread; a first-fit free list reuses dropped extents so a store
- * that swaps the same buffers every step stays the size of its largest working set. And the
- * --swap-layer-input hooks on top of it. */
+ * that swaps the same buffers every step stays the size of its largest working set. */
 #include "ds4/offload.h"
 
 #include "ds4/config.h"
@@ -264,71 +263,4 @@ ds4_status ds4_offload_put(ds4_offload *s, ds4_mem_cat cat, const void *src, siz
 
 ds4_status ds4_offload_get(ds4_offload *s, int64_t h, void *dst) {
     return ds4_offload_read(s, h, 0, dst, ds4_offload_size(s, h));
-}
-
-/* ------------------------------------------------------------------ --swap-layer-input */
-struct ds4_act_offload {
-    ds4_offload *store;
-    int64_t held[DS4_MAX_LAYERS]; /* handle of layer l's input stream, -1 while it is in memory */
-    ds4_act_hooks hooks;
-};
-
-static ds4_status act_offload(void *ctx, int64_t layer, float **buf, size_t bytes) {
-    ds4_act_offload *a = ctx;
-    if (layer < 0 || layer >= DS4_MAX_LAYERS || a->held[layer] >= 0)
-        return ds4_fail(DS4_ERR_INTERNAL, "swap-layer-input: layer %lld's input is already offloaded (one pass at a "
-                                          "time per context)", (long long)layer);
-    if (!*buf) return DS4_OK;
-    DS4_TRY(ds4_offload_put(a->store, DS4_MEM_ACT, *buf, bytes, &a->held[layer]));
-    ds4_free(*buf);
-    *buf = NULL;
-    return DS4_OK;
-}
-
-static ds4_status act_restore(void *ctx, int64_t layer, float **buf, size_t bytes) {
-    ds4_act_offload *a = ctx;
-    if (layer < 0 || layer >= DS4_MAX_LAYERS || a->held[layer] < 0 || *buf) return DS4_OK;
-    float *x = ds4_alloc(DS4_MEM_ACT, bytes);
-    if (!x) return ds4_fail_prefix(DS4_ERR_OOM, "swap-layer-input: restoring layer %lld's input", (long long)layer);
-    ds4_status st = ds4_offload_read(a->store, a->held[layer], 0, x, bytes);
-    if (st != DS4_OK) {
-        ds4_free(x);
-        return ds4_fail_prefix(st, "swap-layer-input: restoring layer %lld's input", (long long)layer);
-    }
-    ds4_offload_drop(a->store, a->held[layer]);
-    a->held[layer] = -1;
-    *buf = x;
-    return DS4_OK;
-}
-
-static void act_discard(void *ctx, int64_t layer) {
-    ds4_act_offload *a = ctx;
-    if (layer < 0 || layer >= DS4_MAX_LAYERS) return;
-    ds4_offload_drop(a->store, a->held[layer]);
-    a->held[layer] = -1;
-}
-
-ds4_status ds4_act_offload_new(ds4_offload *store, ds4_act_offload **out) {
-    *out = NULL;
-    ds4_act_offload *a = ds4_calloc(DS4_MEM_OTHER, sizeof *a);
-    if (!a) return ds4_fail(DS4_ERR_OOM, "swap-layer-input: out of memory");
-    a->store = store;
-    for (int64_t l = 0; l < DS4_MAX_LAYERS; l++) a->held[l] = -1;
-    a->hooks = (ds4_act_hooks){.ctx = a, .offload = act_offload, .restore = act_restore, .discard = act_discard};
-    *out = a;
-    return DS4_OK;
-}
-
-const ds4_act_hooks *ds4_act_offload_hooks(ds4_act_offload *a) { return &a->hooks; }
-
-int64_t ds4_act_offload_held(const ds4_act_offload *a) {
-    int64_t n = 0;
-    for (int64_t l = 0; l < DS4_MAX_LAYERS; l++) n += a->held[l] >= 0;
-    return n;
-}
-
-void ds4_act_offload_free(ds4_act_offload *a) {
-    if (!a) return;
-    for (int64_t l = 0; l < DS4_MAX_LAYERS; l++) act_discard(a, l);
-    ds4_free(a);
 }

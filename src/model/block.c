@@ -2,7 +2,7 @@
  *   hc_pre_attn → attn_norm → q_down → q_up → kv → compressor → indexer → indexer_topk → sparse_attn →
  *   o_proj → hc_post_attn → hc_pre_ffn → ffn_norm → router → moe → hc_post_ffn
  * The units (units_hc.c, units_attn.c, units_ffn.c) declare what they read and save; the activation
- * store (actstore.c) does the saving, releasing and replaying. */
+ * store's model side (unit_acts.c) does the saving, releasing and replaying. */
 #include "model/block.h"
 
 #include <math.h>

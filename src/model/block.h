@@ -1,8 +1,8 @@
 /* One DeepSeek-V4 block (main layer or MTP block) as a short list of units. A unit is declared once
  * (unit_decl, next to its code in units_*.c): its inputs, its saved outputs with their shapes and
  * dtypes, a forward that computes the outputs from the inputs, a backward, and the units whose outputs
- * that backward reads. Everything else is derived from the declarations (model/actstore.c): allocation
- * of a unit's outputs, release after their last forward reader when the pass's recompute mask says so,
+ * that backward reads. Everything else is derived from the declarations (model/unit_acts.c): allocation
+ * of a unit's outputs, release after their last forward reader when the activation store recomputes it,
  * replay (inputs first) before a backward reader, free after the last backward reader, and the per-unit
  * byte count of the memory report. Replays run the same deterministic forward, so losses and gradients
  * are bitwise those of a pass that keeps everything (docs/DESIGN.md idea 2). */
@@ -52,7 +52,7 @@ enum { MOE_H1, MOE_H3, MOE_SH1, MOE_SH3, MOE_OUT, MOE_XR, MOE_WR };     /* moe *
 
 typedef enum { ACT_F32, ACT_I32, ACT_I64 } act_dtype;
 
-/* Symbolic dimensions of saved tensors, valued per block and pass (actstore.c: act_dim_value). */
+/* Symbolic dimensions of saved tensors, valued per block and pass (unit_acts.c: act_dim_value). */
 typedef enum {
     X_1 = 0, /* an unused trailing dimension */
     X_N,     /* tokens B·T */
@@ -200,7 +200,7 @@ extern const int k_block_bwd_steps;
 const char *unit_name(unit_id u);
 bool unit_runs_here(unit_id u, const block_acts *a);
 
-/* ------------------------------------------------------------------ the activation store (actstore.c) */
+/* ------------------------------------------------------------------ saved unit outputs (unit_acts.c) */
 /* Runs unit u's forward: prepare, allocate its outputs from the declaration, fwd (or, given the cache
  * of the decoder, the unit's decode variant when it has one). */
 ds4_status act_run(const block_ctx *bc, block_acts *a, unit_id u);

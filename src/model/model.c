@@ -58,8 +58,8 @@ static void head_free(head_acts *h) {
 void ds4_pass_free(ds4_pass *p) {
     if (!p) return;
     const ds4_config *c = &p->m->cfg;
-    const ds4_act_hooks *ah = p->opts.act;
-    for (int64_t l = 0; ah && ah->discard && l < c->n_layers; l++) ah->discard(ah->ctx, l);
+    const ds4_act_store *as = &p->opts.store;
+    for (int64_t l = 0; as->ops && l < c->n_layers; l++) as->ops->release(as->ctx, l, DS4_UNIT_INPUT, 0);
     if (p->X)
         for (int64_t l = 0; l <= c->n_layers; l++) ds4_free(p->X[l]);
     ds4_free(p->X);
@@ -126,12 +126,30 @@ static block_ctx make_ctx(ds4_pass *p, int64_t layer, const int32_t *ids) {
                        .rope_cmp = &p->m->rope_cmp};
 }
 
+/* The activation store's policy for (layer l, unit u); KEEP without a store. */
+static ds4_act_policy act_policy(const ds4_pass *p, int64_t l, int u) {
+    const ds4_act_store *as = &p->opts.store;
+    return as->ops ? as->ops->policy(as->ctx, l, u) : DS4_ACT_KEEP;
+}
+
+/* The units of main layer l the store recomputes (the mask the block's saved outputs follow). */
+static ds4_status recompute_mask(const ds4_pass *p, int64_t l, uint32_t *mask) {
+    *mask = 0;
+    for (int u = 0; u < U_COUNT; u++) {
+        const ds4_act_policy pol = act_policy(p, l, u);
+        if (pol == DS4_ACT_SWAP)
+            return ds4_fail(DS4_ERR_ARG, "activation store: unit %s of layer %lld cannot be swapped (only a layer's "
+                            "input)", unit_name((unit_id)u), (long long)l);
+        if (pol == DS4_ACT_RECOMPUTE) *mask |= UNIT_BIT(u);
+    }
+    return DS4_OK;
+}
+
 /* A caller that keeps the logits (debug-state) also gets every CSA layer's top-k, whatever the
  * recompute policy: when the layer's mask releases it, block_fwd copies it to topk_kept first. */
-static ds4_status keep_released_topk(ds4_pass *p, int64_t l, block_ctx *bc) {
+static ds4_status keep_released_topk(ds4_pass *p, int64_t l, uint32_t mask, block_ctx *bc) {
     const ds4_config *c = &p->m->cfg;
-    const uint32_t *mask = p->opts.release_mask;
-    if (!p->opts.keep_logits || !p->opts.need_backward || !mask || !(mask[l] & (1u << U_INDEXER_TOPK)) ||
+    if (!p->opts.keep_logits || !p->opts.need_backward || !(mask & UNIT_BIT(U_INDEXER_TOPK)) ||
         ds4_layer_ratio(c, l) != 4)
         return DS4_OK;
     p->topk_kept[l] = ds4_alloc(DS4_MEM_OTHER, (size_t)(p->N * c->index_topk) * sizeof(int32_t));
@@ -157,8 +175,8 @@ static ds4_status grad_end(ds4_pass *p, int64_t group) {
     const ds4_param_hooks *h = p->opts.hooks;
     return h && h->grad_end ? h->grad_end(h->ctx, group) : DS4_OK;
 }
-/* Activation offload (ds4_act_hooks): the block that reads stream X[l] as input, and the one that wrote
- * it, must see where it lives now. */
+/* Layer inputs the store swaps: the block that reads stream X[l] as input, and the one that wrote it,
+ * must see where it lives now. */
 static void stream_rebind(ds4_pass *p, int64_t l) {
     p->ba[l].X_in = p->X[l];
     if (l > 0) p->ba[l - 1].X_out = p->X[l];
@@ -168,20 +186,20 @@ static size_t stream_bytes(const ds4_pass *p) {
 }
 /* After block l's forward, its last reader of X[l]. */
 static ds4_status act_offload(ds4_pass *p, int64_t l) {
-    const ds4_act_hooks *h = p->opts.act;
-    if (!h || !h->offload || !p->opts.need_backward) return DS4_OK;
-    ds4_status st = h->offload(h->ctx, l, &p->X[l], stream_bytes(p));
+    const ds4_act_store *as = &p->opts.store;
+    if (!p->opts.need_backward || act_policy(p, l, DS4_UNIT_INPUT) != DS4_ACT_SWAP) return DS4_OK;
+    ds4_status st = as->ops->save(as->ctx, l, DS4_UNIT_INPUT, 0, (void **)&p->X[l], stream_bytes(p));
     stream_rebind(p, l);
     return st;
 }
 /* Before block l's backward (and its replays), the first reader of X[l] in backward. */
 static ds4_status act_restore(ds4_pass *p, int64_t l) {
-    const ds4_act_hooks *h = p->opts.act;
-    if (!h || !h->restore) return DS4_OK;
-    ds4_status st = h->restore(h->ctx, l, &p->X[l], stream_bytes(p));
+    const ds4_act_store *as = &p->opts.store;
+    if (act_policy(p, l, DS4_UNIT_INPUT) != DS4_ACT_SWAP) return DS4_OK;
+    ds4_status st = as->ops->fetch(as->ctx, l, DS4_UNIT_INPUT, 0, (void **)&p->X[l], stream_bytes(p));
     stream_rebind(p, l);
     if (st == DS4_OK && !p->X[l])
-        st = ds4_fail(DS4_ERR_INTERNAL, "activation restore left layer %lld's input stream missing", (long long)l);
+        st = ds4_fail(DS4_ERR_INTERNAL, "activation store: layer %lld's input stream did not come back", (long long)l);
     return st;
 }
 
@@ -435,11 +453,12 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
             break;
         }
         block_ctx bc = make_ctx(p, l, p->ids);
-        if ((st = keep_released_topk(p, l, &bc)) != DS4_OK) break;
+        uint32_t mask;
+        if ((st = recompute_mask(p, l, &mask)) != DS4_OK) break;
+        if ((st = keep_released_topk(p, l, mask, &bc)) != DS4_OK) break;
         if ((st = gather(p, group_of_layer(l))) != DS4_OK) break;
-        st = block_fwd(&bc, &p->ba[l], p->X[l], p->X[l + 1], p->opts.release_mask ? p->opts.release_mask[l] : 0,
-                       p->unit_stats + l * U_COUNT, p->expert_load + l * c->n_routed_experts, &p->kl_sum[l],
-                       &p->kl_rows[l]);
+        st = block_fwd(&bc, &p->ba[l], p->X[l], p->X[l + 1], mask, p->unit_stats + l * U_COUNT,
+                       p->expert_load + l * c->n_routed_experts, &p->kl_sum[l], &p->kl_rows[l]);
         drop(p, group_of_layer(l));
         if (st == DS4_OK && !opts->need_backward && l > 0) {
             ds4_free(p->X[l]); /* eval: the previous boundary is no longer needed */

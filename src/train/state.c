@@ -27,7 +27,7 @@ struct ds4_train_state {
     ds4_comm *world;
     ds4_adamw opt;    /* [numel] whole, [shard_numel] sharded */
     ds4_offload *store;     /* NULL: no offload */
-    ds4_act_offload *act;   /* --swap-layer-input */
+    ds4_act_swap *swap;     /* --swap-layer-input */
 };
 
 /* ------------------------------------------------------------------ agreement between ranks */
@@ -67,11 +67,11 @@ static ds4_status open_model(ds4_train_state *s, const ds4_config *mc) {
     return ds4_model_create(&s->exec, mc, s->sharded, &s->m);
 }
 
-/* The offload store and the layer-input hooks, when a swap policy asks for them. */
+/* The offload store and the layer-input swap, when a swap policy asks for them. */
 static ds4_status open_offload(ds4_train_state *s, const ds4_train_state_opts *o) {
     if (!o->swap_optimizer && !o->swap_layer_input) return DS4_OK;
     DS4_TRY(ds4_offload_open(&s->exec, o->offload_dir, &s->store));
-    return o->swap_layer_input ? ds4_act_offload_new(s->store, &s->act) : DS4_OK;
+    return o->swap_layer_input ? ds4_act_swap_new(s->store, &s->swap) : DS4_OK;
 }
 
 static ds4_status open_whole(ds4_train_state *s, const ds4_model_dir *d, uint64_t seed, const ds4_train_state_opts *o) {
@@ -139,7 +139,7 @@ ds4_status ds4_train_state_open(const ds4_config *mc, const ds4_model_dir *d, ui
 void ds4_train_state_free(ds4_train_state *s) {
     if (!s) return;
     const ds4_exec prev = ds4_exec_enter(&s->exec);
-    ds4_act_offload_free(s->act);
+    ds4_act_swap_free(s->swap);
     ds4_adamw_free(&s->opt);
     ds4_offload_close(s->store); /* after everything it holds */
     ds4_fsdp_free(s->f);
@@ -153,7 +153,7 @@ int ds4_train_state_ranks(const ds4_train_state *s) { return ds4_comm_size(s->wo
 
 ds4_model *ds4_train_state_model(ds4_train_state *s) { return s->m; }
 const ds4_param_hooks *ds4_train_state_hooks(ds4_train_state *s) { return s->f ? ds4_fsdp_hooks(s->f) : NULL; }
-const ds4_act_hooks *ds4_train_state_act(ds4_train_state *s) { return s->act ? ds4_act_offload_hooks(s->act) : NULL; }
+ds4_act_swap *ds4_train_state_swap(ds4_train_state *s) { return s->swap; }
 int64_t ds4_train_state_numel(const ds4_train_state *s) {
     return s->f ? ds4_fsdp_packed_numel(s->f) : ds4_model_numel(s->m);
 }

@@ -14,12 +14,12 @@ static ds4_status micro_batch(ds4_train_state *s, const ds4_step_args *a, int64_
     const ds4_config *mc = ds4_model_config(m);
     const int64_t nb = mc->n_layers + mc->n_mtp_layers, E = mc->n_routed_experts;
     if (a->next_ids) DS4_TRY(a->next_ids(a->ctx, a->ids));
+    const ds4_act_policies pol = {.recompute = a->release_mask, .swap = ds4_train_state_swap(s)};
     ds4_pass_opts o = {.need_backward = true,
                        .csa_dense = a->csa_dense,
-                       .release_mask = a->release_mask,
                        .moe_force_balance = a->moe_force_balance,
                        .hooks = ds4_train_state_hooks(s),
-                       .act = ds4_train_state_act(s)};
+                       .store = ds4_act_store_of(&pol)};
     ds4_pass *p;
     DS4_TRY(ds4_forward(m, a->ids, a->B, a->T, &o, &p));
     ds4_status st = ds4_backward(m, p);

@@ -1,18 +1,16 @@
-/* The activation store of a block: every rule about saved unit outputs, derived from the unit
- * declarations (model/block.h) and nothing else:
+/* The model's side of the activation store: every rule about a block's saved unit outputs, derived
+ * from the unit declarations (model/block.h) and nothing else:
  *   - a unit's outputs are allocated from its declared slots (shape expression, dtype) just before its
  *     forward, in slot order;
- *   - a unit the pass's recompute mask names is released once its last forward reader (the last unit
- *     whose declared inputs name it) has run;
+ *   - a unit the store recomputes (ds4_act_store's policy, gathered by the pass into the block's mask)
+ *     is released once its last forward reader (the last unit whose declared inputs name it) has run;
  *   - before a backward reads a unit, the unit is made present again by replaying its forward, its
  *     released inputs first (in forward order);
  *   - after the last backward that reads a unit, its outputs are freed;
  *   - per unit: the bytes of one copy, the releases, the replays and their time (--memory-report).
- * It sits in src/model, below src/memory, because ds4_forward honours ds4_pass_opts.release_mask by
- * itself (the trainer, memplan and the tests hand it masks, not a store); it talks to the rest of the
- * model only through the declarations and unit_decl.fwd, so a store above the model can take its place
- * behind a pass option once those callers make one. The recompute policy (src/memory/recompute.c)
- * only names units. */
+ * What the store decides (keep, recompute, swap a layer input to the offload tier) is the memory
+ * layer's (src/memory/actstore.c, behind ds4_act_store in ds4/model.h); the shapes, readers and replay
+ * order are the model's, since only the model knows its units. */
 #include "model/block.h"
 
 #include <string.h>
