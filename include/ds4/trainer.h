@@ -134,8 +134,8 @@ bool ds4_train_state_muon(const ds4_train_state *s); /* opened with the Muon gro
  * Everything `ds4 train` does to the state in one step, and what `ds4 memplan` runs on a plan state (so
  * plan and run are one code path): zero the gradients; forward + backward of each micro-batch under the
  * pass options, summing losses and expert loads; gradients / (micro-batches of all ranks); losses := their
- * mean over ranks; clip to max_norm; a non-finite loss or norm is an error; AdamW at lr; the router bias
- * rule with the loads. src/train/step.c. */
+ * mean over ranks; clip to max_norm; a non-finite loss or norm is an error; AdamW at lr (then Muon on the
+ * Muon group when muon is set); the router bias rule with the loads. src/train/step.c. */
 typedef struct {
     int64_t step;              /* 1-based, for messages */
     int64_t micro_batches;     /* of this rank, >= 1 */
