@@ -276,8 +276,11 @@ ds4_status ds4_checkpoint_load_meta(const char *path, ds4_ckpt_meta *meta) {
     char p[4200];
     snprintf(p, sizeof p, "%s/state.json", path);
     DS4_TRY(read_state(p, meta));
-    snprintf(p, sizeof p, "%s/optim.state", path); /* which optimizer wrote it: Muon marks its file */
+    /* which optimizer wrote optim.state: Muon marks its file (a missing file is the optimizer load's error) */
+    snprintf(p, sizeof p, "%s/optim.state", path);
+    meta->muon = false;
     ds4_st_file *f;
+    if (access(p, F_OK) != 0) return DS4_OK;
     DS4_TRY(ds4_st_open(p, &f));
     meta->muon = ds4_st_find(f, DS4_CKPT_MUON_MARK) != NULL;
     ds4_st_close(f);

@@ -50,14 +50,12 @@ typedef struct {
 /* M := μ·M + G over the part (momentum read from the state, resident or swapped, and written back);
  * part := G + μ·M (Nesterov) or M. */
 static ds4_status muon_part_out(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0, float *part) {
-    (void)p;
     muon_ctx *x = ctx;
     const int64_t n = k1 - k0;
-    if (x->o->plan || n == 0) return DS4_OK;
-    float *mom = ds4_alloc(DS4_MEM_OPTIM, (size_t)n * sizeof(float));
+    float *mom = ds4_alloc(DS4_MEM_OPTIM, (size_t)n * sizeof(float)); /* [n], counted in a plan too */
     if (!mom) return ds4_fail(DS4_ERR_OOM, "%s: out of memory for the Muon momentum", p->name);
-    ds4_status st = ds4_adamw_moment_read(x->o, 0, s0, n, mom);
-    if (st == DS4_OK) {
+    ds4_status st = x->o->plan ? DS4_OK : ds4_adamw_moment_read(x->o, 0, s0, n, mom);
+    if (st == DS4_OK && !x->o->plan) {
         const float mu = (float)x->c->momentum;
         const float *g = x->g + s0;
         for (int64_t i = 0; i < n; i++) {
