@@ -582,7 +582,7 @@ static void matrix_layout(const ds4_fsdp *f, const piece *q, int64_t a, int64_t 
         h->displs[r] = x < y ? x - a : 0;
     }
     h->k0 = h->displs[h->me];
-    h->s0 = q->shard_off + (a + h->k0 - (q->start + q->off));
+    h->s0 = h->counts[h->me] ? q->shard_off + (a + h->k0 - (q->start + q->off)) : q->shard_off; /* none: unused */
 }
 
 /* One matrix: parts out, gathered on owner, whole there, scattered back, parts in. v: [4n] scratch. */

@@ -52,6 +52,7 @@ typedef struct {
 static ds4_status muon_part_out(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0, float *part) {
     muon_ctx *x = ctx;
     const int64_t n = k1 - k0;
+    if (n == 0) return DS4_OK; /* this rank holds none of the matrix */
     float *mom = ds4_alloc(DS4_MEM_OPTIM, (size_t)n * sizeof(float)); /* [n], counted in a plan too */
     if (!mom) return ds4_fail(DS4_ERR_OOM, "%s: out of memory for the Muon momentum", p->name);
     ds4_status st = x->o->plan ? DS4_OK : ds4_adamw_moment_read(x->o, 0, s0, n, mom);
