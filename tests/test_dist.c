@@ -191,6 +191,29 @@ static void memplan_matches(const char *cfg_path, int ep, bool recompute) {
     CHECK(real.peak[DS4_MEM_PARAM] > 0 && real.peak[DS4_MEM_COMM] > 0, "the step has shards and communication");
 }
 
+/* Muon under FSDP + EP: this rank's plan == its measured step, in memory and in the store (--swap-optimizer
+ * streams the momentum), the whole matrices it gathers as their owner included. */
+static void memplan_matches_muon(int ep, bool swap) {
+    ds4_comm *world = ds4_comm_world();
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_step_opts so = {.muon = true, .swap_optimizer = swap};
+    ds4_step_memory real, plan;
+    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &so, false, world, ep, true, &real) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm *sim = NULL;
+    CHECK(ds4_comm_plan(ds4_comm_size(world), ds4_comm_rank(world), &sim) == DS4_OK);
+    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &so, true, sim, ep, true, &plan) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm_free(sim);
+    for (int k = 0; k < DS4_MEM_NCAT; k++)
+        if (k != DS4_MEM_OTHER)
+            CHECK(real.peak[k] == plan.peak[k] && real.offload_peak[k] == plan.offload_peak[k],
+                  "muon ep=%d swap %d rank %d %s: measured %lld + %lld offloaded, planned %lld + %lld", ep, swap,
+                  ds4_comm_rank(world), ds4_mem_cat_name((ds4_mem_cat)k), (long long)real.peak[k],
+                  (long long)real.offload_peak[k], (long long)plan.peak[k], (long long)plan.offload_peak[k]);
+}
+static void test_memplan_muon(void) { memplan_matches_muon(1, false); }
+static void test_memplan_muon_ep_swap(void) { memplan_matches_muon(2, true); }
+
 static void test_memplan_fsdp(void) { memplan_matches("tests/configs/tiny-a.json", 1, false); }
 static void test_memplan_fsdp_ep(void) { memplan_matches("tests/configs/tiny-a.json", 2, false); }
 static void test_memplan_fsdp_ep_recompute(void) { memplan_matches("tests/configs/tiny-b.json", 2, true); }
@@ -373,6 +396,8 @@ static int child_main(void) {
     RUN(test_fsdp_adamw);
     RUN(test_fsdp_ep_adamw);
     RUN(test_optimizer_counted_once_ep);
+    RUN(test_memplan_muon);
+    RUN(test_memplan_muon_ep_swap);
     if (W > 2) {
         RUN(test_fsdp_ep_all_tiny_a);
         RUN(test_memplan_ep_all_recompute);
@@ -411,8 +436,8 @@ static void under_mpirun(int ranks, int checks) {
     CHECK(ok_ranks == ranks, "%d of %d ranks passed all %d checks", ok_ranks, ranks, checks);
 }
 
-static void test_two_ranks(void) { under_mpirun(2, 10); }
-static void test_four_ranks(void) { under_mpirun(4, 12); }
+static void test_two_ranks(void) { under_mpirun(2, 12); }
+static void test_four_ranks(void) { under_mpirun(4, 14); }
 
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--child")) return child_main();

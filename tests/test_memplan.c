@@ -4,6 +4,7 @@
 #include "ds4/dist.h"
 #include "ds4/io.h"
 #include "ds4/memplan.h"
+#include "ds4/train.h"
 #include "ds4/recompute.h"
 #include "test.h"
 
@@ -104,6 +105,42 @@ static void test_swap_plan_equals_measured(void) {
     CHECK(act.peak[DS4_MEM_ACT] < off.peak[DS4_MEM_ACT] && act.offload_after_step == 0);
 }
 
+/* Muon: plan == measured, resident and swapped; its state is the AdamW state's 8 B per parameter (the
+ * momentum in the first-moment array), and on top, while a matrix [A, B] is updated, the matrix (n floats)
+ * and the Newton-Schulz workspace (2r^2 + n floats, r = min(A, B), + n for the transposed copy when A > B;
+ * the momentum's n floats are freed before it): the optimizer peak grows by the largest matrix's. */
+static void test_muon_plan_equals_measured(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    swap_plan_equals_measured("tests/configs/tiny-a.json", 2, 64, (ds4_step_opts){.muon = true, .swap_optimizer = true},
+                              "muon swap-opt");
+    ds4_step_memory plan, real, adamw;
+    const ds4_step_opts so = {.muon = true};
+    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &so, true, &plan) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &so, false, &real) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &(ds4_step_opts){0}, true, &adamw) == DS4_OK, "%s", ds4_errmsg());
+    for (int k = 0; k < DS4_MEM_NCAT; k++)
+        CHECK(plan.peak[k] == real.peak[k], "muon %s: planned %lld, measured %lld", ds4_mem_cat_name((ds4_mem_cat)k),
+              (long long)plan.peak[k], (long long)real.peak[k]);
+    CHECK(plan.after_step == real.after_step && plan.after_step == adamw.after_step,
+          "Muon keeps what AdamW keeps between steps: %lld vs %lld", (long long)plan.after_step,
+          (long long)adamw.after_step);
+    ds4_model *m = NULL;
+    CHECK(ds4_model_create(&c, &m) == DS4_OK, "%s", ds4_errmsg());
+    int64_t most = 0;
+    for (int64_t i = 0; m && i < ds4_model_nparams(m); i++) {
+        const ds4_param *p = ds4_model_param(m, i);
+        if (!ds4_param_is_muon(p)) continue;
+        const int64_t r = p->shape[0] < p->shape[1] ? p->shape[0] : p->shape[1];
+        const int64_t bytes = 4 * (2 * p->numel + 2 * r * r + (p->shape[0] > p->shape[1] ? p->numel : 0));
+        if (bytes > most) most = bytes;
+    }
+    CHECK(plan.peak[DS4_MEM_OPTIM] - adamw.peak[DS4_MEM_OPTIM] == most,
+          "Muon's optimizer peak %lld over AdamW's %lld: expected the largest matrix's %lld", 
+          (long long)plan.peak[DS4_MEM_OPTIM], (long long)adamw.peak[DS4_MEM_OPTIM], (long long)most);
+    ds4_model_free(m);
+}
+
 /* The FSDP + EP path: a one-rank world measured against its plan, with both options. */
 static void test_swap_plan_equals_measured_dist(void) {
     ds4_config c;
@@ -153,6 +190,7 @@ int main(void) {
     RUN(test_plan_equals_measured_tiny_b);
     RUN(test_swap_plan_equals_measured);
     RUN(test_swap_plan_equals_measured_dist);
+    RUN(test_muon_plan_equals_measured);
     RUN(test_plans_flash_and_pro);
     TEST_MAIN_END("test_memplan");
 }

@@ -125,6 +125,87 @@ static void test_swap_is_bitwise(void) {
     CHECK(st != DS4_OK && strstr(ds4_errmsg(), "/nonexistent/ds4"), "a missing offload dir: %s", ds4_errmsg());
 }
 
+/* Muon: 4 steps straight == 2 + resume + 2 (losses and checkpoint bytes, the momentum included), also
+ * with the momentum in the offload store (--swap-optimizer) and resumed there. */
+static void same_run(const char *a, const char *b, int step) {
+    char p1[512], p2[512];
+    for (int s = 1; s <= step; s++) {
+        snprintf(p1, sizeof p1, "%s/%s.jsonl", g_dir, a);
+        snprintf(p2, sizeof p2, "%s/%s.jsonl", g_dir, b);
+        double l1 = jsonl_loss(p1, s), l2 = jsonl_loss(p2, s);
+        CHECK(isfinite(l1) && l1 == l2, "%s vs %s: step %d: loss %.9g vs %.9g", a, b, s, l1, l2);
+    }
+    const char *files[] = {"model.safetensors", "optim.state"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(p1, sizeof p1, "%s/%s/step-%08d/%s", g_dir, a, step, files[i]);
+        snprintf(p2, sizeof p2, "%s/%s/step-%08d/%s", g_dir, b, step, files[i]);
+        CHECK(t_files_equal(p1, p2), "%s differs between %s and %s", files[i], a, b);
+    }
+}
+
+static void test_muon_resume_is_bitwise(void) {
+    const char *runs[][2] = {{"muon", NULL}, {"muon_resumed", NULL}, {"muon_swap", "true"}};
+    for (int r = 0; r < 3; r++) {
+        ds4_train_cfg c;
+        CHECK(cfg_for(&c, runs[r][0], "optimizer.name", "Muon") == DS4_OK, "%s", ds4_errmsg());
+        CHECK(c.use_muon && c.muon.ns_steps == 10 && c.muon.ns_final_steps == 2 && c.muon.update_rms == 0.18);
+        c.swap_optimizer = runs[r][1] != NULL;
+        if (r > 0) {
+            c.steps = 2;
+            CHECK(ds4_train_run(&c) == DS4_OK, "%s", ds4_errmsg());
+            c.steps = 4;
+        }
+        CHECK(ds4_train_run(&c) == DS4_OK, "%s: %s", runs[r][0], ds4_errmsg());
+    }
+    same_run("muon", "muon_resumed", 4);
+    same_run("muon", "muon_swap", 4);
+    char p1[512], p2[512];
+    snprintf(p1, sizeof p1, "%s/muon/step-00000004/model.safetensors", g_dir);
+    snprintf(p2, sizeof p2, "%s/straight/step-00000004/model.safetensors", g_dir);
+    CHECK(!t_files_equal(p1, p2), "Muon trained the same weights as AdamW");
+}
+
+/* `ds4 train` of run `run` with extra flags, its stdout into out [n]; returns the exit status. */
+static int ds4_train_output(const char *run, const char *flags, char *out, size_t n) {
+    char cfgp[512], text[4096], cmd[2048];
+    snprintf(cfgp, sizeof cfgp, "%s/%s.toml", g_dir, run);
+    snprintf(text, sizeof text, k_base_toml, g_dir, g_dir, run, g_dir, run);
+    FILE *f = fopen(cfgp, "w");
+    if (!f) return -1;
+    fputs(text, f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "%s train --config %s --training.threads 2 %s 2>&1", g_ds4, cfgp, flags);
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t got = fread(out, 1, n - 1, p);
+    out[got] = 0;
+    return pclose(p);
+}
+
+/* A run can change optimizer at a resume: the other optimizer's state of the Muon group starts at zero
+ * and the message says which state is new and which is kept; the next checkpoint is the new optimizer's. */
+static void test_switch_optimizer_at_resume(void) {
+    char out[16384], p[512];
+    CHECK(ds4_train_output("switch", "--training.steps 2", out, sizeof out) == 0, "%s", out);
+    CHECK(ds4_train_output("switch", "--optimizer.name Muon --training.steps 3", out, sizeof out) == 0, "%s", out);
+    CHECK(strstr(out, "AdamW -> Muon") && strstr(out, "Muon momentum of 181 matrices") &&
+              strstr(out, "starts at zero (new)") && strstr(out, "AdamW moments of the AdamW group and the step count are kept"),
+          "no switch message:\n%s", out);
+    snprintf(p, sizeof p, "%s/switch/step-00000003/optim.state", g_dir);
+    ds4_st_file *f = NULL;
+    CHECK(ds4_st_open(p, &f) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(f && ds4_st_find(f, DS4_CKPT_MUON_MARK), "the Muon run's checkpoint lacks %s", DS4_CKPT_MUON_MARK);
+    if (f) ds4_st_close(f);
+    CHECK(ds4_train_output("switch", "", out, sizeof out) == 0, "%s", out);
+    CHECK(strstr(out, "Muon -> AdamW") && strstr(out, "former Muon matrices"), "no switch message:\n%s", out);
+    CHECK(ds4_train_output("switch", "--optimizer.name Muon --training.steps 5", out, sizeof out) == 0, "%s", out);
+    CHECK(strstr(out, "AdamW -> Muon"), "no second switch message:\n%s", out);
+    CHECK(ds4_train_output("switch", "--optimizer.name Muon --training.steps 6", out, sizeof out) == 0, "%s", out);
+    CHECK(strstr(out, "resumed from") && !strstr(out, "switched"), "Muon -> Muon is no switch:\n%s", out);
+    snprintf(p, sizeof p, "%s/switch.jsonl", g_dir);
+    CHECK(isfinite(jsonl_loss(p, 6)), "no loss for step 6 after the switches");
+}
+
 static void expect_error(const char *key, const char *val, const char *needle) {
     ds4_train_cfg c;
     ds4_status st = cfg_for(&c, "bad", key, val);
@@ -173,6 +254,12 @@ static void test_bad_config_and_data(void) {
     write_shard(p, 1000, 2, 300);
     expect_error("data.train", p, "big_vocab.bin");                           /* shard from another vocab */
     expect_error("optimizer.name", "SGD", "AdamW");
+    expect_error("optimizer.momentum", "1.5", "optimizer.momentum");          /* the Muon knobs, by name */
+    expect_error("optimizer.ns_steps", "0", "optimizer.ns_steps");
+    expect_error("optimizer.ns_final_steps", "11", "optimizer.ns_final_steps");
+    expect_error("optimizer.adjust_lr", "\"max\"", "optimizer.adjust_lr");
+    expect_error("optimizer.update_rms", "-1", "optimizer.update_rms");
+    expect_error("optimizer.nesterov", "3", "optimizer.nesterov");
     expect_error("lr_scheduler.decay_type", "step", "cosine");
     /* a corrupt checkpoint is refused on resume, naming the file */
     ds4_train_cfg c;
@@ -271,6 +358,8 @@ int main(int argc, char **argv) {
     ds4_set_threads(2);
     RUN(test_resume_is_bitwise);
     RUN(test_swap_is_bitwise);
+    RUN(test_muon_resume_is_bitwise);
+    RUN(test_switch_optimizer_at_resume);
     RUN(test_bf16_matmul);
     RUN(test_bad_config_and_data);
     RUN(test_sigint_saves_and_exits_zero);

@@ -11,6 +11,7 @@
  * Runs build/ds4 (next to the tests folder) under mpirun; the one-process runs happen in this process. */
 #include "ds4/shard.h"
 #include "ds4/io.h"
+#include "ds4/offload.h"
 #include "ds4/trainer.h"
 #include "test.h"
 #include "test_files.h"
@@ -288,8 +289,146 @@ static void test_unusable_checkpoint_folder_fails_on_every_rank(void) {
     CHECK(!strstr(out, "grad_norm"), "a step ran before the folder was checked:\n%s", out);
 }
 
+/* ------------------------------------------------------------------ Muon under FSDP + EP */
+/* One gradient value per (parameter, element, step), whatever the layout holding it. */
+static float muon_grad(const ds4_param *p, int64_t k, int step) {
+    uint64_t h = 1469598103934665603u;
+    for (const char *c = p->name; *c; c++) h = (h ^ (uint8_t)*c) * 1099511628211u;
+    return (float)((int64_t)(ds4_rng_u64(h, (uint64_t)k, (uint64_t)step) % 2001) - 1000) * 5e-4f;
+}
+
+typedef struct {
+    float *g;
+    int step;
+} grad_fill;
+static void fill_piece(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
+    grad_fill *x = ctx;
+    for (int64_t k = k0; k < k1; k++) x->g[s0 + k - k0] = muon_grad(p, k, x->step);
+}
+
+static const ds4_adamw_cfg k_adamw = {.lr = 3e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+
+/* Rank side of test_muon_step_is_one_process_bitwise (this binary under mpirun, "--muon-rank EP SWAP"):
+ * 3 AdamW + Muon steps of the FSDP + EP shard of tiny-a on the same gradients as one process; rank 0
+ * compares the collected weights and momentum with the whole-model steps, bit for bit, and prints
+ * "muon-rank: N weights, M moments differ". */
+static int muon_rank(int ep, bool swap) {
+    ds4_set_threads(1);
+    if (ds4_dist_init() != DS4_OK) return 2;
+    ds4_comm *world = ds4_comm_world();
+    ds4_config c;
+    ds4_model *mu = NULL, *whole = NULL;
+    ds4_fsdp *f = NULL;
+    ds4_offload *store = NULL;
+    ds4_adamw o, ow;
+    ds4_status st = ds4_config_load("tests/configs/tiny-a.json", &c);
+    if (st == DS4_OK) st = ds4_model_create_unmapped(&c, &mu);
+    if (st == DS4_OK) st = ds4_fsdp_create(mu, world, ep, &f);
+    if (st == DS4_OK) st = ds4_fsdp_init_random(f, 9);
+    if (st == DS4_OK && swap) st = ds4_offload_open(NULL, &store);
+    if (st == DS4_OK)
+        st = swap ? ds4_adamw_init_n_swapped(&o, ds4_fsdp_shard_numel(f), store, 4096)
+                  : ds4_adamw_init_n(&o, ds4_fsdp_shard_numel(f));
+    o.muon = true;
+    if (st == DS4_OK) st = ds4_fsdp_adamw_ranges(f, &o);
+    const ds4_muon_cfg mc = ds4_muon_defaults();
+    for (int s = 0; s < 3 && st == DS4_OK; s++) {
+        grad_fill x = {ds4_fsdp_shard_grads(f), s};
+        ds4_fsdp_for_each_piece(f, fill_piece, &x);
+        st = ds4_adamw_step_flat(&o, ds4_fsdp_shard_params(f), ds4_fsdp_shard_grads(f), &k_adamw, k_adamw.lr);
+        if (st == DS4_OK) st = ds4_fsdp_muon_step(f, &o, &mc, k_adamw.weight_decay, k_adamw.lr);
+    }
+    const bool root = ds4_comm_rank(world) == 0;
+    const int64_t nu = ds4_model_numel(mu);
+    float *w = root ? calloc((size_t)nu, sizeof(float)) : NULL, *m = root ? calloc((size_t)nu, sizeof(float)) : NULL;
+    if (st == DS4_OK) st = ds4_fsdp_collect(f, false, w, 0);
+    if (st == DS4_OK && swap) st = ds4_adamw_swap_in(&o);
+    if (st == DS4_OK) st = ds4_fsdp_collect_buf(f, o.m, m, 0);
+    int64_t bad_w = 0, bad_m = 0;
+    if (st == DS4_OK && root) { /* the same 3 steps on the whole model */
+        st = ds4_model_create(&c, &whole);
+        if (st == DS4_OK) ds4_model_init_random(whole, 9);
+        if (st == DS4_OK) st = ds4_adamw_init(&ow, whole);
+        if (st == DS4_OK) st = ds4_adamw_group_muon(&ow, whole);
+        for (int s = 0; s < 3 && st == DS4_OK; s++) {
+            for (int64_t i = 0; i < ds4_model_nparams(whole); i++) {
+                ds4_param *p = ds4_model_param(whole, i);
+                for (int64_t k = 0; !p->is_int && k < p->numel; k++) p->grad[k] = muon_grad(p, k, s);
+            }
+            st = ds4_adamw_step(&ow, whole, &k_adamw, k_adamw.lr);
+            if (st == DS4_OK) st = ds4_muon_step(&ow, whole, &mc, k_adamw.weight_decay, k_adamw.lr);
+        }
+        const float *fw = ds4_model_params_flat(whole), *fu = ds4_model_params_flat(mu);
+        for (int64_t i = 0; st == DS4_OK && i < ds4_model_nparams(whole); i++) {
+            const ds4_param *p = ds4_model_param(whole, i), *q = ds4_model_param(mu, i);
+            if (p->is_int) continue;
+            const int64_t a = p->data - fw, b = q->data - fu;
+            for (int64_t k = 0; k < p->numel; k++) {
+                bad_w += memcmp(&fw[a + k], &w[b + k], sizeof(float)) != 0;
+                bad_m += memcmp(&ow.m[a + k], &m[b + k], sizeof(float)) != 0;
+            }
+        }
+        if (whole) ds4_adamw_free(&ow);
+        printf("muon-rank: %lld weights, %lld moments differ%s%s\n", (long long)bad_w, (long long)bad_m,
+               st == DS4_OK ? "" : ": ", st == DS4_OK ? "" : ds4_errmsg());
+    }
+    if (st != DS4_OK) fprintf(stderr, "rank %d: %s\n", ds4_comm_rank(world), ds4_errmsg());
+    ds4_adamw_free(&o);
+    ds4_offload_close(store);
+    free(w);
+    free(m);
+    ds4_model_free(whole);
+    ds4_fsdp_free(f);
+    ds4_model_free(mu);
+    ds4_dist_finalize();
+    return st == DS4_OK && bad_w == 0 && bad_m == 0 ? 0 : 1;
+}
+
+/* The sharded Muon step (each matrix gathered on its owner rank, orthogonalized, scattered back) is bit for
+ * bit the one-process step on the same gradients, at EP 1, EP 2 and with the momentum swapped. */
+static void test_muon_step_is_one_process_bitwise(const char *self) {
+    const char *modes[][2] = {{"1", "0"}, {"2", "0"}, {"1", "1"}};
+    for (int i = 0; i < 3; i++) {
+        char cmd[2048], out[4096] = "";
+        snprintf(cmd, sizeof cmd,
+                 "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 "
+                 "OMP_NUM_THREADS=1 ASAN_OPTIONS=detect_leaks=0 timeout 120 mpirun -np 2 --bind-to none '%s' "
+                 "--muon-rank %s %s 2>&1",
+                 self, modes[i][0], modes[i][1]);
+        FILE *pf = popen(cmd, "r");
+        size_t len = pf ? fread(out, 1, sizeof out - 1, pf) : 0;
+        out[len] = 0;
+        int rc = pf ? pclose(pf) : -1;
+        CHECK(rc == 0 && strstr(out, "muon-rank: 0 weights, 0 moments differ"), "ep %s swap %s: rc %d:\n%s",
+              modes[i][0], modes[i][1], rc, out);
+    }
+}
+
+/* `ds4 train --optimizer.name Muon` under 2 ranks: EP changes no bit, a resume is bitwise (momentum in the
+ * store too), and the 2-rank checkpoint continues in one process. */
+static void test_muon_train_under_two_ranks(void) {
+    CHECK(mpi_train("muon", "--optimizer.name Muon", NULL, 0) == 0);
+    CHECK(mpi_train("muon_ep2", "--optimizer.name Muon --parallel.ep 2", NULL, 0) == 0);
+    same_losses("muon", "muon_ep2", 1, 4);
+    same_checkpoint("muon", "muon_ep2", 4);
+    CHECK(mpi_train("muon_resumed", "--optimizer.name Muon --swap-optimizer --training.steps 2", NULL, 0) == 0);
+    CHECK(mpi_train("muon_resumed", "--optimizer.name Muon --swap-optimizer", NULL, 0) == 0);
+    same_losses("muon", "muon_resumed", 1, 4);
+    same_checkpoint("muon", "muon_resumed", 4);
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "mkdir -p %s/muon_single && cp -r %s/muon/step-00000002 %s/muon_single/", g_dir, g_dir,
+             g_dir);
+    CHECK(system(cmd) == 0);
+    CHECK(local_train("muon_single", "optimizer.name", "Muon") == DS4_OK, "%s", ds4_errmsg());
+    run_log two, one;
+    read_log("muon", &two);
+    read_log("muon_single", &one);
+    CHECK(isnan(one.loss[2]) && isfinite(one.loss[3]), "the one-process run did not resume after step 2");
+    CHECK_CLOSE(one.loss[3], two.loss[3], 1e-5, 1e-3);
+}
+
 int main(int argc, char **argv) {
-    (void)argc;
+    if (argc == 4 && !strcmp(argv[1], "--muon-rank")) return muon_rank(atoi(argv[2]), atoi(argv[3]) != 0);
     ds4_set_threads(1);
     setup(argv[0]);
     RUN(test_two_runs_are_bitwise_equal);
@@ -300,6 +439,13 @@ int main(int argc, char **argv) {
     RUN(test_first_loss_matches_one_process);
     RUN(test_bad_ep_fails_on_every_rank);
     RUN(test_unusable_checkpoint_folder_fails_on_every_rank);
+    t_cur_failed = 0; /* RUN takes no argument */
+    test_muon_step_is_one_process_bitwise(argv[0]);
+    if (t_cur_failed) {
+        t_failed++;
+        fprintf(stderr, "not ok test_muon_step_is_one_process_bitwise\n");
+    } else t_passed++;
+    RUN(test_muon_train_under_two_ranks);
     RUN(test_sigusr1_stops_every_rank_with_a_checkpoint);
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf %s", g_dir); /* kept after a failure, to look at */

@@ -26,12 +26,13 @@ int cmd_memplan(int argc, char **argv) {
                         "       [--world N --ep E [--rank R]]\n"
                         "       [--recompute-csa-attention] [--mhc-recompute] [--recompute-norm ...]\n"
                         "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
-                        "       [--swap-optimizer] [--swap-layer-input]\n"
+                        "       [--swap-optimizer] [--swap-layer-input] [--muon]\n"
                         "Peak memory of one training step by category: the trainer's own step run as a plan\n"
                         "(every allocation counted, no data touched).\n"
                         "--swap-optimizer: AdamW state in the offload tier between updates; --swap-layer-input: each\n"
                         "layer's input stream in the offload tier from its forward to its backward. The offload\n"
-                        "tier's peak is printed apart.\n"
+                        "tier's peak is printed apart. --muon: the step of optimizer.name = \"Muon\" (the momentum\n"
+                        "and the whole matrices Newton-Schulz works on are counted).\n"
                         "--world N --ep E: one rank (--rank, default 0) of N processes with FSDP over all N and\n"
                         "expert parallelism of degree E (as mpirun -np N ds4 train ... --parallel.ep E), balanced\n"
                         "routing; --micro-batch is per rank.\n");
@@ -53,6 +54,10 @@ int cmd_memplan(int argc, char **argv) {
         }
         if (!strcmp(a, "--swap-layer-input")) {
             so.swap_layer_input = true;
+            continue;
+        }
+        if (!strcmp(a, "--muon")) {
+            so.muon = true;
             continue;
         }
         if (!v) {

@@ -93,6 +93,22 @@ ds4_status ds4_fsdp_stream_packed(ds4_fsdp *f, const float *shard, int root, ds4
  * read(ctx, off, n, dst) copies packed elements [off, off + n) into dst. */
 typedef ds4_status (*ds4_packed_read_fn)(void *ctx, int64_t off, int64_t n, float *dst);
 ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, ds4_packed_read_fn read, void *ctx, float *shard);
+/* Whole matrices for an optimizer that needs them (Muon). For every float parameter ops->pick selects,
+ * in table order: part_out fills this rank's elements [k0, k1) of it (shard offset s0) into part; the
+ * parts are gathered on the matrix's owner rank — round-robin over the selected parameters of each
+ * communicator (dense: all ranks; a routed expert: the ranks holding it), so the work spreads — where
+ * whole runs on the full matrix x [numel] and may change it; x goes back in parts and part_in takes this
+ * rank's. An expert this rank holds alone (EP = ranks) never travels. A collective; after a failure the
+ * exchanges go on (no rank waits forever) and the first error is returned. On a plan communicator only
+ * the buffers are counted. */
+typedef struct {
+    void *ctx;
+    bool (*pick)(const ds4_param *p);
+    ds4_status (*part_out)(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0, float *part);
+    ds4_status (*whole)(void *ctx, ds4_param *p, float *x);
+    ds4_status (*part_in)(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0, const float *part);
+} ds4_matrix_ops;
+ds4_status ds4_fsdp_for_each_matrix(ds4_fsdp *f, const ds4_matrix_ops *ops);
 /* Global L2 norm of the sharded gradients, the squares summed exactly (ds4_sumsq_exact, limbs summed over
  * the ranks): the same bits for any EP degree, any split of the shards and any thread count; NaN when a
  * gradient is not finite. Clips like ds4_clip_grad_norm when max_norm > 0. */

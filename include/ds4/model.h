@@ -192,6 +192,19 @@ const int32_t *ds4_pass_topk(const ds4_pass *p, int64_t layer); /* [B, T, index_
 const int64_t *ds4_pass_expert_load(const ds4_pass *p, int64_t layer);
 void ds4_pass_free(ds4_pass *p);
 
+/* ------------------------------------------------------------------ Newton–Schulz (the Muon optimizer)
+ * One iteration's quintic: x := a·x + b·(x·xᵀ)·x + c·(x·xᵀ)²·x. */
+typedef struct {
+    float a, b, c;
+} ds4_ns_coef;
+/* x [rows, cols] := its approximate orthogonal factor U·Vᵀ (singular values pushed towards 1): divided
+ * by its Frobenius norm + eps, then iters iterations with coef[i] on the short side (xᵀ when rows > cols),
+ * every product through the GEMM engines. Its workspace (2·r² + 2·r·c floats, r = min(rows, cols), the
+ * transposed copy only when rows > cols) is counted as DS4_MEM_OPTIM. plan: only the workspace is
+ * counted, x untouched. Fails on bad sizes or out of memory. */
+ds4_status ds4_newton_schulz(float *x, int64_t rows, int64_t cols, const ds4_ns_coef *coef, int64_t iters, float eps,
+                             bool plan);
+
 /* Peak fp32 FLOP/s of this machine with the given threads, measured on the model's GEMM (~0.3 s). */
 double ds4_probe_peak_flops(void);
 

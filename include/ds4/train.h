@@ -23,6 +23,7 @@ typedef struct {
     int64_t off, n; /* elements [off, off + n) of the flat arrays */
     bool decay;     /* decoupled weight decay applies (not norms, biases, mHC base/scale, sinks, ape) */
     bool frozen;    /* not trained by gradients (router bias): weight and moments left as they are */
+    bool muon;      /* a Muon matrix (ds4_param_is_muon): AdamW leaves it to ds4_muon_step */
 } ds4_adamw_range;
 
 /* fp32 first and second moments for every float parameter of the model (flat layout): 8 bytes per
@@ -39,6 +40,7 @@ typedef struct {
     int64_t chunk;   /* elements per update chunk while swapped */
     bool plan;       /* the state of a plan step (ds4_exec): buffers counted, updates touch no values; set
                       * by its owner after init (init clears it) */
+    bool muon;       /* the ranges mark the Muon group (ds4_adamw_group_muon; init clears it) */
 } ds4_adamw;
 
 ds4_status ds4_adamw_init(ds4_adamw *o, ds4_model *m);
@@ -49,7 +51,8 @@ ds4_status ds4_adamw_init_n(ds4_adamw *o, int64_t n);
  * range are trained without weight decay. Fails naming the bad range. */
 ds4_status ds4_adamw_set_ranges(ds4_adamw *o, const ds4_adamw_range *r, int64_t nr);
 /* The AdamW rules of an FSDP rank's shard (o: [shard_numel]): one range per piece of a float parameter
- * the shard holds, cut at the shard's boundaries, with that parameter's decay / frozen rule. */
+ * the shard holds, cut at the shard's boundaries, with that parameter's decay / frozen rule (and, when
+ * o->muon is set, its Muon mark). */
 ds4_status ds4_fsdp_adamw_ranges(const ds4_fsdp *f, ds4_adamw *o);
 /* The AdamW update on w [n] with gradients g [n]. Fails only on offload store I/O. */
 ds4_status ds4_adamw_step_flat(ds4_adamw *o, float *w, const float *g, const ds4_adamw_cfg *c, double lr);
@@ -80,6 +83,48 @@ ds4_status ds4_adamw_moment_write(ds4_adamw *o, int which, int64_t i0, int64_t n
  * read in chunks through the accessors above, whether the state is resident or swapped. */
 ds4_status ds4_adamw_state_save(const ds4_adamw *o, const char *path);
 ds4_status ds4_adamw_state_load(ds4_adamw *o, const char *path);
+
+/* ------------------------------------------------------------------ Muon (docs/muon.md)
+ * Momentum SGD whose update of each weight matrix is orthogonalized by Newton–Schulz iterations, for the
+ * matrices ds4_param_is_muon picks; every other float parameter stays on AdamW. The state is one
+ * momentum per element of those matrices, kept in the AdamW state's first-moment array over the Muon
+ * ranges (ds4_adamw_group_muon), so --swap-optimizer, checkpoints and FSDP shards carry it as they carry
+ * the moments; the second moment of those elements stays zero. Per matrix W [A, B] with gradient G:
+ *   M := μ·M + G;  U := G + μ·M (nesterov) or M;  O := NS(U);  W := W − lr·wd·W − lr·s·O
+ * with s = update_rms·sqrt(max(A, B)) (rms_norm: O's RMS becomes update_rms, AdamW's lr and wd carry
+ * over), sqrt(max(1, A/B)) (spectral_norm) or 1 (none). */
+typedef enum { DS4_MUON_ADJUST_RMS = 0, DS4_MUON_ADJUST_SPECTRAL, DS4_MUON_ADJUST_NONE } ds4_muon_adjust;
+#define DS4_MUON_NS_MAX 100 /* Newton–Schulz iterations at most */
+typedef struct {
+    double momentum;        /* μ (optimizer.momentum) */
+    bool nesterov;          /* optimizer.nesterov */
+    int64_t ns_steps;       /* Newton–Schulz iterations in all (optimizer.ns_steps) */
+    int64_t ns_final_steps; /* the last ones of them with the settling coefficients (optimizer.ns_final_steps) */
+    ds4_muon_adjust adjust; /* optimizer.adjust_lr: "rms_norm" | "spectral_norm" | "none" */
+    double update_rms;      /* rms_norm's target RMS (optimizer.update_rms) */
+} ds4_muon_cfg;
+/* DeepSeek-V4's recipe: μ 0.95, Nesterov, 10 iterations of which the last 2 settle, update RMS 0.18. */
+ds4_muon_cfg ds4_muon_defaults(void);
+/* The coefficients of iteration i (0-based) of the schedule: (3.4445, −4.7750, 2.0315), the last
+ * ns_final_steps (2, −1.5, 0.5). */
+ds4_ns_coef ds4_muon_coef(const ds4_muon_cfg *c, int64_t i);
+/* s of a matrix [rows, cols] (see above). */
+double ds4_muon_scale(const ds4_muon_cfg *c, int64_t rows, int64_t cols);
+/* The Muon group: 2-D float matrices trained with weight decay (attention, compressor, indexer, router
+ * gate, each routed expert, shared experts, MTP projections), except the embedding, the head and the mHC
+ * mappings (hc_*); everything else (norms, biases, sinks, ape, mHC, router bias) is AdamW's. */
+bool ds4_param_is_muon(const ds4_param *p);
+/* Marks the Muon group in o's ranges (o: the whole model's AdamW state), so AdamW skips those elements. */
+ds4_status ds4_adamw_group_muon(ds4_adamw *o, ds4_model *m);
+/* One Muon step on the Muon ranges of o (marked) with the model's gradients; wd: AdamW's weight decay. */
+ds4_status ds4_muon_step(ds4_adamw *o, ds4_model *m, const ds4_muon_cfg *c, double weight_decay, double lr);
+/* The same on an FSDP shard (o [shard_numel], its Muon ranges marked): each matrix gathered whole on its
+ * owner rank, orthogonalized there, scattered back (ds4_fsdp_for_each_matrix). A collective; the same
+ * bits as ds4_muon_step on the whole model. */
+ds4_status ds4_fsdp_muon_step(ds4_fsdp *f, ds4_adamw *o, const ds4_muon_cfg *c, double weight_decay, double lr);
+/* Zeroes both moments over the Muon group's elements (whole: m; sharded: f and o [shard_numel]) and
+ * returns how many: what a resume does when the checkpoint was written by the other optimizer. */
+ds4_status ds4_muon_reset_group(ds4_adamw *o, ds4_model *m, const ds4_fsdp *f, int64_t *elements, int64_t *matrices);
 
 /* Global L2 norm of the gradients (fp64 accumulation, fixed order); if max_norm > 0 and the norm
  * exceeds it, scales gradients by max_norm / norm. Returns the norm before clipping. */
@@ -114,6 +159,7 @@ typedef struct {
     int64_t step;
     uint64_t seed;
     char data_state[1024]; /* the data loader's state, as text */
+    bool muon;             /* load: optim.state was written by Muon (DS4_CKPT_MUON_MARK); not in state.json */
 } ds4_ckpt_meta;
 
 ds4_status ds4_checkpoint_save(const char *root, int64_t keep_latest_k, ds4_model *m, const ds4_adamw *o,
@@ -143,6 +189,9 @@ void ds4_checkpoint_unlock(int fd);
  * the meta of PATH/state.json, and one AdamW moment of PATH/optim.state ("adamw.m" or "adamw.v", [n] in
  * the packed layout of a whole model) read in ranges straight from the mapped file, with the step. */
 ds4_status ds4_checkpoint_load_meta(const char *path, ds4_ckpt_meta *meta);
+/* optim.state of a Muon run holds this I64 [1] (the step, like adamw.step): adamw.m then holds the Muon
+ * momentum over the Muon group's elements (ds4_param_is_muon), adamw.v zeros there. */
+#define DS4_CKPT_MUON_MARK "muon.step"
 typedef struct ds4_ckpt_moment ds4_ckpt_moment;
 ds4_status ds4_checkpoint_moment_open(const char *path, const char *name, int64_t n, ds4_ckpt_moment **out,
                                       int64_t *step);

@@ -33,6 +33,8 @@ typedef struct {
     ds4_matmul_precision matmul_precision;      /* training.matmul_precision "fp32" (default) | "bf16" */
     /* [optimizer] */
     ds4_adamw_cfg adamw;
+    bool use_muon;            /* optimizer.name "Muon": the Muon group on Muon, the rest on AdamW */
+    ds4_muon_cfg muon;        /* optimizer.momentum, nesterov, ns_steps, ns_final_steps, adjust_lr, update_rms */
     /* [lr_scheduler] */
     ds4_lr_schedule sched;
     /* [data] */
@@ -78,6 +80,7 @@ typedef struct {
     bool swap_optimizer, swap_layer_input;  /* the offload policies (ds4/offload.h) */
     const char *offload_dir;                /* NULL or "": $TMPDIR, else /tmp */
     size_t swap_chunk_bytes;                /* --swap-optimizer update buffers; 0: DS4_ADAMW_SWAP_CHUNK */
+    bool muon;                              /* the Muon group marked in the optimizer state (ds4/train.h) */
     const ds4_exec *exec;                   /* real (NULL too) or a plan (memplan), ds4/core.h */
 } ds4_train_state_opts;
 
@@ -109,6 +112,8 @@ ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n);
 /* Global gradient norm before clipping to max_norm (> 0). Sharded, it is exact (the same bits for any EP). */
 ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *norm);
 ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c, double lr);
+/* Muon on the Muon group (the state opened with opts->muon), AdamW's weight decay; a collective when sharded. */
+ds4_status ds4_train_state_muon_step(ds4_train_state *s, const ds4_muon_cfg *c, double weight_decay, double lr);
 /* The router bias rule with loads [n_blocks, E] of this rank (summed over ranks in place first). */
 ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, double gamma);
 /* Counts NaN / Inf in the weights and AdamW moments (over every rank): an error naming `step` when there
@@ -119,13 +124,19 @@ ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step);
  * its outcome; load reads on every rank. */
 ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t keep_latest_k, const ds4_ckpt_meta *meta);
 ds4_status ds4_train_state_load(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta);
+/* After a load: when meta->muon (the optimizer that wrote the checkpoint) differs from this state's, the
+ * moments of the Muon group's elements are zeroed (they meant the other optimizer's state) and *elements,
+ * *matrices say how many (0, 0: nothing changed). */
+ds4_status ds4_train_state_switch_optimizer(ds4_train_state *s, const ds4_ckpt_meta *meta, int64_t *elements,
+                                            int64_t *matrices);
+bool ds4_train_state_muon(const ds4_train_state *s); /* opened with the Muon group */
 
 /* ------------------------------------------------------------------ one optimizer step
  * Everything `ds4 train` does to the state in one step, and what `ds4 memplan` runs on a plan state (so
  * plan and run are one code path): zero the gradients; forward + backward of each micro-batch under the
  * pass options, summing losses and expert loads; gradients / (micro-batches of all ranks); losses := their
- * mean over ranks; clip to max_norm; a non-finite loss or norm is an error; AdamW at lr; the router bias
- * rule with the loads. src/train/step.c. */
+ * mean over ranks; clip to max_norm; a non-finite loss or norm is an error; AdamW at lr (then Muon on the
+ * Muon group when muon is set); the router bias rule with the loads. src/train/step.c. */
 typedef struct {
     int64_t step;              /* 1-based, for messages */
     int64_t micro_batches;     /* of this rank, >= 1 */
@@ -141,6 +152,7 @@ typedef struct {
     bool moe_force_balance;    /* balanced routing (memplan of a real world) */
     /* the update */
     const ds4_adamw_cfg *adamw;
+    const ds4_muon_cfg *muon;  /* NULL: AdamW alone; else Muon for the Muon group (state opened with muon) */
     double lr, max_norm, router_bias_gamma;
     /* called after each micro-batch's backward, before its pass is freed (reports); NULL: none */
     void (*on_pass)(void *ctx, int64_t micro, const ds4_pass *p);

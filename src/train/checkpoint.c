@@ -94,6 +94,7 @@ static ds4_status write_optim(const char *path, const ds4_adamw *o) {
     ds4_status st = ds4_st_writer_add(w, "adamw.m", DS4_F32, 1, shape, o->m);
     if (st == DS4_OK) st = ds4_st_writer_add(w, "adamw.v", DS4_F32, 1, shape, o->v);
     if (st == DS4_OK) st = ds4_st_writer_add(w, "adamw.step", DS4_I64, 1, &one, &o->step);
+    if (st == DS4_OK && o->muon) st = ds4_st_writer_add(w, DS4_CKPT_MUON_MARK, DS4_I64, 1, &one, &o->step);
     if (st == DS4_OK) st = ds4_st_writer_write(w, path);
     ds4_st_writer_free(w);
     return st;
@@ -274,7 +275,16 @@ static ds4_status read_optim(const char *path, ds4_adamw *o) {
 ds4_status ds4_checkpoint_load_meta(const char *path, ds4_ckpt_meta *meta) {
     char p[4200];
     snprintf(p, sizeof p, "%s/state.json", path);
-    return read_state(p, meta);
+    DS4_TRY(read_state(p, meta));
+    /* which optimizer wrote optim.state: Muon marks its file (a missing file is the optimizer load's error) */
+    snprintf(p, sizeof p, "%s/optim.state", path);
+    meta->muon = false;
+    ds4_st_file *f;
+    if (access(p, F_OK) != 0) return DS4_OK;
+    DS4_TRY(ds4_st_open(p, &f));
+    meta->muon = ds4_st_find(f, DS4_CKPT_MUON_MARK) != NULL;
+    ds4_st_close(f);
+    return DS4_OK;
 }
 
 struct ds4_ckpt_moment {

@@ -26,7 +26,9 @@ static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, i
                                     .swap_optimizer = so->swap_optimizer,
                                     .swap_layer_input = so->swap_layer_input,
                                     .offload_dir = so->offload_dir,
-                                    .swap_chunk_bytes = so->swap_chunk_bytes};
+                                    .swap_chunk_bytes = so->swap_chunk_bytes,
+                                    .muon = so->muon};
+    const ds4_muon_cfg muon = ds4_muon_defaults();
     ds4_status st = ds4_train_state_setup(s, c, NULL, 1, w->comm ? w->comm : ds4_comm_self(), &o);
     const ds4_step_args a = {.step = 1,
                              .micro_batches = 1,
@@ -37,6 +39,7 @@ static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, i
                              .release_mask = so->masks,
                              .moe_force_balance = w->force_balance,
                              .adamw = &k_adamw,
+                             .muon = so->muon ? &muon : NULL,
                              .lr = k_adamw.lr,
                              .max_norm = 1.0,
                              .router_bias_gamma = 1e-3};

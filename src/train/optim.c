@@ -41,11 +41,11 @@ typedef struct {
 } run_list;
 
 /* Appends [off, off + n) under a rule, merged into the last run when it continues it with the same rule. */
-static void run_put(run_list *l, int64_t off, int64_t n, bool decay, bool frozen) {
+static void run_put(run_list *l, int64_t off, int64_t n, bool decay, bool frozen, bool muon) {
     if (n <= 0) return;
-    if (l->cnt > 0 && l->last.decay == decay && l->last.frozen == frozen) l->last.n += n;
+    if (l->cnt > 0 && l->last.decay == decay && l->last.frozen == frozen && l->last.muon == muon) l->last.n += n;
     else {
-        l->last = (ds4_adamw_range){.off = off, .n = n, .decay = decay, .frozen = frozen};
+        l->last = (ds4_adamw_range){.off = off, .n = n, .decay = decay, .frozen = frozen, .muon = muon};
         l->cnt++;
     }
     if (l->out) l->out[l->cnt - 1] = l->last;
@@ -57,11 +57,11 @@ static int64_t cover(const ds4_adamw_range *r, int64_t nr, int64_t n, ds4_adamw_
     run_list l = {.out = out};
     int64_t at = 0;
     for (int64_t i = 0; i < nr; i++) {
-        run_put(&l, at, r[i].off - at, false, false);
-        run_put(&l, r[i].off, r[i].n, r[i].decay, r[i].frozen);
+        run_put(&l, at, r[i].off - at, false, false, false);
+        run_put(&l, r[i].off, r[i].n, r[i].decay, r[i].frozen, r[i].muon);
         at = r[i].off + r[i].n;
     }
-    run_put(&l, at, n - at, false, false);
+    run_put(&l, at, n - at, false, false, false);
     return l.cnt;
 }
 
@@ -101,7 +101,8 @@ ds4_status ds4_adamw_set_ranges(ds4_adamw *o, const ds4_adamw_range *r, int64_t 
     return st;
 }
 
-/* The rules of the model's float parameters, from its table (offsets into the flat layout). */
+/* The rules of the model's float parameters, from its table (offsets into the flat layout); with
+ * o->muon the Muon group's matrices marked as Muon's. */
 static ds4_status ranges_from_model(ds4_adamw *o, ds4_model *m) {
     const float *base = ds4_model_params_flat(m);
     ds4_adamw_range *r = ds4_alloc(DS4_MEM_OTHER, (size_t)ds4_model_nparams(m) * sizeof *r);
@@ -111,7 +112,7 @@ static ds4_status ranges_from_model(ds4_adamw *o, ds4_model *m) {
         const ds4_param *p = ds4_model_param(m, i);
         if (!p->is_int)
             r[nr++] = (ds4_adamw_range){.off = p->data - base, .n = p->numel, .decay = !p->no_decay,
-                                        .frozen = p->no_grad};
+                                        .frozen = p->no_grad, .muon = o->muon && ds4_param_is_muon(p)};
     }
     ds4_status st = ds4_adamw_set_ranges(o, r, nr);
     ds4_free(r);
@@ -128,6 +129,11 @@ ds4_status ds4_adamw_init_n(ds4_adamw *o, int64_t n) {
     }
     if (st != DS4_OK) ds4_adamw_free(o);
     return st;
+}
+
+ds4_status ds4_adamw_group_muon(ds4_adamw *o, ds4_model *m) {
+    o->muon = true;
+    return ranges_from_model(o, m);
 }
 
 ds4_status ds4_adamw_init(ds4_adamw *o, ds4_model *m) {
@@ -191,7 +197,7 @@ static void update_part(const ds4_adamw *o, const adamw_k *k, int64_t i0, int64_
     for (int64_t r = a < b ? run_at(o, a) : o->nranges; r < o->nranges && o->ranges[r].off < b; r++) {
         const ds4_adamw_range *q = &o->ranges[r];
         const int64_t x = q->off > a ? q->off : a, y = q->off + q->n < b ? q->off + q->n : b;
-        if (!q->frozen) adamw_update(k, y - x, m + (x - i0), v + (x - i0), q->decay, w + (x - i0), g + (x - i0));
+        if (!q->frozen && !q->muon) adamw_update(k, y - x, m + (x - i0), v + (x - i0), q->decay, w + (x - i0), g + (x - i0));
     }
 }
 
@@ -360,9 +366,11 @@ ds4_status ds4_adamw_state_save(const ds4_adamw *o, const char *path) {
     int64_t shape[1] = {o->n}, one = 1;
     /* the order ds4_st_writer_write lays these out in (8-byte elements first): the same bytes as before */
     if (st == DS4_OK) st = ds4_st_writer_declare(w, "adamw.step", DS4_I64, 1, &one);
+    if (st == DS4_OK && o->muon) st = ds4_st_writer_declare(w, DS4_CKPT_MUON_MARK, DS4_I64, 1, &one);
     for (int k = 0; k < 2 && st == DS4_OK; k++) st = ds4_st_writer_declare(w, k_moment_names[k], DS4_F32, 1, shape);
     if (st == DS4_OK) st = ds4_st_writer_begin(w, path);
     if (st == DS4_OK) st = ds4_st_writer_put(w, &o->step, sizeof o->step);
+    if (st == DS4_OK && o->muon) st = ds4_st_writer_put(w, &o->step, sizeof o->step);
     for (int k = 0; k < 2 && st == DS4_OK; k++) st = moment_put(o, k, w, buf, C);
     if (st == DS4_OK) st = ds4_st_writer_finish(w);
     ds4_st_writer_free(w);
@@ -409,10 +417,13 @@ ds4_status ds4_adamw_state_load(ds4_adamw *o, const char *path) {
 typedef struct {
     ds4_adamw_range *r;
     int64_t n;
+    bool muon;
 } range_ctx;
 static void range_piece(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
     range_ctx *c = ctx;
-    if (c->r) c->r[c->n] = (ds4_adamw_range){.off = s0, .n = k1 - k0, .decay = !p->no_decay, .frozen = p->no_grad};
+    if (c->r)
+        c->r[c->n] = (ds4_adamw_range){.off = s0, .n = k1 - k0, .decay = !p->no_decay, .frozen = p->no_grad,
+                                       .muon = c->muon && ds4_param_is_muon(p)};
     c->n++;
 }
 
@@ -421,7 +432,7 @@ ds4_status ds4_fsdp_adamw_ranges(const ds4_fsdp *f, ds4_adamw *o) {
     if (o->n != ns)
         return ds4_fail(DS4_ERR_ARG, "fsdp: an optimizer state of %lld elements for a shard of %lld", (long long)o->n,
                         (long long)ns);
-    range_ctx c = {0};
+    range_ctx c = {.muon = o->muon};
     ds4_fsdp_for_each_piece(f, range_piece, &c);
     c.r = ds4_alloc(DS4_MEM_OTHER, (size_t)c.n * sizeof *c.r);
     if (!c.r) return ds4_fail(DS4_ERR_OOM, "fsdp: out of memory for %lld optimizer ranges", (long long)c.n);

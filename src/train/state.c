@@ -77,8 +77,9 @@ static ds4_status open_offload(ds4_train_state *s, const ds4_train_state_opts *o
 static ds4_status open_whole(ds4_train_state *s, const ds4_model_dir *d, uint64_t seed, const ds4_train_state_opts *o) {
     if (d) DS4_TRY(ds4_model_load(s->m, d));
     else ds4_model_init_random(s->m, seed);
-    return o->swap_optimizer ? ds4_adamw_init_swapped(&s->opt, s->m, s->store, o->swap_chunk_bytes)
-                             : ds4_adamw_init(&s->opt, s->m);
+    DS4_TRY(o->swap_optimizer ? ds4_adamw_init_swapped(&s->opt, s->m, s->store, o->swap_chunk_bytes)
+                              : ds4_adamw_init(&s->opt, s->m));
+    return o->muon ? ds4_adamw_group_muon(&s->opt, s->m) : DS4_OK;
 }
 
 static ds4_status open_sharded(ds4_train_state *s, const ds4_model_dir *d, uint64_t seed, int ep,
@@ -88,6 +89,7 @@ static ds4_status open_sharded(ds4_train_state *s, const ds4_model_dir *d, uint6
     int64_t n = ds4_fsdp_shard_numel(s->f);
     DS4_TRY(o->swap_optimizer ? ds4_adamw_init_n_swapped(&s->opt, n, s->store, o->swap_chunk_bytes)
                               : ds4_adamw_init_n(&s->opt, n));
+    s->opt.muon = o->muon; /* after the init, which clears it */
     return ds4_fsdp_adamw_ranges(s->f, &s->opt);
 }
 
@@ -185,6 +187,13 @@ ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *nor
     return DS4_OK;
 }
 
+ds4_status ds4_train_state_muon_step(ds4_train_state *s, const ds4_muon_cfg *c, double weight_decay, double lr) {
+    if (s->f) return ds4_fsdp_muon_step(s->f, &s->opt, c, weight_decay, lr);
+    return ds4_muon_step(&s->opt, s->m, c, weight_decay, lr);
+}
+
+bool ds4_train_state_muon(const ds4_train_state *s) { return s->opt.muon; }
+
 ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c, double lr) {
     if (s->f) return ds4_adamw_step_flat(&s->opt, ds4_fsdp_shard_params(s->f), ds4_fsdp_shard_grads(s->f), c, lr);
     return ds4_adamw_step(&s->opt, s->m, c, lr);
@@ -239,12 +248,14 @@ static ds4_status begin_model_file(ds4_model *m, const char *dir, ds4_st_writer 
 static ds4_status begin_optim_file(const ds4_train_state *s, const char *dir, ds4_st_writer *w) {
     int64_t shape[1] = {ds4_fsdp_packed_numel(s->f)}, one = 1;
     DS4_TRY(ds4_st_writer_declare(w, "adamw.step", DS4_I64, 1, &one));
+    if (s->opt.muon) DS4_TRY(ds4_st_writer_declare(w, DS4_CKPT_MUON_MARK, DS4_I64, 1, &one));
     DS4_TRY(ds4_st_writer_declare(w, "adamw.m", DS4_F32, 1, shape));
     DS4_TRY(ds4_st_writer_declare(w, "adamw.v", DS4_F32, 1, shape));
     char path[4200];
     snprintf(path, sizeof path, "%s/optim.state", dir);
     DS4_TRY(ds4_st_writer_begin(w, path));
-    return ds4_st_writer_put(w, &s->opt.step, sizeof s->opt.step);
+    DS4_TRY(ds4_st_writer_put(w, &s->opt.step, sizeof s->opt.step));
+    return s->opt.muon ? ds4_st_writer_put(w, &s->opt.step, sizeof s->opt.step) : DS4_OK;
 }
 
 /* One file streamed from the shards: rank 0 (dir != NULL) writes it, every rank gathers the shard
@@ -380,6 +391,21 @@ static ds4_status load_sharded(ds4_train_state *s, const char *path, ds4_ckpt_me
     DS4_TRY(moments_out(s, st));
     s->opt.step = step;
     return DS4_OK;
+}
+
+ds4_status ds4_train_state_switch_optimizer(ds4_train_state *s, const ds4_ckpt_meta *meta, int64_t *elements,
+                                            int64_t *matrices) {
+    *elements = *matrices = 0;
+    if (meta->muon == s->opt.muon) return DS4_OK;
+    int64_t n[2] = {0, 0};
+    ds4_status st = ds4_muon_reset_group(&s->opt, s->m, s->f, &n[0], &n[1]);
+    st = ds4_train_agree(s->world, st);
+    if (st == DS4_OK && s->f) {
+        st = ds4_comm_sum_i64(s->world, n, 1); /* elements over the shards; matrices are the table's */
+    }
+    *elements = n[0];
+    *matrices = n[1];
+    return st;
 }
 
 ds4_status ds4_train_state_load(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta) {

@@ -54,7 +54,7 @@ static ds4_status gradients(ds4_train_state *s, const ds4_step_args *a, ds4_step
     return DS4_OK;
 }
 
-/* The step after the gradients: clip, check, AdamW, router bias. */
+/* The step after the gradients: clip, check, AdamW (and Muon), router bias. */
 static ds4_status update(ds4_train_state *s, const ds4_step_args *a, ds4_step_result *out) {
     DS4_TRY(ds4_train_state_clip(s, a->max_norm, &out->grad_norm));
     /* both are global (the same on every rank); a plan has no values to check */
@@ -64,6 +64,7 @@ static ds4_status update(ds4_train_state *s, const ds4_step_args *a, ds4_step_re
                         out->total_loss, out->grad_norm);
     }
     DS4_TRY(ds4_train_state_adamw_step(s, a->adamw, a->lr));
+    if (a->muon) DS4_TRY(ds4_train_state_muon_step(s, a->muon, a->adamw->weight_decay, a->lr));
     return ds4_train_state_router_bias(s, a->loads, a->router_bias_gamma);
 }
 

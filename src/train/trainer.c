@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 /* ------------------------------------------------------------------ config */
@@ -24,7 +25,8 @@ static const char *const k_known_keys[] = {
     "training.indexer_loss_coeff", "training.csa_dense_steps", "training.router_bias_gamma",
     "training.matmul_precision",
     "optimizer.name", "optimizer.lr", "optimizer.beta1", "optimizer.beta2", "optimizer.eps",
-    "optimizer.weight_decay",
+    "optimizer.weight_decay", "optimizer.momentum", "optimizer.nesterov", "optimizer.ns_steps",
+    "optimizer.ns_final_steps", "optimizer.adjust_lr", "optimizer.update_rms",
     "lr_scheduler.warmup_steps", "lr_scheduler.decay_type", "lr_scheduler.min_lr", "lr_scheduler.decay_steps",
     "data.train", "data.val", "data.val_batches",
     "checkpoint.folder", "checkpoint.interval", "checkpoint.keep_latest_k", "checkpoint.load_step",
@@ -42,6 +44,29 @@ static ds4_status copy_str(const ds4_toml *t, const char *key, const char *def, 
 }
 
 static ds4_status check_ranges(const ds4_train_cfg *c);
+
+/* optimizer.name (TorchTitan's spelling, any case) and the Muon knobs (read for AdamW too, unused there). */
+static ds4_status read_optimizer(const ds4_toml *t, ds4_train_cfg *c) {
+    const char *opt, *adj;
+    DS4_TRY(ds4_toml_string_or(t, "optimizer.name", "AdamW", &opt));
+    if (strcasecmp(opt, "AdamW") && strcasecmp(opt, "Muon"))
+        return ds4_fail(DS4_ERR_CONFIG, "key optimizer.name: expected \"AdamW\" or \"Muon\", got '%s'", opt);
+    c->use_muon = !strcasecmp(opt, "Muon");
+    c->muon = ds4_muon_defaults();
+    DS4_TRY(ds4_toml_float_or(t, "optimizer.momentum", c->muon.momentum, &c->muon.momentum));
+    DS4_TRY(ds4_toml_bool_or(t, "optimizer.nesterov", c->muon.nesterov, &c->muon.nesterov));
+    DS4_TRY(ds4_toml_int_or(t, "optimizer.ns_steps", c->muon.ns_steps, &c->muon.ns_steps));
+    DS4_TRY(ds4_toml_int_or(t, "optimizer.ns_final_steps", c->muon.ns_final_steps, &c->muon.ns_final_steps));
+    DS4_TRY(ds4_toml_float_or(t, "optimizer.update_rms", c->muon.update_rms, &c->muon.update_rms));
+    DS4_TRY(ds4_toml_string_or(t, "optimizer.adjust_lr", "rms_norm", &adj));
+    if (!strcmp(adj, "rms_norm")) c->muon.adjust = DS4_MUON_ADJUST_RMS;
+    else if (!strcmp(adj, "spectral_norm")) c->muon.adjust = DS4_MUON_ADJUST_SPECTRAL;
+    else if (!strcmp(adj, "none")) c->muon.adjust = DS4_MUON_ADJUST_NONE;
+    else
+        return ds4_fail(DS4_ERR_CONFIG, "key optimizer.adjust_lr: expected rms_norm, spectral_norm or none, got '%s'",
+                        adj);
+    return DS4_OK;
+}
 
 ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     memset(c, 0, sizeof *c);
@@ -70,10 +95,7 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(ds4_toml_float_or(t, "training.indexer_loss_coeff", -1, &c->indexer_loss_coeff));
     DS4_TRY(ds4_toml_int_or(t, "training.csa_dense_steps", 0, &c->csa_dense_steps));
     DS4_TRY(ds4_toml_float_or(t, "training.router_bias_gamma", 1e-3, &c->router_bias_gamma));
-    const char *opt;
-    DS4_TRY(ds4_toml_string_or(t, "optimizer.name", "AdamW", &opt));
-    if (strcmp(opt, "AdamW") && strcmp(opt, "adamw"))
-        return ds4_fail(DS4_ERR_CONFIG, "key optimizer.name: only AdamW is supported, got '%s'", opt);
+    DS4_TRY(read_optimizer(t, c));
     DS4_TRY(ds4_toml_float_or(t, "optimizer.lr", 3e-4, &c->adamw.lr));
     DS4_TRY(ds4_toml_float_or(t, "optimizer.beta1", 0.9, &c->adamw.beta1));
     DS4_TRY(ds4_toml_float_or(t, "optimizer.beta2", 0.95, &c->adamw.beta2));
@@ -150,6 +172,10 @@ static const key_range k_ranges[] = {
     F_("optimizer.beta2", adamw.beta2, 0, 1, false, true),
     F_("optimizer.eps", adamw.eps, 0, INFINITY, true, true),
     F_("optimizer.weight_decay", adamw.weight_decay, 0, INFINITY, false, true),
+    F_("optimizer.momentum", muon.momentum, 0, 1, false, true),
+    I_("optimizer.ns_steps", muon.ns_steps, 1, DS4_MUON_NS_MAX, NULL),
+    I_("optimizer.ns_final_steps", muon.ns_final_steps, 0, DS4_MUON_NS_MAX, "the last ones of optimizer.ns_steps"),
+    F_("optimizer.update_rms", muon.update_rms, 0, 10, true, false),
     I_("lr_scheduler.warmup_steps", sched.warmup_steps, 0, MAX_COUNT, NULL),
     I_("lr_scheduler.decay_steps", sched.total_steps, 0, MAX_COUNT, NULL),
     F_("lr_scheduler.min_lr", sched.min_lr, 0, INFINITY, false, true),
@@ -191,6 +217,9 @@ static ds4_status check_range(const ds4_train_cfg *c, const key_range *r) {
 
 static ds4_status check_ranges(const ds4_train_cfg *c) {
     for (size_t i = 0; i < sizeof k_ranges / sizeof k_ranges[0]; i++) DS4_TRY(check_range(c, &k_ranges[i]));
+    if (c->muon.ns_final_steps > c->muon.ns_steps)
+        return ds4_fail(DS4_ERR_CONFIG, "optimizer.ns_final_steps = %lld: more than optimizer.ns_steps = %lld",
+                        (long long)c->muon.ns_final_steps, (long long)c->muon.ns_steps);
     int64_t tokens;
     if (!ds4_mul_i64(c->micro_batch, c->seq_len, &tokens) || tokens > INT32_MAX)
         return ds4_fail(DS4_ERR_CONFIG,
@@ -333,7 +362,8 @@ static ds4_status open_model(const ds4_train_cfg *c, trainer *tr) {
     if (st == DS4_OK) st = check_parallel(c, &mc, tr->W);
     const ds4_exec real = {.plan = false}; /* training runs real steps; memplan opens the same state as a plan */
     ds4_train_state_opts so = {.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
-                               .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir, .exec = &real};
+                               .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir, .exec = &real,
+                               .muon = c->use_muon};
     if (st == DS4_OK) st = ds4_train_state_open(&mc, d, (uint64_t)c->init_seed, tr->world, &so, &tr->s);
     if (st == DS4_OK) tr->m = ds4_train_state_model(tr->s);
     ds4_model_dir_close(d);
@@ -377,6 +407,7 @@ static ds4_step_args step_args(trainer *tr, int64_t step, double lr) {
                            .csa_dense = step <= c->csa_dense_steps,
                            .release_mask = ds4_recompute_any(&c->recompute) ? tr->masks : NULL,
                            .adamw = &c->adamw,
+                           .muon = c->use_muon ? &c->muon : NULL,
                            .lr = lr,
                            .max_norm = c->max_norm,
                            .router_bias_gamma = c->router_bias_gamma,
@@ -421,6 +452,22 @@ static ds4_status save_ckpt(trainer *tr, int64_t step) {
     return st;
 }
 
+/* A checkpoint of the other optimizer: the Muon group's state starts from zero, the rest is kept. */
+static ds4_status switch_optimizer(trainer *tr, const ds4_ckpt_meta *meta) {
+    int64_t elements, matrices;
+    DS4_TRY(ds4_train_state_switch_optimizer(tr->s, meta, &elements, &matrices));
+    if (!tr->lead || matrices == 0) return DS4_OK;
+    if (tr->cfg->use_muon)
+        printf("optimizer switched AdamW -> Muon at resume: the Muon momentum of %lld matrices (%lld elements) starts "
+               "at zero (new); the AdamW moments of the AdamW group and the step count are kept\n",
+               (long long)matrices, (long long)elements);
+    else
+        printf("optimizer switched Muon -> AdamW at resume: the AdamW moments of the %lld former Muon matrices (%lld "
+               "elements) start at zero (new); the AdamW moments of the AdamW group and the step count are kept\n",
+               (long long)matrices, (long long)elements);
+    return DS4_OK;
+}
+
 /* Loads the requested checkpoint if the folder has one; returns the step to continue after. */
 static ds4_status maybe_resume(trainer *tr, int64_t *start) {
     const ds4_train_cfg *c = tr->cfg;
@@ -434,6 +481,7 @@ static ds4_status maybe_resume(trainer *tr, int64_t *start) {
     ds4_ckpt_meta meta;
     DS4_TRY(ds4_checkpoint_check_config(path, ds4_model_config(tr->m)));
     DS4_TRY(ds4_train_state_load(tr->s, path, &meta));
+    DS4_TRY(switch_optimizer(tr, &meta));
     DS4_TRY(loader_restore_text(tr->train, path, meta.data_state));
     *start = meta.step;
     if (tr->lead) printf("resumed from %s (step %lld)\n", path, (long long)meta.step);
@@ -537,6 +585,13 @@ static void print_model_line(trainer *tr) {
            tr->flops_per_token / 1e6, tr->peak_flops / 1e9, c->peak_tflops > 0 ? "config" : "GEMM probe",
            ds4_matmul_precision_name(ds4_get_matmul_precision()),
            ds4_recompute_describe(&c->recompute, rc, sizeof rc), ds4_get_threads());
+    if (c->use_muon) {
+        static const char *const adjust[] = {"rms_norm", "spectral_norm", "none"};
+        printf("optimizer: Muon for the matrices (momentum %g%s, %lld Newton-Schulz iterations of which %lld final, "
+               "adjust_lr %s, update_rms %g), AdamW for the rest\n",
+               c->muon.momentum, c->muon.nesterov ? " Nesterov" : "", (long long)c->muon.ns_steps,
+               (long long)c->muon.ns_final_steps, adjust[c->muon.adjust], c->muon.update_rms);
+    }
     if (c->swap_optimizer || c->swap_layer_input)
         printf("offload: %s%s%s to %s\n", c->swap_optimizer ? "optimizer state" : "",
                c->swap_optimizer && c->swap_layer_input ? ", " : "", c->swap_layer_input ? "layer inputs" : "",
