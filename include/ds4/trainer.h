@@ -44,6 +44,7 @@ typedef struct {
     int64_t log_freq;
     char jsonl[1024];
     double peak_tflops;       /* <= 0: measure with a GEMM probe */
+    char tb_folder[1024];     /* metrics.enable_tensorboard: where the event files go ("": none) */
     /* [parallel] */
     int64_t ep;               /* expert-parallel degree (divides the ranks and the routed experts) */
     /* [memory] (also --swap-optimizer, --swap-layer-input, --offload-dir) */

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 /* ------------------------------------------------------------------ config */
@@ -28,7 +29,8 @@ static const char *const k_known_keys[] = {
     "lr_scheduler.warmup_steps", "lr_scheduler.decay_type", "lr_scheduler.min_lr", "lr_scheduler.decay_steps",
     "data.train", "data.val", "data.val_batches",
     "checkpoint.folder", "checkpoint.interval", "checkpoint.keep_latest_k", "checkpoint.load_step",
-    "metrics.log_freq", "metrics.jsonl", "metrics.peak_tflops",
+    "metrics.log_freq", "metrics.jsonl", "metrics.peak_tflops", "metrics.enable_tensorboard",
+    "metrics.save_tb_folder", "job.dump_folder", "job.description",
     "parallel.ep",
     "memory.swap_optimizer", "memory.swap_layer_input", "memory.offload_dir",
 };
@@ -42,6 +44,25 @@ static ds4_status copy_str(const ds4_toml *t, const char *key, const char *def, 
 }
 
 static ds4_status check_ranges(const ds4_train_cfg *c);
+
+/* `path` under job.dump_folder (TorchTitan's root of a run's outputs) unless it is absolute or no
+ * dump folder is set. */
+static ds4_status under_dump(const char *dump, const char *path, const char *key, char *dst, size_t n) {
+    int len = path[0] == '/' || !dump[0] ? snprintf(dst, n, "%s", path) : snprintf(dst, n, "%s/%s", dump, path);
+    if (len < 0 || (size_t)len >= n) return ds4_fail(DS4_ERR_CONFIG, "key %s: path longer than %zu bytes", key, n - 1);
+    return DS4_OK;
+}
+
+/* [metrics] enable_tensorboard, save_tb_folder (default "tb", under job.dump_folder). */
+static ds4_status read_tensorboard(const ds4_toml *t, const char *dump, ds4_train_cfg *c) {
+    bool on;
+    const char *folder;
+    DS4_TRY(ds4_toml_bool_or(t, "metrics.enable_tensorboard", false, &on));
+    DS4_TRY(ds4_toml_string_or(t, "metrics.save_tb_folder", "tb", &folder));
+    if (!on) return DS4_OK;
+    if (!folder[0]) return ds4_fail(DS4_ERR_CONFIG, "key metrics.save_tb_folder: empty");
+    return under_dump(dump, folder, "metrics.save_tb_folder", c->tb_folder, sizeof c->tb_folder);
+}
 
 ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     memset(c, 0, sizeof *c);
@@ -99,6 +120,10 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(ds4_toml_int_or(t, "metrics.log_freq", 1, &c->log_freq));
     DS4_TRY(copy_str(t, "metrics.jsonl", "", c->jsonl, sizeof c->jsonl));
     DS4_TRY(ds4_toml_float_or(t, "metrics.peak_tflops", 0, &c->peak_tflops));
+    const char *dump, *description;
+    DS4_TRY(ds4_toml_string_or(t, "job.dump_folder", "", &dump));
+    DS4_TRY(ds4_toml_string_or(t, "job.description", "", &description)); /* a note for people: type-checked only */
+    DS4_TRY(read_tensorboard(t, dump, c));
     DS4_TRY(ds4_toml_int_or(t, "parallel.ep", 1, &c->ep));
     const char *prec;
     DS4_TRY(ds4_toml_string_or(t, "training.matmul_precision", "fp32", &prec));
@@ -311,6 +336,7 @@ typedef struct {
     int32_t *ids;     /* [micro_batch, seq_len] */
     int64_t *loads;   /* [n_blocks, E] */
     FILE *jsonl;      /* rank 0: the metrics file, appended */
+    ds4_tfevents *tb; /* rank 0: the TensorBoard event file (metrics.enable_tensorboard) */
     int lock_fd;      /* rank 0: the flock on the checkpoint folder, -1 when none */
     double peak_flops, flops_per_token;
     bool report_pending; /* --memory-report: print it for the run's first step */
@@ -383,6 +409,22 @@ static ds4_step_args step_args(trainer *tr, int64_t step, double lr) {
                            .on_pass = report_units};
 }
 
+/* Seconds since the epoch: TensorBoard's wall_time. */
+static double wall_clock(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The scalars of a logged step, under the names of the JSONL file's keys. */
+static ds4_status tb_step(trainer *tr, int64_t step, const ds4_step_result *r, double lr, const double m[4]) {
+    if (!tr->tb) return DS4_OK;
+    static const char *const tags[] = {"loss", "mtp_loss", "indexer_loss", "grad_norm", "lr",
+                                       "memory_gib", "tps", "tflops", "mfu"};
+    const double v[] = {r->loss, r->mtp_loss, r->indexer_loss, r->grad_norm, lr, m[0], m[1], m[2], m[3]};
+    return ds4_tfevents_scalars(tr->tb, step, wall_clock(), (int)(sizeof v / sizeof v[0]), tags, v);
+}
+
 static ds4_status log_step(trainer *tr, int64_t step, const ds4_step_result *r, double lr, double dt) {
     const ds4_train_cfg *c = tr->cfg;
     ds4_mem_stats ms;
@@ -407,6 +449,7 @@ static ds4_status log_step(trainer *tr, int64_t step, const ds4_step_result *r, 
                 return ds4_fail(DS4_ERR_IO, "%s: cannot write the metrics of step %lld: %s", c->jsonl, (long long)step,
                                 strerror(errno));
         }
+        return tb_step(tr, step, r, lr, (const double[4]){gib, tps, tflops, mfu});
     }
     return DS4_OK;
 }
@@ -485,6 +528,7 @@ static ds4_status truncate_metrics(trainer *tr, int64_t last) {
 static ds4_status resume_and_trim(trainer *tr, int64_t *start) {
     DS4_TRY(maybe_resume(tr, start));
     const ds4_train_cfg *c = tr->cfg;
+    if (tr->tb && *start > 0) DS4_TRY(ds4_tfevents_restart(tr->tb, *start + 1, wall_clock()));
     if (!tr->lead || !tr->jsonl || !c->ckpt_folder[0] || c->load_step == -2) return DS4_OK;
     return truncate_metrics(tr, *start);
 }
@@ -514,8 +558,12 @@ static ds4_status run_validation(trainer *tr) {
         ds4_pass_free(p);
     }
     ds4_data_close(v);
-    if (st == DS4_OK && n > 0 && tr->lead)
+    if (st == DS4_OK && n > 0 && tr->lead) {
         printf("validation loss %.4f ppl %.2f (%lld batches)\n", sum / (double)n, exp(sum / (double)n), (long long)n);
+        const char *tag = "val_loss";
+        const double loss = sum / (double)n;
+        if (tr->tb) st = ds4_tfevents_scalars(tr->tb, tr->step, wall_clock(), 1, &tag, &loss);
+    }
     return st;
 }
 
@@ -628,6 +676,7 @@ static ds4_status open_outputs(trainer *tr) {
     if (c->ckpt_folder[0]) DS4_TRY(ds4_checkpoint_lock(c->ckpt_folder, &tr->lock_fd));
     if (c->jsonl[0] && !(tr->jsonl = fopen(c->jsonl, "a")))
         return ds4_fail(DS4_ERR_IO, "%s: cannot open the metrics file: %s", c->jsonl, strerror(errno));
+    if (c->tb_folder[0]) DS4_TRY(ds4_tfevents_open(c->tb_folder, wall_clock(), &tr->tb));
     return DS4_OK;
 }
 
@@ -666,6 +715,11 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *c, bool *agreed) {
     if (tr.jsonl && fclose(tr.jsonl) != 0 && st == DS4_OK) {
         st = ds4_fail(DS4_ERR_IO, "%s: cannot write the metrics: %s", c->jsonl, strerror(errno));
         *agreed = true; /* rank 0 reports it; the others have nothing left to wait for */
+    }
+    ds4_status tb_st = ds4_tfevents_close(tr.tb);
+    if (tb_st != DS4_OK && st == DS4_OK) {
+        st = tb_st;
+        *agreed = true; /* as for the metrics file */
     }
     ds4_checkpoint_unlock(tr.lock_fd);
     ds4_free(tr.ids);
