@@ -138,7 +138,7 @@ steps = {steps}
 seq_len = 64
 global_batch_size = 2
 micro_batch_size = 1
-threads = 2
+threads = 1
 [data]
 train = "{tmp}/train.bin"
 val = "{tmp}/train.bin"

@@ -3,6 +3,8 @@
  * not know whether it holds the whole model or an FSDP + EP shard: ds4_train_state (state.c) does. */
 #include "ds4/trainer.h"
 
+#include "titan.h"
+
 #include "ds4/data.h"
 #include "ds4/io.h"
 #include "ds4/kernels.h"
@@ -67,7 +69,7 @@ static ds4_status read_tensorboard(const ds4_toml *t, const char *dump, ds4_trai
 ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     memset(c, 0, sizeof *c);
     ds4_recompute_defaults(&c->recompute);
-    DS4_TRY(ds4_toml_check_keys(t, k_known_keys, (int64_t)(sizeof k_known_keys / sizeof k_known_keys[0])));
+    DS4_TRY(titan_check_keys(t, k_known_keys, (int64_t)(sizeof k_known_keys / sizeof k_known_keys[0])));
     DS4_TRY(copy_str(t, "model.dir", "", c->model_dir, sizeof c->model_dir));
     DS4_TRY(copy_str(t, "model.config", "", c->model_config, sizeof c->model_config));
     const char *preset;
@@ -82,9 +84,9 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(ds4_toml_int_or(t, "model.seed", 0, &c->init_seed));
     DS4_TRY(ds4_toml_get_int(t, "training.steps", &c->steps));
     DS4_TRY(ds4_toml_get_int(t, "training.seq_len", &c->seq_len));
-    DS4_TRY(ds4_toml_int_or(t, "training.micro_batch_size", 1, &c->micro_batch));
+    DS4_TRY(ds4_toml_int_or(t, titan_key(t, "training.micro_batch_size"), 1, &c->micro_batch));
     DS4_TRY(ds4_toml_int_or(t, "training.global_batch_size", c->micro_batch, &c->global_batch));
-    DS4_TRY(ds4_toml_int_or(t, "training.seed", 0, &c->seed));
+    DS4_TRY(ds4_toml_int_or(t, titan_key(t, "training.seed"), 0, &c->seed));
     DS4_TRY(ds4_toml_int_or(t, "training.threads", 0, &c->threads));
     DS4_TRY(ds4_toml_float_or(t, "training.max_norm", 1.0, &c->max_norm));
     DS4_TRY(ds4_toml_float_or(t, "training.mtp_loss_weight", -1, &c->mtp_loss_weight));
@@ -101,7 +103,7 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(ds4_toml_float_or(t, "optimizer.eps", 1e-8, &c->adamw.eps));
     DS4_TRY(ds4_toml_float_or(t, "optimizer.weight_decay", 0.1, &c->adamw.weight_decay));
     c->sched.lr = c->adamw.lr;
-    DS4_TRY(ds4_toml_int_or(t, "lr_scheduler.decay_steps", c->steps, &c->sched.total_steps));
+    DS4_TRY(ds4_toml_int_or(t, titan_key(t, "lr_scheduler.decay_steps"), c->steps, &c->sched.total_steps));
     DS4_TRY(ds4_toml_int_or(t, "lr_scheduler.warmup_steps", 0, &c->sched.warmup_steps));
     DS4_TRY(ds4_toml_float_or(t, "lr_scheduler.min_lr", 0.1 * c->adamw.lr, &c->sched.min_lr));
     const char *dk;
@@ -110,7 +112,7 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     else if (!strcmp(dk, "linear")) c->sched.decay = DS4_DECAY_LINEAR;
     else if (!strcmp(dk, "none")) c->sched.decay = DS4_DECAY_NONE;
     else return ds4_fail(DS4_ERR_CONFIG, "key lr_scheduler.decay_type: expected cosine, linear or none, got '%s'", dk);
-    DS4_TRY(copy_str(t, "data.train", "", c->train_data, sizeof c->train_data));
+    DS4_TRY(copy_str(t, titan_key(t, "data.train"), "", c->train_data, sizeof c->train_data));
     DS4_TRY(copy_str(t, "data.val", "", c->val_data, sizeof c->val_data));
     DS4_TRY(ds4_toml_int_or(t, "data.val_batches", 8, &c->val_batches));
     DS4_TRY(copy_str(t, "checkpoint.folder", "", c->ckpt_folder, sizeof c->ckpt_folder));
@@ -124,7 +126,13 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(ds4_toml_string_or(t, "job.dump_folder", "", &dump));
     DS4_TRY(ds4_toml_string_or(t, "job.description", "", &description)); /* a note for people: type-checked only */
     DS4_TRY(read_tensorboard(t, dump, c));
-    DS4_TRY(ds4_toml_int_or(t, "parallel.ep", 1, &c->ep));
+    DS4_TRY(titan_read(t, c));
+    if (c->ckpt_folder[0]) { /* TorchTitan's checkpoint folder lies under job.dump_folder */
+        char folder[sizeof c->ckpt_folder];
+        DS4_TRY(under_dump(dump, c->ckpt_folder, "checkpoint.folder", folder, sizeof folder));
+        memcpy(c->ckpt_folder, folder, sizeof folder);
+    }
+    DS4_TRY(ds4_toml_int_or(t, titan_key(t, "parallel.ep"), 1, &c->ep));
     const char *prec;
     DS4_TRY(ds4_toml_string_or(t, "training.matmul_precision", "fp32", &prec));
     if (strcmp(prec, "fp32") && strcmp(prec, "bf16"))
@@ -162,7 +170,7 @@ static const key_range k_ranges[] = {
     I_("training.steps", steps, 1, MAX_COUNT, NULL),
     I_("training.seq_len", seq_len, 2, MAX_SEQ, NULL),
     I_("training.micro_batch_size", micro_batch, 1, MAX_BATCH, NULL),
-    I_("training.global_batch_size", global_batch, 1, MAX_BATCH, NULL),
+    I_("training.global_batch_size", global_batch, -1, MAX_BATCH, "-1: micro_batch_size x ranks"),
     I_("training.seed", seed, 0, MAX_COUNT, NULL),
     I_("training.threads", threads, 0, MAX_THREADS, "0: every core"),
     I_("training.csa_dense_steps", csa_dense_steps, 0, MAX_COUNT, NULL),
@@ -254,6 +262,10 @@ static ds4_status check_parallel(const ds4_train_cfg *c, const ds4_config *mc, i
                         "key parallel.ep: %lld must be >= 1 and divide the number of ranks (%d) and of routed experts "
                         "(%lld)",
                         (long long)c->ep, W, (long long)mc->n_routed_experts);
+    if (c->dp_shard > 0 && c->dp_shard != W)
+        return ds4_fail(DS4_ERR_CONFIG,
+                        "key parallelism.data_parallel_shard_degree = %lld: ds4 shards over every rank, and the world "
+                        "has %d (mpirun -np); set -1 or %d", (long long)c->dp_shard, W, W);
     if (c->global_batch % (c->micro_batch * W))
         return ds4_fail(DS4_ERR_CONFIG,
                         "training.global_batch_size %lld is not a multiple of training.micro_batch_size %lld x %d ranks",
@@ -344,7 +356,24 @@ typedef struct {
     int64_t step;        /* the step running (for the reports) */
 } trainer;
 
-static ds4_status open_model(const ds4_train_cfg *c, trainer *tr) {
+/* The settings that need the world or the model: TorchTitan's global batch -1 (micro_batch_size on
+ * every rank) and activation checkpointing of every N-th layer (ds4 replays as many layers in full,
+ * the first ones). */
+static ds4_status resolve_for_run(ds4_train_cfg *c, const ds4_config *mc, int W) {
+    if (c->global_batch == -1 && !ds4_mul_i64(c->micro_batch, W, &c->global_batch))
+        return ds4_fail(DS4_ERR_CONFIG, "training.micro_batch_size x %d ranks overflows", W);
+    if (c->ac_every > 0) {
+        if (c->recompute.granularity != DS4_RECOMPUTE_GRAN_NONE)
+            return ds4_fail(DS4_ERR_CONFIG, "activation_checkpoint.mode and --recompute-granularity: set one");
+        c->recompute.granularity = DS4_RECOMPUTE_GRAN_FULL;
+        c->recompute.method = c->ac_every == 1 ? DS4_RECOMPUTE_METHOD_UNIFORM : DS4_RECOMPUTE_METHOD_BLOCK;
+        c->recompute.num_layers = (mc->n_layers + c->ac_every - 1) / c->ac_every;
+        c->ac_every = 0;
+    }
+    return DS4_OK;
+}
+
+static ds4_status open_model(ds4_train_cfg *c, trainer *tr) {
     ds4_config mc;
     ds4_model_dir *d = NULL;
     if (c->model_dir[0]) {
@@ -355,7 +384,8 @@ static ds4_status open_model(const ds4_train_cfg *c, trainer *tr) {
     }
     if (c->mtp_loss_weight >= 0) mc.mtp_loss_weight = c->mtp_loss_weight;
     if (c->indexer_loss_coeff >= 0) mc.indexer_loss_coeff = c->indexer_loss_coeff;
-    ds4_status st = check_cfg(c, &mc);
+    ds4_status st = resolve_for_run(c, &mc, tr->W);
+    if (st == DS4_OK) st = check_cfg(c, &mc);
     if (st == DS4_OK) st = check_parallel(c, &mc, tr->W);
     const ds4_exec real = {.plan = false}; /* training runs real steps; memplan opens the same state as a plan */
     ds4_train_state_opts so = {.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
@@ -680,8 +710,10 @@ static ds4_status open_outputs(trainer *tr) {
     return DS4_OK;
 }
 
-ds4_status ds4_train_run_world(const ds4_train_cfg *c, bool *agreed) {
+ds4_status ds4_train_run_world(const ds4_train_cfg *cfg, bool *agreed) {
     ds4_comm *world = ds4_comm_world();
+    ds4_train_cfg run = *cfg; /* completed for this world and model by resolve_for_run */
+    const ds4_train_cfg *c = &run;
     trainer tr = {.cfg = c, .report_pending = c->memory_report, .world = world, .rank = ds4_comm_rank(world),
                   .W = ds4_comm_size(world), .lock_fd = -1};
     tr.lead = tr.rank == 0;
@@ -694,7 +726,7 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *c, bool *agreed) {
     const ds4_matmul_precision prev_precision = ds4_get_matmul_precision();
     st = ds4_train_agree(world, tr.lead ? open_outputs(&tr) : DS4_OK); /* before any work */
     if (st == DS4_OK) st = ds4_set_matmul_precision(c->matmul_precision); /* the same on every rank */
-    if (st == DS4_OK) st = open_model(c, &tr);
+    if (st == DS4_OK) st = open_model(&run, &tr);
     const ds4_config *mc = tr.m ? ds4_model_config(tr.m) : NULL;
     if (st == DS4_OK)
         st = loader_open(c->train_data, c->micro_batch, c->seq_len, (uint64_t)c->seed, true, mc->vocab_size, tr.rank,
