@@ -77,6 +77,7 @@ static void test_refused(void) {
     expect_error("parallelism.pipeline_parallel_degree", "4", "parallelism.pipeline_parallel_degree");
     expect_error("parallelism.data_parallel_replicate_degree", "2", "data_parallel_replicate_degree");
     expect_error("training.micro_batch_size", "4", "training.local_batch_size");     /* a setting twice */
+    expect_error("parallel.ep", "2", "parallelism.expert_parallel_degree");
     expect_error("lr_scheduler.min_lr", "1e-5", "min_lr_factor");
     expect_error("lr_scheduler.decay_type", "sqrt", "lr_scheduler.decay_type");
     expect_error("lr_scheduler.decay_ratio", "1.5", "lr_scheduler.decay_ratio");
@@ -103,6 +104,7 @@ static void test_mapped_variants(void) {
     CHECK(read_fixture(&c, "training.global_batch_size", "32") == DS4_OK && c.global_batch == 32);
     CHECK(read_fixture(&c, "lr_scheduler.min_lr_factor", "0.1") == DS4_OK && c.sched.min_lr == 0.1 * 8e-4);
     CHECK(read_fixture(&c, "parallelism.expert_parallel_degree", "2") == DS4_OK && c.ep == 2);
+    CHECK(read_fixture(&c, "parallel.ep", "1") == DS4_OK && c.ep == 1); /* --parallel.ep agreeing with the file */
     CHECK(read_fixture(&c, "training.dataset_path", "'x/*.bin'") == DS4_OK && !strcmp(c.train_data, "x/*.bin"));
     CHECK(read_fixture(&c, "debug.seed", "7") == DS4_OK && c.seed == 7);
 }

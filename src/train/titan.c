@@ -138,6 +138,18 @@ static const note *find_note(const note *list, size_t n, const char *key) {
 
 static bool has(const ds4_toml *t, const char *key) { return ds4_toml_find(t, key) != NULL; }
 
+/* Two scalar values that are equal (a setting given twice, once under each name). */
+static bool same_value(const ds4_toml *a, const ds4_toml *b) {
+    if (a->type != b->type) return false;
+    switch (a->type) {
+    case DS4_TOML_INT: return a->v.i == b->v.i;
+    case DS4_TOML_FLOAT: return a->v.f == b->v.f;
+    case DS4_TOML_BOOL: return a->v.b == b->v.b;
+    case DS4_TOML_STRING: return !strcmp(a->v.s, b->v.s);
+    default: return false;
+    }
+}
+
 ds4_status titan_check_keys(const ds4_toml *t, const char *const *known, int64_t n_known) {
     enum { MAX = 512 };
     const char *all[MAX];
@@ -148,9 +160,10 @@ ds4_status titan_check_keys(const ds4_toml *t, const char *const *known, int64_t
     for (size_t i = 0; i < N_IGNORED && n < MAX; i++) all[n++] = k_ignored[i].key;
     DS4_TRY(ds4_toml_check_keys(t, all, n));
     for (size_t i = 0; i < N_ALIASES; i++)
-        if (has(t, k_aliases[i].ds4) && has(t, k_aliases[i].titan))
-            return ds4_fail(DS4_ERR_CONFIG, "keys %s and %s (TorchTitan's name) are the same setting: set one",
-                            k_aliases[i].ds4, k_aliases[i].titan);
+        if (has(t, k_aliases[i].ds4) && has(t, k_aliases[i].titan) &&
+            !same_value(ds4_toml_find(t, k_aliases[i].ds4), ds4_toml_find(t, k_aliases[i].titan)))
+            return ds4_fail(DS4_ERR_CONFIG, "keys %s and %s (TorchTitan's name) are the same setting, set to "
+                                            "different values: set one", k_aliases[i].ds4, k_aliases[i].titan);
     if (has(t, "checkpoint.enable") && has(t, "checkpoint.enable_checkpoint"))
         return ds4_fail(DS4_ERR_CONFIG, "keys checkpoint.enable and checkpoint.enable_checkpoint: set one");
     return DS4_OK;
