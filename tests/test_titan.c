@@ -107,6 +107,14 @@ static void test_mapped_variants(void) {
     CHECK(read_fixture(&c, "parallel.ep", "1") == DS4_OK && c.ep == 1); /* --parallel.ep agreeing with the file */
     CHECK(read_fixture(&c, "training.dataset_path", "'x/*.bin'") == DS4_OK && !strcmp(c.train_data, "x/*.bin"));
     CHECK(read_fixture(&c, "debug.seed", "7") == DS4_OK && c.seed == 7);
+    CHECK(read_fixture(&c, "model.hf_assets_path", "''") == DS4_OK && c.model_config[0] == 0); /* "debugmodel" */
+    ds4_toml *t;
+    CHECK(ds4_toml_load(FIXTURE, &t) == DS4_OK);
+    CHECK(ds4_toml_set(t, "model.hf_assets_path", "''") == DS4_OK &&
+          ds4_toml_set(t, "model.flavor", "deepseek_v4_flash") == DS4_OK); /* TorchTitan's V4 flavor name */
+    CHECK(ds4_train_cfg_from_toml(t, &c) == DS4_OK && !strcmp(c.model_config, "configs/deepseek-v4-flash.json"),
+          "%s", c.model_config);
+    ds4_toml_free(t);
 }
 
 /* decay_ratio 0.5 of 10 steps after 2 warmup steps: lr climbs over steps 1-2, stays until step 5, then

@@ -281,10 +281,15 @@ static ds4_status read_model(const ds4_toml *t, ds4_train_cfg *c) {
             return ds4_fail(DS4_ERR_CONFIG, "key model.hf_assets_path: path too long");
         return DS4_OK;
     }
-    char preset[1024];
-    if (flavor[0] && !strchr(flavor, '/') && snprintf(preset, sizeof preset, "configs/%s.json", flavor) > 0 &&
-        access(preset, R_OK) == 0)
-        snprintf(c->model_config, sizeof c->model_config, "%s", preset);
+    /* a preset by the flavor's name, also spelt with '-' for '_' (TorchTitan's deepseek_v4_flash) */
+    char preset[256];
+    if (!flavor[0] || strchr(flavor, '/') || strlen(flavor) > 200) return DS4_OK;
+    for (int spelling = 0; spelling < 2 && !c->model_config[0]; spelling++) {
+        snprintf(preset, sizeof preset, "configs/%s.json", flavor);
+        for (char *p = preset + 8; spelling && *p; p++)
+            if (*p == '_') *p = '-';
+        if (access(preset, R_OK) == 0) snprintf(c->model_config, sizeof c->model_config, "%s", preset);
+    }
     return DS4_OK;
 }
 
