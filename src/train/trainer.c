@@ -193,6 +193,8 @@ static const key_range k_ranges[] = {
     I_("metrics.log_freq", log_freq, 1, MAX_COUNT, NULL),
     F_("metrics.peak_tflops", peak_tflops, 0, 1e9, false, false),
     I_("parallel.ep", ep, 1, 1 << 16, NULL),
+    I_("parallelism.data_parallel_shard_degree", dp_shard, -1, 1 << 20, "-1: every rank"),
+    I_("activation_checkpoint.selective_ac_option", ac_every, 0, 1 << 20, NULL),
 };
 #undef I_
 #undef F_
