@@ -77,14 +77,21 @@ static int run_check(const ds4_model_dir *d) {
 int cmd_inspect(int argc, char **argv) {
     cli_flag f[] = {{"stats", true, NULL, "add min / max / mean / NaN count of each tensor after dequantization"},
                     {"check", true, NULL, "MODEL_DIR: verify every tensor the config needs is there with its shape; list missing and extra"},
+                    {"config", false, NULL, "CONFIG.json: validate it and print its parameter counts and checkpoint bytes (nothing allocated)"},
                     {"help", true, NULL, "this text"}};
     const char *pos[1];
     int npos;
     if (cli_want_help(argc, argv) || argc < 2) {
-        cli_usage("inspect", "FILE.safetensors|MODEL_DIR [--stats] [--check]", f, NFLAGS(f) - 1);
+        cli_usage("inspect", "FILE.safetensors|MODEL_DIR [--stats] [--check] | --config CONFIG.json", f, NFLAGS(f) - 1);
         return argc < 2 ? 2 : 0;
     }
     if (!cli_parse("inspect", argc, argv, f, NFLAGS(f), pos, 1, &npos)) return 2;
+    const char *cfgp = cli_get(f, NFLAGS(f), "config");
+    if (cfgp && (npos || cli_get(f, NFLAGS(f), "stats") || cli_get(f, NFLAGS(f), "check"))) {
+        fprintf(stderr, "error: ds4 inspect: --config CONFIG.json takes no file, --stats or --check\n");
+        return 2;
+    }
+    if (cfgp) return cmd_config_census(cfgp);
     if (npos != 1) {
         fprintf(stderr, "error: ds4 inspect: give one file or directory\n");
         return 2;

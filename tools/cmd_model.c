@@ -17,7 +17,40 @@
 
 #define NFLAGS(f) ((int)(sizeof(f) / sizeof((f)[0])))
 
+/* ------------------------------------------------------------------ the census of a config (--dry-run) */
+static void print_census(const char *path, const ds4_config *c, const ds4_param_census *k) {
+    printf("config %s: valid; %lld layers + %lld MTP, %lld routed experts (%lld per token) + %lld shared, "
+           "%lld hash layers\n",
+           path, (long long)c->n_layers, (long long)c->n_mtp_layers, (long long)c->n_routed_experts,
+           (long long)c->n_activated_experts, (long long)c->n_shared_experts, (long long)c->n_hash_layers);
+    printf("parameters:\n");
+    printf("  expert      %16lld  (routed experts of the main layers)\n", (long long)k->params_expert);
+    printf("  non-expert  %16lld  (embedding, attention, mHC, routers, shared experts, head)\n",
+           (long long)k->params_dense);
+    printf("  MTP         %16lld  (the MTP block, its experts included)\n", (long long)k->params_mtp);
+    printf("  total       %16lld\n", (long long)k->params_total);
+    if (k->hash_entries)
+        printf("  hash tables %16lld  I64 entries of tid2eid (fixed, not trained)\n", (long long)k->hash_entries);
+    printf("checkpoint (%s): %lld tensors, %lld stored elements, %lld bytes\n",
+           !k->quantized   ? "BF16, F32 where kept"
+           : k->expert_fp4 ? "official: FP8 e4m3 + E8M0 128x128 block scales, FP4 routed experts + E8M0 per 32"
+                           : "official: FP8 e4m3 + E8M0 128x128 block scales",
+           (long long)k->stored_tensors, (long long)k->stored_elements, (long long)k->total_bytes);
+    for (int t = 0; t < DS4_DTYPE_COUNT; t++)
+        if (k->bytes[t]) printf("  %-8s %18lld bytes\n", ds4_dtype_name((ds4_dtype)t), (long long)k->bytes[t]);
+    printf("training state (fp32 weights, gradients, AdamW m and v: 16 bytes per parameter): %.1f GiB before "
+           "sharding\n",
+           16.0 * (double)k->params_total / (1024.0 * 1024.0 * 1024.0));
+}
 
+int cmd_config_census(const char *path) {
+    ds4_config cfg;
+    ds4_param_census k;
+    if (ds4_check_input(path, NULL) != DS4_OK || ds4_config_load(path, &cfg) != DS4_OK) return cli_fail();
+    if (ds4_model_census(&cfg, &k) != DS4_OK) return cli_fail();
+    print_census(path, &cfg, &k);
+    return 0;
+}
 
 /* ------------------------------------------------------------------ ds4 init */
 /* mkdir -p DIR: every missing folder on the way is created; false after a one-line error naming the
@@ -47,15 +80,18 @@ int cmd_init(int argc, char **argv) {
     cli_flag f[] = {{"config", false, NULL, "CONFIG.json (Hugging Face DeepSeek-V4 keys)"},
                     {"seed", false, NULL, "random seed (default 0)"},
                     {"out", false, NULL, "output model directory"},
-                    {"dtype", false, NULL, "f32 (default) or bf16"}};
+                    {"dtype", false, NULL, "f32 (default) or bf16"},
+                    {"dry-run", true, NULL, "validate CONFIG.json and print its parameter counts and checkpoint "
+                                            "bytes; allocate and write nothing"}};
     const char *pos[1];
     int npos;
     if (cli_want_help(argc, argv)) {
-        cli_usage("init", "--config CONFIG.json --seed N --out DIR", f, NFLAGS(f));
+        cli_usage("init", "--config CONFIG.json (--seed N --out DIR | --dry-run)", f, NFLAGS(f));
         return 0;
     }
     if (!cli_parse("init", argc, argv, f, NFLAGS(f), pos, 0, &npos)) return 2;
     const char *cfgp = cli_get(f, NFLAGS(f), "config"), *out = cli_get(f, NFLAGS(f), "out");
+    if (cfgp && cli_get(f, NFLAGS(f), "dry-run")) return cmd_config_census(cfgp);
     const char *seeds = cli_get(f, NFLAGS(f), "seed"), *dts = cli_get(f, NFLAGS(f), "dtype");
     if (!cfgp || !out) {
         fprintf(stderr, "error: ds4 init: --config and --out are required\n");

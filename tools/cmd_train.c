@@ -31,11 +31,20 @@ static int fail_alone(void) {
     return 1;
 }
 
+/* Rank 0: what became of each TorchTitan key (ignored ones as warnings, with the reason). */
+static void print_note(void *ctx, const char *key, ds4_toml_note_kind kind, const char *what) {
+    (void)ctx;
+    if (kind == DS4_TOML_IGNORED) fprintf(stderr, "warning: config key %s ignored: %s\n", key, what);
+    else if (kind == DS4_TOML_ALIAS) printf("config: %s read as %s\n", key, what);
+    else printf("config: %s mapped: %s\n", key, what);
+}
+
 static void train_usage(void) {
     fprintf(stderr,
             "usage: ds4 train --config FILE.toml [--section.key value ...] [options]\n"
-            "  --config FILE.toml              training config ([model] [training] [optimizer] [lr_scheduler]\n"
-            "                                  [data] [checkpoint] [metrics] [parallel])\n"
+            "  --config FILE.toml              training config ([job] [model] [training] [optimizer] [lr_scheduler]\n"
+            "                                  [data] [checkpoint] [metrics] [parallel] [memory]; TorchTitan's\n"
+            "                                  sections and keys too, see docs/torchtitan-configs.md)\n"
             "  --section.key VALUE             override one config key (TorchTitan style)\n"
             "  --recompute-csa-attention       release and replay q-up, compressor, indexer, sparse attention, o-proj\n"
             "  --mhc-recompute                 release and replay mHC pre (attn, ffn) and mHC post (attn)\n"
@@ -69,6 +78,10 @@ int cmd_train(int argc, char **argv) {
     }
     ds4_train_cfg cfg;
     ds4_status st = ds4_train_cfg_from_toml(t, &cfg);
+    if (st == DS4_OK && ds4_comm_rank(ds4_comm_world()) == 0) {
+        ds4_train_toml_notes(t, print_note, NULL);
+        fflush(stdout);
+    }
     ds4_toml_free(t);
     if (st != DS4_OK) return fail_all(1);
     for (int i = 1; i < argc; i++) {

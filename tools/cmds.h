@@ -12,4 +12,6 @@ int cmd_plot(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
 int cmd_memplan(int argc, char **argv);
+/* ds4 init --dry-run / ds4 inspect --config: validates CONFIG.json and prints its census. */
+int cmd_config_census(const char *path);
 #endif

@@ -234,6 +234,21 @@ ds4_status ds4_convert(const ds4_convert_opts *opts, ds4_convert_report *report)
 struct cJSON;
 ds4_status ds4_config_json_respell(struct cJSON *root, bool hf, const char *path_for_errors);
 
+/* ---------------------------------------------------------------- TensorBoard event files (tfevents.c)
+ * CRC32C (Castagnoli) and its TFRecord mask; a writer of events.out.tfevents.<time>.<host> in `dir`
+ * (created), whose first record is the file_version event. Every record is flushed when written. */
+uint32_t ds4_crc32c(const void *data, size_t n);
+uint32_t ds4_crc32c_masked(const void *data, size_t n); /* ((c >> 15) | (c << 17)) + 0xa282ead8 */
+typedef struct ds4_tfevents ds4_tfevents;
+ds4_status ds4_tfevents_open(const char *dir, double wall_time, ds4_tfevents **out);
+/* One Event at `step` with a Summary of n scalars (simple_value, stored as float) named by tags. */
+ds4_status ds4_tfevents_scalars(ds4_tfevents *w, int64_t step, double wall_time, int n, const char *const *tags,
+                                const double *values);
+/* A SessionLog START at `step` (a resumed run): TensorBoard discards earlier events of steps >= step. */
+ds4_status ds4_tfevents_restart(ds4_tfevents *w, int64_t step, double wall_time);
+const char *ds4_tfevents_path(const ds4_tfevents *w);
+ds4_status ds4_tfevents_close(ds4_tfevents *w); /* NULL is a no-op */
+
 #ifdef __cplusplus
 }
 #endif

@@ -233,6 +233,26 @@ ds4_status ds4_model_expected_tensors(const ds4_config *cfg, ds4_expected_fn fn,
 typedef void (*ds4_check_fn)(void *ctx, const char *what, const char *name, const char *detail);
 ds4_status ds4_model_dir_check(const ds4_model_dir *d, ds4_check_fn fn, void *ctx, int64_t *n_problems);
 
+/* ---------------------------------------------------------------- census of a config
+ * What a model of `cfg` holds, from the parameter table alone (nothing allocated): float parameters
+ * by group, the hash router's int tables, and the checkpoint the config describes (official FP8/FP4
+ * with E8M0 scales when it has a quantization_config, else BF16), with F32 and I64 where
+ * ds4/tensors.h keeps them. Validates the config first. */
+typedef struct {
+    int64_t params_expert;   /* routed experts of the main layers */
+    int64_t params_dense;    /* embedding, the main layers without their routed experts, head */
+    int64_t params_mtp;      /* the MTP block, its routed experts included */
+    int64_t params_total;    /* the three above */
+    int64_t hash_entries;    /* tid2eid entries of the hash layers (fixed, not trained) */
+    int64_t tensors;         /* named tensors of the table */
+    int64_t stored_tensors;  /* in the checkpoint: weights plus their scales */
+    int64_t stored_elements; /* in the checkpoint (FP4: bytes of two values each) */
+    int64_t bytes[DS4_DTYPE_COUNT]; /* checkpoint bytes per stored dtype */
+    int64_t total_bytes;
+    bool quantized, expert_fp4;
+} ds4_param_census;
+ds4_status ds4_model_census(const ds4_config *cfg, ds4_param_census *out);
+
 #ifdef __cplusplus
 }
 #endif

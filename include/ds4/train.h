@@ -139,9 +139,11 @@ typedef enum { DS4_DECAY_COSINE = 0, DS4_DECAY_LINEAR, DS4_DECAY_NONE } ds4_deca
 typedef struct {
     double lr, min_lr;
     int64_t warmup_steps, total_steps;
+    int64_t decay_start; /* lr stays until this step (TorchTitan's decay_ratio); <= warmup_steps: none */
     ds4_decay_kind decay;
 } ds4_lr_schedule;
-/* step counts from 1: linear warmup to lr over warmup_steps, then decay to min_lr at total_steps. */
+/* step counts from 1: linear warmup to lr over warmup_steps, lr until decay_start, then decay to
+ * min_lr at total_steps. */
 double ds4_lr_at(const ds4_lr_schedule *s, int64_t step);
 
 /* ------------------------------------------------------------------ FLOPs */

@@ -47,8 +47,12 @@ typedef struct {
     int64_t log_freq;
     char jsonl[1024];
     double peak_tflops;       /* <= 0: measure with a GEMM probe */
+    char tb_folder[1024];     /* metrics.enable_tensorboard: where the event files go ("": none) */
     /* [parallel] */
     int64_t ep;               /* expert-parallel degree (divides the ranks and the routed experts) */
+    int64_t dp_shard;         /* parallelism.data_parallel_shard_degree: 0 unset, -1 or the world size */
+    int64_t ac_every;         /* activation_checkpoint: every N-th layer in full (1: all), 0: none; resolved
+                                 onto the recompute policy once the model's layers are known */
     /* [memory] (also --swap-optimizer, --swap-layer-input, --offload-dir) */
     bool swap_optimizer;      /* AdamW state in the offload store between updates */
     bool swap_layer_input;    /* layer input streams in the offload store between forward and backward */
@@ -58,8 +62,15 @@ typedef struct {
     bool memory_report;
 } ds4_train_cfg;
 
-/* Fills cfg from the TOML tree (after overrides); unknown keys are errors naming the closest key. */
+/* Fills cfg from the TOML tree (after overrides); unknown keys are errors naming the closest key.
+ * TorchTitan's sections and keys are read too (docs/torchtitan-configs.md): aliases of ds4's keys,
+ * settings mapped onto ds4's (a degree ds4 cannot honour is an error), and keys ignored. */
 ds4_status ds4_train_cfg_from_toml(const ds4_toml *root, ds4_train_cfg *cfg);
+/* What became of each TorchTitan key of the tree: read as a ds4 key (`what` names it), mapped onto
+ * ds4's settings, or ignored (`what` says why). ds4's own keys are not reported. */
+typedef enum { DS4_TOML_ALIAS, DS4_TOML_MAPPED, DS4_TOML_IGNORED } ds4_toml_note_kind;
+typedef void (*ds4_toml_note_fn)(void *ctx, const char *key, ds4_toml_note_kind kind, const char *what);
+void ds4_train_toml_notes(const ds4_toml *root, ds4_toml_note_fn fn, void *ctx);
 /* Runs training on the world (ds4_comm_world: one process, or every rank of mpirun); returns DS4_OK also
  * when stopped by SIGINT, SIGTERM or SIGUSR1 (after the step and a checkpoint). */
 ds4_status ds4_train_run(const ds4_train_cfg *cfg);

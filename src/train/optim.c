@@ -463,8 +463,9 @@ void ds4_router_bias_update(ds4_model *m, const int64_t *loads, double gamma) {
 
 double ds4_lr_at(const ds4_lr_schedule *s, int64_t step) {
     if (s->warmup_steps > 0 && step <= s->warmup_steps) return s->lr * (double)step / (double)s->warmup_steps;
-    if (s->decay == DS4_DECAY_NONE || s->total_steps <= s->warmup_steps) return s->lr;
-    double prog = (double)(step - s->warmup_steps) / (double)(s->total_steps - s->warmup_steps);
+    const int64_t d0 = s->decay_start > s->warmup_steps ? s->decay_start : s->warmup_steps;
+    if (s->decay == DS4_DECAY_NONE || s->total_steps <= d0 || step <= d0) return s->lr;
+    double prog = (double)(step - d0) / (double)(s->total_steps - d0);
     if (prog > 1) prog = 1;
     double f = s->decay == DS4_DECAY_COSINE ? 0.5 * (1.0 + cos(M_PI * prog)) : 1.0 - prog;
     return s->min_lr + (s->lr - s->min_lr) * f;

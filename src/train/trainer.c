@@ -3,6 +3,8 @@
  * not know whether it holds the whole model or an FSDP + EP shard: ds4_train_state (state.c) does. */
 #include "ds4/trainer.h"
 
+#include "titan.h"
+
 #include "ds4/data.h"
 #include "ds4/io.h"
 #include "ds4/kernels.h"
@@ -15,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
 #include <unistd.h>
 
 /* ------------------------------------------------------------------ config */
@@ -30,7 +33,8 @@ static const char *const k_known_keys[] = {
     "lr_scheduler.warmup_steps", "lr_scheduler.decay_type", "lr_scheduler.min_lr", "lr_scheduler.decay_steps",
     "data.train", "data.val", "data.val_batches",
     "checkpoint.folder", "checkpoint.interval", "checkpoint.keep_latest_k", "checkpoint.load_step",
-    "metrics.log_freq", "metrics.jsonl", "metrics.peak_tflops",
+    "metrics.log_freq", "metrics.jsonl", "metrics.peak_tflops", "metrics.enable_tensorboard",
+    "metrics.save_tb_folder", "job.dump_folder", "job.description",
     "parallel.ep",
     "memory.swap_optimizer", "memory.swap_layer_input", "memory.offload_dir",
 };
@@ -68,10 +72,29 @@ static ds4_status read_optimizer(const ds4_toml *t, ds4_train_cfg *c) {
     return DS4_OK;
 }
 
+/* `path` under job.dump_folder (TorchTitan's root of a run's outputs) unless it is absolute or no
+ * dump folder is set. */
+static ds4_status under_dump(const char *dump, const char *path, const char *key, char *dst, size_t n) {
+    int len = path[0] == '/' || !dump[0] ? snprintf(dst, n, "%s", path) : snprintf(dst, n, "%s/%s", dump, path);
+    if (len < 0 || (size_t)len >= n) return ds4_fail(DS4_ERR_CONFIG, "key %s: path longer than %zu bytes", key, n - 1);
+    return DS4_OK;
+}
+
+/* [metrics] enable_tensorboard, save_tb_folder (default "tb", under job.dump_folder). */
+static ds4_status read_tensorboard(const ds4_toml *t, const char *dump, ds4_train_cfg *c) {
+    bool on;
+    const char *folder;
+    DS4_TRY(ds4_toml_bool_or(t, "metrics.enable_tensorboard", false, &on));
+    DS4_TRY(ds4_toml_string_or(t, "metrics.save_tb_folder", "tb", &folder));
+    if (!on) return DS4_OK;
+    if (!folder[0]) return ds4_fail(DS4_ERR_CONFIG, "key metrics.save_tb_folder: empty");
+    return under_dump(dump, folder, "metrics.save_tb_folder", c->tb_folder, sizeof c->tb_folder);
+}
+
 ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     memset(c, 0, sizeof *c);
     ds4_recompute_defaults(&c->recompute);
-    DS4_TRY(ds4_toml_check_keys(t, k_known_keys, (int64_t)(sizeof k_known_keys / sizeof k_known_keys[0])));
+    DS4_TRY(titan_check_keys(t, k_known_keys, (int64_t)(sizeof k_known_keys / sizeof k_known_keys[0])));
     DS4_TRY(copy_str(t, "model.dir", "", c->model_dir, sizeof c->model_dir));
     DS4_TRY(copy_str(t, "model.config", "", c->model_config, sizeof c->model_config));
     const char *preset;
@@ -86,9 +109,9 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(ds4_toml_int_or(t, "model.seed", 0, &c->init_seed));
     DS4_TRY(ds4_toml_get_int(t, "training.steps", &c->steps));
     DS4_TRY(ds4_toml_get_int(t, "training.seq_len", &c->seq_len));
-    DS4_TRY(ds4_toml_int_or(t, "training.micro_batch_size", 1, &c->micro_batch));
+    DS4_TRY(ds4_toml_int_or(t, titan_key(t, "training.micro_batch_size"), 1, &c->micro_batch));
     DS4_TRY(ds4_toml_int_or(t, "training.global_batch_size", c->micro_batch, &c->global_batch));
-    DS4_TRY(ds4_toml_int_or(t, "training.seed", 0, &c->seed));
+    DS4_TRY(ds4_toml_int_or(t, titan_key(t, "training.seed"), 0, &c->seed));
     DS4_TRY(ds4_toml_int_or(t, "training.threads", 0, &c->threads));
     DS4_TRY(ds4_toml_float_or(t, "training.max_norm", 1.0, &c->max_norm));
     DS4_TRY(ds4_toml_float_or(t, "training.mtp_loss_weight", -1, &c->mtp_loss_weight));
@@ -102,7 +125,7 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(ds4_toml_float_or(t, "optimizer.eps", 1e-8, &c->adamw.eps));
     DS4_TRY(ds4_toml_float_or(t, "optimizer.weight_decay", 0.1, &c->adamw.weight_decay));
     c->sched.lr = c->adamw.lr;
-    DS4_TRY(ds4_toml_int_or(t, "lr_scheduler.decay_steps", c->steps, &c->sched.total_steps));
+    DS4_TRY(ds4_toml_int_or(t, titan_key(t, "lr_scheduler.decay_steps"), c->steps, &c->sched.total_steps));
     DS4_TRY(ds4_toml_int_or(t, "lr_scheduler.warmup_steps", 0, &c->sched.warmup_steps));
     DS4_TRY(ds4_toml_float_or(t, "lr_scheduler.min_lr", 0.1 * c->adamw.lr, &c->sched.min_lr));
     const char *dk;
@@ -111,7 +134,7 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     else if (!strcmp(dk, "linear")) c->sched.decay = DS4_DECAY_LINEAR;
     else if (!strcmp(dk, "none")) c->sched.decay = DS4_DECAY_NONE;
     else return ds4_fail(DS4_ERR_CONFIG, "key lr_scheduler.decay_type: expected cosine, linear or none, got '%s'", dk);
-    DS4_TRY(copy_str(t, "data.train", "", c->train_data, sizeof c->train_data));
+    DS4_TRY(copy_str(t, titan_key(t, "data.train"), "", c->train_data, sizeof c->train_data));
     DS4_TRY(copy_str(t, "data.val", "", c->val_data, sizeof c->val_data));
     DS4_TRY(ds4_toml_int_or(t, "data.val_batches", 8, &c->val_batches));
     DS4_TRY(copy_str(t, "checkpoint.folder", "", c->ckpt_folder, sizeof c->ckpt_folder));
@@ -121,7 +144,17 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(ds4_toml_int_or(t, "metrics.log_freq", 1, &c->log_freq));
     DS4_TRY(copy_str(t, "metrics.jsonl", "", c->jsonl, sizeof c->jsonl));
     DS4_TRY(ds4_toml_float_or(t, "metrics.peak_tflops", 0, &c->peak_tflops));
-    DS4_TRY(ds4_toml_int_or(t, "parallel.ep", 1, &c->ep));
+    const char *dump, *description;
+    DS4_TRY(ds4_toml_string_or(t, "job.dump_folder", "", &dump));
+    DS4_TRY(ds4_toml_string_or(t, "job.description", "", &description)); /* a note for people: type-checked only */
+    DS4_TRY(read_tensorboard(t, dump, c));
+    DS4_TRY(titan_read(t, c));
+    if (c->ckpt_folder[0]) { /* TorchTitan's checkpoint folder lies under job.dump_folder */
+        char folder[sizeof c->ckpt_folder];
+        DS4_TRY(under_dump(dump, c->ckpt_folder, "checkpoint.folder", folder, sizeof folder));
+        memcpy(c->ckpt_folder, folder, sizeof folder);
+    }
+    DS4_TRY(ds4_toml_int_or(t, titan_key(t, "parallel.ep"), 1, &c->ep));
     const char *prec;
     DS4_TRY(ds4_toml_string_or(t, "training.matmul_precision", "fp32", &prec));
     if (strcmp(prec, "fp32") && strcmp(prec, "bf16"))
@@ -159,7 +192,7 @@ static const key_range k_ranges[] = {
     I_("training.steps", steps, 1, MAX_COUNT, NULL),
     I_("training.seq_len", seq_len, 2, MAX_SEQ, NULL),
     I_("training.micro_batch_size", micro_batch, 1, MAX_BATCH, NULL),
-    I_("training.global_batch_size", global_batch, 1, MAX_BATCH, NULL),
+    I_("training.global_batch_size", global_batch, -1, MAX_BATCH, "-1: micro_batch_size x ranks"),
     I_("training.seed", seed, 0, MAX_COUNT, NULL),
     I_("training.threads", threads, 0, MAX_THREADS, "0: every core"),
     I_("training.csa_dense_steps", csa_dense_steps, 0, MAX_COUNT, NULL),
@@ -186,6 +219,8 @@ static const key_range k_ranges[] = {
     I_("metrics.log_freq", log_freq, 1, MAX_COUNT, NULL),
     F_("metrics.peak_tflops", peak_tflops, 0, 1e9, false, false),
     I_("parallel.ep", ep, 1, 1 << 16, NULL),
+    I_("parallelism.data_parallel_shard_degree", dp_shard, -1, 1 << 20, "-1: every rank"),
+    I_("activation_checkpoint.selective_ac_option", ac_every, 0, 1 << 20, NULL),
 };
 #undef I_
 #undef F_
@@ -258,6 +293,10 @@ static ds4_status check_parallel(const ds4_train_cfg *c, const ds4_config *mc, i
                         "key parallel.ep: %lld must be >= 1 and divide the number of ranks (%d) and of routed experts "
                         "(%lld)",
                         (long long)c->ep, W, (long long)mc->n_routed_experts);
+    if (c->dp_shard > 0 && c->dp_shard != W)
+        return ds4_fail(DS4_ERR_CONFIG,
+                        "key parallelism.data_parallel_shard_degree = %lld: ds4 shards over every rank, and the world "
+                        "has %d (mpirun -np); set -1 or %d", (long long)c->dp_shard, W, W);
     if (c->global_batch % (c->micro_batch * W))
         return ds4_fail(DS4_ERR_CONFIG,
                         "training.global_batch_size %lld is not a multiple of training.micro_batch_size %lld x %d ranks",
@@ -340,6 +379,7 @@ typedef struct {
     int32_t *ids;     /* [micro_batch, seq_len] */
     int64_t *loads;   /* [n_blocks, E] */
     FILE *jsonl;      /* rank 0: the metrics file, appended */
+    ds4_tfevents *tb; /* rank 0: the TensorBoard event file (metrics.enable_tensorboard) */
     int lock_fd;      /* rank 0: the flock on the checkpoint folder, -1 when none */
     double peak_flops, flops_per_token;
     bool report_pending; /* --memory-report: print it for the run's first step */
@@ -347,7 +387,24 @@ typedef struct {
     int64_t step;        /* the step running (for the reports) */
 } trainer;
 
-static ds4_status open_model(const ds4_train_cfg *c, trainer *tr) {
+/* The settings that need the world or the model: TorchTitan's global batch -1 (micro_batch_size on
+ * every rank) and activation checkpointing of every N-th layer (ds4 replays as many layers in full,
+ * the first ones). */
+static ds4_status resolve_for_run(ds4_train_cfg *c, const ds4_config *mc, int W) {
+    if (c->global_batch == -1 && !ds4_mul_i64(c->micro_batch, W, &c->global_batch))
+        return ds4_fail(DS4_ERR_CONFIG, "training.micro_batch_size x %d ranks overflows", W);
+    if (c->ac_every > 0) {
+        if (c->recompute.granularity != DS4_RECOMPUTE_GRAN_NONE)
+            return ds4_fail(DS4_ERR_CONFIG, "activation_checkpoint.mode and --recompute-granularity: set one");
+        c->recompute.granularity = DS4_RECOMPUTE_GRAN_FULL;
+        c->recompute.method = c->ac_every == 1 ? DS4_RECOMPUTE_METHOD_UNIFORM : DS4_RECOMPUTE_METHOD_BLOCK;
+        c->recompute.num_layers = (mc->n_layers + c->ac_every - 1) / c->ac_every;
+        c->ac_every = 0;
+    }
+    return DS4_OK;
+}
+
+static ds4_status open_model(ds4_train_cfg *c, trainer *tr) {
     ds4_config mc;
     ds4_model_dir *d = NULL;
     if (c->model_dir[0]) {
@@ -358,7 +415,8 @@ static ds4_status open_model(const ds4_train_cfg *c, trainer *tr) {
     }
     if (c->mtp_loss_weight >= 0) mc.mtp_loss_weight = c->mtp_loss_weight;
     if (c->indexer_loss_coeff >= 0) mc.indexer_loss_coeff = c->indexer_loss_coeff;
-    ds4_status st = check_cfg(c, &mc);
+    ds4_status st = resolve_for_run(c, &mc, tr->W);
+    if (st == DS4_OK) st = check_cfg(c, &mc);
     if (st == DS4_OK) st = check_parallel(c, &mc, tr->W);
     const ds4_exec real = {.plan = false}; /* training runs real steps; memplan opens the same state as a plan */
     ds4_train_state_opts so = {.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
@@ -414,6 +472,22 @@ static ds4_step_args step_args(trainer *tr, int64_t step, double lr) {
                            .on_pass = report_units};
 }
 
+/* Seconds since the epoch: TensorBoard's wall_time. */
+static double wall_clock(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The scalars of a logged step, under the names of the JSONL file's keys. */
+static ds4_status tb_step(trainer *tr, int64_t step, const ds4_step_result *r, double lr, const double m[4]) {
+    if (!tr->tb) return DS4_OK;
+    static const char *const tags[] = {"loss", "mtp_loss", "indexer_loss", "grad_norm", "lr",
+                                       "memory_gib", "tps", "tflops", "mfu"};
+    const double v[] = {r->loss, r->mtp_loss, r->indexer_loss, r->grad_norm, lr, m[0], m[1], m[2], m[3]};
+    return ds4_tfevents_scalars(tr->tb, step, wall_clock(), (int)(sizeof v / sizeof v[0]), tags, v);
+}
+
 static ds4_status log_step(trainer *tr, int64_t step, const ds4_step_result *r, double lr, double dt) {
     const ds4_train_cfg *c = tr->cfg;
     ds4_mem_stats ms;
@@ -438,6 +512,7 @@ static ds4_status log_step(trainer *tr, int64_t step, const ds4_step_result *r, 
                 return ds4_fail(DS4_ERR_IO, "%s: cannot write the metrics of step %lld: %s", c->jsonl, (long long)step,
                                 strerror(errno));
         }
+        return tb_step(tr, step, r, lr, (const double[4]){gib, tps, tflops, mfu});
     }
     return DS4_OK;
 }
@@ -533,6 +608,7 @@ static ds4_status truncate_metrics(trainer *tr, int64_t last) {
 static ds4_status resume_and_trim(trainer *tr, int64_t *start) {
     DS4_TRY(maybe_resume(tr, start));
     const ds4_train_cfg *c = tr->cfg;
+    if (tr->tb && *start > 0) DS4_TRY(ds4_tfevents_restart(tr->tb, *start + 1, wall_clock()));
     if (!tr->lead || !tr->jsonl || !c->ckpt_folder[0] || c->load_step == -2) return DS4_OK;
     return truncate_metrics(tr, *start);
 }
@@ -562,8 +638,12 @@ static ds4_status run_validation(trainer *tr) {
         ds4_pass_free(p);
     }
     ds4_data_close(v);
-    if (st == DS4_OK && n > 0 && tr->lead)
+    if (st == DS4_OK && n > 0 && tr->lead) {
         printf("validation loss %.4f ppl %.2f (%lld batches)\n", sum / (double)n, exp(sum / (double)n), (long long)n);
+        const char *tag = "val_loss";
+        const double loss = sum / (double)n;
+        if (tr->tb) st = ds4_tfevents_scalars(tr->tb, tr->step, wall_clock(), 1, &tag, &loss);
+    }
     return st;
 }
 
@@ -683,11 +763,14 @@ static ds4_status open_outputs(trainer *tr) {
     if (c->ckpt_folder[0]) DS4_TRY(ds4_checkpoint_lock(c->ckpt_folder, &tr->lock_fd));
     if (c->jsonl[0] && !(tr->jsonl = fopen(c->jsonl, "a")))
         return ds4_fail(DS4_ERR_IO, "%s: cannot open the metrics file: %s", c->jsonl, strerror(errno));
+    if (c->tb_folder[0]) DS4_TRY(ds4_tfevents_open(c->tb_folder, wall_clock(), &tr->tb));
     return DS4_OK;
 }
 
-ds4_status ds4_train_run_world(const ds4_train_cfg *c, bool *agreed) {
+ds4_status ds4_train_run_world(const ds4_train_cfg *cfg, bool *agreed) {
     ds4_comm *world = ds4_comm_world();
+    ds4_train_cfg run = *cfg; /* completed for this world and model by resolve_for_run */
+    const ds4_train_cfg *c = &run;
     trainer tr = {.cfg = c, .report_pending = c->memory_report, .world = world, .rank = ds4_comm_rank(world),
                   .W = ds4_comm_size(world), .lock_fd = -1};
     tr.lead = tr.rank == 0;
@@ -700,7 +783,7 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *c, bool *agreed) {
     const ds4_matmul_precision prev_precision = ds4_get_matmul_precision();
     st = ds4_train_agree(world, tr.lead ? open_outputs(&tr) : DS4_OK); /* before any work */
     if (st == DS4_OK) st = ds4_set_matmul_precision(c->matmul_precision); /* the same on every rank */
-    if (st == DS4_OK) st = open_model(c, &tr);
+    if (st == DS4_OK) st = open_model(&run, &tr);
     const ds4_config *mc = tr.m ? ds4_model_config(tr.m) : NULL;
     if (st == DS4_OK)
         st = loader_open(c->train_data, c->micro_batch, c->seq_len, (uint64_t)c->seed, true, mc->vocab_size, tr.rank,
@@ -721,6 +804,11 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *c, bool *agreed) {
     if (tr.jsonl && fclose(tr.jsonl) != 0 && st == DS4_OK) {
         st = ds4_fail(DS4_ERR_IO, "%s: cannot write the metrics: %s", c->jsonl, strerror(errno));
         *agreed = true; /* rank 0 reports it; the others have nothing left to wait for */
+    }
+    ds4_status tb_st = ds4_tfevents_close(tr.tb);
+    if (tb_st != DS4_OK && st == DS4_OK) {
+        st = tb_st;
+        *agreed = true; /* as for the metrics file */
     }
     ds4_checkpoint_unlock(tr.lock_fd);
     ds4_free(tr.ids);

@@ -1,0 +1,112 @@
+"""TorchTitan's DeepSeek debug config, stored as it ships (tests/data/torchtitan_deepseek_v3_debug_model.toml),
+trains the ds4 demo model unmodified, with TorchTitan-style overrides for the size of the run and the data:
+every key it ignores is one `warning:` line with the reason, the aliases are reported, the losses are bit for
+bit those of the same run written with ds4's own keys, and activation_checkpoint.mode = "full" (ds4's full
+recompute) does not change them either. The setting-by-setting checks are in tests/test_titan.c."""
+import os
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+import tomllib
+
+build = sys.argv[sys.argv.index("--build") + 1] if "--build" in sys.argv else "build"
+ds4 = os.path.abspath(os.path.join(build, "ds4"))
+FIXTURE = "tests/data/torchtitan_deepseek_v3_debug_model.toml"
+passed = failed = 0
+
+
+def check(name, ok, detail=""):
+    global passed, failed
+    if ok:
+        passed += 1
+    else:
+        failed += 1
+        print(f"FAIL {name}: {detail}")
+
+
+def write_shard(path, vocab, n_docs, doc_len):
+    """A ds4 token shard (include/ds4/shard.h): u16 tokens, n_docs documents of doc_len tokens."""
+    toks = [2 + (d * 7919 + i * 104729) % (vocab - 2) for d in range(n_docs) for i in range(doc_len)]
+    out = b"DS4TOKS\0" + struct.pack("<IIIiiI", 1, vocab, 2, -1, -1, 0) + struct.pack("<QQ", len(toks), n_docs)
+    out += struct.pack(f"<{n_docs + 1}Q", *[d * doc_len for d in range(n_docs + 1)])
+    out += struct.pack(f"<{len(toks)}H", *toks)
+    with open(path, "wb") as f:
+        f.write(out)
+
+
+def train(config, *overrides):
+    return subprocess.run([ds4, "train", "--config", config, "--training.threads", "1", "--metrics.peak_tflops", "1",
+                           *overrides], capture_output=True, text=True, timeout=600)
+
+
+def steps(out):
+    """(step, loss, grad_norm) of every log line."""
+    return re.findall(r"^step +(\d+) +loss +(\S+) +grad_norm +(\S+)", out, re.M)
+
+
+NATIVE = """[model]
+config = "configs/ds4-demo-small.json"
+[training]
+steps = 2
+seq_len = 64
+micro_batch_size = 1
+global_batch_size = 1
+max_norm = 1.0
+[optimizer]
+lr = 8e-4
+eps = 1e-8
+[lr_scheduler]
+warmup_steps = 2
+decay_type = "linear"
+min_lr = 0.0
+[data]
+train = "{shard}"
+"""
+
+with tempfile.TemporaryDirectory() as tmp:
+    shard = os.path.join(tmp, "train.bin")
+    write_shard(shard, 258, 4, 600)
+    size = ["--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "1",
+            "--training.dataset_path", shard, "--job.dump_folder", os.path.join(tmp, "outputs")]
+    a = train(FIXTURE, *size)
+    check("fixture trains", a.returncode == 0 and len(steps(a.stdout)) == 2, a.stdout[-800:] + a.stderr[-800:])
+    check("selective op -> norm + mHC recompute", "recompute mhc+norm" in a.stdout, a.stdout[:600])
+    with open(FIXTURE, "rb") as f:
+        fixture = tomllib.load(f)
+    ignored = {"profiling.enable_profiling", "compile.enable", "compile.components", "training.dataset",
+               "metrics.enable_wandb", "quantize.grouped_mm.float8.fqns", "checkpoint.last_save_model_only",
+               "parallelism.pipeline_parallel_schedule"}
+    warned = dict(re.findall(r"^warning: config key (\S+) ignored: (.+)$", a.stderr, re.M))
+    check("ignored keys warned, with a reason", ignored <= set(warned) and all(len(w) > 10 for w in warned.values()),
+          sorted(warned))
+    check("19 ignored keys, one line each", len(warned) == 19 and
+          len([l for l in a.stderr.splitlines() if l.startswith("warning:")]) == 19, a.stderr)
+    check("aliases reported", "config: training.local_batch_size read as training.micro_batch_size" in a.stdout and
+          "config: parallelism.expert_parallel_degree read as parallel.ep" in a.stdout, a.stdout[:1500])
+    check("checkpoint.enable = false: no checkpoint", not os.path.exists(os.path.join(tmp, "outputs", "checkpoint")))
+
+    native = os.path.join(tmp, "native.toml")
+    with open(native, "w") as f:
+        f.write(NATIVE.format(shard=shard))
+    n = train(native)
+    check("native run", n.returncode == 0, n.stderr[-500:])
+    check("same losses as ds4's own keys", steps(a.stdout) == steps(n.stdout) and len(steps(n.stdout)) == 2,
+          (steps(a.stdout), steps(n.stdout)))
+    check("no TorchTitan notes for ds4's own keys", "config:" not in n.stdout and "warning:" not in n.stderr, n.stderr)
+
+    full = train(FIXTURE, *size, "--activation_checkpoint.mode", "full")
+    check("mode full -> full recompute", full.returncode == 0 and "recompute full-uniform-4" in full.stdout,
+          full.stdout[:600] + full.stderr[-300:])
+    check("recompute keeps the bits", steps(full.stdout) == steps(a.stdout), (steps(full.stdout), steps(a.stdout)))
+
+    tp = train(FIXTURE, *size, "--parallelism.tensor_parallel_degree", "2")
+    err = [l for l in tp.stderr.splitlines() if l.startswith("error:")]
+    check("tensor parallel 2 refused", tp.returncode != 0 and len(err) == 1 and "tensor_parallel_degree" in err[0],
+          tp.stderr[-400:])
+    dp = train(FIXTURE, *size, "--parallelism.data_parallel_shard_degree", "4")
+    check("shard degree checked against the world", dp.returncode != 0 and "(mpirun -np)" in dp.stderr, dp.stderr[-400:])
+
+print(f"test_titan.py: {passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
