@@ -301,6 +301,83 @@ static void test_dspark_table(void) {
     ds4_model_free(m);
 }
 
+/* The writer of a release-format directory: every tensor of the table in its release dtype (above),
+ * FP8 / FP4 weights with their E8M0 ".scale" siblings; every byte 0 except the scales (2^0). */
+typedef struct {
+    ds4_st_writer *w;
+    uint8_t *zeros, *ones;   /* big enough for any tensor of the tiny config */
+} release_writer;
+
+static ds4_status write_release(void *ctx, const char *name, int ndim, const int64_t *shape, bool is_int) {
+    release_writer *x = ctx;
+    const int64_t r = shape[0], c = ndim > 1 ? shape[1] : 1;
+    char sn[160];
+    snprintf(sn, sizeof sn, "%.*s.scale", (int)strlen(name) - 7, name);
+    size_t len = strlen(name);
+    bool f32 = strstr(name, "hc_") || strstr(name, "attn_sink") || (len > 4 && !strcmp(name + len - 4, ".ape")) ||
+               strstr(name, "gate.bias");
+    if (is_int) return ds4_st_writer_add(x->w, name, DS4_I64, ndim, shape, x->zeros);
+    if (strstr(name, ".ffn.experts.")) {
+        DS4_TRY(ds4_st_writer_add(x->w, name, DS4_I8, 2, (const int64_t[]){r, c / 2}, x->zeros));
+        return ds4_st_writer_add(x->w, sn, DS4_F8_E8M0, 2, (const int64_t[]){r, c / 32}, x->ones);
+    }
+    if (release_fp8(name)) {
+        DS4_TRY(ds4_st_writer_add(x->w, name, DS4_F8_E4M3, 2, shape, x->zeros));
+        return ds4_st_writer_add(x->w, sn, DS4_F8_E8M0, 2, (const int64_t[]){(r + 127) / 128, (c + 127) / 128}, x->ones);
+    }
+    return ds4_st_writer_add(x->w, name, f32 ? DS4_F32 : DS4_BF16, ndim, shape, x->zeros);
+}
+
+/* A 0731-shaped directory in the release format (FP8 main_proj and attention, FP4 experts, BF16 Markov
+ * and confidence heads, a quantized config) passes the model-directory check (ds4 inspect --check) and
+ * loads, its drafter dequantized into the carried tensors. */
+static void test_dspark_release_dir(void) {
+    char *text;
+    size_t n;
+    CHECK(ds4_read_file(find_file("tests/configs/tiny-dspark.json"), &text, &n) == DS4_OK);
+    if (!text) return;
+    cJSON *r = cJSON_ParseWithLength(text, n);
+    ds4_free(text);
+    cJSON_AddItemToObject(r, "quantization_config", cJSON_CreateRaw("{\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", "
+                                                                   "\"weight_block_size\": [128, 128]}"));
+    cJSON_ReplaceItemInObject(r, "expert_dtype", cJSON_CreateString("fp4"));
+    if (!cJSON_GetObjectItem(r, "expert_dtype")) cJSON_AddStringToObject(r, "expert_dtype", "fp4");
+    char *out = cJSON_Print(r);
+    cJSON_Delete(r);
+    const char *dir = tpath("dspark_release");
+    char p[600];
+    mkdir(dir, 0755);
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    write_bytes(p, out, strlen(out));
+    cJSON_free(out);
+    ds4_config c;
+    CHECK(ds4_config_load(p, &c) == DS4_OK && c.quantized && c.expert_fp4 && c.dspark_n_stages == 3, "%s", ds4_errmsg());
+    release_writer x = {.zeros = calloc(1, 1 << 20), .ones = malloc(1 << 16)};
+    memset(x.ones, 127, 1 << 16); /* E8M0 127 = 2^0 */
+    CHECK(ds4_st_writer_new(&x.w) == DS4_OK);
+    CHECK(ds4_model_expected_tensors(&c, write_release, &x) == DS4_OK, "%s", ds4_errmsg());
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    CHECK(ds4_st_writer_write(x.w, p) == DS4_OK, "%s", ds4_errmsg());
+    ds4_st_writer_free(x.w);
+    free(x.zeros);
+    free(x.ones);
+    ds4_model_dir *d;
+    int64_t problems = -1;
+    CHECK(ds4_model_dir_open(dir, &d) == DS4_OK, "%s", ds4_errmsg());
+    if (!d) return;
+    CHECK(ds4_model_dir_check(d, NULL, NULL, &problems) == DS4_OK && problems == 0, "%lld problems", (long long)problems);
+    ds4_model *m;
+    CHECK(ds4_model_create(ds4_model_dir_config(d), &m) == DS4_OK, "%s", ds4_errmsg());
+    if (m) {
+        ds4_param *mp = ds4_model_find(m, "mtp.0.main_proj.weight");
+        if (mp) mp->data[0] = 1.0f;   /* the load must overwrite it with the stored 0 */
+        CHECK(ds4_model_load(m, d) == DS4_OK, "%s", ds4_errmsg());
+        CHECK(mp && mp->carried && mp->data[0] == 0.0f);
+        ds4_model_free(m);
+    }
+    ds4_model_dir_close(d);
+}
+
 /* ---------------------------------------------------------------- streaming writer, memory images */
 
 static void test_stream_writer(void) {
@@ -1308,6 +1385,7 @@ int main(void) {
     RUN(test_names_cover_config);
     RUN(test_expected_tensors);
     RUN(test_dspark_table);
+    RUN(test_dspark_release_dir);
     RUN(test_stream_writer);
     RUN(test_row_reads);
     RUN(test_convert_quantized);
