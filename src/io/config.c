@@ -732,6 +732,8 @@ static ds4_status validate_dspark(const ds4_config *c, const char *path) {
             DS4_MAX_DSPARK_STAGES);
     if (c->n_mtp_layers != 0)
         BAD("%s: a DSpark config has no NextN block of its own (the stages are mtp.*), n_mtp_layers must be 0", path);
+    if (c->dspark_nextn_declared < 0 || c->dspark_nextn_declared > 1)
+        BAD("%s: key 'num_nextn_predict_layers' = %" PRId64 " is out of range [0, 1]", path, c->dspark_nextn_declared);
     if (c->n_layers + c->dspark_n_stages > DS4_MAX_LAYERS)
         BAD("%s: num_hidden_layers + the DSpark stages exceed %d", path, DS4_MAX_LAYERS);
     if (c->dspark_block_size < 1 || c->dspark_block_size > 256)
