@@ -340,8 +340,8 @@ static void test_dspark_release_dir(void) {
     ds4_free(text);
     cJSON_AddItemToObject(r, "quantization_config", cJSON_CreateRaw("{\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", "
                                                                    "\"weight_block_size\": [128, 128]}"));
-    cJSON_ReplaceItemInObject(r, "expert_dtype", cJSON_CreateString("fp4"));
-    if (!cJSON_GetObjectItem(r, "expert_dtype")) cJSON_AddStringToObject(r, "expert_dtype", "fp4");
+    cJSON_DeleteItemFromObject(r, "expert_dtype");
+    cJSON_AddStringToObject(r, "expert_dtype", "fp4");
     char *out = cJSON_Print(r);
     cJSON_Delete(r);
     const char *dir = tpath("dspark_release");
