@@ -61,7 +61,8 @@ static ds4_status on_tensor(void *ctx, const char *name, int ndim, const int64_t
     snprintf(sn, sizeof sn, "%.*s.scale", (int)(strlen(name) - 7), name);
     bool fp8 = strstr(name, ".attn.wq_a.") || strstr(name, ".attn.wq_b.") || strstr(name, ".attn.wkv.") ||
                strstr(name, ".attn.wo_a.") || strstr(name, ".attn.wo_b.") || strstr(name, ".indexer.wq_b.") ||
-               strstr(name, ".shared_experts.") || strstr(name, "e_proj.") || strstr(name, "h_proj.");
+               strstr(name, ".shared_experts.") || strstr(name, "e_proj.") || strstr(name, "h_proj.") ||
+               strstr(name, ".main_proj."); /* DSpark stage 0 (docs/dspark.md) */
     bool fp4 = strstr(name, ".ffn.experts.") != NULL;
     if (is_int) push(l, name, DS4_I64, 2, r, c, 0);
     else if (fp4) {

@@ -227,6 +227,157 @@ static void test_expected_tensors(void) {
     CHECK(ds4_model_expected_tensors(&bad, count_numel, cnt) != DS4_OK);
 }
 
+/* The official checkpoints' stored bytes, from the parameter table and the release dtypes (§8.1, as
+ * bench/make_fake_ckpt.c writes them): routed experts packed FP4 (I8 [r, c/2]) + E8M0 scales [r, c/32];
+ * the attention / indexer query / shared-expert / MTP and DSpark input projections FP8 E4M3 + E8M0
+ * scales per 128x128 block; tid2eid I64; the mHC, sinks, ape and router bias F32; everything else BF16.
+ * Counted per "mtp.s." prefix as stored tensors (scales included). */
+typedef struct {
+    uint64_t bytes;
+    int64_t stored[DS4_MAX_DSPARK_STAGES];
+} release_size;
+
+static bool release_fp8(const char *n) {
+    const char *fp8[] = {".attn.wq_a.", ".attn.wq_b.", ".attn.wkv.", ".attn.wo_a.", ".attn.wo_b.", ".indexer.wq_b.",
+                         ".shared_experts.", "e_proj.", "h_proj.", ".main_proj."};
+    for (size_t i = 0; i < sizeof fp8 / sizeof fp8[0]; i++)
+        if (strstr(n, fp8[i])) return true;
+    return false;
+}
+
+static ds4_status add_release_bytes(void *ctx, const char *name, int ndim, const int64_t *shape, bool is_int) {
+    release_size *z = ctx;
+    uint64_t r = (uint64_t)shape[0], c = ndim > 1 ? (uint64_t)shape[1] : 1, n = r * c;
+    size_t len = strlen(name);
+    bool f32 = strstr(name, "hc_") || strstr(name, "attn_sink") || (len > 4 && !strcmp(name + len - 4, ".ape")) ||
+               strstr(name, "gate.bias");
+    int stored = 1;
+    if (is_int) z->bytes += 8 * n;
+    else if (strstr(name, ".ffn.experts.")) z->bytes += n / 2 + r * (c / 32), stored = 2;
+    else if (release_fp8(name)) z->bytes += n + ((r + 127) / 128) * ((c + 127) / 128), stored = 2;
+    else z->bytes += (f32 ? 4 : 2) * n;
+    long long s;
+    if (sscanf(name, "mtp.%lld.", &s) == 1 && s >= 0 && s < DS4_MAX_DSPARK_STAGES) z->stored[s] += stored;
+    return DS4_OK;
+}
+
+/* DeepSeek-V4-Flash-0731's table is its official index: the total_size of model.safetensors.index.json
+ * (166,878,536,440 B; April's 159,609,485,896 B) and the stored tensors of the three DSpark stages
+ * (1,568 / 1,565 / 1,572), as public material records them (tests/data/...0731.config.json.source.md). */
+static void test_dspark_table(void) {
+    ds4_config c;
+    release_size april = {0}, v0731 = {0};
+    CHECK(ds4_config_load(find_file("configs/deepseek-v4-flash.json"), &c) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_expected_tensors(&c, add_release_bytes, &april) == DS4_OK);
+    CHECK(april.bytes == 159609485896ULL, "April Flash: %llu bytes", (unsigned long long)april.bytes);
+    CHECK(ds4_config_load(find_file("tests/data/deepseek-v4-flash-0731.config.json"), &c) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_expected_tensors(&c, add_release_bytes, &v0731) == DS4_OK);
+    CHECK(v0731.bytes == 166878536440ULL, "0731: %llu bytes", (unsigned long long)v0731.bytes);
+    CHECK(v0731.stored[0] == 1568 && v0731.stored[1] == 1565 && v0731.stored[2] == 1572 && v0731.stored[3] == 0,
+          "0731 stages: %lld / %lld / %lld stored tensors", (long long)v0731.stored[0], (long long)v0731.stored[1],
+          (long long)v0731.stored[2]);
+    /* a tiny DSpark model's table is the listing, with the stages carried (no flat storage, no gradient) */
+    CHECK(ds4_config_load(find_file("tests/configs/tiny-dspark.json"), &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *m;
+    if (ds4_model_create(&c, &m) != DS4_OK) {
+        CHECK(false, "%s", ds4_errmsg());
+        return;
+    }
+    table_walk t = {m, 0, 0};
+    CHECK(ds4_model_expected_tensors(&c, cmp_table, &t) == DS4_OK && t.bad == 0 && t.i == ds4_model_nparams(m));
+    int64_t carried = 0, flat = 0, bad = 0;
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+        const ds4_param *p = ds4_model_param(m, i);
+        bool stage = !strncmp(p->name, "mtp.", 4);
+        bad += stage != p->carried || (p->carried && (p->grad || !p->no_grad || !p->data));
+        carried += p->carried;
+        flat += ds4_param_in_flat(p) ? p->numel : 0;
+    }
+    CHECK(bad == 0 && carried > 0 && flat == (int64_t)ds4_model_numel(m), "%lld carried, %lld wrong", (long long)carried, (long long)bad);
+    const ds4_param *mp = ds4_model_find(m, "mtp.0.main_proj.weight"), *cf = ds4_model_find(m, "mtp.2.confidence_head.proj.weight");
+    CHECK(mp && mp->shape[0] == 64 && mp->shape[1] == 3 * 64 && cf && cf->shape[0] == 1 && cf->shape[1] == 64 + 8);
+    CHECK(!ds4_model_find(m, "mtp.0.e_proj.weight") && !ds4_model_find(m, "mtp.1.main_proj.weight"));
+    CHECK(ds4_param_router_block(&c, ds4_model_find(m, "mtp.1.ffn.gate.bias")) == -1);
+    ds4_model_free(m);
+}
+
+/* The writer of a release-format directory: every tensor of the table in its release dtype (above),
+ * FP8 / FP4 weights with their E8M0 ".scale" siblings; every byte 0 except the scales (2^0). */
+typedef struct {
+    ds4_st_writer *w;
+    uint8_t *zeros, *ones;   /* big enough for any tensor of the tiny config */
+} release_writer;
+
+static ds4_status write_release(void *ctx, const char *name, int ndim, const int64_t *shape, bool is_int) {
+    release_writer *x = ctx;
+    const int64_t r = shape[0], c = ndim > 1 ? shape[1] : 1;
+    char sn[160];
+    snprintf(sn, sizeof sn, "%.*s.scale", (int)strlen(name) - 7, name);
+    size_t len = strlen(name);
+    bool f32 = strstr(name, "hc_") || strstr(name, "attn_sink") || (len > 4 && !strcmp(name + len - 4, ".ape")) ||
+               strstr(name, "gate.bias");
+    if (is_int) return ds4_st_writer_add(x->w, name, DS4_I64, ndim, shape, x->zeros);
+    if (strstr(name, ".ffn.experts.")) {
+        DS4_TRY(ds4_st_writer_add(x->w, name, DS4_I8, 2, (const int64_t[]){r, c / 2}, x->zeros));
+        return ds4_st_writer_add(x->w, sn, DS4_F8_E8M0, 2, (const int64_t[]){r, c / 32}, x->ones);
+    }
+    if (release_fp8(name)) {
+        DS4_TRY(ds4_st_writer_add(x->w, name, DS4_F8_E4M3, 2, shape, x->zeros));
+        return ds4_st_writer_add(x->w, sn, DS4_F8_E8M0, 2, (const int64_t[]){(r + 127) / 128, (c + 127) / 128}, x->ones);
+    }
+    return ds4_st_writer_add(x->w, name, f32 ? DS4_F32 : DS4_BF16, ndim, shape, x->zeros);
+}
+
+/* A 0731-shaped directory in the release format (FP8 main_proj and attention, FP4 experts, BF16 Markov
+ * and confidence heads, a quantized config) passes the model-directory check (ds4 inspect --check) and
+ * loads, its drafter dequantized into the carried tensors. */
+static void test_dspark_release_dir(void) {
+    char *text;
+    size_t n;
+    CHECK(ds4_read_file(find_file("tests/configs/tiny-dspark.json"), &text, &n) == DS4_OK);
+    if (!text) return;
+    cJSON *r = cJSON_ParseWithLength(text, n);
+    ds4_free(text);
+    cJSON_AddItemToObject(r, "quantization_config", cJSON_CreateRaw("{\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", "
+                                                                   "\"weight_block_size\": [128, 128]}"));
+    cJSON_DeleteItemFromObject(r, "expert_dtype");
+    cJSON_AddStringToObject(r, "expert_dtype", "fp4");
+    char *out = cJSON_Print(r);
+    cJSON_Delete(r);
+    const char *dir = tpath("dspark_release");
+    char p[600];
+    mkdir(dir, 0755);
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    write_bytes(p, out, strlen(out));
+    cJSON_free(out);
+    ds4_config c;
+    CHECK(ds4_config_load(p, &c) == DS4_OK && c.quantized && c.expert_fp4 && c.dspark_n_stages == 3, "%s", ds4_errmsg());
+    release_writer x = {.zeros = calloc(1, 1 << 20), .ones = malloc(1 << 16)};
+    memset(x.ones, 127, 1 << 16); /* E8M0 127 = 2^0 */
+    CHECK(ds4_st_writer_new(&x.w) == DS4_OK);
+    CHECK(ds4_model_expected_tensors(&c, write_release, &x) == DS4_OK, "%s", ds4_errmsg());
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    CHECK(ds4_st_writer_write(x.w, p) == DS4_OK, "%s", ds4_errmsg());
+    ds4_st_writer_free(x.w);
+    free(x.zeros);
+    free(x.ones);
+    ds4_model_dir *d;
+    int64_t problems = -1;
+    CHECK(ds4_model_dir_open(dir, &d) == DS4_OK, "%s", ds4_errmsg());
+    if (!d) return;
+    CHECK(ds4_model_dir_check(d, NULL, NULL, &problems) == DS4_OK && problems == 0, "%lld problems", (long long)problems);
+    ds4_model *m;
+    CHECK(ds4_model_create(ds4_model_dir_config(d), &m) == DS4_OK, "%s", ds4_errmsg());
+    if (m) {
+        ds4_param *mp = ds4_model_find(m, "mtp.0.main_proj.weight");
+        if (mp) mp->data[0] = 1.0f;   /* the load must overwrite it with the stored 0 */
+        CHECK(ds4_model_load(m, d) == DS4_OK, "%s", ds4_errmsg());
+        CHECK(mp && mp->carried && mp->data[0] == 0.0f);
+        ds4_model_free(m);
+    }
+    ds4_model_dir_close(d);
+}
+
 /* ---------------------------------------------------------------- streaming writer, memory images */
 
 static void test_stream_writer(void) {
@@ -1233,6 +1384,8 @@ int main(void) {
     RUN(test_names);
     RUN(test_names_cover_config);
     RUN(test_expected_tensors);
+    RUN(test_dspark_table);
+    RUN(test_dspark_release_dir);
     RUN(test_stream_writer);
     RUN(test_row_reads);
     RUN(test_convert_quantized);

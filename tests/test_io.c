@@ -485,6 +485,78 @@ static void test_config_errors(void) {
     ds4_free(base);
 }
 
+static cJSON *load_tree(const char *path) {
+    char *t;
+    size_t n;
+    if (ds4_read_file(path, &t, &n) != DS4_OK) return NULL;
+    cJSON *r = cJSON_ParseWithLength(t, n);
+    ds4_free(t);
+    return r;
+}
+
+/* DeepSeek-V4-Flash-0731 (tests/data/deepseek-v4-flash-0731.config.json, docs/dspark.md): the April
+ * config plus the DSpark keys and one compress_ratios entry per DSpark stage. */
+static void test_config_0731(void) {
+    char path[512];
+    snprintf(path, sizeof path, "%s", find_config("tests/data/deepseek-v4-flash-0731.config.json"));
+    ds4_config c, april, back;
+    CHECK(ds4_config_load(path, &c) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_config_load(find_config("configs/deepseek-v4-flash.json"), &april) == DS4_OK);
+    CHECK(c.dspark_n_stages == 3 && c.dspark_block_size == 5 && c.dspark_noise_token_id == 128799 && c.dspark_markov_rank == 256);
+    CHECK(c.dspark_target_layer_ids[0] == 40 && c.dspark_target_layer_ids[1] == 41 && c.dspark_target_layer_ids[2] == 42);
+    /* the stages own mtp.*: no NextN block, the declared count kept for writing back */
+    CHECK(c.n_mtp_layers == 0 && c.dspark_nextn_declared == 1);
+    /* entries 0..42 are the main layers (April's), 43..45 the three stages (window only) */
+    CHECK(memcmp(c.compress_ratios, april.compress_ratios, 43 * sizeof(int64_t)) == 0);
+    CHECK(c.compress_ratios[43] == 0 && c.compress_ratios[44] == 0 && c.compress_ratios[45] == 0 && c.compress_ratios[46] == 0);
+    CHECK(c.dim == april.dim && c.n_layers == april.n_layers && c.n_routed_experts == april.n_routed_experts);
+    /* save writes what it read */
+    const char *p = tpath("cfg-0731.json");
+    CHECK(ds4_config_save(&c, p) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_config_load(p, &back) == DS4_OK && memcmp(&c, &back, sizeof c) == 0, "0731 config differs after save/load");
+    cJSON *saved = load_tree(p);
+    CHECK(saved && cJSON_GetArraySize(cJSON_GetObjectItem(saved, "compress_ratios")) == 46);
+    CHECK(saved && cJSON_GetObjectItem(saved, "num_nextn_predict_layers")->valuedouble == 1);
+    cJSON_Delete(saved);
+    /* the transformers spelling carries the DSpark keys too */
+    cJSON *r = load_tree(path);
+    CHECK(r && ds4_config_json_respell(r, true, "0731") == DS4_OK, "%s", ds4_errmsg());
+    CHECK(r && ds4_config_json_respell(r, false, "0731") == DS4_OK, "%s", ds4_errmsg());
+    cJSON_Delete(r);
+
+    char *base;
+    size_t n;
+    CHECK(ds4_read_file(path, &base, &n) == DS4_OK);
+    if (!base) return;
+    static const mutation ms[] = {
+        {M_DEL, "dspark_markov_rank", 0, 0, DS4_ERR_CONFIG, "required key 'dspark_markov_rank' is missing"},
+        {M_NUM, "dspark_block_size", 0, 0, DS4_ERR_CONFIG, "key 'dspark_block_size' = 0 is out of range [1, 256]"},
+        {M_NUM, "dspark_noise_token_id", 129280, 0, DS4_ERR_CONFIG, "key 'dspark_noise_token_id' = 129280 is out of range"},
+        {M_NUM, "dspark_markov_rank", -1, 0, DS4_ERR_CONFIG, "key 'dspark_markov_rank' = -1"},
+        {M_STR, "dspark_block_size", 0, "5", DS4_ERR_CONFIG, "'dspark_block_size' must be an integer"},
+        {M_RAW, "dspark_target_layer_ids", 0, "[40, 43, 42]", DS4_ERR_CONFIG, "'dspark_target_layer_ids' entry 1 must be"},
+        {M_RAW, "dspark_target_layer_ids", 0, "[41, 40, 42]", DS4_ERR_CONFIG, "strictly increasing"},
+        {M_RAW, "dspark_target_layer_ids", 0, "[]", DS4_ERR_CONFIG, "'dspark_target_layer_ids' is empty"},
+        {M_RAW, "dspark_target_layer_ids", 0, "[1,2,3,4,5,6,7,8,9]", DS4_ERR_CONFIG, "more than 8 entries"},
+        /* one entry per stage: April's 44 entries are one short, two stages are one too many */
+        {M_RAW, "dspark_target_layer_ids", 0, "[41, 42]", DS4_ERR_CONFIG, "'compress_ratios' has 46 entries, expected "
+                                                                          "num_hidden_layers + one per DSpark stage"},
+        {M_RAW, "compress_ratios", 0, "[0,0,4,128,4,128,4,128,4,128,4,128,4,128,4,128,4,128,4,128,4,128,4,128,4,128,4,128,4,"
+                                       "128,4,128,4,128,4,128,4,128,4,128,4,128,4,0,0,4]",
+         DS4_ERR_CONFIG, "'compress_ratios' entry 45 (DSpark stage) is 4, must be 0"},
+        /* accepted: -1 (the embedding output, as DeepSpec allows) and no NextN declared */
+        {M_RAW, "dspark_target_layer_ids", 0, "[-1, 20, 42]", DS4_OK, ""},
+        {M_NUM, "num_nextn_predict_layers", 0, 0, DS4_OK, ""},
+    };
+    for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++) {
+        ds4_status s = parse_mutated(base, &ms[i]);
+        CHECK(s == ms[i].code, "0731 mutation %zu (%s): got %s: %s", i, ms[i].key, ds4_status_name(s), ds4_errmsg());
+        if (s != DS4_OK) CHECK(msg_has("mut.json") && msg_has(ms[i].needle), "0731 mutation %zu: '%s' lacks '%s'", i, ds4_errmsg(),
+                               ms[i].needle);
+    }
+    ds4_free(base);
+}
+
 /* Each structural rule, applied to a valid config struct. */
 static void test_config_validate(void) {
     ds4_config base;
@@ -947,14 +1019,6 @@ static ds4_status parse_tree(const cJSON *r, ds4_config *c) {
     return s;
 }
 
-static cJSON *load_tree(const char *path) {
-    char *t;
-    size_t n;
-    if (ds4_read_file(path, &t, &n) != DS4_OK) return NULL;
-    cJSON *r = cJSON_ParseWithLength(t, n);
-    ds4_free(t);
-    return r;
-}
 
 static const char *str_at(const cJSON *arr, int i) {
     const cJSON *e = cJSON_GetArrayItem(arr, i);
@@ -1080,6 +1144,7 @@ int main(void) {
     RUN(test_truncated);
     RUN(test_atomic_write);
     RUN(test_config_flash);
+    RUN(test_config_0731);
     RUN(test_config_pro);
     RUN(test_config_tiny_files);
     RUN(test_config_roundtrip);

@@ -345,6 +345,117 @@ static void test_loss_falls(void) {
     CHECK(last < first - 1.0, "loss %g -> %g did not fall", first, last);
 }
 
+/* ---------------------------------------------------------------- a DeepSeek-V4-Flash-0731-shaped model */
+
+/* A model directory of `cfg` initialised from seed 3 (the main tensors' values depend on the seed and
+ * their names only, so a config with and one without DSpark get the same main model). */
+static void write_base(const ds4_config *cfg, const char *name, char *dir, size_t n) {
+    snprintf(dir, n, "%s/%s", g_dir, name);
+    ds4_model *m;
+    CHECK(ds4_model_create(cfg, &m) == DS4_OK, "%s", ds4_errmsg());
+    if (!m) return;
+    ds4_model_init_random(m, 3);
+    CHECK(ds4_model_save(m, dir, DS4_F32) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model_free(m);
+}
+
+/* Fine-tunes the model in `dir` for `steps` steps as run `run`. */
+static void finetune(const char *run, const char *dir, int steps) {
+    ds4_train_cfg c;
+    CHECK(cfg_for(&c, run, NULL, NULL) == DS4_OK, "%s", ds4_errmsg());
+    c.model_config[0] = 0;
+    snprintf(c.model_dir, sizeof c.model_dir, "%s", dir);
+    c.steps = steps;
+    CHECK(ds4_train_run(&c) == DS4_OK, "%s: %s", run, ds4_errmsg());
+}
+
+/* Tensors of file a named like those of file b (all of b's when `only_a` is false, else the ones b lacks)
+ * hold the same bytes; returns how many were compared. */
+static int64_t same_tensors(const char *a, const char *b, bool only_a) {
+    ds4_st_file *fa = NULL, *fb = NULL;
+    CHECK(ds4_st_open(a, &fa) == DS4_OK && ds4_st_open(b, &fb) == DS4_OK, "%s", ds4_errmsg());
+    int64_t n = 0;
+    for (int64_t i = 0; fa && fb && i < ds4_st_count(fa); i++) {
+        const ds4_st_entry *ea = ds4_st_entry_at(fa, i), *eb = ds4_st_find(fb, ea->name);
+        bool drafter = !strncmp(ea->name, "mtp.", 4);
+        if (drafter != only_a) continue;
+        CHECK(eb && eb->dtype == ea->dtype && eb->end - eb->begin == ea->end - ea->begin &&
+                  !memcmp(ds4_st_bytes(fa, ea), ds4_st_bytes(fb, eb), ea->end - ea->begin),
+              "%s: %s differs from %s", ea->name, a, b);
+        n++;
+    }
+    ds4_st_close(fa);
+    ds4_st_close(fb);
+    return n;
+}
+
+/* tiny-dspark: tiny-a's four layers plus three DSpark stages (mtp.0..2, 46 compress_ratios entries in
+ * the real 0731, 7 here), no NextN block. Fine-tuning it trains the main model exactly as the same
+ * model without the drafter (same losses, same weights, same AdamW state), carries the drafter
+ * unchanged through checkpoints and a bitwise resume, and exports it byte for byte. */
+static void test_dspark_carried(void) {
+    ds4_config dc, pc;
+    CHECK(ds4_config_load("tests/configs/tiny-dspark.json", &dc) == DS4_OK, "%s", ds4_errmsg());
+    pc = dc; /* the same model without the drafter */
+    pc.dspark_n_stages = pc.dspark_block_size = pc.dspark_noise_token_id = pc.dspark_markov_rank = 0;
+    pc.dspark_nextn_declared = 0;
+    memset(pc.dspark_target_layer_ids, 0, sizeof pc.dspark_target_layer_ids);
+    char base_d[512], base_p[512], a[600], b[600];
+    write_base(&dc, "base_dspark", base_d, sizeof base_d);
+    write_base(&pc, "base_plain", base_p, sizeof base_p);
+    finetune("dsp", base_d, 4);
+    finetune("dsp_resumed", base_d, 2);
+    finetune("dsp_resumed", base_d, 4);
+    finetune("plain", base_p, 4);
+    for (int s = 1; s <= 4; s++) {
+        snprintf(a, sizeof a, "%s/dsp.jsonl", g_dir);
+        snprintf(b, sizeof b, "%s/plain.jsonl", g_dir);
+        double ld = jsonl_loss(a, s), lp = jsonl_loss(b, s);
+        snprintf(b, sizeof b, "%s/dsp_resumed.jsonl", g_dir);
+        double lr = jsonl_loss(b, s);
+        CHECK(isfinite(ld) && ld == lp && ld == lr, "step %d: loss %.9g with the drafter, %.9g without, %.9g resumed", s, ld, lp, lr);
+    }
+    const char *files[] = {"model.safetensors", "optim.state"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(a, sizeof a, "%s/dsp/step-00000004/%s", g_dir, files[i]);
+        snprintf(b, sizeof b, "%s/dsp_resumed/step-00000004/%s", g_dir, files[i]);
+        CHECK(t_files_equal(a, b), "%s differs between the straight and the resumed run", files[i]);
+    }
+    /* the drafter has no AdamW state: the moments are those of the model without it */
+    snprintf(a, sizeof a, "%s/dsp/step-00000004/optim.state", g_dir);
+    snprintf(b, sizeof b, "%s/plain/step-00000004/optim.state", g_dir);
+    CHECK(t_files_equal(a, b), "the drafter changed the optimizer state");
+    /* main tensors as trained without the drafter; the drafter's as the base had them */
+    char ck[600], bf[600];
+    snprintf(ck, sizeof ck, "%s/dsp/step-00000004/model.safetensors", g_dir);
+    snprintf(b, sizeof b, "%s/plain/step-00000004/model.safetensors", g_dir);
+    CHECK(same_tensors(b, ck, false) == 210, "every tensor of the model without the drafter (210) is compared");
+    snprintf(bf, sizeof bf, "%s/model.safetensors", base_d);
+    CHECK(same_tensors(bf, ck, true) == 144, "the drafter's 144 tensors are carried unchanged");
+    CHECK(!t_files_equal(bf, ck), "training changed nothing");
+    /* export (bf16, official names): the drafter's bytes are those of the base's export */
+    char ex_ck[400], ex_base[400];
+    snprintf(ex_ck, sizeof ex_ck, "%s/dsp_export", g_dir);
+    snprintf(ex_base, sizeof ex_base, "%s/base_export", g_dir);
+    snprintf(a, sizeof a, "%s/dsp/step-00000004", g_dir);
+    ds4_convert_opts o = {.in_dir = a, .out_dir = ex_ck, .dtype = DS4_BF16, .model_shards_only = true};
+    ds4_convert_report r;
+    CHECK(ds4_convert(&o, &r) == DS4_OK, "%s", ds4_errmsg());
+    o.in_dir = base_d;
+    o.out_dir = ex_base;
+    CHECK(ds4_convert(&o, &r) == DS4_OK, "%s", ds4_errmsg());
+    snprintf(a, sizeof a, "%s/model.safetensors", ex_ck);
+    snprintf(b, sizeof b, "%s/model.safetensors", ex_base);
+    CHECK(same_tensors(b, a, true) == 144);
+    /* the export is a complete 0731-shaped model directory (ds4 inspect --check) */
+    ds4_model_dir *d;
+    int64_t problems = -1;
+    CHECK(ds4_model_dir_open(ex_ck, &d) == DS4_OK, "%s", ds4_errmsg());
+    if (d) CHECK(ds4_model_dir_check(d, NULL, NULL, &problems) == DS4_OK && problems == 0, "%lld problems", (long long)problems);
+    if (d) CHECK(ds4_model_dir_config(d)->dspark_n_stages == 3);
+    ds4_model_dir_close(d);
+}
+
 int main(int argc, char **argv) {
     (void)argc;
     snprintf(g_ds4, sizeof g_ds4, "%s", argv[0]);
@@ -365,6 +476,7 @@ int main(int argc, char **argv) {
     RUN(test_sigint_saves_and_exits_zero);
     RUN(test_kill9_during_saves_keeps_a_loadable_checkpoint);
     RUN(test_loss_falls);
+    RUN(test_dspark_carried);
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf %s", g_dir);
     if (!t_failed && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);

@@ -234,6 +234,56 @@ static void test_first_loss_matches_one_process(void) {
     CHECK_CLOSE(one.loss[1], two.loss[1], 1e-5, 1e-3);
 }
 
+/* The tensors of file a whose names start (drafter) or do not start with "mtp." have the same bytes in
+ * file b; returns how many were compared. */
+static int64_t same_tensors(const char *a, const char *b, bool drafter) {
+    ds4_st_file *x = NULL, *y = NULL;
+    CHECK(ds4_st_open(a, &x) == DS4_OK && ds4_st_open(b, &y) == DS4_OK, "%s", ds4_errmsg());
+    int64_t n = 0;
+    for (int64_t i = 0; x && y && i < ds4_st_count(x); i++) {
+        const ds4_st_entry *p = ds4_st_entry_at(x, i), *q = ds4_st_find(y, p->name);
+        if ((strncmp(p->name, "mtp.", 4) == 0) != drafter) continue;
+        CHECK(q && q->end - q->begin == p->end - p->begin && !memcmp(ds4_st_bytes(x, p), ds4_st_bytes(y, q), p->end - p->begin),
+              "%s differs between %s and %s", p->name, a, b);
+        n++;
+    }
+    ds4_st_close(x);
+    ds4_st_close(y);
+    return n;
+}
+
+/* A DeepSeek-V4-Flash-0731-shaped model (tests/configs/tiny-dspark.json) under FSDP: the drafter is
+ * whole on every rank, not trained, checkpointed after the streamed shards in the one-process layout
+ * and resumed bitwise; the main model trains as the same model without the drafter does. */
+static void test_dspark_under_two_ranks(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-dspark.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    c.dspark_n_stages = c.dspark_block_size = c.dspark_noise_token_id = c.dspark_markov_rank = c.dspark_nextn_declared = 0;
+    memset(c.dspark_target_layer_ids, 0, sizeof c.dspark_target_layer_ids);
+    char plain[600], flags[700], a[600], b[600];
+    snprintf(plain, sizeof plain, "%s/tiny-plain.json", g_dir);
+    CHECK(ds4_config_save(&c, plain) == DS4_OK, "%s", ds4_errmsg());
+    const char *dsp = "--model.config tests/configs/tiny-dspark.json";
+    CHECK(mpi_train("dsp2", dsp, NULL, 0) == 0);
+    snprintf(flags, sizeof flags, "%s --training.steps 2", dsp);
+    CHECK(mpi_train("dsp2_resumed", flags, NULL, 0) == 0);
+    CHECK(mpi_train("dsp2_resumed", dsp, NULL, 0) == 0);
+    snprintf(flags, sizeof flags, "--model.config %s", plain);
+    CHECK(mpi_train("plain2", flags, NULL, 0) == 0);
+    same_losses("dsp2", "dsp2_resumed", 1, 4);
+    same_checkpoint("dsp2", "dsp2_resumed", 4);
+    same_losses("dsp2", "plain2", 1, 4);
+    CHECK(same_file("dsp2", "plain2", 4, "optim.state"), "the drafter changed the optimizer state");
+    snprintf(a, sizeof a, "%s/plain2/step-00000004/model.safetensors", g_dir);
+    snprintf(b, sizeof b, "%s/dsp2/step-00000004/model.safetensors", g_dir);
+    CHECK(same_tensors(a, b, false) == 210, "the main model's 210 tensors are those trained without the drafter");
+    /* one process, one step: the same layout, and the drafter (same seed, never trained) the same bytes */
+    CHECK(local_train("dsp1", "model.config", "tests/configs/tiny-dspark.json") == DS4_OK, "%s", ds4_errmsg());
+    snprintf(a, sizeof a, "%s/dsp1/step-00000004/model.safetensors", g_dir);
+    same_layout(a, b);
+    CHECK(same_tensors(a, b, true) == 144, "the drafter's 144 tensors are carried unchanged");
+}
+
 /* kill -USR1 <mpirun>: mpirun forwards it to the ranks, which finish the step, save and exit 0. */
 static void test_sigusr1_stops_every_rank_with_a_checkpoint(void) {
     char cmd[4096], jl[600];
@@ -437,6 +487,7 @@ int main(int argc, char **argv) {
     RUN(test_resume_is_bitwise_under_two_ranks);
     RUN(test_two_rank_checkpoint_loads_in_one_process);
     RUN(test_first_loss_matches_one_process);
+    RUN(test_dspark_under_two_ranks);
     RUN(test_bad_ep_fails_on_every_rank);
     RUN(test_unusable_checkpoint_folder_fails_on_every_rank);
     t_cur_failed = 0; /* RUN takes no argument */

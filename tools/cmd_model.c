@@ -243,7 +243,7 @@ static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64
     }
     for (int64_t i = 0; st == DS4_OK && i < ds4_model_nparams(m); i++) {
         ds4_param *pr = ds4_model_param(m, i);
-        if (pr->is_int) continue;
+        if (!ds4_param_in_flat(pr)) continue;
         snprintf(gnames[i], 120, "grad.%s", pr->name);
         st = ds4_st_writer_add(w, gnames[i], DS4_F32, pr->ndim, pr->shape, pr->grad);
     }

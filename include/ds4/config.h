@@ -10,6 +10,8 @@ extern "C" {
 #endif
 
 #define DS4_MAX_LAYERS 256
+/* DSpark drafter stages ds4 accepts (DeepSeek-V4-Flash-0731 has 3, one per dspark_target_layer_ids entry). */
+#define DS4_MAX_DSPARK_STAGES 8
 /* The longest context ds4 accepts: max_position_embeddings, and a decoder's length when the config
  * gives none (16M tokens; DeepSeek-V4 has 1M). */
 #define DS4_MAX_POSITIONS ((int64_t)1 << 24)
@@ -27,7 +29,8 @@ typedef struct {
     int64_t o_groups;              /* o_groups */
     int64_t o_lora_rank;           /* o_lora_rank */
     int64_t window;                /* sliding_window */
-    int64_t compress_ratios[DS4_MAX_LAYERS]; /* compress_ratios: n_layers + n_mtp_layers entries */
+    /* compress_ratios: n_layers + n_mtp_layers + dspark_n_stages entries (main layers, MTP, DSpark stages) */
+    int64_t compress_ratios[DS4_MAX_LAYERS];
     int64_t index_n_heads;         /* index_n_heads */
     int64_t index_head_dim;        /* index_head_dim */
     int64_t index_topk;            /* index_topk */
@@ -53,6 +56,15 @@ typedef struct {
     double mtp_loss_weight;        /* default 0.3 */
     double indexer_loss_coeff;     /* default 0.01 */
     bool csa_dense;                /* default false */
+    /* DSpark speculative-decoding drafter (DeepSeek-V4-Flash-0731, docs/dspark.md): its stages are the
+     * checkpoint's mtp.0 .. mtp.S-1, so a config with DSpark has no NextN block of its own (n_mtp_layers 0).
+     * ds4 carries the drafter's tensors (loads, checkpoints and exports them) and does not train them. */
+    int64_t dspark_n_stages;       /* len(dspark_target_layer_ids); 0 = no DSpark */
+    int64_t dspark_target_layer_ids[DS4_MAX_DSPARK_STAGES]; /* main layers whose outputs feed stage 0 */
+    int64_t dspark_block_size;     /* dspark_block_size: draft tokens per step (5) */
+    int64_t dspark_noise_token_id; /* dspark_noise_token_id: the mask token of the draft block */
+    int64_t dspark_markov_rank;    /* dspark_markov_rank: rank of the Markov head (256) */
+    int64_t dspark_nextn_declared; /* num_nextn_predict_layers as a DSpark config.json states it (1), written back */
     /* checkpoint format */
     bool quantized;                /* quantization_config present (fp8) */
     bool expert_fp4;               /* expert_dtype == "fp4" */

@@ -26,11 +26,16 @@ typedef struct {
     bool is_int;        /* tid2eid */
     bool no_decay;      /* norms, biases, mHC base/scale, sinks, ape: no weight decay */
     bool no_grad;       /* router bias: updated by the load-balancing rule, not by gradients */
+    bool carried;       /* the DSpark drafter's (mtp.* of a DSpark config): its own fp32 buffer outside the flat
+                         * layout, no gradient, loaded / checkpointed / exported, never trained */
     ds4_init_rule init; /* the table's init rule (ds4/tensors.h) */
     float *data;        /* fp32 value (NULL when is_int) */
-    float *grad;        /* fp32 gradient (NULL when is_int) */
+    float *grad;        /* fp32 gradient (NULL when is_int or carried) */
     int64_t *idata;     /* int table (NULL unless is_int) */
 } ds4_param;
+
+/* A float tensor of the flat layout (the trained ones, the router bias included). */
+static inline bool ds4_param_in_flat(const ds4_param *p) { return !p->is_int && !p->carried; }
 
 typedef struct ds4_model ds4_model;
 

@@ -98,4 +98,21 @@ typedef enum {
     X(mtp_hc_head_base, 1, n, 0, "mtp.0.hc_head_base", 0, ZERO, 1)          \
     X(mtp_hc_head_scale, 1, 1, 0, "mtp.0.hc_head_scale", 0, ONE, 1)
 
+/* The DSpark drafter of DeepSeek-V4-Flash-0731 (docs/dspark.md). Stage s of S (S = T =
+ * len(dspark_target_layer_ids)) is a block named "mtp.s" (window only, score-routed: the lists above),
+ * stage 0 also has FIRST (main_proj fuses the T target layers' outputs), stage S-1 also LAST (R =
+ * dspark_markov_rank). Names after "mtp.s.". ds4 carries them (loads, checkpoints, exports) and trains
+ * none of them; the init rules only fill a fresh model. */
+#define DS4_DSPARK_FIRST_TENSORS(X)                                  \
+    X(main_proj, 2, D, T * D, "main_proj.weight", 0, NORMAL, 0)      \
+    X(main_norm, 1, D, 0, "main_norm.weight", 0, ONE, 0)
+#define DS4_DSPARK_LAST_TENSORS(X)                                                    \
+    X(norm, 1, D, 0, "norm.weight", 0, ONE, 0)                                        \
+    X(hc_head_fn, 2, n, n * D, "hc_head_fn", 0, NORMAL, 1)                            \
+    X(hc_head_base, 1, n, 0, "hc_head_base", 0, ZERO, 1)                              \
+    X(hc_head_scale, 1, 1, 0, "hc_head_scale", 0, ONE, 1)                             \
+    X(markov_w1, 2, V, R, "markov_head.markov_w1.weight", 0, NORMAL, 0)               \
+    X(markov_w2, 2, V, R, "markov_head.markov_w2.weight", 0, NORMAL, 0)               \
+    X(confidence, 2, 1, D + R, "confidence_head.proj.weight", 0, NORMAL, 0)
+
 #endif

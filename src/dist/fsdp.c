@@ -369,7 +369,7 @@ static void for_each_overlap(const ds4_fsdp *f, overlap_fn fn, void *ctx) {
     const float *flat = ds4_model_params_flat(m);
     for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
         ds4_param *p = ds4_model_param(m, i);
-        if (p->is_int) continue;
+        if (!ds4_param_in_flat(p)) continue;
         int64_t a = p->data - flat, b = a + p->numel;
         for (int64_t j = 0; j < f->npieces; j++) {
             const piece *q = &f->pieces[j];
@@ -393,8 +393,8 @@ ds4_status ds4_fsdp_init_random(ds4_fsdp *f, uint64_t seed) {
     if (planning(f)) return DS4_OK;
     init_ctx c = {f, seed};
     for_each_overlap(f, init_overlap, &c);
-    for (int64_t i = 0; i < ds4_model_nparams(f->m); i++)
-        if (ds4_model_param(f->m, i)->is_int) ds4_model_init_param(f->m, i, seed);
+    for (int64_t i = 0; i < ds4_model_nparams(f->m); i++) /* the tables and carried tensors: whole on every rank */
+        if (!ds4_param_in_flat(ds4_model_param(f->m, i))) ds4_model_init_param(f->m, i, seed);
     return DS4_OK;
 }
 
@@ -407,7 +407,7 @@ ds4_status ds4_fsdp_load(ds4_fsdp *f, const ds4_model_dir *d) {
         ds4_status st = DS4_OK;
         for (int64_t i = 0; st == DS4_OK && i < ds4_model_nparams(m); i++) {
             ds4_param *p = ds4_model_param(m, i);
-            int64_t a = p->is_int ? -1 : p->data - flat;
+            int64_t a = ds4_param_in_flat(p) ? p->data - flat : -1;
             if (a >= q->start && a < q->end) st = ds4_model_load_param(m, d, i);
         }
         if (st == DS4_OK && !planning(f))
@@ -415,8 +415,8 @@ ds4_status ds4_fsdp_load(ds4_fsdp *f, const ds4_model_dir *d) {
         ds4_model_unmap(m, q->start, q->map_end, false);
         DS4_TRY(st);
     }
-    for (int64_t i = 0; i < ds4_model_nparams(m); i++)
-        if (ds4_model_param(m, i)->is_int) DS4_TRY(ds4_model_load_param(m, d, i));
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) /* the tables and carried tensors: whole on every rank */
+        if (!ds4_param_in_flat(ds4_model_param(m, i))) DS4_TRY(ds4_model_load_param(m, d, i));
     return DS4_OK;
 }
 
@@ -462,8 +462,8 @@ static int64_t *packed_offsets(ds4_model *m) {
     int64_t *o = ds4_alloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(int64_t));
     for (int64_t i = 0; o && i < np; i++) {
         ds4_param *p = ds4_model_param(m, i);
-        o[i] = p->is_int ? -1 : off;
-        off += p->is_int ? 0 : p->numel;
+        o[i] = ds4_param_in_flat(p) ? off : -1;
+        off += ds4_param_in_flat(p) ? p->numel : 0;
     }
     return o;
 }
@@ -472,7 +472,7 @@ int64_t ds4_fsdp_packed_numel(const ds4_fsdp *f) {
     int64_t n = 0;
     for (int64_t i = 0; i < ds4_model_nparams(f->m); i++) {
         const ds4_param *p = ds4_model_param(f->m, i);
-        n += p->is_int ? 0 : p->numel;
+        n += ds4_param_in_flat(p) ? p->numel : 0;
     }
     return n;
 }
@@ -497,7 +497,7 @@ ds4_status ds4_fsdp_stream_packed(ds4_fsdp *f, const float *shard, int root, ds4
         st = gather_region(f, i, shard, tmp, root, v);
         for (; st == DS4_OK && pi < np; pi++) { /* the parameters that start in this region */
             ds4_param *p = ds4_model_param(m, pi);
-            if (p->is_int) continue;
+            if (!ds4_param_in_flat(p)) continue;
             int64_t a = p->data - flat;
             if (a >= g->end) break;
             if (here && sunk == DS4_OK) sunk = sink(ctx, pi, tmp + (a - g->start), p->numel);

@@ -107,6 +107,12 @@ static const config_key k_keys[] = {
     {ANY("mtp_loss_weight", J_NUM, false), F64(mtp_loss_weight, 0.3), SAVE(43)},
     {ANY("indexer_loss_coeff", J_NUM, false), F64(indexer_loss_coeff, 0.01), SAVE(44)},
     {ANY("csa_dense", J_BOOL, false), BOOL(csa_dense), SAVE(45)},
+    /* the DSpark drafter of DeepSeek-V4-Flash-0731 (docs/dspark.md): the four come together; parse_dspark
+     * reads and range-checks them */
+    {ANY("dspark_block_size", J_INT, false), SAVE(46)},
+    {ANY("dspark_noise_token_id", J_INT, false), SAVE(47)},
+    {ANY("dspark_target_layer_ids", J_ARR, false), SAVE(48)},
+    {ANY("dspark_markov_rank", J_INT, false), SAVE(49)},
     /* Hugging Face boilerplate: accepted, ignored */
     {ANY("architectures", J_ARR, false), SAVE(1)},
     {ANY("model_type", J_STR, false), SAVE(2)},
@@ -442,7 +448,7 @@ static ds4_status parse_hf_layers(const cJSON *root, const char *path, ds4_confi
     if (n != cfg->n_layers)
         return ds4_fail(DS4_ERR_CONFIG, "%s: key 'layer_types' has %" PRId64 " entries, expected num_hidden_layers = %" PRId64
                         " (no MTP entry)", path, n, cfg->n_layers);
-    for (int64_t l = n; l < n + cfg->n_mtp_layers && l < DS4_MAX_LAYERS; l++) cfg->compress_ratios[l] = 0;
+    for (int64_t l = n; l < n + cfg->n_mtp_layers + cfg->dspark_n_stages && l < DS4_MAX_LAYERS; l++) cfg->compress_ratios[l] = 0;
     return DS4_OK;
 }
 
@@ -553,6 +559,57 @@ static ds4_status parse_hf_rope(const cJSON *root, const char *path, ds4_config 
     return parse_rope_dict(root, cmp, "rope_parameters.compress", "compress_rope_theta", true, path, cfg);
 }
 
+/* ---------------------------------------------------------------- DSpark */
+
+static const char *const k_dspark_keys[] = {"dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
+                                            "dspark_markov_rank"};
+
+/* An integer DSpark key in [lo, hi], naming the key. */
+static ds4_status dspark_int(const cJSON *root, const char *key, int64_t lo, int64_t hi, const char *path, int64_t *out) {
+    int64_t v = get_int(root, key, 0);
+    if (v < lo || v > hi)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' = %" PRId64 " is out of range [%" PRId64 ", %" PRId64 "]", path, key, v, lo, hi);
+    *out = v;
+    return DS4_OK;
+}
+
+/* The DSpark keys (all four or none). dspark_target_layer_ids: 1 to DS4_MAX_DSPARK_STAGES main layers,
+ * strictly increasing (DeepSpec's rule; -1, the embedding output, is allowed as DeepSpec allows it); one
+ * drafter stage per entry. The stages own the checkpoint's mtp.* names, so the NextN block the config
+ * declares (num_nextn_predict_layers: 1 in 0731) has no tensors: ds4 keeps the declared count to write
+ * it back and runs no MTP block. */
+static ds4_status parse_dspark(const cJSON *root, const char *path, ds4_config *cfg) {
+    int have = 0;
+    for (int i = 0; i < 4; i++) have += get(root, k_dspark_keys[i]) != NULL;
+    if (have == 0) return DS4_OK;
+    for (int i = 0; have < 4 && i < 4; i++)
+        if (!get(root, k_dspark_keys[i]))
+            return ds4_fail(DS4_ERR_CONFIG, "%s: required key '%s' is missing (the DSpark keys dspark_block_size, "
+                            "dspark_noise_token_id, dspark_target_layer_ids and dspark_markov_rank come together)", path,
+                            k_dspark_keys[i]);
+    DS4_TRY(dspark_int(root, "dspark_block_size", 1, 256, path, &cfg->dspark_block_size));
+    DS4_TRY(dspark_int(root, "dspark_noise_token_id", 0, cfg->vocab_size - 1, path, &cfg->dspark_noise_token_id));
+    DS4_TRY(dspark_int(root, "dspark_markov_rank", 1, 1 << 16, path, &cfg->dspark_markov_rank));
+    int64_t n = 0;
+    for (const cJSON *c = get(root, "dspark_target_layer_ids")->child; c; c = c->next, n++) {
+        if (n >= DS4_MAX_DSPARK_STAGES)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'dspark_target_layer_ids' has more than %d entries", path, DS4_MAX_DSPARK_STAGES);
+        int64_t id = is_int(c) ? (int64_t)c->valuedouble : INT64_MIN;
+        if (id < -1 || id >= cfg->n_layers)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'dspark_target_layer_ids' entry %" PRId64 " must be an integer in [-1, "
+                            "num_hidden_layers = %" PRId64 ")", path, n, cfg->n_layers);
+        if (n > 0 && id <= cfg->dspark_target_layer_ids[n - 1])
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'dspark_target_layer_ids' entry %" PRId64 " (%" PRId64 ") is not above "
+                            "the one before; the ids must be strictly increasing", path, n, id);
+        cfg->dspark_target_layer_ids[n] = id;
+    }
+    if (n == 0) return ds4_fail(DS4_ERR_CONFIG, "%s: key 'dspark_target_layer_ids' is empty, needs one main layer per stage", path);
+    cfg->dspark_n_stages = n;
+    cfg->dspark_nextn_declared = cfg->n_mtp_layers;
+    cfg->n_mtp_layers = 0;
+    return DS4_OK;
+}
+
 /* ---------------------------------------------------------------- parse */
 
 static ds4_status validate(const ds4_config *c, const char *path, bool hf);
@@ -564,6 +621,7 @@ static ds4_status parse_root(const cJSON *root, const char *path, ds4_config *cf
     DS4_TRY(check_keys(root, path, hf));
     read_fields(root, *hf, cfg);
     DS4_TRY(check_ranges(cfg, path, *hf));   /* before any count is derived from them (validate repeats it) */
+    DS4_TRY(parse_dspark(root, path, cfg));
 
     if (*hf) {
         DS4_TRY(parse_hf_layers(root, path, cfg));
@@ -579,7 +637,11 @@ static ds4_status parse_root(const cJSON *root, const char *path, ds4_config *cf
             if (!is_int(c)) return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' entry %" PRId64 " is not an integer", path, nr);
             cfg->compress_ratios[nr] = (int64_t)c->valuedouble;
         }
-        if (nr != cfg->n_layers + cfg->n_mtp_layers)
+        if (cfg->dspark_n_stages > 0 && nr != cfg->n_layers + cfg->dspark_n_stages)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has %" PRId64 " entries, expected num_hidden_layers + "
+                            "one per DSpark stage (len(dspark_target_layer_ids)) = %" PRId64, path, nr,
+                            cfg->n_layers + cfg->dspark_n_stages);
+        if (nr != cfg->n_layers + cfg->n_mtp_layers + cfg->dspark_n_stages)
             return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has %" PRId64 " entries, expected num_hidden_layers + "
                             "num_nextn_predict_layers = %" PRId64, path, nr, cfg->n_layers + cfg->n_mtp_layers);
         DS4_TRY(parse_rope_scaling(get(root, "rope_scaling"), path, cfg));
@@ -662,6 +724,34 @@ static ds4_status check_ranges(const ds4_config *c, const char *path, bool hf) {
     return DS4_OK;
 }
 
+/* The DSpark settings of a config built in code (parse_dspark checks a config.json the same way). */
+static ds4_status validate_dspark(const ds4_config *c, const char *path) {
+    if (c->dspark_n_stages == 0) return DS4_OK;
+    if (c->dspark_n_stages < 0 || c->dspark_n_stages > DS4_MAX_DSPARK_STAGES)
+        BAD("%s: key 'dspark_target_layer_ids' has %" PRId64 " entries, must have 1 to %d", path, c->dspark_n_stages,
+            DS4_MAX_DSPARK_STAGES);
+    if (c->n_mtp_layers != 0)
+        BAD("%s: a DSpark config has no NextN block of its own (the stages are mtp.*), n_mtp_layers must be 0", path);
+    if (c->dspark_nextn_declared < 0 || c->dspark_nextn_declared > 1)
+        BAD("%s: key 'num_nextn_predict_layers' = %" PRId64 " is out of range [0, 1]", path, c->dspark_nextn_declared);
+    if (c->n_layers + c->dspark_n_stages > DS4_MAX_LAYERS)
+        BAD("%s: num_hidden_layers + the DSpark stages exceed %d", path, DS4_MAX_LAYERS);
+    if (c->dspark_block_size < 1 || c->dspark_block_size > 256)
+        BAD("%s: key 'dspark_block_size' = %" PRId64 " is out of range [1, 256]", path, c->dspark_block_size);
+    if (c->dspark_noise_token_id < 0 || c->dspark_noise_token_id >= c->vocab_size)
+        BAD("%s: key 'dspark_noise_token_id' = %" PRId64 " is out of range [0, %" PRId64 "]", path, c->dspark_noise_token_id,
+            c->vocab_size - 1);
+    if (c->dspark_markov_rank < 1 || c->dspark_markov_rank > (1 << 16))
+        BAD("%s: key 'dspark_markov_rank' = %" PRId64 " is out of range [1, 65536]", path, c->dspark_markov_rank);
+    for (int64_t s = 0; s < c->dspark_n_stages; s++) {
+        int64_t id = c->dspark_target_layer_ids[s];
+        if (id < -1 || id >= c->n_layers || (s > 0 && id <= c->dspark_target_layer_ids[s - 1]))
+            BAD("%s: key 'dspark_target_layer_ids' entry %" PRId64 " (%" PRId64 ") must be in [-1, %" PRId64 ") and above the one "
+                "before", path, s, id, c->n_layers);
+    }
+    return DS4_OK;
+}
+
 /* hf: name the transformers key where a message would name a DeepSeek-only one. */
 static ds4_status validate(const ds4_config *c, const char *path, bool hf) {
     if (!path) path = "config";
@@ -681,13 +771,15 @@ static ds4_status validate(const ds4_config *c, const char *path, bool hf) {
         BAD("%s: num_attention_heads * head_dim overflows", path);
     if (q_dim % c->o_groups != 0)
         BAD("%s: key 'o_groups' (%" PRId64 ") does not divide num_attention_heads * head_dim = %" PRId64, path, c->o_groups, q_dim);
-    for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers; l++) {
+    DS4_TRY(validate_dspark(c, path));
+    for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers + c->dspark_n_stages; l++) {
         int64_t r = c->compress_ratios[l];
         if (r < 0 || r == 1 || r > MAX_COMPRESS_RATIO)
             BAD("%s: key 'compress_ratios' entry %" PRId64 " is %" PRId64 ", must be 0 (window only) or in [2, %d]", path, l, r,
                 MAX_COMPRESS_RATIO);
         if (l >= c->n_layers && r != 0)
-            BAD("%s: key 'compress_ratios' entry %" PRId64 " (MTP layer) is %" PRId64 ", must be 0", path, l, r);
+            BAD("%s: key 'compress_ratios' entry %" PRId64 " (%s) is %" PRId64 ", must be 0 (sliding window only)", path, l,
+                l < c->n_layers + c->n_mtp_layers ? "MTP layer" : "DSpark stage", r);
     }
     if (c->n_activated_experts > c->n_routed_experts)
         BAD("%s: key 'num_experts_per_tok' (%" PRId64 ") exceeds n_routed_experts (%" PRId64 ")", path, c->n_activated_experts,
@@ -742,6 +834,22 @@ static void add_item(cJSON *o, const char *key, cJSON *item) {
     if (!cJSON_AddItemToObject(o, key, item)) cJSON_Delete(item);
 }
 
+/* DSpark key `key` of c into r (none without DSpark). */
+static void save_dspark_key(cJSON *r, const ds4_config *c, const char *key) {
+    if (c->dspark_n_stages == 0) return;
+    if (!strcmp(key, "dspark_target_layer_ids")) {
+        cJSON *ids = cJSON_AddArrayToObject(r, key);
+        for (int64_t s = 0; s < c->dspark_n_stages; s++) {
+            cJSON *id = cJSON_CreateNumber((double)c->dspark_target_layer_ids[s]);
+            if (!cJSON_AddItemToArray(ids, id)) cJSON_Delete(id); /* ids NULL: out of memory, counted */
+        }
+        return;
+    }
+    int64_t v = !strcmp(key, "dspark_block_size") ? c->dspark_block_size
+                : !strcmp(key, "dspark_noise_token_id") ? c->dspark_noise_token_id : c->dspark_markov_rank;
+    cJSON_AddNumberToObject(r, key, (double)v);
+}
+
 /* Key k of c into r; the structured ones (compress_ratios, rope_scaling, quantization_config) and the
  * optional expert_dtype by hand. */
 static void save_key(cJSON *r, const ds4_config *c, const config_key *k) {
@@ -749,6 +857,7 @@ static void save_key(cJSON *r, const ds4_config *c, const config_key *k) {
     if (k->type == T_I64) {
         int64_t v;
         memcpy(&v, f, sizeof v);
+        if (k->field == offsetof(ds4_config, n_mtp_layers) && c->dspark_n_stages > 0) v = c->dspark_nextn_declared;
         cJSON_AddNumberToObject(r, k->key, (double)v);
     } else if (k->type == T_F64) {
         double v;
@@ -787,9 +896,11 @@ static void save_key(cJSON *r, const ds4_config *c, const config_key *k) {
         cJSON_AddNumberToObject(rs, "factor", c->rope_factor);
         cJSON_AddNumberToObject(rs, "original_max_position_embeddings", (double)c->original_seq_len);
         cJSON_AddStringToObject(rs, "type", "yarn");
+    } else if (!strncmp(k->key, "dspark_", 7)) {
+        save_dspark_key(r, c, k->key);
     } else if (!strcmp(k->key, "compress_ratios")) {
         cJSON *cr = cJSON_AddArrayToObject(r, k->key);
-        for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers; l++) {
+        for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers + c->dspark_n_stages; l++) {
             cJSON *ratio = cJSON_CreateNumber((double)c->compress_ratios[l]);
             if (!cJSON_AddItemToArray(cr, ratio)) cJSON_Delete(ratio); /* cr NULL: out of memory, counted */
         }
@@ -880,7 +991,8 @@ static void add_hf_spelling(cJSON *r, const ds4_config *c, int64_t hca) {
 
 static void add_ds_spelling(cJSON *r, const ds4_config *c) {
     cJSON *cr = cJSON_AddArrayToObject(r, "compress_ratios");
-    for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers; l++) cJSON_AddItemToArray(cr, cJSON_CreateNumber((double)c->compress_ratios[l]));
+    for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers + c->dspark_n_stages; l++)
+        cJSON_AddItemToArray(cr, cJSON_CreateNumber((double)c->compress_ratios[l]));
     add_num(r, "num_hash_layers", (double)c->n_hash_layers);
     add_num(r, "qk_rope_head_dim", (double)c->rope_head_dim);
     if (c->original_seq_len > 0) {

@@ -1,7 +1,8 @@
 /* The order of the parameter table (docs/dsv4-architecture.md §8.1): embed; per block the lists of
  * ds4/tensors.h in order, a compressor where the layer compresses (r > 0), the indexer and its
  * compressor on CSA layers (r = 4), the router bias or, on hash layers, tid2eid, each routed expert
- * in a region of its own, the shared experts; the head; the MTP block and its extras. */
+ * in a region of its own, the shared experts; the head; the MTP block and its extras; the DSpark stages
+ * (carried, outside the regions). */
 #include "model/param_table.h"
 
 #include "ds4/io.h"
@@ -14,7 +15,7 @@ static void emit(param_walk *w, float **ws, float **gs, int ndim, int64_t d0, in
 static void emit(param_walk *w, float **ws, float **gs, int ndim, int64_t d0, int64_t d1, ds4_init_rule init,
                  const char *fmt, ...) {
     if (w->stopped) return;
-    param_entry e = {.ndim = ndim, .shape = {d0, d1}, .init = init, .w = ws, .g = gs};
+    param_entry e = {.ndim = ndim, .shape = {d0, d1}, .init = init, .w = ws, .g = gs, .carried = w->carrying};
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(e.name, sizeof e.name, fmt, ap);
@@ -23,7 +24,7 @@ static void emit(param_walk *w, float **ws, float **gs, int ndim, int64_t d0, in
 }
 
 static void region(param_walk *w, int64_t group, int64_t expert) {
-    if (!w->stopped && w->region) w->region(w, group, expert);
+    if (!w->stopped && !w->carrying && w->region) w->region(w, group, expert);
 }
 
 /* An entry of a list: the slot `field` of struct pointers W / G (NULL in a walk without slots). */
@@ -39,7 +40,7 @@ static void compressor(param_walk *w, compressor_w *W, compressor_w *G, const ch
 
 static void block(param_walk *w, int64_t l, const char *pre, int64_t group) {
     const ds4_config *c = w->c;
-    block_w *W = w->W ? &w->W->blocks[l] : NULL, *G = w->G ? &w->G->blocks[l] : NULL;
+    block_w *W = w->W && !w->carrying ? &w->W->blocks[l] : NULL, *G = w->G && !w->carrying ? &w->G->blocks[l] : NULL;
     const int64_t D = c->dim, n = c->hc_mult, M = mix_hc(c), H = c->n_heads, hd = c->head_dim, q = c->q_lora_rank;
     const int64_t Og = c->o_groups, GR = c->o_groups * c->o_lora_rank, r = ds4_layer_ratio(c, l);
     const int64_t E = c->n_routed_experts, I = c->moe_inter_dim, Is = I * c->n_shared_experts;
@@ -80,6 +81,28 @@ static void block(param_walk *w, int64_t l, const char *pre, int64_t group) {
 #undef X
 }
 
+/* The DSpark stages after everything else (in no group: carried entries have no flat storage). Stage s
+ * reads compress_ratios[n_layers + s] (0) and routes by score, as the stages of the checkpoint do. */
+static void dspark_stages(param_walk *w) {
+    const ds4_config *c = w->c;
+    const int64_t D = c->dim, V = c->vocab_size, n = c->hc_mult, T = c->dspark_n_stages, R = c->dspark_markov_rank;
+    w->carrying = true;
+    for (int64_t s = 0; s < c->dspark_n_stages; s++) {
+        char pre[32];
+        snprintf(pre, sizeof pre, "mtp.%lld", (long long)s);
+        block(w, c->n_layers + c->n_mtp_layers + s, pre, -1);
+#define X(field, nd, a, b, nm, hf, rule, f32) emit(w, NULL, NULL, nd, a, b, DS4_INIT_##rule, "%s." nm, pre);
+        if (s == 0) {
+            DS4_DSPARK_FIRST_TENSORS(X)
+        }
+        if (s == c->dspark_n_stages - 1) {
+            DS4_DSPARK_LAST_TENSORS(X)
+        }
+#undef X
+    }
+    w->carrying = false;
+}
+
 void param_walk_run(param_walk *w) {
     const ds4_config *c = w->c;
     model_w *W = w->W, *G = w->G;
@@ -101,6 +124,7 @@ void param_walk_run(param_walk *w) {
         DS4_MTP_TENSORS(X)
     }
 #undef X
+    dspark_stages(w);
 }
 
 /* ------------------------------------------------------------------ the table without a model */

@@ -14,6 +14,7 @@ typedef struct {
     int ndim;
     int64_t shape[2];
     ds4_init_rule init;   /* also decides weight decay, gradients and int storage */
+    bool carried;         /* the DSpark drafter's: kept outside the flat layout, never trained */
     float **w, **g;       /* its slots in the walk's value / gradient structs; NULL without them or for ints */
 } param_entry;
 
@@ -27,6 +28,7 @@ struct param_walk {
     /* the next tensor; returns false to stop the walk */
     bool (*tensor)(param_walk *w, const param_entry *e);
     bool stopped;
+    bool carrying;   /* inside the DSpark stages: entries are carried, no regions, no slots */
 };
 
 void param_walk_run(param_walk *w);

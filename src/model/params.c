@@ -102,12 +102,14 @@ static void on_region(param_walk *w, int64_t group, int64_t expert) { region_beg
 
 static bool on_tensor(param_walk *w, const param_entry *e) {
     table_builder *tb = w->ctx;
-    ds4_param *p = e->init == DS4_INIT_EXPERT_IDS ? add_entry(tb, e) : reg(tb, e->w, e->g, e);
+    bool own = e->init == DS4_INIT_EXPERT_IDS || e->carried; /* storage of its own, not in the flat layout */
+    ds4_param *p = own ? add_entry(tb, e) : reg(tb, e->w, e->g, e);
     if (p) {
         p->init = e->init;
         p->is_int = e->init == DS4_INIT_EXPERT_IDS;
-        p->no_decay = e->init != DS4_INIT_NORMAL;
-        p->no_grad = e->init == DS4_INIT_ZERO_FROZEN || e->init == DS4_INIT_EXPERT_IDS;
+        p->carried = e->carried;
+        p->no_decay = e->init != DS4_INIT_NORMAL || e->carried;
+        p->no_grad = e->init == DS4_INIT_ZERO_FROZEN || e->init == DS4_INIT_EXPERT_IDS || e->carried;
     }
     return tb->st == DS4_OK;
 }
@@ -164,9 +166,10 @@ static ds4_status model_create(const ds4_exec *exec, const ds4_config *cfg, bool
         p->grad = *tb.binds[i].gslot = m->gflat + tb.binds[i].offset;
     }
     ds4_free(tb.binds);
-    /* the integer tables */
+    /* the carried tensors (fp32, no gradient) and the integer tables */
     for (int64_t i = 0; i < m->nparams; i++) {
         ds4_param *p = &m->params[i];
+        if (p->carried && !(p->data = ds4_calloc(DS4_MEM_PARAM, (size_t)p->numel * sizeof(float)))) goto oom;
         if (!p->is_int) continue;
         p->idata = ds4_calloc(DS4_MEM_PARAM, (size_t)p->numel * sizeof(int64_t));
         if (!p->idata) goto oom;
@@ -192,7 +195,10 @@ static void free_range(float *p, size_t bytes, bool unmapped) {
 
 void ds4_model_free(ds4_model *m) {
     if (!m) return;
-    for (int64_t i = 0; i < m->nparams; i++) ds4_free(m->params[i].idata);
+    for (int64_t i = 0; i < m->nparams; i++) {
+        ds4_free(m->params[i].idata);
+        if (m->params[i].carried) ds4_free(m->params[i].data);
+    }
     ds4_free(m->params);
     if (m->w.blocks)
         for (int64_t l = 0; l < n_blocks(&m->cfg); l++) ds4_free(m->w.blocks[l].experts);
@@ -257,6 +263,7 @@ ds4_param *ds4_model_find(ds4_model *m, const char *name) {
 /* ------------------------------------------------------------------ router bias */
 int64_t ds4_param_router_block(const ds4_config *c, const ds4_param *p) {
     const char *suffix = ".ffn.gate.bias";
+    if (p->carried) return -1; /* a DSpark stage's router is not balanced: it does not run */
     size_t n = strlen(p->name), k = strlen(suffix);
     if (n < k || strcmp(p->name + n - k, suffix) != 0) return -1;
     long long b;
@@ -352,23 +359,34 @@ ds4_status ds4_model_save(ds4_model *m, const char *dir, ds4_dtype float_dtype) 
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
     DS4_TRY(ds4_config_save(&m->cfg, path));
-    uint16_t *bf = NULL;
+    uint16_t *bf = NULL, *cbf = NULL; /* the flat layout and the carried tensors in bf16 */
+    int64_t ncarried = 0;
+    for (int64_t i = 0; i < m->nparams; i++) ncarried += m->params[i].carried ? m->params[i].numel : 0;
     if (float_dtype == DS4_BF16) {
         bf = ds4_alloc(DS4_MEM_OTHER, (size_t)m->numel * 2);
-        if (!bf) return DS4_ERR_OOM;
+        cbf = ncarried ? ds4_alloc(DS4_MEM_OTHER, (size_t)ncarried * 2) : NULL;
+        if (!bf || (ncarried && !cbf)) {
+            ds4_free(bf);
+            return DS4_ERR_OOM;
+        }
         for (int64_t i = 0; i < m->numel; i++) bf[i] = ds4_f32_to_bf16(m->flat[i]);
     }
     ds4_st_writer *w = NULL;
     ds4_status st = ds4_st_writer_new(&w);
-    for (int64_t i = 0; st == DS4_OK && i < m->nparams; i++) {
+    for (int64_t i = 0, c = 0; st == DS4_OK && i < m->nparams; i++) {
         ds4_param *p = &m->params[i];
         if (p->is_int) st = ds4_st_writer_add(w, p->name, DS4_I64, p->ndim, p->shape, p->idata);
-        else if (bf) st = ds4_st_writer_add(w, p->name, DS4_BF16, p->ndim, p->shape, bf + (p->data - m->flat));
+        else if (bf && p->carried) {
+            for (int64_t k = 0; k < p->numel; k++) cbf[c + k] = ds4_f32_to_bf16(p->data[k]);
+            st = ds4_st_writer_add(w, p->name, DS4_BF16, p->ndim, p->shape, cbf + c);
+            c += p->numel;
+        } else if (bf) st = ds4_st_writer_add(w, p->name, DS4_BF16, p->ndim, p->shape, bf + (p->data - m->flat));
         else st = ds4_st_writer_add(w, p->name, DS4_F32, p->ndim, p->shape, p->data);
     }
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     if (st == DS4_OK) st = ds4_st_writer_write(w, path);
     ds4_st_writer_free(w);
     ds4_free(bf);
+    ds4_free(cbf);
     return st;
 }

@@ -110,7 +110,7 @@ static ds4_status ranges_from_model(ds4_adamw *o, ds4_model *m) {
     int64_t nr = 0;
     for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
         const ds4_param *p = ds4_model_param(m, i);
-        if (!p->is_int)
+        if (ds4_param_in_flat(p))
             r[nr++] = (ds4_adamw_range){.off = p->data - base, .n = p->numel, .decay = !p->no_decay,
                                         .frozen = p->no_grad, .muon = o->muon && ds4_param_is_muon(p)};
     }

@@ -258,6 +258,16 @@ static ds4_status begin_optim_file(const ds4_train_state *s, const char *dir, ds
     return s->opt.muon ? ds4_st_writer_put(w, &s->opt.step, sizeof s->opt.step) : DS4_OK;
 }
 
+/* The carried tensors (the DSpark drafter's, whole on every rank), after the streamed floats: they end
+ * the parameter table, so the file has the layout ds4_model_save gives it. */
+static ds4_status put_carried(ds4_model *m, ds4_st_writer *w) {
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+        const ds4_param *p = ds4_model_param(m, i);
+        if (p->carried) DS4_TRY(ds4_st_writer_put(w, p->data, (size_t)p->numel * sizeof(float)));
+    }
+    return DS4_OK;
+}
+
 /* One file streamed from the shards: rank 0 (dir != NULL) writes it, every rank gathers the shard
  * buffers in[nin] in order. After a failure on rank 0 the gathers still run, so no rank waits forever. */
 static ds4_status stream_file(ds4_train_state *s, const char *dir, bool optim, float *const *in, int nin) {
@@ -268,6 +278,7 @@ static ds4_status stream_file(ds4_train_state *s, const char *dir, bool optim, f
         ds4_status gs = ds4_fsdp_stream_packed(s->f, in[k], 0, put_values, w);
         if (st == DS4_OK) st = gs;
     }
+    if (st == DS4_OK && dir && !optim) st = put_carried(s->m, w);
     if (st == DS4_OK && dir) st = ds4_st_writer_finish(w);
     ds4_st_writer_free(w); /* removes the temp file of an unfinished stream */
     return st;
@@ -333,7 +344,7 @@ static ds4_status moment_nonfinite(const ds4_adamw *o, int which, int64_t *bad) 
 static const char *first_nonfinite_param(ds4_model *m) {
     for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
         const ds4_param *p = ds4_model_param(m, i);
-        if (!p->is_int && count_nonfinite(p->data, p->numel) > 0) return p->name;
+        if (ds4_param_in_flat(p) && count_nonfinite(p->data, p->numel) > 0) return p->name;
     }
     return NULL;
 }
