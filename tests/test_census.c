@@ -57,7 +57,7 @@ static void test_matches_model(void) {
     ds4_param_census k;
     CHECK(census_of("tests/configs/tiny-a.json", &c, &k), "%s", ds4_errmsg());
     ds4_model *m = NULL;
-    CHECK(ds4_model_create(&c, &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
     if (!m) return;
     CHECK(k.params_total == ds4_model_numel(m), "%lld vs %lld", (long long)k.params_total,
           (long long)ds4_model_numel(m));

@@ -279,7 +279,7 @@ static void test_dspark_table(void) {
     /* a tiny DSpark model's table is the listing, with the stages carried (no flat storage, no gradient) */
     CHECK(ds4_config_load(find_file("tests/configs/tiny-dspark.json"), &c) == DS4_OK, "%s", ds4_errmsg());
     ds4_model *m;
-    if (ds4_model_create(&c, &m) != DS4_OK) {
+    if (ds4_model_create(NULL, &c, false, &m) != DS4_OK) {
         CHECK(false, "%s", ds4_errmsg());
         return;
     }
@@ -367,7 +367,7 @@ static void test_dspark_release_dir(void) {
     if (!d) return;
     CHECK(ds4_model_dir_check(d, NULL, NULL, &problems) == DS4_OK && problems == 0, "%lld problems", (long long)problems);
     ds4_model *m;
-    CHECK(ds4_model_create(ds4_model_dir_config(d), &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(NULL, ds4_model_dir_config(d), false, &m) == DS4_OK, "%s", ds4_errmsg());
     if (m) {
         ds4_param *mp = ds4_model_find(m, "mtp.0.main_proj.weight");
         if (mp) mp->data[0] = 1.0f;   /* the load must overwrite it with the stored 0 */

@@ -126,7 +126,7 @@ static void test_muon_plan_equals_measured(void) {
           "Muon keeps what AdamW keeps between steps: %lld vs %lld", (long long)plan.after_step,
           (long long)adamw.after_step);
     ds4_model *m = NULL;
-    CHECK(ds4_model_create(&c, &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
     int64_t most = 0;
     for (int64_t i = 0; m && i < ds4_model_nparams(m); i++) {
         const ds4_param *p = ds4_model_param(m, i);

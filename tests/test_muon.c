@@ -235,7 +235,7 @@ static void test_adamw_leaves_the_muon_group(void) {
 static void test_swapped_momentum_is_bitwise(void) {
     ds4_model *a = tiny_model("tests/configs/tiny-a.json", 4), *b = tiny_model("tests/configs/tiny-a.json", 4);
     ds4_offload *store = NULL;
-    CHECK(ds4_offload_open(NULL, &store) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_offload_open(NULL, NULL, &store) == DS4_OK, "%s", ds4_errmsg());
     if (!a || !b || !store) return;
     const int64_t n = ds4_model_numel(a);
     ds4_adamw oa, ob;

@@ -352,7 +352,7 @@ static void test_loss_falls(void) {
 static void write_base(const ds4_config *cfg, const char *name, char *dir, size_t n) {
     snprintf(dir, n, "%s/%s", g_dir, name);
     ds4_model *m;
-    CHECK(ds4_model_create(cfg, &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(NULL, cfg, false, &m) == DS4_OK, "%s", ds4_errmsg());
     if (!m) return;
     ds4_model_init_random(m, 3);
     CHECK(ds4_model_save(m, dir, DS4_F32) == DS4_OK, "%s", ds4_errmsg());

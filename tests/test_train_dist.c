@@ -372,10 +372,10 @@ static int muon_rank(int ep, bool swap) {
     ds4_offload *store = NULL;
     ds4_adamw o, ow;
     ds4_status st = ds4_config_load("tests/configs/tiny-a.json", &c);
-    if (st == DS4_OK) st = ds4_model_create_unmapped(&c, &mu);
+    if (st == DS4_OK) st = ds4_model_create(NULL, &c, true, &mu);
     if (st == DS4_OK) st = ds4_fsdp_create(mu, world, ep, &f);
     if (st == DS4_OK) st = ds4_fsdp_init_random(f, 9);
-    if (st == DS4_OK && swap) st = ds4_offload_open(NULL, &store);
+    if (st == DS4_OK && swap) st = ds4_offload_open(NULL, NULL, &store);
     if (st == DS4_OK)
         st = swap ? ds4_adamw_init_n_swapped(&o, ds4_fsdp_shard_numel(f), store, 4096)
                   : ds4_adamw_init_n(&o, ds4_fsdp_shard_numel(f));
@@ -396,7 +396,7 @@ static int muon_rank(int ep, bool swap) {
     if (st == DS4_OK) st = ds4_fsdp_collect_buf(f, o.m, m, 0);
     int64_t bad_w = 0, bad_m = 0;
     if (st == DS4_OK && root) { /* the same 3 steps on the whole model */
-        st = ds4_model_create(&c, &whole);
+        st = ds4_model_create(NULL, &c, false, &whole);
         if (st == DS4_OK) ds4_model_init_random(whole, 9);
         if (st == DS4_OK) st = ds4_adamw_init(&ow, whole);
         if (st == DS4_OK) st = ds4_adamw_group_muon(&ow, whole);
