@@ -76,6 +76,37 @@ static void test_matches_model(void) {
     ds4_model_free(m);
 }
 
+/* DeepSeek-V4-Flash-0731: the main model is April's without its MTP block, and the three DSpark stages
+ * (FP8 main_proj and projections, FP4 experts) bring the checkpoint to the official index's total_size,
+ * 166,878,536,440 B (docs/dspark.md). */
+static void test_flash_0731(void) {
+    ds4_config c;
+    ds4_param_census k;
+    CHECK(census_of("tests/data/deepseek-v4-flash-0731.config.json", &c, &k), "%s", ds4_errmsg());
+    CHECK(k.total_bytes == 166878536440LL, "%lld", (long long)k.total_bytes);
+    CHECK(k.params_expert == 277025390592LL && k.params_dense == 7306849879LL && k.params_mtp == 0,
+          "expert %lld, dense %lld, mtp %lld", (long long)k.params_expert, (long long)k.params_dense,
+          (long long)k.params_mtp);
+    CHECK(k.params_dspark > 0 && k.params_total == k.params_expert + k.params_dense + k.params_dspark);
+}
+
+/* A tiny DSpark model: the census's drafter count is the carried tensors ds4_model_create holds. */
+static void test_dspark_matches_model(void) {
+    ds4_config c;
+    ds4_param_census k;
+    CHECK(census_of("tests/configs/tiny-dspark.json", &c, &k), "%s", ds4_errmsg());
+    ds4_model *m = NULL;
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
+    if (!m) return;
+    int64_t carried = 0;
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++)
+        if (ds4_model_param(m, i)->carried) carried += ds4_model_param(m, i)->numel;
+    CHECK(carried > 0 && k.params_dspark == carried, "census %lld, model %lld", (long long)k.params_dspark,
+          (long long)carried);
+    CHECK(k.params_total - k.params_dspark == ds4_model_numel(m));
+    ds4_model_free(m);
+}
+
 static void test_bad_config(void) {
     ds4_config c;
     ds4_param_census k;
@@ -89,6 +120,8 @@ int main(void) {
     RUN(test_flash_official);
     RUN(test_pro);
     RUN(test_matches_model);
+    RUN(test_flash_0731);
+    RUN(test_dspark_matches_model);
     RUN(test_bad_config);
     TEST_MAIN_END("test_census");
 }

@@ -8,18 +8,11 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
+
 build = sys.argv[sys.argv.index("--build") + 1] if "--build" in sys.argv else "build"
 ds4 = os.path.abspath(os.path.join(build, "ds4"))
-passed = failed = 0
-
-
-def check(name, ok, detail=""):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL {name}: {detail}")
 
 
 def run_limited(*args):
@@ -47,6 +40,13 @@ check("pro inspect exit", pro.returncode == 0, pro.stderr)
 check("pro total", field(pro.stdout, r"^  total +(\d+)") == 1598837347742, pro.stdout)
 check("pro bytes", field(pro.stdout, r"(\d+) bytes$") == 864704792696, pro.stdout)
 
+# DeepSeek-V4-Flash-0731 (DSpark drafter): the official index's total_size, the main model unchanged
+v0731 = run_limited("init", "--config", "tests/data/deepseek-v4-flash-0731.config.json", "--dry-run")
+check("0731 dry-run exit", v0731.returncode == 0, v0731.stderr)
+check("0731 bytes", field(v0731.stdout, r"(\d+) bytes$") == 166878536440, v0731.stdout)
+check("0731 expert", field(v0731.stdout, r"^  expert +(\d+)") == 277025390592, v0731.stdout)
+check("0731 DSpark", (field(v0731.stdout, r"^  DSpark +(\d+)") or 0) > 0, v0731.stdout)
+
 with tempfile.TemporaryDirectory() as tmp:
     bad = os.path.join(tmp, "bad.json")
     with open("configs/deepseek-v4-flash.json") as f:
@@ -63,5 +63,4 @@ with tempfile.TemporaryDirectory() as tmp:
     r = run_limited("inspect", "--config", "configs/deepseek-v4-flash.json", "--stats")
     check("inspect --config with --stats", r.returncode == 2 and r.stderr.startswith("error:"), r.stderr)
 
-print(f"test_dry_run.py: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+finish("test_dry_run.py")

@@ -23,11 +23,17 @@ static void print_census(const char *path, const ds4_config *c, const ds4_param_
            "%lld hash layers\n",
            path, (long long)c->n_layers, (long long)c->n_mtp_layers, (long long)c->n_routed_experts,
            (long long)c->n_activated_experts, (long long)c->n_shared_experts, (long long)c->n_hash_layers);
+    if (c->dspark_n_stages)
+        printf("DSpark drafter: %lld stages (carried through training, checkpoints and export; not trained)\n",
+               (long long)c->dspark_n_stages);
     printf("parameters:\n");
     printf("  expert      %16lld  (routed experts of the main layers)\n", (long long)k->params_expert);
     printf("  non-expert  %16lld  (embedding, attention, mHC, routers, shared experts, head)\n",
            (long long)k->params_dense);
     printf("  MTP         %16lld  (the MTP block, its experts included)\n", (long long)k->params_mtp);
+    if (k->params_dspark)
+        printf("  DSpark      %16lld  (the drafter's stages, experts included; carried, not trained)\n",
+               (long long)k->params_dspark);
     printf("  total       %16lld\n", (long long)k->params_total);
     if (k->hash_entries)
         printf("  hash tables %16lld  I64 entries of tid2eid (fixed, not trained)\n", (long long)k->hash_entries);
@@ -38,9 +44,11 @@ static void print_census(const char *path, const ds4_config *c, const ds4_param_
            (long long)k->stored_tensors, (long long)k->stored_elements, (long long)k->total_bytes);
     for (int t = 0; t < DS4_DTYPE_COUNT; t++)
         if (k->bytes[t]) printf("  %-8s %18lld bytes\n", ds4_dtype_name((ds4_dtype)t), (long long)k->bytes[t]);
-    printf("training state (fp32 weights, gradients, AdamW m and v: 16 bytes per parameter): %.1f GiB before "
-           "sharding\n",
-           16.0 * (double)k->params_total / (1024.0 * 1024.0 * 1024.0));
+    /* a carried DSpark tensor is an fp32 weight only: no gradient, no optimizer state */
+    const double trained = (double)(k->params_total - k->params_dspark), gib = 1024.0 * 1024.0 * 1024.0;
+    printf("training state (fp32 weights, gradients, AdamW m and v: 16 bytes per trained parameter, 4 per carried "
+           "one): %.1f GiB before sharding\n",
+           (16.0 * trained + 4.0 * (double)k->params_dspark) / gib);
 }
 
 int cmd_config_census(const char *path) {

@@ -247,7 +247,8 @@ typedef struct {
     int64_t params_expert;   /* routed experts of the main layers */
     int64_t params_dense;    /* embedding, the main layers without their routed experts, head */
     int64_t params_mtp;      /* the MTP block, its routed experts included */
-    int64_t params_total;    /* the three above */
+    int64_t params_dspark;   /* the DSpark drafter's stages (carried, never trained), their experts included */
+    int64_t params_total;    /* the four above */
     int64_t hash_entries;    /* tid2eid entries of the hash layers (fixed, not trained) */
     int64_t tensors;         /* named tensors of the table */
     int64_t stored_tensors;  /* in the checkpoint: weights plus their scales */

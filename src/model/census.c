@@ -16,16 +16,18 @@
 #define F32_NAME(field, nd, a, b, official, hf, rule, f32) f32 ? official : NULL,
 static const char *const k_f32_names[] = {
     DS4_BLOCK_TENSORS(F32_NAME) DS4_COMPRESSOR_TENSORS(F32_NAME) DS4_ROUTER_BIAS_TENSORS(F32_NAME)
-    DS4_HEAD_TENSORS(F32_NAME) DS4_MTP_TENSORS(F32_NAME)};
+    DS4_HEAD_TENSORS(F32_NAME) DS4_MTP_TENSORS(F32_NAME) DS4_DSPARK_FIRST_TENSORS(F32_NAME)
+    DS4_DSPARK_LAST_TENSORS(F32_NAME)};
 #undef F32_NAME
 
 /* The projections the official checkpoint stores in FP8 (a Linear of DeepSeek's model.py with the
- * fp8 dtype): attention, the indexer's query, the shared experts, MTP's two input projections.
+ * fp8 dtype): attention, the indexer's query, the shared experts, MTP's two input projections, the
+ * DSpark drafter's main_proj (docs/dspark.md).
  * Embedding, head, router, compressors and the indexer's weights_proj stay BF16. */
 static const char *const k_fp8_names[] = {
     "attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
     "attn.indexer.wq_b.weight", "ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight",
-    "ffn.shared_experts.w3.weight", "mtp.0.e_proj.weight", "mtp.0.h_proj.weight",
+    "ffn.shared_experts.w3.weight", "mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "main_proj.weight",
 };
 
 /* `name` is `suffix` or ends in "." + suffix. */
@@ -95,13 +97,18 @@ static void census_region(param_walk *w, int64_t group, int64_t expert) {
 static bool census_tensor(param_walk *w, const param_entry *e) {
     census_ctx *x = w->ctx;
     ds4_param_census *o = x->out;
-    const bool mtp = x->group == group_mtp(w->c), routed = x->expert >= 0;
+    /* the DSpark stages are walked without regions: their routed experts are known by name */
+    const bool mtp = !e->carried && x->group == group_mtp(w->c),
+               routed = e->carried ? strstr(e->name, ".ffn.experts.") != NULL : x->expert >= 0;
     const store_kind k = store_of(w->c, e, routed);
     int64_t n = 1;
     bool ok = true;
     for (int d = 0; d < e->ndim && ok; d++) ok = ds4_mul_i64(n, e->shape[d], &n);
-    int64_t *count = k == STORE_I64 ? &o->hash_entries : mtp ? &o->params_mtp : routed ? &o->params_expert
-                                                                                      : &o->params_dense;
+    int64_t *count = k == STORE_I64 ? &o->hash_entries
+                     : e->carried   ? &o->params_dspark
+                     : mtp          ? &o->params_mtp
+                     : routed       ? &o->params_expert
+                                    : &o->params_dense;
     o->tensors++;
     if (!ok || !add_to(count, n)) x->st = overflow(e->name);
     else if (k == STORE_FP8 || k == STORE_FP4) x->st = add_quantized(o, e, k, n);
@@ -119,7 +126,7 @@ ds4_status ds4_model_census(const ds4_config *c, ds4_param_census *out) {
     param_walk_run(&w);
     DS4_TRY(x.st);
     bool ok = add_to(&out->params_total, out->params_expert) && add_to(&out->params_total, out->params_dense) &&
-              add_to(&out->params_total, out->params_mtp);
+              add_to(&out->params_total, out->params_mtp) && add_to(&out->params_total, out->params_dspark);
     for (int t = 0; t < DS4_DTYPE_COUNT && ok; t++) ok = add_to(&out->total_bytes, out->bytes[t]);
     return ok ? DS4_OK : ds4_fail(DS4_ERR_CONFIG, "config: the model's sizes overflow 64-bit counts");
 }
