@@ -12,19 +12,12 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
+
 build = sys.argv[sys.argv.index("--build") + 1] if "--build" in sys.argv else "build"
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 ds4 = os.path.abspath(os.path.join(build, "ds4"))
-passed = failed = 0
-
-
-def check(name, ok, detail=""):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL {name}: {detail}")
 
 
 # ------------------------------------------------------------------ the decoder
@@ -206,5 +199,4 @@ with tempfile.TemporaryDirectory() as tmp:
           len(ev2) > 2 and ev2[1].get("session_log") == 1 and ev2[1]["step"] == 3 and ev2[2]["step"] == 3,
           ev2[:3])
 
-print(f"test_tfevents.py: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+finish("test_tfevents.py")

@@ -11,19 +11,12 @@ import sys
 import tempfile
 import tomllib
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
+
 build = sys.argv[sys.argv.index("--build") + 1] if "--build" in sys.argv else "build"
 ds4 = os.path.abspath(os.path.join(build, "ds4"))
 FIXTURE = "tests/data/torchtitan_deepseek_v3_debug_model.toml"
-passed = failed = 0
-
-
-def check(name, ok, detail=""):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL {name}: {detail}")
 
 
 def write_shard(path, vocab, n_docs, doc_len):
@@ -108,5 +101,4 @@ with tempfile.TemporaryDirectory() as tmp:
     dp = train(FIXTURE, *size, "--parallelism.data_parallel_shard_degree", "4")
     check("shard degree checked against the world", dp.returncode != 0 and "(mpirun -np)" in dp.stderr, dp.stderr[-400:])
 
-print(f"test_titan.py: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+finish("test_titan.py")
