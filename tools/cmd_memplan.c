@@ -1,5 +1,6 @@
 /* ds4 memplan --model DIR|CONFIG.json --seq T --micro-batch B [--world N --ep E [--rank R]]
- *              [recompute flags] [--swap-optimizer] [--swap-layer-input] [--threads N] */
+ *              [recompute flags] [--swap-optimizer] [--swap-layer-input] [--muon]
+ *              [--mixed-precision-param bfloat16|float32] [--threads N] */
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/dist.h"
@@ -26,13 +27,15 @@ int cmd_memplan(int argc, char **argv) {
                         "       [--world N --ep E [--rank R]]\n"
                         "       [--recompute-csa-attention] [--mhc-recompute] [--recompute-norm ...]\n"
                         "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
-                        "       [--swap-optimizer] [--swap-layer-input] [--muon]\n"
+                        "       [--swap-optimizer] [--swap-layer-input] [--muon] [--mixed-precision-param bfloat16]\n"
                         "Peak memory of one training step by category: the trainer's own step run as a plan\n"
                         "(every allocation counted, no data touched).\n"
                         "--swap-optimizer: AdamW state in the offload tier between updates; --swap-layer-input: each\n"
                         "layer's input stream in the offload tier from its forward to its backward. The offload\n"
                         "tier's peak is printed apart. --muon: the step of optimizer.name = \"Muon\" (the momentum\n"
                         "and the whole matrices Newton-Schulz works on are counted).\n"
+                        "--mixed-precision-param bfloat16: the step of training.mixed_precision_param = \"bfloat16\"\n"
+                        "(bf16 GEMM operands, the bf16-safe activations held in bf16; fp32 weights and state).\n"
                         "--world N --ep E: one rank (--rank, default 0) of N processes with FSDP over all N and\n"
                         "expert parallelism of degree E (as mpirun -np N ds4 train ... --parallel.ep E), balanced\n"
                         "routing; --micro-batch is per rank.\n");
@@ -76,6 +79,12 @@ int cmd_memplan(int argc, char **argv) {
             if (!cli_int("memplan", "ep", v, &ep)) return 2;
         } else if (!strcmp(a, "--rank")) {
             if (!cli_int("memplan", "rank", v, &rank)) return 2;
+        } else if (!strcmp(a, "--mixed-precision-param")) {
+            if (strcmp(v, "bfloat16") && strcmp(v, "float32")) {
+                fprintf(stderr, "error: ds4 memplan: --mixed-precision-param '%s': expected bfloat16 or float32\n", v);
+                return 2;
+            }
+            so.bf16 = !strcmp(v, "bfloat16");
         } else if (!strcmp(a, "--threads")) {
             if (!cli_int("memplan", "threads", v, &threads)) return 2;
         } else {
@@ -116,6 +125,7 @@ int cmd_memplan(int argc, char **argv) {
            so.swap_optimizer ? (so.swap_layer_input ? "optimizer+layer-input" : "optimizer")
                              : (so.swap_layer_input ? "layer-input" : "off"),
            ds4_get_threads(), where);
+    if (so.bf16) printf("  mixed precision: bfloat16 compute (bf16 GEMM operands and activations), float32 weights and state\n");
     printf("  %-12s %20s %12s\n", "category", "peak bytes", "GiB");
     for (int k = 0; k < DS4_MEM_NCAT; k++)
         printf("  %-12s %20lld %12.3f\n", ds4_mem_cat_name((ds4_mem_cat)k), (long long)r.peak[k], gib(r.peak[k]));
