@@ -117,8 +117,8 @@ static void policies_equal(const char *cfg_path, int64_t B, int64_t T) {
 static void test_policies_bitwise_tiny_a(void) { policies_equal("tests/configs/tiny-a.json", 2, 64); }
 
 /* bf16 is a different computation (the losses move), but only by what bf16 rounding explains: the
- * operands of every GEMM and the saved activations carry a relative error of at most 2^-9 each, and the
- * loss of a random-init model (~ln V) moves by a small multiple of that. 8·2^-9 allows for the rounding
+ * operands of every GEMM and the saved activations carry a relative error of at most u = 2^-8 each (8 bits of precision), and the
+ * loss of a random-init model (~ln V) moves by a small multiple of that. 4·2^-8 allows for the rounding
  * points one token's loss passes through (about 4 per sub-layer that adds up, not compounding). */
 static void test_bf16_moves_within_rounding(void) {
     ds4_config c;
