@@ -271,7 +271,7 @@ def train_cases(tmp):
                         ("swap-layer-input", ["--swap-layer-input"]), ("bf16", BF16),
                         ("bf16-recompute-swap", BF16 + rec + ["--swap-layer-input", "--swap-optimizer"])):
         yield f"train/{name}", lambda name=name, flags=flags: train_run(tmp, name, flags, mpi=False)
-    for name, flags in (("fsdp", []), ("fsdp-ep2", ["--parallel.ep", "2"])):
+    for name, flags in (("fsdp", []), ("fsdp-ep2", ["--parallel.ep", "2"]), ("bf16-fsdp-ep2", BF16 + ["--parallel.ep", "2"])):
         run = None if shutil.which("mpirun") is None else \
             (lambda name=name, flags=flags: train_run(tmp, "mpi-" + name, flags, mpi=True))
         yield f"mpi/{name}", run
