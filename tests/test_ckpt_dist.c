@@ -5,7 +5,8 @@
  *      tables, carried tensors, both moments, the step), resident and with --swap-optimizer;
  *  (b) 4 ranks with EP 2 and --swap-optimizer load the 2-rank per-rank checkpoint (resharding) and save it
  *      again both ways: still the base's bits, in one process;
- *  (c) keep_latest_k rotates per-rank checkpoints; a rank whose write fails (a file size limit: a full
+ *  (c) keep_latest_k rotates per-rank checkpoints (the hidden folder of a save killed half way is replaced);
+ *      a rank whose write fails (a file size limit: a full
  *      disk on one rank) fails the save on every rank, leaves no step folder and no hidden one, and the
  *      previous checkpoint loads;
  *  (d) a truncated shard file, a missing one and an index whose ranges overlap give one-line errors
@@ -71,13 +72,19 @@ static bool exists(const char *fmt, const char *a, int64_t step) {
 static void rank_rotation_and_failure(void) {
     ds4_comm *world = g_world;
     ds4_train_state *s;
-    char src[512], root[512], p[1024];
+    char src[512], root[512], p[1400];
     snprintf(src, sizeof src, "%s/base/step-00000001", g_dir);
     snprintf(root, sizeof root, "%s/rot", g_dir);
     CHECK(open_state(true, &s) == DS4_OK, "%s", ds4_errmsg());
     if (!s) return;
     ds4_ckpt_meta meta;
     CHECK(ds4_train_state_load(s, src, &meta) == DS4_OK, "%s", ds4_errmsg());
+    if (ds4_comm_rank(world) == 0) { /* the leftovers of a save killed half way: replaced, never loaded */
+        snprintf(p, sizeof p, "mkdir -p '%s/.tmp-step-00000002' && echo junk > '%s/.tmp-step-00000002/shard-00000-of-00002.safetensors'",
+                 root, root);
+        CHECK(system(p) == 0, "%s", p);
+    }
+    CHECK(ds4_comm_barrier(world) == DS4_OK);
     for (int64_t step = 2; step <= 4; step++) {
         meta.step = step;
         CHECK(ds4_train_state_save(s, root, 2, &meta) == DS4_OK, "step %lld: %s", (long long)step, ds4_errmsg());
