@@ -26,10 +26,11 @@ static int cmp_double(const void *a, const void *b) {
 
 /* Seconds of each of `saves` saves (all ranks done: a save returns every rank's outcome) into t [saves]. */
 static ds4_status time_saves(const ds4_config *c, ds4_comm *world, int ep, bool per_rank, const char *root, int saves,
-                             double *t) {
+                             double *t, int64_t *numel) {
     ds4_train_state_opts o = {.ep = ep, .per_rank_ckpt = per_rank};
     ds4_train_state *s;
     DS4_TRY(ds4_train_state_open(c, NULL, 1, world, &o, &s));
+    *numel = ds4_train_state_numel(s);
     ds4_status st = DS4_OK;
     for (int i = 0; st == DS4_OK && i < saves; i++) {
         ds4_ckpt_meta meta = {.step = i + 1, .seed = 1};
@@ -65,8 +66,9 @@ int main(int argc, char **argv) {
     snprintf(root[0], sizeof root[0], "%s/ds4-bench-ckpt-one-writer", dir);
     snprintf(root[1], sizeof root[1], "%s/ds4-bench-ckpt-per-rank", dir);
     double t[2][100], med[2];
+    int64_t numel = 0;
     for (int k = 0; k < 2 && st == DS4_OK; k++) {
-        st = time_saves(&c, world, ep, k == 1, root[k], saves, t[k]);
+        st = time_saves(&c, world, ep, k == 1, root[k], saves, t[k], &numel);
         double sorted[100];
         memcpy(sorted, t[k], (size_t)saves * sizeof(double));
         qsort(sorted, (size_t)saves, sizeof(double), cmp_double);
@@ -78,7 +80,8 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (rank == 0) {
-        printf("checkpoint save, %d ranks (EP %d), %s, %s: median of %d saves\n", W, ep, cfg, dir, saves);
+        printf("checkpoint save, %d ranks (EP %d), %s (%lld parameters: %.0f MB of weights + AdamW moments), %s: "
+               "median of %d saves\n", W, ep, cfg, (long long)numel, 12e-6 * (double)numel, dir, saves);
         const char *name[2] = {"one writer (rank 0)", "per rank (every rank)"};
         for (int k = 0; k < 2; k++) {
             printf("  %-22s %8.3f s   (", name[k], med[k]);
@@ -86,6 +89,9 @@ int main(int argc, char **argv) {
             printf(")\n");
         }
         printf("  per rank / one writer: %.2fx faster\n", med[0] / med[1]);
+        char cmd[2200];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s'", root[0], root[1]);
+        if (system(cmd) != 0) fprintf(stderr, "could not remove %s and %s\n", root[0], root[1]);
     }
     ds4_dist_finalize();
     return 0;
