@@ -2,7 +2,7 @@
  * tables and the carried drafter included):
  *  (a) a base checkpoint (one process, random weights and moments) loads on 2 ranks, which save it per rank
  *      and in the one-writer format; both load back in one process to exactly the base's bits (weights,
- *      tables, carried tensors, both moments, the step), resident and with --swap-optimizer;
+ *      tables, carried tensors, both moments, the step, the Muon mark), resident and with --swap-optimizer;
  *  (b) 4 ranks with EP 2 and --swap-optimizer load the 2-rank per-rank checkpoint (resharding) and save it
  *      again both ways: still the base's bits, in one process;
  *  (c) keep_latest_k rotates per-rank checkpoints (the hidden folder of a save killed half way is replaced);
@@ -33,7 +33,7 @@ static bool g_swap;
 static ds4_status open_state(bool per_rank, ds4_train_state **s) {
     ds4_config c;
     DS4_TRY(ds4_config_load(k_cfg, &c));
-    ds4_train_state_opts o = {.ep = g_ep, .swap_optimizer = g_swap, .per_rank_ckpt = per_rank};
+    ds4_train_state_opts o = {.ep = g_ep, .swap_optimizer = g_swap, .per_rank_ckpt = per_rank, .muon = true};
     return ds4_train_state_open(&c, NULL, 3, g_world, &o, s);
 }
 
@@ -214,6 +214,7 @@ static void same_state(const whole *a, const whole *b, const char *what) {
         }
     }
     CHECK(n == b->o.n && mism == 0, "%s: %lld moment elements differ", what, (long long)mism);
+    CHECK(a->meta.muon && b->meta.muon, "%s: the Muon mark is lost", what);
     CHECK(a->o.step == b->o.step && a->meta.step == b->meta.step && !strcmp(a->meta.data_state, b->meta.data_state),
           "%s: steps %lld/%lld vs %lld/%lld", what, (long long)a->o.step, (long long)a->meta.step, (long long)b->o.step,
           (long long)b->meta.step);
@@ -230,7 +231,7 @@ static void test_make_base(void) {
     if (!m) return;
     ds4_model_init_random(m, 11);
     ds4_adamw o;
-    CHECK(ds4_adamw_init(&o, m) == DS4_OK);
+    CHECK(ds4_adamw_init(&o, m) == DS4_OK && ds4_adamw_group_muon(&o, m) == DS4_OK); /* Muon marks the files */
     t_fill(o.m, (long)o.n, 5, 0.01f);
     t_fill(o.v, (long)o.n, 6, 1e-4f);
     o.step = 7;

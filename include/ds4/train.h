@@ -230,7 +230,7 @@ ds4_status ds4_checkpoint_write_shard(const char *tmp, int rank, int world, cons
 ds4_status ds4_checkpoint_write_index(const char *tmp, int world, int64_t packed_numel, const int64_t *sizes,
                                       const int64_t *ranges);
 /* Reading: opens every file the index names and checks that their ranges tile [0, packed_numel) exactly and
- * that each array has the length the index gives it (errors name the file). */
+ * that each array has the length the index gives it (errors name the file); packed_numel < 0: the index's. */
 typedef struct ds4_ckpt_shards ds4_ckpt_shards;
 typedef enum { DS4_CKPT_PARAMS = 0, DS4_CKPT_ADAMW_M = 1, DS4_CKPT_ADAMW_V = 2 } ds4_ckpt_array;
 ds4_status ds4_ckpt_shards_open(const char *path, int64_t packed_numel, ds4_ckpt_shards **out);

@@ -283,6 +283,13 @@ ds4_status ds4_checkpoint_load_meta(const char *path, ds4_ckpt_meta *meta) {
     /* which optimizer wrote optim.state: Muon marks its file (a missing file is the optimizer load's error) */
     snprintf(p, sizeof p, "%s/optim.state", path);
     meta->muon = false;
+    if (ds4_checkpoint_is_per_rank(path)) { /* the mark is in every rank's file */
+        ds4_ckpt_shards *s;
+        DS4_TRY(ds4_ckpt_shards_open(path, -1, &s));
+        meta->muon = ds4_ckpt_shards_muon(s);
+        ds4_ckpt_shards_close(s);
+        return DS4_OK;
+    }
     ds4_st_file *f;
     if (access(p, F_OK) != 0) return DS4_OK;
     DS4_TRY(ds4_st_open(p, &f));
@@ -350,10 +357,9 @@ static ds4_status read_moment_shards(ds4_ckpt_shards *s, ds4_ckpt_array which, d
 }
 
 /* A per-rank checkpoint into a whole model: every packed range read from the files that hold it. */
-static ds4_status load_per_rank(const char *path, ds4_model *m, ds4_adamw *o, ds4_ckpt_meta *meta) {
+static ds4_status load_per_rank(const char *path, ds4_model *m, ds4_adamw *o) {
     ds4_ckpt_shards *s;
     DS4_TRY(ds4_ckpt_shards_open(path, ds4_model_numel(m), &s));
-    meta->muon = ds4_ckpt_shards_muon(s);
     ds4_status st = ds4_ckpt_shards_read(s, 0, ds4_model_numel(m), ds4_model_params_flat(m));
     if (st == DS4_OK) st = ds4_ckpt_shards_load_tables(s, m);
     if (st == DS4_OK && o) st = read_moment_shards(s, DS4_CKPT_ADAMW_M, o);
@@ -366,7 +372,7 @@ static ds4_status load_per_rank(const char *path, ds4_model *m, ds4_adamw *o, ds
 ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_adamw *o, ds4_ckpt_meta *meta) {
     char p[4200];
     DS4_TRY(ds4_checkpoint_load_meta(path, meta));
-    if (ds4_checkpoint_is_per_rank(path)) return load_per_rank(path, m, o, meta);
+    if (ds4_checkpoint_is_per_rank(path)) return load_per_rank(path, m, o);
     ds4_model_dir *d;
     DS4_TRY(ds4_model_dir_open(path, &d));
     ds4_status st = ds4_model_load(m, d);

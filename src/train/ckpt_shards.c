@@ -56,35 +56,34 @@ ds4_status ds4_checkpoint_write_shard(const char *tmp, int rank, int world, cons
 static cJSON *index_file(int rank, int world, int64_t count, int64_t elements, const int64_t *ranges) {
     char name[64];
     ds4_checkpoint_shard_name(name, sizeof name, rank, world);
-    cJSON *f = cJSON_CreateObject(), *rs = cJSON_CreateArray();
-    bool ok = f && rs;
+    cJSON *f = cJSON_CreateObject();
+    bool ok = f && cJSON_AddStringToObject(f, "file", name) && cJSON_AddNumberToObject(f, "elements", (double)elements);
+    cJSON *rs = ok ? cJSON_AddArrayToObject(f, "ranges") : NULL;
+    ok = ok && rs;
     for (int64_t i = 0; ok && i < count; i++) {
-        cJSON *r = cJSON_CreateArray();
+        const double t[3] = {(double)ranges[3 * i], (double)ranges[3 * i + 1], (double)ranges[3 * i + 2]};
+        cJSON *r = cJSON_CreateDoubleArray(t, 3);
         ok = r && cJSON_AddItemToArray(rs, r);
-        for (int k = 0; ok && k < 3; k++) ok = cJSON_AddItemToArray(r, cJSON_CreateNumber((double)ranges[3 * i + k]));
+        if (!ok) cJSON_Delete(r);
     }
-    ok = ok && cJSON_AddStringToObject(f, "file", name) && cJSON_AddNumberToObject(f, "elements", (double)elements) &&
-         cJSON_AddItemToObject(f, "ranges", rs);
-    if (!ok) {
-        if (!f || !cJSON_GetObjectItemCaseSensitive(f, "ranges")) cJSON_Delete(rs);
-        cJSON_Delete(f);
-        return NULL;
-    }
-    return f;
+    if (ok) return f;
+    cJSON_Delete(f);
+    return NULL;
 }
 
 ds4_status ds4_checkpoint_write_index(const char *tmp, int world, int64_t packed_numel, const int64_t *sizes,
                                       const int64_t *ranges) {
     char path[4200];
     snprintf(path, sizeof path, "%s/" DS4_CKPT_INDEX, tmp);
-    cJSON *j = cJSON_CreateObject(), *files = cJSON_CreateArray();
-    bool ok = j && files && cJSON_AddStringToObject(j, "format", INDEX_FORMAT) &&
-              cJSON_AddNumberToObject(j, "world", world) && cJSON_AddNumberToObject(j, "packed_numel", (double)packed_numel);
-    if (ok) ok = cJSON_AddItemToObject(j, "files", files);
-    else cJSON_Delete(files);
+    cJSON *j = cJSON_CreateObject();
+    bool ok = j && cJSON_AddStringToObject(j, "format", INDEX_FORMAT) && cJSON_AddNumberToObject(j, "world", world) &&
+              cJSON_AddNumberToObject(j, "packed_numel", (double)packed_numel);
+    cJSON *files = ok ? cJSON_AddArrayToObject(j, "files") : NULL;
+    ok = ok && files;
     for (int64_t r = 0, at = 0; ok && r < world; at += sizes[2 * r], r++) {
         cJSON *f = index_file((int)r, world, sizes[2 * r], sizes[2 * r + 1], ranges + 3 * at);
         ok = f && cJSON_AddItemToArray(files, f);
+        if (!ok) cJSON_Delete(f);
     }
     char *txt = ok ? cJSON_Print(j) : NULL;
     cJSON_Delete(j);
@@ -187,7 +186,7 @@ static ds4_status parse_index(ds4_ckpt_shards *s, const char *index, const cJSON
         return ds4_fail(DS4_ERR_FORMAT, "%s: key format: expected \"" INDEX_FORMAT "\"", index);
     if (!json_i64(cJSON_GetObjectItemCaseSensitive(j, "packed_numel"), &packed))
         return ds4_fail(DS4_ERR_FORMAT, "%s: key packed_numel: expected a non-negative integer", index);
-    if (packed != n)
+    if (n >= 0 && packed != n)
         return ds4_fail(DS4_ERR_SHAPE, "%s: packed_numel = %lld, but this model has %lld float parameters", index,
                         (long long)packed, (long long)n);
     if (!cJSON_IsArray(files) || cJSON_GetArraySize(files) < 1)
@@ -198,7 +197,7 @@ static ds4_status parse_index(ds4_ckpt_shards *s, const char *index, const cJSON
     if (!s->files || !s->locs) return ds4_fail(DS4_ERR_OOM, "%s: out of memory opening the files", index);
     for (int i = 0; i < s->nfiles; i++) DS4_TRY(open_file(s, index, i, cJSON_GetArrayItem(files, i)));
     if (s->nranges > 1) qsort(s->ranges, (size_t)s->nranges, sizeof *s->ranges, cmp_range);
-    return check_tiling(s, index, n);
+    return check_tiling(s, index, packed);
 }
 
 /* adamw.step and the Muon mark, from the first file (every rank writes the same). */

@@ -418,10 +418,9 @@ static ds4_status save_per_rank(ds4_train_state *s, const char *root, int64_t ke
 
 /* A per-rank checkpoint into this rank's shard: the packed ranges it holds, read from whichever files
  * hold them (any world, any EP degree). */
-static ds4_status load_shard_per_rank(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta) {
+static ds4_status load_shard_per_rank(ds4_train_state *s, const char *path) {
     ds4_ckpt_shards *r;
     DS4_TRY(ds4_ckpt_shards_open(path, ds4_fsdp_packed_numel(s->f), &r));
-    meta->muon = ds4_ckpt_shards_muon(r);
     ds4_status st = ds4_fsdp_scatter_packed(s->f, ds4_ckpt_shards_read, r, ds4_fsdp_shard_params(s->f));
     if (st == DS4_OK) st = ds4_ckpt_shards_load_tables(r, s->m);
     if (st == DS4_OK) st = moments_in(s);
@@ -516,7 +515,7 @@ static ds4_status load_moment(ds4_train_state *s, const char *path, const char *
 
 static ds4_status load_sharded(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta) {
     DS4_TRY(ds4_checkpoint_load_meta(path, meta));
-    if (ds4_checkpoint_is_per_rank(path)) return load_shard_per_rank(s, path, meta);
+    if (ds4_checkpoint_is_per_rank(path)) return load_shard_per_rank(s, path);
     ds4_model_dir *d;
     DS4_TRY(ds4_model_dir_open(path, &d));
     ds4_status st = ds4_fsdp_load(s->f, d); /* one region resident at a time */
