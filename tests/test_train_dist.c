@@ -7,7 +7,9 @@
  *  (g) --swap-optimizer --swap-layer-input, resumed half way: the same losses and checkpoint bytes;
  *  (h) kill -USR1 <mpirun>: every rank finishes the step, a checkpoint is saved, exit 0;
  *  (f) --parallel.ep 3 on 2 ranks: one `error:` line naming parallel.ep, a non-zero exit, no hang;
- *  (i) a checkpoint folder rank 0 cannot use: one `error:` line naming it before any step, no hang.
+ *  (i) a checkpoint folder rank 0 cannot use: one `error:` line naming it before any step, no hang;
+ *  (j) checkpoint.per_rank: resumed with EP 2 from the ranks' shard files, the one-writer run's losses and
+ *      final state; eval, generate and export print and write the same from either format.
  * Runs build/ds4 (next to the tests folder) under mpirun; the one-process runs happen in this process. */
 #include "ds4/shard.h"
 #include "ds4/io.h"
@@ -454,6 +456,78 @@ static void test_muon_step_is_one_process_bitwise(const char *self) {
     }
 }
 
+/* The float weights, both moments and the optimizer step of two checkpoints load to the same bits. */
+static void same_state(const char *a, const char *b) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *m[2] = {NULL, NULL};
+    ds4_adamw o[2];
+    memset(o, 0, sizeof o);
+    const char *path[2] = {a, b};
+    for (int i = 0; i < 2; i++) {
+        ds4_ckpt_meta meta;
+        CHECK(ds4_model_create(NULL, &c, false, &m[i]) == DS4_OK && ds4_adamw_init(&o[i], m[i]) == DS4_OK);
+        CHECK(ds4_checkpoint_load(path[i], m[i], &o[i], &meta) == DS4_OK, "%s", ds4_errmsg());
+    }
+    const size_t bytes = (size_t)o[0].n * sizeof(float);
+    CHECK(!memcmp(ds4_model_params_flat(m[0]), ds4_model_params_flat(m[1]), bytes) && !memcmp(o[0].m, o[1].m, bytes) &&
+              !memcmp(o[0].v, o[1].v, bytes) && o[0].step == o[1].step,
+          "%s and %s load to different weights or moments", a, b);
+    for (int i = 0; i < 2; i++) {
+        ds4_adamw_free(&o[i]);
+        ds4_model_free(m[i]);
+    }
+}
+
+/* Runs a ds4 command (output to file `out` under the test folder); returns its exit status. */
+static int run_ds4(const char *args, const char *out) {
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 '%s' %s > '%s/%s' 2>&1", g_ds4, args, g_dir, out);
+    return system(cmd);
+}
+
+/* checkpoint.per_rank: every rank writes its shard file; a run resumed from them with another EP degree
+ * logs the losses of the one-writer run and ends in the same state; eval, generate and export read them. */
+static void test_per_rank_checkpoints(void) {
+    if (!g_have_fsdp) return;
+    CHECK(mpi_train("pr", "--checkpoint.per_rank true --training.steps 2", NULL, 0) == 0);
+    char p[700], q[700], args[2048], cmdl[2200];
+    snprintf(p, sizeof p, "%s/pr/step-00000002/shard-00001-of-00002.safetensors", g_dir);
+    snprintf(q, sizeof q, "%s/pr/step-00000002/model.safetensors", g_dir);
+    CHECK(access(p, F_OK) == 0 && access(q, F_OK) != 0, "step 2 is not in the per-rank format");
+    char out[16384];
+    CHECK(mpi_train("pr", "--checkpoint.per_rank true --parallel.ep 2", out, sizeof out) == 0);
+    CHECK(strstr(out, "resumed from") != NULL, "the second leg did not resume");
+    same_losses("fsdp", "pr", 1, 4);
+    snprintf(p, sizeof p, "%s/pr/step-00000004", g_dir);
+    snprintf(q, sizeof q, "%s/fsdp/step-00000004", g_dir);
+    same_state(p, q);
+    /* the readers of a checkpoint: the same output from either format */
+    const char *cmd[3] = {"generate --no-bos --ignore-eos --prompt 'ab' --max-new-tokens 8 --checkpoint '%s/%s/step-00000004'",
+                          "eval --data '%s/train.bin' --seq-len 64 --max-batches 2 --checkpoint '%s/%s/step-00000004'",
+                          "export --quiet --dtype f32 --out '%s/%s-export' --checkpoint '%s/%s/step-00000004'"};
+    const char *run[2] = {"fsdp", "pr"};
+    for (int c = 0; c < 3; c++) {
+        for (int r = 0; r < 2; r++) {
+            if (c == 0) snprintf(args, sizeof args, cmd[c], g_dir, run[r]);
+            else if (c == 1) snprintf(args, sizeof args, cmd[c], g_dir, g_dir, run[r]);
+            else snprintf(args, sizeof args, cmd[c], g_dir, run[r], g_dir, run[r]);
+            snprintf(p, sizeof p, "%s-%d.out", run[r], c);
+            CHECK(run_ds4(args, p) == 0, "ds4 %s failed", args);
+        }
+        if (c < 2) { /* the printed text, but for the lines naming the checkpoint's path or a speed */
+            snprintf(args, sizeof args, "cd '%s' && cmp -s <(grep -v '^model \\|/s' fsdp-%d.out) <(grep -v '^model \\|/s' pr-%d.out)",
+                     g_dir, c, c);
+            snprintf(cmdl, sizeof cmdl, "bash -c \"%s\"", args);
+            CHECK(system(cmdl) == 0, "ds4 %s prints different text for the two formats", c == 0 ? "generate" : "eval");
+        }
+    }
+    snprintf(p, sizeof p, "diff -r -x .ds4-convert-progress.json '%s/fsdp-export' '%s/pr-export' >/dev/null", g_dir, g_dir);
+    CHECK(system(p) == 0, "ds4 export wrote different files for the two formats");
+    snprintf(p, sizeof p, "%s/pr-export.whole-tmp", g_dir);
+    CHECK(access(p, F_OK) != 0, "ds4 export left %s behind", p);
+}
+
 /* `ds4 train --optimizer.name Muon` under 2 ranks: EP changes no bit, a resume is bitwise (momentum in the
  * store too), and the 2-rank checkpoint continues in one process. */
 static void test_muon_train_under_two_ranks(void) {
@@ -487,6 +561,7 @@ int main(int argc, char **argv) {
     RUN(test_resume_is_bitwise_under_two_ranks);
     RUN(test_two_rank_checkpoint_loads_in_one_process);
     RUN(test_first_loss_matches_one_process);
+    RUN(test_per_rank_checkpoints);
     RUN(test_dspark_under_two_ranks);
     RUN(test_bad_ep_fails_on_every_rank);
     RUN(test_unusable_checkpoint_folder_fails_on_every_rank);

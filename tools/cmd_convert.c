@@ -5,9 +5,12 @@
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/io.h"
+#include "ds4/model.h"
+#include "ds4/train.h"
 
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #define NFLAGS(f) ((int)(sizeof(f) / sizeof((f)[0])))
 
@@ -67,8 +70,33 @@ int cmd_convert(int argc, char **argv) {
     return run("convert", &o);
 }
 
+/* A per-rank checkpoint (every rank's shard file and their index) is read back into one model and written
+ * as a model directory beside --out (OUT.whole-tmp) for the export to convert; dir [n] gets its path. */
+static ds4_status write_whole(const char *ckpt, const char *out, char *dir, size_t n) {
+    char cfg[4200];
+    ds4_config c;
+    snprintf(cfg, sizeof cfg, "%s/config.json", ckpt);
+    snprintf(dir, n, "%s.whole-tmp", out);
+    DS4_TRY(ds4_config_load(cfg, &c));
+    ds4_model *m;
+    DS4_TRY(ds4_model_create(NULL, &c, false, &m));
+    ds4_status st = ds4_checkpoint_load_model(ckpt, m);
+    if (st == DS4_OK) st = ds4_model_save(m, dir, DS4_F32);
+    ds4_model_free(m);
+    return st;
+}
+
+static void remove_whole(const char *dir) {
+    char p[4300];
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    unlink(p);
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    unlink(p);
+    rmdir(dir);
+}
+
 int cmd_export(int argc, char **argv) {
-    cli_flag f[] = {{"checkpoint", false, NULL, "ds4 checkpoint folder (config.json + model.safetensors; optimizer state is not exported)"},
+    cli_flag f[] = {{"checkpoint", false, NULL, "ds4 checkpoint folder (model.safetensors or every rank's shard files; optimizer state is not exported)"},
                     {"out", false, NULL, "output Hugging Face model directory"},
                     {"dtype", false, NULL, "bf16 (default) or f32"},
                     {"names", false, NULL, "hf (default) or official: tensor names and config.json keys (hf: transformers spelling)"},
@@ -88,5 +116,14 @@ int cmd_export(int argc, char **argv) {
     }
     if (!parse_dtype("export", cli_get(f, NFLAGS(f), "dtype"), &o.dtype)) return 2;
     if (!parse_names("export", cli_get(f, NFLAGS(f), "names"), true, &o.hf_names)) return 2;
-    return run("export", &o);
+    if (!ds4_checkpoint_is_per_rank(o.in_dir)) return run("export", &o);
+    char whole[4096];
+    if (write_whole(o.in_dir, o.out_dir, whole, sizeof whole) != DS4_OK) {
+        remove_whole(whole);
+        return cli_fail();
+    }
+    o.in_dir = whole;
+    int rc = run("export", &o);
+    remove_whole(whole);
+    return rc;
 }

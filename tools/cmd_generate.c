@@ -20,8 +20,8 @@
 #define NFLAGS(f) ((int)(sizeof(f) / sizeof((f)[0])))
 
 /* ------------------------------------------------------------------ shared: loading a model */
-/* --model DIR, or --checkpoint DIR: a checkpoint folder (ROOT/step-NNNNNNNN, itself a model
- * directory) or a checkpoint root, whose latest complete checkpoint is used. */
+/* --model DIR, or --checkpoint DIR: a checkpoint folder (ROOT/step-NNNNNNNN: a model directory, or the
+ * shard files of every rank with their index) or a checkpoint root, whose latest complete checkpoint is used. */
 static ds4_status open_model(const char *cmd, const char *model_dir, const char *ckpt, ds4_model **out) {
     *out = NULL;
     if (!model_dir == !ckpt)
@@ -36,12 +36,22 @@ static ds4_status open_model(const char *cmd, const char *model_dir, const char 
         if (stat(cfg, &sb) == 0) snprintf(path, sizeof path, "%s", ckpt);
         else DS4_TRY(ds4_checkpoint_find(ckpt, -1, path, sizeof path));
     }
-    ds4_model_dir *d;
-    DS4_TRY(ds4_model_dir_open(path, &d));
     ds4_model *m = NULL;
-    ds4_status st = ds4_model_create(NULL, ds4_model_dir_config(d), false, &m);
-    if (st == DS4_OK) st = ds4_model_load(m, d);
-    ds4_model_dir_close(d);
+    ds4_status st;
+    if (ckpt && ds4_checkpoint_is_per_rank(path)) { /* shard files of every rank: read back into one model */
+        char cfg[4200];
+        ds4_config c;
+        snprintf(cfg, sizeof cfg, "%s/config.json", path);
+        DS4_TRY(ds4_config_load(cfg, &c));
+        st = ds4_model_create(NULL, &c, false, &m);
+        if (st == DS4_OK) st = ds4_checkpoint_load_model(path, m);
+    } else {
+        ds4_model_dir *d;
+        DS4_TRY(ds4_model_dir_open(path, &d));
+        st = ds4_model_create(NULL, ds4_model_dir_config(d), false, &m);
+        if (st == DS4_OK) st = ds4_model_load(m, d);
+        ds4_model_dir_close(d);
+    }
     if (st != DS4_OK) {
         ds4_model_free(m);
         return st;

@@ -174,6 +174,8 @@ ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_adamw *o, ds4
  * ranks): begin makes the hidden ROOT/.tmp-step-N (path into tmp [n]), the caller writes config.json,
  * model.safetensors and optim.state into it, commit writes state.json and renames it into place. */
 ds4_status ds4_checkpoint_begin(const char *root, int64_t step, char *tmp, size_t n);
+/* The hidden folder's name, ROOT/.tmp-step-NNNNNNNN, for the ranks that write into it after begin. */
+void ds4_checkpoint_tmp_name(const char *root, int64_t step, char *tmp, size_t n);
 /* Renames tmp into place, then keep_latest_k removes the oldest (never the step just saved). On failure
  * tmp is removed. */
 ds4_status ds4_checkpoint_commit(const char *root, int64_t keep_latest_k, const char *tmp, const ds4_ckpt_meta *meta);
@@ -200,6 +202,50 @@ ds4_status ds4_checkpoint_moment_open(const char *path, const char *name, int64_
 /* Elements [off, off + n) into dst (the signature of ds4_packed_read_fn, ds4/dist.h). */
 ds4_status ds4_ckpt_moment_read(void *moment, int64_t off, int64_t n, float *dst);
 void ds4_ckpt_moment_close(ds4_ckpt_moment *mo);  /* NULL: no-op */
+
+/* ------------------------------------------------------------------ per-rank checkpoints
+ * checkpoint.per_rank: every rank of a sharded state writes its own file into the hidden step folder, all
+ * at once; rank 0 adds config.json, the index and, once every rank has written, state.json and the rename
+ * (the one-writer commit above). ROOT/step-N then holds
+ *   shard-RRRRR-of-WWWWW.safetensors  "params", "adamw.m", "adamw.v" F32 [k]: rank R's elements of the packed
+ *                                     layout (ds4/dist.h), "adamw.step" I64 [1] (and the Muon mark); shard 0
+ *                                     also the integer tables and carried tensors under their names;
+ *   shards.json                       for each file, the packed ranges it holds: [packed offset, offset in
+ *                                     the file's arrays, length].
+ * Any packed range can be read back from the files, so such a checkpoint loads on any world and EP degree
+ * and in one process, to the same bits as the one-writer format. src/train/ckpt_shards.c. */
+#define DS4_CKPT_INDEX "shards.json"
+bool ds4_checkpoint_is_per_rank(const char *path);   /* PATH/shards.json exists */
+void ds4_checkpoint_shard_name(char *buf, size_t n, int rank, int world);
+typedef struct {
+    const float *params, *m, *v; /* [n] this rank's elements, in the order of its ranges */
+    int64_t n, step;             /* elements; the optimizer's step */
+    bool muon;                   /* written by Muon: the mark goes in too */
+    ds4_model *tables;           /* rank 0: the model whose integer tables and carried tensors go in; else NULL */
+} ds4_ckpt_shard_data;
+/* tmp/shard-RRRRR-of-WWWWW.safetensors, written atomically. */
+ds4_status ds4_checkpoint_write_shard(const char *tmp, int rank, int world, const ds4_ckpt_shard_data *d);
+/* tmp/shards.json: rank r's file holds sizes[2r] ranges in arrays of sizes[2r + 1] elements (a shard also
+ * holds region padding); the ranges of all files back to back in ranges [sum sizes[2r]][3]. */
+ds4_status ds4_checkpoint_write_index(const char *tmp, int world, int64_t packed_numel, const int64_t *sizes,
+                                      const int64_t *ranges);
+/* Reading: opens every file the index names and checks that their ranges tile [0, packed_numel) exactly and
+ * that each array has the length the index gives it (errors name the file); packed_numel < 0: the index's. */
+typedef struct ds4_ckpt_shards ds4_ckpt_shards;
+typedef enum { DS4_CKPT_PARAMS = 0, DS4_CKPT_ADAMW_M = 1, DS4_CKPT_ADAMW_V = 2 } ds4_ckpt_array;
+ds4_status ds4_ckpt_shards_open(const char *path, int64_t packed_numel, ds4_ckpt_shards **out);
+void ds4_ckpt_shards_close(ds4_ckpt_shards *s);           /* NULL: no-op */
+int64_t ds4_ckpt_shards_step(const ds4_ckpt_shards *s);   /* adamw.step */
+bool ds4_ckpt_shards_muon(const ds4_ckpt_shards *s);      /* the Muon mark is there */
+const char *ds4_ckpt_shards_first_file(const ds4_ckpt_shards *s);
+/* The array ds4_ckpt_shards_read serves from now on (PARAMS at open). */
+void ds4_ckpt_shards_select(ds4_ckpt_shards *s, ds4_ckpt_array which);
+/* Packed elements [off, off + n) of the selected array into dst (a ds4_packed_read_fn). */
+ds4_status ds4_ckpt_shards_read(void *ctx, int64_t off, int64_t n, float *dst);
+/* The integer tables and carried tensors of m (whole or unmapped), from the first file. */
+ds4_status ds4_ckpt_shards_load_tables(const ds4_ckpt_shards *s, ds4_model *m);
+/* The weights of a checkpoint of either format into a whole model (eval, generate, export). */
+ds4_status ds4_checkpoint_load_model(const char *path, ds4_model *m);
 
 #ifdef __cplusplus
 }

@@ -6,7 +6,8 @@
  * of the batch: training.global_batch_size rows per step over all ranks, each rank running
  * global_batch / (micro_batch_size · W) micro-batches. The data loader's order is the one of a single
  * process; of every W consecutive micro-batches of it, rank r takes the r-th (ds4/data.h dp_rank). The
- * logged loss is the mean over ranks; rank 0 alone logs, writes the JSONL and checkpoints. */
+ * logged loss is the mean over ranks; rank 0 alone logs and writes the JSONL; checkpoints are written by
+ * rank 0, or with checkpoint.per_rank by every rank (its own shard file). */
 #ifndef DS4_TRAINER_H
 #define DS4_TRAINER_H
 
@@ -44,6 +45,7 @@ typedef struct {
     /* [checkpoint] */
     char ckpt_folder[1024];
     int64_t ckpt_interval, keep_latest_k, load_step; /* load_step: -1 latest, -2 never */
+    bool ckpt_per_rank;       /* under mpirun every rank writes its own shard file (default: rank 0 writes all) */
     /* [metrics] */
     int64_t log_freq;
     char jsonl[1024];
@@ -96,6 +98,7 @@ typedef struct {
     /* training.mixed_precision_param = "bfloat16": fp32 master weights and optimizer state, steps run with
      * bf16 GEMM operands and bf16 activations (ds4_pass_opts.bf16_acts); docs/mixed-precision.md */
     bool bf16;
+    bool per_rank_ckpt;                     /* sharded saves: every rank writes its own file (checkpoint.per_rank) */
     const ds4_exec *exec;                   /* real (NULL too) or a plan (memplan), ds4/core.h */
 } ds4_train_state_opts;
 
@@ -135,8 +138,10 @@ ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, doubl
  * is any, so a diverged state is never saved. A collective when sharded. The functions from here on need
  * values: a plan state has none and gets an error. */
 ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step);
-/* Checkpoints in the single-process format (ds4/train.h); save writes on rank 0 and every rank returns
- * its outcome; load reads on every rank. */
+/* Checkpoints (ds4/train.h): a whole state, or a sharded one without per_rank_ckpt, saves the one-writer
+ * format (a sharded state streams to rank 0, which writes); with per_rank_ckpt every rank writes its own
+ * shard file at the same time. Every rank returns the outcome of the whole save. load reads either format
+ * on every rank, whatever world and EP degree wrote it. */
 ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t keep_latest_k, const ds4_ckpt_meta *meta);
 ds4_status ds4_train_state_load(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta);
 /* After a load: when meta->muon (the optimizer that wrote the checkpoint) differs from this state's, the

@@ -1,5 +1,5 @@
-/* Atomic training checkpoints: ROOT/step-NNNNNNNN/{config.json, model.safetensors, optim.safetensors,
- * state.json}. Written into ROOT/.tmp-step-NNNNNNNN, each file fsynced, then the directory is renamed
+/* Atomic training checkpoints: ROOT/step-NNNNNNNN/{config.json, model.safetensors, optim.state,
+ * state.json} (or, written by every rank, shard files and their index: ckpt_shards.c). Written into ROOT/.tmp-step-NNNNNNNN, each file fsynced, then the directory is renamed
  * into place and ROOT fsynced. Only directories named step-* count, so a half-written one is ignored. */
 #include "ds4/io.h"
 #include "ds4/train.h"
@@ -116,10 +116,14 @@ static ds4_status write_state(const char *path, const ds4_ckpt_meta *meta) {
     return st;
 }
 
+void ds4_checkpoint_tmp_name(const char *root, int64_t step, char *tmp, size_t n) {
+    snprintf(tmp, n, "%s/.tmp-step-%08lld", root, (long long)step);
+}
+
 ds4_status ds4_checkpoint_begin(const char *root, int64_t step, char *tmp, size_t n) {
     if (mkdir(root, 0755) != 0 && errno != EEXIST)
         return ds4_fail(DS4_ERR_IO, "%s: cannot create checkpoint folder: %s", root, strerror(errno));
-    snprintf(tmp, n, "%s/.tmp-step-%08lld", root, (long long)step);
+    ds4_checkpoint_tmp_name(root, step, tmp, n);
     remove_ckpt_dir(tmp); /* leftovers of an interrupted save */
     if (mkdir(tmp, 0755) != 0)
         return ds4_fail(DS4_ERR_IO, "%s: cannot create checkpoint directory: %s", tmp, strerror(errno));
@@ -279,6 +283,13 @@ ds4_status ds4_checkpoint_load_meta(const char *path, ds4_ckpt_meta *meta) {
     /* which optimizer wrote optim.state: Muon marks its file (a missing file is the optimizer load's error) */
     snprintf(p, sizeof p, "%s/optim.state", path);
     meta->muon = false;
+    if (ds4_checkpoint_is_per_rank(path)) { /* the mark is in every rank's file */
+        ds4_ckpt_shards *s;
+        DS4_TRY(ds4_ckpt_shards_open(path, -1, &s));
+        meta->muon = ds4_ckpt_shards_muon(s);
+        ds4_ckpt_shards_close(s);
+        return DS4_OK;
+    }
     ds4_st_file *f;
     if (access(p, F_OK) != 0) return DS4_OK;
     DS4_TRY(ds4_st_open(p, &f));
@@ -327,9 +338,41 @@ void ds4_ckpt_moment_close(ds4_ckpt_moment *mo) {
     ds4_free(mo);
 }
 
+/* One moment of a per-rank checkpoint into o (resident or swapped), a chunk at a time. */
+static ds4_status read_moment_shards(ds4_ckpt_shards *s, ds4_ckpt_array which, ds4_adamw *o) {
+    ds4_ckpt_shards_select(s, which);
+    float *mem = which == DS4_CKPT_ADAMW_M ? o->m : o->v;
+    if (mem) return ds4_ckpt_shards_read(s, 0, o->n, mem);
+    const int64_t C = (int64_t)(DS4_ADAMW_SWAP_CHUNK / sizeof(float));
+    float *buf = ds4_alloc(DS4_MEM_OPTIM, (size_t)C * sizeof(float));
+    if (!buf) return ds4_fail(DS4_ERR_OOM, "out of memory loading the optimizer state");
+    ds4_status st = DS4_OK;
+    for (int64_t i0 = 0; i0 < o->n && st == DS4_OK; i0 += C) {
+        const int64_t n = o->n - i0 < C ? o->n - i0 : C;
+        st = ds4_ckpt_shards_read(s, i0, n, buf);
+        if (st == DS4_OK) st = ds4_adamw_moment_write(o, which == DS4_CKPT_ADAMW_M ? 0 : 1, i0, n, buf);
+    }
+    ds4_free(buf);
+    return st;
+}
+
+/* A per-rank checkpoint into a whole model: every packed range read from the files that hold it. */
+static ds4_status load_per_rank(const char *path, ds4_model *m, ds4_adamw *o) {
+    ds4_ckpt_shards *s;
+    DS4_TRY(ds4_ckpt_shards_open(path, ds4_model_numel(m), &s));
+    ds4_status st = ds4_ckpt_shards_read(s, 0, ds4_model_numel(m), ds4_model_params_flat(m));
+    if (st == DS4_OK) st = ds4_ckpt_shards_load_tables(s, m);
+    if (st == DS4_OK && o) st = read_moment_shards(s, DS4_CKPT_ADAMW_M, o);
+    if (st == DS4_OK && o) st = read_moment_shards(s, DS4_CKPT_ADAMW_V, o);
+    if (st == DS4_OK && o) o->step = ds4_ckpt_shards_step(s);
+    ds4_ckpt_shards_close(s);
+    return st;
+}
+
 ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_adamw *o, ds4_ckpt_meta *meta) {
     char p[4200];
     DS4_TRY(ds4_checkpoint_load_meta(path, meta));
+    if (ds4_checkpoint_is_per_rank(path)) return load_per_rank(path, m, o);
     ds4_model_dir *d;
     DS4_TRY(ds4_model_dir_open(path, &d));
     ds4_status st = ds4_model_load(m, d);

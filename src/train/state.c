@@ -4,9 +4,9 @@
  *  - sharded: this rank's FSDP + EP shard (ds4/dist.h). The model is unmapped; the hooks gather a
  *    group's weights around its use and reduce-scatter its gradients into the shard, where they
  *    accumulate over micro-batches. AdamW, clipping and the router bias rule run on the shard.
- * Checkpoints keep the single-process format in both forms: rank 0 gathers the packed parameters and
- * moments and writes them with ds4_checkpoint_save; on load every rank reads the files and keeps its
- * elements. So a run saved by N ranks resumes on any number of ranks.
+ * Checkpoints: the one-writer format (rank 0 gathers the packed parameters and moments and writes them
+ * as one process does), or with per_rank every rank writes its own shard file (ckpt_shards.c); on load
+ * every rank reads its elements from either. So a run saved by N ranks resumes on any number of ranks.
  * Offload (--swap-optimizer, --swap-layer-input) puts the AdamW state and the layer input streams in one
  * offload store (ds4/offload.h) owned here; the moments come back to memory only around checkpoints.
  * A plan state (memplan) is the same state under a plan context (ds4_exec): opened, stepped and freed
@@ -29,6 +29,7 @@ struct ds4_train_state {
     ds4_offload *store;     /* NULL: no offload */
     ds4_act_swap *swap;     /* --swap-layer-input */
     bool bf16;              /* mixed precision: bf16 GEMMs and activations, fp32 weights and optimizer state */
+    bool per_rank;          /* sharded saves: every rank writes its own file */
 };
 
 /* ------------------------------------------------------------------ agreement between ranks */
@@ -117,6 +118,7 @@ ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const
     s->world = world;
     s->sharded = ds4_comm_size(world) > 1 || opts->ep > 1 || opts->shard;
     s->bf16 = opts->bf16;
+    s->per_rank = opts->per_rank_ckpt;
     ds4_status st = check_world(s, world);
     if (st == DS4_OK) st = open_model(s, mc);
     if (st == DS4_OK) st = open_offload(s, opts);
@@ -314,6 +316,129 @@ static ds4_status save_sharded(ds4_train_state *s, const char *root, int64_t kee
     return ds4_train_agree(s->world, st); /* the others wait for the write and share its outcome */
 }
 
+/* ------------------------------------------------------------------ per-rank checkpoints */
+/* This rank's shard as packed ranges [packed offset, shard offset, length], neighbours merged. */
+typedef struct {
+    ds4_model *m;
+    int64_t *poff;   /* [nparams] packed offset of each float parameter */
+    int64_t *r;      /* [n][3] */
+    int64_t n, cap;  /* ranges, and triples allocated */
+    bool oom;
+} ranges_ctx;
+static void add_range(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
+    ranges_ctx *c = ctx;
+    int64_t a = c->poff[p - ds4_model_param(c->m, 0)] + k0, *last = c->n ? c->r + 3 * (c->n - 1) : NULL;
+    if (last && last[0] + last[2] == a && last[1] + last[2] == s0) {
+        last[2] += k1 - k0;
+        return;
+    }
+    if (!ds4_grow((void **)&c->r, &c->cap, 3 * (c->n + 1), sizeof(int64_t))) {
+        c->oom = true;
+        return;
+    }
+    c->r[3 * c->n] = a, c->r[3 * c->n + 1] = s0, c->r[3 * c->n + 2] = k1 - k0;
+    c->n++;
+}
+
+static ds4_status shard_ranges(ds4_train_state *s, ranges_ctx *c) {
+    *c = (ranges_ctx){.m = s->m};
+    const int64_t np = ds4_model_nparams(s->m);
+    c->poff = ds4_alloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(int64_t));
+    if (!c->poff) return ds4_fail(DS4_ERR_OOM, "out of memory listing the shard's ranges");
+    for (int64_t i = 0, off = 0; i < np; i++) {
+        const ds4_param *p = ds4_model_param(s->m, i);
+        c->poff[i] = off;
+        off += ds4_param_in_flat(p) ? p->numel : 0;
+    }
+    ds4_fsdp_for_each_piece(s->f, add_range, c);
+    return c->oom ? ds4_fail(DS4_ERR_OOM, "out of memory listing the shard's ranges") : DS4_OK;
+}
+
+/* Every rank's ranges on every rank: sizes [W][2] (ranges, shard elements), all [sum ranges][3] (allocated
+ * here). A shard also holds region padding, so its elements can outnumber its ranges' lengths. */
+static ds4_status share_ranges(ds4_train_state *s, const ranges_ctx *c, int64_t **sizes, int64_t **all) {
+    const int W = ds4_comm_size(s->world);
+    int64_t *cd = ds4_alloc(DS4_MEM_OTHER, 2 * (size_t)W * sizeof(int64_t));
+    *sizes = ds4_alloc(DS4_MEM_OTHER, 2 * (size_t)W * sizeof(int64_t));
+    *all = NULL;
+    ds4_status st = cd && *sizes ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory sharing the shards' ranges");
+    const int64_t mine[2] = {c->n, ds4_fsdp_shard_numel(s->f)};
+    for (int r = 0; st == DS4_OK && r < W; r++) cd[r] = 2, cd[W + r] = 2 * r;
+    if (st == DS4_OK) st = ds4_comm_allgatherv(s->world, mine, 2, *sizes, cd, cd + W, sizeof(int64_t));
+    int64_t total = 0;
+    for (int r = 0; st == DS4_OK && r < W; r++) {
+        cd[r] = 3 * (*sizes)[2 * r];
+        cd[W + r] = total;
+        total += cd[r];
+    }
+    if (st == DS4_OK) *all = ds4_alloc(DS4_MEM_OTHER, (size_t)(total > 0 ? total : 1) * sizeof(int64_t));
+    if (st == DS4_OK && !*all) st = ds4_fail(DS4_ERR_OOM, "out of memory sharing the shards' ranges");
+    if (st == DS4_OK) st = ds4_comm_allgatherv(s->world, c->r, 3 * c->n, *all, cd, cd + W, sizeof(int64_t));
+    ds4_free(cd);
+    return st;
+}
+
+/* This rank's file: its shard of the weights and moments (brought back to memory when swapped); rank 0's
+ * also the integer tables and carried tensors. */
+static ds4_status write_rank_file(ds4_train_state *s, const char *tmp) {
+    const int rank = ds4_comm_rank(s->world);
+    DS4_TRY(moments_in(s));
+    ds4_ckpt_shard_data d = {.params = ds4_fsdp_shard_params(s->f), .m = s->opt.m, .v = s->opt.v,
+                             .n = ds4_fsdp_shard_numel(s->f), .step = s->opt.step, .muon = s->opt.muon,
+                             .tables = rank == 0 ? s->m : NULL};
+    ds4_status st = ds4_checkpoint_write_shard(tmp, rank, ds4_comm_size(s->world), &d);
+    return moments_out(s, st);
+}
+
+/* Every rank writes its shard file into rank 0's hidden step folder at the same time; rank 0 writes the
+ * index and commits only when every rank has written (else it removes the folder: the checkpoints stay as
+ * they were). */
+static ds4_status save_per_rank(ds4_train_state *s, const char *root, int64_t keep, const ds4_ckpt_meta *meta) {
+    const bool lead = ds4_comm_rank(s->world) == 0;
+    char tmp[4096] = "", cfg[4200];
+    ds4_status st = lead ? ds4_checkpoint_begin(root, meta->step, tmp, sizeof tmp) : DS4_OK;
+    snprintf(cfg, sizeof cfg, "%s/config.json", tmp);
+    if (st == DS4_OK && lead) st = ds4_config_save(ds4_model_config(s->m), cfg);
+    ranges_ctx rc = {0};
+    int64_t *sizes = NULL, *all = NULL;
+    if (st == DS4_OK) st = shard_ranges(s, &rc);
+    st = ds4_train_agree(s->world, st); /* the folder exists before anyone writes into it */
+    if (st == DS4_OK) st = ds4_train_agree(s->world, share_ranges(s, &rc, &sizes, &all));
+    if (st == DS4_OK) {
+        ds4_checkpoint_tmp_name(root, meta->step, tmp, sizeof tmp);
+        st = ds4_train_agree(s->world, write_rank_file(s, tmp));
+    }
+    if (st == DS4_OK && lead)
+        st = ds4_checkpoint_write_index(tmp, ds4_comm_size(s->world), ds4_fsdp_packed_numel(s->f), sizes, all);
+    if (st == DS4_OK && lead) st = ds4_checkpoint_commit(root, keep, tmp, meta); /* removes tmp on failure */
+    else if (lead) ds4_checkpoint_abort(tmp); /* a failed rank leaves no .tmp-step-N behind */
+    ds4_free(rc.poff);
+    ds4_free(rc.r);
+    ds4_free(sizes);
+    ds4_free(all);
+    return ds4_train_agree(s->world, st);
+}
+
+/* A per-rank checkpoint into this rank's shard: the packed ranges it holds, read from whichever files
+ * hold them (any world, any EP degree). */
+static ds4_status load_shard_per_rank(ds4_train_state *s, const char *path) {
+    ds4_ckpt_shards *r;
+    DS4_TRY(ds4_ckpt_shards_open(path, ds4_fsdp_packed_numel(s->f), &r));
+    ds4_status st = ds4_fsdp_scatter_packed(s->f, ds4_ckpt_shards_read, r, ds4_fsdp_shard_params(s->f));
+    if (st == DS4_OK) st = ds4_ckpt_shards_load_tables(r, s->m);
+    if (st == DS4_OK) st = moments_in(s);
+    if (st == DS4_OK) {
+        ds4_ckpt_shards_select(r, DS4_CKPT_ADAMW_M);
+        st = ds4_fsdp_scatter_packed(s->f, ds4_ckpt_shards_read, r, s->opt.m);
+        ds4_ckpt_shards_select(r, DS4_CKPT_ADAMW_V);
+        if (st == DS4_OK) st = ds4_fsdp_scatter_packed(s->f, ds4_ckpt_shards_read, r, s->opt.v);
+        st = moments_out(s, st);
+    }
+    if (st == DS4_OK) s->opt.step = ds4_ckpt_shards_step(r);
+    ds4_ckpt_shards_close(r);
+    return st;
+}
+
 /* ------------------------------------------------------------------ non-finite values */
 static int64_t count_nonfinite(const float *x, int64_t n) {
     int64_t bad = 0;
@@ -379,7 +504,7 @@ ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step) {
 ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t keep_latest_k, const ds4_ckpt_meta *meta) {
     DS4_TRY(needs_values(s, "checkpoint save"));
     if (!s->f) return ds4_checkpoint_save(root, keep_latest_k, s->m, &s->opt, meta);
-    return save_sharded(s, root, keep_latest_k, meta);
+    return s->per_rank ? save_per_rank(s, root, keep_latest_k, meta) : save_sharded(s, root, keep_latest_k, meta);
 }
 
 /* This rank's elements of one moment, read in ranges from the mapped checkpoint file (no whole copy). */
@@ -393,6 +518,7 @@ static ds4_status load_moment(ds4_train_state *s, const char *path, const char *
 
 static ds4_status load_sharded(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta) {
     DS4_TRY(ds4_checkpoint_load_meta(path, meta));
+    if (ds4_checkpoint_is_per_rank(path)) return load_shard_per_rank(s, path);
     ds4_model_dir *d;
     DS4_TRY(ds4_model_dir_open(path, &d));
     ds4_status st = ds4_fsdp_load(s->f, d); /* one region resident at a time */

@@ -33,6 +33,7 @@ static const char *const k_known_keys[] = {
     "lr_scheduler.warmup_steps", "lr_scheduler.decay_type", "lr_scheduler.min_lr", "lr_scheduler.decay_steps",
     "data.train", "data.val", "data.val_batches",
     "checkpoint.folder", "checkpoint.interval", "checkpoint.keep_latest_k", "checkpoint.load_step",
+    "checkpoint.per_rank",
     "metrics.log_freq", "metrics.jsonl", "metrics.peak_tflops", "metrics.enable_tensorboard",
     "metrics.save_tb_folder", "job.dump_folder", "job.description",
     "parallel.ep",
@@ -162,6 +163,7 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(ds4_toml_int_or(t, "checkpoint.interval", 0, &c->ckpt_interval));
     DS4_TRY(ds4_toml_int_or(t, "checkpoint.keep_latest_k", 2, &c->keep_latest_k));
     DS4_TRY(ds4_toml_int_or(t, "checkpoint.load_step", -1, &c->load_step));
+    DS4_TRY(ds4_toml_bool_or(t, "checkpoint.per_rank", false, &c->ckpt_per_rank));
     DS4_TRY(ds4_toml_int_or(t, "metrics.log_freq", 1, &c->log_freq));
     DS4_TRY(copy_str(t, "metrics.jsonl", "", c->jsonl, sizeof c->jsonl));
     DS4_TRY(ds4_toml_float_or(t, "metrics.peak_tflops", 0, &c->peak_tflops));
@@ -443,7 +445,7 @@ static ds4_status open_model(ds4_train_cfg *c, trainer *tr) {
     const ds4_exec real = {.plan = false}; /* training runs real steps; memplan opens the same state as a plan */
     ds4_train_state_opts so = {.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
                                .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir, .exec = &real,
-                               .muon = c->use_muon, .bf16 = c->bf16_params};
+                               .muon = c->use_muon, .bf16 = c->bf16_params, .per_rank_ckpt = c->ckpt_per_rank};
     if (st == DS4_OK) st = ds4_train_state_open(&mc, d, (uint64_t)c->init_seed, tr->world, &so, &tr->s);
     if (st == DS4_OK) tr->m = ds4_train_state_model(tr->s);
     ds4_model_dir_close(d);
