@@ -168,27 +168,18 @@ typedef struct {
     float *ref_params;
 } step_ctx;
 
-/* The trainer's step on one micro-batch: forward, backward, clip, AdamW, the router bias rule. */
+/* The trainer's step (ds4_train_step) on one micro-batch: forward, backward, clip, AdamW, the router bias rule. */
 static ds4_status step_run(void *ctx) {
     step_ctx *c = ctx;
-    ds4_model *m = ds4_train_state_model(c->s);
-    ds4_train_state_zero_grads(c->s);
-    const ds4_act_policies pol = {.recompute = ds4_recompute_any(&c->rc) ? c->masks : NULL,
-                                  .swap = ds4_train_state_swap(c->s)};
-    ds4_pass_opts o = {.need_backward = true, .hooks = ds4_train_state_hooks(c->s), .store = ds4_act_store_of(&pol)};
-    ds4_pass *p;
-    DS4_TRY(ds4_forward(m, c->ids, 1, T_SEQ, &o, &p));
-    ds4_status st = ds4_backward(m, p);
-    if (st == DS4_OK) {
-        c->total_loss = ds4_pass_losses(p)->total_loss;
-        const int64_t nb = g_cfg.n_layers + g_cfg.n_mtp_layers, E = g_cfg.n_routed_experts;
-        for (int64_t l = 0; l < nb; l++) memcpy(c->loads + l * E, ds4_pass_expert_load(p, l), (size_t)E * sizeof(int64_t));
-    }
-    ds4_pass_free(p);
-    DS4_TRY(st);
-    DS4_TRY(ds4_train_state_clip(c->s, 1.0, &c->gnorm));
-    DS4_TRY(ds4_train_state_adamw_step(c->s, &(ds4_adamw_cfg){3e-3, 0.9, 0.95, 1e-8, 0.1}, 3e-3));
-    return ds4_train_state_router_bias(c->s, c->loads, 1e-3);
+    static const ds4_adamw_cfg adamw = {3e-3, 0.9, 0.95, 1e-8, 0.1};
+    const ds4_step_args a = {.step = 1, .micro_batches = 1, .B = 1, .T = T_SEQ, .ids = c->ids, .loads = c->loads,
+                             .release_mask = ds4_recompute_any(&c->rc) ? c->masks : NULL, .adamw = &adamw,
+                             .lr = 3e-3, .max_norm = 1.0, .router_bias_gamma = 1e-3};
+    ds4_step_result r;
+    DS4_TRY(ds4_train_step(c->s, &a, &r));
+    c->total_loss = r.total_loss;
+    c->gnorm = r.grad_norm;
+    return DS4_OK;
 }
 
 static size_t param_bytes(void) {
@@ -231,14 +222,15 @@ static ds4_ckpt_meta meta_of_step2(void) {
 }
 
 /* The reference: a random initial state saved as ckpt0, one step, saved as ckpt1 and as ROOT-ref's step 2. */
-static bool step_ctx_open(step_ctx *c, const char *name, bool swap, bool recompute) {
+static bool step_ctx_open(step_ctx *c, const char *name, bool swap, bool recompute, bool bf16) {
     const int64_t nb = g_cfg.n_layers + g_cfg.n_mtp_layers;
     c->name = name;
     snprintf(c->root, sizeof c->root, "%s/%s", g_dir, name);
     snprintf(c->off, sizeof c->off, "%s", g_dir);
     snprintf(c->ckpt0, sizeof c->ckpt0, "%s/step-00000000", c->root);
     snprintf(c->ckpt1, sizeof c->ckpt1, "%s/step-00000001", c->root);
-    c->so = (ds4_train_state_opts){.ep = 1, .swap_optimizer = swap, .swap_layer_input = swap, .offload_dir = c->off};
+    c->so = (ds4_train_state_opts){.ep = 1, .swap_optimizer = swap, .swap_layer_input = swap, .offload_dir = c->off,
+                                   .bf16 = bf16};
     ds4_recompute_defaults(&c->rc);
     c->rc.csa_attention = c->rc.mhc = recompute;
     ds4_recompute_masks(&c->rc, &g_cfg, c->masks);
@@ -356,9 +348,10 @@ static void load_case(step_ctx *c, int64_t every, int64_t stride) {
 }
 
 /* The step loop, then (with_ckpt) the save and load loops. */
-static void step_case(const char *name, bool swap, bool recompute, bool with_ckpt, int64_t every, int64_t stride) {
+static void step_case(const char *name, bool swap, bool recompute, bool bf16, bool with_ckpt, int64_t every,
+                      int64_t stride) {
     step_ctx c = {0};
-    if (step_ctx_open(&c, name, swap, recompute)) {
+    if (step_ctx_open(&c, name, swap, recompute, bf16)) {
         alloc_op op = {name, &c, step_setup, step_run, step_teardown, every, stride};
         CHECK(fail_each_allocation(&op) > 10, "%s: a step makes more than 10 allocations", name);
         if (with_ckpt) save_case(&c, 20, 23);
@@ -428,9 +421,10 @@ static void test_first_forward(void) {
 }
 
 static void test_train_step_and_checkpoints(void) {
-    step_case("step", false, false, true, 30, 17);
-    step_case("step csa+mhc", false, true, false, 0, 23);
-    step_case("step swap", true, false, true, 0, 19);
+    step_case("step", false, false, false, true, 30, 17);
+    step_case("step csa+mhc", false, true, false, false, 0, 23);
+    step_case("step swap", true, false, false, true, 0, 19);
+    step_case("step bf16 swap+csa+mhc", true, true, true, false, 0, 13); /* mixed precision's packs and widenings */
 }
 
 /* ------------------------------------------------------------------ (e) ds4 train resuming */

@@ -56,6 +56,12 @@ with tempfile.TemporaryDirectory() as tmp:
     expect_error("input_ids wrong dtype", ["debug-state", "--model", model, "--batch", f64_ids, "--out", out],
                  "f_ids.safetensors", "input_ids", "I32")
 
+    expect_error("bad precision", ["debug-state", "--model", model, "--batch", good, "--out", out,
+                                   "--mixed-precision-param", "float16"], "--mixed-precision-param", "float16")
+    expect_error("memplan bad precision", ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64",
+                                           "--micro-batch", "1", "--mixed-precision-param", "fp8"],
+                 "--mixed-precision-param", "fp8")
+
     expect_error("missing model dir", ["debug-state", "--model", os.path.join(tmp, "nope"), "--batch", good,
                                        "--out", out], "nope")
 

@@ -7,7 +7,7 @@ What is hashed (each case is one ds4 run; a case's hash covers, in order, the na
                            tests/configs/tiny-a.json (B=2, T=64: top-k selection), once per recompute / offload
                            policy; entries: every tensor of OUT.safetensors (logits, losses, gradients, indexer
                            top-k) by name, with dtype and shape.
-  train/<policy>           `ds4 train` on tiny-a, 3 steps, checkpoint at step 3; entries: the numbers of the
+  train/<policy>           `ds4 train` on tiny-a, 3 steps, checkpoint at step 3 (bf16*: mixed precision); entries: the numbers of the
                            metrics JSONL (losses, grad_norm, lr; not time, throughput or memory), every tensor of
                            model.safetensors and optim.state, and state.json.
   mpi/<layout>             the same under `mpirun -np 2`: FSDP, and FSDP + EP 2 (SKIP when mpirun is absent).
@@ -261,13 +261,17 @@ def train_run(tmp, name, flags, mpi):
     return entries
 
 
+BF16 = ["--training.mixed_precision_param", "bfloat16"]
+
+
 def train_cases(tmp):
     rec = FULL + ["--recompute-method", "block", "--recompute-num-layers", "1", "--recompute-csa-attention",
                   "--mhc-recompute", "--recompute-norm"]
     for name, flags in (("none", []), ("recompute", rec), ("swap-optimizer", ["--swap-optimizer"]),
-                        ("swap-layer-input", ["--swap-layer-input"])):
+                        ("swap-layer-input", ["--swap-layer-input"]), ("bf16", BF16),
+                        ("bf16-recompute-swap", BF16 + rec + ["--swap-layer-input", "--swap-optimizer"])):
         yield f"train/{name}", lambda name=name, flags=flags: train_run(tmp, name, flags, mpi=False)
-    for name, flags in (("fsdp", []), ("fsdp-ep2", ["--parallel.ep", "2"])):
+    for name, flags in (("fsdp", []), ("fsdp-ep2", ["--parallel.ep", "2"]), ("bf16-fsdp-ep2", BF16 + ["--parallel.ep", "2"])):
         run = None if shutil.which("mpirun") is None else \
             (lambda name=name, flags=flags: train_run(tmp, "mpi-" + name, flags, mpi=True))
         yield f"mpi/{name}", run
@@ -293,7 +297,8 @@ def memplan_cases():
              "--world", "128", "--ep", "128", *base]
     flash_pols = {"none": [], "fine": pols["fine"], "full-block-norm": FULL + [
         "--recompute-method", "block", "--recompute-num-layers", "10", "--recompute-norm"], "swap": pols["swap"],
-        "rank-77": ["--rank", "77", "--mhc-recompute"]}
+        "rank-77": ["--rank", "77", "--mhc-recompute"], "bf16": ["--mixed-precision-param", "bfloat16"],
+        "bf16-fine-swap": ["--mixed-precision-param", "bfloat16", *pols["fine"], *pols["swap"]]}
     for pol, flags in flash_pols.items():
         yield f"memplan/deepseek-v4-flash/{pol}", lambda flags=flags: memplan_entries(ds4(flash + flags))
 

@@ -1,6 +1,6 @@
 /* ds4 memplan --model DIR|CONFIG.json --seq T --micro-batch B [--world N --ep E [--rank R]]
- *              [recompute flags] [--swap-optimizer] [--swap-layer-input] [--muon] [--threads N]
- *              [--device-memory SIZE] [--policies] */
+ *              [recompute flags] [--swap-optimizer] [--swap-layer-input] [--muon]
+ *              [--mixed-precision-param bfloat16|float32] [--threads N] [--device-memory SIZE] [--policies] */
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/dist.h"
@@ -26,13 +26,15 @@ static void usage(void) {
                     "       [--world N --ep E [--rank R]] [--device-memory SIZE] [--policies]\n"
                     "       [--recompute-csa-attention] [--mhc-recompute] [--recompute-norm ...]\n"
                     "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
-                    "       [--swap-optimizer] [--swap-layer-input] [--muon]\n"
+                    "       [--swap-optimizer] [--swap-layer-input] [--muon] [--mixed-precision-param bfloat16]\n"
                     "Peak memory of one training step by category: the trainer's own step run as a plan\n"
                     "(every allocation counted, no data touched).\n"
                     "--swap-optimizer: AdamW state in the offload tier between updates; --swap-layer-input: each\n"
                     "layer's input stream in the offload tier from its forward to its backward. The offload\n"
                     "tier's peak is printed apart. --muon: the step of optimizer.name = \"Muon\" (the momentum\n"
                     "and the whole matrices Newton-Schulz works on are counted).\n"
+                    "--mixed-precision-param bfloat16: the step of training.mixed_precision_param = \"bfloat16\"\n"
+                    "(bf16 GEMM operands, the bf16-safe activations held in bf16; fp32 weights and state).\n"
                     "--world N --ep E: one rank (--rank, default 0) of N processes with FSDP over all N and\n"
                     "expert parallelism of degree E (as mpirun -np N ds4 train ... --parallel.ep E), balanced\n"
                     "routing; --micro-batch is per rank.\n"
@@ -97,6 +99,12 @@ static int parse_args(int argc, char **argv, memplan_args *a) {
             if (!cli_int("memplan", "rank", v, &a->rank)) return 2;
         } else if (!strcmp(f, "--threads")) {
             if (!cli_int("memplan", "threads", v, &a->threads)) return 2;
+        } else if (!strcmp(f, "--mixed-precision-param")) {
+            if (strcmp(v, "bfloat16") && strcmp(v, "float32")) {
+                fprintf(stderr, "error: ds4 memplan: --mixed-precision-param '%s': expected bfloat16 or float32\n", v);
+                return 2;
+            }
+            a->so.bf16 = !strcmp(v, "bfloat16");
         } else if (!strcmp(f, "--device-memory")) {
             if (ds4_parse_bytes("--device-memory", v, &a->device) != DS4_OK) {
                 fprintf(stderr, "error: ds4 memplan: %s\n", ds4_errmsg());
@@ -167,6 +175,8 @@ static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so
            so.swap_optimizer ? (so.swap_layer_input ? "optimizer+layer-input" : "optimizer")
                              : (so.swap_layer_input ? "layer-input" : "off"),
            ds4_get_threads(), where);
+    if (so.bf16)
+        printf("  mixed precision: bfloat16 compute (bf16 GEMM operands and activations), float32 weights and state\n");
     printf("  %-12s %20s %12s\n", "category", "peak bytes", "GiB");
     for (int k = 0; k < DS4_MEM_NCAT; k++)
         printf("  %-12s %20lld %12.3f\n", ds4_mem_cat_name((ds4_mem_cat)k), (long long)r.peak[k], gib(r.peak[k]));
@@ -190,8 +200,9 @@ static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so
 static int plan_policies(const memplan_args *a, const ds4_config *c) {
     char where[96];
     describe_world(a, where, sizeof where);
-    printf("memplan: %s, seq %lld, micro-batch %lld, %s, %d threads (%s), every policy", a->model, (long long)a->T,
-           (long long)a->B, a->so.muon ? "Muon" : "AdamW", ds4_get_threads(), where);
+    printf("memplan: %s, seq %lld, micro-batch %lld, %s, %s, %d threads (%s), every policy", a->model,
+           (long long)a->T, (long long)a->B, a->so.muon ? "Muon" : "AdamW",
+           a->so.bf16 ? "bfloat16 mixed precision" : "float32", ds4_get_threads(), where);
     if (a->device) printf(", device memory %.3f GiB (%lld bytes)", gib(a->device), (long long)a->device);
     printf("\n  %-25s %16s %10s %12s", "policy", "peak bytes", "peak GiB", "resident GiB");
     if (a->device) printf(" %5s %16s %11s", "fits", "margin bytes", "margin GiB");

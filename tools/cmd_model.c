@@ -3,6 +3,7 @@
 #include "cmds.h"
 #include "ds4/actstore.h"
 #include "ds4/io.h"
+#include "ds4/kernels.h"
 #include "ds4/model.h"
 #include "ds4/offload.h"
 #include "ds4/recompute.h"
@@ -187,14 +188,15 @@ static void print_memory_report(const ds4_pass *p, const ds4_config *c) {
 }
 
 static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, const char *out,
-                              const ds4_recompute_cfg *rc, bool report, ds4_act_swap *swap) {
+                              const ds4_recompute_cfg *rc, bool report, ds4_act_swap *swap, bool bf16) {
     const ds4_config *c = ds4_model_config(m);
     const int64_t V = c->vocab_size, N = B * T, K = c->index_topk;
     uint32_t masks[DS4_MAX_LAYERS];
     DS4_TRY(ds4_recompute_validate(rc, c));
     ds4_recompute_masks(rc, c, masks);
     const ds4_act_policies pol = {.recompute = ds4_recompute_any(rc) ? masks : NULL, .swap = swap};
-    ds4_pass_opts opts = {.need_backward = true, .keep_logits = true, .store = ds4_act_store_of(&pol)};
+    ds4_pass_opts opts = {.need_backward = true, .keep_logits = true, .store = ds4_act_store_of(&pol),
+                          .bf16_acts = bf16};
     ds4_mem_reset_peak();
     ds4_pass *p;
     DS4_TRY(ds4_forward(m, ids, B, T, &opts, &p));
@@ -271,13 +273,15 @@ int cmd_debug_state(int argc, char **argv) {
                     {"out", false, NULL, "OUT.safetensors"},
                     {"threads", false, NULL, "OpenMP threads"},
                     {"swap-layer-input", true, NULL, "offload each layer's input stream from forward to backward"},
-                    {"offload-dir", false, NULL, "directory of the offload file (default $TMPDIR or /tmp)"}};
+                    {"offload-dir", false, NULL, "directory of the offload file (default $TMPDIR or /tmp)"},
+                    {"mixed-precision-param", false, NULL,
+                     "float32 (default) or bfloat16: the pass of training.mixed_precision_param = \"bfloat16\""}};
     const char *pos[1];
     int npos;
     if (cli_want_help(argc, argv)) {
         cli_usage("debug-state",
                   "--model DIR --batch BATCH.safetensors --out OUT.safetensors [recompute flags] [--memory-report]\n"
-                  "       [--swap-layer-input [--offload-dir DIR]]", f,
+                  "       [--swap-layer-input [--offload-dir DIR]] [--mixed-precision-param bfloat16]", f,
                   NFLAGS(f));
         return 0;
     }
@@ -308,6 +312,12 @@ int cmd_debug_state(int argc, char **argv) {
         if (!cli_int("debug-state", "threads", th, &n)) return 2;
         ds4_set_threads((int)n);
     }
+    const char *mp = cli_get(f, NFLAGS(f), "mixed-precision-param");
+    if (mp && strcmp(mp, "float32") && strcmp(mp, "bfloat16")) {
+        fprintf(stderr, "error: ds4 debug-state: --mixed-precision-param '%s': expected bfloat16 or float32\n", mp);
+        return 2;
+    }
+    const bool bf16 = mp && !strcmp(mp, "bfloat16");
     ds4_model_dir *d;
     if (ds4_model_dir_open(md, &d) != DS4_OK) return cli_fail();
     ds4_model *m = NULL;
@@ -323,10 +333,13 @@ int cmd_debug_state(int argc, char **argv) {
         st = ds4_offload_open(NULL, cli_get(f, NFLAGS(f), "offload-dir"), &store);
         if (st == DS4_OK) st = ds4_act_swap_new(store, &swap);
     }
+    const ds4_matmul_precision prev = ds4_get_matmul_precision();
+    if (st == DS4_OK && bf16) st = ds4_set_matmul_precision(DS4_MATMUL_BF16); /* bf16 activations imply bf16 GEMMs */
     if (st == DS4_OK) {
-        st = debug_state(m, ids, B, T, out, &rc, report, swap);
+        st = debug_state(m, ids, B, T, out, &rc, report, swap, bf16);
         if (st == DS4_ERR_ARG && strstr(ds4_errmsg(), "input_ids")) ds4_fail_prefix(st, "%s", bp);
     }
+    ds4_set_matmul_precision(prev);
     ds4_act_swap_free(swap);
     ds4_offload_close(store);
     ds4_free(ids);

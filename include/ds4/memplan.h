@@ -35,6 +35,7 @@ typedef struct {
     const char *offload_dir;  /* the store's directory; NULL: $TMPDIR or /tmp (no file in a plan) */
     size_t swap_chunk_bytes;  /* optimizer update buffer; 0: DS4_ADAMW_SWAP_CHUNK */
     bool muon;                /* Muon for the Muon group (ds4/train.h, DeepSeek-V4's settings), AdamW for the rest */
+    bool bf16;                /* bf16 mixed precision (training.mixed_precision_param = "bfloat16") */
 } ds4_step_opts;
 
 /* One training step — the state opened (model, AdamW state, offload store), ds4_train_step on one [B, T]

@@ -179,6 +179,11 @@ typedef struct {
     bool moe_force_balance;
     /* Recompute and offload of saved tensors (training passes; MTP blocks always keep theirs). */
     ds4_act_store store;
+    /* Mixed precision (training.mixed_precision_param = "bfloat16"): the block outputs each unit declares
+     * bf16-safe are rounded to bf16 when made and held as bf16 between their last forward reader and
+     * backward; statistics, softmax / Sinkhorn inputs, router scores and the residual streams stay fp32
+     * (docs/mixed-precision.md). Every recompute and offload policy keeps the same bits. */
+    bool bf16_acts;
 } ds4_pass_opts;
 
 typedef struct ds4_pass ds4_pass;

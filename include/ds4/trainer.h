@@ -31,6 +31,7 @@ typedef struct {
     double max_norm, router_bias_gamma;
     double mtp_loss_weight, indexer_loss_coeff; /* < 0: keep the model config's value */
     ds4_matmul_precision matmul_precision;      /* training.matmul_precision "fp32" (default) | "bf16" */
+    bool bf16_params;         /* training.mixed_precision_param "bfloat16" (implies bf16 GEMMs) | "float32" (default) */
     /* [optimizer] */
     ds4_adamw_cfg adamw;
     bool use_muon;            /* optimizer.name "Muon": the Muon group on Muon, the rest on AdamW */
@@ -92,6 +93,9 @@ typedef struct {
     const char *offload_dir;                /* NULL or "": $TMPDIR, else /tmp */
     size_t swap_chunk_bytes;                /* --swap-optimizer update buffers; 0: DS4_ADAMW_SWAP_CHUNK */
     bool muon;                              /* the Muon group marked in the optimizer state (ds4/train.h) */
+    /* training.mixed_precision_param = "bfloat16": fp32 master weights and optimizer state, steps run with
+     * bf16 GEMM operands and bf16 activations (ds4_pass_opts.bf16_acts); docs/mixed-precision.md */
+    bool bf16;
     const ds4_exec *exec;                   /* real (NULL too) or a plan (memplan), ds4/core.h */
 } ds4_train_state_opts;
 
@@ -142,6 +146,7 @@ ds4_status ds4_train_state_load(ds4_train_state *s, const char *path, ds4_ckpt_m
 ds4_status ds4_train_state_switch_optimizer(ds4_train_state *s, const ds4_ckpt_meta *meta, int64_t *elements,
                                             int64_t *matrices);
 bool ds4_train_state_muon(const ds4_train_state *s); /* opened with the Muon group */
+bool ds4_train_state_bf16(const ds4_train_state *s); /* opened with bf16 mixed precision */
 
 /* ------------------------------------------------------------------ one optimizer step
  * Everything `ds4 train` does to the state in one step, and what `ds4 memplan` runs on a plan state (so

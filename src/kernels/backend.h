@@ -106,6 +106,9 @@ typedef struct ds4_kernel_backend {
     void (*tensor_copy)(void *dst, const void *src, size_t bytes);
     void (*tensor_zero)(void *dst, size_t bytes);
     void (*tensor_add)(float *dst, const float *src, int64_t n);
+    void (*tensor_round_bf16)(float *x, int64_t n);
+    void (*tensor_pack_bf16)(uint16_t *dst, const float *src, int64_t n);
+    void (*tensor_unpack_bf16)(float *dst, const uint16_t *src, int64_t n);
     void (*shift_ids)(int32_t *out, const int32_t *ids, int64_t B, int64_t T, int64_t shift, int32_t fill);
     void (*streams_expand)(float *X, int64_t N, int64_t n, int64_t D);
     void (*streams_add)(float *X, const float *x, int64_t N, int64_t n, int64_t D);
@@ -123,7 +126,8 @@ typedef struct ds4_kernel_backend {
     X(moe_group_by_expert) X(moe_expert_counts) X(moe_expert_load) X(moe_assignment_weights)                  \
     X(moe_weight_grads_add) X(rows_gather) X(rows_scatter_add) X(rows_pack) X(rows_unpack)                    \
     X(moe_unpack_grads_add) X(moe_experts_fwd) X(moe_experts_bwd) X(swiglu_fwd) X(swiglu_bwd)                 \
-    X(cross_entropy_fwd_bwd) X(tensor_copy) X(tensor_zero) X(tensor_add) X(shift_ids) X(streams_expand)       \
+    X(cross_entropy_fwd_bwd) X(tensor_copy) X(tensor_zero) X(tensor_add) X(tensor_round_bf16)     \
+    X(tensor_pack_bf16) X(tensor_unpack_bf16) X(shift_ids) X(streams_expand)       \
     X(streams_add) X(streams_sum)
 
 /* The table in use: the plan backend while the allocator serves a plan (ds4_exec_current), else the

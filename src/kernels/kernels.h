@@ -522,6 +522,22 @@ static inline void tensor_zero(void *dst, size_t bytes) {
     const ds4_kernel_backend *k = ds4_kernels();
     if (k->tensor_zero) k->tensor_zero(dst, bytes);
 }
+/* Mixed precision's bf16 activations (docs/mixed-precision.md), rounded as the bf16 GEMM rounds its operands
+ * (gemm_bf16_bits), so a GEMM that reads them again rounds nothing. x: [n] in place. */
+static inline void tensor_round_bf16(float *x, int64_t n) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->tensor_round_bf16) k->tensor_round_bf16(x, n);
+}
+/* dst [n] bf16 bits of src [n] (gemm_bf16_bits); exact when src was rounded by tensor_round_bf16. */
+static inline void tensor_pack_bf16(uint16_t *dst, const float *src, int64_t n) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->tensor_pack_bf16) k->tensor_pack_bf16(dst, src, n);
+}
+/* dst [n] = the floats of the bf16 bits src [n]. */
+static inline void tensor_unpack_bf16(float *dst, const uint16_t *src, int64_t n) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->tensor_unpack_bf16) k->tensor_unpack_bf16(dst, src, n);
+}
 /* Token ids shifted left along each sequence: out[b, t] = ids[b, t + shift] while t + shift < T, else
  * fill. out, ids: [B, T] (shift 0: a copy). */
 static inline void shift_ids(int32_t *out, const int32_t *ids, int64_t B, int64_t T, int64_t shift, int32_t fill) {

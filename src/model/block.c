@@ -95,6 +95,7 @@ ds4_status block_fwd(const block_ctx *bc, block_acts *a, const float *X_in, floa
     a->release_mask = bc->keep ? release_mask & ~UNIT_BIT(U_HC_POST_FFN) : 0;
     a->stats = stats;
     a->ep = bc->ep;
+    a->bf16 = bc->bf16_acts;
     ds4_status st = DS4_OK;
     for (int u = 0; u < U_COUNT && st == DS4_OK; u++) {
         st = act_run(bc, a, (unit_id)u);
@@ -102,7 +103,7 @@ ds4_status block_fwd(const block_ctx *bc, block_acts *a, const float *X_in, floa
         if (st != DS4_OK) break;
         if (stats) stats[u].bytes = act_unit_bytes(a, (unit_id)u);
         st = after_unit(bc, a, (unit_id)u, expert_load, kl_sum, kl_rows);
-        if (st == DS4_OK) act_release_after_fwd(bc, a, (unit_id)u);
+        if (st == DS4_OK) st = act_release_after_fwd(bc, a, (unit_id)u);
     }
     if (st != DS4_OK || !bc->keep) block_acts_free(a);
     return st;

@@ -50,7 +50,12 @@ enum { HP_X };                                              /* hc_post_attn: X_m
 enum { RT_LOGITS, RT_SCORES, RT_IDX, RT_W, RT_EOFF, RT_ETOK, RT_ESLOT }; /* router */
 enum { MOE_H1, MOE_H3, MOE_SH1, MOE_SH3, MOE_OUT, MOE_XR, MOE_WR };     /* moe */
 
-typedef enum { ACT_F32, ACT_I32, ACT_I64 } act_dtype;
+/* ACT_F32_BF16: a float tensor that mixed precision (ds4_pass_opts.bf16_acts) holds in bf16: its values
+ * are rounded to bf16 as soon as the unit has made them (so every reader, replays included, sees the
+ * same values) and it is held as bf16 from its last forward reader until a backward reader needs it.
+ * ACT_F32 stays fp32 in every mode: normalisation statistics, softmax and Sinkhorn inputs and outputs,
+ * log-sum-exp, router scores and weights, the residual streams (docs/mixed-precision.md says why). */
+typedef enum { ACT_F32, ACT_F32_BF16, ACT_I32, ACT_I64 } act_dtype;
 
 /* Symbolic dimensions of saved tensors, valued per block and pass (unit_acts.c: act_dim_value). */
 typedef enum {
@@ -97,6 +102,8 @@ typedef struct {
 typedef struct {
     void *out[U_COUNT][UNIT_MAX_OUTS]; /* each unit's output slots (NULL: not held) */
     bool present[U_COUNT];
+    uint8_t packed[U_COUNT]; /* bit s: slot s is held as bf16 (uint16_t) until a backward reader needs it */
+    bool bf16;              /* mixed precision: ACT_F32_BF16 slots rounded and held as bf16 */
     uint32_t release_mask;  /* units to release after their last forward reader */
     unit_stats *stats;      /* [U_COUNT] or NULL */
     const float *X_in;      /* [N, n, D] block input (owned by the pass) */
@@ -119,6 +126,7 @@ typedef struct {
     const int32_t *ids; /* [B, T] ids for hash routing */
     bool dense_csa;
     bool keep;          /* keep activations for backward */
+    bool bf16_acts;     /* mixed precision: ACT_F32_BF16 slots in bf16 (ds4_pass_opts.bf16_acts) */
     const ds4_ep_ops *ep; /* expert parallelism (NULL: every expert local) */
     bool force_balance; /* route slot k of token t to expert (t·K + k) mod E */
     int32_t *topk_copy; /* [N, index_topk]: the top-k is copied here before a recompute release (NULL: not kept) */
@@ -205,9 +213,11 @@ bool unit_runs_here(unit_id u, const block_acts *a);
  * of the decoder, the unit's decode variant when it has one). */
 ds4_status act_run(const block_ctx *bc, block_acts *a, unit_id u);
 ds4_status act_run_cached(const block_ctx *bc, block_acts *a, unit_id u, unit_cache *kc);
-/* Releases every masked unit whose last forward reader is u (u has just run). */
-void act_release_after_fwd(const block_ctx *bc, block_acts *a, unit_id u);
-/* Makes the outputs of every unit in `units` present, replaying released ones (inputs first). */
+/* Releases every masked unit whose last forward reader is u (u has just run); under mixed precision
+ * the others of them are held as bf16 from here on. */
+ds4_status act_release_after_fwd(const block_ctx *bc, block_acts *a, unit_id u);
+/* Makes the outputs of every unit in `units` present, replaying released ones (inputs first) and
+ * widening those held as bf16. */
 ds4_status act_need(const block_ctx *bc, block_acts *a, uint32_t units);
 /* Frees the outputs whose last backward reader is backward step `step` of k_block_bwd_order. */
 void act_free_after_bwd(block_acts *a, int step);

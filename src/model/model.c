@@ -23,6 +23,7 @@ struct ds4_pass {
     int64_t B, T, N;
     int32_t *ids, *ids_next;  /* [N] */
     float **X;                /* [n_layers + 1] boundary streams, [N, n, D] each */
+    bool X_bf16[DS4_MAX_LAYERS]; /* mixed precision: X[l] held as bf16 (uint16_t) until block l's backward */
     block_acts *ba;           /* [n_blocks] */
     head_acts head, mhead;
     /* MTP input */
@@ -120,6 +121,7 @@ static block_ctx make_ctx(ds4_pass *p, int64_t layer, const int32_t *ids) {
                        .ids = ids,
                        .dense_csa = p->opts.csa_dense || p->m->cfg.csa_dense,
                        .keep = p->opts.need_backward,
+                       .bf16_acts = p->opts.bf16_acts,
                        .ep = p->opts.hooks ? p->opts.hooks->ep : NULL,
                        .force_balance = p->opts.moe_force_balance,
                        .rope_main = &p->m->rope_main,
@@ -181,25 +183,54 @@ static void stream_rebind(ds4_pass *p, int64_t l) {
     p->ba[l].X_in = p->X[l];
     if (l > 0) p->ba[l - 1].X_out = p->X[l];
 }
-static size_t stream_bytes(const ds4_pass *p) {
-    return (size_t)(p->N * p->m->cfg.hc_mult * p->m->cfg.dim) * sizeof(float);
+static int64_t stream_numel(const ds4_pass *p) { return p->N * p->m->cfg.hc_mult * p->m->cfg.dim; }
+/* Bytes of X[l] as held now: 2 per element while it is bf16. */
+static size_t stream_bytes(const ds4_pass *p, int64_t l) {
+    return (size_t)stream_numel(p) * (p->X_bf16[l] ? sizeof(uint16_t) : sizeof(float));
 }
+
+/* Mixed precision: the residual streams are bf16 values (rounded as soon as they are made, so the next
+ * block, the head and every replay read the same values) and held as bf16 between a block's forward and
+ * its backward. */
+static void stream_round(ds4_pass *p, int64_t l) {
+    if (p->opts.bf16_acts) tensor_round_bf16(p->X[l], stream_numel(p));
+}
+
+static ds4_status stream_convert(ds4_pass *p, int64_t l, bool to_bf16) {
+    const int64_t n = stream_numel(p);
+    void *to = ds4_alloc(DS4_MEM_ACT, (size_t)n * (to_bf16 ? sizeof(uint16_t) : sizeof(float)));
+    if (!to) return ds4_fail(DS4_ERR_OOM, "out of memory converting layer %lld's input stream", (long long)l);
+    if (to_bf16) tensor_pack_bf16(to, p->X[l], n);
+    else tensor_unpack_bf16(to, (const uint16_t *)p->X[l], n);
+    ds4_free(p->X[l]);
+    p->X[l] = to;
+    p->X_bf16[l] = to_bf16;
+    stream_rebind(p, l);
+    return DS4_OK;
+}
+
 /* After block l's forward, its last reader of X[l]. */
 static ds4_status act_offload(ds4_pass *p, int64_t l) {
     const ds4_act_store *as = &p->opts.store;
-    if (!p->opts.need_backward || act_policy(p, l, DS4_UNIT_INPUT) != DS4_ACT_SWAP) return DS4_OK;
-    ds4_status st = as->ops->save(as->ctx, l, DS4_UNIT_INPUT, 0, (void **)&p->X[l], stream_bytes(p));
+    if (!p->opts.need_backward) return DS4_OK;
+    if (p->opts.bf16_acts) DS4_TRY(stream_convert(p, l, true));
+    if (act_policy(p, l, DS4_UNIT_INPUT) != DS4_ACT_SWAP) return DS4_OK;
+    ds4_status st = as->ops->save(as->ctx, l, DS4_UNIT_INPUT, 0, (void **)&p->X[l], stream_bytes(p, l));
     stream_rebind(p, l);
     return st;
 }
 /* Before block l's backward (and its replays), the first reader of X[l] in backward. */
 static ds4_status act_restore(ds4_pass *p, int64_t l) {
     const ds4_act_store *as = &p->opts.store;
-    if (act_policy(p, l, DS4_UNIT_INPUT) != DS4_ACT_SWAP) return DS4_OK;
-    ds4_status st = as->ops->fetch(as->ctx, l, DS4_UNIT_INPUT, 0, (void **)&p->X[l], stream_bytes(p));
-    stream_rebind(p, l);
-    if (st == DS4_OK && !p->X[l])
-        st = ds4_fail(DS4_ERR_INTERNAL, "activation store: layer %lld's input stream did not come back", (long long)l);
+    ds4_status st = DS4_OK;
+    if (act_policy(p, l, DS4_UNIT_INPUT) == DS4_ACT_SWAP) {
+        st = as->ops->fetch(as->ctx, l, DS4_UNIT_INPUT, 0, (void **)&p->X[l], stream_bytes(p, l));
+        stream_rebind(p, l);
+        if (st == DS4_OK && !p->X[l])
+            st = ds4_fail(DS4_ERR_INTERNAL, "activation store: layer %lld's input stream did not come back",
+                          (long long)l);
+    }
+    if (st == DS4_OK && p->X_bf16[l]) st = stream_convert(p, l, false);
     return st;
 }
 
@@ -445,6 +476,7 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     embedding_fwd(p->X[0], m->w.embed, p->ids, N, D);
     drop(p, 0);
     streams_expand(p->X[0], N, n, D);
+    stream_round(p, 0);
     /* blocks */
     for (int64_t l = 0; l < c->n_layers && st == DS4_OK; l++) {
         p->X[l + 1] = pass_alloc(N * n * D);
@@ -460,6 +492,7 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
         st = block_fwd(&bc, &p->ba[l], p->X[l], p->X[l + 1], mask, p->unit_stats + l * U_COUNT,
                        p->expert_load + l * c->n_routed_experts, &p->kl_sum[l], &p->kl_rows[l]);
         drop(p, group_of_layer(l));
+        if (st == DS4_OK) stream_round(p, l + 1);
         if (st == DS4_OK && !opts->need_backward && l > 0) {
             ds4_free(p->X[l]); /* eval: the previous boundary is no longer needed */
             p->X[l] = NULL;

@@ -74,6 +74,48 @@ static int64_t act_dim_value(const block_ctx *bc, const block_acts *a, act_dim d
 
 static size_t act_dtype_size(act_dtype t) { return t == ACT_I64 ? sizeof(int64_t) : t == ACT_I32 ? 4 : sizeof(float); }
 
+static bool slot_bf16(const block_acts *a, unit_id u, int s) {
+    return a->bf16 && s < k_block_units[u]->nouts && k_block_units[u]->outs[s].dtype == ACT_F32_BF16 && a->out[u][s];
+}
+
+/* ================================================================== mixed precision
+ * A bf16 slot's values are rounded when its unit has run; from its last forward reader on it is held
+ * as bf16 (half the bytes) and widened again, exactly, when backward needs it. */
+static void round_outputs(block_acts *a, unit_id u) {
+    for (int s = 0; s < UNIT_MAX_OUTS; s++)
+        if (slot_bf16(a, u, s)) tensor_round_bf16(F32(u, s), (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(float)));
+}
+
+static ds4_status pack_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
+    for (int s = 0; s < UNIT_MAX_OUTS; s++) {
+        if (!slot_bf16(a, u, s) || (a->packed[u] >> s & 1u)) continue;
+        const int64_t n = (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(float));
+        uint16_t *h = ds4_alloc(DS4_MEM_ACT, (size_t)n * sizeof(uint16_t));
+        if (!h) return ds4_fail(DS4_ERR_OOM, "out of memory holding block %lld's %s in bf16", (long long)bc->layer,
+                                unit_name(u));
+        tensor_pack_bf16(h, F32(u, s), n);
+        ds4_free(a->out[u][s]);
+        a->out[u][s] = h;
+        a->packed[u] |= (uint8_t)(1u << s);
+    }
+    return DS4_OK;
+}
+
+static ds4_status unpack_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
+    for (int s = 0; s < UNIT_MAX_OUTS; s++) {
+        if (!(a->packed[u] >> s & 1u)) continue;
+        const int64_t n = (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(uint16_t));
+        float *f = ds4_alloc(DS4_MEM_ACT, (size_t)n * sizeof(float));
+        if (!f) return ds4_fail(DS4_ERR_OOM, "out of memory widening block %lld's %s from bf16", (long long)bc->layer,
+                                unit_name(u));
+        tensor_unpack_bf16(f, a->out[u][s], n);
+        ds4_free(a->out[u][s]);
+        a->out[u][s] = f;
+        a->packed[u] &= (uint8_t)~(1u << s);
+    }
+    return DS4_OK;
+}
+
 /* ================================================================== allocation and release */
 static ds4_status alloc_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
     const unit_decl *ud = k_block_units[u];
@@ -93,7 +135,9 @@ ds4_status act_run_cached(const block_ctx *bc, block_acts *a, unit_id u, unit_ca
     if (!unit_runs_here(u, a)) return DS4_OK;
     if (ud->prepare) DS4_TRY(ud->prepare(bc, a));
     DS4_TRY(alloc_outputs(bc, a, u));
-    return kc && ud->decode ? ud->decode(bc, a, kc) : ud->fwd(bc, a);
+    DS4_TRY(kc && ud->decode ? ud->decode(bc, a, kc) : ud->fwd(bc, a));
+    round_outputs(a, u);
+    return DS4_OK;
 }
 
 ds4_status act_run(const block_ctx *bc, block_acts *a, unit_id u) { return act_run_cached(bc, a, u, NULL); }
@@ -106,18 +150,25 @@ static void unit_release(block_acts *a, unit_id u) {
         a->out[u][s] = NULL;
     }
     a->present[u] = false;
+    a->packed[u] = 0;
     if (k_block_units[u]->discard) k_block_units[u]->discard(a);
 }
 
-void act_release_after_fwd(const block_ctx *bc, block_acts *a, unit_id u) {
-    for (int v = 0; v <= (int)u; v++)
-        if ((a->release_mask & UNIT_BIT(v)) && a->present[v] && last_forward_reader((unit_id)v) == u) {
+ds4_status act_release_after_fwd(const block_ctx *bc, block_acts *a, unit_id u) {
+    for (int v = 0; v <= (int)u; v++) {
+        if (!a->present[v] || last_forward_reader((unit_id)v) != u) continue;
+        if (a->release_mask & UNIT_BIT(v)) {
             if (v == U_INDEXER_TOPK && bc->topk_copy && a->out[v][TOPK_SEL])
                 tensor_copy(bc->topk_copy, a->out[v][TOPK_SEL],
                        (size_t)(bc->B * bc->T * bc->m->cfg.index_topk) * sizeof(int32_t));
             unit_release(a, (unit_id)v);
             if (a->stats) a->stats[v].released++;
+        } else if (bc->keep && a->bf16) {
+            DS4_TRY(pack_outputs(bc, a, (unit_id)v));
+            if (a->stats) a->stats[v].bytes = act_unit_bytes(a, (unit_id)v);
         }
+    }
+    return DS4_OK;
 }
 
 void act_free_after_bwd(block_acts *a, int step) {
@@ -133,7 +184,7 @@ void block_acts_free(block_acts *a) {
 /* ================================================================== replay */
 /* Makes unit u's outputs present, replaying it (and its released inputs, in forward order) if needed. */
 static ds4_status act_need_one(const block_ctx *bc, block_acts *a, unit_id u) {
-    if (a->present[u]) return DS4_OK;
+    if (a->present[u]) return unpack_outputs(bc, a, u);
     if (u == U_HC_POST_FFN) return ds4_fail(DS4_ERR_INTERNAL, "hc_post_ffn is never replayed");
     for (int d = 0; d < (int)u; d++)
         if (k_block_units[u]->inputs & UNIT_BIT(d)) DS4_TRY(act_need_one(bc, a, (unit_id)d));

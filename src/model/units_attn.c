@@ -10,7 +10,7 @@
 
 /* ------------------------------------------------------------------ attn_norm: xa = attn_norm(y) */
 static const act_slot k_attn_norm_outs[] = {
-    [NORM_X] = {"xa", ACT_F32, {X_N, X_D}},
+    [NORM_X] = {"xa", ACT_F32_BF16, {X_N, X_D}},
     [NORM_RSTD] = {"rstd", ACT_F32, {X_N}},
 };
 
@@ -39,9 +39,9 @@ const unit_decl unit_attn_norm = {
 /* ------------------------------------------------------------------ q_down: qr = q_norm(wq_a xa) */
 /* qr: [N, QR], also the indexer's query latent */
 static const act_slot k_q_down_outs[] = {
-    [QD_QA] = {"qa", ACT_F32, {X_N, X_QR}},
+    [QD_QA] = {"qa", ACT_F32_BF16, {X_N, X_QR}},
     [QD_RSTD] = {"rstd", ACT_F32, {X_N}},
-    [QD_QR] = {"qr", ACT_F32, {X_N, X_QR}},
+    [QD_QR] = {"qr", ACT_F32_BF16, {X_N, X_QR}},
 };
 
 static ds4_status q_down_fwd(const block_ctx *bc, block_acts *a) {
@@ -73,9 +73,9 @@ const unit_decl unit_q_down = {
 
 /* ------------------------------------------------------------------ q_up: q = rope(headnorm(wq_b qr)) */
 static const act_slot k_q_up_outs[] = {
-    [QU_RAW] = {"qraw", ACT_F32, {X_N, X_H, X_HD}},
+    [QU_RAW] = {"qraw", ACT_F32_BF16, {X_N, X_H, X_HD}},
     [QU_RSTD] = {"rstd", ACT_F32, {X_N, X_H}},
-    [QU_Q] = {"q", ACT_F32, {X_N, X_H, X_HD}}, /* normalised, roped */
+    [QU_Q] = {"q", ACT_F32_BF16, {X_N, X_H, X_HD}}, /* normalised, roped */
 };
 
 static ds4_status q_up_fwd(const block_ctx *bc, block_acts *a) {
@@ -113,9 +113,9 @@ const unit_decl unit_q_up = {
 /* ------------------------------------------------------------------ kv = rope(kv_norm(wkv xa)) */
 /* kv: [N, hd], the one shared K = V head */
 static const act_slot k_kv_outs[] = {
-    [KV_RAW] = {"kvraw", ACT_F32, {X_N, X_HD}},
+    [KV_RAW] = {"kvraw", ACT_F32_BF16, {X_N, X_HD}},
     [KV_RSTD] = {"rstd", ACT_F32, {X_N}},
-    [KV_KV] = {"kv", ACT_F32, {X_N, X_HD}}, /* normalised, roped */
+    [KV_KV] = {"kv", ACT_F32_BF16, {X_N, X_HD}}, /* normalised, roped */
 };
 
 static ds4_status kv_fwd(const block_ctx *bc, block_acts *a) {
@@ -238,11 +238,11 @@ static void compress_decode(const block_ctx *bc, unit_cache *kc, cmp_cache *cs, 
 
 /* compressor: kvc [B, Nc, hd] (ratio > 0) */
 static const act_slot k_compressor_outs[] = {
-    [CMP_A] = {"a", ACT_F32, {X_N, X_CMP_C}},
+    [CMP_A] = {"a", ACT_F32_BF16, {X_N, X_CMP_C}},
     [CMP_Z] = {"z", ACT_F32, {X_N, X_CMP_C}},
-    [CMP_POOL] = {"pool", ACT_F32, {X_B, X_NC, X_HD}},
+    [CMP_POOL] = {"pool", ACT_F32_BF16, {X_B, X_NC, X_HD}},
     [CMP_RSTD] = {"rstd", ACT_F32, {X_B, X_NC}},
-    [CMP_OUT] = {"kvc", ACT_F32, {X_B, X_NC, X_HD}}, /* normalised, roped */
+    [CMP_OUT] = {"kvc", ACT_F32_BF16, {X_B, X_NC, X_HD}}, /* normalised, roped */
 };
 
 static ds4_status compressor_fwd(const block_ctx *bc, block_acts *a) {
@@ -272,13 +272,13 @@ const unit_decl unit_compressor = {
 /* ------------------------------------------------------------------ indexer (CSA) */
 /* Lightning indexer: queries, weights and compressed keys from xa, qr (detached in backward). */
 static const act_slot k_indexer_outs[] = {
-    [IDX_QI] = {"qi", ACT_F32, {X_N, X_HI, X_DI}}, /* roped */
+    [IDX_QI] = {"qi", ACT_F32_BF16, {X_N, X_HI, X_DI}}, /* roped */
     [IDX_WI] = {"wi", ACT_F32, {X_N, X_HI}},
-    [IDX_CMP + CMP_A] = {"a", ACT_F32, {X_N, X_IDX_C}},
+    [IDX_CMP + CMP_A] = {"a", ACT_F32_BF16, {X_N, X_IDX_C}},
     [IDX_CMP + CMP_Z] = {"z", ACT_F32, {X_N, X_IDX_C}},
-    [IDX_CMP + CMP_POOL] = {"pool", ACT_F32, {X_B, X_NC, X_DI}},
+    [IDX_CMP + CMP_POOL] = {"pool", ACT_F32_BF16, {X_B, X_NC, X_DI}},
     [IDX_CMP + CMP_RSTD] = {"rstd", ACT_F32, {X_B, X_NC}},
-    [IDX_CMP + CMP_OUT] = {"ki", ACT_F32, {X_B, X_NC, X_DI}},
+    [IDX_CMP + CMP_OUT] = {"ki", ACT_F32_BF16, {X_B, X_NC, X_DI}},
 };
 
 /* The indexer's queries qi (roped) and head weights wi of every position. */
@@ -451,7 +451,7 @@ const unit_decl unit_indexer_topk = {
 /* ------------------------------------------------------------------ sparse_attn */
 /* Sparse attention over window + (selected | all usable) compressed entries, with the sink. */
 static const act_slot k_sparse_attn_outs[] = {
-    [SA_O] = {"o", ACT_F32, {X_N, X_H, X_HD}},
+    [SA_O] = {"o", ACT_F32_BF16, {X_N, X_H, X_HD}},
     [SA_LSE] = {"lse", ACT_F32, {X_N, X_H}},
 };
 
@@ -518,8 +518,8 @@ const unit_decl unit_sparse_attn = {
 /* attn_out [N, D] = wo_b(wo_a(inverse_rope(o))), grouped wo_a. The inverse-roped o is cheap to rebuild,
  * so o_proj keeps only its GEMM outputs. */
 static const act_slot k_o_proj_outs[] = {
-    [OP_Z] = {"z", ACT_F32, {X_N, X_GR}},
-    [OP_OUT] = {"attn_out", ACT_F32, {X_N, X_D}},
+    [OP_Z] = {"z", ACT_F32_BF16, {X_N, X_GR}},
+    [OP_OUT] = {"attn_out", ACT_F32_BF16, {X_N, X_D}},
 };
 
 /* Workspace copy of o with the inverse rope at the query position: [N, H, hd]. */

@@ -6,7 +6,7 @@
 
 /* ------------------------------------------------------------------ ffn_norm: xf = ffn_norm(y) */
 static const act_slot k_ffn_norm_outs[] = {
-    [NORM_X] = {"xf", ACT_F32, {X_N, X_D}},
+    [NORM_X] = {"xf", ACT_F32_BF16, {X_N, X_D}},
     [NORM_RSTD] = {"rstd", ACT_F32, {X_N}},
 };
 
@@ -100,12 +100,12 @@ const unit_decl unit_router = {
 /* ffn_out = Σ_k w_k · w2(swiglu(w1 x, w3 x)) over the routed experts + the shared expert. Under expert
  * parallelism the rows go to the experts' owners, which save what they received (xr, wr). */
 static const act_slot k_moe_outs[] = {
-    [MOE_H1] = {"h1", ACT_F32, {X_ROWS, X_I}}, /* routed w1 outputs */
-    [MOE_H3] = {"h3", ACT_F32, {X_ROWS, X_I}},
-    [MOE_SH1] = {"sh1", ACT_F32, {X_N, X_IS}}, /* shared expert */
-    [MOE_SH3] = {"sh3", ACT_F32, {X_N, X_IS}},
-    [MOE_OUT] = {"ffn_out", ACT_F32, {X_N, X_D}},
-    [MOE_XR] = {"xr", ACT_F32, {X_ROWS, X_D}, .ep_only = true}, /* received rows */
+    [MOE_H1] = {"h1", ACT_F32_BF16, {X_ROWS, X_I}}, /* routed w1 outputs */
+    [MOE_H3] = {"h3", ACT_F32_BF16, {X_ROWS, X_I}},
+    [MOE_SH1] = {"sh1", ACT_F32_BF16, {X_N, X_IS}}, /* shared expert */
+    [MOE_SH3] = {"sh3", ACT_F32_BF16, {X_N, X_IS}},
+    [MOE_OUT] = {"ffn_out", ACT_F32_BF16, {X_N, X_D}},
+    [MOE_XR] = {"xr", ACT_F32_BF16, {X_ROWS, X_D}, .ep_only = true}, /* received rows */
     [MOE_WR] = {"wr", ACT_F32, {X_ROWS}, .ep_only = true},      /* their routing weights */
 };
 

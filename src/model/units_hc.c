@@ -8,7 +8,7 @@ static const act_slot k_hc_pre_outs[] = {
     [HC_RSQRT] = {"rsqrt", ACT_F32, {X_N}},
     [HC_POST] = {"post", ACT_F32, {X_N, X_HC}},
     [HC_COMB] = {"comb", ACT_F32, {X_N, X_HC, X_HC}},
-    [HC_Y] = {"y", ACT_F32, {X_N, X_D}},
+    [HC_Y] = {"y", ACT_F32_BF16, {X_N, X_D}},
 };
 
 /* ------------------------------------------------------------------ hc_pre_attn: from the block input */
@@ -42,7 +42,7 @@ const unit_decl unit_hc_pre_attn = {
 };
 
 /* ------------------------------------------------------------------ hc_post_attn: X_mid */
-static const act_slot k_hc_post_attn_outs[] = {[HP_X] = {"X_mid", ACT_F32, {X_N, X_HC, X_D}}};
+static const act_slot k_hc_post_attn_outs[] = {[HP_X] = {"X_mid", ACT_F32_BF16, {X_N, X_HC, X_D}}};
 
 static ds4_status hc_post_attn_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;

@@ -28,6 +28,7 @@ struct ds4_train_state {
     ds4_adamw opt;    /* [numel] whole, [shard_numel] sharded */
     ds4_offload *store;     /* NULL: no offload */
     ds4_act_swap *swap;     /* --swap-layer-input */
+    bool bf16;              /* mixed precision: bf16 GEMMs and activations, fp32 weights and optimizer state */
 };
 
 /* ------------------------------------------------------------------ agreement between ranks */
@@ -115,6 +116,7 @@ ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const
     const ds4_exec prev = ds4_exec_enter(&s->exec);
     s->world = world;
     s->sharded = ds4_comm_size(world) > 1 || opts->ep > 1 || opts->shard;
+    s->bf16 = opts->bf16;
     ds4_status st = check_world(s, world);
     if (st == DS4_OK) st = open_model(s, mc);
     if (st == DS4_OK) st = open_offload(s, opts);
@@ -197,6 +199,7 @@ ds4_status ds4_train_state_muon_step(ds4_train_state *s, const ds4_muon_cfg *c, 
 }
 
 bool ds4_train_state_muon(const ds4_train_state *s) { return s->opt.muon; }
+bool ds4_train_state_bf16(const ds4_train_state *s) { return s->bf16; }
 
 ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c, double lr) {
     if (s->f) return ds4_adamw_step_flat(&s->opt, ds4_fsdp_shard_params(s->f), ds4_fsdp_shard_grads(s->f), c, lr);

@@ -19,7 +19,8 @@ static ds4_status micro_batch(ds4_train_state *s, const ds4_step_args *a, int64_
                        .csa_dense = a->csa_dense,
                        .moe_force_balance = a->moe_force_balance,
                        .hooks = ds4_train_state_hooks(s),
-                       .store = ds4_act_store_of(&pol)};
+                       .store = ds4_act_store_of(&pol),
+                       .bf16_acts = ds4_train_state_bf16(s)};
     ds4_pass *p;
     DS4_TRY(ds4_forward(m, a->ids, a->B, a->T, &o, &p));
     ds4_status st = ds4_backward(m, p);
@@ -74,8 +75,12 @@ ds4_status ds4_train_step(ds4_train_state *s, const ds4_step_args *a, ds4_step_r
         return ds4_fail(DS4_ERR_ARG, "train step: %lld micro-batches of %lld x %lld tokens (need >= 1, >= 1, >= 2)",
                         (long long)a->micro_batches, (long long)a->B, (long long)a->T);
     const ds4_exec prev = ds4_exec_enter(ds4_train_state_exec(s)); /* the allocator serves the state's context */
-    ds4_status st = gradients(s, a, out);
+    /* mixed precision runs its GEMMs on bf16 operands (a plan too: the engines' buffers differ) */
+    const ds4_matmul_precision prev_precision = ds4_get_matmul_precision();
+    ds4_status st = ds4_train_state_bf16(s) ? ds4_set_matmul_precision(DS4_MATMUL_BF16) : DS4_OK;
+    if (st == DS4_OK) st = gradients(s, a, out);
     if (st == DS4_OK) st = update(s, a, out);
+    ds4_set_matmul_precision(prev_precision);
     ds4_exec_leave(prev);
     return st;
 }

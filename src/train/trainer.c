@@ -26,7 +26,7 @@ static const char *const k_known_keys[] = {
     "training.steps", "training.seq_len", "training.global_batch_size", "training.micro_batch_size",
     "training.seed", "training.threads", "training.max_norm", "training.mtp_loss_weight",
     "training.indexer_loss_coeff", "training.csa_dense_steps", "training.router_bias_gamma",
-    "training.matmul_precision",
+    "training.matmul_precision", "training.mixed_precision_param", "training.mixed_precision_reduce",
     "optimizer.name", "optimizer.lr", "optimizer.beta1", "optimizer.beta2", "optimizer.eps",
     "optimizer.weight_decay", "optimizer.momentum", "optimizer.nesterov", "optimizer.ns_steps",
     "optimizer.ns_final_steps", "optimizer.adjust_lr", "optimizer.update_rms",
@@ -77,6 +77,27 @@ static ds4_status read_optimizer(const ds4_toml *t, ds4_train_cfg *c) {
 static ds4_status under_dump(const char *dump, const char *path, const char *key, char *dst, size_t n) {
     int len = path[0] == '/' || !dump[0] ? snprintf(dst, n, "%s", path) : snprintf(dst, n, "%s/%s", dump, path);
     if (len < 0 || (size_t)len >= n) return ds4_fail(DS4_ERR_CONFIG, "key %s: path longer than %zu bytes", key, n - 1);
+    return DS4_OK;
+}
+
+/* TorchTitan's precision keys. ds4's default stays "float32" (the exact reference numerics), where
+ * TorchTitan defaults to "bfloat16" under FSDP; "bfloat16" implies bf16 GEMMs. */
+static ds4_status read_mixed_precision(const ds4_toml *t, ds4_train_cfg *c) {
+    const char *param, *reduce;
+    DS4_TRY(ds4_toml_string_or(t, "training.mixed_precision_param", "float32", &param));
+    if (strcmp(param, "float32") && strcmp(param, "bfloat16"))
+        return ds4_fail(DS4_ERR_CONFIG, "key training.mixed_precision_param: \"%s\" is not \"bfloat16\" or \"float32\"",
+                        param);
+    DS4_TRY(ds4_toml_string_or(t, "training.mixed_precision_reduce", "float32", &reduce));
+    if (strcmp(reduce, "float32"))
+        return ds4_fail(DS4_ERR_CONFIG, "key training.mixed_precision_reduce: \"%s\": ds4 reduces and accumulates "
+                        "gradients in \"float32\" only", reduce);
+    c->bf16_params = !strcmp(param, "bfloat16");
+    if (!c->bf16_params) return DS4_OK;
+    if (ds4_toml_find(t, "training.matmul_precision") && c->matmul_precision != DS4_MATMUL_BF16)
+        return ds4_fail(DS4_ERR_CONFIG, "key training.matmul_precision: \"fp32\" contradicts "
+                        "training.mixed_precision_param = \"bfloat16\" (its GEMMs take bf16 operands)");
+    c->matmul_precision = DS4_MATMUL_BF16;
     return DS4_OK;
 }
 
@@ -160,6 +181,7 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     if (strcmp(prec, "fp32") && strcmp(prec, "bf16"))
         return ds4_fail(DS4_ERR_CONFIG, "key training.matmul_precision: \"%s\" is not \"fp32\" or \"bf16\"", prec);
     c->matmul_precision = strcmp(prec, "bf16") ? DS4_MATMUL_FP32 : DS4_MATMUL_BF16;
+    DS4_TRY(read_mixed_precision(t, c));
     DS4_TRY(ds4_toml_bool_or(t, "memory.swap_optimizer", false, &c->swap_optimizer));
     DS4_TRY(ds4_toml_bool_or(t, "memory.swap_layer_input", false, &c->swap_layer_input));
     DS4_TRY(copy_str(t, "memory.offload_dir", "", c->offload_dir, sizeof c->offload_dir));
@@ -421,7 +443,7 @@ static ds4_status open_model(ds4_train_cfg *c, trainer *tr) {
     const ds4_exec real = {.plan = false}; /* training runs real steps; memplan opens the same state as a plan */
     ds4_train_state_opts so = {.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
                                .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir, .exec = &real,
-                               .muon = c->use_muon};
+                               .muon = c->use_muon, .bf16 = c->bf16_params};
     if (st == DS4_OK) st = ds4_train_state_open(&mc, d, (uint64_t)c->init_seed, tr->world, &so, &tr->s);
     if (st == DS4_OK) tr->m = ds4_train_state_model(tr->s);
     ds4_model_dir_close(d);
@@ -628,7 +650,8 @@ static ds4_status run_validation(trainer *tr) {
     ds4_status st = DS4_OK;
     for (int64_t b = 0; b < batches && st == DS4_OK && !g_stop; b++) { /* a stop signal ends it too */
         st = ds4_data_next(v, tr->ids);
-        ds4_pass_opts o = {.need_backward = false, .hooks = ds4_train_state_hooks(tr->s)};
+        ds4_pass_opts o = {.need_backward = false, .hooks = ds4_train_state_hooks(tr->s),
+                           .bf16_acts = ds4_train_state_bf16(tr->s)};
         ds4_pass *p = NULL;
         if (st == DS4_OK) st = ds4_forward(tr->m, tr->ids, c->micro_batch, c->seq_len, &o, &p);
         if (st == DS4_OK) {

@@ -75,6 +75,9 @@ void cpu_cross_entropy_fwd_bwd(double *loss_sum, int64_t *n_scored, float *dlogi
 void cpu_tensor_copy(void *dst, const void *src, size_t bytes);
 void cpu_tensor_zero(void *dst, size_t bytes);
 void cpu_tensor_add(float *dst, const float *src, int64_t n);
+void cpu_tensor_round_bf16(float *x, int64_t n);
+void cpu_tensor_pack_bf16(uint16_t *dst, const float *src, int64_t n);
+void cpu_tensor_unpack_bf16(float *dst, const uint16_t *src, int64_t n);
 void cpu_shift_ids(int32_t *out, const int32_t *ids, int64_t B, int64_t T, int64_t shift, int32_t fill);
 void cpu_streams_expand(float *X, int64_t N, int64_t n, int64_t D);
 void cpu_streams_add(float *X, const float *x, int64_t N, int64_t n, int64_t D);

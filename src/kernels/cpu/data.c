@@ -9,6 +9,22 @@ void cpu_tensor_copy(void *dst, const void *src, size_t bytes) { memcpy(dst, src
 
 void cpu_tensor_zero(void *dst, size_t bytes) { memset(dst, 0, bytes); }
 
+/* bf16 activations: element by element, so the bits do not depend on the thread count. */
+void cpu_tensor_round_bf16(float *x, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) x[i] = gemm_bf16_round(x[i]);
+}
+
+void cpu_tensor_pack_bf16(uint16_t *dst, const float *src, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) dst[i] = gemm_bf16_bits(src[i]);
+}
+
+void cpu_tensor_unpack_bf16(float *dst, const uint16_t *src, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) dst[i] = ds4_bf16_to_f32(src[i]);
+}
+
 /* out[b, t] = ids[b, t + shift] while t + shift < T, else fill. out, ids: [B, T]. */
 void cpu_shift_ids(int32_t *out, const int32_t *ids, int64_t B, int64_t T, int64_t shift, int32_t fill) {
     for (int64_t b = 0; b < B; b++)
