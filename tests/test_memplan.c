@@ -258,10 +258,10 @@ static void test_policies(void) {
         CHECK(!strcmp(p->name, "off") == (i == 0), "%s", p->name);
         for (int j = 0; j < i; j++) CHECK(strcmp(p->name, ds4_memplan_policy_at(j)->name), "%s twice", p->name);
         uint32_t masks[DS4_MAX_LAYERS];
-        ds4_step_opts so = {.muon = true}; /* kept */
+        ds4_step_opts so = {.muon = true, .bf16 = true}; /* kept */
         CHECK(ds4_memplan_policy_opts(p, &c, masks, &so) == DS4_OK, "%s: %s", p->name, ds4_errmsg());
-        CHECK(so.muon && (so.masks == NULL) == (in_block == 0), "%s", p->name);
-        so.muon = false;
+        CHECK(so.muon && so.bf16 && (so.masks == NULL) == (in_block == 0), "%s", p->name);
+        so.muon = so.bf16 = false;
         ds4_step_memory r;
         CHECK(ds4_step_memory_run_opts(&c, 2, 64, &so, true, &r) == DS4_OK, "%s: %s", p->name, ds4_errmsg());
         if (in_block == 0) off = r;

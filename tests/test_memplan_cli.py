@@ -71,6 +71,14 @@ r = memplan("--policies", "--device-memory", str(mid))
 fits = re.findall(r" (yes|no) +-?\d+ ", r.stdout)
 check("policies: a budget between the smallest and largest peak splits them", "yes" in fits and "no" in fits and
       len(fits) == 28, r.stdout)
+r = memplan("--policies", "--device-memory", "1GiB", "--mixed-precision-param", "bfloat16")
+bf16 = re.findall(r"^  (\S+(?: \+\S+)?) +(\d+) +[\d.]+ +[\d.]+ +(yes|no) +(-?\d+) ", r.stdout, re.M)
+# bf16 holds the saved activations in half the bytes: never a higher peak than fp32, a lower one for off (whose
+# peak is the activations'); with the optimizer's update as the peak (small configs, swap) it may equal fp32's
+check("policies in bf16: every policy, peaks <= fp32's, off's lower",
+      r.returncode == 0 and "bfloat16" in r.stdout.splitlines()[0] and len(bf16) == 28 and
+      all(b[0] == f[0] and int(b[1]) <= int(f[1]) for b, f in zip(bf16, rows)) and int(bf16[0][1]) < int(rows[0][1]),
+      r.stdout)
 r = memplan("--policies")
 check("policies without a budget: no fits column", r.returncode == 0 and "fits" not in r.stdout and
       len(re.findall(r"^  \S", r.stdout, re.M)) == 29, r.stdout)
