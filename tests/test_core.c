@@ -164,6 +164,39 @@ static void test_messages_escape_controls(void) {
     CHECK(n > 900 && n < 1024 && n % 4 == 0 && !has_raw_control(ds4_errmsg()), "%zu", n);
 }
 
+/* Byte sizes from flags: binary and decimal units, fractions exact, and every malformed text an error that
+ * names the flag and the text, with *out untouched. */
+static void test_parse_bytes(void) {
+    static const struct {
+        const char *s;
+        int64_t bytes;
+    } good[] = {
+        {"64GiB", 68719476736},        {"64GB", 64000000000},       {"68719476736", 68719476736},
+        {"1.5TiB", 1649267441664},     {"64 GiB", 68719476736},     {"64gib", 68719476736},
+        {"512MiB", 536870912},         {"2KB", 2000},               {"3KiB", 3072},
+        {"0.5KiB", 512},               {"1.1KiB", 1126},            {"7B", 7},
+        {"0", 0},                      {".25MB", 250000},           {"2.", 2},
+        {"1PiB", (int64_t)1 << 50},    {"8191.999999999999PiB", 9223372036854774682},
+        {"9223372036854775807", INT64_MAX},
+    };
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        int64_t v = -1;
+        CHECK(ds4_parse_bytes("--device-memory", good[i].s, &v) == DS4_OK, "%s: %s", good[i].s, ds4_errmsg());
+        CHECK(v == good[i].bytes, "%s -> %lld, expected %lld", good[i].s, (long long)v, (long long)good[i].bytes);
+    }
+    static const char *bad[] = {"",     "GiB",   "-1GiB", "+1GiB",  "64G",        "64 g",
+                                "64GiBs", "64XB", "1e9",  "1.2.3GB", "0x10",      " 64GiB",
+                                "64GiB ", "8192PiB", "9223372036854775808", "1.0000000000001GB", "."};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int64_t v = 12345;
+        CHECK(ds4_parse_bytes("--device-memory", bad[i], &v) == DS4_ERR_ARG, "'%s' accepted as %lld", bad[i],
+              (long long)v);
+        CHECK(v == 12345, "'%s': out written on error", bad[i]);
+        const char *m = ds4_errmsg();
+        CHECK(strstr(m, "--device-memory") && strstr(m, bad[i]) && !strchr(m, '\n'), "'%s': message '%s'", bad[i], m);
+    }
+}
+
 int main(void) {
     RUN(test_alloc_counts_exact_bytes);
     RUN(test_peak_tracks_sum);
@@ -174,5 +207,6 @@ int main(void) {
     RUN(test_checked_sizes);
     RUN(test_utf8_valid);
     RUN(test_messages_escape_controls);
+    RUN(test_parse_bytes);
     TEST_MAIN_END("test_core");
 }

@@ -184,6 +184,95 @@ static void test_plans_flash_and_pro(void) {
     }
 }
 
+/* A device budget: the step fits when the device holds its whole peak (margin 0 included), one byte less is
+ * one byte over; the offload tier does not count against the device. */
+static void test_device_budget(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_step_memory r;
+    const ds4_step_opts so = {.swap_optimizer = true};
+    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &so, true, &r) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(r.offload_peak_total > 0 && r.peak_total > 0);
+    ds4_device_fit f = ds4_step_memory_fit(&r, r.peak_total);
+    CHECK(f.fits && f.margin == 0 && f.need == r.peak_total, "exactly the peak: fits with margin %lld",
+          (long long)f.margin);
+    f = ds4_step_memory_fit(&r, r.peak_total - 1);
+    CHECK(!f.fits && f.margin == -1, "a byte short: over by %lld", (long long)-f.margin);
+    f = ds4_step_memory_fit(&r, (int64_t)64 << 30);
+    CHECK(f.fits && f.margin == ((int64_t)64 << 30) - r.peak_total);
+    f = ds4_step_memory_fit(&r, 0);
+    CHECK(!f.fits && f.margin == -r.peak_total);
+}
+
+/* What stays between steps, per category, and the parameters held: a whole model holds every parameter
+ * (4 B weight + 4 B gradient + 8 B AdamW moments each, 16 B), --swap-optimizer takes the 8 B out; a rank
+ * of FSDP 4 + EP 2 holds its shard, and the same 16 B and 8 B per element of it. */
+static void test_resident_per_parameter(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *m = NULL;
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
+    const int64_t n = m ? ds4_model_numel(m) : 0;
+    ds4_model_free(m);
+    ds4_step_memory a, b;
+    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &(ds4_step_opts){0}, true, &a) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &(ds4_step_opts){.swap_optimizer = true}, true, &b) == DS4_OK, "%s",
+          ds4_errmsg());
+    CHECK(a.params_held == n && b.params_held == n, "held %lld of %lld", (long long)a.params_held, (long long)n);
+    int64_t sum = 0;
+    for (int k = 0; k < DS4_MEM_NCAT; k++) sum += a.resident[k];
+    CHECK(sum == a.after_step, "resident categories sum to %lld, after_step %lld", (long long)sum,
+          (long long)a.after_step);
+    CHECK(a.resident[DS4_MEM_PARAM] >= 4 * n && a.resident[DS4_MEM_GRAD] == 4 * n && a.resident[DS4_MEM_OPTIM] == 8 * n,
+          "weights %lld, grads %lld, optimizer %lld for %lld parameters", (long long)a.resident[DS4_MEM_PARAM],
+          (long long)a.resident[DS4_MEM_GRAD], (long long)a.resident[DS4_MEM_OPTIM], (long long)n);
+    CHECK(b.resident[DS4_MEM_OPTIM] < 8192 && b.resident[DS4_MEM_GRAD] == 4 * n,
+          "swapped: %lld optimizer bytes stay", (long long)b.resident[DS4_MEM_OPTIM]);
+    ds4_comm *sim = NULL;
+    CHECK(ds4_comm_plan(4, 1, &sim) == DS4_OK, "%s", ds4_errmsg());
+    ds4_step_memory d;
+    CHECK(ds4_step_memory_run_dist_opts(&c, 1, 64, &(ds4_step_opts){0}, true, sim, 2, true, &d) == DS4_OK, "%s",
+          ds4_errmsg());
+    ds4_comm_free(sim);
+    CHECK(d.params_held > 0 && d.params_held < n, "a rank holds %lld of %lld", (long long)d.params_held,
+          (long long)n);
+    CHECK(d.resident[DS4_MEM_GRAD] == 4 * d.params_held && d.resident[DS4_MEM_OPTIM] == 8 * d.params_held,
+          "shard: grads %lld, optimizer %lld for %lld elements", (long long)d.resident[DS4_MEM_GRAD],
+          (long long)d.resident[DS4_MEM_OPTIM], (long long)d.params_held);
+}
+
+/* The policy list: 7 recompute settings, then each with --swap-optimizer, --swap-layer-input and both, names
+ * unique; each plans, and its options are what its name says: off has no masks and the most activations of
+ * its block, a swap-opt row keeps no optimizer state resident, a swap-in row puts activations in the store. */
+static void test_policies(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    const int n = ds4_memplan_policy_count();
+    CHECK(n == 4 * DS4_MEMPLAN_RECOMPUTE_POLICIES && ds4_memplan_policy_at(n) == NULL &&
+          ds4_memplan_policy_at(-1) == NULL, "%d policies", n);
+    ds4_step_memory off = {0};
+    for (int i = 0; i < n; i++) {
+        const ds4_memplan_policy *p = ds4_memplan_policy_at(i);
+        const int block = i / DS4_MEMPLAN_RECOMPUTE_POLICIES, in_block = i % DS4_MEMPLAN_RECOMPUTE_POLICIES;
+        CHECK(p->swap_optimizer == (block == 1 || block == 3) && p->swap_layer_input == (block >= 2), "%s", p->name);
+        CHECK(!strcmp(p->name, "off") == (i == 0), "%s", p->name);
+        for (int j = 0; j < i; j++) CHECK(strcmp(p->name, ds4_memplan_policy_at(j)->name), "%s twice", p->name);
+        uint32_t masks[DS4_MAX_LAYERS];
+        ds4_step_opts so = {.muon = true, .bf16 = true}; /* kept */
+        CHECK(ds4_memplan_policy_opts(p, &c, masks, &so) == DS4_OK, "%s: %s", p->name, ds4_errmsg());
+        CHECK(so.muon && so.bf16 && (so.masks == NULL) == (in_block == 0), "%s", p->name);
+        so.muon = so.bf16 = false;
+        ds4_step_memory r;
+        CHECK(ds4_step_memory_run_opts(&c, 2, 64, &so, true, &r) == DS4_OK, "%s: %s", p->name, ds4_errmsg());
+        if (in_block == 0) off = r;
+        CHECK(r.peak[DS4_MEM_ACT] + r.offload_peak[DS4_MEM_ACT] <= off.peak[DS4_MEM_ACT] + off.offload_peak[DS4_MEM_ACT],
+              "%s: activations %lld above off's %lld", p->name, (long long)r.peak[DS4_MEM_ACT],
+              (long long)off.peak[DS4_MEM_ACT]);
+        CHECK((r.offload_peak[DS4_MEM_OPTIM] > 0) == p->swap_optimizer, "%s", p->name);
+        CHECK((r.offload_peak[DS4_MEM_ACT] > 0) == p->swap_layer_input, "%s", p->name);
+    }
+}
+
 int main(void) {
     ds4_set_threads(2);
     RUN(test_plan_equals_measured_tiny_a);
@@ -192,5 +281,8 @@ int main(void) {
     RUN(test_swap_plan_equals_measured_dist);
     RUN(test_muon_plan_equals_measured);
     RUN(test_plans_flash_and_pro);
+    RUN(test_device_budget);
+    RUN(test_resident_per_parameter);
+    RUN(test_policies);
     TEST_MAIN_END("test_memplan");
 }

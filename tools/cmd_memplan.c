@@ -1,6 +1,6 @@
 /* ds4 memplan --model DIR|CONFIG.json --seq T --micro-batch B [--world N --ep E [--rank R]]
  *              [recompute flags] [--swap-optimizer] [--swap-layer-input] [--muon]
- *              [--mixed-precision-param bfloat16|float32] [--threads N] */
+ *              [--mixed-precision-param bfloat16|float32] [--threads N] [--device-memory SIZE] [--policies] */
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/dist.h"
@@ -21,111 +21,162 @@ static ds4_status load_config(const char *path, ds4_config *c) {
     return ds4_config_load(p, c);
 }
 
-int cmd_memplan(int argc, char **argv) {
-    if (cli_want_help(argc, argv)) {
-        fprintf(stderr, "usage: ds4 memplan --model DIR|CONFIG.json --seq T --micro-batch B [--threads N]\n"
-                        "       [--world N --ep E [--rank R]]\n"
-                        "       [--recompute-csa-attention] [--mhc-recompute] [--recompute-norm ...]\n"
-                        "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
-                        "       [--swap-optimizer] [--swap-layer-input] [--muon] [--mixed-precision-param bfloat16]\n"
-                        "Peak memory of one training step by category: the trainer's own step run as a plan\n"
-                        "(every allocation counted, no data touched).\n"
-                        "--swap-optimizer: AdamW state in the offload tier between updates; --swap-layer-input: each\n"
-                        "layer's input stream in the offload tier from its forward to its backward. The offload\n"
-                        "tier's peak is printed apart. --muon: the step of optimizer.name = \"Muon\" (the momentum\n"
-                        "and the whole matrices Newton-Schulz works on are counted).\n"
-                        "--mixed-precision-param bfloat16: the step of training.mixed_precision_param = \"bfloat16\"\n"
-                        "(bf16 GEMM operands, the bf16-safe activations held in bf16; fp32 weights and state).\n"
-                        "--world N --ep E: one rank (--rank, default 0) of N processes with FSDP over all N and\n"
-                        "expert parallelism of degree E (as mpirun -np N ds4 train ... --parallel.ep E), balanced\n"
-                        "routing; --micro-batch is per rank.\n");
-        return 0;
-    }
+static void usage(void) {
+    fprintf(stderr, "usage: ds4 memplan --model DIR|CONFIG.json --seq T --micro-batch B [--threads N]\n"
+                    "       [--world N --ep E [--rank R]] [--device-memory SIZE] [--policies]\n"
+                    "       [--recompute-csa-attention] [--mhc-recompute] [--recompute-norm ...]\n"
+                    "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
+                    "       [--swap-optimizer] [--swap-layer-input] [--muon] [--mixed-precision-param bfloat16]\n"
+                    "Peak memory of one training step by category: the trainer's own step run as a plan\n"
+                    "(every allocation counted, no data touched).\n"
+                    "--swap-optimizer: AdamW state in the offload tier between updates; --swap-layer-input: each\n"
+                    "layer's input stream in the offload tier from its forward to its backward. The offload\n"
+                    "tier's peak is printed apart. --muon: the step of optimizer.name = \"Muon\" (the momentum\n"
+                    "and the whole matrices Newton-Schulz works on are counted).\n"
+                    "--mixed-precision-param bfloat16: the step of training.mixed_precision_param = \"bfloat16\"\n"
+                    "(bf16 GEMM operands, the bf16-safe activations held in bf16; fp32 weights and state).\n"
+                    "--world N --ep E: one rank (--rank, default 0) of N processes with FSDP over all N and\n"
+                    "expert parallelism of degree E (as mpirun -np N ds4 train ... --parallel.ep E), balanced\n"
+                    "routing; --micro-batch is per rank.\n"
+                    "--device-memory SIZE (64GiB, 64GB, 1.5TiB, 68719476736): whether the step's peak (the memory\n"
+                    "tier; the offload tier is the host's) fits a device of SIZE, and the bytes free or over.\n"
+                    "--policies: plan every recompute setting (off, csa, mhc, norm, csa+mhc, csa+mhc+norm, full),\n"
+                    "each alone, with --swap-optimizer, with --swap-layer-input and with both, one line each\n"
+                    "(instead of recompute and swap flags).\n"
+                    "The exit code is 0 whether or not the step fits: memplan reports, it does not judge.\n");
+}
+
+/* The command line. */
+typedef struct {
+    const char *model;
+    int64_t T, B, threads, world, ep, rank;
+    int64_t device; /* --device-memory bytes; 0: none */
+    bool policies;
     ds4_recompute_cfg rc;
-    ds4_recompute_defaults(&rc);
-    const char *model = NULL;
-    int64_t T = 0, B = 1, threads = 0, world = 1, ep = 1, rank = 0;
-    ds4_step_opts so = {0};
+    ds4_step_opts so; /* swap and muon flags (masks filled later) */
+} memplan_args;
+
+/* Returns 0 when the arguments are good, else the exit code (the error printed). */
+static int parse_args(int argc, char **argv, memplan_args *a) {
+    *a = (memplan_args){.B = 1, .world = 1, .ep = 1};
+    ds4_recompute_defaults(&a->rc);
     for (int i = 1; i < argc; i++) {
         bool used;
-        if (ds4_recompute_parse_arg(&rc, argc, argv, &i, &used) != DS4_OK) return cli_fail();
+        if (ds4_recompute_parse_arg(&a->rc, argc, argv, &i, &used) != DS4_OK) return cli_fail();
         if (used) continue;
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--swap-optimizer")) { /* flags without a value */
-            so.swap_optimizer = true;
+        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(f, "--swap-optimizer")) { /* flags without a value */
+            a->so.swap_optimizer = true;
             continue;
         }
-        if (!strcmp(a, "--swap-layer-input")) {
-            so.swap_layer_input = true;
+        if (!strcmp(f, "--swap-layer-input")) {
+            a->so.swap_layer_input = true;
             continue;
         }
-        if (!strcmp(a, "--muon")) {
-            so.muon = true;
+        if (!strcmp(f, "--muon")) {
+            a->so.muon = true;
+            continue;
+        }
+        if (!strcmp(f, "--policies")) {
+            a->policies = true;
             continue;
         }
         if (!v) {
-            fprintf(stderr, "error: ds4 memplan: '%s' needs a value or is unknown\n", a);
+            fprintf(stderr, "error: ds4 memplan: '%s' needs a value or is unknown\n", f);
             return 2;
         }
         i++;
-        if (!strcmp(a, "--model")) model = v;
-        else if (!strcmp(a, "--seq")) {
-            if (!cli_int("memplan", "seq", v, &T)) return 2;
-        } else if (!strcmp(a, "--micro-batch")) {
-            if (!cli_int("memplan", "micro-batch", v, &B)) return 2;
-        } else if (!strcmp(a, "--world")) {
-            if (!cli_int("memplan", "world", v, &world)) return 2;
-        } else if (!strcmp(a, "--ep")) {
-            if (!cli_int("memplan", "ep", v, &ep)) return 2;
-        } else if (!strcmp(a, "--rank")) {
-            if (!cli_int("memplan", "rank", v, &rank)) return 2;
-        } else if (!strcmp(a, "--mixed-precision-param")) {
+        if (!strcmp(f, "--model")) a->model = v;
+        else if (!strcmp(f, "--seq")) {
+            if (!cli_int("memplan", "seq", v, &a->T)) return 2;
+        } else if (!strcmp(f, "--micro-batch")) {
+            if (!cli_int("memplan", "micro-batch", v, &a->B)) return 2;
+        } else if (!strcmp(f, "--world")) {
+            if (!cli_int("memplan", "world", v, &a->world)) return 2;
+        } else if (!strcmp(f, "--ep")) {
+            if (!cli_int("memplan", "ep", v, &a->ep)) return 2;
+        } else if (!strcmp(f, "--rank")) {
+            if (!cli_int("memplan", "rank", v, &a->rank)) return 2;
+        } else if (!strcmp(f, "--threads")) {
+            if (!cli_int("memplan", "threads", v, &a->threads)) return 2;
+        } else if (!strcmp(f, "--mixed-precision-param")) {
             if (strcmp(v, "bfloat16") && strcmp(v, "float32")) {
                 fprintf(stderr, "error: ds4 memplan: --mixed-precision-param '%s': expected bfloat16 or float32\n", v);
                 return 2;
             }
-            so.bf16 = !strcmp(v, "bfloat16");
-        } else if (!strcmp(a, "--threads")) {
-            if (!cli_int("memplan", "threads", v, &threads)) return 2;
+            a->so.bf16 = !strcmp(v, "bfloat16");
+        } else if (!strcmp(f, "--device-memory")) {
+            if (ds4_parse_bytes("--device-memory", v, &a->device) != DS4_OK) {
+                fprintf(stderr, "error: ds4 memplan: %s\n", ds4_errmsg());
+                return 2;
+            }
+            if (a->device < 1) {
+                fprintf(stderr, "error: ds4 memplan: --device-memory %s: a device holds at least one byte\n", v);
+                return 2;
+            }
         } else {
-            fprintf(stderr, "error: ds4 memplan: unknown flag '%s' (see ds4 memplan --help)\n", a);
+            fprintf(stderr, "error: ds4 memplan: unknown flag '%s' (see ds4 memplan --help)\n", f);
             return 2;
         }
     }
-    if (!model || T < 2 || B < 1) {
+    if (!a->model || a->T < 2 || a->B < 1) {
         fprintf(stderr, "error: ds4 memplan: --model, --seq (>= 2) and --micro-batch (>= 1) are required\n");
         return 2;
     }
-    if (world < 1 || world > 1 << 20 || ep < 1 || rank < 0 || rank >= world) {
+    if (a->world < 1 || a->world > 1 << 20 || a->ep < 1 || a->rank < 0 || a->rank >= a->world) {
         fprintf(stderr, "error: ds4 memplan: --world %lld --ep %lld --rank %lld: need world >= 1, ep >= 1 and "
-                        "0 <= rank < world\n", (long long)world, (long long)ep, (long long)rank);
+                        "0 <= rank < world\n", (long long)a->world, (long long)a->ep, (long long)a->rank);
         return 2;
     }
-    if (threads > 0) ds4_set_threads((int)threads);
-    ds4_config c;
-    if (load_config(model, &c) != DS4_OK || ds4_recompute_validate(&rc, &c) != DS4_OK) return cli_fail();
-    uint32_t masks[DS4_MAX_LAYERS];
-    ds4_recompute_masks(&rc, &c, masks);
-    so.masks = ds4_recompute_any(&rc) ? masks : NULL;
-    const bool dist = world > 1 || ep > 1;
-    ds4_step_memory r;
+    if (a->policies && (ds4_recompute_any(&a->rc) || a->so.swap_optimizer || a->so.swap_layer_input)) {
+        fprintf(stderr, "error: ds4 memplan: --policies plans every recompute and swap setting itself; drop the "
+                        "recompute and --swap-* flags\n");
+        return 2;
+    }
+    return 0;
+}
+
+/* One plan of the step under so, on this process or on one rank of the simulated world. */
+static ds4_status plan(const memplan_args *a, const ds4_config *c, const ds4_step_opts *so, ds4_step_memory *r) {
+    if (a->world == 1 && a->ep == 1) return ds4_step_memory_run_opts(c, a->B, a->T, so, true, r);
     ds4_comm *sim = NULL;
-    ds4_status st = dist ? ds4_comm_plan((int)world, (int)rank, &sim) : DS4_OK;
-    if (st == DS4_OK)
-        st = dist ? ds4_step_memory_run_dist_opts(&c, B, T, &so, true, sim, (int)ep, true, &r)
-                  : ds4_step_memory_run_opts(&c, B, T, &so, true, &r);
+    ds4_status st = ds4_comm_plan((int)a->world, (int)a->rank, &sim);
+    if (st == DS4_OK) st = ds4_step_memory_run_dist_opts(c, a->B, a->T, so, true, sim, (int)a->ep, true, r);
     ds4_comm_free(sim);
-    if (st != DS4_OK) return cli_fail();
-    char desc[64], where[96] = "one process";
-    if (dist)
-        snprintf(where, sizeof where, "rank %lld of %lld, FSDP %lld, EP %lld, balanced routing", (long long)rank,
-                 (long long)world, (long long)world, (long long)ep);
-    printf("memplan: %s, seq %lld, micro-batch %lld, recompute %s, swap %s, %d threads (%s)\n", model, (long long)T,
-           (long long)B, ds4_recompute_describe(&rc, desc, sizeof desc),
+    return st;
+}
+
+static void describe_world(const memplan_args *a, char *where, size_t n) {
+    if (a->world == 1 && a->ep == 1) snprintf(where, n, "one process");
+    else
+        snprintf(where, n, "rank %lld of %lld, FSDP %lld, EP %lld, balanced routing", (long long)a->rank,
+                 (long long)a->world, (long long)a->world, (long long)a->ep);
+}
+
+/* "fits, 12.000 GiB (... bytes) free at the peak" or "does not fit: 3.000 GiB (... bytes) over". */
+static void print_fit(int64_t device, const ds4_step_memory *r) {
+    const ds4_device_fit f = ds4_step_memory_fit(r, device);
+    const int64_t m = f.fits ? f.margin : -f.margin;
+    printf("device memory %.3f GiB (%lld bytes): the step %s %.3f GiB (%lld bytes) %s\n", gib(device),
+           (long long)device, f.fits ? "fits," : "does not fit:", gib(m), (long long)m,
+           f.fits ? "free at its peak" : "over");
+}
+
+static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so) {
+    uint32_t masks[DS4_MAX_LAYERS];
+    ds4_recompute_masks(&a->rc, c, masks);
+    so.masks = ds4_recompute_any(&a->rc) ? masks : NULL;
+    ds4_step_memory r;
+    if (plan(a, c, &so, &r) != DS4_OK) return cli_fail();
+    char desc[64], where[96];
+    describe_world(a, where, sizeof where);
+    printf("memplan: %s, seq %lld, micro-batch %lld, recompute %s, swap %s, %d threads (%s)\n", a->model,
+           (long long)a->T, (long long)a->B, ds4_recompute_describe(&a->rc, desc, sizeof desc),
            so.swap_optimizer ? (so.swap_layer_input ? "optimizer+layer-input" : "optimizer")
                              : (so.swap_layer_input ? "layer-input" : "off"),
            ds4_get_threads(), where);
-    if (so.bf16) printf("  mixed precision: bfloat16 compute (bf16 GEMM operands and activations), float32 weights and state\n");
+    if (so.bf16)
+        printf("  mixed precision: bfloat16 compute (bf16 GEMM operands and activations), float32 weights and state\n");
     printf("  %-12s %20s %12s\n", "category", "peak bytes", "GiB");
     for (int k = 0; k < DS4_MEM_NCAT; k++)
         printf("  %-12s %20lld %12.3f\n", ds4_mem_cat_name((ds4_mem_cat)k), (long long)r.peak[k], gib(r.peak[k]));
@@ -140,6 +191,54 @@ int cmd_memplan(int argc, char **argv) {
         printf("  %-12s %20lld %12.3f\n", "peak total", (long long)r.offload_peak_total, gib(r.offload_peak_total));
         printf("  %-12s %20lld %12.3f\n", "resident", (long long)r.offload_after_step, gib(r.offload_after_step));
     }
+    if (a->device) print_fit(a->device, &r);
     printf("(planned in %.2f s)\n", r.seconds);
     return 0;
+}
+
+/* --policies: one line per policy of ds4_memplan_policy_at, with fits and margin under --device-memory. */
+static int plan_policies(const memplan_args *a, const ds4_config *c) {
+    char where[96];
+    describe_world(a, where, sizeof where);
+    printf("memplan: %s, seq %lld, micro-batch %lld, %s, %s, %d threads (%s), every policy", a->model,
+           (long long)a->T, (long long)a->B, a->so.muon ? "Muon" : "AdamW",
+           a->so.bf16 ? "bfloat16 mixed precision" : "float32", ds4_get_threads(), where);
+    if (a->device) printf(", device memory %.3f GiB (%lld bytes)", gib(a->device), (long long)a->device);
+    printf("\n  %-25s %16s %10s %12s", "policy", "peak bytes", "peak GiB", "resident GiB");
+    if (a->device) printf(" %5s %16s %11s", "fits", "margin bytes", "margin GiB");
+    printf(" %12s\n", "offload GiB");
+    double seconds = 0;
+    for (int i = 0; i < ds4_memplan_policy_count(); i++) {
+        const ds4_memplan_policy *p = ds4_memplan_policy_at(i);
+        uint32_t masks[DS4_MAX_LAYERS];
+        ds4_step_opts so = a->so;
+        ds4_step_memory r;
+        if (ds4_memplan_policy_opts(p, c, masks, &so) != DS4_OK || plan(a, c, &so, &r) != DS4_OK) return cli_fail();
+        printf("  %-25s %16lld %10.3f %12.3f", p->name, (long long)r.peak_total, gib(r.peak_total), gib(r.after_step));
+        if (a->device) {
+            const ds4_device_fit f = ds4_step_memory_fit(&r, a->device);
+            printf(" %5s %16lld %11.3f", f.fits ? "yes" : "no", (long long)f.margin, gib(f.margin));
+        }
+        printf(" %12.3f\n", gib(r.offload_peak_total));
+        seconds += r.seconds;
+    }
+    printf("peak: the step's peak in memory (GiB columns: 2^30 bytes); resident: what stays between steps; "
+           "offload: the offload tier's peak (host memory, not the device's)%s\n",
+           a->device ? "; margin: device memory - peak, negative when over" : "");
+    printf("(planned in %.2f s)\n", seconds);
+    return 0;
+}
+
+int cmd_memplan(int argc, char **argv) {
+    if (cli_want_help(argc, argv)) {
+        usage();
+        return 0;
+    }
+    memplan_args a;
+    const int rc = parse_args(argc, argv, &a);
+    if (rc) return rc;
+    if (a.threads > 0) ds4_set_threads((int)a.threads);
+    ds4_config c;
+    if (load_config(a.model, &c) != DS4_OK || ds4_recompute_validate(&a.rc, &c) != DS4_OK) return cli_fail();
+    return a.policies ? plan_policies(&a, &c) : plan_one(&a, &c, a.so);
 }

@@ -61,6 +61,13 @@ static inline bool ds4_add_i64(int64_t a, int64_t b, int64_t *out) { return !__b
  * too, even when a zero dim makes the element count 0. *numel (may be NULL): the element count. */
 bool ds4_shape_fits(int ndim, const int64_t *shape, int64_t elem_bytes, int64_t *numel);
 
+/* A byte size from input (a flag such as --device-memory): a decimal number, optionally with a fraction,
+ * then optionally blanks and a unit, case-insensitive: B, KB MB GB TB PB (powers of 1000), KiB MiB GiB TiB
+ * PiB (powers of 1024); no unit means bytes. "64GiB", "64GB", "68719476736", "1.5TiB" are sizes; a fraction
+ * that ends between two bytes is rounded down. A bare K/M/G/T/P, a sign, an empty string, junk or a size
+ * over int64_t are errors whose one-line message names `what` (the flag) and the text. */
+ds4_status ds4_parse_bytes(const char *what, const char *s, int64_t *out);
+
 /* ---------------------------------------------------------------- memory */
 /* One allocator, byte-exact accounting of live and peak bytes per category. */
 typedef enum {

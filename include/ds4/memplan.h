@@ -20,6 +20,11 @@ typedef struct {
     int64_t offload_peak[DS4_MEM_NCAT];
     int64_t offload_peak_total;
     int64_t offload_after_step;
+    /* what stays in memory between steps, by category (their sum is after_step), and the parameter elements
+     * this process holds (the whole model, or its FSDP + EP shard with the shard's padding): resident bytes
+     * per parameter = after_step / params_held */
+    int64_t resident[DS4_MEM_NCAT];
+    int64_t params_held;
 } ds4_step_memory;
 
 /* What the step runs under (zero: no recompute, no offload). */
@@ -52,6 +57,35 @@ ds4_status ds4_step_memory_run_dist(const ds4_config *c, int64_t B, int64_t T, c
                                     ds4_comm *comm, int ep, bool force_balance, ds4_step_memory *out);
 ds4_status ds4_step_memory_run_dist_opts(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *opts,
                                          bool plan, ds4_comm *comm, int ep, bool force_balance, ds4_step_memory *out);
+
+/* ------------------------------------------------------------------ a device budget
+ * Whether a planned step fits a device of device_bytes: what the device holds is the memory tier (the
+ * offload tier is the host's), so the step needs its peak_total. margin = device_bytes - peak_total: the
+ * bytes left free at the peak, negative when the step is that many bytes over. */
+typedef struct {
+    int64_t need;   /* peak_total */
+    int64_t margin; /* device_bytes - need */
+    bool fits;      /* margin >= 0 */
+} ds4_device_fit;
+ds4_device_fit ds4_step_memory_fit(const ds4_step_memory *m, int64_t device_bytes);
+
+/* ------------------------------------------------------------------ the policies to compare
+ * The recompute settings of the RFC's acceptance table (off, csa, mhc, norm, csa+mhc, csa+mhc+norm, full
+ * uniform recompute of every layer), each alone, with --swap-optimizer, with --swap-layer-input and with
+ * both, in that order (the first DS4_MEMPLAN_RECOMPUTE_POLICIES entries have no offload). `ds4 memplan
+ * --policies` and bench/recompute plan this one list. */
+typedef struct {
+    const char *name;           /* "csa+mhc", "full +swap-opt", ... */
+    const char *const *flags;   /* the recompute flags as on the command line, NULL-terminated */
+    bool swap_optimizer, swap_layer_input;
+} ds4_memplan_policy;
+#define DS4_MEMPLAN_RECOMPUTE_POLICIES 7
+int ds4_memplan_policy_count(void);
+const ds4_memplan_policy *ds4_memplan_policy_at(int i);
+/* The step options of policy p on config c: masks [DS4_MAX_LAYERS] filled from its flags, so->masks set
+ * (NULL for off) and its swap options; the other fields of *so (muon, ...) are left as they are. */
+ds4_status ds4_memplan_policy_opts(const ds4_memplan_policy *p, const ds4_config *c, uint32_t *masks,
+                                   ds4_step_opts *so);
 
 #ifdef __cplusplus
 }

@@ -121,6 +121,7 @@ ds4_model *ds4_train_state_model(ds4_train_state *s);               /* what ds4_
 const ds4_param_hooks *ds4_train_state_hooks(ds4_train_state *s);  /* for ds4_pass_opts; NULL: whole */
 ds4_act_swap *ds4_train_state_swap(ds4_train_state *s);           /* --swap-layer-input; NULL: none */
 int64_t ds4_train_state_numel(const ds4_train_state *s);           /* parameters of the whole model */
+int64_t ds4_train_state_held_numel(const ds4_train_state *s);      /* elements held here: all, or the shard's */
 void ds4_train_state_zero_grads(ds4_train_state *s);
 /* The pieces of ds4_train_step below, one by one (on a plan state: only inside ds4_train_step). */
 /* Gradients /= micro_batches (all ranks' micro-batches of the step): the mean over the global batch. */

@@ -3,6 +3,7 @@
  * no step of its own: plan and run are one code path. */
 #include "ds4/memplan.h"
 
+#include "ds4/recompute.h"
 #include "ds4/trainer.h"
 
 #include <string.h>
@@ -20,7 +21,7 @@ typedef struct {
 /* Sets the state up, runs one step of one micro-batch ids [B, T] (loads: [n_blocks, E] scratch); *end: the
  * counters after the step, with what stays between steps (parameters, gradients, optimizer state) live. */
 static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *so,
-                           const step_world *w, int32_t *ids, int64_t *loads, ds4_mem_stats *end) {
+                           const step_world *w, int32_t *ids, int64_t *loads, ds4_mem_stats *end, int64_t *held) {
     const ds4_train_state_opts o = {.ep = w->comm ? w->ep : 1,
                                     .shard = w->comm != NULL,
                                     .swap_optimizer = so->swap_optimizer,
@@ -47,6 +48,7 @@ static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, i
     ds4_step_result r;
     if (st == DS4_OK) st = ds4_train_step(s, &a, &r);
     ds4_mem_get(end);
+    *held = st == DS4_OK ? ds4_train_state_held_numel(s) : 0;
     return st;
 }
 
@@ -78,12 +80,13 @@ static ds4_status measure(const ds4_config *c, int64_t B, int64_t T, const ds4_s
     ds4_mem_stats s0, s1, end = {0};
     ds4_mem_reset_peak();
     ds4_mem_get(&s0);
-    st = one_step(s, c, B, T, so, w, ids, loads, &end);
+    st = one_step(s, c, B, T, so, w, ids, loads, &end, &out->params_held);
     ds4_train_state_free(s);
     ds4_mem_get(&s1);
     for (int k = 0; k < DS4_MEM_NCAT; k++) {
         out->peak[k] = s1.peak[k] - s0.live[k];
         out->offload_peak[k] = s1.offload_peak[k] - s0.offload_live[k];
+        out->resident[k] = end.live[k] - s0.live[k];
     }
     out->peak_total = s1.peak_total - s0.live_total;
     out->after_step = end.live_total - s0.live_total;
@@ -119,4 +122,57 @@ ds4_status ds4_step_memory_run_dist(const ds4_config *c, int64_t B, int64_t T, c
                                     ds4_comm *comm, int ep, bool force_balance, ds4_step_memory *out) {
     const ds4_step_opts so = {.masks = masks};
     return ds4_step_memory_run_dist_opts(c, B, T, &so, plan, comm, ep, force_balance, out);
+}
+
+/* ------------------------------------------------------------------ a device budget */
+ds4_device_fit ds4_step_memory_fit(const ds4_step_memory *m, int64_t device_bytes) {
+    const int64_t margin = device_bytes - m->peak_total; /* both in [0, INT64_MAX]: no overflow */
+    return (ds4_device_fit){.need = m->peak_total, .margin = margin, .fits = margin >= 0};
+}
+
+/* ------------------------------------------------------------------ the policies to compare */
+static const char *const k_flags_off[] = {NULL};
+static const char *const k_flags_csa[] = {"--recompute-csa-attention", NULL};
+static const char *const k_flags_mhc[] = {"--mhc-recompute", NULL};
+static const char *const k_flags_norm[] = {"--recompute-norm", NULL};
+static const char *const k_flags_csa_mhc[] = {"--recompute-csa-attention", "--mhc-recompute", NULL};
+static const char *const k_flags_fine[] = {"--recompute-csa-attention", "--mhc-recompute", "--recompute-norm", NULL};
+static const char *const k_flags_full[] = {"--recompute-granularity", "full", "--recompute-method", "uniform",
+                                           "--recompute-num-layers", "1", NULL};
+
+/* The recompute settings, then each with the offload options: 4 blocks of DS4_MEMPLAN_RECOMPUTE_POLICIES. */
+#define RECOMPUTE_ROWS(suffix, so, si)                                                                         \
+    {"off" suffix, k_flags_off, so, si}, {"csa" suffix, k_flags_csa, so, si}, {"mhc" suffix, k_flags_mhc, so, si}, \
+        {"norm" suffix, k_flags_norm, so, si}, {"csa+mhc" suffix, k_flags_csa_mhc, so, si},                    \
+        {"csa+mhc+norm" suffix, k_flags_fine, so, si}, {"full" suffix, k_flags_full, so, si}
+static const ds4_memplan_policy k_policies[] = {
+    RECOMPUTE_ROWS("", false, false),
+    RECOMPUTE_ROWS(" +swap-opt", true, false),
+    RECOMPUTE_ROWS(" +swap-in", false, true),
+    RECOMPUTE_ROWS(" +swap-opt+in", true, true),
+};
+#define NPOLICIES ((int)(sizeof k_policies / sizeof k_policies[0]))
+
+int ds4_memplan_policy_count(void) { return NPOLICIES; }
+
+const ds4_memplan_policy *ds4_memplan_policy_at(int i) { return i >= 0 && i < NPOLICIES ? &k_policies[i] : NULL; }
+
+ds4_status ds4_memplan_policy_opts(const ds4_memplan_policy *p, const ds4_config *c, uint32_t *masks,
+                                   ds4_step_opts *so) {
+    ds4_recompute_cfg r;
+    ds4_recompute_defaults(&r);
+    int argc = 0;
+    while (p->flags[argc]) argc++;
+    for (int i = 0; i < argc; i++) {
+        bool used;
+        DS4_TRY(ds4_recompute_parse_arg(&r, argc, (char **)p->flags, &i, &used));
+        if (!used) return ds4_fail(DS4_ERR_INTERNAL, "memplan policy %s: %s is no recompute flag", p->name, p->flags[i]);
+    }
+    const ds4_status st = ds4_recompute_validate(&r, c);
+    if (st != DS4_OK) return ds4_fail_prefix(st, "memplan policy %s", p->name);
+    ds4_recompute_masks(&r, c, masks);
+    so->masks = ds4_recompute_any(&r) ? masks : NULL;
+    so->swap_optimizer = p->swap_optimizer;
+    so->swap_layer_input = p->swap_layer_input;
+    return DS4_OK;
 }

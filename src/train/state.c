@@ -164,6 +164,10 @@ int64_t ds4_train_state_numel(const ds4_train_state *s) {
     return s->f ? ds4_fsdp_packed_numel(s->f) : ds4_model_numel(s->m);
 }
 
+int64_t ds4_train_state_held_numel(const ds4_train_state *s) {
+    return s->f ? ds4_fsdp_shard_numel(s->f) : ds4_model_numel(s->m);
+}
+
 /* ------------------------------------------------------------------ one step */
 void ds4_train_state_zero_grads(ds4_train_state *s) {
     if (s->f) ds4_fsdp_zero_grads(s->f);

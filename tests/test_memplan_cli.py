@@ -1,0 +1,102 @@
+"""ds4 memplan --device-memory and --policies on a small config: a budget below the planned peak says
+"does not fit" and by how many bytes, one above it says "fits" and how many bytes are free, the boundary
+(exactly the peak) fits with 0 free; --policies prints every policy with fits and margin = budget - peak;
+the exit code is 0 either way (a report); bad sizes and conflicting flags are one `error:` line."""
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
+
+build = sys.argv[sys.argv.index("--build") + 1] if "--build" in sys.argv else "build"
+ds4 = os.path.abspath(os.path.join(build, "ds4"))
+BASE = ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--micro-batch", "2", "--threads", "1"]
+FIT = re.compile(r"^device memory [\d.]+ GiB \((\d+) bytes\): the step (fits, [\d.]+ GiB \((\d+) bytes\) free at its "
+                 r"peak|does not fit: [\d.]+ GiB \((\d+) bytes\) over)$", re.M)
+
+
+def memplan(*args):
+    return subprocess.run([ds4, *BASE, *args], capture_output=True, text=True, timeout=60)
+
+
+def peak_total(out):
+    m = re.search(r"^  peak total +(\d+) ", out, re.M)
+    return int(m.group(1)) if m else None
+
+
+def fit(out):
+    """(device bytes, margin) from the device line: margin > 0 free, < 0 over; None when absent."""
+    m = FIT.search(out)
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(3)) if m.group(3) else -int(m.group(4))
+
+
+plain = memplan()
+peak = peak_total(plain.stdout)
+check("plain plan", plain.returncode == 0 and peak and peak > 2 ** 20, plain.stdout + plain.stderr)
+check("no device line without --device-memory", "device memory" not in plain.stdout, plain.stdout)
+
+# a budget below the peak, above it, exactly it and a byte short, in each spelling of a size
+for name, size, device in [("1MiB", "1MiB", 2 ** 20), ("1GiB", "1GiB", 2 ** 30), ("1GB", "1GB", 10 ** 9),
+                           ("0.5 GiB", "0.5 GiB", 2 ** 29), ("exactly the peak", str(peak), peak),
+                           ("a byte short", str(peak - 1), peak - 1)]:
+    r = memplan("--device-memory", size)
+    got = fit(r.stdout)
+    check(f"{name}: exit 0", r.returncode == 0, r.stderr)
+    check(f"{name}: same plan", peak_total(r.stdout) == peak, r.stdout)
+    check(f"{name}: device {device} bytes, margin {device - peak}", got == (device, device - peak),
+          f"got {got}: {r.stdout}")
+check("exactly the peak fits", "fits, 0.000 GiB (0 bytes) free" in memplan("--device-memory", str(peak)).stdout)
+check("a byte short is 1 byte over", "(1 bytes) over" in memplan("--device-memory", str(peak - 1)).stdout)
+
+# --policies: every policy, margin = budget - its peak, fits = margin >= 0; off is the plain plan
+budget = 2 ** 30
+r = memplan("--policies", "--device-memory", "1GiB")
+rows = re.findall(r"^  (\S+(?: \+\S+)?) +(\d+) +[\d.]+ +[\d.]+ +(yes|no) +(-?\d+) +-?[\d.]+ +[\d.]+$", r.stdout, re.M)
+check("policies: exit 0", r.returncode == 0, r.stderr)
+check("policies: 28 rows", len(rows) == 28, r.stdout)
+names = [row[0] for row in rows]
+check("policies: the list", names[:7] == ["off", "csa", "mhc", "norm", "csa+mhc", "csa+mhc+norm", "full"] and
+      names[7] == "off +swap-opt" and names[14] == "off +swap-in" and names[21] == "off +swap-opt+in", names)
+check("policies: off is the plain plan", rows and int(rows[0][1]) == peak, rows[:1])
+for name, p, fits, margin in rows:
+    check(f"policies: {name} margin", int(margin) == budget - int(p) and (fits == "yes") == (int(margin) >= 0),
+          (name, p, fits, margin))
+peaks = sorted(int(row[1]) for row in rows)
+mid = (peaks[0] + peaks[-1]) // 2
+r = memplan("--policies", "--device-memory", str(mid))
+fits = re.findall(r" (yes|no) +-?\d+ ", r.stdout)
+check("policies: a budget between the smallest and largest peak splits them", "yes" in fits and "no" in fits and
+      len(fits) == 28, r.stdout)
+r = memplan("--policies", "--device-memory", "1GiB", "--mixed-precision-param", "bfloat16")
+bf16 = re.findall(r"^  (\S+(?: \+\S+)?) +(\d+) +[\d.]+ +[\d.]+ +(yes|no) +(-?\d+) ", r.stdout, re.M)
+# bf16 holds the saved activations in half the bytes: never a higher peak than fp32, a lower one for off (whose
+# peak is the activations'); with the optimizer's update as the peak (small configs, swap) it may equal fp32's
+check("policies in bf16: every policy, peaks <= fp32's, off's lower",
+      r.returncode == 0 and "bfloat16" in r.stdout.splitlines()[0] and len(bf16) == 28 and
+      all(b[0] == f[0] and int(b[1]) <= int(f[1]) for b, f in zip(bf16, rows)) and int(bf16[0][1]) < int(rows[0][1]),
+      r.stdout)
+r = memplan("--policies")
+check("policies without a budget: no fits column", r.returncode == 0 and "fits" not in r.stdout and
+      len(re.findall(r"^  \S", r.stdout, re.M)) == 29, r.stdout)
+
+
+def expect_error(name, args, *needles):
+    r = memplan(*args)
+    err = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    check(name, r.returncode == 2 and len(err) == 1 and all(n in err[0] for n in needles) and r.stdout == "",
+          f"rc={r.returncode} stdout={r.stdout!r} stderr={r.stderr!r}")
+
+
+for bad in ["64G", "abc", "-1GiB", "", "64 GiBs", "1e9", "99999999999999999999"]:
+    expect_error(f"bad size {bad!r}", ["--device-memory", bad], "--device-memory", f"'{bad}'")
+expect_error("zero bytes", ["--device-memory", "0"], "--device-memory")
+expect_error("no value", ["--device-memory"], "--device-memory")
+expect_error("policies with recompute flags", ["--policies", "--mhc-recompute"], "--policies")
+expect_error("policies with swap flags", ["--policies", "--swap-optimizer"], "--policies")
+r = memplan("--device-memory", "1.5")
+check("1.5 bytes is a size, rounded down to one byte", fit(r.stdout) == (1, 1 - peak), r.stdout)
+finish("test_memplan_cli")
