@@ -20,6 +20,8 @@ typedef struct {
     int64_t chunk;               /* elements of every rank's piece (the last ones may be shorter) */
     int64_t off, len;            /* this rank's piece: flat [start + off, start + off + len) */
     int64_t shard_off;           /* where it lives in the shard buffers */
+    ds4_comm_req *wreq, *greq;   /* in flight (prefetch depth > 0): its all-gather, its reduce-scatter */
+    float *grecv;                /* [n · len] the reduce-scatter's receive buffer while in flight */
 } piece;
 
 struct ds4_fsdp {
@@ -31,6 +33,9 @@ struct ds4_fsdp {
     int64_t npieces;
     int64_t *piece_of_region;          /* [nregions] piece index or -1 */
     bool *w_mapped, *g_mapped;         /* [ngroups] */
+    int depth;                         /* prefetch depth (ds4_fsdp_set_prefetch); 0: blocking */
+    bool *w_flight, *g_flight;         /* [ngroups] all-gather / reduce-scatter started, not completed */
+    int64_t *gq, gq_head, gq_n;        /* [ngroups] ring: the groups whose reduce-scatter is in flight, oldest first */
     float *sp, *sg;                    /* [ns] */
     int64_t ns;
     ds4_param_hooks hooks;
@@ -57,9 +62,61 @@ static void piece_layout(const piece *p, int n, int64_t *counts, int64_t *displs
 }
 
 /* ------------------------------------------------------------------ hooks: FSDP */
+/* Overlapped gathers (depth > 0): start maps the group's ranges and starts one all-gather per piece;
+ * finish waits for them. */
+static ds4_status gather_start(ds4_fsdp *f, int64_t group) {
+    float *flat = ds4_model_params_flat(f->m);
+    ds4_status st = DS4_OK;
+    f->w_flight[group] = true;
+    for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++) {
+        piece *p = &f->pieces[i];
+        if (p->group != group) continue;
+        ds4_comm *c = piece_comm(f, p);
+        int n = ds4_comm_size(c);
+        int64_t *cd = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)n);
+        if (!cd) return DS4_ERR_OOM;
+        piece_layout(p, n, cd, cd + n);
+        st = ds4_model_map(f->m, p->start, p->map_end, false);
+        if (st == DS4_OK)
+            st = ds4_comm_iallgatherv(c, f->sp + p->shard_off, p->len, flat + p->start, cd, cd + n, sizeof(float),
+                                      &p->wreq);
+        ds4_free(cd);
+    }
+    return st;
+}
+
+static ds4_status gather_finish(ds4_fsdp *f, int64_t group) {
+    ds4_status st = DS4_OK;
+    for (int64_t i = 0; i < f->npieces; i++) {
+        piece *p = &f->pieces[i];
+        if (p->group != group) continue;
+        ds4_status w = ds4_comm_wait(p->wreq);
+        p->wreq = NULL;
+        if (st == DS4_OK) st = w;
+    }
+    f->w_flight[group] = false;
+    f->w_mapped[group] = true;
+    return st;
+}
+
+static ds4_status hook_prefetch(void *ctx, const int64_t *next, int64_t n) {
+    ds4_fsdp *f = ctx;
+    ds4_comm_progress();
+    ds4_status st = DS4_OK;
+    for (int64_t k = 0; st == DS4_OK && k < n && k < f->depth; k++)
+        if (!f->w_mapped[next[k]] && !f->w_flight[next[k]]) st = gather_start(f, next[k]);
+    return st;
+}
+
 static ds4_status hook_gather(void *ctx, int64_t group) {
     ds4_fsdp *f = ctx;
+    ds4_comm_progress();
     if (f->w_mapped[group]) return DS4_OK;
+    if (f->depth > 0) {
+        ds4_status st = f->w_flight[group] ? DS4_OK : gather_start(f, group);
+        ds4_status w = gather_finish(f, group);
+        return st != DS4_OK ? st : w;
+    }
     float *flat = ds4_model_params_flat(f->m);
     ds4_status st = DS4_OK;
     for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++) {
@@ -80,14 +137,18 @@ static ds4_status hook_gather(void *ctx, int64_t group) {
 
 static void hook_drop(void *ctx, int64_t group) {
     ds4_fsdp *f = ctx;
+    if (f->w_flight && f->w_flight[group]) (void)gather_finish(f, group); /* a prefetch the pass did not use (a failure) */
     if (!f->w_mapped[group]) return;
     for (int64_t i = 0; i < f->npieces; i++)
         if (f->pieces[i].group == group) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, false);
     f->w_mapped[group] = false;
 }
 
+static ds4_status reduce_finish(ds4_fsdp *f, int64_t group);
+
 static ds4_status hook_grad_begin(void *ctx, int64_t group) {
     ds4_fsdp *f = ctx;
+    if (f->g_flight[group]) DS4_TRY(reduce_finish(f, group)); /* its last reduce-scatter still runs */
     if (f->g_mapped[group]) return DS4_OK;
     for (int64_t i = 0; i < f->npieces; i++)
         if (f->pieces[i].group == group) DS4_TRY(ds4_model_map(f->m, f->pieces[i].start, f->pieces[i].map_end, true));
@@ -127,9 +188,92 @@ static ds4_status reduce_piece(ds4_fsdp *f, const piece *p) {
     return st;
 }
 
+/* Overlapped reduce-scatter (depth > 0): start sends every piece's full gradient, the receive buffers and
+ * the group's gradient range stay until finish adds the pieces in rank order, as reduce_piece does. */
+static ds4_status reduce_start(ds4_fsdp *f, int64_t group) {
+    ds4_status st = DS4_OK;
+    f->g_flight[group] = true;
+    f->gq[(f->gq_head + f->gq_n++) % ds4_model_ngroups(f->m)] = group;
+    for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++) {
+        piece *p = &f->pieces[i];
+        if (p->group != group) continue;
+        ds4_comm *c = piece_comm(f, p);
+        int n = ds4_comm_size(c);
+        int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 4 * (size_t)n);
+        p->grecv = ds4_alloc(DS4_MEM_COMM, (size_t)(n * p->len) * sizeof(float));
+        st = v && p->grecv ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory reducing gradients");
+        if (st == DS4_OK) {
+            piece_layout(p, n, v, v + n);
+            for (int r = 0; r < n; r++) {
+                v[2 * n + r] = p->len;
+                v[3 * n + r] = (int64_t)r * p->len;
+            }
+            st = ds4_comm_ialltoallv(c, ds4_model_grads_flat(f->m) + p->start, v, v + n, p->grecv, v + 2 * n, v + 3 * n,
+                                     sizeof(float), &p->greq);
+        }
+        ds4_free(v);
+    }
+    return st;
+}
+
+static ds4_status reduce_finish(ds4_fsdp *f, int64_t group) {
+    ds4_status st = DS4_OK;
+    for (int64_t i = 0; i < f->npieces; i++) {
+        piece *p = &f->pieces[i];
+        if (p->group != group) continue;
+        ds4_status w = ds4_comm_wait(p->greq);
+        p->greq = NULL;
+        if (st == DS4_OK) st = w;
+        if (st == DS4_OK && !planning(f) && p->grecv) {
+            int n = ds4_comm_size(piece_comm(f, p));
+            float *g = f->sg + p->shard_off;
+            for (int64_t k = 0; k < p->len; k++) {
+                float t = p->grecv[k];
+                for (int r = 1; r < n; r++) t += p->grecv[(int64_t)r * p->len + k];
+                g[k] += t;
+            }
+        }
+        ds4_free(p->grecv);
+        p->grecv = NULL;
+    }
+    for (int64_t i = 0; i < f->npieces; i++)
+        if (f->pieces[i].group == group) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, true);
+    f->g_mapped[group] = false;
+    f->g_flight[group] = false;
+    /* out of the ring: the oldest, except after a grad_begin that could not wait (then anywhere) */
+    int64_t ng = ds4_model_ngroups(f->m);
+    for (int64_t k = 0; k < f->gq_n; k++)
+        if (f->gq[(f->gq_head + k) % ng] == group) {
+            for (int64_t j = k; j > 0; j--) f->gq[(f->gq_head + j) % ng] = f->gq[(f->gq_head + j - 1) % ng];
+            f->gq_head = (f->gq_head + 1) % ng;
+            f->gq_n--;
+            break;
+        }
+    return st;
+}
+
+/* Everything in flight completes: reduce-scatters oldest first, then unused prefetches are dropped. */
+static ds4_status hook_sync(void *ctx) {
+    ds4_fsdp *f = ctx;
+    ds4_status st = DS4_OK;
+    while (f->gq_n > 0) {
+        ds4_status r = reduce_finish(f, f->gq[f->gq_head]);
+        if (st == DS4_OK) st = r;
+    }
+    for (int64_t g = 0; g < ds4_model_ngroups(f->m); g++)
+        if (f->w_flight[g]) hook_drop(f, g);
+    return st;
+}
+
 static ds4_status hook_grad_end(void *ctx, int64_t group) {
     ds4_fsdp *f = ctx;
-    if (!f->g_mapped[group]) return DS4_OK;
+    ds4_comm_progress();
+    if (!f->g_mapped[group] || f->g_flight[group]) return DS4_OK;
+    if (f->depth > 0) {
+        ds4_status st = reduce_start(f, group);
+        while (st == DS4_OK && f->gq_n > f->depth) st = reduce_finish(f, f->gq[f->gq_head]);
+        return st;
+    }
     ds4_status st = DS4_OK;
     for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++)
         if (f->pieces[i].group == group) st = reduce_piece(f, &f->pieces[i]);
@@ -145,6 +289,7 @@ static int expert_owner(const ds4_fsdp *f, int64_t e) { return (int)(e / f->eloc
 
 static ds4_status ep_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
     ds4_fsdp *f = ctx;
+    ds4_comm_progress();
     const int n = f->ep_size;
     const int64_t L = f->eloc;
     ds4_ep_route *r = ds4_ep_route_new(n, f->e0, f->e1);
@@ -254,6 +399,13 @@ static ds4_status ep_combine(void *ctx, const ds4_ep_route *r, const float *recv
     return ep_exchange(ctx, r, recv, send, width, false);
 }
 
+ds4_status ds4_fsdp_set_prefetch(ds4_fsdp *f, int depth) {
+    if (depth < 0 || depth > DS4_PREFETCH_MAX)
+        return ds4_fail(DS4_ERR_ARG, "--prefetch-depth %d: expected 0 (blocking) to %d", depth, DS4_PREFETCH_MAX);
+    f->depth = depth;
+    return DS4_OK;
+}
+
 /* ------------------------------------------------------------------ create */
 /* A sub-communicator: split of a real world, or a simulated one of `size` ranks at `rank`. */
 static ds4_status sub_comm(ds4_comm *world, int color, int key, int size, int rank, ds4_comm **out) {
@@ -311,18 +463,27 @@ ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out
     int64_t ng = ds4_model_ngroups(m);
     f->w_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
     f->g_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
-    ds4_status st = f->w_mapped && f->g_mapped ? DS4_OK : DS4_ERR_OOM;
+    f->w_flight = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
+    f->g_flight = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
+    f->gq = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(int64_t));
+    ds4_status st = f->w_mapped && f->g_mapped && f->w_flight && f->g_flight && f->gq ? DS4_OK : DS4_ERR_OOM;
     /* three communicators of their own: FSDP (all ranks), EP groups, expert replicas */
     if (st == DS4_OK) st = sub_comm(world, 0, rank, W, rank, &f->fsdp);
     if (st == DS4_OK) st = sub_comm(world, rank / ep, rank, ep, rank % ep, &f->ep);
     if (st == DS4_OK) st = sub_comm(world, rank % ep, rank, W / ep, rank / ep, &f->rep);
-    if (st == DS4_OK) st = build_pieces(f);
+    if (st == DS4_OK) {
+        ds4_comm_set_lane(f->fsdp, DS4_LANE_FSDP);
+        ds4_comm_set_lane(f->rep, DS4_LANE_FSDP);
+        ds4_comm_set_lane(f->ep, DS4_LANE_EP);
+        st = build_pieces(f);
+    }
     if (st != DS4_OK) {
         ds4_fsdp_free(f);
         return st;
     }
     f->hooks = (ds4_param_hooks){.ctx = f, .gather = hook_gather, .drop = hook_drop, .grad_begin = hook_grad_begin,
-                                 .grad_end = hook_grad_end, .ep = ep > 1 ? &f->ops : NULL};
+                                 .grad_end = hook_grad_end, .prefetch = hook_prefetch, .sync = hook_sync,
+                                 .ep = ep > 1 ? &f->ops : NULL};
     f->ops = (ds4_ep_ops){.ctx = f, .e0 = f->e0, .e1 = f->e1, .route = ep_route, .dispatch = ep_dispatch,
                           .combine = ep_combine};
     *out = f;
@@ -332,6 +493,7 @@ ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out
 void ds4_fsdp_free(ds4_fsdp *f) {
     if (!f) return;
     int64_t ng = ds4_model_ngroups(f->m);
+    if (f->gq && f->w_flight && f->g_flight) (void)hook_sync(f); /* nothing may stay in flight */
     for (int64_t g = 0; f->w_mapped && g < ng; g++) {
         hook_drop(f, g);
         if (f->g_mapped[g]) {
@@ -347,6 +509,9 @@ void ds4_fsdp_free(ds4_fsdp *f) {
     ds4_free(f->piece_of_region);
     ds4_free(f->w_mapped);
     ds4_free(f->g_mapped);
+    ds4_free(f->w_flight);
+    ds4_free(f->g_flight);
+    ds4_free(f->gq);
     ds4_free(f->sp);
     ds4_free(f->sg);
     ds4_free(f);
