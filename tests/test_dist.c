@@ -461,7 +461,7 @@ static void test_sim_link(void) {
 }
 
 /* The trace of an overlapped FSDP + EP step: rank 0 writes one JSON file; every rank is a process with
- * the lanes compute, fsdp and ep, and complete events on them (all-gathers on fsdp, all-to-alls on ep). */
+ * the lanes compute, fsdp and ep, and complete events on them (all-gathers on fsdp, dispatches on ep). */
 static void test_trace(void) {
     ds4_comm *world = ds4_comm_world();
     const int W = ds4_comm_size(world), rank = ds4_comm_rank(world);
@@ -531,7 +531,7 @@ static void test_trace(void) {
         if (!cJSON_IsNumber(dur) || dur->valuedouble < 0 || !cJSON_IsNumber(tid)) bad++;
         else if (tid->valueint == 0 && !strcmp(nm->valuestring, "compute")) compute[r]++;
         else if (tid->valueint == fsdp_tid[r] && !strcmp(nm->valuestring, "all-gather")) gathers[r]++;
-        else if (tid->valueint == ep_tid[r] && !strcmp(nm->valuestring, "all-to-all")) alltoall_ep[r]++;
+        else if (tid->valueint == ep_tid[r] && !strcmp(nm->valuestring, "dispatch")) alltoall_ep[r]++;
     }
     CHECK(bad == 0, "%d malformed events", bad);
     for (int r = 0; r < W; r++) {

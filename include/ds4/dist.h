@@ -57,6 +57,8 @@ ds4_status ds4_comm_ialltoallv(ds4_comm *c, const void *send, const int64_t *sco
                                void *recv, const int64_t *rcounts, const int64_t *rdispls, size_t elem,
                                ds4_comm_req **req);
 ds4_status ds4_comm_wait(ds4_comm_req *req); /* NULL: nothing to wait for */
+/* What the trace calls it (a string that outlives the request; default: the collective's name). */
+void ds4_comm_req_label(ds4_comm_req *req, const char *label);
 void ds4_comm_progress(void);
 
 /* What a communicator's traffic is, for the exposed-time breakdown and the trace's lanes. */
@@ -65,9 +67,9 @@ void ds4_comm_set_lane(ds4_comm *c, ds4_comm_lane lane);
 const char *ds4_comm_lane_name(ds4_comm_lane lane); /* "other", "fsdp", "ep" */
 
 /* A simulated link (--sim-link-gbps, --sim-link-latency-us): every MPI collective completes no sooner
- * than latency + bytes / bandwidth after it could start on its communicator's link (one link per
- * communicator, transfers on it one after another; bytes: what this rank receives from or sends to the
- * others, the larger). Waits sleep until then, so exposed communication can be measured on one machine.
+ * than latency + bytes / bandwidth after it could start on its lane's link (one link per lane: FSDP's
+ * two communicators share one, EP has its own, transfers on a link one after another; bytes: what this
+ * rank receives from or sends to the others, the larger). Waits sleep until then, so exposed communication can be measured on one machine.
  * gbps <= 0: off. Collectives on one process or a plan are not delayed. */
 ds4_status ds4_comm_set_link(double gbps, double latency_us);
 /* Seconds this process has spent blocked in collectives (blocking calls and waits), per lane, since it

@@ -23,7 +23,6 @@ struct ds4_comm {
     comm_kind kind;
     int rank, size;
     ds4_comm_lane lane;
-    double link_free; /* the simulated link: when its last transfer ends (seconds, monotonic) */
 #ifdef DS4_HAVE_MPI
     MPI_Comm mpi;
 #endif
@@ -150,17 +149,24 @@ static void sleep_until(double t) {
 
 static struct {
     double bytes_per_s, latency_s; /* bytes_per_s 0: no simulated link */
+    double free_at[DS4_NUM_LANES]; /* when each lane's link ends its last transfer (seconds, monotonic) */
 } g_link;
 static double g_exposed[DS4_NUM_LANES];
 
 /* Trace events, this rank's, as JSON text (plain malloc: outside the counted step memory). tid 0 is the
- * compute lane; each communication lane has up to TRACE_SUB tids so that overlapping collectives (a
- * prefetch depth > 1, two communicators on one lane) sit on rows of their own. */
-#define TRACE_SUB 8
+ * compute lane; each communication lane has up to TRACE_SUB rows (tids) so that overlapping collectives
+ * of different kinds (a gather in flight beside a reduce-scatter) sit on rows of their own. Overlapping
+ * collectives of one kind (the pieces of one group, started together) merge into one event. */
+#define TRACE_SUB 4
+typedef struct {
+    const char *name; /* NULL: the row is free */
+    double t0, t1;
+    int count;        /* collectives merged into the event */
+} trace_open;
 static struct {
     bool on, oom;
     double t0, busy_from;              /* the trace's zero; when this rank last stopped waiting */
-    double sub_end[DS4_NUM_LANES][TRACE_SUB];
+    trace_open open[DS4_NUM_LANES][TRACE_SUB];
     int sub_used[DS4_NUM_LANES];
     char *buf;
     size_t len, cap;
@@ -211,13 +217,34 @@ static void trace_event(const char *name, int tid, double t0, double t1) {
                  tid, 1e6 * (t0 - g_trace.t0), 1e6 * (t1 - t0));
 }
 
-/* A collective of `lane` from t0 to t1, on the first row of the lane free at t0. */
+static void trace_flush(ds4_comm_lane lane, int k) {
+    trace_open *o = &g_trace.open[lane][k];
+    if (!o->name) return;
+    if (o->t1 < o->t0) o->t1 = o->t0;
+    trace_printf(",\n{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
+                 "\"args\":{\"collectives\":%d}}",
+                 o->name, g_world.rank, 1 + (int)lane * TRACE_SUB + k, 1e6 * (o->t0 - g_trace.t0), 1e6 * (o->t1 - o->t0),
+                 o->count);
+    o->name = NULL;
+}
+
+/* A collective of `lane` from t0 to t1: merged into an overlapping event of its kind, else on the first
+ * row free at t0 (the last row when none is). */
 static void trace_comm(ds4_comm_lane lane, const char *name, double t0, double t1) {
+    trace_open *row = g_trace.open[lane];
     int k = 0;
-    while (k < TRACE_SUB - 1 && g_trace.sub_end[lane][k] > t0) k++;
-    g_trace.sub_end[lane][k] = t1;
+    for (k = 0; k < TRACE_SUB; k++)
+        if (row[k].name && !strcmp(row[k].name, name) && t0 <= row[k].t1) {
+            if (t1 > row[k].t1) row[k].t1 = t1;
+            if (t0 < row[k].t0) row[k].t0 = t0;
+            row[k].count++;
+            return;
+        }
+    for (k = 0; k < TRACE_SUB - 1 && row[k].name && row[k].t1 > t0; k++) {
+    }
+    trace_flush(lane, k);
+    row[k] = (trace_open){name, t0, t1, 1};
     if (k + 1 > g_trace.sub_used[lane]) g_trace.sub_used[lane] = k + 1;
-    trace_event(name, 1 + (int)lane * TRACE_SUB + k, t0, t1);
 }
 
 /* ------------------------------------------------------------------ requests */
@@ -257,14 +284,19 @@ static void req_drop(ds4_comm_req *q) {
 static void req_issued(ds4_comm_req *q, int64_t bytes) {
     q->issued = mono_now();
     if (g_link.bytes_per_s > 0) {
-        q->link_start = q->issued > q->c->link_free ? q->issued : q->c->link_free;
+        double *free_at = &g_link.free_at[q->c->lane];
+        q->link_start = q->issued > *free_at ? q->issued : *free_at;
         q->link_done = q->link_start + g_link.latency_s + (double)bytes / g_link.bytes_per_s;
-        q->c->link_free = q->link_done;
+        *free_at = q->link_done;
     }
     q->next = g_pending;
     g_pending = q;
 }
 #endif
+
+void ds4_comm_req_label(ds4_comm_req *q, const char *label) {
+    if (q) q->name = label;
+}
 
 void ds4_comm_progress(void) {
 #ifdef DS4_HAVE_MPI
@@ -489,6 +521,8 @@ ds4_status ds4_trace_end(ds4_comm *world, const char *path) {
     }
     const double t = mono_now();
     if (t > g_trace.busy_from) trace_event("compute", 0, g_trace.busy_from, t);
+    for (int l = 0; l < DS4_NUM_LANES; l++)
+        for (int k = 0; k < TRACE_SUB; k++) trace_flush((ds4_comm_lane)l, k);
     trace_names();
     g_trace.on = false; /* the gathers below are not traced */
     const int n = ds4_comm_size(world), rank = ds4_comm_rank(world);
