@@ -20,6 +20,7 @@
 #include "ds4/train.h"
 #include "test.h"
 
+#include <cjson/cJSON.h>
 #include <unistd.h>
 
 #define MAX_RANKS 4
@@ -104,7 +105,7 @@ static int64_t compare_params(ds4_model *fm, const float *got, ds4_model *rm, co
     return bad;
 }
 
-static void fsdp_matches_reference(const char *cfg_path, int ep) {
+static void fsdp_matches_reference_at(const char *cfg_path, int ep, int depth) {
     ds4_comm *world = ds4_comm_world();
     int rank = ds4_comm_rank(world);
     ds4_config c;
@@ -116,6 +117,7 @@ static void fsdp_matches_reference(const char *cfg_path, int ep) {
     CHECK(ds4_model_create(NULL, &c, true, &m) == DS4_OK, "%s", ds4_errmsg());
     CHECK(ds4_fsdp_create(m, world, ep, &f) == DS4_OK, "%s", ds4_errmsg());
     if (!f) return;
+    CHECK(ds4_fsdp_set_prefetch(f, depth) == DS4_OK, "%s", ds4_errmsg());
     CHECK(ds4_fsdp_init_random(f, 7) == DS4_OK);
     int64_t n = ds4_model_numel(m);
     float *full = rank == 0 ? calloc((size_t)n, sizeof(float)) : NULL;
@@ -159,7 +161,12 @@ static void fsdp_matches_reference(const char *cfg_path, int ep) {
     for (int r = 0; r < ref.ranks; r++) free(ref.g[r]);
 }
 
+static void fsdp_matches_reference(const char *cfg_path, int ep) { fsdp_matches_reference_at(cfg_path, ep, 0); }
+
 static void test_fsdp_tiny_a(void) { fsdp_matches_reference("tests/configs/tiny-a.json", 1); }
+/* Overlap changes no bit: prefetched all-gathers, reduce-scatters in flight (depth 1 and 2), with EP */
+static void test_fsdp_overlap_tiny_a(void) { fsdp_matches_reference_at("tests/configs/tiny-a.json", 1, 1); }
+static void test_fsdp_overlap_ep_tiny_b(void) { fsdp_matches_reference_at("tests/configs/tiny-b.json", 2, 2); }
 static void test_fsdp_ep_tiny_a(void) { fsdp_matches_reference("tests/configs/tiny-a.json", 2); }
 static void test_fsdp_ep_tiny_b(void) { fsdp_matches_reference("tests/configs/tiny-b.json", 2); }
 /* EP over every rank (each expert whole on one rank), and on 4 ranks EP 2: experts sharded over replicas */
@@ -213,6 +220,34 @@ static void memplan_matches_muon(int ep, bool swap) {
 }
 static void test_memplan_muon(void) { memplan_matches_muon(1, false); }
 static void test_memplan_muon_ep_swap(void) { memplan_matches_muon(2, true); }
+
+/* With overlap: this rank's plan == its measured step, the prefetched groups and the reduce-scatters in
+ * flight included; and overlap costs memory (the next group's weights while one computes). */
+static void memplan_matches_overlap(const char *cfg_path, int ep, int depth) {
+    ds4_comm *world = ds4_comm_world();
+    ds4_config c;
+    CHECK(ds4_config_load(cfg_path, &c) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_step_opts blocking = {0}, so = {.prefetch_depth = depth};
+    ds4_step_memory real0, real, plan;
+    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &blocking, false, world, ep, true, &real0) == DS4_OK, "%s",
+          ds4_errmsg());
+    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &so, false, world, ep, true, &real) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm *sim = NULL;
+    CHECK(ds4_comm_plan(ds4_comm_size(world), ds4_comm_rank(world), &sim) == DS4_OK);
+    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &so, true, sim, ep, true, &plan) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm_free(sim);
+    for (int k = 0; k < DS4_MEM_NCAT; k++)
+        if (k != DS4_MEM_OTHER)
+            CHECK(real.peak[k] == plan.peak[k], "depth %d ep=%d rank %d %s: measured %lld, planned %lld", depth, ep,
+                  ds4_comm_rank(world), ds4_mem_cat_name((ds4_mem_cat)k), (long long)real.peak[k],
+                  (long long)plan.peak[k]);
+    CHECK(real.peak[DS4_MEM_PARAM] > real0.peak[DS4_MEM_PARAM], "depth %d: parameter peak %lld, blocking %lld", depth,
+          (long long)real.peak[DS4_MEM_PARAM], (long long)real0.peak[DS4_MEM_PARAM]);
+    CHECK(real.peak[DS4_MEM_COMM] >= real0.peak[DS4_MEM_COMM], "depth %d: communication peak %lld < blocking %lld",
+          depth, (long long)real.peak[DS4_MEM_COMM], (long long)real0.peak[DS4_MEM_COMM]);
+}
+static void test_memplan_overlap(void) { memplan_matches_overlap("tests/configs/tiny-a.json", 1, 1); }
+static void test_memplan_overlap_ep_depth2(void) { memplan_matches_overlap("tests/configs/tiny-b.json", 2, 2); }
 
 static void test_memplan_fsdp(void) { memplan_matches("tests/configs/tiny-a.json", 1, false); }
 static void test_memplan_fsdp_ep(void) { memplan_matches("tests/configs/tiny-a.json", 2, false); }
@@ -378,6 +413,138 @@ static void test_shard_sizes(void) {
     ds4_model_free(full);
 }
 
+/* ------------------------------------------------------------------ simulated link, exposed time, trace */
+static double now_s(void) { return ds4_now(); }
+
+/* A 0.1 Gb/s link with 20 ms latency under a 64 KiB-per-rank all-gather: a blocking one lasts at least
+ * the modelled time and counts it as exposed; two started back to back share the link (the second ends
+ * a transfer later); one left in flight while this rank computes (sleeps) longer than that costs
+ * little to wait for. */
+static void test_sim_link(void) {
+    ds4_comm *world = ds4_comm_world();
+    const int W = ds4_comm_size(world);
+    const int64_t n = 16384; /* floats per rank */
+    float *send = calloc((size_t)n, sizeof(float)), *recv = calloc((size_t)(n * W), sizeof(float));
+    int64_t cnt[MAX_RANKS], dsp[MAX_RANKS];
+    for (int r = 0; r < W; r++) cnt[r] = n, dsp[r] = r * n;
+    const double model = 20e-3 + (double)((W - 1) * n * 4) * 8 / 0.1e9;
+    CHECK(ds4_comm_set_link(0.1, 20000) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_comm_set_link(-1, 0) != DS4_OK, "a negative bandwidth is refused");
+    double x0[DS4_NUM_LANES], x1[DS4_NUM_LANES];
+    ds4_comm_exposed(x0);
+    double t0 = now_s();
+    CHECK(ds4_comm_allgatherv(world, send, n, recv, cnt, dsp, sizeof(float)) == DS4_OK, "%s", ds4_errmsg());
+    double blocking = now_s() - t0;
+    ds4_comm_exposed(x1);
+    CHECK(blocking >= model, "blocking all-gather took %.4f s, the link model says >= %.4f s", blocking, model);
+    CHECK(x1[DS4_LANE_OTHER] - x0[DS4_LANE_OTHER] >= model, "exposed %.4f s < %.4f s",
+          x1[DS4_LANE_OTHER] - x0[DS4_LANE_OTHER], model);
+    CHECK(x1[DS4_LANE_FSDP] == x0[DS4_LANE_FSDP] && x1[DS4_LANE_EP] == x0[DS4_LANE_EP], "the world's lane is 'other'");
+    ds4_comm_req *a = NULL, *b = NULL;
+    t0 = now_s();
+    CHECK(ds4_comm_iallgatherv(world, send, n, recv, cnt, dsp, sizeof(float), &a) == DS4_OK);
+    CHECK(ds4_comm_iallgatherv(world, send, n, recv, cnt, dsp, sizeof(float), &b) == DS4_OK);
+    CHECK(a != NULL && b != NULL, "MPI collectives in flight have requests");
+    CHECK(ds4_comm_wait(a) == DS4_OK && ds4_comm_wait(b) == DS4_OK);
+    double two = now_s() - t0;
+    CHECK(two >= 2 * model, "two transfers on one link took %.4f s < %.4f s", two, 2 * model);
+    CHECK(ds4_comm_iallgatherv(world, send, n, recv, cnt, dsp, sizeof(float), &a) == DS4_OK);
+    for (double until = now_s() + 4 * model; now_s() < until;) ds4_comm_progress(); /* "compute" */
+    ds4_comm_exposed(x0);
+    CHECK(ds4_comm_wait(a) == DS4_OK);
+    ds4_comm_exposed(x1);
+    CHECK(x1[DS4_LANE_OTHER] - x0[DS4_LANE_OTHER] < model, "a hidden transfer still exposed %.4f s (model %.4f s)",
+          x1[DS4_LANE_OTHER] - x0[DS4_LANE_OTHER], model);
+    CHECK(ds4_comm_set_link(0, 0) == DS4_OK);
+    free(send);
+    free(recv);
+}
+
+/* The trace of an overlapped FSDP + EP step: rank 0 writes one JSON file; every rank is a process with
+ * the lanes compute, fsdp and ep, and complete events on them (all-gathers on fsdp, dispatches on ep). */
+static void test_trace(void) {
+    ds4_comm *world = ds4_comm_world();
+    const int W = ds4_comm_size(world), rank = ds4_comm_rank(world);
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-b.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *m = NULL;
+    ds4_fsdp *f = NULL;
+    CHECK(ds4_model_create(NULL, &c, true, &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_fsdp_create(m, world, 2, &f) == DS4_OK, "%s", ds4_errmsg());
+    if (!f) return;
+    CHECK(ds4_fsdp_set_prefetch(f, 1) == DS4_OK && ds4_fsdp_init_random(f, 7) == DS4_OK);
+    CHECK(ds4_fsdp_set_prefetch(f, DS4_PREFETCH_MAX + 1) != DS4_OK, "a depth beyond the maximum is refused");
+    int64_t pid = rank == 0 ? (int64_t)getpid() : 0; /* rank 0's file name, known to all */
+    CHECK(ds4_comm_sum_i64(world, &pid, 1) == DS4_OK);
+    char path[128];
+    snprintf(path, sizeof path, "/tmp/ds4-test-dist-trace-%lld.json", (long long)pid);
+    CHECK(ds4_trace_begin(world) == DS4_OK, "%s", ds4_errmsg());
+    int32_t ids[64];
+    batch_ids(&c, rank, ids);
+    ds4_pass_opts o = {.need_backward = true, .hooks = ds4_fsdp_hooks(f)};
+    ds4_pass *p = NULL;
+    CHECK(ds4_forward(m, ids, kB, kT, &o, &p) == DS4_OK, "%s", ds4_errmsg());
+    if (p) CHECK(ds4_backward(m, p) == DS4_OK, "%s", ds4_errmsg());
+    ds4_pass_free(p);
+    CHECK(ds4_trace_end(world, path) == DS4_OK, "%s", ds4_errmsg());
+    ds4_fsdp_free(f);
+    ds4_model_free(m);
+    if (rank != 0) return;
+    FILE *fp = fopen(path, "rb");
+    CHECK(fp != NULL, "%s: no trace", path);
+    if (!fp) return;
+    fseek(fp, 0, SEEK_END);
+    long len = ftell(fp);
+    rewind(fp);
+    char *text = malloc((size_t)len + 1);
+    CHECK(fread(text, 1, (size_t)len, fp) == (size_t)len);
+    fclose(fp);
+    cJSON *root = cJSON_ParseWithLength(text, (size_t)len);
+    CHECK(root != NULL, "%s is not JSON", path);
+    const cJSON *ev = cJSON_GetObjectItemCaseSensitive(root, "traceEvents");
+    CHECK(cJSON_IsArray(ev), "no traceEvents array");
+    int lanes[MAX_RANKS][3] = {{0}}, gathers[MAX_RANKS] = {0}, alltoall_ep[MAX_RANKS] = {0}, compute[MAX_RANKS] = {0};
+    int fsdp_tid[MAX_RANKS], ep_tid[MAX_RANKS], bad = 0;
+    for (int r = 0; r < MAX_RANKS; r++) fsdp_tid[r] = ep_tid[r] = -1;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, ev) { /* names of the lanes first */
+        const cJSON *nm = cJSON_GetObjectItemCaseSensitive(e, "name"), *pid_ = cJSON_GetObjectItemCaseSensitive(e, "pid");
+        const cJSON *args = cJSON_GetObjectItemCaseSensitive(e, "args"), *tid = cJSON_GetObjectItemCaseSensitive(e, "tid");
+        int r = cJSON_IsNumber(pid_) ? pid_->valueint : -1;
+        if (r < 0 || r >= W) {
+            bad++;
+            continue;
+        }
+        if (cJSON_IsString(nm) && !strcmp(nm->valuestring, "thread_name") && args && cJSON_IsNumber(tid)) {
+            const cJSON *lane = cJSON_GetObjectItemCaseSensitive(args, "name");
+            const char *s = cJSON_IsString(lane) ? lane->valuestring : "";
+            if (!strcmp(s, "compute")) lanes[r][0]++;
+            if (!strcmp(s, "fsdp")) lanes[r][1]++, fsdp_tid[r] = tid->valueint;
+            if (!strcmp(s, "ep")) lanes[r][2]++, ep_tid[r] = tid->valueint;
+        }
+    }
+    cJSON_ArrayForEach(e, ev) {
+        const cJSON *ph = cJSON_GetObjectItemCaseSensitive(e, "ph"), *nm = cJSON_GetObjectItemCaseSensitive(e, "name");
+        const cJSON *tid = cJSON_GetObjectItemCaseSensitive(e, "tid"), *dur = cJSON_GetObjectItemCaseSensitive(e, "dur");
+        int r = cJSON_GetObjectItemCaseSensitive(e, "pid")->valueint;
+        if (!cJSON_IsString(ph) || strcmp(ph->valuestring, "X")) continue;
+        if (!cJSON_IsNumber(dur) || dur->valuedouble < 0 || !cJSON_IsNumber(tid)) bad++;
+        else if (tid->valueint == 0 && !strcmp(nm->valuestring, "compute")) compute[r]++;
+        else if (tid->valueint == fsdp_tid[r] && !strcmp(nm->valuestring, "all-gather")) gathers[r]++;
+        else if (tid->valueint == ep_tid[r] && !strcmp(nm->valuestring, "dispatch")) alltoall_ep[r]++;
+    }
+    CHECK(bad == 0, "%d malformed events", bad);
+    for (int r = 0; r < W; r++) {
+        CHECK(lanes[r][0] == 1 && lanes[r][1] == 1 && lanes[r][2] == 1, "rank %d: lanes compute %d fsdp %d ep %d", r,
+              lanes[r][0], lanes[r][1], lanes[r][2]);
+        CHECK(compute[r] > 0 && gathers[r] > 0 && alltoall_ep[r] > 0, "rank %d: %d compute, %d all-gather, %d EP events",
+              r, compute[r], gathers[r], alltoall_ep[r]);
+    }
+    cJSON_Delete(root);
+    free(text);
+    remove(path);
+}
+
 static int child_main(void) {
     CHECK(ds4_dist_init() == DS4_OK, "%s", ds4_errmsg());
     ds4_comm *world = ds4_comm_world();
@@ -398,6 +565,12 @@ static int child_main(void) {
     RUN(test_optimizer_counted_once_ep);
     RUN(test_memplan_muon);
     RUN(test_memplan_muon_ep_swap);
+    RUN(test_fsdp_overlap_tiny_a);
+    RUN(test_fsdp_overlap_ep_tiny_b);
+    RUN(test_memplan_overlap);
+    RUN(test_memplan_overlap_ep_depth2);
+    RUN(test_sim_link);
+    RUN(test_trace);
     if (W > 2) {
         RUN(test_fsdp_ep_all_tiny_a);
         RUN(test_memplan_ep_all_recompute);
@@ -436,8 +609,8 @@ static void under_mpirun(int ranks, int checks) {
     CHECK(ok_ranks == ranks, "%d of %d ranks passed all %d checks", ok_ranks, ranks, checks);
 }
 
-static void test_two_ranks(void) { under_mpirun(2, 12); }
-static void test_four_ranks(void) { under_mpirun(4, 14); }
+static void test_two_ranks(void) { under_mpirun(2, 18); }
+static void test_four_ranks(void) { under_mpirun(4, 20); }
 
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--child")) return child_main();
@@ -445,6 +618,8 @@ int main(int argc, char **argv) {
     RUN(test_fsdp_tiny_a);
     RUN(test_memplan_fsdp);
     RUN(test_memplan_fsdp_recompute);
+    RUN(test_fsdp_overlap_tiny_a);
+    RUN(test_memplan_overlap);
     RUN(test_fsdp_adamw);
     RUN(test_optimizer_counted_once);
     RUN(test_two_ranks);

@@ -5,6 +5,9 @@
  *  (d) a checkpoint written by 2 ranks resumes in one process; its next loss is close to the 2-rank one;
  *  (e) the first loss of 2 ranks is close to one process's with the same global batch;
  *  (g) --swap-optimizer --swap-layer-input, resumed half way: the same losses and checkpoint bytes;
+ *  (j) overlap (the default prefetch depth 1) vs blocking collectives (--prefetch-depth 0) vs depth 2 with
+ *      EP 2 under a simulated link with a trace: the same losses and checkpoint bytes; the log line and the
+ *      JSONL carry the compute / exposed FSDP / exposed EP breakdown, the trace file is written;
  *  (h) kill -USR1 <mpirun>: every rank finishes the step, a checkpoint is saved, exit 0;
  *  (f) --parallel.ep 3 on 2 ranks: one `error:` line naming parallel.ep, a non-zero exit, no hang;
  *  (i) a checkpoint folder rank 0 cannot use: one `error:` line naming it before any step, no hang;
@@ -186,6 +189,33 @@ static void test_resume_is_bitwise_under_two_ranks(void) {
     CHECK(strstr(out, "resumed from") != NULL, "the second leg did not resume");
     same_losses("fsdp", "resumed", 1, 4);
     same_checkpoint("fsdp", "resumed", 4);
+}
+
+static void test_overlap_changes_no_math(void) {
+    char out[16384], trace[600], p[600];
+    CHECK(mpi_train("blocking", "--prefetch-depth 0", NULL, 0) == 0);
+    same_losses("fsdp", "blocking", 1, 4);
+    same_checkpoint("fsdp", "blocking", 2);
+    same_checkpoint("fsdp", "blocking", 4);
+    snprintf(trace, sizeof trace, "--prefetch-depth 2 --parallel.ep 2 --sim-link-gbps 100 --sim-link-latency-us 10 "
+                                  "--trace %s/deep.trace.json",
+             g_dir);
+    CHECK(mpi_train("deep", trace, out, sizeof out) == 0);
+    same_losses("fsdp", "deep", 1, 4);
+    same_checkpoint("fsdp", "deep", 4);
+    CHECK(strstr(out, "  compute ") && strstr(out, "  exposed_fsdp ") && strstr(out, "  exposed_ep "),
+          "the log line has no breakdown:\n%s", out);
+    snprintf(p, sizeof p, "%s/deep.jsonl", g_dir);
+    char *jsonl = NULL;
+    size_t n = 0;
+    CHECK(ds4_read_file(p, &jsonl, &n) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(jsonl && strstr(jsonl, "\"exposed_fsdp_time\": ") && strstr(jsonl, "\"exposed_ep_time\": ") &&
+              strstr(jsonl, "\"compute_time\": "),
+          "the JSONL has no breakdown");
+    ds4_free(jsonl);
+    snprintf(p, sizeof p, "%s/deep.trace.json", g_dir);
+    struct stat sb;
+    CHECK(stat(p, &sb) == 0 && sb.st_size > 100, "%s: no trace", p);
 }
 
 /* The 2-rank checkpoint of step 2, copied, continues in one process for a step. */
@@ -558,6 +588,7 @@ int main(int argc, char **argv) {
     RUN(test_two_runs_are_bitwise_equal);
     RUN(test_ep_changes_no_math);
     RUN(test_swap_changes_no_math);
+    RUN(test_overlap_changes_no_math);
     RUN(test_resume_is_bitwise_under_two_ranks);
     RUN(test_two_rank_checkpoint_loads_in_one_process);
     RUN(test_first_loss_matches_one_process);

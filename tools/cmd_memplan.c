@@ -1,6 +1,7 @@
 /* ds4 memplan --model DIR|CONFIG.json --seq T --micro-batch B [--world N --ep E [--rank R]]
  *              [recompute flags] [--swap-optimizer] [--swap-layer-input] [--muon]
- *              [--mixed-precision-param bfloat16|float32] [--threads N] [--device-memory SIZE] [--policies] */
+ *              [--mixed-precision-param bfloat16|float32] [--prefetch-depth D] [--threads N] [--device-memory SIZE]
+ *              [--policies] */
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/dist.h"
@@ -27,6 +28,7 @@ static void usage(void) {
                     "       [--recompute-csa-attention] [--mhc-recompute] [--recompute-norm ...]\n"
                     "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
                     "       [--swap-optimizer] [--swap-layer-input] [--muon] [--mixed-precision-param bfloat16]\n"
+                    "       [--prefetch-depth D]\n"
                     "Peak memory of one training step by category: the trainer's own step run as a plan\n"
                     "(every allocation counted, no data touched).\n"
                     "--swap-optimizer: AdamW state in the offload tier between updates; --swap-layer-input: each\n"
@@ -37,7 +39,8 @@ static void usage(void) {
                     "(bf16 GEMM operands, the bf16-safe activations held in bf16; fp32 weights and state).\n"
                     "--world N --ep E: one rank (--rank, default 0) of N processes with FSDP over all N and\n"
                     "expert parallelism of degree E (as mpirun -np N ds4 train ... --parallel.ep E), balanced\n"
-                    "routing; --micro-batch is per rank.\n"
+                    "routing; --micro-batch is per rank. --prefetch-depth D: FSDP groups in flight (parallel.prefetch_depth,\n"
+                    "default 1 as in ds4 train; 0: blocking collectives); their buffers are counted.\n"
                     "--device-memory SIZE (64GiB, 64GB, 1.5TiB, 68719476736): whether the step's peak (the memory\n"
                     "tier; the offload tier is the host's) fits a device of SIZE, and the bytes free or over.\n"
                     "--policies: plan every recompute setting (off, csa, mhc, norm, csa+mhc, csa+mhc+norm, full),\n"
@@ -58,7 +61,7 @@ typedef struct {
 
 /* Returns 0 when the arguments are good, else the exit code (the error printed). */
 static int parse_args(int argc, char **argv, memplan_args *a) {
-    *a = (memplan_args){.B = 1, .world = 1, .ep = 1};
+    *a = (memplan_args){.B = 1, .world = 1, .ep = 1, .so = {.prefetch_depth = DS4_PREFETCH_DEFAULT}};
     ds4_recompute_defaults(&a->rc);
     for (int i = 1; i < argc; i++) {
         bool used;
@@ -99,6 +102,15 @@ static int parse_args(int argc, char **argv, memplan_args *a) {
             if (!cli_int("memplan", "rank", v, &a->rank)) return 2;
         } else if (!strcmp(f, "--threads")) {
             if (!cli_int("memplan", "threads", v, &a->threads)) return 2;
+        } else if (!strcmp(f, "--prefetch-depth")) {
+            int64_t d;
+            if (!cli_int("memplan", "prefetch-depth", v, &d)) return 2;
+            if (d < 0 || d > DS4_PREFETCH_MAX) {
+                fprintf(stderr, "error: ds4 memplan: --prefetch-depth %lld: expected 0..%d\n", (long long)d,
+                        DS4_PREFETCH_MAX);
+                return 2;
+            }
+            a->so.prefetch_depth = (int)d;
         } else if (!strcmp(f, "--mixed-precision-param")) {
             if (strcmp(v, "bfloat16") && strcmp(v, "float32")) {
                 fprintf(stderr, "error: ds4 memplan: --mixed-precision-param '%s': expected bfloat16 or float32\n", v);
@@ -149,8 +161,8 @@ static ds4_status plan(const memplan_args *a, const ds4_config *c, const ds4_ste
 static void describe_world(const memplan_args *a, char *where, size_t n) {
     if (a->world == 1 && a->ep == 1) snprintf(where, n, "one process");
     else
-        snprintf(where, n, "rank %lld of %lld, FSDP %lld, EP %lld, balanced routing", (long long)a->rank,
-                 (long long)a->world, (long long)a->world, (long long)a->ep);
+        snprintf(where, n, "rank %lld of %lld, FSDP %lld, EP %lld, balanced routing, prefetch depth %d", (long long)a->rank,
+                 (long long)a->world, (long long)a->world, (long long)a->ep, a->so.prefetch_depth);
 }
 
 /* "fits, 12.000 GiB (... bytes) free at the peak" or "does not fit: 3.000 GiB (... bytes) over". */

@@ -39,6 +39,30 @@ static void print_note(void *ctx, const char *key, ds4_toml_note_kind kind, cons
     else printf("config: %s mapped: %s\n", key, what);
 }
 
+/* Flags that are short names of config keys: --prefetch-depth N is --parallel.prefetch_depth N. */
+static const char *const k_aliases[][2] = {{"--prefetch-depth", "parallel.prefetch_depth"},
+                                           {"--sim-link-gbps", "parallel.sim_link_gbps"},
+                                           {"--sim-link-latency-us", "parallel.sim_link_latency_us"},
+                                           {"--trace", "metrics.trace_file"}};
+
+/* Sets the key of every alias flag in t and removes the flag and its value from argv. */
+static ds4_status apply_aliases(ds4_toml *t, int *argc, char **argv) {
+    int out = 1;
+    for (int i = 1; i < *argc; i++) {
+        const char *key = NULL;
+        for (size_t k = 0; k < sizeof k_aliases / sizeof k_aliases[0]; k++)
+            if (!strcmp(argv[i], k_aliases[k][0])) key = k_aliases[k][1];
+        if (!key) {
+            argv[out++] = argv[i];
+            continue;
+        }
+        if (i + 1 >= *argc) return ds4_fail(DS4_ERR_ARG, "ds4 train: %s needs a value", argv[i]);
+        DS4_TRY(ds4_toml_set(t, key, argv[++i]));
+    }
+    *argc = out;
+    return DS4_OK;
+}
+
 static void train_usage(void) {
     fprintf(stderr,
             "usage: ds4 train --config FILE.toml [--section.key value ...] [options]\n"
@@ -55,7 +79,11 @@ static void train_usage(void) {
             "  --parallel.ep E                 under mpirun -np N: FSDP over the N ranks, experts over E of them\n"
             "  --swap-optimizer                AdamW state in the offload store between updates ([memory])\n"
             "  --swap-layer-input              layer inputs in the offload store from forward to backward\n"
-            "  --offload-dir DIR               the offload store's directory (default $TMPDIR, else /tmp)\n");
+            "  --offload-dir DIR               the offload store's directory (default $TMPDIR, else /tmp)\n"
+            "  --prefetch-depth D              FSDP groups gathered / reduced while computing (default 1; 0: blocking)\n"
+            "  --sim-link-gbps G               a simulated link of G Gb/s under every MPI collective (0: off)\n"
+            "  --sim-link-latency-us U         ... and U microseconds of latency per collective\n"
+            "  --trace FILE                    Chrome trace JSON of the steps: compute, fsdp, ep lanes per rank\n");
 }
 
 int cmd_train(int argc, char **argv) {
@@ -72,7 +100,7 @@ int cmd_train(int argc, char **argv) {
     }
     ds4_toml *t;
     if (ds4_toml_load(cfg_path, &t) != DS4_OK) return fail_all(1);
-    if (ds4_toml_apply_overrides(t, &argc, argv) != DS4_OK) {
+    if (apply_aliases(t, &argc, argv) != DS4_OK || ds4_toml_apply_overrides(t, &argc, argv) != DS4_OK) {
         ds4_toml_free(t);
         return fail_all(1);
     }

@@ -44,6 +44,44 @@ ds4_status ds4_comm_sum_f64(ds4_comm *c, double *x, int64_t n);
 ds4_status ds4_comm_sum_i64(ds4_comm *c, int64_t *x, int64_t n);
 ds4_status ds4_comm_barrier(ds4_comm *c);
 
+/* Non-blocking variants: the collective starts and *req tracks it; ds4_comm_wait completes and frees it
+ * (send and receive buffers must stay untouched until then; the count arrays may go at once). *req is
+ * NULL when the collective is already complete (one process, a plan). All ranks of c start the same
+ * collectives in the same order. Progress is MPI's own: every MPI call (and ds4_comm_progress, which
+ * the FSDP hooks call) moves the outstanding requests on; ds4 runs no communication thread, as MPI is
+ * initialised FUNNELED and a thread would take one of the few cores from compute. */
+typedef struct ds4_comm_req ds4_comm_req;
+ds4_status ds4_comm_iallgatherv(ds4_comm *c, const void *send, int64_t scount, void *recv, const int64_t *rcounts,
+                                const int64_t *rdispls, size_t elem, ds4_comm_req **req);
+ds4_status ds4_comm_ialltoallv(ds4_comm *c, const void *send, const int64_t *scounts, const int64_t *sdispls,
+                               void *recv, const int64_t *rcounts, const int64_t *rdispls, size_t elem,
+                               ds4_comm_req **req);
+ds4_status ds4_comm_wait(ds4_comm_req *req); /* NULL: nothing to wait for */
+/* What the trace calls it (a string that outlives the request; default: the collective's name). */
+void ds4_comm_req_label(ds4_comm_req *req, const char *label);
+void ds4_comm_progress(void);
+
+/* What a communicator's traffic is, for the exposed-time breakdown and the trace's lanes. */
+typedef enum { DS4_LANE_OTHER, DS4_LANE_FSDP, DS4_LANE_EP, DS4_NUM_LANES } ds4_comm_lane;
+void ds4_comm_set_lane(ds4_comm *c, ds4_comm_lane lane);
+const char *ds4_comm_lane_name(ds4_comm_lane lane); /* "other", "fsdp", "ep" */
+
+/* A simulated link (--sim-link-gbps, --sim-link-latency-us): every MPI collective completes no sooner
+ * than latency + bytes / bandwidth after it could start on its lane's link (one link per lane: FSDP's
+ * two communicators share one, EP has its own, transfers on a link one after another; bytes: what this
+ * rank receives from or sends to the others, the larger). Waits sleep until then, so exposed communication can be measured on one machine.
+ * gbps <= 0: off. Collectives on one process or a plan are not delayed. */
+ds4_status ds4_comm_set_link(double gbps, double latency_us);
+/* Seconds this process has spent blocked in collectives (blocking calls and waits), per lane, since it
+ * started. */
+void ds4_comm_exposed(double out[DS4_NUM_LANES]);
+/* The trace (Chrome trace JSON, viewable in Perfetto): from ds4_trace_begin, a collective of world (it
+ * aligns the ranks' clocks with a barrier), every rank records lanes "compute" (time not blocked in a
+ * collective), "fsdp", "ep" and "other" (each collective from when it could start to its completion);
+ * ds4_trace_end gathers every rank's events on rank 0, which writes `path` (one process per rank). */
+ds4_status ds4_trace_begin(ds4_comm *world);
+ds4_status ds4_trace_end(ds4_comm *world, const char *path); /* world NULL: drop the events, no collective */
+
 /* A route of expert parallelism (ds4/model.h) with zeroed counts, in one DS4_MEM_OTHER allocation (free:
  * ds4_ep_route_free or ds4_free); NULL on allocation failure. */
 ds4_ep_route *ds4_ep_route_new(int nsrc, int64_t e0, int64_t e1);
@@ -63,6 +101,15 @@ typedef struct ds4_fsdp ds4_fsdp;
  * buffer is counted as in a real run, no value is read, written or exchanged. */
 ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out);
 void ds4_fsdp_free(ds4_fsdp *f);
+/* Overlap of communication with compute (parallel.prefetch_depth): 0 (the default of a new FSDP) gathers
+ * a group when the model asks for it and reduce-scatters its gradients at once, blocking; depth d >= 1
+ * starts the all-gathers of the next d groups the model will use while it computes (their weights are
+ * mapped, counted as parameters, from then on), and leaves up to d groups' reduce-scatters in flight
+ * (their full gradients and receive buffers stay until completion) while the previous groups' backward
+ * runs. The same bits for every depth: every sum is added in rank order on completion. */
+ds4_status ds4_fsdp_set_prefetch(ds4_fsdp *f, int depth);
+#define DS4_PREFETCH_MAX 8
+#define DS4_PREFETCH_DEFAULT 1 /* parallel.prefetch_depth's default, which memplan plans too */
 const ds4_param_hooks *ds4_fsdp_hooks(ds4_fsdp *f);
 int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f);
 float *ds4_fsdp_shard_params(ds4_fsdp *f); /* [shard_numel] DS4_MEM_PARAM */

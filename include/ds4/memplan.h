@@ -36,6 +36,7 @@ typedef struct {
     size_t swap_chunk_bytes;  /* optimizer update buffer; 0: DS4_ADAMW_SWAP_CHUNK */
     bool muon;                /* Muon for the Muon group (ds4/train.h, DeepSeek-V4's settings), AdamW for the rest */
     bool bf16;                /* bf16 mixed precision (training.mixed_precision_param = "bfloat16") */
+    int prefetch_depth;       /* FSDP: communication in flight while computing (ds4/dist.h); 0: blocking */
 } ds4_step_opts;
 
 /* One training step — the state opened (model, AdamW state, offload store), ds4_train_step on one [B, T]

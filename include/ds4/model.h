@@ -120,6 +120,7 @@ typedef struct {
     ds4_status (*combine)(void *ctx, const ds4_ep_route *r, const float *recv, float *send, int64_t width);
 } ds4_ep_ops;
 
+#define DS4_HOOK_AHEAD 8
 /* What a parallel wrapper does around the model (NULL members: nothing). The model calls gather
  * before it reads a group's weights and drop after its last read; grad_begin before the first
  * gradient of a group accumulates and grad_end once the group's gradients of the pass are complete. */
@@ -129,6 +130,12 @@ typedef struct {
     void (*drop)(void *ctx, int64_t group);
     ds4_status (*grad_begin)(void *ctx, int64_t group);
     ds4_status (*grad_end)(void *ctx, int64_t group);
+    /* After each gather: the groups the pass will gather next, nearest first (n <= DS4_HOOK_AHEAD); a
+     * wrapper may start fetching some of them. */
+    ds4_status (*prefetch)(void *ctx, const int64_t *next, int64_t n);
+    /* At the end of a forward or backward (also a failed one): whatever the wrapper still has in flight
+     * completes (a backward's gradients are all in place after it). */
+    ds4_status (*sync)(void *ctx);
     const ds4_ep_ops *ep;    /* NULL: every expert is local */
 } ds4_param_hooks;
 

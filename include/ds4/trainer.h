@@ -56,6 +56,9 @@ typedef struct {
     int64_t dp_shard;         /* parallelism.data_parallel_shard_degree: 0 unset, -1 or the world size */
     int64_t ac_every;         /* activation_checkpoint: every N-th layer in full (1: all), 0: none; resolved
                                  onto the recompute policy once the model's layers are known */
+    int64_t prefetch_depth;   /* parallel.prefetch_depth (--prefetch-depth): FSDP groups in flight, 0: blocking */
+    double sim_link_gbps, sim_link_latency_us; /* parallel.sim_link_*: a simulated link (ds4/dist.h), 0: off */
+    char trace_file[1024];    /* metrics.trace_file (--trace): Chrome trace JSON of the run's steps ("": none) */
     /* [memory] (also --swap-optimizer, --swap-layer-input, --offload-dir) */
     bool swap_optimizer;      /* AdamW state in the offload store between updates */
     bool swap_layer_input;    /* layer input streams in the offload store between forward and backward */
@@ -99,6 +102,7 @@ typedef struct {
      * bf16 GEMM operands and bf16 activations (ds4_pass_opts.bf16_acts); docs/mixed-precision.md */
     bool bf16;
     bool per_rank_ckpt;                     /* sharded saves: every rank writes its own file (checkpoint.per_rank) */
+    int prefetch_depth;                     /* sharded: overlap depth (ds4_fsdp_set_prefetch); 0: blocking */
     const ds4_exec *exec;                   /* real (NULL too) or a plan (memplan), ds4/core.h */
 } ds4_train_state_opts;
 

@@ -22,15 +22,26 @@ typedef struct {
     int64_t shard_off;           /* where it lives in the shard buffers */
 } piece;
 
+/* What overlap keeps in flight (prefetch depth > 0; made by ds4_fsdp_set_prefetch, so a blocking FSDP
+ * holds none of it). */
+typedef struct {
+    int depth;
+    bool *w_flight, *g_flight;   /* [ngroups] all-gather / reduce-scatter started, not completed */
+    int64_t *gq, gq_head, gq_n;  /* [ngroups] ring: the groups whose reduce-scatter is in flight, oldest first */
+    ds4_comm_req **wreq, **greq; /* [npieces] each piece's all-gather and reduce-scatter in flight */
+    float **grecv;               /* [npieces] the reduce-scatter's receive buffer [n · len] while in flight */
+} overlap;
+
 struct ds4_fsdp {
     ds4_model *m;
     ds4_comm *world, *fsdp, *ep, *rep; /* rep: ranks holding the same experts (one per EP group) */
-    int W, rank, ep_size, ep_rank;
-    int64_t e0, e1, eloc;
+    int W, ep_size;
+    int64_t eloc;                      /* experts per EP rank; this rank's are [ops.e0, ops.e1) */
     piece *pieces;
     int64_t npieces;
     int64_t *piece_of_region;          /* [nregions] piece index or -1 */
     bool *w_mapped, *g_mapped;         /* [ngroups] */
+    overlap *ov;                       /* NULL: blocking collectives (prefetch depth 0) */
     float *sp, *sg;                    /* [ns] */
     int64_t ns;
     ds4_param_hooks hooks;
@@ -57,9 +68,63 @@ static void piece_layout(const piece *p, int n, int64_t *counts, int64_t *displs
 }
 
 /* ------------------------------------------------------------------ hooks: FSDP */
+/* Overlapped gathers (depth > 0): start maps the group's ranges and starts one all-gather per piece;
+ * finish waits for them. */
+static ds4_status gather_start(ds4_fsdp *f, int64_t group) {
+    overlap *o = f->ov;
+    float *flat = ds4_model_params_flat(f->m);
+    ds4_status st = DS4_OK;
+    o->w_flight[group] = true;
+    for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++) {
+        piece *p = &f->pieces[i];
+        if (p->group != group) continue;
+        ds4_comm *c = piece_comm(f, p);
+        int n = ds4_comm_size(c);
+        int64_t *cd = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)n);
+        if (!cd) return DS4_ERR_OOM;
+        piece_layout(p, n, cd, cd + n);
+        st = ds4_model_map(f->m, p->start, p->map_end, false);
+        if (st == DS4_OK)
+            st = ds4_comm_iallgatherv(c, f->sp + p->shard_off, p->len, flat + p->start, cd, cd + n, sizeof(float),
+                                      &o->wreq[i]);
+        ds4_free(cd);
+    }
+    return st;
+}
+
+static ds4_status gather_finish(ds4_fsdp *f, int64_t group) {
+    overlap *o = f->ov;
+    ds4_status st = DS4_OK;
+    for (int64_t i = 0; i < f->npieces; i++) {
+        if (f->pieces[i].group != group) continue;
+        ds4_status w = ds4_comm_wait(o->wreq[i]);
+        o->wreq[i] = NULL;
+        if (st == DS4_OK) st = w;
+    }
+    o->w_flight[group] = false;
+    f->w_mapped[group] = true;
+    return st;
+}
+
+static ds4_status hook_prefetch(void *ctx, const int64_t *next, int64_t n) {
+    ds4_fsdp *f = ctx;
+    if (!f->ov) return DS4_OK;
+    ds4_comm_progress();
+    ds4_status st = DS4_OK;
+    for (int64_t k = 0; st == DS4_OK && k < n && k < f->ov->depth; k++)
+        if (!f->w_mapped[next[k]] && !f->ov->w_flight[next[k]]) st = gather_start(f, next[k]);
+    return st;
+}
+
 static ds4_status hook_gather(void *ctx, int64_t group) {
     ds4_fsdp *f = ctx;
+    ds4_comm_progress();
     if (f->w_mapped[group]) return DS4_OK;
+    if (f->ov) {
+        ds4_status st = f->ov->w_flight[group] ? DS4_OK : gather_start(f, group);
+        ds4_status w = gather_finish(f, group);
+        return st != DS4_OK ? st : w;
+    }
     float *flat = ds4_model_params_flat(f->m);
     ds4_status st = DS4_OK;
     for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++) {
@@ -80,14 +145,18 @@ static ds4_status hook_gather(void *ctx, int64_t group) {
 
 static void hook_drop(void *ctx, int64_t group) {
     ds4_fsdp *f = ctx;
+    if (f->ov && f->ov->w_flight[group]) (void)gather_finish(f, group); /* a prefetch the pass did not use (a failure) */
     if (!f->w_mapped[group]) return;
     for (int64_t i = 0; i < f->npieces; i++)
         if (f->pieces[i].group == group) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, false);
     f->w_mapped[group] = false;
 }
 
+static ds4_status reduce_finish(ds4_fsdp *f, int64_t group);
+
 static ds4_status hook_grad_begin(void *ctx, int64_t group) {
     ds4_fsdp *f = ctx;
+    if (f->ov && f->ov->g_flight[group]) DS4_TRY(reduce_finish(f, group)); /* its last reduce-scatter still runs */
     if (f->g_mapped[group]) return DS4_OK;
     for (int64_t i = 0; i < f->npieces; i++)
         if (f->pieces[i].group == group) DS4_TRY(ds4_model_map(f->m, f->pieces[i].start, f->pieces[i].map_end, true));
@@ -111,8 +180,11 @@ static ds4_status reduce_piece(ds4_fsdp *f, const piece *p) {
             v[2 * n + r] = p->len;
             v[3 * n + r] = (int64_t)r * p->len;
         }
-        st = ds4_comm_alltoallv(c, ds4_model_grads_flat(f->m) + p->start, v, v + n, recv, v + 2 * n, v + 3 * n,
-                                sizeof(float));
+        ds4_comm_req *q = NULL;
+        st = ds4_comm_ialltoallv(c, ds4_model_grads_flat(f->m) + p->start, v, v + n, recv, v + 2 * n, v + 3 * n,
+                                 sizeof(float), &q);
+        ds4_comm_req_label(q, "reduce-scatter");
+        if (st == DS4_OK) st = ds4_comm_wait(q);
     }
     if (st == DS4_OK && !planning(f)) {
         float *g = f->sg + p->shard_off;
@@ -127,9 +199,99 @@ static ds4_status reduce_piece(ds4_fsdp *f, const piece *p) {
     return st;
 }
 
+/* Overlapped reduce-scatter (depth > 0): start sends every piece's full gradient, the receive buffers and
+ * the group's gradient range stay until finish adds the pieces in rank order, as reduce_piece does. */
+static ds4_status reduce_start(ds4_fsdp *f, int64_t group) {
+    overlap *o = f->ov;
+    ds4_status st = DS4_OK;
+    o->g_flight[group] = true;
+    o->gq[(o->gq_head + o->gq_n++) % ds4_model_ngroups(f->m)] = group;
+    for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++) {
+        piece *p = &f->pieces[i];
+        if (p->group != group) continue;
+        ds4_comm *c = piece_comm(f, p);
+        int n = ds4_comm_size(c);
+        int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 4 * (size_t)n);
+        o->grecv[i] = ds4_alloc(DS4_MEM_COMM, (size_t)(n * p->len) * sizeof(float));
+        st = v && o->grecv[i] ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory reducing gradients");
+        if (st == DS4_OK) {
+            piece_layout(p, n, v, v + n);
+            for (int r = 0; r < n; r++) {
+                v[2 * n + r] = p->len;
+                v[3 * n + r] = (int64_t)r * p->len;
+            }
+            st = ds4_comm_ialltoallv(c, ds4_model_grads_flat(f->m) + p->start, v, v + n, o->grecv[i], v + 2 * n,
+                                     v + 3 * n, sizeof(float), &o->greq[i]);
+        ds4_comm_req_label(o->greq[i], "reduce-scatter");
+        }
+        ds4_free(v);
+    }
+    return st;
+}
+
+static ds4_status reduce_finish(ds4_fsdp *f, int64_t group) {
+    overlap *o = f->ov;
+    ds4_status st = DS4_OK;
+    for (int64_t i = 0; i < f->npieces; i++) {
+        const piece *p = &f->pieces[i];
+        if (p->group != group) continue;
+        ds4_status w = ds4_comm_wait(o->greq[i]);
+        o->greq[i] = NULL;
+        if (st == DS4_OK) st = w;
+        const float *recv = o->grecv[i];
+        if (st == DS4_OK && !planning(f) && recv) {
+            int n = ds4_comm_size(piece_comm(f, p));
+            float *g = f->sg + p->shard_off;
+            for (int64_t k = 0; k < p->len; k++) {
+                float t = recv[k];
+                for (int r = 1; r < n; r++) t += recv[(int64_t)r * p->len + k];
+                g[k] += t;
+            }
+        }
+        ds4_free(o->grecv[i]);
+        o->grecv[i] = NULL;
+    }
+    for (int64_t i = 0; i < f->npieces; i++)
+        if (f->pieces[i].group == group) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, true);
+    f->g_mapped[group] = false;
+    o->g_flight[group] = false;
+    /* out of the ring: the oldest, except after a grad_begin that could not wait (then anywhere) */
+    int64_t ng = ds4_model_ngroups(f->m);
+    for (int64_t k = 0; k < o->gq_n; k++)
+        if (o->gq[(o->gq_head + k) % ng] == group) {
+            for (int64_t j = k; j > 0; j--) o->gq[(o->gq_head + j) % ng] = o->gq[(o->gq_head + j - 1) % ng];
+            o->gq_head = (o->gq_head + 1) % ng;
+            o->gq_n--;
+            break;
+        }
+    return st;
+}
+
+/* Everything in flight completes: reduce-scatters oldest first, then unused prefetches are dropped. */
+static ds4_status hook_sync(void *ctx) {
+    ds4_fsdp *f = ctx;
+    overlap *o = f->ov;
+    ds4_status st = DS4_OK;
+    if (!o) return DS4_OK;
+    while (o->gq_n > 0) {
+        ds4_status r = reduce_finish(f, o->gq[o->gq_head]);
+        if (st == DS4_OK) st = r;
+    }
+    for (int64_t g = 0; g < ds4_model_ngroups(f->m); g++)
+        if (o->w_flight[g]) hook_drop(f, g);
+    return st;
+}
+
 static ds4_status hook_grad_end(void *ctx, int64_t group) {
     ds4_fsdp *f = ctx;
-    if (!f->g_mapped[group]) return DS4_OK;
+    ds4_comm_progress();
+    if (!f->g_mapped[group] || (f->ov && f->ov->g_flight[group])) return DS4_OK;
+    if (f->ov) {
+        overlap *o = f->ov;
+        ds4_status st = reduce_start(f, group);
+        while (st == DS4_OK && o->gq_n > o->depth) st = reduce_finish(f, o->gq[o->gq_head]);
+        return st;
+    }
     ds4_status st = DS4_OK;
     for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++)
         if (f->pieces[i].group == group) st = reduce_piece(f, &f->pieces[i]);
@@ -145,9 +307,10 @@ static int expert_owner(const ds4_fsdp *f, int64_t e) { return (int)(e / f->eloc
 
 static ds4_status ep_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
     ds4_fsdp *f = ctx;
+    ds4_comm_progress();
     const int n = f->ep_size;
     const int64_t L = f->eloc;
-    ds4_ep_route *r = ds4_ep_route_new(n, f->e0, f->e1);
+    ds4_ep_route *r = ds4_ep_route_new(n, f->ops.e0, f->ops.e1);
     int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * (size_t)(4 * n + (int64_t)n * L + 1));
     if (!r || !v) {
         ds4_ep_route_free(r);
@@ -165,9 +328,12 @@ static ds4_status ep_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
     ds4_status st = DS4_OK;
     if (planning(f)) { /* balanced routing: every source sends what this rank's counts say */
         for (int s = 0; s < n; s++)
-            for (int64_t i = 0; i < L; i++) got[(int64_t)s * L + i] = cnt[f->e0 + i];
+            for (int64_t i = 0; i < L; i++) got[(int64_t)s * L + i] = cnt[f->ops.e0 + i];
     } else {
-        st = ds4_comm_alltoallv(f->ep, cnt, sc, sd, got, rc, rd, sizeof(int64_t));
+        ds4_comm_req *q = NULL;
+        st = ds4_comm_ialltoallv(f->ep, cnt, sc, sd, got, rc, rd, sizeof(int64_t), &q);
+        ds4_comm_req_label(q, "route");
+        if (st == DS4_OK) st = ds4_comm_wait(q);
     }
     r->rows = 0;
     for (int s = 0; s < n; s++) {
@@ -237,9 +403,12 @@ static ds4_status ep_exchange(ds4_fsdp *f, const ds4_ep_route *r, const float *i
     }
     const bool data = !planning(f);
     if (st == DS4_OK && !dispatch && data) ep_permute(r, in, wire, width, false);
+    ds4_comm_req *q = NULL;
     if (st == DS4_OK)
-        st = dispatch ? ds4_comm_alltoallv(f->ep, in, sc, sd, wire, rc, rd, sizeof(float))
-                      : ds4_comm_alltoallv(f->ep, wire, rc, rd, out, sc, sd, sizeof(float));
+        st = dispatch ? ds4_comm_ialltoallv(f->ep, in, sc, sd, wire, rc, rd, sizeof(float), &q)
+                      : ds4_comm_ialltoallv(f->ep, wire, rc, rd, out, sc, sd, sizeof(float), &q);
+    ds4_comm_req_label(q, dispatch ? "dispatch" : "combine");
+    if (st == DS4_OK) st = ds4_comm_wait(q);
     if (st == DS4_OK && dispatch && data) ep_permute(r, wire, out, width, true);
     ds4_free(v);
     ds4_free(wire);
@@ -252,6 +421,42 @@ static ds4_status ep_dispatch(void *ctx, const ds4_ep_route *r, const float *sen
 
 static ds4_status ep_combine(void *ctx, const ds4_ep_route *r, const float *recv, float *send, int64_t width) {
     return ep_exchange(ctx, r, recv, send, width, false);
+}
+
+static void overlap_free(overlap *o) {
+    if (!o) return;
+    ds4_free(o->w_flight);
+    ds4_free(o->g_flight);
+    ds4_free(o->gq);
+    ds4_free(o->wreq);
+    ds4_free(o->greq);
+    ds4_free(o->grecv);
+    ds4_free(o);
+}
+
+ds4_status ds4_fsdp_set_prefetch(ds4_fsdp *f, int depth) {
+    if (depth < 0 || depth > DS4_PREFETCH_MAX)
+        return ds4_fail(DS4_ERR_ARG, "--prefetch-depth %d: expected 0 (blocking) to %d", depth, DS4_PREFETCH_MAX);
+    DS4_TRY(hook_sync(f)); /* nothing of the old depth stays in flight */
+    overlap_free(f->ov);
+    f->ov = NULL;
+    if (depth == 0) return DS4_OK;
+    const int64_t ng = ds4_model_ngroups(f->m), np = f->npieces;
+    overlap *o = ds4_calloc(DS4_MEM_OTHER, sizeof *o);
+    if (!o) return ds4_fail(DS4_ERR_OOM, "out of memory for --prefetch-depth %d", depth);
+    o->depth = depth;
+    o->w_flight = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
+    o->g_flight = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
+    o->gq = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(int64_t));
+    o->wreq = ds4_calloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(ds4_comm_req *));
+    o->greq = ds4_calloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(ds4_comm_req *));
+    o->grecv = ds4_calloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(float *));
+    if (!o->w_flight || !o->g_flight || !o->gq || !o->wreq || !o->greq || !o->grecv) {
+        overlap_free(o);
+        return ds4_fail(DS4_ERR_OOM, "out of memory for --prefetch-depth %d", depth);
+    }
+    f->ov = o;
+    return DS4_OK;
 }
 
 /* ------------------------------------------------------------------ create */
@@ -271,7 +476,7 @@ static ds4_status build_pieces(ds4_fsdp *f) {
         const ds4_region *g = ds4_model_region(m, i);
         f->piece_of_region[i] = -1;
         bool expert = g->expert >= 0;
-        if (expert && (g->expert < f->e0 || g->expert >= f->e1)) continue; /* another EP rank's expert */
+        if (expert && (g->expert < f->ops.e0 || g->expert >= f->ops.e1)) continue; /* another EP rank's expert */
         ds4_comm *c = expert ? f->rep : f->fsdp;
         int n = ds4_comm_size(c), r = ds4_comm_rank(c);
         piece *p = &f->pieces[f->npieces];
@@ -302,12 +507,11 @@ ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out
     f->m = m;
     f->world = world;
     f->W = W;
-    f->rank = rank;
     f->ep_size = ep;
-    f->ep_rank = rank % ep;
     f->eloc = c->n_routed_experts / ep;
-    f->e0 = f->ep_rank * f->eloc;
-    f->e1 = f->e0 + f->eloc;
+    const int64_t e0 = (rank % ep) * f->eloc;
+    f->ops = (ds4_ep_ops){.ctx = f, .e0 = e0, .e1 = e0 + f->eloc, .route = ep_route, .dispatch = ep_dispatch,
+                          .combine = ep_combine};
     int64_t ng = ds4_model_ngroups(m);
     f->w_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
     f->g_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
@@ -316,15 +520,19 @@ ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out
     if (st == DS4_OK) st = sub_comm(world, 0, rank, W, rank, &f->fsdp);
     if (st == DS4_OK) st = sub_comm(world, rank / ep, rank, ep, rank % ep, &f->ep);
     if (st == DS4_OK) st = sub_comm(world, rank % ep, rank, W / ep, rank / ep, &f->rep);
-    if (st == DS4_OK) st = build_pieces(f);
+    if (st == DS4_OK) {
+        ds4_comm_set_lane(f->fsdp, DS4_LANE_FSDP);
+        ds4_comm_set_lane(f->rep, DS4_LANE_FSDP);
+        ds4_comm_set_lane(f->ep, DS4_LANE_EP);
+        st = build_pieces(f);
+    }
     if (st != DS4_OK) {
         ds4_fsdp_free(f);
         return st;
     }
     f->hooks = (ds4_param_hooks){.ctx = f, .gather = hook_gather, .drop = hook_drop, .grad_begin = hook_grad_begin,
-                                 .grad_end = hook_grad_end, .ep = ep > 1 ? &f->ops : NULL};
-    f->ops = (ds4_ep_ops){.ctx = f, .e0 = f->e0, .e1 = f->e1, .route = ep_route, .dispatch = ep_dispatch,
-                          .combine = ep_combine};
+                                 .grad_end = hook_grad_end, .prefetch = hook_prefetch, .sync = hook_sync,
+                                 .ep = ep > 1 ? &f->ops : NULL};
     *out = f;
     return DS4_OK;
 }
@@ -332,6 +540,7 @@ ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out
 void ds4_fsdp_free(ds4_fsdp *f) {
     if (!f) return;
     int64_t ng = ds4_model_ngroups(f->m);
+    (void)hook_sync(f); /* nothing may stay in flight */
     for (int64_t g = 0; f->w_mapped && g < ng; g++) {
         hook_drop(f, g);
         if (f->g_mapped[g]) {
@@ -347,6 +556,7 @@ void ds4_fsdp_free(ds4_fsdp *f) {
     ds4_free(f->piece_of_region);
     ds4_free(f->w_mapped);
     ds4_free(f->g_mapped);
+    overlap_free(f->ov);
     ds4_free(f->sp);
     ds4_free(f->sg);
     ds4_free(f);
@@ -481,7 +691,7 @@ int64_t ds4_fsdp_packed_numel(const ds4_fsdp *f) {
  * to the sink (the region padding is dropped). Parameters and regions are both in flat order. */
 ds4_status ds4_fsdp_stream_packed(ds4_fsdp *f, const float *shard, int root, ds4_packed_sink_fn sink, void *ctx) {
     ds4_model *m = f->m;
-    const bool here = f->rank == root;
+    const bool here = ds4_comm_rank(f->world) == root;
     const float *flat = ds4_model_params_flat(m);
     int64_t maxlen = 0, np = ds4_model_nparams(m), pi = 0;
     for (int64_t i = 0; i < ds4_model_nregions(m); i++) {

@@ -177,6 +177,46 @@ static ds4_status grad_end(ds4_pass *p, int64_t group) {
     const ds4_param_hooks *h = p->opts.hooks;
     return h && h->grad_end ? h->grad_end(h->ctx, group) : DS4_OK;
 }
+static ds4_status hooks_sync(ds4_pass *p) {
+    const ds4_param_hooks *h = p->opts.hooks;
+    return h && h->sync ? h->sync(h->ctx) : DS4_OK;
+}
+/* The order in which a pass gathers weights, position k -> group (-1 past the end). Forward: the
+ * embedding, the layers, the head, then the MTP block and the embedding again (its input). Backward: the
+ * head, the MTP block, the layers from the last. */
+static int64_t fwd_order(const ds4_config *c, int64_t k) {
+    const int64_t L = c->n_layers, mtp = c->n_mtp_layers > 0;
+    if (k == 0) return 0;
+    if (k <= L) return group_of_layer(k - 1);
+    if (k == L + 1) return group_head(c);
+    if (mtp && k == L + 2) return group_mtp(c);
+    if (mtp && k == L + 3) return 0;
+    return -1;
+}
+static int64_t bwd_order(const ds4_config *c, int64_t k) {
+    const int64_t L = c->n_layers, mtp = c->n_mtp_layers > 0;
+    if (k == 0) return group_head(c);
+    if (mtp && k == 1) return group_mtp(c);
+    k -= 1 + mtp;
+    return k < L ? group_of_layer(L - 1 - k) : -1;
+}
+/* After the gather at position pos of an order: the groups that follow, for the wrapper to prefetch. */
+static ds4_status hint_next(ds4_pass *p, bool backward, int64_t pos) {
+    const ds4_param_hooks *h = p->opts.hooks;
+    if (!h || !h->prefetch) return DS4_OK;
+    int64_t next[DS4_HOOK_AHEAD], n = 0;
+    for (int64_t g; n < DS4_HOOK_AHEAD; n++) {
+        g = backward ? bwd_order(&p->m->cfg, pos + 1 + n) : fwd_order(&p->m->cfg, pos + 1 + n);
+        if (g < 0) break;
+        next[n] = g;
+    }
+    return n ? h->prefetch(h->ctx, next, n) : DS4_OK;
+}
+/* A gather at position pos of the forward order, and the hint of what follows. */
+static ds4_status gather_fwd(ds4_pass *p, int64_t group, int64_t pos) {
+    DS4_TRY(gather(p, group));
+    return hint_next(p, false, pos);
+}
 /* Layer inputs the store swaps: the block that reads stream X[l] as input, and the one that wrote it,
  * must see where it lives now. */
 static void stream_rebind(ds4_pass *p, int64_t l) {
@@ -234,9 +274,10 @@ static ds4_status act_restore(ds4_pass *p, int64_t l) {
     return st;
 }
 
-/* Weights and a gradient buffer of a group, for its backward. */
-static ds4_status gather_for_backward(ds4_pass *p, int64_t group) {
+/* Weights and a gradient buffer of a group, for its backward (position pos of the backward order). */
+static ds4_status gather_for_backward(ds4_pass *p, int64_t group, int64_t pos) {
     DS4_TRY(gather(p, group));
+    DS4_TRY(hint_next(p, true, pos));
     return grad_begin(p, group);
 }
 /* After a group's backward: the router bias is not trained by gradients; reduce; drop the weights. */
@@ -368,8 +409,8 @@ static ds4_status mtp_fwd(ds4_pass *p) {
     ds4_model *m = p->m;
     const ds4_config *c = &m->cfg;
     int64_t l = c->n_layers;
-    DS4_TRY(gather(p, group_mtp(c)));
-    ds4_status st = gather(p, 0);
+    DS4_TRY(gather_fwd(p, group_mtp(c), l + 2));
+    ds4_status st = gather_fwd(p, 0, l + 3);
     if (st == DS4_OK) st = mtp_input_fwd(p);
     drop(p, 0);
     block_ctx bc = make_ctx(p, l, p->ids_next);
@@ -390,7 +431,7 @@ static ds4_status mtp_bwd(ds4_pass *p, float *dXL) {
     const size_t sbytes = (size_t)(p->N * c->hc_mult * c->dim) * sizeof(float);
     float *dm1 = ds4_calloc(DS4_MEM_WORK, sbytes), *dm0 = ds4_calloc(DS4_MEM_WORK, sbytes);
     ds4_status st = dm1 && dm0 ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MTP backward");
-    if (st == DS4_OK) st = gather_for_backward(p, group_mtp(c));
+    if (st == DS4_OK) st = gather_for_backward(p, group_mtp(c), 1);
     if (st == DS4_OK)
         st = head_bwd(p, &p->mhead, p->m_X1, dm1, c->mtp_loss_weight, m->g.mtp_hc_head_fn, m->g.mtp_hc_head_scale,
                       m->g.mtp_hc_head_base, m->g.mtp_norm, m->w.mtp_hc_head_fn, m->w.mtp_hc_head_scale,
@@ -472,7 +513,7 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
         st = ds4_fail(DS4_ERR_OOM, "out of memory for the embedding");
         goto fail;
     }
-    if ((st = gather(p, 0)) != DS4_OK) goto fail;
+    if ((st = gather_fwd(p, 0, 0)) != DS4_OK) goto fail;
     embedding_fwd(p->X[0], m->w.embed, p->ids, N, D);
     drop(p, 0);
     streams_expand(p->X[0], N, n, D);
@@ -488,7 +529,7 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
         uint32_t mask;
         if ((st = recompute_mask(p, l, &mask)) != DS4_OK) break;
         if ((st = keep_released_topk(p, l, mask, &bc)) != DS4_OK) break;
-        if ((st = gather(p, group_of_layer(l))) != DS4_OK) break;
+        if ((st = gather_fwd(p, group_of_layer(l), l + 1)) != DS4_OK) break;
         st = block_fwd(&bc, &p->ba[l], p->X[l], p->X[l + 1], mask, p->unit_stats + l * U_COUNT,
                        p->expert_load + l * c->n_routed_experts, &p->kl_sum[l], &p->kl_rows[l]);
         drop(p, group_of_layer(l));
@@ -501,16 +542,18 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     }
     if (st != DS4_OK) goto fail;
     /* the head (also the MTP head's output projection) stays gathered until the MTP head is done */
-    if ((st = gather(p, group_head(c))) != DS4_OK) goto fail;
+    if ((st = gather_fwd(p, group_head(c), c->n_layers + 1)) != DS4_OK) goto fail;
     st = head_fwd(p, &p->head, p->X[c->n_layers], m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base, m->w.norm,
                   1);
     if (st == DS4_OK && c->n_mtp_layers > 0) st = mtp_fwd(p);
     drop(p, group_head(c));
+    if (st == DS4_OK) st = hooks_sync(p);
     if (st != DS4_OK) goto fail;
     finish_losses(p);
     *out = p;
     return DS4_OK;
 fail:
+    (void)hooks_sync(p); /* nothing the wrapper started stays in flight */
     ds4_pass_free(p);
     return st;
 }
@@ -529,7 +572,7 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
     memset(p->kl_sum, 0, sizeof p->kl_sum);
     memset(p->kl_rows, 0, sizeof p->kl_rows);
 
-    st = gather_for_backward(p, group_head(c));
+    st = gather_for_backward(p, group_head(c), 0);
     if (st == DS4_OK)
         st = head_bwd(p, &p->head, p->X[L], dX, 1.0, m->g.hc_head_fn, m->g.hc_head_scale, m->g.hc_head_base,
                       m->g.norm, m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base, m->w.norm);
@@ -545,7 +588,7 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
         }
         block_ctx bc = make_ctx(p, l, p->ids);
         st = act_restore(p, l);
-        if (st == DS4_OK) st = gather_for_backward(p, group_of_layer(l));
+        if (st == DS4_OK) st = gather_for_backward(p, group_of_layer(l), 1 + (c->n_mtp_layers > 0) + (L - 1 - l));
         if (st == DS4_OK) st = block_bwd(&bc, &p->ba[l], dX, dprev, &p->kl_sum[l], &p->kl_rows[l]);
         if (st == DS4_OK) st = finish_backward(p, group_of_layer(l));
         ds4_free(p->X[l + 1]);
@@ -566,6 +609,8 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
         }
     }
     ds4_free(dX);
+    ds4_status sy = hooks_sync(p); /* the last reduce-scatters land in the shard gradients */
+    if (st == DS4_OK) st = sy;
     if (st == DS4_OK) finish_losses(p);
     return st;
 }

@@ -29,7 +29,8 @@ static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, i
                                     .offload_dir = so->offload_dir,
                                     .swap_chunk_bytes = so->swap_chunk_bytes,
                                     .muon = so->muon,
-                                    .bf16 = so->bf16};
+                                    .bf16 = so->bf16,
+                                    .prefetch_depth = so->prefetch_depth};
     const ds4_muon_cfg muon = ds4_muon_defaults();
     ds4_status st = ds4_train_state_setup(s, c, NULL, 1, w->comm ? w->comm : ds4_comm_self(), &o);
     const ds4_step_args a = {.step = 1,

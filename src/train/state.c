@@ -87,6 +87,7 @@ static ds4_status open_whole(ds4_train_state *s, const ds4_model_dir *d, uint64_
 static ds4_status open_sharded(ds4_train_state *s, const ds4_model_dir *d, uint64_t seed, int ep,
                                const ds4_train_state_opts *o) {
     DS4_TRY(ds4_fsdp_create(s->m, s->world, ep, &s->f));
+    DS4_TRY(ds4_fsdp_set_prefetch(s->f, o->prefetch_depth));
     DS4_TRY(d ? ds4_fsdp_load(s->f, d) : ds4_fsdp_init_random(s->f, seed));
     int64_t n = ds4_fsdp_shard_numel(s->f);
     DS4_TRY(o->swap_optimizer ? ds4_adamw_init_n_swapped(&s->opt, n, s->store, o->swap_chunk_bytes)

@@ -36,7 +36,8 @@ static const char *const k_known_keys[] = {
     "checkpoint.per_rank",
     "metrics.log_freq", "metrics.jsonl", "metrics.peak_tflops", "metrics.enable_tensorboard",
     "metrics.save_tb_folder", "job.dump_folder", "job.description",
-    "parallel.ep",
+    "parallel.ep", "parallel.prefetch_depth", "parallel.sim_link_gbps", "parallel.sim_link_latency_us",
+    "metrics.trace_file",
     "memory.swap_optimizer", "memory.swap_layer_input", "memory.offload_dir",
 };
 
@@ -178,6 +179,10 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
         memcpy(c->ckpt_folder, folder, sizeof folder);
     }
     DS4_TRY(ds4_toml_int_or(t, titan_key(t, "parallel.ep"), 1, &c->ep));
+    DS4_TRY(ds4_toml_int_or(t, "parallel.prefetch_depth", DS4_PREFETCH_DEFAULT, &c->prefetch_depth));
+    DS4_TRY(ds4_toml_float_or(t, "parallel.sim_link_gbps", 0, &c->sim_link_gbps));
+    DS4_TRY(ds4_toml_float_or(t, "parallel.sim_link_latency_us", 0, &c->sim_link_latency_us));
+    DS4_TRY(copy_str(t, "metrics.trace_file", "", c->trace_file, sizeof c->trace_file));
     const char *prec;
     DS4_TRY(ds4_toml_string_or(t, "training.matmul_precision", "fp32", &prec));
     if (strcmp(prec, "fp32") && strcmp(prec, "bf16"))
@@ -243,6 +248,9 @@ static const key_range k_ranges[] = {
     I_("metrics.log_freq", log_freq, 1, MAX_COUNT, NULL),
     F_("metrics.peak_tflops", peak_tflops, 0, 1e9, false, false),
     I_("parallel.ep", ep, 1, 1 << 16, NULL),
+    I_("parallel.prefetch_depth", prefetch_depth, 0, DS4_PREFETCH_MAX, "0: blocking collectives"),
+    F_("parallel.sim_link_gbps", sim_link_gbps, 0, 1e6, false, false),
+    F_("parallel.sim_link_latency_us", sim_link_latency_us, 0, 1e9, false, false),
     I_("parallelism.data_parallel_shard_degree", dp_shard, -1, 1 << 20, "-1: every rank"),
     I_("activation_checkpoint.selective_ac_option", ac_every, 0, 1 << 20, NULL),
 };
@@ -445,7 +453,8 @@ static ds4_status open_model(ds4_train_cfg *c, trainer *tr) {
     const ds4_exec real = {.plan = false}; /* training runs real steps; memplan opens the same state as a plan */
     ds4_train_state_opts so = {.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
                                .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir, .exec = &real,
-                               .muon = c->use_muon, .bf16 = c->bf16_params, .per_rank_ckpt = c->ckpt_per_rank};
+                               .muon = c->use_muon, .bf16 = c->bf16_params, .per_rank_ckpt = c->ckpt_per_rank,
+                               .prefetch_depth = (int)c->prefetch_depth};
     if (st == DS4_OK) st = ds4_train_state_open(&mc, d, (uint64_t)c->init_seed, tr->world, &so, &tr->s);
     if (st == DS4_OK) tr->m = ds4_train_state_model(tr->s);
     ds4_model_dir_close(d);
@@ -512,7 +521,20 @@ static ds4_status tb_step(trainer *tr, int64_t step, const ds4_step_result *r, d
     return ds4_tfevents_scalars(tr->tb, step, wall_clock(), (int)(sizeof v / sizeof v[0]), tags, v);
 }
 
-static ds4_status log_step(trainer *tr, int64_t step, const ds4_step_result *r, double lr, double dt) {
+/* Seconds of a step: its wall time, and the parts of it spent blocked in FSDP and EP collectives. */
+typedef struct {
+    double wall, fsdp, ep, other;
+} step_times;
+
+/* The step's breakdown appended to the TorchTitan line (several ranks): compute is the step's time not
+ * spent waiting in a collective; fsdp and ep the exposed communication of each. */
+static void print_breakdown(const step_times *t) {
+    printf("  compute %.3fs  exposed_fsdp %.3fs  exposed_ep %.3fs", t->wall - t->fsdp - t->ep - t->other, t->fsdp,
+           t->ep);
+}
+
+static ds4_status log_step(trainer *tr, int64_t step, const ds4_step_result *r, double lr, const step_times *t) {
+    const double dt = t->wall;
     const ds4_train_cfg *c = tr->cfg;
     ds4_mem_stats ms;
     ds4_mem_get(&ms);
@@ -521,17 +543,23 @@ static ds4_status log_step(trainer *tr, int64_t step, const ds4_step_result *r, 
     double mfu = tr->peak_flops > 0 ? 100.0 * tps * tr->flops_per_token / tr->peak_flops : 0;
     double gib = (double)ms.peak_total / (1024.0 * 1024.0 * 1024.0);
     if (tr->lead && (step == 1 || step % c->log_freq == 0 || step == c->steps)) {
-        printf("step %5lld  loss %7.4f  grad_norm %7.4f  memory %6.3fGiB  tps %8.0f  tflops %6.3f  mfu %5.2f%%\n",
+        printf("step %5lld  loss %7.4f  grad_norm %7.4f  memory %6.3fGiB  tps %8.0f  tflops %6.3f  mfu %5.2f%%",
                (long long)step, r->loss, r->grad_norm, gib, tps, tflops, mfu);
+        if (tr->W > 1) print_breakdown(t);
+        printf("\n");
         fflush(stdout);
         if (tr->jsonl) {
             fprintf(tr->jsonl,
                     "{\"step\": %lld, \"loss\": %.6f, \"mtp_loss\": %.6f, \"indexer_loss\": %.6f, \"total_loss\": %.6f, "
                     "\"grad_norm\": %.6f, \"lr\": %.6g, \"memory_gib\": %.6f, \"memory_bytes\": %lld, "
-                    "\"activation_peak_bytes\": %lld, \"tps\": %.2f, \"tflops\": %.6f, \"mfu\": %.4f, \"step_time\": %.6f}\n",
+                    "\"activation_peak_bytes\": %lld, \"tps\": %.2f, \"tflops\": %.6f, \"mfu\": %.4f, \"step_time\": %.6f",
                     (long long)step, r->loss, r->mtp_loss, r->indexer_loss, r->total_loss, r->grad_norm, lr, gib,
                     (long long)ms.peak_total,
                     (long long)ms.peak[DS4_MEM_ACT], tps, tflops, mfu, dt);
+            if (tr->W > 1)
+                fprintf(tr->jsonl, ", \"compute_time\": %.6f, \"exposed_fsdp_time\": %.6f, \"exposed_ep_time\": %.6f",
+                        t->wall - t->fsdp - t->ep - t->other, t->fsdp, t->ep);
+            fprintf(tr->jsonl, "}\n");
             if (fflush(tr->jsonl) != 0 || ferror(tr->jsonl))
                 return ds4_fail(DS4_ERR_IO, "%s: cannot write the metrics of step %lld: %s", c->jsonl, (long long)step,
                                 strerror(errno));
@@ -729,7 +757,8 @@ static ds4_status run_steps(trainer *tr, int64_t start, int64_t *last, bool *agr
     *agreed = false;
     while (step < c->steps && st == DS4_OK && !tr->stopped) {
         step++;
-        double t0 = ds4_now(), lr = ds4_lr_at(&c->sched, step);
+        double t0 = ds4_now(), lr = ds4_lr_at(&c->sched, step), x0[DS4_NUM_LANES], x1[DS4_NUM_LANES];
+        ds4_comm_exposed(x0);
         ds4_mem_reset_peak();
         tr->step = step;
         const ds4_step_args args = step_args(tr, step, lr);
@@ -739,8 +768,11 @@ static ds4_status run_steps(trainer *tr, int64_t start, int64_t *last, bool *agr
             *agreed = r.agreed;
             break;
         }
+        ds4_comm_exposed(x1);
+        const step_times t = {ds4_now() - t0, x1[DS4_LANE_FSDP] - x0[DS4_LANE_FSDP], x1[DS4_LANE_EP] - x0[DS4_LANE_EP],
+                              x1[DS4_LANE_OTHER] - x0[DS4_LANE_OTHER]};
         report_peaks(tr, step); /* after the whole step (its last part, the router bias rule, allocates nothing) */
-        st = ds4_train_agree(tr->world, log_step(tr, step, &r, lr, ds4_now() - t0)); /* rank 0 writes */
+        st = ds4_train_agree(tr->world, log_step(tr, step, &r, lr, &t)); /* rank 0 writes */
         if (st != DS4_OK) {
             *agreed = true;
             break;
@@ -765,7 +797,15 @@ static ds4_status train_loop(trainer *tr, bool *agreed) {
     tr->peak_flops = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : ds4_probe_peak_flops();
     if (tr->lead) print_model_line(tr);
     st = check_stop(tr); /* a stop signal during start-up: no step at all */
+    if (st == DS4_OK) st = ds4_comm_set_link(c->sim_link_gbps, c->sim_link_latency_us);
+    if (st == DS4_OK && c->trace_file[0]) st = ds4_trace_begin(tr->world);
     if (st == DS4_OK) st = run_steps(tr, start, &step, agreed);
+    /* the trace is written after the steps (a collective); a failed step leaves no file */
+    if (c->trace_file[0]) {
+        ds4_status ts = ds4_trace_end(st == DS4_OK ? tr->world : NULL, c->trace_file);
+        if (st == DS4_OK && (st = ds4_train_agree(tr->world, ts)) != DS4_OK) *agreed = true;
+    }
+    (void)ds4_comm_set_link(0, 0);
     if (st == DS4_OK && c->ckpt_folder[0] && step > start) {
         st = save_ckpt(tr, step);
         *agreed = true;
