@@ -222,7 +222,7 @@ static ds4_status plan_table(const plan_args *a) {
     ds4_status st = r ? DS4_OK : ds4_fail(DS4_ERR_OOM, "recompute: out of memory for %d plans", n);
     for (int k = 0; k < n && st == DS4_OK; k++) {
         uint32_t masks[DS4_MAX_LAYERS];
-        ds4_step_opts so = {0};
+        ds4_step_opts so = {.prefetch_depth = DS4_PREFETCH_DEFAULT}; /* what ds4 train runs */
         st = ds4_memplan_policy_opts(ds4_memplan_policy_at(k), &c, masks, &so);
         if (st == DS4_OK)
             st = ds4_step_memory_run_dist_opts(&c, 1, a->T, &so, true, sim, (int)a->ep, true, &r[k].fp32);
