@@ -41,7 +41,8 @@ int cmd_memplan(int argc, char **argv) {
     ds4_recompute_cfg rc;
     ds4_recompute_defaults(&rc);
     const char *model = NULL;
-    int64_t T = 0, B = 1, threads = 0, world = 1, ep = 1, rank = 0;
+    int64_t T = 0, B = 1, world = 1, ep = 1, rank = 0;
+    const char *threads = NULL;
     ds4_step_opts so = {0};
     for (int i = 1; i < argc; i++) {
         bool used;
@@ -77,7 +78,7 @@ int cmd_memplan(int argc, char **argv) {
         } else if (!strcmp(a, "--rank")) {
             if (!cli_int("memplan", "rank", v, &rank)) return 2;
         } else if (!strcmp(a, "--threads")) {
-            if (!cli_int("memplan", "threads", v, &threads)) return 2;
+            threads = v;
         } else {
             fprintf(stderr, "error: ds4 memplan: unknown flag '%s' (see ds4 memplan --help)\n", a);
             return 2;
@@ -92,7 +93,7 @@ int cmd_memplan(int argc, char **argv) {
                         "0 <= rank < world\n", (long long)world, (long long)ep, (long long)rank);
         return 2;
     }
-    if (threads > 0) ds4_set_threads((int)threads);
+    if (!cli_threads("memplan", threads)) return 2;
     ds4_config c;
     if (load_config(model, &c) != DS4_OK || ds4_recompute_validate(&rc, &c) != DS4_OK) return cli_fail();
     uint32_t masks[DS4_MAX_LAYERS];

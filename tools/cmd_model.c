@@ -303,11 +303,7 @@ int cmd_debug_state(int argc, char **argv) {
         fprintf(stderr, "error: ds4 debug-state: --model, --batch and --out are required\n");
         return 2;
     }
-    if (th) {
-        int64_t n;
-        if (!cli_int("debug-state", "threads", th, &n)) return 2;
-        ds4_set_threads((int)n);
-    }
+    if (!cli_threads("debug-state", th)) return 2;
     ds4_model_dir *d;
     if (ds4_model_dir_open(md, &d) != DS4_OK) return cli_fail();
     ds4_model *m = NULL;
