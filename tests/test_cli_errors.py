@@ -111,6 +111,24 @@ with tempfile.TemporaryDirectory() as tmp:
     plan = ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--micro-batch", "1"]
     expect_error("memplan: ep does not divide the world", plan + ["--world", "2", "--ep", "3"], "--ep 3", "ranks (2)")
     expect_error("memplan: rank outside the world", plan + ["--world", "2", "--rank", "2"], "--rank 2")
+    # --threads: an integer in [0, 1024] in every command that takes it (train: training.threads)
+    data = os.path.join(tmp, "val.bin")
+    threads_cmds = {
+        "debug-state": ["debug-state", "--model", model, "--batch", good, "--out", out],
+        "generate": ["generate", "--model", model, "--prompt", "a"],
+        "eval": ["eval", "--model", model, "--data", data],
+        "memplan": plan,
+        "tokenize": ["tokenize", "--input", good, "--out", os.path.join(tmp, "tok")],
+    }
+    for cmd, argv in threads_cmds.items():
+        for bad in ("-1", "1025", "99999999999"):
+            expect_error(f"{cmd} --threads {bad}", argv + ["--threads", bad], f"ds4 {cmd}", f"--threads {bad}",
+                         "[0, 1024]")
+        expect_error(f"{cmd} --threads x", argv + ["--threads", "x"], f"ds4 {cmd}", "--threads", "'x'")
+    for bad in ("-1", "1025"):
+        expect_error(f"train --training.threads {bad}",
+                     ["train", "--config", "configs/train/demo.toml", "--training.threads", bad],
+                     f"training.threads = {bad}", "[0, 1024]")
     # nothing was written by the failing runs
     if os.path.exists(out):
         failed += 1

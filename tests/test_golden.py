@@ -13,11 +13,11 @@ What is hashed (each case is one ds4 run; a case's hash covers, in order, the na
   mpi/<layout>             the same under `mpirun -np 2`: FSDP, and FSDP + EP 2 (SKIP when mpirun is absent).
   memplan/<config>/<policy> the byte numbers `ds4 memplan` prints (not the planning time).
 
-Every ds4 command runs with DS4_ISA=generic and a fixed thread count (2; 1 per rank under mpirun): the fp32 sums of the GEMM engines differ
-between levels (generic, avx2, avx512 add in different orders), and the reductions split over OpenMP threads
-differ with the thread count, so only the portable engines at a fixed thread count give the same bits on any
-x86-64 CPU (the build uses -ffp-contract=off, so the compiler fuses no multiply-adds of its own either; the
-libm of the C library, expf and the like, is assumed the same). OMP_WAIT_POLICY=passive changes no bit; it keeps
+Every ds4 command runs with DS4_ISA=generic: the fp32 sums of the GEMM engines differ between levels (generic,
+avx2, avx512 add in different orders), so only the portable engines give the same bits on any x86-64 CPU. The
+thread count is fixed as well (2; 1 per rank under mpirun), though no result depends on it (tests/test_threads.c;
+memplan's workspace bytes do). The build uses -ffp-contract=off, so the compiler fuses no multiply-adds of its own either; the
+libm of the C library, expf and the like, is assumed the same. OMP_WAIT_POLICY=passive changes no bit; it keeps
 waiting OpenMP threads from spinning, which on a machine shared with other work made a 1 s run take 10-30 s.
 
 On a mismatch the failing case is named with the entries (tensor names, metrics fields, memplan lines) whose

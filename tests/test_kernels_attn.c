@@ -1,7 +1,7 @@
 /* Sparse shared-KV attention with sinks, lightning-indexer top-k and the indexer KL loss:
  * forward against a naive dense oracle, every gradient against central finite differences (on the
  * _f64 twins), the KL value and the top-k selection against naive computations, float against
- * double, and bitwise determinism at 1 and 2 threads. */
+ * double, and the same bits at any thread count. */
 #include "ds4/core.h"
 #include "kernels/kernels.h"
 #include "kernels/kernels_f64.h"
@@ -805,31 +805,28 @@ static int pipe_same(const pipe_out *a, const pipe_out *b, acfg g, const iinputs
            memcmp(&a->kl, &b->kl, sizeof a->kl) == 0 && a->n == b->n;
 }
 
+/* Every output, gradients and the KL included, has the same bits at 1, 2, 3 and 5 threads: the key and
+ * indexer-key gradients are summed over fixed blocks of queries in block order. The shapes cover B > 1,
+ * T not a multiple of the block, a window longer than a block and one longer than T, HCA without top-k. */
 static void test_determinism_threads(void) {
-    static const acfg cfgs[] = {{2, 64, 4, 32, 16, 4, 16, 4, 1}, {2, 64, 4, 32, 16, 4, 16, 0, 0}};
-    for (int ci = 0; ci < 2; ci++) {
+    static const acfg cfgs[] = {{2, 64, 4, 32, 16, 4, 16, 4, 1},
+                                {2, 64, 4, 32, 16, 4, 16, 0, 0},
+                                {3, 50, 4, 32, 40, 4, 12, 4, 1},
+                                {2, 40, 4, 16, 64, 16, 2, 0, 0}};
+    static const int counts[] = {2, 3, 5};
+    for (int ci = 0; ci < (int)(sizeof cfgs / sizeof cfgs[0]); ci++) {
         acfg g = cfgs[ci];
         ainputs a = ain_make(g, 1300 + ci);
         iinputs x = iin_make(g, 4, 16, 1400 + ci);
-        pipe_out r1a = run_pipeline(&a, &x, 1), r1b = run_pipeline(&a, &x, 1);
-        pipe_out r2a = run_pipeline(&a, &x, 2), r2b = run_pipeline(&a, &x, 2);
-        CHECK(pipe_same(&r1a, &r1b, g, &x), "cfg %d: 1 thread not bitwise repeatable", ci);
-        CHECK(pipe_same(&r2a, &r2b, g, &x), "cfg %d: 2 threads not bitwise repeatable", ci);
-        /* forward ops have one writer per output: the same bits at any thread count */
-        CHECK(!r1a.topk || memcmp(r1a.topk, r2a.topk, g.B * g.T * g.K * 4) == 0, "cfg %d: topk depends on threads", ci);
-        CHECK(memcmp(r1a.o, r2a.o, g.B * g.T * g.H * g.c * 4) == 0, "cfg %d: o depends on threads", ci);
-        /* the parallel reductions are a different order but the same sums */
-        const float *g1[6] = {r1a.dq, r1a.dkv, r1a.dkvc, r1a.ds, r1a.dki, r1a.dqi};
-        const float *g2[6] = {r2a.dq, r2a.dkv, r2a.dkvc, r2a.ds, r2a.dki, r2a.dqi};
-        int64_t cnt[6] = {g.B * g.T * g.H * g.c, g.B * g.T * g.c, g.B * g.Nc * g.c, g.H, g.B * g.Nc * x.dI,
-                          g.B * g.T * x.HI * x.dI};
-        for (int k = 0; k < 6; k++) {
-            double e = t_rel_err(g2[k], g1[k], cnt[k]);
-            CHECK(e < 1e-5, "cfg %d: gradient %d, 1 vs 2 threads %.3g", ci, k, e);
+        pipe_out r1 = run_pipeline(&a, &x, 1), r1b = run_pipeline(&a, &x, 1);
+        CHECK(pipe_same(&r1, &r1b, g, &x), "cfg %d: 1 thread not bitwise repeatable", ci);
+        CHECK(r1.n > 0, "cfg %d: no KL row scored", ci);
+        for (int k = 0; k < 3; k++) {
+            pipe_out r = run_pipeline(&a, &x, counts[k]);
+            CHECK(pipe_same(&r, &r1, g, &x), "cfg %d: %d threads differ from 1", ci, counts[k]);
+            pipe_free(&r);
         }
-        CHECK(r1a.n == r2a.n);
-        CHECK_CLOSE(r1a.kl, r2a.kl, 1e-12, 1e-300);
-        pipe_free(&r1a), pipe_free(&r1b), pipe_free(&r2a), pipe_free(&r2b);
+        pipe_free(&r1), pipe_free(&r1b);
         ain_free(&a), iin_free(&x);
     }
 }

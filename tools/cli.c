@@ -57,6 +57,19 @@ bool cli_int(const char *cmd, const char *flag, const char *s, int64_t *out) {
     return true;
 }
 
+bool cli_threads(const char *cmd, const char *s) {
+    int64_t n;
+    if (!s) return true;
+    if (!cli_int(cmd, "threads", s, &n)) return false;
+    if (n < 0 || n > DS4_MAX_THREADS) {
+        fprintf(stderr, "error: ds4 %s: --threads %s: expected an integer in [0, %d] (0: every core)\n", cmd, s,
+                DS4_MAX_THREADS);
+        return false;
+    }
+    ds4_set_threads((int)n);
+    return true;
+}
+
 void cli_usage(const char *cmd, const char *synopsis, const cli_flag *flags, int nflags) {
     fprintf(stderr, "usage: ds4 %s %s\n", cmd, synopsis);
     for (int k = 0; k < nflags; k++)

@@ -21,6 +21,9 @@ bool cli_parse(const char *cmd, int argc, char **argv, cli_flag *flags, int nfla
                int *npos);
 const char *cli_get(const cli_flag *flags, int nflags, const char *name);
 bool cli_int(const char *cmd, const char *flag, const char *s, int64_t *out);
+/* --threads s (NULL: not given, nothing to do): an integer in [0, DS4_MAX_THREADS] (0: every core),
+ * then the thread count; false after a one-line error. */
+bool cli_threads(const char *cmd, const char *s);
 void cli_usage(const char *cmd, const char *synopsis, const cli_flag *flags, int nflags);
 /* True when --help or -h is among the arguments. */
 bool cli_want_help(int argc, char **argv);

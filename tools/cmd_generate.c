@@ -73,14 +73,6 @@ static bool parse_double(const char *cmd, const char *flag, const char *s, doubl
     return true;
 }
 
-static bool set_threads(const char *cmd, const char *s) {
-    if (!s) return true;
-    int64_t n;
-    if (!cli_int(cmd, "threads", s, &n)) return false;
-    ds4_set_threads((int)n);
-    return true;
-}
-
 /* ------------------------------------------------------------------ ds4 generate */
 /* Writes the bytes of token id (nothing for BOS / EOS / unknown ids). */
 static void put_token(const ds4_tokenizer *tk, int32_t id) {
@@ -190,7 +182,7 @@ int cmd_generate(int argc, char **argv) {
         fprintf(stderr, "error: ds4 generate: need --temperature >= 0, --top-p in (0, 1]\n");
         return 2;
     }
-    if (!set_threads("generate", cli_get(f, NFLAGS(f), "threads"))) return 2;
+    if (!cli_threads("generate", cli_get(f, NFLAGS(f), "threads"))) return 2;
 
     ds4_tokenizer *tk = NULL;
     ds4_model *m = NULL;
@@ -304,7 +296,7 @@ int cmd_eval(int argc, char **argv) {
         fprintf(stderr, "error: ds4 eval: need --seq-len >= 2 and --batch >= 1\n");
         return 2;
     }
-    if (!set_threads("eval", cli_get(f, NFLAGS(f), "threads"))) return 2;
+    if (!cli_threads("eval", cli_get(f, NFLAGS(f), "threads"))) return 2;
     ds4_model *m = NULL;
     ds4_dataloader *dl = NULL;
     ds4_status st = open_eval_data(data, &e, &dl);

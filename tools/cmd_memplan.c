@@ -52,7 +52,7 @@ static void usage(void) {
 /* The command line. */
 typedef struct {
     const char *model;
-    int64_t T, B, threads, world, ep, rank;
+    int64_t T, B, world, ep, rank;
     int64_t device; /* --device-memory bytes; 0: none */
     bool policies;
     ds4_recompute_cfg rc;
@@ -101,7 +101,7 @@ static int parse_args(int argc, char **argv, memplan_args *a) {
         } else if (!strcmp(f, "--rank")) {
             if (!cli_int("memplan", "rank", v, &a->rank)) return 2;
         } else if (!strcmp(f, "--threads")) {
-            if (!cli_int("memplan", "threads", v, &a->threads)) return 2;
+            if (!cli_threads("memplan", v)) return 2;
         } else if (!strcmp(f, "--prefetch-depth")) {
             int64_t d;
             if (!cli_int("memplan", "prefetch-depth", v, &d)) return 2;
@@ -249,7 +249,6 @@ int cmd_memplan(int argc, char **argv) {
     memplan_args a;
     const int rc = parse_args(argc, argv, &a);
     if (rc) return rc;
-    if (a.threads > 0) ds4_set_threads((int)a.threads);
     ds4_config c;
     if (load_config(a.model, &c) != DS4_OK || ds4_recompute_validate(&a.rc, &c) != DS4_OK) return cli_fail();
     return a.policies ? plan_policies(&a, &c) : plan_one(&a, &c, a.so);

@@ -307,11 +307,7 @@ int cmd_debug_state(int argc, char **argv) {
         fprintf(stderr, "error: ds4 debug-state: --model, --batch and --out are required\n");
         return 2;
     }
-    if (th) {
-        int64_t n;
-        if (!cli_int("debug-state", "threads", th, &n)) return 2;
-        ds4_set_threads((int)n);
-    }
+    if (!cli_threads("debug-state", th)) return 2;
     const char *mp = cli_get(f, NFLAGS(f), "mixed-precision-param");
     if (mp && strcmp(mp, "float32") && strcmp(mp, "bfloat16")) {
         fprintf(stderr, "error: ds4 debug-state: --mixed-precision-param '%s': expected bfloat16 or float32\n", mp);

@@ -660,12 +660,10 @@ int cmd_tokenize(int argc, char **argv) {
         cli_usage("tokenize", synopsis, f, NFLAGS(f));
         return 2;
     }
-    int64_t shard_tokens, threads = 0;
+    int64_t shard_tokens;
     if (!cli_int("tokenize", "shard-tokens", cli_get(f, NFLAGS(f), "shard-tokens"), &shard_tokens)) return 2;
     if (shard_tokens < 1) return errorf("ds4 tokenize: --shard-tokens must be at least 1") + 1;
-    const char *th = cli_get(f, NFLAGS(f), "threads");
-    if (th && !cli_int("tokenize", "threads", th, &threads)) return 2;
-    if (threads > 0) ds4_set_threads((int)threads);
+    if (!cli_threads("tokenize", cli_get(f, NFLAGS(f), "threads"))) return 2;
     char *end;
     const char *vf = cli_get(f, NFLAGS(f), "val-fraction");
     double val_fraction = strtod(vf, &end);

@@ -222,6 +222,7 @@ float ds4_rng_normal(uint64_t seed, uint64_t stream, uint64_t index);   /* N(0, 
 uint64_t ds4_hash_str(const char *s);
 
 /* ---------------------------------------------------------------- threads */
+#define DS4_MAX_THREADS 1024   /* the most threads a flag or key may ask for (training.threads, --threads) */
 void ds4_set_threads(int n);   /* <= 0: keep the OpenMP default */
 int ds4_get_threads(void);
 

@@ -5,8 +5,10 @@
  *  - Forward functions overwrite their outputs.
  *  - Backward functions ACCUMULATE (+=) into every gradient output; callers zero gradients once.
  *    A NULL gradient pointer means "not needed" and skips that work.
- *  - Deterministic: for a fixed thread count, the same inputs give the same bits. No float
- *    atomics; reductions over threads are done in a fixed order.
+ *  - Deterministic for any thread count: the same inputs give the same bits on 1 thread or N. No
+ *    float atomics; a sum over work shared among threads runs over a fixed partition (chunks, column
+ *    blocks or query blocks whose size does not depend on the thread count), its parts combined in
+ *    partition order; the thread count may only set how many parts are in flight (tests/test_threads.c).
  *  - Ops with a few operands take plain pointers plus explicit sizes. Ops with many take a
  *    descriptor: `<op>_args` holds the sizes (a `dims` struct), the scalars and the forward's tensors
  *    in named fields; a backward takes the same descriptor (its outputs are then read) plus

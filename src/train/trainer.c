@@ -209,7 +209,6 @@ typedef struct {
     const char *note;      /* what a special value means, or NULL */
 } key_range;
 
-#define MAX_THREADS 1024
 #define MAX_COUNT 1e12           /* steps, intervals: far beyond any run, far below overflow */
 #define MAX_BATCH (double)(1 << 24)
 #define MAX_SEQ (double)(1 << 24)
@@ -223,7 +222,7 @@ static const key_range k_ranges[] = {
     I_("training.micro_batch_size", micro_batch, 1, MAX_BATCH, NULL),
     I_("training.global_batch_size", global_batch, -1, MAX_BATCH, "-1: micro_batch_size x ranks"),
     I_("training.seed", seed, 0, MAX_COUNT, NULL),
-    I_("training.threads", threads, 0, MAX_THREADS, "0: every core"),
+    I_("training.threads", threads, 0, DS4_MAX_THREADS, "0: every core"),
     I_("training.csa_dense_steps", csa_dense_steps, 0, MAX_COUNT, NULL),
     F_("training.max_norm", max_norm, 0, INFINITY, false, true),
     F_("training.mtp_loss_weight", mtp_loss_weight, -1, 1e3, false, false),

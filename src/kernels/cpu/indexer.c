@@ -31,9 +31,8 @@ void cpu_indexer_kl_fwd_bwd_plan(const indexer_kl_args *a) {
     *a->n_rows = 0;
     int64_t nmax = cpu_ix_kl_set_max(a);
     if (nmax == 0) return;
-    size_t per_small, per_part;
-    int P;
-    ds4_free(cpu_ix_kl_workspace(a, nmax, &per_small, &per_part, &P));
+    ix_kl_layout L;
+    ds4_free(cpu_ix_kl_workspace(a, nmax, &L));
 }
 
 int64_t cpu_indexer_kl_rows(int64_t B, int64_t T, int64_t ratio) { return T >= ratio ? B * (T - ratio + 1) : 0; }

@@ -25,11 +25,10 @@ void cpu_sparse_attn_fwd_plan(const sparse_attn_args *a) {
 }
 
 void cpu_sparse_attn_bwd_plan(const sparse_attn_args *a, const sparse_attn_grads *g) {
-    int64_t ratio, maxk;
+    int64_t ratio;
     float *dkvc;
     bool want_key;
     if (!cpu_sa_bwd_wants(a, g, &ratio, &dkvc, &want_key)) return;
-    size_t per_small, per_part;
-    int P;
-    ds4_free(cpu_sa_bwd_workspace(a, ratio, want_key, &maxk, &per_small, &per_part, &P));
+    sa_bwd_layout L;
+    ds4_free(cpu_sa_bwd_workspace(a, ratio, want_key, &L));
 }
