@@ -14,7 +14,8 @@ experts are evaluated densely and weighted by a [tokens, E] routing matrix that 
 selection. Section numbers refer to docs/dsv4-architecture.md.
 
 --mixed-precision-param bfloat16 emulates ds4's BF16 mixed precision (docs/mixed-precision.md) in fp32
-math: values are rounded to bf16 where ds4 rounds them and nowhere else (see "bf16 emulation" below).
+math (or float64 with --dtype float64): values are rounded to bf16 where ds4 rounds them and nowhere
+else (see "bf16 emulation" below); tests/test_parity_bf16.py compares it with ds4.
 """
 import argparse
 import glob
