@@ -2,6 +2,7 @@
 """Independent PyTorch reference of the DeepSeek-V4 model, its three losses and their gradients.
 
     python3 ref/ds4_ref.py --model DIR --batch BATCH.safetensors --out OUT.safetensors [--dtype float32|float64]
+                           [--mixed-precision-param float32|bfloat16]
 
 does what `ds4 debug-state` does (docs/contract.md): forward of the whole model incl. MTP, loss,
 mtp_loss, indexer_loss, total_loss, autograd backward of total_loss, and writes logits, mtp_logits,
@@ -11,6 +12,10 @@ Plain float PyTorch with autograd, written for clarity and independence from the
 attention is dense (a full [T, T+Nc] additive mask plus a sink column, softmax, sink column dropped),
 experts are evaluated densely and weighted by a [tokens, E] routing matrix that is zero off the
 selection. Section numbers refer to docs/dsv4-architecture.md.
+
+--mixed-precision-param bfloat16 emulates ds4's BF16 mixed precision (docs/mixed-precision.md) in fp32
+math (or float64 with --dtype float64): values are rounded to bf16 where ds4 rounds them and nowhere
+else (see "bf16 emulation" below); tests/test_parity_bf16.py compares it with ds4.
 """
 import argparse
 import glob
@@ -225,6 +230,80 @@ def load_params(model_dir, cfg, dtype):
     return P
 
 
+# ----------------------------------------------------------------------------- bf16 emulation
+# ds4's bf16 mode rounds (round to nearest even, denormals to 0) at three kinds of points, and this
+# reference rounds at the same ones when BF16 is set:
+#   1. GEMM operands (linear_fwd / linear_bwd / grouped_linear / the experts' linears): both operands of
+#      every forward and backward product, fp32 accumulation: linear(). The ops that are not GEMMs in
+#      ds4 (mHC mixes, attention and indexer scores, Sinkhorn, norms, softmaxes) stay fp32 math.
+#   2. unit outputs declared bf16: rounded once the unit has run: act(). Inside a unit, later ops read
+#      the unrounded value in forward while ds4's backward reads the rounded saved one: split().
+#   3. the residual streams X[l] and X_mid: act().
+# Rounding has no backward of its own (a straight-through identity), as in ds4.
+BF16 = False
+
+
+def bf16_round(x):
+    """x's values rounded to bf16 (nearest even; |x| < 2^-126 to 0, as gemm_bf16_bits), no gradient."""
+    x = x.detach()
+    r = x.float().to(torch.bfloat16).to(x.dtype)
+    return torch.where(x.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(r), r)
+
+
+def act(x):
+    """A bf16 unit output or stream: value rounded, gradient passed through (identity when not BF16)."""
+    return x + (bf16_round(x) - x).detach() if BF16 else x
+
+
+def split(f, fwd, bwd):
+    """f(*fwd) as the value, with the gradient of f taken at bwd (the unit's saved, rounded inputs of f):
+    ds4's forward reads a GEMM output before the unit rounds it, its backward reads the rounded copy."""
+    if not BF16:
+        return f(*fwd)
+    with torch.no_grad():
+        y = f(*fwd)
+    yb = f(*bwd)
+    return y + (yb - yb.detach())
+
+
+def rmsnorm_of_raw(x, w, eps):
+    """rmsnorm(x, w) of a GEMM output x in the same unit: under BF16 its backward is ds4's, which reads
+    the rounded x with the rstd of the unrounded one: dx = r·gw − (r³/D)·⟨gw, bf16(x)⟩·bf16(x)."""
+    if not BF16:
+        return rmsnorm(x, w, eps)
+    with torch.no_grad():
+        y = rmsnorm(x, w, eps)
+    xb = act(x)
+    ms = xb.pow(2).mean(-1, keepdim=True)
+    shift = (x.pow(2).mean(-1, keepdim=True) - ms).detach()    # makes the rstd below that of x
+    yb = xb * torch.rsqrt(ms + shift + eps)
+    yb = yb if w is None else yb * w
+    return y + (yb - yb.detach())
+
+
+class _LinearBF16(torch.autograd.Function):
+    """y = bf16(x) · bf16(w)^T; backward dx = bf16(dy) · bf16(w), dw = bf16(dy)^T · bf16(saved x).
+    x: [..., IC]; w: [OC, IC]; saved: what ds4's backward reads as x (default x)."""
+
+    @staticmethod
+    def forward(ctx, x, w, saved):
+        ctx.save_for_backward(x if saved is None else saved, w)
+        return bf16_round(x) @ bf16_round(w).t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dyr = bf16_round(dy)
+        dx = dyr @ bf16_round(w)
+        dw = dyr.reshape(-1, dyr.shape[-1]).t() @ bf16_round(x).reshape(-1, x.shape[-1])
+        return dx, dw, None
+
+
+def linear(x, w, saved=None):
+    """x @ w^T: a ds4 GEMM (bf16 operands under BF16)."""
+    return _LinearBF16.apply(x, w, saved) if BF16 else x @ w.t()
+
+
 # ----------------------------------------------------------------------------- small ops
 
 def rmsnorm(x, w, eps):
@@ -304,7 +383,7 @@ def hc_pre(X, fn, scale, base, cfg):
     post = 2 * torch.sigmoid(mixes[..., n:2 * n] * scale[1] + base[n:2 * n])
     logits = (mixes[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
     comb = sinkhorn(logits, cfg.hc_iters, cfg.hc_eps)
-    y = (pre.unsqueeze(-1) * X).sum(2)
+    y = act((pre.unsqueeze(-1) * X).sum(2))                                # bf16 unit output
     return y, post, comb
 
 
@@ -330,8 +409,18 @@ def compressor(x, wkv, wgate, ape, norm_w, ratio, d, cos_c, sin_c, norm_eps):
     Nc = T // ratio
     if Nc == 0:
         return x.new_zeros(B, 0, d)
-    a = (x @ wkv.t())[:, :Nc * ratio].unflatten(1, (Nc, ratio))            # [B, Nc, r, coff·d]
-    z = (x @ wgate.t())[:, :Nc * ratio].unflatten(1, (Nc, ratio)) + ape    # [B, Nc, r, coff·d]
+    a = linear(x, wkv)                                                     # [B, T, coff·d], bf16 slot
+    z = linear(x, wgate)                                                   # fp32 slot (softmax logits)
+    pooled = split(lambda a, z: compress_pool(a, z, ape, ratio, d), [a, z], [act(a), z])   # [B, Nc, d]
+    return act(rope(rmsnorm_of_raw(pooled, norm_w, norm_eps), cos_c, sin_c))
+
+
+def compress_pool(a, z, ape, ratio, d):
+    """Softmax-gated pooling of each block (§4.4). a, z: [B, T, coff·d] -> [B, Nc, d]."""
+    B, T, _ = a.shape
+    Nc = T // ratio
+    a = a[:, :Nc * ratio].unflatten(1, (Nc, ratio))                        # [B, Nc, r, coff·d]
+    z = z[:, :Nc * ratio].unflatten(1, (Nc, ratio)) + ape                  # [B, Nc, r, coff·d]
     if ratio == 4:
         # slots 0..r-1: previous block's channels [0,d) (none for block 0: value 0, logit -inf);
         # slots r..2r-1: this block's channels [d, 2d)
@@ -339,8 +428,7 @@ def compressor(x, wkv, wgate, ape, norm_w, ratio, d, cos_c, sin_c, norm_eps):
         z_prev = torch.cat([z.new_full((B, 1, ratio, d), float("-inf")), z[:, :-1, :, :d]], dim=1)
         a = torch.cat([a_prev, a[..., d:]], dim=2)                        # [B, Nc, 2r, d]
         z = torch.cat([z_prev, z[..., d:]], dim=2)
-    pooled = (a * torch.softmax(z, dim=2)).sum(2)                         # per-channel softmax over slots
-    return rope(rmsnorm(pooled, norm_w, norm_eps), cos_c, sin_c)
+    return (a * torch.softmax(z, dim=2)).sum(2)                           # per-channel softmax over slots
 
 
 def attention_probs(q, keys, mask, sink, scale):
@@ -350,7 +438,13 @@ def attention_probs(q, keys, mask, sink, scale):
     s = torch.einsum("bthc,bjc->bthj", q, keys) * scale + mask.unsqueeze(2)
     s = torch.cat([s, sink.view(1, 1, H, 1).expand(B, T, H, 1)], dim=-1)
     p = torch.softmax(s, dim=-1)[..., :-1]
-    return torch.einsum("bthj,bjc->bthc", p, keys), p
+    o = torch.einsum("bthj,bjc->bthc", p, keys)
+    if BF16:
+        # ds4's backward takes Σ_j p_j·(dO·key_j) as dO·o of the saved, rounded o: the score gradient
+        # gains p·(dO·(o − bf16(o))), the gradient of (o − bf16(o))·lse(s) (its value here is 0)
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)
+        o = o + (o - bf16_round(o)).detach() * (lse - lse.detach())
+    return act(o), p
 
 
 def usable_mask(T, Nc, ratio):
@@ -422,11 +516,13 @@ def attention(P, pre, x, cfg, ratio, dtype):
     cos_t, sin_t = rope_cos_sin(theta, torch.arange(T), dtype)
 
     # query path (§4.2): qr is also the indexer's query latent
-    qr = rmsnorm(x @ P[pre + "attn.wq_a.weight"].t(), P[pre + "attn.q_norm.weight"], eps)   # [B,T,qr]
-    q = (qr @ P[pre + "attn.wq_b.weight"].t()).unflatten(-1, (H, c))                          # [B,T,H,c]
-    q = rope(rmsnorm(q, None, eps), cos_t, sin_t)
+    qa = linear(x, P[pre + "attn.wq_a.weight"])                                                # [B,T,qr]
+    qr = act(rmsnorm_of_raw(qa, P[pre + "attn.q_norm.weight"], eps))
+    qraw = linear(qr, P[pre + "attn.wq_b.weight"]).unflatten(-1, (H, c))                       # [B,T,H,c]
+    q = act(rope(rmsnorm_of_raw(qraw, None, eps), cos_t, sin_t))
     # shared K=V head (§4.3)
-    kv = rope(rmsnorm(x @ P[pre + "attn.wkv.weight"].t(), P[pre + "attn.kv_norm.weight"], eps), cos_t, sin_t)  # [B,T,c]
+    kvraw = linear(x, P[pre + "attn.wkv.weight"])                                              # [B,T,c]
+    kv = act(rope(rmsnorm_of_raw(kvraw, P[pre + "attn.kv_norm.weight"], eps), cos_t, sin_t))
 
     Nc = T // ratio if ratio > 0 else 0
     keys, sel, topk_ids, kl = kv, torch.zeros(B, T, 0, dtype=torch.bool), None, None
@@ -443,10 +539,10 @@ def attention(P, pre, x, cfg, ratio, dtype):
             HI, dI = cfg.idx_heads, cfg.idx_dim
             ip = pre + "attn.indexer."
             xd, qrd = x.detach(), qr.detach()
-            qi = rope((qrd @ P[ip + "wq_b.weight"].t()).unflatten(-1, (HI, dI)), cos_t, sin_t)  # [B,T,HI,dI]
+            qi = act(rope(linear(qrd, P[ip + "wq_b.weight"]).unflatten(-1, (HI, dI)), cos_t, sin_t))  # [B,T,HI,dI]
             ki = compressor(xd, P[ip + "compressor.wkv.weight"], P[ip + "compressor.wgate.weight"],
                             P[ip + "compressor.ape"], P[ip + "compressor.norm.weight"], 4, dI, cos_c, sin_c, eps)
-            w = (xd @ P[ip + "weights_proj.weight"].t()) * (dI ** -0.5 * HI ** -0.5)            # [B,T,HI]
+            w = linear(xd, P[ip + "weights_proj.weight"]) * (dI ** -0.5 * HI ** -0.5)           # [B,T,HI]
             scores = indexer_scores(qi, ki, w)                                                   # [B,T,Nc]
             top_sel, topk_ids = select_topk(scores, usable, cfg.idx_topk)
             if not cfg.csa_dense:
@@ -461,8 +557,11 @@ def attention(P, pre, x, cfg, ratio, dtype):
     # output path (§4.7): inverse rope at the query position, grouped wo_a, wo_b
     o = rope(o, cos_t, sin_t, inverse=True).reshape(B, T, G, H * c // G)
     wo_a = P[pre + "attn.wo_a.weight"].view(G, cfg.o_lora, H * c // G)
-    z = torch.einsum("btgd,grd->btgr", o, wo_a).flatten(2)                                      # [B,T,G·R]
-    return z @ P[pre + "attn.wo_b.weight"].t(), topk_ids, kl
+    if BF16:  # one GEMM per group
+        z = act(torch.stack([linear(o[:, :, g], wo_a[g]) for g in range(G)], dim=2).flatten(2))
+    else:
+        z = torch.einsum("btgd,grd->btgr", o, wo_a).flatten(2)                                  # [B,T,G·R]
+    return act(linear(z, P[pre + "attn.wo_b.weight"])), topk_ids, kl
 
 
 # ----------------------------------------------------------------------------- MoE (§5)
@@ -481,7 +580,7 @@ def moe(P, pre, x, ids, cfg, hash_layer):
     B, T, D = x.shape
     E, K = cfg.n_experts, cfg.topk_experts
     xf = x.reshape(B * T, D)                                                  # [N,D]
-    s = torch.sqrt(F.softplus(xf @ P[pre + "ffn.gate.weight"].t()))           # [N,E] affinities
+    s = torch.sqrt(F.softplus(linear(xf, P[pre + "ffn.gate.weight"])))         # [N,E] affinities
     if hash_layer:
         idx = P[pre + "ffn.gate.tid2eid"][ids.reshape(-1).long()]           # [N,K]
     else:
@@ -492,12 +591,22 @@ def moe(P, pre, x, ids, cfg, hash_layer):
     y = torch.zeros_like(xf)
     for e in range(E):
         ep = f"{pre}ffn.experts.{e}."
-        h = swiglu(xf @ P[ep + "w1.weight"].t(), xf @ P[ep + "w3.weight"].t(), cfg.swiglu_limit)   # [N,I]
-        y = y + (h * route[:, e:e + 1]) @ P[ep + "w2.weight"].t()             # weight applied before w2
-    sp = pre + "ffn.shared_experts."
-    h = swiglu(xf @ P[sp + "w1.weight"].t(), xf @ P[sp + "w3.weight"].t(), cfg.swiglu_limit)
-    y = y + h @ P[sp + "w2.weight"].t()
-    return y.view(B, T, D)
+        y = y + expert(P, ep, xf, route[:, e:e + 1], cfg.swiglu_limit)       # weight applied before w2
+    y = y + expert(P, pre + "ffn.shared_experts.", xf, None, cfg.swiglu_limit)
+    return act(y.view(B, T, D))
+
+
+def expert(P, ep, x, r, limit):
+    """w2(r · swiglu(w1 x, w3 x)); r: [N, 1] routing weights or None (the shared expert). x: [N, D]."""
+    h1, h3 = linear(x, P[ep + "w1.weight"]), linear(x, P[ep + "w3.weight"])      # [N,I] bf16 slots
+
+    def gated(g, u):
+        h = swiglu(g, u, limit)
+        return h if r is None else h * r
+
+    h = split(gated, [h1, h3], [act(h1), act(h3)])
+    saved = gated(bf16_round(h1), bf16_round(h3)).detach() if BF16 else None    # what ds4's w2 backward reads
+    return linear(h, P[ep + "w2.weight"], saved)
 
 
 # ----------------------------------------------------------------------------- model (§2, §2.1)
@@ -508,11 +617,11 @@ def block(P, pre, X, ids, cfg, layer_idx, dtype):
     eps = cfg.norm_eps
     res = X
     x, post, comb = hc_pre(X, P[pre + "hc_attn_fn"], P[pre + "hc_attn_scale"], P[pre + "hc_attn_base"], cfg)
-    x, topk_ids, kl = attention(P, pre, rmsnorm(x, P[pre + "attn_norm.weight"], eps), cfg, ratio, dtype)
-    X = hc_post(x, res, post, comb)
+    x, topk_ids, kl = attention(P, pre, act(rmsnorm(x, P[pre + "attn_norm.weight"], eps)), cfg, ratio, dtype)
+    X = act(hc_post(x, res, post, comb))                                       # X_mid
     res = X
     x, post, comb = hc_pre(X, P[pre + "hc_ffn_fn"], P[pre + "hc_ffn_scale"], P[pre + "hc_ffn_base"], cfg)
-    x = moe(P, pre, rmsnorm(x, P[pre + "ffn_norm.weight"], eps), ids, cfg, layer_idx < cfg.n_hash)
+    x = moe(P, pre, act(rmsnorm(x, P[pre + "ffn_norm.weight"], eps)), ids, cfg, layer_idx < cfg.n_hash)
     return hc_post(x, res, post, comb), topk_ids, kl
 
 
@@ -530,15 +639,16 @@ def forward(P, ids, cfg):
     B, T = ids.shape
     n, eps = cfg.hc, cfg.norm_eps
     ids = ids.long()
-    X = P["embed.weight"][ids].unsqueeze(2).expand(B, T, n, cfg.dim)          # [B,T,n,D] all streams = embedding
+    X = act(P["embed.weight"][ids].unsqueeze(2).expand(B, T, n, cfg.dim))     # [B,T,n,D] all streams = embedding
     topk, kls = {}, []
     for L in range(cfg.n_layers):
         X, t_ids, kl = block(P, f"layers.{L}.", X, ids, cfg, L, dtype)
+        X = act(X)                                                              # the stream X[L+1]
         if t_ids is not None:
             topk[L] = t_ids
             kls.append(kl)
     y = hc_head(X, P["hc_head_fn"], P["hc_head_scale"], P["hc_head_base"], cfg)
-    logits = rmsnorm(y, P["norm.weight"], eps) @ P["head.weight"].t()          # [B,T,V]
+    logits = linear(rmsnorm(y, P["norm.weight"], eps), P["head.weight"])       # [B,T,V]
     loss = mean_ce(logits[:, :-1], ids[:, 1:])
 
     mtp_logits, mtp_loss = None, logits.sum() * 0
@@ -547,10 +657,10 @@ def forward(P, ids, cfg):
         ids_next = torch.cat([ids[:, 1:], torch.zeros(B, 1, dtype=ids.dtype)], dim=1)   # token t+1, 0 at T-1
         e = rmsnorm(P["embed.weight"][ids_next], P[pre + "enorm.weight"], eps)           # [B,T,D]
         h = rmsnorm(X, P[pre + "hnorm.weight"], eps)                                     # [B,T,n,D] per stream
-        Xm = (e @ P[pre + "e_proj.weight"].t()).unsqueeze(2) + h @ P[pre + "h_proj.weight"].t()
+        Xm = linear(e, P[pre + "e_proj.weight"]).unsqueeze(2) + linear(h, P[pre + "h_proj.weight"])
         Xm, _, _ = block(P, pre, Xm, ids_next, cfg, cfg.n_layers, dtype)
         ym = hc_head(Xm, P[pre + "hc_head_fn"], P[pre + "hc_head_scale"], P[pre + "hc_head_base"], cfg)
-        mtp_logits = rmsnorm(ym, P[pre + "norm.weight"], eps) @ P["head.weight"].t()
+        mtp_logits = linear(rmsnorm(ym, P[pre + "norm.weight"], eps), P["head.weight"])
         mtp_loss = mean_ce(mtp_logits[:, :-2], ids[:, 2:])
 
     indexer_loss = sum(kls) if kls else logits.sum() * 0
@@ -601,7 +711,11 @@ def main(argv=None):
     ap.add_argument("--batch", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--mixed-precision-param", default="float32", choices=["float32", "bfloat16"],
+                    help="bfloat16: round where ds4's bf16 mixed precision rounds (fp32 math otherwise)")
     a = ap.parse_args(argv)
+    global BF16
+    BF16 = a.mixed_precision_param == "bfloat16"
     torch.set_default_dtype(torch.float32)
     torch.use_deterministic_algorithms(True)
     dtype = torch.float64 if a.dtype == "float64" else torch.float32
