@@ -82,7 +82,12 @@ static int list_per_rank(const char *dir, listing *ls) {
     ds4_ckpt_shards *s;
     if (ds4_ckpt_shards_open(dir, -1, &s) != DS4_OK) return cli_fail();
     const int nf = ds4_ckpt_shards_nfiles(s);
-    for (int i = 0; i < nf; i++) list_file(NULL, ds4_ckpt_shards_file(s, i), ls);
+    for (int i = 0; i < nf; i++) {
+        char *path = escaped(ds4_st_path(ds4_ckpt_shards_file(s, i))); /* the name comes from shards.json */
+        printf("%s:\n", path ? path : "(out of memory)");
+        ds4_free(path);
+        list_file(NULL, ds4_ckpt_shards_file(s, i), ls);
+    }
     printf("%lld tensors, %lld bytes\n", (long long)ls->count, (long long)ls->bytes);
     printf("\nper-rank checkpoint %s: step %lld, %d shard files, %lld packed elements in each of params, adamw.m, "
            "adamw.v\n", dir, (long long)ds4_ckpt_shards_step(s), nf, (long long)ds4_ckpt_shards_packed_numel(s));
@@ -91,8 +96,11 @@ static int list_per_rank(const char *dir, listing *ls) {
     for (int i = 0; i < nf; i++) {
         int64_t count = 0;
         for (int64_t r = 0; r < nr; r++) count += ds4_ckpt_shards_range(s, r).file == i;
-        const char *path = ds4_st_path(ds4_ckpt_shards_file(s, i)), *base = strrchr(path, '/');
-        printf("%-40s %14lld %8lld\n", base ? base + 1 : path, (long long)ds4_ckpt_shards_elements(s, i), (long long)count);
+        char *path = escaped(ds4_st_path(ds4_ckpt_shards_file(s, i)));
+        const char *base = path ? strrchr(path, '/') : NULL;
+        printf("%-40s %14lld %8lld\n", base ? base + 1 : "(out of memory)", (long long)ds4_ckpt_shards_elements(s, i),
+               (long long)count);
+        ds4_free(path);
     }
     printf("%-40s %14s %14s %14s\n", "range: file", "packed offset", "file offset", "length");
     for (int64_t r = 0; r < nr; r++) {
