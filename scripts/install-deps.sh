@@ -3,7 +3,7 @@
 set -euo pipefail
 PKGS=(build-essential make pkg-config libcjson-dev libpcre2-dev libomp-dev
       libopenmpi-dev openmpi-bin python3 python3-numpy python3-torch bible-kjv
-      clang libclang-rt-14-dev)
+      clang libclang-rt-14-dev lld)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

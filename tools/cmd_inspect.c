@@ -1,10 +1,12 @@
 /* ds4 inspect: the tensors of a .safetensors file or model directory (dtype, shape, bytes), with
  * --stats their values after dequantization, with --check whether a directory holds exactly what
- * its config needs. */
+ * its config needs. A per-rank checkpoint step (shards.json): each shard file's tensors, then the packed
+ * ranges the index gives each file and their totals. */
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/io.h"
 #include "ds4/model.h"
+#include "ds4/train.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -74,6 +76,43 @@ static int run_check(const ds4_model_dir *d) {
     return n == 0 ? 0 : 1;
 }
 
+/* A per-rank step folder: the tensors of every shard file (their "params" / "adamw.*" are slices of the packed
+ * arrays, not model tensors), then the ranges of the index, sorted by packed offset, and the totals. */
+static int list_per_rank(const char *dir, listing *ls) {
+    ds4_ckpt_shards *s;
+    if (ds4_ckpt_shards_open(dir, -1, &s) != DS4_OK) return cli_fail();
+    const int nf = ds4_ckpt_shards_nfiles(s);
+    for (int i = 0; i < nf; i++) {
+        char *path = escaped(ds4_st_path(ds4_ckpt_shards_file(s, i))); /* the name comes from shards.json */
+        printf("%s:\n", path ? path : "(out of memory)");
+        ds4_free(path);
+        list_file(NULL, ds4_ckpt_shards_file(s, i), ls);
+    }
+    printf("%lld tensors, %lld bytes\n", (long long)ls->count, (long long)ls->bytes);
+    printf("\nper-rank checkpoint %s: step %lld, %d shard files, %lld packed elements in each of params, adamw.m, "
+           "adamw.v\n", dir, (long long)ds4_ckpt_shards_step(s), nf, (long long)ds4_ckpt_shards_packed_numel(s));
+    printf("%-40s %14s %8s\n", "file", "elements", "ranges");
+    const int64_t nr = ds4_ckpt_shards_nranges(s);
+    for (int i = 0; i < nf; i++) {
+        int64_t count = 0;
+        for (int64_t r = 0; r < nr; r++) count += ds4_ckpt_shards_range(s, r).file == i;
+        char *path = escaped(ds4_st_path(ds4_ckpt_shards_file(s, i)));
+        const char *base = path ? strrchr(path, '/') : NULL;
+        printf("%-40s %14lld %8lld\n", base ? base + 1 : "(out of memory)", (long long)ds4_ckpt_shards_elements(s, i),
+               (long long)count);
+        ds4_free(path);
+    }
+    printf("%-40s %14s %14s %14s\n", "range: file", "packed offset", "file offset", "length");
+    for (int64_t r = 0; r < nr; r++) {
+        const ds4_ckpt_range g = ds4_ckpt_shards_range(s, r);
+        printf("%-40d %14lld %14lld %14lld\n", g.file, (long long)g.poff, (long long)g.foff, (long long)g.len);
+    }
+    printf("%lld ranges tile [0, %lld); `ds4 export --checkpoint %s --out DIR` writes one model directory\n",
+           (long long)nr, (long long)ds4_ckpt_shards_packed_numel(s), dir);
+    ds4_ckpt_shards_close(s);
+    return ls->failed ? 1 : 0;
+}
+
 int cmd_inspect(int argc, char **argv) {
     cli_flag f[] = {{"stats", true, NULL, "add min / max / mean / NaN count of each tensor after dequantization"},
                     {"check", true, NULL, "MODEL_DIR: verify every tensor the config needs is there with its shape; list missing and extra"},
@@ -104,6 +143,12 @@ int cmd_inspect(int argc, char **argv) {
         fprintf(stderr, "error: ds4 inspect: --check needs a model directory (config.json + shards), got '%s'\n", pos[0]);
         return 2;
     }
+    const bool per_rank = is_dir && ds4_checkpoint_is_per_rank(pos[0]);
+    if (check && per_rank) {
+        fprintf(stderr, "error: ds4 inspect: --check needs a model directory; '%s' is a per-rank checkpoint "
+                        "(shards.json): run `ds4 export --checkpoint %s --out DIR` and check DIR\n", pos[0], pos[0]);
+        return 2;
+    }
     if (check) {
         ds4_model_dir *d;
         if (ds4_model_dir_open(pos[0], &d) != DS4_OK) return cli_fail();
@@ -114,6 +159,7 @@ int cmd_inspect(int argc, char **argv) {
     printf("%-64s %-8s %-20s %12s", "tensor", "dtype", "shape", "bytes");
     if (ls.stats) printf(" %13s %13s %13s %9s", "min", "max", "mean", "nan");
     putchar('\n');
+    if (per_rank) return list_per_rank(pos[0], &ls);
     if (!is_dir) {
         ds4_st_file *sf;
         if (ds4_st_open(pos[0], &sf) != DS4_OK) return cli_fail();

@@ -4,6 +4,7 @@
 #define DS4_TRAIN_H
 
 #include "ds4/dist.h"
+#include "ds4/io.h"
 #include "ds4/model.h"
 
 #ifdef __cplusplus
@@ -238,6 +239,18 @@ void ds4_ckpt_shards_close(ds4_ckpt_shards *s);           /* NULL: no-op */
 int64_t ds4_ckpt_shards_step(const ds4_ckpt_shards *s);   /* adamw.step */
 bool ds4_ckpt_shards_muon(const ds4_ckpt_shards *s);      /* the Muon mark is there */
 const char *ds4_ckpt_shards_first_file(const ds4_ckpt_shards *s);
+/* What the index describes (ds4 inspect): its files, their array lengths, and its non-empty ranges sorted by
+ * packed offset; they tile [0, packed_numel). */
+typedef struct {
+    int file;               /* index into the files */
+    int64_t poff, foff, len; /* packed [poff, poff + len) = the file's arrays [foff, foff + len) */
+} ds4_ckpt_range;
+int ds4_ckpt_shards_nfiles(const ds4_ckpt_shards *s);
+const ds4_st_file *ds4_ckpt_shards_file(const ds4_ckpt_shards *s, int i);
+int64_t ds4_ckpt_shards_elements(const ds4_ckpt_shards *s, int i);
+int64_t ds4_ckpt_shards_packed_numel(const ds4_ckpt_shards *s);
+int64_t ds4_ckpt_shards_nranges(const ds4_ckpt_shards *s);
+ds4_ckpt_range ds4_ckpt_shards_range(const ds4_ckpt_shards *s, int64_t i);
 /* The array ds4_ckpt_shards_read serves from now on (PARAMS at open). */
 void ds4_ckpt_shards_select(ds4_ckpt_shards *s, ds4_ckpt_array which);
 /* Packed elements [off, off + n) of the selected array into dst (a ds4_packed_read_fn). */

@@ -104,6 +104,8 @@ struct ds4_ckpt_shards {
     int nfiles;
     ds4_st_file **files;   /* [nfiles] */
     ds4_tensor_loc *locs;  /* [nfiles][3]: params, adamw.m, adamw.v */
+    int64_t *elements;     /* [nfiles] length of each file's arrays */
+    int64_t packed;        /* packed_numel of the index */
     src_range *ranges;     /* [nranges] ascending poff, tiling [0, packed_numel) */
     int64_t nranges, cap;
     int which;             /* the array ds4_ckpt_shards_read serves */
@@ -127,18 +129,27 @@ static bool json_i64(const cJSON *v, int64_t *out) {
     return true;
 }
 
-/* File i of the index: opened, its three arrays located and checked against "elements", its ranges added. */
+/* File i of the index: opened, its three arrays located and checked against "elements", its ranges added.
+ * Every error names the index, the entry and the key at fault. */
 static ds4_status open_file(ds4_ckpt_shards *s, const char *index, int i, const cJSON *f) {
     const cJSON *name = cJSON_GetObjectItemCaseSensitive(f, "file");
     const cJSON *rs = cJSON_GetObjectItemCaseSensitive(f, "ranges");
     int64_t elements;
-    if (!cJSON_IsString(name) || strchr(name->valuestring, '/') || !cJSON_IsArray(rs) ||
-        !json_i64(cJSON_GetObjectItemCaseSensitive(f, "elements"), &elements))
+    if (!cJSON_IsObject(f))
         return ds4_fail(DS4_ERR_FORMAT, "%s: files[%d]: expected {\"file\": NAME, \"elements\": N, \"ranges\": [...]}",
                         index, i);
+    /* a plain name of this folder: no path, nothing hidden (".", ".." included) */
+    if (!cJSON_IsString(name) || !name->valuestring[0] || name->valuestring[0] == '.' || strchr(name->valuestring, '/'))
+        return ds4_fail(DS4_ERR_FORMAT, "%s: files[%d]: key file: expected the name of a file in this folder", index, i);
+    if (!json_i64(cJSON_GetObjectItemCaseSensitive(f, "elements"), &elements))
+        return ds4_fail(DS4_ERR_FORMAT, "%s: files[%d] (%s): key elements: expected an integer in [0, 2^53]", index, i,
+                        name->valuestring);
+    if (!cJSON_IsArray(rs))
+        return ds4_fail(DS4_ERR_FORMAT, "%s: files[%d] (%s): key ranges: expected an array", index, i, name->valuestring);
     char path[4200];
     snprintf(path, sizeof path, "%s/%s", s->dir, name->valuestring);
     DS4_TRY(ds4_st_open(path, &s->files[i]));
+    s->elements[i] = elements;
     for (int k = 0; k < 3; k++) {
         ds4_tensor_loc *loc = &s->locs[3 * i + k];
         DS4_TRY(ds4_st_locate(s->files[i], k_arrays[k], loc));
@@ -151,14 +162,19 @@ static ds4_status open_file(ds4_ckpt_shards *s, const char *index, int i, const 
     if (!ds4_grow((void **)&s->ranges, &s->cap, s->nranges + nr, sizeof(src_range)))
         return ds4_fail(DS4_ERR_OOM, "%s: out of memory reading the index", index);
     const cJSON *r;
+    int64_t j = 0;
     cJSON_ArrayForEach(r, rs) {
         src_range x = {.file = i};
+        /* each value <= 2^53, so foff + len cannot overflow */
         if (!cJSON_IsArray(r) || cJSON_GetArraySize(r) != 3 || !json_i64(cJSON_GetArrayItem(r, 0), &x.poff) ||
             !json_i64(cJSON_GetArrayItem(r, 1), &x.foff) || !json_i64(cJSON_GetArrayItem(r, 2), &x.len) ||
             x.foff + x.len > elements)
-            return ds4_fail(DS4_ERR_FORMAT, "%s: files[%d] (%s): a range is not [packed offset, offset < %lld, length]",
-                            index, i, name->valuestring, (long long)elements);
-        s->ranges[s->nranges++] = x;
+            return ds4_fail(DS4_ERR_FORMAT,
+                            "%s: files[%d] (%s): key ranges[%lld]: expected [packed offset, offset, length] "
+                            "of non-negative integers with offset + length <= elements = %lld",
+                            index, i, name->valuestring, (long long)j, (long long)elements);
+        if (x.len > 0) s->ranges[s->nranges++] = x; /* an empty range holds nothing (and would confuse the search) */
+        j++;
     }
     return DS4_OK;
 }
@@ -167,13 +183,16 @@ static ds4_status open_file(ds4_ckpt_shards *s, const char *index, int i, const 
 static ds4_status check_tiling(const ds4_ckpt_shards *s, const char *index, int64_t n) {
     int64_t at = 0;
     for (int64_t i = 0; i < s->nranges && at <= n; i++) {
-        if (s->ranges[i].poff != at)
-            return ds4_fail(DS4_ERR_FORMAT, "%s: packed elements from %lld are %s", index, (long long)at,
-                            s->ranges[i].poff > at ? "in no file" : "in two files");
+        if (s->ranges[i].poff > at)
+            return ds4_fail(DS4_ERR_FORMAT, "%s: key ranges: packed elements [%lld, %lld) are in no file", index,
+                            (long long)at, (long long)s->ranges[i].poff);
+        if (s->ranges[i].poff < at) /* at > 0 here, so there is a range before */
+            return ds4_fail(DS4_ERR_FORMAT, "%s: key ranges: packed element %lld is in files[%d] and files[%d]", index,
+                            (long long)s->ranges[i].poff, s->ranges[i - 1].file, s->ranges[i].file);
         at += s->ranges[i].len;
     }
     if (at != n)
-        return ds4_fail(DS4_ERR_FORMAT, "%s: the files hold %lld packed elements, this model has %lld", index,
+        return ds4_fail(DS4_ERR_FORMAT, "%s: key ranges: the files hold %lld packed elements, packed_numel is %lld", index,
                         (long long)at, (long long)n);
     return DS4_OK;
 }
@@ -191,10 +210,16 @@ static ds4_status parse_index(ds4_ckpt_shards *s, const char *index, const cJSON
                         (long long)packed, (long long)n);
     if (!cJSON_IsArray(files) || cJSON_GetArraySize(files) < 1)
         return ds4_fail(DS4_ERR_FORMAT, "%s: key files: expected a non-empty array", index);
+    int64_t world;
+    if (!json_i64(cJSON_GetObjectItemCaseSensitive(j, "world"), &world) || world != cJSON_GetArraySize(files))
+        return ds4_fail(DS4_ERR_FORMAT, "%s: key world: expected the number of files (%d), one per rank", index,
+                        cJSON_GetArraySize(files));
     s->nfiles = cJSON_GetArraySize(files);
+    s->packed = packed;
     s->files = ds4_calloc(DS4_MEM_OTHER, (size_t)s->nfiles * sizeof *s->files);
     s->locs = ds4_calloc(DS4_MEM_OTHER, (size_t)s->nfiles * 3 * sizeof *s->locs);
-    if (!s->files || !s->locs) return ds4_fail(DS4_ERR_OOM, "%s: out of memory opening the files", index);
+    s->elements = ds4_calloc(DS4_MEM_OTHER, (size_t)s->nfiles * sizeof *s->elements);
+    if (!s->files || !s->locs || !s->elements) return ds4_fail(DS4_ERR_OOM, "%s: out of memory opening the files", index);
     for (int i = 0; i < s->nfiles; i++) DS4_TRY(open_file(s, index, i, cJSON_GetArrayItem(files, i)));
     if (s->nranges > 1) qsort(s->ranges, (size_t)s->nranges, sizeof *s->ranges, cmp_range);
     return check_tiling(s, index, packed);
@@ -243,6 +268,7 @@ void ds4_ckpt_shards_close(ds4_ckpt_shards *s) {
     for (int i = 0; s->files && i < s->nfiles; i++) ds4_st_close(s->files[i]);
     ds4_free(s->files);
     ds4_free(s->locs);
+    ds4_free(s->elements);
     ds4_free(s->ranges);
     ds4_free(s);
 }
@@ -250,6 +276,16 @@ void ds4_ckpt_shards_close(ds4_ckpt_shards *s) {
 int64_t ds4_ckpt_shards_step(const ds4_ckpt_shards *s) { return s->step; }
 bool ds4_ckpt_shards_muon(const ds4_ckpt_shards *s) { return s->muon; }
 const char *ds4_ckpt_shards_first_file(const ds4_ckpt_shards *s) { return ds4_st_path(s->files[0]); }
+
+int ds4_ckpt_shards_nfiles(const ds4_ckpt_shards *s) { return s->nfiles; }
+const ds4_st_file *ds4_ckpt_shards_file(const ds4_ckpt_shards *s, int i) { return s->files[i]; }
+int64_t ds4_ckpt_shards_elements(const ds4_ckpt_shards *s, int i) { return s->elements[i]; }
+int64_t ds4_ckpt_shards_packed_numel(const ds4_ckpt_shards *s) { return s->packed; }
+int64_t ds4_ckpt_shards_nranges(const ds4_ckpt_shards *s) { return s->nranges; }
+ds4_ckpt_range ds4_ckpt_shards_range(const ds4_ckpt_shards *s, int64_t i) {
+    const src_range *r = &s->ranges[i];
+    return (ds4_ckpt_range){.file = r->file, .poff = r->poff, .foff = r->foff, .len = r->len};
+}
 
 void ds4_ckpt_shards_select(ds4_ckpt_shards *s, ds4_ckpt_array which) { s->which = (int)which; }
 
