@@ -68,27 +68,30 @@ static void piece_layout(const piece *p, int n, int64_t *counts, int64_t *displs
 }
 
 /* ------------------------------------------------------------------ hooks: FSDP */
+/* Maps piece p's range and all-gathers the ranks' parts of it there: blocking (req NULL) or started (*req). */
+static ds4_status gather_piece(ds4_fsdp *f, const piece *p, ds4_comm_req **req) {
+    ds4_comm *c = piece_comm(f, p);
+    int n = ds4_comm_size(c);
+    int64_t *cd = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)n);
+    if (!cd) return DS4_ERR_OOM;
+    piece_layout(p, n, cd, cd + n);
+    float *dst = ds4_model_params_flat(f->m) + p->start;
+    ds4_status st = ds4_model_map(f->m, p->start, p->map_end, false);
+    if (st == DS4_OK)
+        st = req ? ds4_comm_iallgatherv(c, f->sp + p->shard_off, p->len, dst, cd, cd + n, sizeof(float), req)
+                 : ds4_comm_allgatherv(c, f->sp + p->shard_off, p->len, dst, cd, cd + n, sizeof(float));
+    ds4_free(cd);
+    return st;
+}
+
 /* Overlapped gathers (depth > 0): start maps the group's ranges and starts one all-gather per piece;
  * finish waits for them. */
 static ds4_status gather_start(ds4_fsdp *f, int64_t group) {
     overlap *o = f->ov;
-    float *flat = ds4_model_params_flat(f->m);
     ds4_status st = DS4_OK;
     o->w_flight[group] = true;
-    for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++) {
-        piece *p = &f->pieces[i];
-        if (p->group != group) continue;
-        ds4_comm *c = piece_comm(f, p);
-        int n = ds4_comm_size(c);
-        int64_t *cd = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)n);
-        if (!cd) return DS4_ERR_OOM;
-        piece_layout(p, n, cd, cd + n);
-        st = ds4_model_map(f->m, p->start, p->map_end, false);
-        if (st == DS4_OK)
-            st = ds4_comm_iallgatherv(c, f->sp + p->shard_off, p->len, flat + p->start, cd, cd + n, sizeof(float),
-                                      &o->wreq[i]);
-        ds4_free(cd);
-    }
+    for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++)
+        if (f->pieces[i].group == group) st = gather_piece(f, &f->pieces[i], &o->wreq[i]);
     return st;
 }
 
@@ -125,20 +128,9 @@ static ds4_status hook_gather(void *ctx, int64_t group) {
         ds4_status w = gather_finish(f, group);
         return st != DS4_OK ? st : w;
     }
-    float *flat = ds4_model_params_flat(f->m);
     ds4_status st = DS4_OK;
-    for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++) {
-        piece *p = &f->pieces[i];
-        if (p->group != group) continue;
-        ds4_comm *c = piece_comm(f, p);
-        int n = ds4_comm_size(c);
-        int64_t *cd = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)n);
-        if (!cd) return DS4_ERR_OOM;
-        piece_layout(p, n, cd, cd + n);
-        st = ds4_model_map(f->m, p->start, p->map_end, false);
-        if (st == DS4_OK) st = ds4_comm_allgatherv(c, f->sp + p->shard_off, p->len, flat + p->start, cd, cd + n, sizeof(float));
-        ds4_free(cd);
-    }
+    for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++)
+        if (f->pieces[i].group == group) st = gather_piece(f, &f->pieces[i], NULL);
     f->w_mapped[group] = true;
     return st;
 }
