@@ -7,6 +7,7 @@
  * One writer: rank 0 gathers the shards region by region and writes model.safetensors + optim.state.
  * Per rank (checkpoint.per_rank): every rank writes its own shard file at the same time. */
 #include "ds4/trainer.h"
+#include "stats.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,11 +18,6 @@ static double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 /* Seconds of each of `saves` saves (all ranks done: a save returns every rank's outcome) into t [saves]. */
@@ -69,10 +65,7 @@ int main(int argc, char **argv) {
     int64_t numel = 0;
     for (int k = 0; k < 2 && st == DS4_OK; k++) {
         st = time_saves(&c, world, ep, k == 1, root[k], saves, t[k], &numel);
-        double sorted[100];
-        memcpy(sorted, t[k], (size_t)saves * sizeof(double));
-        qsort(sorted, (size_t)saves, sizeof(double), cmp_double);
-        med[k] = sorted[saves / 2];
+        med[k] = bench_median(t[k], saves);
     }
     if (st != DS4_OK) {
         fprintf(stderr, "error: rank %d: %s\n", rank, ds4_errmsg());

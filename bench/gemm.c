@@ -13,6 +13,7 @@
 
 #include "ds4/core.h"
 #include "kernels/kernels.h"
+#include "stats.h"
 
 typedef void (*gemm_fn)(int64_t, int64_t, int64_t, const float *, int64_t, const float *, int64_t, float *,
                         int64_t, float);
@@ -46,16 +47,6 @@ static const shape SHAPES[] = {
     {"expert down 512 tok 512->256", 'n', 512, 256, 512, false},
     {"expert dw   up", 't', 512, 256, 512, false},
 };
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *t, int n) {
-    qsort(t, (size_t)n, sizeof(double), cmp_double);
-    return t[n / 2];
-}
 
 static void call(gemm_fn f, const shape *s, const float *A, const float *B, float *C) {
     int64_t lda = s->op == 't' ? s->M : s->K, ldb = s->op == 'n' ? s->K : s->N;
@@ -137,7 +128,7 @@ int main(int argc, char **argv) {
             printf("%-30s %-3s %6lld %6lld %6lld %4d", s->what, opname, (long long)s->M, (long long)s->N,
                    (long long)s->K, th);
             for (int i = 0; i < nall; i++) {
-                if (i < ne) printf(" %15.1f", flop / median(all[i].t, runs) * 1e-9);
+                if (i < ne) printf(" %15.1f", flop / bench_median(all[i].t, runs) * 1e-9);
                 else printf(" %15s", "-");
             }
             printf("\n");

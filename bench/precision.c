@@ -18,6 +18,7 @@
 #include "ds4/dist.h"
 #include "ds4/model.h"
 #include "ds4/trainer.h"
+#include "stats.h"
 
 #define MAX_STEPS 64
 
@@ -70,18 +71,6 @@ static ds4_status timed_step(precision_run *run, int k, int32_t *ids, int64_t *l
     return DS4_OK;
 }
 
-static int cmp_double(const void *x, const void *y) {
-    double a = *(const double *)x, b = *(const double *)y;
-    return a < b ? -1 : a > b;
-}
-
-static double median(const double *t, int n) {
-    double s[MAX_STEPS];
-    memcpy(s, t, (size_t)n * sizeof(double));
-    qsort(s, (size_t)n, sizeof(double), cmp_double);
-    return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
-}
-
 static double mib(int64_t b) { return (double)b / (1024.0 * 1024.0); }
 
 int main(int argc, char **argv) {
@@ -132,9 +121,9 @@ int main(int argc, char **argv) {
            (long long)B, (long long)T, threads, steps);
     printf("| precision | step s (median) | vs fp32 | ACT bytes / token / layer | ACT peak MiB | step peak MiB | "
            "loss (last step) |\n|---|---:|---:|---:|---:|---:|---:|\n");
-    const double t0 = median(runs[0].t, steps);
+    const double t0 = bench_median(runs[0].t, steps);
     for (int r = 0; r < 2; r++) {
-        const double t = median(runs[r].t, steps);
+        const double t = bench_median(runs[r].t, steps);
         printf("| %s | %.3f | %.2fx | %.0f | %.1f | %.1f | %.6f |\n", runs[r].name, t, t0 / t,
                (double)runs[r].act_layer_bytes / (double)(B * T) / (double)c.n_layers, mib(runs[r].peak[DS4_MEM_ACT]),
                mib(runs[r].peak_total), runs[r].loss);

@@ -32,6 +32,7 @@
 #include "ds4/memplan.h"
 #include "ds4/model.h"
 #include "ds4/recompute.h"
+#include "stats.h"
 
 /* The measured table runs the recompute settings of memplan's policy list (its first entries, without
  * offload: the measured step is forward + backward, which the offload options do not change). */
@@ -79,18 +80,6 @@ static ds4_status one_step(ds4_model *m, const int32_t *ids, int64_t B, int64_t 
         r->same_memory = false;
     }
     return st;
-}
-
-static int cmp_double(const void *x, const void *y) {
-    double a = *(const double *)x, b = *(const double *)y;
-    return a < b ? -1 : a > b;
-}
-
-static double median(const double *t, int n) {
-    double s[MAX_STEPS];
-    memcpy(s, t, (size_t)n * sizeof(double));
-    qsort(s, (size_t)n, sizeof(double), cmp_double);
-    return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
 }
 
 static double minimum(const double *t, int n) {
@@ -319,11 +308,11 @@ static int measured_table(const char *cfg_path, int64_t B, int64_t T, int steps,
            "| min step (s) | extra compute vs off (median) | (min) | losses == off |\n");
     printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|\n");
     const result *off = &res[0];
-    double med_off = median(off->t, steps), min_off = minimum(off->t, steps);
+    double med_off = bench_median(off->t, steps), min_off = minimum(off->t, steps);
     bool all_same = true;
     for (int k = 0; k < NPOL; k++) {
         const result *r = &res[k];
-        double med = median(r->t, steps), mn = minimum(r->t, steps);
+        double med = bench_median(r->t, steps), mn = minimum(r->t, steps);
         bool same = r->loss == off->loss && r->total == off->total;
         all_same = all_same && same && r->same_memory;
         printf("| %s | %.2f | %.1f%% | %.2f | %.1f%% | %.3f | %.3f | %+.1f%% | %+.1f%% | %s |\n",

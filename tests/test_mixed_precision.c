@@ -17,39 +17,29 @@
 
 #define STEPS 2
 
-typedef struct {
-    const char *name;
-    const char *argv[12];
-    bool swap_optimizer, swap_layer_input;
-} policy;
-
-static const policy k_policies[] = {
-    {"off", {NULL}, false, false},
-    {"csa+mhc+norm", {"--recompute-csa-attention", "--mhc-recompute", "--recompute-norm", NULL}, false, false},
-    {"full-block-1+csa+mhc",
-     {"--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1",
-      "--recompute-csa-attention", "--mhc-recompute", NULL}, false, false},
-    {"full-uniform", {"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
-      NULL}, false, false},
-    {"swap-layer-input+full", {"--recompute-granularity", "full", "--recompute-method", "uniform",
-      "--recompute-num-layers", "1", NULL}, false, true},
-    {"swap-optimizer+swap-layer-input", {NULL}, true, true},
+/* Recompute and offload policies as memplan's list spells them (flags as on the command line). */
+static const char *const k_off[] = {NULL};
+static const char *const k_fine[] = {"--recompute-csa-attention", "--mhc-recompute", "--recompute-norm", NULL};
+static const char *const k_full_block_csa_mhc[] = {"--recompute-granularity", "full", "--recompute-method", "block",
+                                                   "--recompute-num-layers", "1", "--recompute-csa-attention",
+                                                   "--mhc-recompute", NULL};
+static const char *const k_full[] = {"--recompute-granularity", "full", "--recompute-method", "uniform",
+                                     "--recompute-num-layers", "1", NULL};
+static const ds4_memplan_policy k_policies[] = {
+    {"off", k_off, false, false},
+    {"csa+mhc+norm", k_fine, false, false},
+    {"full-block-1+csa+mhc", k_full_block_csa_mhc, false, false},
+    {"full-uniform", k_full, false, false},
+    {"swap-layer-input+full", k_full, false, true},
+    {"swap-optimizer+swap-layer-input", k_off, true, true},
 };
 #define NPOL ((int)(sizeof k_policies / sizeof k_policies[0]))
 
-static ds4_status policy_masks(const policy *p, const ds4_config *c, uint32_t *masks, bool *any) {
-    ds4_recompute_cfg r;
-    ds4_recompute_defaults(&r);
-    int argc = 0;
-    while (p->argv[argc]) argc++;
-    for (int i = 0; i < argc; i++) {
-        bool used;
-        DS4_TRY(ds4_recompute_parse_arg(&r, argc, (char **)p->argv, &i, &used));
-        if (!used) return ds4_fail(DS4_ERR_ARG, "unknown flag %s", p->argv[i]);
-    }
-    DS4_TRY(ds4_recompute_validate(&r, c));
-    ds4_recompute_masks(&r, c, masks);
-    *any = ds4_recompute_any(&r);
+/* masks [DS4_MAX_LAYERS] of policy p; *any: whether it recomputes anything. */
+static ds4_status policy_masks(const ds4_memplan_policy *p, const ds4_config *c, uint32_t *masks, bool *any) {
+    ds4_step_opts so = {0};
+    DS4_TRY(ds4_memplan_policy_opts(p, c, masks, &so));
+    *any = so.masks != NULL;
     return DS4_OK;
 }
 
@@ -62,7 +52,7 @@ typedef struct {
 static const ds4_adamw_cfg k_adamw = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
 
 /* STEPS trainer steps (ds4_train_step) of a whole state from seed 21 on fixed ids. */
-static bool run_steps(const ds4_config *c, const policy *pol, bool bf16, int64_t B, int64_t T, run_result *out) {
+static bool run_steps(const ds4_config *c, const ds4_memplan_policy *pol, bool bf16, int64_t B, int64_t T, run_result *out) {
     uint32_t masks[DS4_MAX_LAYERS];
     bool any = false;
     if (policy_masks(pol, c, masks, &any) != DS4_OK) return false;
