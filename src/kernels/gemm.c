@@ -51,8 +51,7 @@ void gemm_pack_b_f32(float *dst, int64_t NR, gemm_view B, int64_t k0, int64_t kc
 
 /* In place: every value of a packed fp32 panel rounded to bf16 (gemm_bf16_round; zeros stay zeros). */
 static void round_panel_bf16(void *panel, size_t bytes) {
-    float *p = panel;
-    for (size_t i = 0; i < bytes / sizeof(float); i++) p[i] = gemm_bf16_round(p[i]);
+    bf16_round_array(panel, (int64_t)(bytes / sizeof(float)));
 }
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }

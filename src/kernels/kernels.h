@@ -24,6 +24,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "ds4/core.h"
 #include "ds4/kernels.h"
@@ -66,6 +67,23 @@ static inline void gemm_workspace_release(void) {
  * NaN stays a (quiet) NaN, ±Inf stays, fp32 denormals become ±0 (AMX treats bf16 denormals as 0 anyway). */
 uint16_t gemm_bf16_bits(float x);
 float gemm_bf16_round(float x); /* gemm_bf16_bits widened back to float */
+/* The same rounding on an fp32 bit pattern u, giving the fp32 bits of the result (low 16 bits zero).
+ * Branch-free, so the loops that round whole arrays (GEMM panels, bf16 activations) vectorize. */
+static inline uint32_t bf16_round_u32(uint32_t u) {
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u; /* nearest even; ±Inf stays */
+    const uint32_t quiet_nan = (u | 0x00400000u) & 0xffff0000u;
+    const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+    return (u & 0x7f800000u) == 0 ? u & 0x80000000u : r; /* ±0 and denormals: a zero of the same sign */
+}
+/* x [n] in place: each value gemm_bf16_round(x). */
+static inline void bf16_round_array(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) { /* memcpy: the bit cast without breaking aliasing rules (compiles to moves) */
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        u = bf16_round_u32(u);
+        memcpy(x + i, &u, sizeof u);
+    }
+}
 
 /* Linear layer without bias. out: [N, OC], inp: [N, IC], w: [OC, IC]. */
 static inline void linear_fwd(float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC) {

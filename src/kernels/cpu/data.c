@@ -11,18 +11,26 @@ void cpu_tensor_zero(void *dst, size_t bytes) { memset(dst, 0, bytes); }
 
 /* bf16 activations: element by element, so the bits do not depend on the thread count. */
 void cpu_tensor_round_bf16(float *x, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > 65536)
-    for (int64_t i = 0; i < n; i++) x[i] = gemm_bf16_round(x[i]);
+    const int64_t chunk = 16384; /* element-wise: the bits do not depend on how the chunks are shared */
+#pragma omp parallel for schedule(static) if (n > 4 * chunk)
+    for (int64_t i = 0; i < n; i += chunk) bf16_round_array(x + i, n - i < chunk ? n - i : chunk);
 }
 
 void cpu_tensor_pack_bf16(uint16_t *dst, const float *src, int64_t n) {
 #pragma omp parallel for schedule(static) if (n > 65536)
-    for (int64_t i = 0; i < n; i++) dst[i] = gemm_bf16_bits(src[i]);
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, src + i, sizeof u);
+        dst[i] = (uint16_t)(bf16_round_u32(u) >> 16);
+    }
 }
 
 void cpu_tensor_unpack_bf16(float *dst, const uint16_t *src, int64_t n) {
 #pragma omp parallel for schedule(static) if (n > 65536)
-    for (int64_t i = 0; i < n; i++) dst[i] = ds4_bf16_to_f32(src[i]);
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &u, sizeof u);
+    }
 }
 
 /* out[b, t] = ids[b, t + shift] while t + shift < T, else fill. out, ids: [B, T]. */

@@ -13,14 +13,16 @@
 uint16_t gemm_bf16_bits(float x) {
     uint32_t u;
     memcpy(&u, &x, sizeof u);
-    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);         /* ±0, denormal */
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN: quiet */
-    if ((u & 0x7fffffffu) == 0x7f800000u) return (uint16_t)(u >> 16);          /* ±Inf */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    return (uint16_t)(bf16_round_u32(u) >> 16);
 }
 
-float gemm_bf16_round(float x) { return ds4_bf16_to_f32(gemm_bf16_bits(x)); }
+float gemm_bf16_round(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = bf16_round_u32(u);
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
 
 /* C[M,N] = beta·C + A·B with A[i,k] = A[i·ars + k·acs], B[k,j] = B[k·brs + j·bcs]; beta 0 does not
  * read C. Each element: double sum over k ascending of bf16(A)·bf16(B). */
