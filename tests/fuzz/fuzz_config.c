@@ -1,6 +1,7 @@
 /* libFuzzer target: config.json text -> parse + validate, then (small configs) the expected tensor
  * table. An accepted config must validate; a rejected one must carry a message naming the file. */
 #include "ds4/io.h"
+#include "ds4/model.h"
 
 #include <stdint.h>
 #include <stdlib.h>
