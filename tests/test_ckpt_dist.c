@@ -16,6 +16,7 @@
 #include "ds4/offload.h"
 #include "ds4/trainer.h"
 #include "test.h"
+#include "test_mpi.h"
 
 #include <signal.h>
 #include <sys/resource.h>
@@ -133,30 +134,10 @@ static int child_main(const char *mode) {
 /* ------------------------------------------------------------------ the parent */
 /* Runs this binary under mpirun with `ranks` ranks in `mode`; every rank must pass. */
 static void under_mpirun(int ranks, const char *mode) {
-    char self[4096];
-    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
-    CHECK(k > 0);
-    if (k <= 0) return;
-    self[k] = 0;
-    char cmd[8192];
-    snprintf(cmd, sizeof cmd,
-             "ASAN_OPTIONS=detect_leaks=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
-             "OMPI_MCA_rmaps_base_oversubscribe=1 OMP_NUM_THREADS=1 timeout 120 mpirun -np %d --bind-to none '%s' "
-             "--child %s '%s' 2>&1",
-             ranks, self, mode, g_dir);
-    FILE *pf = popen(cmd, "r");
-    CHECK(pf != NULL, "cannot run mpirun");
-    if (!pf) return;
-    char line[4096];
-    int ok_ranks = 0;
-    while (fgets(line, sizeof line, pf)) {
-        fputs(line, stderr);
-        int r, a, b;
-        if (sscanf(line, "rank %d: %d ok, %d not ok", &r, &a, &b) == 3 && b == 0 && a > 0) ok_ranks++;
-    }
-    int rc = pclose(pf);
-    CHECK(rc == 0, "mpirun -np %d (%s) exited with %d", ranks, mode, rc);
-    CHECK(ok_ranks == ranks, "%d of %d ranks passed (%s)", ok_ranks, ranks, mode);
+    char args[4096];
+    snprintf(args, sizeof args, "--child %s '%s'", mode, g_dir);
+    const int ok = t_mpirun_self(ranks, args, 0);
+    CHECK(ok == ranks, "%d of %d ranks passed (%s)", ok, ranks, mode);
 }
 
 /* A whole model and AdamW state as a checkpoint loads them. */

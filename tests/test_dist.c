@@ -19,6 +19,7 @@
 #include "ds4/recompute.h"
 #include "ds4/train.h"
 #include "test.h"
+#include "test_mpi.h"
 
 #include <cjson/cJSON.h>
 #include <unistd.h>
@@ -582,31 +583,8 @@ static int child_main(void) {
 
 /* The parent: runs `ranks` ranks under mpirun and checks that every rank passed all `checks`. */
 static void under_mpirun(int ranks, int checks) {
-    char self[4096];
-    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
-    CHECK(k > 0);
-    if (k <= 0) return;
-    self[k] = 0;
-    char cmd[8192];
-    /* Open MPI keeps some of its own allocations to the end of the process: leak checks stay on in the
-     * one-process tests above, off for the ranks */
-    snprintf(cmd, sizeof cmd,
-             "ASAN_OPTIONS=detect_leaks=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 "
-             "OMP_NUM_THREADS=1 mpirun -np %d --bind-to none '%s' --child 2>&1",
-             ranks, self);
-    FILE *pf = popen(cmd, "r");
-    CHECK(pf != NULL, "cannot run mpirun");
-    if (!pf) return;
-    char line[4096];
-    int ok_ranks = 0;
-    while (fgets(line, sizeof line, pf)) {
-        fputs(line, stderr);
-        int r, a, b;
-        if (sscanf(line, "rank %d: %d ok, %d not ok", &r, &a, &b) == 3 && b == 0 && a == checks) ok_ranks++;
-    }
-    int rc = pclose(pf);
-    CHECK(rc == 0, "mpirun -np %d exited with %d", ranks, rc);
-    CHECK(ok_ranks == ranks, "%d of %d ranks passed all %d checks", ok_ranks, ranks, checks);
+    const int ok = t_mpirun_self(ranks, "--child", checks);
+    CHECK(ok == ranks, "%d of %d ranks passed all %d checks", ok, ranks, checks);
 }
 
 static void test_two_ranks(void) { under_mpirun(2, 18); }
