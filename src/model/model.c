@@ -237,13 +237,8 @@ static void stream_round(ds4_pass *p, int64_t l) {
 }
 
 static ds4_status stream_convert(ds4_pass *p, int64_t l, bool to_bf16) {
-    const int64_t n = stream_numel(p);
-    void *to = ds4_alloc(DS4_MEM_ACT, (size_t)n * (to_bf16 ? sizeof(uint16_t) : sizeof(float)));
-    if (!to) return ds4_fail(DS4_ERR_OOM, "out of memory converting layer %lld's input stream", (long long)l);
-    if (to_bf16) tensor_pack_bf16(to, p->X[l], n);
-    else tensor_unpack_bf16(to, (const uint16_t *)p->X[l], n);
-    ds4_free(p->X[l]);
-    p->X[l] = to;
+    if (act_convert_bf16((void **)&p->X[l], stream_numel(p), to_bf16) != DS4_OK)
+        return ds4_fail(DS4_ERR_OOM, "out of memory converting layer %lld's input stream", (long long)l);
     p->X_bf16[l] = to_bf16;
     stream_rebind(p, l);
     return DS4_OK;

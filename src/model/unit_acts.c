@@ -86,16 +86,23 @@ static void round_outputs(block_acts *a, unit_id u) {
         if (slot_bf16(a, u, s)) tensor_round_bf16(F32(u, s), (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(float)));
 }
 
+ds4_status act_convert_bf16(void **buf, int64_t n, bool to_bf16) {
+    void *to = ds4_alloc(DS4_MEM_ACT, (size_t)n * (to_bf16 ? sizeof(uint16_t) : sizeof(float)));
+    if (!to) return DS4_ERR_OOM;
+    if (to_bf16) tensor_pack_bf16(to, *buf, n);
+    else tensor_unpack_bf16(to, *buf, n);
+    ds4_free(*buf);
+    *buf = to;
+    return DS4_OK;
+}
+
 static ds4_status pack_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
     for (int s = 0; s < UNIT_MAX_OUTS; s++) {
         if (!slot_bf16(a, u, s) || (a->packed[u] >> s & 1u)) continue;
         const int64_t n = (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(float));
-        uint16_t *h = ds4_alloc(DS4_MEM_ACT, (size_t)n * sizeof(uint16_t));
-        if (!h) return ds4_fail(DS4_ERR_OOM, "out of memory holding block %lld's %s in bf16", (long long)bc->layer,
-                                unit_name(u));
-        tensor_pack_bf16(h, F32(u, s), n);
-        ds4_free(a->out[u][s]);
-        a->out[u][s] = h;
+        if (act_convert_bf16(&a->out[u][s], n, true) != DS4_OK)
+            return ds4_fail(DS4_ERR_OOM, "out of memory holding block %lld's %s in bf16", (long long)bc->layer,
+                            unit_name(u));
         a->packed[u] |= (uint8_t)(1u << s);
     }
     return DS4_OK;
@@ -105,12 +112,9 @@ static ds4_status unpack_outputs(const block_ctx *bc, block_acts *a, unit_id u) 
     for (int s = 0; s < UNIT_MAX_OUTS; s++) {
         if (!(a->packed[u] >> s & 1u)) continue;
         const int64_t n = (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(uint16_t));
-        float *f = ds4_alloc(DS4_MEM_ACT, (size_t)n * sizeof(float));
-        if (!f) return ds4_fail(DS4_ERR_OOM, "out of memory widening block %lld's %s from bf16", (long long)bc->layer,
-                                unit_name(u));
-        tensor_unpack_bf16(f, a->out[u][s], n);
-        ds4_free(a->out[u][s]);
-        a->out[u][s] = f;
+        if (act_convert_bf16(&a->out[u][s], n, false) != DS4_OK)
+            return ds4_fail(DS4_ERR_OOM, "out of memory widening block %lld's %s from bf16", (long long)bc->layer,
+                            unit_name(u));
         a->packed[u] &= (uint8_t)~(1u << s);
     }
     return DS4_OK;
