@@ -760,33 +760,49 @@ typedef struct {
     int64_t n;
 } pipe_out;
 
-/* Indexer top-k → attention forward/backward → indexer KL, at a given thread count. */
-static pipe_out run_pipeline(const ainputs *a, const iinputs *x, int threads) {
+/* bf16 bits of x [n] (rounded by the activations' rounding), malloc'd. */
+static uint16_t *bf16_bits(const float *x, int64_t n) {
+    uint16_t *h = malloc((size_t)(n > 0 ? n : 1) * sizeof(uint16_t));
+    for (int64_t i = 0; i < n; i++) h[i] = gemm_bf16_bits(x[i]);
+    return h;
+}
+
+/* Indexer top-k → attention forward/backward → indexer KL, at a given thread count. bf16: the keys (kv,
+ * kvc, ki) are passed as bf16 bits of their values (which the caller has rounded), the fp32 ones not at all. */
+static pipe_out run_pipeline_keys(const ainputs *a, const iinputs *x, int threads, bool bf16) {
     acfg g = a->g;
     int64_t nq = g.B * g.T * g.H * g.c, nkv = g.B * g.T * g.c, nkvc = g.B * g.Nc * g.c, nl = g.B * g.T * g.H;
     int64_t nqi = g.B * g.T * x->HI * x->dI, nki = g.B * g.Nc * x->dI, nw = g.B * g.T * x->HI;
+    uint16_t *kv16 = bf16 ? bf16_bits(a->kv, nkv) : NULL, *kvc16 = bf16 ? bf16_bits(a->kvc, nkvc) : NULL;
+    uint16_t *ki16 = bf16 ? bf16_bits(x->ki, nki) : NULL;
+    const float *kv = bf16 ? NULL : a->kv, *kvc = bf16 ? NULL : a->kvc, *ki = bf16 ? NULL : x->ki;
     int saved = omp_get_max_threads();
     omp_set_num_threads(threads);
     pipe_out r = {0};
     r.topk = g.use_topk ? malloc(g.B * g.T * g.K * 4) : NULL;
     if (r.topk)
         indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = g.B, .T = g.T, .HI = x->HI, .dI = x->dI, .Nc = g.Nc,
-            .ratio = g.ratio, .K = g.K}, .wscale = (float)x->wscale, .qi = x->qi, .ki = x->ki, .w = x->w,
+            .ratio = g.ratio, .K = g.K}, .wscale = (float)x->wscale, .qi = x->qi, .ki = ki, .ki16 = ki16, .w = x->w,
             .topk = r.topk});
     r.o = malloc(nq * 4), r.l = malloc(nl * 4);
-    sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a->scale, .q = a->q, .kv = a->kv,
-        .kvc = a->kvc, .sink = a->sink, .topk = r.topk, .o = r.o, .lse = r.l});
+    sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a->scale, .q = a->q, .kv = kv,
+        .kvc = kvc, .kv16 = kv16, .kvc16 = kvc16, .sink = a->sink, .topk = r.topk, .o = r.o, .lse = r.l});
     r.dq = calloc(nq, 4), r.dkv = calloc(nkv, 4), r.dkvc = calloc(nkvc, 4), r.ds = calloc(g.H, 4);
-    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a->scale, .q = a->q, .kv = a->kv,
-        .kvc = a->kvc, .sink = a->sink, .topk = r.topk, .o = r.o, .lse = r.l},
+    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a->scale, .q = a->q, .kv = kv,
+        .kvc = kvc, .kv16 = kv16, .kvc16 = kvc16, .sink = a->sink, .topk = r.topk, .o = r.o, .lse = r.l},
         &(sparse_attn_grads){.dout = a->q /* any dO */, .dq = r.dq, .dkv = r.dkv, .dkvc = r.dkvc, .dsink = r.ds});
     r.dqi = calloc(nqi, 4), r.dki = calloc(nki, 4), r.dw = calloc(nw, 4);
     indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = g.B, .T = g.T, .HI = x->HI, .dI = x->dI, .Nc = g.Nc,
         .ratio = g.ratio, .K = g.K}, .H = g.H, .c = g.c, .scale = (float)a->scale, .wscale = (float)x->wscale,
-        .grad_scale = 0.01f, .qi = x->qi, .ki = x->ki, .w = x->w, .q = a->q, .kvc = a->kvc, .lse = r.l, .topk = r.topk,
-        .dqi = r.dqi, .dki = r.dki, .dw = r.dw, .kl_sum = &r.kl, .n_rows = &r.n});
+        .grad_scale = 0.01f, .qi = x->qi, .ki = ki, .ki16 = ki16, .w = x->w, .q = a->q, .kvc = kvc, .kvc16 = kvc16,
+        .lse = r.l, .topk = r.topk, .dqi = r.dqi, .dki = r.dki, .dw = r.dw, .kl_sum = &r.kl, .n_rows = &r.n});
     omp_set_num_threads(saved);
+    free(kv16), free(kvc16), free(ki16);
     return r;
+}
+
+static pipe_out run_pipeline(const ainputs *a, const iinputs *x, int threads) {
+    return run_pipeline_keys(a, x, threads, false);
 }
 
 static void pipe_free(pipe_out *r) {
@@ -831,6 +847,33 @@ static void test_determinism_threads(void) {
     }
 }
 
+/* Mixed precision: attention, the indexer top-k and the indexer KL reading bf16 keys give the bits of the
+ * same kernels reading fp32 keys that hold the same (rounded) values: outputs, lse, top-k, KL and every
+ * gradient, forward and backward. Shapes: the layer kinds of k_cfgs (head dims 11 and 32, so the scalar
+ * tails and a last block of fewer than 4 heads run), the determinism shapes, indexer dims 5 and 16; 1 and
+ * 3 threads. A sanity check that the inputs were not already bf16: unrounded keys give other bits. */
+static void test_bf16_keys_match_rounded_fp32(void) {
+    static const acfg extra[] = {{2, 64, 4, 32, 16, 4, 16, 4, 1}, {3, 50, 4, 32, 40, 4, 12, 4, 1},
+                                 {2, 40, 4, 16, 64, 16, 2, 0, 0}};
+    const int ncfg = N_CFGS + (int)(sizeof extra / sizeof extra[0]);
+    for (int ci = 0; ci < ncfg; ci++) {
+        acfg g = ci < N_CFGS ? k_cfgs[ci] : extra[ci - N_CFGS];
+        ainputs a = ain_make(g, 1600 + ci);
+        iinputs x = iin_make(g, ci % 2 ? 3 : 4, ci % 2 ? 5 : 16, 1700 + ci);
+        int64_t nkv = g.B * g.T * g.c, nkvc = g.B * g.Nc * g.c, nki = g.B * g.Nc * x.dI;
+        pipe_out raw = run_pipeline(&a, &x, 1);
+        tensor_round_bf16(a.kv, nkv), tensor_round_bf16(a.kvc, nkvc), tensor_round_bf16(x.ki, nki);
+        for (int th = 1; th <= 3; th += 2) {
+            pipe_out f = run_pipeline_keys(&a, &x, th, false), h = run_pipeline_keys(&a, &x, th, true);
+            CHECK(pipe_same(&h, &f, g, &x), "%d: bf16 keys differ from rounded fp32 keys (%d threads)", ci, th);
+            if (th == 1) CHECK(!pipe_same(&raw, &f, g, &x), "%d: rounding the keys changed nothing", ci);
+            pipe_free(&f), pipe_free(&h);
+        }
+        pipe_free(&raw);
+        ain_free(&a), iin_free(&x);
+    }
+}
+
 static void test_no_workspace_leak(void) {
     ds4_mem_stats before, after;
     acfg g = k_cfgs[1];
@@ -857,6 +900,7 @@ int main(void) {
     RUN(test_indexer_topk_matches_naive_sort);
     RUN(test_float_matches_double);
     RUN(test_determinism_threads);
+    RUN(test_bf16_keys_match_rounded_fp32);
     RUN(test_no_workspace_leak);
     TEST_MAIN_END("test_kernels_attn");
 }

@@ -296,6 +296,9 @@ static inline void compressor_pool_bwd(const compressor_pool_args *a, const comp
  * else every usable entry, (i+1)·ratio <= t+1 (HCA, or dense CSA).
  * s = scale·q·key; p = exp(s - lse); lse = log(Σ_keys exp(s) + exp(sink[h])); o = Σ p·key.
  * q, o: [B, T, H, c]; kv: [B, T, c]; kvc: [B, Nc, c]; topk: [B, T, K]; sink: [H]; lse: [B, T, H].
+ * Mixed precision passes the keys as bf16 bits instead, kv16 / kvc16 (then kv and kvc are not read): the
+ * kernels widen them where they load them and accumulate in fp32 as for fp32 keys, so bf16 keys give
+ * the bits of fp32 keys holding the same (rounded) values. Gradients stay fp32.
  * Memory: O(1) per (t, h) besides o and lse: nothing O(T²) or O(T·H·Nc). */
 typedef struct {
     int64_t B, T, H, c;             /* batch, tokens, heads, head dim */
@@ -305,6 +308,7 @@ struct sparse_attn_args {
     sparse_attn_dims dims;
     float scale;
     const float *q, *kv, *kvc, *sink;
+    const uint16_t *kv16, *kvc16; /* bf16 keys (either set: both read as bf16), or NULL */
     const int32_t *topk;
     float *o, *lse; /* written by the forward, read by the backward */
 };
@@ -324,7 +328,9 @@ static inline void sparse_attn_bwd(const sparse_attn_args *a, const sparse_attn_
 
 /* ================================================================ lightning indexer (cpu/indexer.c), §4.5, §6.3
  * I[b,t,s] = Σ_h wscale·w[b,t,h]·ReLU(qi[b,t,h]·ki[b,s]) for usable s ((s+1)·ratio <= t+1).
- * qi: [B, T, HI, dI]; ki: [B, Nc, dI]; w: [B, T, HI] (raw weights_proj output). */
+ * qi: [B, T, HI, dI]; ki: [B, Nc, dI]; w: [B, T, HI] (raw weights_proj output).
+ * Mixed precision passes the keys (ki, and the KL's kvc) as bf16 bits instead, ki16 / kvc16, widened
+ * where they are loaded: the bits of fp32 keys holding the same values. Gradients stay fp32. */
 typedef struct {
     int64_t B, T, HI, dI;   /* batch, tokens, indexer heads, indexer head dim */
     int64_t Nc, ratio, K;   /* compressed entries, compression ratio, top-k */
@@ -335,6 +341,7 @@ struct indexer_topk_args {
     indexer_dims dims;
     float wscale;
     const float *qi, *ki, *w;
+    const uint16_t *ki16; /* bf16 keys read instead of ki, or NULL */
     int32_t *topk;
 };
 static inline void indexer_topk_fwd(const indexer_topk_args *a) {
@@ -355,6 +362,7 @@ struct indexer_kl_args {
     int64_t H, c; /* main attention heads, head dim */
     float scale, wscale, grad_scale;
     const float *qi, *ki, *w, *q, *kvc, *lse;
+    const uint16_t *ki16, *kvc16; /* bf16 keys read instead of ki and kvc (both or neither), or NULL */
     const int32_t *topk;
     float *dqi, *dki, *dw;
     double *kl_sum;
