@@ -68,8 +68,9 @@ static ds4_status indexer_kl_forward_only(const block_ctx *bc, block_acts *a, do
     indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = bc->B, .T = bc->T, .HI = c->index_n_heads,
         .dI = c->index_head_dim, .Nc = a->Nc, .ratio = 4, .K = sel ? c->index_topk : 0}, .H = c->n_heads,
         .c = c->head_dim, .scale = attn_scale(c), .wscale = indexer_wscale(c), .grad_scale = 0.0f,
-        .qi = F32(U_INDEXER, IDX_QI), .ki = F32(U_INDEXER, IDX_CMP + CMP_OUT), .w = F32(U_INDEXER, IDX_WI),
-        .q = F32(U_Q_UP, QU_Q), .kvc = F32(U_COMPRESSOR, CMP_OUT), .lse = F32(U_SPARSE_ATTN, SA_LSE), .topk = sel,
+        .qi = F32(U_INDEXER, IDX_QI), .ki = KEYS_F32(U_INDEXER, IDX_CMP + CMP_OUT),
+        .ki16 = KEYS_BF16(U_INDEXER, IDX_CMP + CMP_OUT), .w = F32(U_INDEXER, IDX_WI), .q = F32(U_Q_UP, QU_Q),
+        .kvc = KEYS_F32(U_COMPRESSOR, CMP_OUT), .kvc16 = KEYS_BF16(U_COMPRESSOR, CMP_OUT), .lse = F32(U_SPARSE_ATTN, SA_LSE), .topk = sel,
         .dqi = NULL, .dki = NULL, .dw = NULL, .kl_sum = &kl, .n_rows = &rows});
     *kl_sum += kl;
     *kl_rows += rows;

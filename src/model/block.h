@@ -53,9 +53,12 @@ enum { MOE_H1, MOE_H3, MOE_SH1, MOE_SH3, MOE_OUT, MOE_XR, MOE_WR };     /* moe *
 /* ACT_F32_BF16: a float tensor that mixed precision (ds4_pass_opts.bf16_acts) holds in bf16: its values
  * are rounded to bf16 as soon as the unit has made them (so every reader, replays included, sees the
  * same values) and it is held as bf16 from its last forward reader until a backward reader needs it.
+ * ACT_BF16: a float tensor whose readers, forward and backward, all take bf16 (the keys and values of
+ * sparse attention and the indexer's keys): mixed precision packs it to bf16 as soon as the unit has
+ * made it (the packing rounds) and it stays bf16 until freed; the units read it with KEYS_F32 / KEYS_BF16.
  * ACT_F32 stays fp32 in every mode: normalisation statistics, softmax and Sinkhorn inputs and outputs,
  * log-sum-exp, router scores and weights, the residual streams (docs/mixed-precision.md says why). */
-typedef enum { ACT_F32, ACT_F32_BF16, ACT_I32, ACT_I64 } act_dtype;
+typedef enum { ACT_F32, ACT_F32_BF16, ACT_BF16, ACT_I32, ACT_I64 } act_dtype;
 
 /* Symbolic dimensions of saved tensors, valued per block and pass (unit_acts.c: act_dim_value). */
 typedef enum {
@@ -103,7 +106,7 @@ typedef struct {
     void *out[U_COUNT][UNIT_MAX_OUTS]; /* each unit's output slots (NULL: not held) */
     bool present[U_COUNT];
     uint8_t packed[U_COUNT]; /* bit s: slot s is held as bf16 (uint16_t) until a backward reader needs it */
-    bool bf16;              /* mixed precision: ACT_F32_BF16 slots rounded and held as bf16 */
+    bool bf16;              /* mixed precision: ACT_F32_BF16 slots rounded and held as bf16, ACT_BF16 slots bf16 */
     uint32_t release_mask;  /* units to release after their last forward reader */
     unit_stats *stats;      /* [U_COUNT] or NULL */
     const float *X_in;      /* [N, n, D] block input (owned by the pass) */
@@ -117,6 +120,10 @@ typedef struct {
 #define F32(u, s) ((float *)a->out[u][s])
 #define I32(u, s) ((int32_t *)a->out[u][s])
 #define I64(u, s) ((int64_t *)a->out[u][s])
+/* An ACT_BF16 slot as the attention and indexer kernels take it: its fp32 form (NULL under mixed
+ * precision) and its bf16 form (NULL in fp32). */
+#define KEYS_F32(u, s) (a->bf16 ? NULL : (const float *)a->out[u][s])
+#define KEYS_BF16(u, s) (a->bf16 ? (const uint16_t *)a->out[u][s] : NULL)
 
 /* Everything a block pass needs to know about its context. */
 typedef struct {

@@ -80,10 +80,19 @@ static bool slot_bf16(const block_acts *a, unit_id u, int s) {
 
 /* ================================================================== mixed precision
  * A bf16 slot's values are rounded when its unit has run; from its last forward reader on it is held
- * as bf16 (half the bytes) and widened again, exactly, when backward needs it. */
-static void round_outputs(block_acts *a, unit_id u) {
-    for (int s = 0; s < UNIT_MAX_OUTS; s++)
-        if (slot_bf16(a, u, s)) tensor_round_bf16(F32(u, s), (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(float)));
+ * as bf16 (half the bytes) and widened again, exactly, when backward needs it. An ACT_BF16 slot is
+ * packed when its unit has run (the same rounding) and never widened: its readers take bf16. */
+static ds4_status round_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
+    const unit_decl *ud = k_block_units[u];
+    for (int s = 0; s < ud->nouts; s++) {
+        if (!a->bf16 || !a->out[u][s]) continue;
+        const int64_t n = (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(float));
+        if (ud->outs[s].dtype == ACT_F32_BF16) tensor_round_bf16(F32(u, s), n);
+        if (ud->outs[s].dtype == ACT_BF16 && act_convert_bf16(&a->out[u][s], n, true) != DS4_OK)
+            return ds4_fail(DS4_ERR_OOM, "out of memory holding block %lld's %s in bf16", (long long)bc->layer,
+                            unit_name(u));
+    }
+    return DS4_OK;
 }
 
 ds4_status act_convert_bf16(void **buf, int64_t n, bool to_bf16) {
@@ -140,8 +149,7 @@ ds4_status act_run_cached(const block_ctx *bc, block_acts *a, unit_id u, unit_ca
     if (ud->prepare) DS4_TRY(ud->prepare(bc, a));
     DS4_TRY(alloc_outputs(bc, a, u));
     DS4_TRY(kc && ud->decode ? ud->decode(bc, a, kc) : ud->fwd(bc, a));
-    round_outputs(a, u);
-    return DS4_OK;
+    return round_outputs(bc, a, u);
 }
 
 ds4_status act_run(const block_ctx *bc, block_acts *a, unit_id u) { return act_run_cached(bc, a, u, NULL); }

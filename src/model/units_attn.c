@@ -115,7 +115,7 @@ const unit_decl unit_q_up = {
 static const act_slot k_kv_outs[] = {
     [KV_RAW] = {"kvraw", ACT_F32_BF16, {X_N, X_HD}},
     [KV_RSTD] = {"rstd", ACT_F32, {X_N}},
-    [KV_KV] = {"kv", ACT_F32_BF16, {X_N, X_HD}}, /* normalised, roped */
+    [KV_KV] = {"kv", ACT_BF16, {X_N, X_HD}}, /* normalised, roped; read by attention only */
 };
 
 static ds4_status kv_fwd(const block_ctx *bc, block_acts *a) {
@@ -242,7 +242,7 @@ static const act_slot k_compressor_outs[] = {
     [CMP_Z] = {"z", ACT_F32, {X_N, X_CMP_C}},
     [CMP_POOL] = {"pool", ACT_F32_BF16, {X_B, X_NC, X_HD}},
     [CMP_RSTD] = {"rstd", ACT_F32, {X_B, X_NC}},
-    [CMP_OUT] = {"kvc", ACT_F32_BF16, {X_B, X_NC, X_HD}}, /* normalised, roped */
+    [CMP_OUT] = {"kvc", ACT_BF16, {X_B, X_NC, X_HD}}, /* normalised, roped; read by attention and the indexer KL */
 };
 
 static ds4_status compressor_fwd(const block_ctx *bc, block_acts *a) {
@@ -278,7 +278,7 @@ static const act_slot k_indexer_outs[] = {
     [IDX_CMP + CMP_Z] = {"z", ACT_F32, {X_N, X_IDX_C}},
     [IDX_CMP + CMP_POOL] = {"pool", ACT_F32_BF16, {X_B, X_NC, X_DI}},
     [IDX_CMP + CMP_RSTD] = {"rstd", ACT_F32, {X_B, X_NC}},
-    [IDX_CMP + CMP_OUT] = {"ki", ACT_F32_BF16, {X_B, X_NC, X_DI}},
+    [IDX_CMP + CMP_OUT] = {"ki", ACT_BF16, {X_B, X_NC, X_DI}}, /* read by the indexer's top-k and KL */
 };
 
 /* The indexer's queries qi (roped) and head weights wi of every position. */
@@ -323,8 +323,9 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, block_grads *g
         indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = B, .T = T, .HI = HI, .dI = dI, .Nc = Nc, .ratio = 4,
             .K = sel ? c->index_topk : 0}, .H = c->n_heads, .c = c->head_dim, .scale = attn_scale(c),
             .wscale = indexer_wscale(c), .grad_scale = gscale, .qi = F32(U_INDEXER, IDX_QI),
-            .ki = F32(U_INDEXER, IDX_CMP + CMP_OUT), .w = F32(U_INDEXER, IDX_WI), .q = F32(U_Q_UP, QU_Q),
-            .kvc = F32(U_COMPRESSOR, CMP_OUT), .lse = F32(U_SPARSE_ATTN, SA_LSE), .topk = sel, .dqi = dqi,
+            .ki = KEYS_F32(U_INDEXER, IDX_CMP + CMP_OUT), .ki16 = KEYS_BF16(U_INDEXER, IDX_CMP + CMP_OUT),
+            .w = F32(U_INDEXER, IDX_WI), .q = F32(U_Q_UP, QU_Q), .kvc = KEYS_F32(U_COMPRESSOR, CMP_OUT),
+            .kvc16 = KEYS_BF16(U_COMPRESSOR, CMP_OUT), .lse = F32(U_SPARSE_ATTN, SA_LSE), .topk = sel, .dqi = dqi,
             .dki = dki, .dw = dwi, .kl_sum = &kl, .n_rows = &got});
         *g->kl_sum += kl;
         *g->kl_rows += got;
@@ -368,7 +369,8 @@ static ds4_status indexer_topk_fwd_unit(const block_ctx *bc, block_acts *a) {
     const int64_t oom = ds4_alloc_failures();
     indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = B, .T = T, .HI = c->index_n_heads, .dI = c->index_head_dim,
         .Nc = a->Nc, .ratio = 4, .K = c->index_topk}, .wscale = indexer_wscale(c), .qi = F32(U_INDEXER, IDX_QI),
-        .ki = F32(U_INDEXER, IDX_CMP + CMP_OUT), .w = F32(U_INDEXER, IDX_WI), .topk = I32(U_INDEXER_TOPK, TOPK_SEL)});
+        .ki = KEYS_F32(U_INDEXER, IDX_CMP + CMP_OUT), .ki16 = KEYS_BF16(U_INDEXER, IDX_CMP + CMP_OUT),
+        .w = F32(U_INDEXER, IDX_WI), .topk = I32(U_INDEXER_TOPK, TOPK_SEL)});
     return kernel_status(oom, "indexer top-k");
 }
 
@@ -462,7 +464,8 @@ static ds4_status sparse_attn_fwd_unit(const block_ctx *bc, block_acts *a) {
     const int64_t oom = ds4_alloc_failures();
     sparse_attn_fwd(&(sparse_attn_args){.dims = {.B = B, .T = T, .H = H, .c = hd, .window = c->window,
         .ratio = a->ratio, .Nc = a->Nc, .K = sel ? c->index_topk : 0}, .scale = attn_scale(c),
-        .q = F32(U_Q_UP, QU_Q), .kv = F32(U_KV, KV_KV), .kvc = F32(U_COMPRESSOR, CMP_OUT), .sink = W->attn_sink,
+        .q = F32(U_Q_UP, QU_Q), .kv = KEYS_F32(U_KV, KV_KV), .kvc = KEYS_F32(U_COMPRESSOR, CMP_OUT),
+        .kv16 = KEYS_BF16(U_KV, KV_KV), .kvc16 = KEYS_BF16(U_COMPRESSOR, CMP_OUT), .sink = W->attn_sink,
         .topk = sel, .o = F32(U_SPARSE_ATTN, SA_O), .lse = F32(U_SPARSE_ATTN, SA_LSE)});
     return kernel_status(oom, "sparse attention");
 }
@@ -474,7 +477,8 @@ static ds4_status sparse_attn_bwd_unit(const block_ctx *bc, block_acts *a, block
     const int64_t oom = ds4_alloc_failures();
     sparse_attn_bwd(&(sparse_attn_args){.dims = {.B = B, .T = T, .H = H, .c = hd, .window = c->window, .ratio = r,
         .Nc = a->Nc, .K = sel ? c->index_topk : 0}, .scale = attn_scale(c), .q = F32(U_Q_UP, QU_Q),
-        .kv = F32(U_KV, KV_KV), .kvc = F32(U_COMPRESSOR, CMP_OUT), .sink = W->attn_sink, .topk = sel,
+        .kv = KEYS_F32(U_KV, KV_KV), .kvc = KEYS_F32(U_COMPRESSOR, CMP_OUT), .kv16 = KEYS_BF16(U_KV, KV_KV),
+        .kvc16 = KEYS_BF16(U_COMPRESSOR, CMP_OUT), .sink = W->attn_sink, .topk = sel,
         .o = F32(U_SPARSE_ATTN, SA_O), .lse = F32(U_SPARSE_ATTN, SA_LSE)}, &(sparse_attn_grads){.dout = g->do_,
         .dq = g->dq, .dkv = g->dkv, .dkvc = r > 0 ? g->dkvc : NULL, .dsink = Gw->attn_sink});
     return kernel_status(oom, "sparse attention backward");
