@@ -1,7 +1,8 @@
 /* BF16 mixed precision (training.mixed_precision_param = "bfloat16", docs/mixed-precision.md):
  *  - every recompute and offload policy gives bitwise the same losses, grad norms and updated weights as
  *    keeping everything, over two optimizer steps of the trainer's own step;
- *  - the bf16-safe unit outputs are held in half the bytes, the fp32 ones in full;
+ *  - the bf16-safe unit outputs are held in half the bytes, the fp32 ones in full; attention's and the
+ *    indexer's keys from the moment they are made;
  *  - bf16 really computes something else than fp32, within the error bf16 rounding explains;
  *  - memplan plans a bf16 step byte for byte (planned == measured), and below the fp32 step;
  *  - the TOML keys: TorchTitan's names and values, bad values named. */
@@ -156,6 +157,60 @@ static void test_held_bytes(void) {
     ds4_model_free(m);
 }
 
+/* A store that recomputes the units that make attention's and the indexer's keys: a released unit reports
+ * the bytes it held right after it ran. */
+static ds4_act_policy recompute_key_units(void *ctx, int64_t layer, int unit) {
+    (void)ctx, (void)layer;
+    return unit == ds4_unit_find("kv") || unit == ds4_unit_find("compressor") || unit == ds4_unit_find("indexer")
+               ? DS4_ACT_RECOMPUTE
+               : DS4_ACT_KEEP;
+}
+static void release_nothing(void *ctx, int64_t layer, int unit, int slot) { (void)ctx, (void)layer, (void)unit, (void)slot; }
+
+/* The keys attention and the indexer read (kv [N, hd], kvc [B, Nc, hd], ki [B, Nc, dI]) are bf16 from the
+ * moment their unit has made them: right after the unit ran it holds 2 bytes less per key element under
+ * mixed precision than in fp32 (its other bf16-safe outputs are still fp32 then, packed only after their last
+ * forward reader), and backward, which replays those units, reads them as bf16 as well. CSA layer 1 of tiny-a. */
+static void test_keys_bf16_when_made(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *m;
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model_init_random(m, 3);
+    const int64_t B = 2, T = 64, N = B * T, Nc = T / 4;
+    CHECK(ds4_layer_ratio(&c, 1) == 4, "tiny-a's layer 1 is CSA");
+    int32_t ids[2 * 64];
+    for (int64_t i = 0; i < N; i++) ids[i] = (int32_t)(i * 5 % c.vocab_size);
+    static const ds4_act_store_ops ops = {.policy = recompute_key_units, .release = release_nothing};
+    const char *units[3] = {"kv", "compressor", "indexer"};
+    const int64_t keys[3] = {N * c.head_dim, B * Nc * c.head_dim, B * Nc * c.index_head_dim};
+    int64_t bytes[2][3];
+    double loss[2];
+    CHECK(ds4_set_matmul_precision(DS4_MATMUL_BF16) == DS4_OK);
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+        ds4_pass_opts o = {.need_backward = true, .bf16_acts = bf16, .store = {.ops = &ops}};
+        ds4_pass *p;
+        CHECK(ds4_forward(m, ids, B, T, &o, &p) == DS4_OK, "%s", ds4_errmsg());
+        for (int k = 0; k < 3; k++) {
+            const ds4_unit_report r = ds4_pass_unit_report(p, 1, ds4_unit_find(units[k]));
+            CHECK(r.released == 1, "bf16 %d: %s not released", bf16, units[k]);
+            bytes[bf16][k] = r.bytes;
+        }
+        CHECK(ds4_backward(m, p) == DS4_OK, "%s", ds4_errmsg());
+        for (int k = 0; k < 3; k++)
+            CHECK(ds4_pass_unit_report(p, 1, ds4_unit_find(units[k])).replays == 1, "bf16 %d: %s not replayed", bf16,
+                  units[k]);
+        loss[bf16] = ds4_pass_losses(p)->total_loss;
+        ds4_pass_free(p);
+    }
+    for (int k = 0; k < 3; k++)
+        CHECK(bytes[0][k] - bytes[1][k] == 2 * keys[k], "%s held %lld bytes in fp32 and %lld in bf16 after its run: "
+              "expected %lld less", units[k], (long long)bytes[0][k], (long long)bytes[1][k], (long long)(2 * keys[k]));
+    CHECK(isfinite(loss[1]) && loss[1] != loss[0], "bf16 loss %.9g vs fp32 %.9g", loss[1], loss[0]);
+    CHECK(ds4_set_matmul_precision(DS4_MATMUL_FP32) == DS4_OK);
+    ds4_model_free(m);
+}
+
 /* memplan's plan of a bf16 step equals the measured real step in every category, and its activation
  * peak is below the fp32 step's. */
 static void test_memplan_bf16(void) {
@@ -210,6 +265,7 @@ static void test_keys(void) {
 int main(void) {
     RUN(test_keys);
     RUN(test_held_bytes);
+    RUN(test_keys_bf16_when_made);
     RUN(test_bf16_moves_within_rounding);
     RUN(test_policies_bitwise_tiny_a);
     RUN(test_memplan_bf16);

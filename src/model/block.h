@@ -120,10 +120,10 @@ typedef struct {
 #define F32(u, s) ((float *)a->out[u][s])
 #define I32(u, s) ((int32_t *)a->out[u][s])
 #define I64(u, s) ((int64_t *)a->out[u][s])
-/* An ACT_BF16 slot as the attention and indexer kernels take it: its fp32 form (NULL under mixed
- * precision) and its bf16 form (NULL in fp32). */
-#define KEYS_F32(u, s) (a->bf16 ? NULL : (const float *)a->out[u][s])
-#define KEYS_BF16(u, s) (a->bf16 ? (const uint16_t *)a->out[u][s] : NULL)
+/* A slot as the attention and indexer kernels take their keys: its fp32 form (NULL when held as bf16)
+ * and its bf16 form (NULL when fp32); which one, the slot's declaration says (act_held_bf16). */
+#define KEYS_F32(u, s) (act_held_bf16(a, u, s) ? NULL : (const float *)a->out[u][s])
+#define KEYS_BF16(u, s) (act_held_bf16(a, u, s) ? (const uint16_t *)a->out[u][s] : NULL)
 
 /* Everything a block pass needs to know about its context. */
 typedef struct {
@@ -211,6 +211,11 @@ extern const unit_decl unit_hc_pre_attn, unit_attn_norm, unit_q_down, unit_q_up,
 extern const unit_decl *const k_block_units[U_COUNT];
 extern const unit_id k_block_bwd_order[];
 extern const int k_block_bwd_steps;
+
+/* Whether slot s of unit u is held as bf16 from its unit's run on (ACT_BF16 under mixed precision). */
+static inline bool act_held_bf16(const block_acts *a, unit_id u, int s) {
+    return a->bf16 && s < k_block_units[u]->nouts && k_block_units[u]->outs[s].dtype == ACT_BF16;
+}
 
 const char *unit_name(unit_id u);
 bool unit_runs_here(unit_id u, const block_acts *a);
