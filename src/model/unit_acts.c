@@ -87,7 +87,7 @@ static ds4_status round_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
     for (int s = 0; s < ud->nouts; s++) {
         if (!a->bf16 || !a->out[u][s]) continue;
         const int64_t n = (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(float));
-        if (ud->outs[s].dtype == ACT_F32_BF16) tensor_round_bf16(F32(u, s), n);
+        if (slot_bf16(a, u, s)) tensor_round_bf16(F32(u, s), n);
         if (act_held_bf16(a, u, s) && act_convert_bf16(&a->out[u][s], n, true) != DS4_OK)
             return ds4_fail(DS4_ERR_OOM, "out of memory holding block %lld's %s in bf16", (long long)bc->layer,
                             unit_name(u));
