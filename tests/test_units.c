@@ -36,8 +36,8 @@ static void test_slots(void) {
         for (int s = 0; s < ud->nouts; s++) {
             const act_slot *sl = &ud->outs[s];
             CHECK(sl->name != NULL, "%s slot %d has no name (a gap in the slot table)", ud->name, s);
-            CHECK(sl->dtype == ACT_F32 || sl->dtype == ACT_F32_BF16 || sl->dtype == ACT_I32 || sl->dtype == ACT_I64, "%s.%s: dtype %d", ud->name,
-                  sl->name ? sl->name : "?", (int)sl->dtype);
+            CHECK(sl->dtype == ACT_F32 || sl->dtype == ACT_F32_BF16 || sl->dtype == ACT_BF16 || sl->dtype == ACT_I32 ||
+                      sl->dtype == ACT_I64, "%s.%s: dtype %d", ud->name, sl->name ? sl->name : "?", (int)sl->dtype);
             CHECK(sl->dim[0] != X_1, "%s.%s has no shape", ud->name, sl->name ? sl->name : "?");
         }
     }
