@@ -274,7 +274,7 @@ static ds4_status moe_routed_bwd_ep(const block_ctx *bc, block_acts *a, block_gr
                                                                      "out of memory in MoE backward");
     if (st == DS4_OK) rows_gather(dys, g->dffn, rt.etok, NK, D);
     if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, r, dys, dyr, D);
-    expert_w tg = {tmp, tmp ? tmp + I * D : NULL, tmp ? tmp + 2 * I * D : NULL};
+    expert_w tg = {.w1 = tmp, .w2 = tmp ? tmp + I * D : NULL, .w3 = tmp ? tmp + 2 * I * D : NULL};
     for (int64_t i = 0, o = 0; st == DS4_OK && i < r->e1 - r->e0; i++) {
         const int64_t e = r->e0 + i;
         for (int src = 0; src < r->nsrc; o += r->recv_cnt[i * r->nsrc + src], src++) {

@@ -4,16 +4,28 @@
 
 #include "kernels/cpu/cpu.h"
 
+/* One of the expert's linear layers, on its bf16 compute copy h when it has one. */
+static void lin_fwd(float *out, const float *inp, const float *w, const uint16_t *h, int64_t N, int64_t IC, int64_t OC) {
+    if (h) cpu_linear_fwd_bf16w(out, inp, h, N, IC, OC);
+    else cpu_linear_fwd(out, inp, w, N, IC, OC);
+}
+
+static void lin_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w, const uint16_t *h,
+                    int64_t N, int64_t IC, int64_t OC) {
+    if (h) cpu_linear_bwd_bf16w(dinp, dw, dout, inp, h, N, IC, OC);
+    else cpu_linear_bwd(dinp, dw, dout, inp, w, N, IC, OC);
+}
+
 /* One expert on ne rows: x [ne, D] with routing weights w [ne] → h1, h3 [ne, I] and
  * y [ne, D] = w2(w · swiglu(h1, h3)). act: [ne, I] scratch. */
 static void expert_fwd(const moe_expert_w *ew, const float *x, const float *w, int64_t ne, int64_t D, int64_t I,
                        float limit, float *h1, float *h3, float *act, float *y) {
-    cpu_linear_fwd(h1, x, ew->w1, ne, D, I);
-    cpu_linear_fwd(h3, x, ew->w3, ne, D, I);
+    lin_fwd(h1, x, ew->w1, ew->h1, ne, D, I);
+    lin_fwd(h3, x, ew->w3, ew->h3, ne, D, I);
     cpu_swiglu_fwd(act, h1, h3, ne, I, limit);
     for (int64_t i = 0; i < ne; i++)
         for (int64_t k = 0; k < I; k++) act[i * I + k] *= w[i]; /* routing weight before w2 */
-    cpu_linear_fwd(y, act, ew->w2, ne, I, D);
+    lin_fwd(y, act, ew->w2, ew->h2, ne, I, D);
 }
 
 void cpu_moe_experts_fwd(const moe_experts_args *a, float *y) {
@@ -37,7 +49,7 @@ static void expert_bwd(const moe_expert_w *ew, moe_expert_w *eg, const float *x,
     for (int64_t i = 0; i < ne; i++)
         for (int64_t k = 0; k < I; k++) wact[i * I + k] = act[i * I + k] * w[i];
     memset(dact, 0, (size_t)(ne * I) * sizeof(float));
-    cpu_linear_bwd(dact, eg->w2, dy, wact, ew->w2, ne, I, D);
+    lin_bwd(dact, eg->w2, dy, wact, ew->w2, ew->h2, ne, I, D);
     /* d weight = ⟨d wact, act⟩; d act = d wact · weight */
     for (int64_t i = 0; i < ne; i++) {
         double s = 0;
@@ -49,8 +61,8 @@ static void expert_bwd(const moe_expert_w *ew, moe_expert_w *eg, const float *x,
     memset(dh3, 0, (size_t)(ne * I) * sizeof(float));
     cpu_swiglu_bwd(dh1, dh3, dact, h1, h3, ne, I, limit);
     memset(dx, 0, (size_t)(ne * D) * sizeof(float));
-    cpu_linear_bwd(dx, eg->w1, dh1, x, ew->w1, ne, D, I);
-    cpu_linear_bwd(dx, eg->w3, dh3, x, ew->w3, ne, D, I);
+    lin_bwd(dx, eg->w1, dh1, x, ew->w1, ew->h1, ne, D, I);
+    lin_bwd(dx, eg->w3, dh3, x, ew->w3, ew->h3, ne, D, I);
 }
 
 void cpu_moe_experts_bwd(const moe_experts_args *a, const moe_experts_grads *g) {
