@@ -533,19 +533,16 @@ static void test_bf16_weight_layers(void) {
     for (int k = 0; k < 4; k++) h[k] = falloc(2 * ne * I);
     t_fill(ew, 6 * I * D, 4, 0.3f), t_fill(xr, 2 * ne * D, 5, 1.0f), t_fill(rw, 2 * ne, 6, 1.0f);
     uint16_t *eh = bits_of(ew, 6 * I * D);
-    moe_expert_w ws[2], wb[2];
+    moe_expert_w ws[2];
     for (int e = 0; e < 2; e++) {
         float *b = ew + 3 * e * I * D;
-        const uint16_t *hb = eh + 3 * e * I * D;
-        ws[e] = (moe_expert_w){.w1 = b, .w2 = b + I * D, .w3 = b + 2 * I * D};
-        wb[e] = ws[e];
-        wb[e].h1 = hb, wb[e].h2 = hb + I * D, wb[e].h3 = hb + 2 * I * D;
+        ws[e] = (moe_expert_w){b, b + I * D, b + 2 * I * D};
     }
     const int64_t off[3] = {0, ne, 2 * ne};
     moe_experts_args a1 = {.nexp = 2, .D = D, .I = I, .limit = 7.0f, .off = off, .w = ws, .x = xr, .rw = rw,
                            .h1 = h[0], .h3 = h[1], .act = act};
     moe_experts_args a2 = a1;
-    a2.w = wb, a2.h1 = h[2], a2.h3 = h[3];
+    a2.wbase = ew, a2.hcopy = eh, a2.h1 = h[2], a2.h3 = h[3];
     moe_experts_fwd(&a1, y1);
     moe_experts_fwd(&a2, y2);
     CHECK(differing(y1, y2, 2 * ne * D) == 0 && differing(h[0], h[2], 2 * ne * I) == 0,

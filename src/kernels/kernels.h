@@ -505,15 +505,16 @@ static inline void tensor_add(float *dst, const float *src, int64_t n) {
  * which rows go where is data. */
 struct moe_expert_w {
     float *w1, *w2, *w3; /* w1, w3: [I, D]; w2: [D, I] */
-    /* their bf16 compute copies (mixed precision), read instead of w1..w3 by the GEMMs
-     * (linear_fwd_bf16w); NULL: read the fp32 weights. Unused in gradients. */
-    const uint16_t *h1, *h2, *h3;
 };
 struct moe_experts_args {
     int64_t nexp, D, I;
     float limit;
     const int64_t *off;      /* [nexp + 1] */
     const moe_expert_w *w;   /* [nexp] */
+    /* Mixed precision: the buffer the weights lie in and its bf16 compute copy; the GEMMs read weight x as
+     * the bits hcopy + (x − wbase) (linear_fwd_bf16w). hcopy NULL: they read the fp32 weights. */
+    const float *wbase;
+    const uint16_t *hcopy;
     const float *x, *rw;     /* [R, D], [R] */
     float *h1, *h3;          /* [R, I]: written by the forward, read by the backward */
     float *act;              /* [rows of the largest expert, I] scratch */
