@@ -346,6 +346,43 @@ static void test_gather_bytes(void) {
     ds4_model_free(m16);
 }
 
+/* Bytes this rank's all-gathers receive over one forward + backward pass (a step of one micro-batch) of an
+ * FSDP (ep 1) model of tiny-a, fp32 or with the bf16 copy. */
+static int64_t pass_gather_bytes(bool bf16) {
+    ds4_comm *world = ds4_comm_world();
+    ds4_config c;
+    if (!load_cfg("tests/configs/tiny-a.json", &c)) return -1;
+    ds4_model *m = NULL;
+    ds4_fsdp *f = NULL;
+    CHECK((bf16 ? ds4_model_create_bf16 : ds4_model_create)(NULL, &c, true, &m) == DS4_OK, "%s", ds4_errmsg());
+    if (m) CHECK(ds4_fsdp_create(m, world, 1, &f) == DS4_OK, "%s", ds4_errmsg());
+    int64_t b0[DS4_NUM_LANES], b1[DS4_NUM_LANES];
+    ds4_comm_allgather_bytes(b0);
+    if (f) {
+        CHECK(ds4_fsdp_init_random(f, 7) == DS4_OK);
+        ds4_fsdp_refresh_bf16(f);
+        int32_t ids[64];
+        batch_ids(&c, ds4_comm_rank(world), ids);
+        double loss;
+        const ds4_matmul_precision prev = ds4_get_matmul_precision();
+        ds4_set_matmul_precision(DS4_MATMUL_BF16);
+        bf16_pass(m, ids, ds4_fsdp_hooks(f), &loss);
+        ds4_set_matmul_precision(prev);
+    }
+    ds4_comm_allgather_bytes(b1);
+    ds4_fsdp_free(f);
+    ds4_model_free(m);
+    return b1[DS4_LANE_FSDP] - b0[DS4_LANE_FSDP];
+}
+
+static void test_step_gather_bytes(void) {
+    const int64_t b32 = pass_gather_bytes(false), b16 = pass_gather_bytes(true);
+    CHECK(b16 > 0 && b16 < b32, "one pass gathers %lld bytes in bf16, %lld in fp32", (long long)b16, (long long)b32);
+    if (ds4_comm_rank(ds4_comm_world()) == 0)
+        t_note("  tiny-a, 2 ranks, one forward + backward: rank 0 receives %lld bytes of parameters in fp32, %lld with "
+               "the bf16 copy (%.3f)", (long long)b32, (long long)b16, (double)b16 / (double)b32);
+}
+
 /* memplan of this rank's bf16 step == the measured real step, per category. */
 static void memplan_bf16_matches(int ep) {
     ds4_comm *world = ds4_comm_world();
@@ -377,6 +414,7 @@ static int child_main(void) {
     RUN(test_fsdp_tiny_a);
     RUN(test_fsdp_ep_tiny_b);
     RUN(test_gather_bytes);
+    RUN(test_step_gather_bytes);
     RUN(test_memplan_fsdp);
     RUN(test_memplan_fsdp_ep);
     fprintf(stderr, "rank %d: %d ok, %d not ok\n", ds4_comm_rank(world), t_passed, t_failed);
