@@ -3,7 +3,8 @@
  * accumulation), GFLOP/s as the median of timed calls, on 1 thread and on all threads. The calls of all
  * engines alternate within each timed round, so drift of a shared machine hits them alike. The generic
  * level (the portable references) is timed on the shapes marked for it only (it is slow), and not at all
- * with --fast-only.
+ * with --fast-only. The bf16 precision is also timed with B given as bf16 bits (column bf16w: a weight's
+ * bf16 compute copy, cpu_gemm_nt_hb / nn_hb; nt and nn shapes), the same bits without rounding B per call.
  * Usage: gemm [--fast-only] [--runs N] */
 #include <omp.h>
 #include <stdbool.h>
@@ -12,6 +13,7 @@
 #include <string.h>
 
 #include "ds4/core.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 #include "stats.h"
 
@@ -48,28 +50,34 @@ static const shape SHAPES[] = {
     {"expert dw   up", 't', 512, 256, 512, false},
 };
 
-static void call(gemm_fn f, const shape *s, const float *A, const float *B, float *C) {
+/* f on shape s; with Bh (nt, nn only) the bf16-B GEMM on those bits instead. */
+static void call(gemm_fn f, const shape *s, const float *A, const float *B, const uint16_t *Bh, float *C) {
     int64_t lda = s->op == 't' ? s->M : s->K, ldb = s->op == 'n' ? s->K : s->N;
-    f(s->M, s->N, s->K, A, lda, B, ldb, C, s->N, 0);
+    if (Bh) (s->op == 'n' ? cpu_gemm_nt_hb : cpu_gemm_nn_hb)(s->M, s->N, s->K, A, lda, Bh, ldb, C, s->N, 0);
+    else f(s->M, s->N, s->K, A, lda, B, ldb, C, s->N, 0);
 }
 
-/* One engine: an ISA level and a matmul precision. */
+/* One engine: an ISA level and a matmul precision (hb: bf16 with B as bf16 bits). */
 typedef struct {
     ds4_isa isa;
     ds4_matmul_precision prec;
+    bool hb;
     double t[64];
 } engine_run;
 
+static bool runs_on(const engine_run *e, const shape *s) { return !e->hb || s->op != 't'; }
+
 /* Median seconds of each engine on shape s, over `runs` rounds in which every engine is called once
  * (after a warm-up round). */
-static void time_engines(engine_run *e, int ne, gemm_fn f, const shape *s, const float *A, const float *B, float *C,
-                         int runs) {
+static void time_engines(engine_run *e, int ne, gemm_fn f, const shape *s, const float *A, const float *B,
+                         const uint16_t *Bh, float *C, int runs) {
     for (int r = -1; r < runs; r++)
         for (int i = 0; i < ne; i++) {
+            if (!runs_on(&e[i], s)) continue;
             ds4_isa_select(e[i].isa);
             ds4_set_matmul_precision(e[i].prec);
             double t0 = ds4_now();
-            call(f, s, A, B, C);
+            call(f, s, A, B, e[i].hb ? Bh : NULL, C);
             if (r >= 0) e[i].t[r] = ds4_now() - t0;
         }
     ds4_set_matmul_precision(DS4_MATMUL_FP32);
@@ -91,15 +99,17 @@ int main(int argc, char **argv) {
     char info[4096];
     ds4_isa_describe(info, sizeof info);
     printf("%s\n", info);
-    engine_run all[2 * DS4_ISA_COUNT];
+    engine_run all[3 * DS4_ISA_COUNT];
     int nall = 0;
     for (int l = (int)best; l >= 0; l--)
-        for (int p = 0; p < 2; p++) all[nall++] = (engine_run){.isa = (ds4_isa)l, .prec = p ? DS4_MATMUL_BF16 : DS4_MATMUL_FP32};
+        for (int p = 0; p < 3; p++)
+            all[nall++] = (engine_run){.isa = (ds4_isa)l, .prec = p ? DS4_MATMUL_BF16 : DS4_MATMUL_FP32, .hb = p == 2};
     printf("GFLOP/s, median of %d rounds; columns: ISA level / precision\n", runs);
     printf("%-30s %-3s %6s %6s %6s %4s", "shape", "op", "M", "N", "K", "thr");
     for (int i = 0; i < nall; i++) {
         char h[32];
-        snprintf(h, sizeof h, "%s/%s", ds4_isa_name(all[i].isa), ds4_matmul_precision_name(all[i].prec));
+        snprintf(h, sizeof h, "%s/%s", ds4_isa_name(all[i].isa),
+                 all[i].hb ? "bf16w" : ds4_matmul_precision_name(all[i].prec));
         printf(" %15s", h);
     }
     printf("\n");
@@ -110,12 +120,14 @@ int main(int argc, char **argv) {
         float *A = ds4_alloc(DS4_MEM_WORK, na * sizeof(float));
         float *B = ds4_alloc(DS4_MEM_WORK, nb * sizeof(float));
         float *C = ds4_alloc(DS4_MEM_WORK, nc * sizeof(float));
-        if (!A || !B || !C) {
+        uint16_t *Bh = ds4_alloc(DS4_MEM_WORK, nb * sizeof(uint16_t));
+        if (!A || !B || !C || !Bh) {
             fprintf(stderr, "error: %s\n", ds4_errmsg());
             return 1;
         }
         for (size_t i = 0; i < na; i++) A[i] = ds4_rng_uniform(1, 1, i) - 0.5f;
         for (size_t i = 0; i < nb; i++) B[i] = ds4_rng_uniform(1, 2, i) - 0.5f;
+        for (size_t i = 0; i < nb; i++) Bh[i] = gemm_bf16_bits(B[i]);
         gemm_fn f = s->op == 'n' ? gemm_nt : s->op == 'm' ? gemm_nn : gemm_tn;
         const char *opname = s->op == 'n' ? "nt" : s->op == 'm' ? "nn" : "tn";
         double flop = 2.0 * (double)s->M * (double)s->N * (double)s->K;
@@ -124,11 +136,11 @@ int main(int argc, char **argv) {
         while (ne > 0 && all[ne - 1].isa == DS4_ISA_GENERIC && (fast_only || !s->ref)) ne--;
         for (int th = 1; th <= max_threads; th = th == max_threads ? th + 1 : (th * 2 > max_threads ? max_threads : th * 2)) {
             omp_set_num_threads(th);
-            time_engines(all, ne, f, s, A, B, C, runs);
+            time_engines(all, ne, f, s, A, B, Bh, C, runs);
             printf("%-30s %-3s %6lld %6lld %6lld %4d", s->what, opname, (long long)s->M, (long long)s->N,
                    (long long)s->K, th);
             for (int i = 0; i < nall; i++) {
-                if (i < ne) printf(" %15.1f", flop / bench_median(all[i].t, runs) * 1e-9);
+                if (i < ne && runs_on(&all[i], s)) printf(" %15.1f", flop / bench_median(all[i].t, runs) * 1e-9);
                 else printf(" %15s", "-");
             }
             printf("\n");
@@ -138,6 +150,7 @@ int main(int argc, char **argv) {
         ds4_free(A);
         ds4_free(B);
         ds4_free(C);
+        ds4_free(Bh);
     }
     ds4_isa_select(best);
     return 0;

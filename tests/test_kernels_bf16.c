@@ -436,6 +436,122 @@ static void test_memory(void) {
     free(A), free(B), free(c1), free(c2);
 }
 
+/* ---------------------------------------------------------------- B given as bf16 bits */
+
+static uint16_t *bits_of(const float *x, int64_t n) {
+    uint16_t *h = malloc((size_t)(n > 0 ? n : 1) * sizeof(uint16_t));
+    for (int64_t i = 0; i < n; i++) h[i] = gemm_bf16_bits(x[i]);
+    return h;
+}
+
+static int64_t differing(const float *a, const float *b, int64_t n) {
+    int64_t d = 0;
+    for (int64_t i = 0; i < n; i++) d += u_of(a[i]) != u_of(b[i]);
+    return d;
+}
+
+/* One shape: gemm_nt / gemm_nn with B as bf16 bits (a weight's compute copy) against the same GEMM in
+ * bf16 precision on the fp32 B, bit for bit (padding columns of C untouched too); B holds denormals
+ * (flushed by both), exact bf16 values and values that round up to the next binade. */
+static void hb_case(int op, int64_t M, int64_t N, int64_t K, int64_t pad, float beta) {
+    int64_t ar, ac, br, bc;
+    ab_shape(op, M, N, K, &ar, &ac, &br, &bc);
+    int64_t lda = ac + pad, ldb = bc + pad, ldc = N + pad;
+    float *A = falloc(ar * lda), *B = falloc(br * ldb), *C1 = falloc(M * ldc), *C2 = falloc(M * ldc);
+    t_fill(A, ar * lda, (unsigned)(M * 13 + K), 1.0f);
+    t_fill(B, br * ldb, (unsigned)(N * 7 + K + 1), 1.0f);
+    for (int64_t e = 0; e < br * ldb; e += 37) B[e] = e % 3 == 0 ? 1e-40f : e % 3 == 1 ? 0.5f : f_of(0x3fffffffu);
+    t_fill(C1, M * ldc, 3, 2.0f);
+    memcpy(C2, C1, (size_t)(M * ldc) * sizeof(float));
+    uint16_t *Bh = bits_of(B, br * ldb);
+    if (op == OP_NT) {
+        gemm_nt(M, N, K, A, lda, B, ldb, C1, ldc, beta);
+        cpu_gemm_nt_hb(M, N, K, A, lda, Bh, ldb, C2, ldc, beta);
+    } else {
+        gemm_nn(M, N, K, A, lda, B, ldb, C1, ldc, beta);
+        cpu_gemm_nn_hb(M, N, K, A, lda, Bh, ldb, C2, ldc, beta);
+    }
+    int64_t d = differing(C1, C2, M * ldc);
+    CHECK(d == 0, "%s gemm_%s M=%lld N=%lld K=%lld pad=%lld beta=%g: %lld elements differ with B as bf16 bits",
+          g_engine_name, OP_NAME[op], (long long)M, (long long)N, (long long)K, (long long)pad, beta, (long long)d);
+    /* the reference of bf16 bits is the bf16 reference */
+    memcpy(C2, C1, (size_t)(M * ldc) * sizeof(float));
+    (op == OP_NT ? cpu_gemm_nt_bf16_ref : cpu_gemm_nn_bf16_ref)(M, N, K, A, lda, B, ldb, C1, ldc, 1.0f);
+    (op == OP_NT ? cpu_gemm_nt_hb_ref : cpu_gemm_nn_hb_ref)(M, N, K, A, lda, Bh, ldb, C2, ldc, 1.0f);
+    d = differing(C1, C2, M * ldc);
+    CHECK(d == 0, "gemm_%s_hb_ref M=%lld N=%lld K=%lld: %lld elements differ from the bf16 reference", OP_NAME[op],
+          (long long)M, (long long)N, (long long)K, (long long)d);
+    free(A), free(B), free(C1), free(C2), free(Bh);
+}
+
+static void test_bf16_weight_gemm(void) {
+    static const int64_t MS[] = {1, 2, 15, 16, 17, 33, 225};
+    static const int64_t NS[] = {1, 3, 16, 17, 31, 32, 33, 513};
+    static const int64_t KS[] = {1, 2, 3, 31, 32, 33, 63, 511, 513, 1025};
+    for (int op = OP_NT; op <= OP_NN; op++)
+        for (size_t a = 0; a < sizeof MS / sizeof *MS; a++)
+            for (size_t b = 0; b < sizeof NS / sizeof *NS; b++) {
+                size_t c = (a * 5 + b * 3 + (size_t)op) % (sizeof KS / sizeof *KS);
+                int64_t K = MS[a] * NS[b] * KS[c] > 4000000 ? 33 : KS[c];
+                hb_case(op, MS[a], NS[b], K, (a + b) % 2 ? 3 : 0, (a + c) % 2 ? 1.0f : 0.0f);
+            }
+    for (int op = OP_NT; op <= OP_NN; op++) {
+        hb_case(op, 3, 8200, 7, 1, 1.0f); /* wider than one packed B block */
+        hb_case(op, 460, 40, 1100, 0, 0.0f); /* several K slices and row blocks, threaded */
+    }
+}
+
+/* The layers on a weight's bf16 copy: linear, grouped linear (forward and backward) and the routed
+ * experts give the bits of the same layers on the fp32 weights in bf16 precision. */
+static void test_bf16_weight_layers(void) {
+    const int64_t N = 37, IC = 70, OC = 45, G = 2, R = 9, Din = 35, D = 24, I = 40, ne = 11;
+    float *x = falloc(N * IC), *w = falloc(OC * IC), *dout = falloc(N * OC);
+    float *o1 = falloc(N * OC), *o2 = falloc(N * OC), *dx1 = falloc(N * IC), *dx2 = falloc(N * IC);
+    float *dw1 = falloc(OC * IC), *dw2 = falloc(OC * IC);
+    t_fill(x, N * IC, 1, 1.0f), t_fill(w, OC * IC, 2, 0.5f), t_fill(dout, N * OC, 3, 1.0f);
+    uint16_t *wh = bits_of(w, OC * IC);
+    linear_fwd(o1, x, w, N, IC, OC);
+    linear_fwd_bf16w(o2, x, wh, N, IC, OC);
+    CHECK(differing(o1, o2, N * OC) == 0, "%s: linear_fwd_bf16w differs from linear_fwd", g_engine_name);
+    linear_bwd(dx1, dw1, dout, x, w, N, IC, OC);
+    linear_bwd_bf16w(dx2, dw2, dout, x, wh, N, IC, OC);
+    CHECK(differing(dx1, dx2, N * IC) == 0 && differing(dw1, dw2, OC * IC) == 0,
+          "%s: linear_bwd_bf16w differs from linear_bwd", g_engine_name);
+    /* grouped: o [N, G, Din], w [G, R, Din], z [N, G, R] (reusing the buffers above, big enough) */
+    uint16_t *gh = bits_of(w, G * R * Din);
+    grouped_linear_fwd(o1, x, w, N, G, R, Din);
+    grouped_linear_fwd_bf16w(o2, x, gh, N, G, R, Din);
+    CHECK(differing(o1, o2, N * G * R) == 0, "%s: grouped_linear_fwd_bf16w differs", g_engine_name);
+    memset(dx1, 0, (size_t)(N * IC) * sizeof(float)), memset(dx2, 0, (size_t)(N * IC) * sizeof(float));
+    grouped_linear_bwd(dx1, dw1, dout, x, w, N, G, R, Din);
+    grouped_linear_bwd_bf16w(dx2, dw2, dout, x, gh, N, G, R, Din);
+    CHECK(differing(dx1, dx2, N * G * Din) == 0 && differing(dw1, dw2, G * R * Din) == 0,
+          "%s: grouped_linear_bwd_bf16w differs", g_engine_name);
+    /* two routed experts on ne rows each */
+    float *ew = falloc(6 * I * D), *xr = falloc(2 * ne * D), *rw = falloc(2 * ne), *y1 = falloc(2 * ne * D),
+          *y2 = falloc(2 * ne * D), *h[4], *act = falloc(ne * I);
+    for (int k = 0; k < 4; k++) h[k] = falloc(2 * ne * I);
+    t_fill(ew, 6 * I * D, 4, 0.3f), t_fill(xr, 2 * ne * D, 5, 1.0f), t_fill(rw, 2 * ne, 6, 1.0f);
+    uint16_t *eh = bits_of(ew, 6 * I * D);
+    moe_expert_w ws[2];
+    for (int e = 0; e < 2; e++) {
+        float *b = ew + 3 * e * I * D;
+        ws[e] = (moe_expert_w){b, b + I * D, b + 2 * I * D};
+    }
+    const int64_t off[3] = {0, ne, 2 * ne};
+    moe_experts_args a1 = {.nexp = 2, .D = D, .I = I, .limit = 7.0f, .off = off, .w = ws, .x = xr, .rw = rw,
+                           .h1 = h[0], .h3 = h[1], .act = act};
+    moe_experts_args a2 = a1;
+    a2.wbase = ew, a2.hcopy = eh, a2.h1 = h[2], a2.h3 = h[3];
+    moe_experts_fwd(&a1, y1);
+    moe_experts_fwd(&a2, y2);
+    CHECK(differing(y1, y2, 2 * ne * D) == 0 && differing(h[0], h[2], 2 * ne * I) == 0,
+          "%s: routed experts on bf16 copies differ", g_engine_name);
+    free(ew), free(xr), free(rw), free(y1), free(y2), free(act), free(eh);
+    for (int k = 0; k < 4; k++) free(h[k]);
+    free(x), free(w), free(dout), free(o1), free(o2), free(dx1), free(dx2), free(dw1), free(dw2), free(wh), free(gh);
+}
+
 /* One engine of the bf16 GEMM through every test above. */
 static void run_engine_tests(void) {
     const cpu_engines *t = cpu_engines_active();
@@ -449,6 +565,8 @@ static void run_engine_tests(void) {
     RUN(test_deterministic);
     RUN(test_nested_parallel);
     RUN(test_memory);
+    RUN(test_bf16_weight_gemm);
+    RUN(test_bf16_weight_layers);
     ds4_set_matmul_precision(DS4_MATMUL_FP32);
 }
 

@@ -75,6 +75,9 @@ ds4_status ds4_comm_set_link(double gbps, double latency_us);
 /* Seconds this process has spent blocked in collectives (blocking calls and waits), per lane, since it
  * started. */
 void ds4_comm_exposed(double out[DS4_NUM_LANES]);
+/* Bytes this process has received from the other ranks in all-gathers, per lane, since it started (on
+ * DS4_LANE_FSDP: FSDP's parameter gathers). */
+void ds4_comm_allgather_bytes(int64_t out[DS4_NUM_LANES]);
 /* The trace (Chrome trace JSON, viewable in Perfetto): from ds4_trace_begin, a collective of world (it
  * aligns the ranks' clocks with a barrier), every rank records lanes "compute" (time not blocked in a
  * collective), "fsdp", "ep" and "other" (each collective from when it could start to its completion);
@@ -115,6 +118,13 @@ int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f);
 float *ds4_fsdp_shard_params(ds4_fsdp *f); /* [shard_numel] DS4_MEM_PARAM */
 float *ds4_fsdp_shard_grads(ds4_fsdp *f);  /* [shard_numel] DS4_MEM_GRAD, accumulated by grad_end */
 void ds4_fsdp_zero_grads(ds4_fsdp *f);
+/* Mixed precision (a model with the bf16 copy, ds4_model_create_bf16): the shard also holds the bf16
+ * copy of its bf16 pieces ([shard_numel] uint16, DS4_MEM_PARAM), and gather all-gathers a bf16 region
+ * from it, 2 bytes per element, into the model's bf16 copy, leaving the fp32 range of that region
+ * unmapped (fp32 regions as before). refresh rounds the shard's fp32 values into the copy: call it after
+ * they change (init, load, an optimizer step). A no-op without the copy. */
+void ds4_fsdp_refresh_bf16(ds4_fsdp *f);
+
 /* Fills this rank's shard: the init rules of docs/contract.md (the same values as a single process)
  * or a model directory; the integer tables are filled on every rank. */
 ds4_status ds4_fsdp_init_random(ds4_fsdp *f, uint64_t seed);

@@ -21,6 +21,8 @@ typedef struct ds4_model_dir ds4_model_dir;
 typedef struct {
     char name[112];
     int ndim;
+    bool gemm;          /* a matrix the GEMMs read: compute dtype bf16 under mixed precision, fp32 otherwise
+                         * (docs/mixed-precision.md lists them) */
     int64_t shape[3];
     int64_t numel;
     bool is_int;        /* tid2eid */
@@ -47,6 +49,22 @@ typedef struct ds4_model ds4_model;
  * count, and its passes read and write no tensor data (routing is balanced, as moe_force_balance makes
  * it). A pass must run under the context the model was made for (ds4_forward checks). */
 ds4_status ds4_model_create(const ds4_exec *exec, const ds4_config *cfg, bool unmapped, ds4_model **out);
+/* The same model for mixed precision: it also holds a bf16 compute copy of the parameters whose compute
+ * dtype is bf16 (ds4_param.gemm), a uint16 buffer parallel to the flat one (DS4_MEM_PARAM), which its
+ * GEMMs read instead of the fp32 values: every GEMM of its passes is then a bf16 GEMM. Regions never mix
+ * the two compute dtypes (ds4_region.bf16), and in an unmapped model every region starts on a page of
+ * the copy too. The copy is the owner's to keep current: ds4_model_refresh_bf16 (a whole model) or the
+ * FSDP wrapper's gather (an unmapped one). */
+ds4_status ds4_model_create_bf16(const ds4_exec *exec, const ds4_config *cfg, bool unmapped, ds4_model **out);
+/* [numel] the bf16 compute copy (NULL without one); in an unmapped model a reserved range, mapped per
+ * bf16 region by ds4_model_map_bf16. */
+uint16_t *ds4_model_bf16_flat(ds4_model *m);
+/* A whole model: the copy of every bf16 region becomes the rounding (gemm_bf16_bits) of its fp32 values.
+ * Call after the fp32 values change (init, load, an optimizer step). A no-op without a copy. */
+void ds4_model_refresh_bf16(ds4_model *m);
+/* dst [n] = the bf16 bits of src [n] as the copy holds them (the GEMMs' operand rounding); a kernel op,
+ * so a plan skips it. For the owners of a sharded copy. */
+void ds4_model_pack_bf16(uint16_t *dst, const float *src, int64_t n);
 void ds4_model_free(ds4_model *m);
 const ds4_config *ds4_model_config(const ds4_model *m);
 int64_t ds4_model_nparams(const ds4_model *m);                          /* number of named tensors */
@@ -80,9 +98,12 @@ ds4_status ds4_model_save(ds4_model *m, const char *dir, ds4_dtype float_dtype);
  * The parameters fall into groups in the order a pass uses them: 0 = embed, 1 + l = layers.l,
  * n_layers + 1 = the final norm, head and hc_head, n_layers + 2 = the MTP block with its extras.
  * A region is a contiguous flat range [start, end) of one group: dense (expert = -1) or one routed
- * expert's w1, w2, w3. Regions cover every float parameter; a parameter lies in exactly one. */
+ * expert's w1, w2, w3. Regions cover every float parameter; a parameter lies in exactly one. In a model
+ * with the bf16 copy a group's dense range is cut further where the compute dtype changes. */
 typedef struct {
-    int64_t group, expert;
+    int64_t group;
+    int32_t expert;
+    bool bf16; /* a model with the bf16 copy: its parameters' compute dtype is bf16 (ds4_param.gemm) */
     int64_t start, end;
 } ds4_region;
 
@@ -94,6 +115,9 @@ const ds4_region *ds4_model_region(const ds4_model *m, int64_t i);
  * cover whole regions. A no-op count-only in a plan (memplan). */
 ds4_status ds4_model_map(ds4_model *m, int64_t start, int64_t end, bool grad);
 void ds4_model_unmap(ds4_model *m, int64_t start, int64_t end, bool grad);
+/* The same for the bf16 compute copy [start, end) (DS4_MEM_PARAM, 2 bytes per element). */
+ds4_status ds4_model_map_bf16(ds4_model *m, int64_t start, int64_t end);
+void ds4_model_unmap_bf16(ds4_model *m, int64_t start, int64_t end);
 
 /* Expert parallelism as the MoE unit sees it. The routed assignments of a pass (expert-major,
  * counts cnt[E]) travel to the ranks owning the experts; each rank runs its experts [e0, e1) on the

@@ -137,6 +137,10 @@ ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *nor
 ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c, double lr);
 /* Muon on the Muon group (the state opened with opts->muon), AdamW's weight decay; a collective when sharded. */
 ds4_status ds4_train_state_muon_step(ds4_train_state *s, const ds4_muon_cfg *c, double weight_decay, double lr);
+/* Mixed precision: the bf16 compute copy of the GEMM weights (the whole model's or the shard's) rounded
+ * again from the fp32 master weights. The state does it after setup and load, ds4_train_step after its
+ * optimizer update; call it after changing the weights any other way. A no-op in fp32. */
+void ds4_train_state_refresh_bf16(ds4_train_state *s);
 /* The router bias rule with loads [n_blocks, E] of this rank (summed over ranks in place first). */
 ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, double gamma);
 /* Counts NaN / Inf in the weights and AdamW moments (over every rank): an error naming `step` when there

@@ -187,6 +187,9 @@ ds4_status ds4_comm_set_link(double gbps, double latency_us) {
 
 void ds4_comm_exposed(double out[DS4_NUM_LANES]) { memcpy(out, g_exposed, sizeof g_exposed); }
 
+static int64_t g_allgather_bytes[DS4_NUM_LANES]; /* received from other ranks by all-gathers, per lane */
+void ds4_comm_allgather_bytes(int64_t out[DS4_NUM_LANES]) { memcpy(out, g_allgather_bytes, sizeof g_allgather_bytes); }
+
 static void trace_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void trace_printf(const char *fmt, ...) {
     if (g_trace.oom) return;
@@ -375,6 +378,7 @@ static ds4_status igather_any(ds4_comm *c, const void *send, int64_t scount, voi
     for (int r = 0; r < n; r++)
         if (r != c->rank) others += rcounts[r];
     req_issued(q, (root < 0 || root == c->rank ? others : scount) * (int64_t)elem);
+    if (root < 0) g_allgather_bytes[c->lane] += others * (int64_t)elem;
     *req = q;
     return DS4_OK;
 #else

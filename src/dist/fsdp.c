@@ -17,6 +17,7 @@ typedef struct {
     int64_t region, group;
     int64_t start, end, map_end; /* the region, and the end of its last page */
     bool expert;                 /* sharded over the expert-replica communicator, else FSDP */
+    bool bf16;                   /* gathered from the shard's bf16 copy into the model's (region.bf16) */
     int64_t chunk;               /* elements of every rank's piece (the last ones may be shorter) */
     int64_t off, len;            /* this rank's piece: flat [start + off, start + off + len) */
     int64_t shard_off;           /* where it lives in the shard buffers */
@@ -42,11 +43,16 @@ struct ds4_fsdp {
     int64_t *piece_of_region;          /* [nregions] piece index or -1 */
     bool *w_mapped, *g_mapped;         /* [ngroups] */
     overlap *ov;                       /* NULL: blocking collectives (prefetch depth 0) */
-    float *sp, *sg;                    /* [ns] */
+    float *sp, *sg;                    /* [ns]; a model with the bf16 copy: sp is followed by the shard's copy */
     int64_t ns;
     ds4_param_hooks hooks;
     ds4_ep_ops ops;
 };
+
+/* [ns] the bf16 copy of the shard's bf16 pieces, in the allocation of sp (a model with the copy), or NULL. */
+static uint16_t *shard_bf16(const ds4_fsdp *f) {
+    return ds4_model_bf16_flat(f->m) ? (uint16_t *)(f->sp + f->ns) : NULL;
+}
 
 /* On a plan communicator FSDP plans: shards and buffers are counted, no value is read, written or sent. */
 static bool planning(const ds4_fsdp *f) { return ds4_comm_is_plan(f->world); }
@@ -68,20 +74,30 @@ static void piece_layout(const piece *p, int n, int64_t *counts, int64_t *displs
 }
 
 /* ------------------------------------------------------------------ hooks: FSDP */
-/* Maps piece p's range and all-gathers the ranks' parts of it there: blocking (req NULL) or started (*req). */
+/* Maps piece p's range and all-gathers the ranks' parts of it there: blocking (req NULL) or started (*req).
+ * A bf16 piece travels from the shard's bf16 copy into the model's, 2 bytes per element. */
 static ds4_status gather_piece(ds4_fsdp *f, const piece *p, ds4_comm_req **req) {
     ds4_comm *c = piece_comm(f, p);
     int n = ds4_comm_size(c);
     int64_t *cd = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)n);
     if (!cd) return DS4_ERR_OOM;
     piece_layout(p, n, cd, cd + n);
-    float *dst = ds4_model_params_flat(f->m) + p->start;
-    ds4_status st = ds4_model_map(f->m, p->start, p->map_end, false);
+    const bool h = p->bf16;
+    const size_t elem = h ? sizeof(uint16_t) : sizeof(float);
+    const void *src = h ? (const void *)(shard_bf16(f) + p->shard_off) : (const void *)(f->sp + p->shard_off);
+    void *dst = h ? (void *)(ds4_model_bf16_flat(f->m) + p->start) : (void *)(ds4_model_params_flat(f->m) + p->start);
+    ds4_status st = h ? ds4_model_map_bf16(f->m, p->start, p->map_end) : ds4_model_map(f->m, p->start, p->map_end, false);
     if (st == DS4_OK)
-        st = req ? ds4_comm_iallgatherv(c, f->sp + p->shard_off, p->len, dst, cd, cd + n, sizeof(float), req)
-                 : ds4_comm_allgatherv(c, f->sp + p->shard_off, p->len, dst, cd, cd + n, sizeof(float));
+        st = req ? ds4_comm_iallgatherv(c, src, p->len, dst, cd, cd + n, elem, req)
+                 : ds4_comm_allgatherv(c, src, p->len, dst, cd, cd + n, elem);
     ds4_free(cd);
     return st;
+}
+
+/* Gives piece p's gathered range back (its bf16 copy's for a bf16 piece). */
+static void drop_piece(ds4_fsdp *f, const piece *p) {
+    if (p->bf16) ds4_model_unmap_bf16(f->m, p->start, p->map_end);
+    else ds4_model_unmap(f->m, p->start, p->map_end, false);
 }
 
 /* Overlapped gathers (depth > 0): start maps the group's ranges and starts one all-gather per piece;
@@ -140,7 +156,7 @@ static void hook_drop(void *ctx, int64_t group) {
     if (f->ov && f->ov->w_flight[group]) (void)gather_finish(f, group); /* a prefetch the pass did not use (a failure) */
     if (!f->w_mapped[group]) return;
     for (int64_t i = 0; i < f->npieces; i++)
-        if (f->pieces[i].group == group) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, false);
+        if (f->pieces[i].group == group) drop_piece(f, &f->pieces[i]);
     f->w_mapped[group] = false;
 }
 
@@ -475,14 +491,15 @@ static ds4_status build_pieces(ds4_fsdp *f) {
         int64_t len = g->end - g->start;
         int64_t next = i + 1 < nr ? ds4_model_region(m, i + 1)->start : numel;
         *p = (piece){.region = i, .group = g->group, .start = g->start, .end = g->end, .map_end = next,
-                     .expert = expert, .chunk = (len + n - 1) / n};
+                     .expert = expert, .bf16 = g->bf16 && ds4_model_bf16_flat(m), .chunk = (len + n - 1) / n};
         p->off = (int64_t)r * p->chunk;
         p->len = piece_len(len, p->chunk, r);
         p->shard_off = f->ns;
         f->ns += p->len;
         f->piece_of_region[i] = f->npieces++;
     }
-    f->sp = ds4_calloc(DS4_MEM_PARAM, (size_t)f->ns * sizeof(float));
+    const size_t copy = ds4_model_bf16_flat(m) ? (size_t)f->ns * sizeof(uint16_t) : 0; /* the shard's bf16 copy */
+    f->sp = ds4_calloc(DS4_MEM_PARAM, (size_t)f->ns * sizeof(float) + copy);
     f->sg = ds4_calloc(DS4_MEM_GRAD, (size_t)f->ns * sizeof(float));
     return f->sp && f->sg ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory for a shard of %lld parameters", (long long)f->ns);
 }
@@ -558,6 +575,14 @@ const ds4_param_hooks *ds4_fsdp_hooks(ds4_fsdp *f) { return &f->hooks; }
 int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f) { return f->ns; }
 float *ds4_fsdp_shard_params(ds4_fsdp *f) { return f->sp; }
 float *ds4_fsdp_shard_grads(ds4_fsdp *f) { return f->sg; }
+void ds4_fsdp_refresh_bf16(ds4_fsdp *f) {
+    uint16_t *sh = shard_bf16(f);
+    for (int64_t i = 0; sh && i < f->npieces; i++) {
+        const piece *p = &f->pieces[i];
+        if (p->bf16) ds4_model_pack_bf16(sh + p->shard_off, f->sp + p->shard_off, p->len);
+    }
+}
+
 void ds4_fsdp_zero_grads(ds4_fsdp *f) {
     if (!planning(f)) memset(f->sg, 0, (size_t)f->ns * sizeof(float));
 }

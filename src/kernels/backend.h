@@ -43,6 +43,10 @@ typedef struct moe_experts_grads moe_experts_grads;
 typedef void gemm_signature(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
                             int64_t ldb, float *C, int64_t ldc, float beta);
 
+/* The same with B given as bf16 bits (gemm_nt / gemm_nn of a weight's bf16 compute copy). */
+typedef void gemm_signature_hb(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const uint16_t *B,
+                               int64_t ldb, float *C, int64_t ldc, float beta);
+
 /* One backend. Semantics of every entry: kernels.h (same name). A NULL entry does nothing: only the
  * plan backend has them; a compute backend fills every entry (ds4_kernel_backend_missing checks). */
 typedef struct ds4_kernel_backend {
@@ -57,6 +61,13 @@ typedef struct ds4_kernel_backend {
                                int64_t Din);
     void (*grouped_linear_bwd)(float *do_, float *dw, const float *dz, const float *o, const float *w, int64_t N,
                                int64_t G, int64_t R, int64_t Din);
+    void (*linear_fwd_bf16w)(float *out, const float *inp, const uint16_t *w, int64_t N, int64_t IC, int64_t OC);
+    void (*linear_bwd_bf16w)(float *dinp, float *dw, const float *dout, const float *inp, const uint16_t *w, int64_t N,
+                             int64_t IC, int64_t OC);
+    void (*grouped_linear_fwd_bf16w)(float *z, const float *o, const uint16_t *w, int64_t N, int64_t G, int64_t R,
+                                     int64_t Din);
+    void (*grouped_linear_bwd_bf16w)(float *do_, float *dw, const float *dz, const float *o, const uint16_t *w,
+                                     int64_t N, int64_t G, int64_t R, int64_t Din);
     void (*embedding_fwd)(float *out, const float *table, const int32_t *ids, int64_t N, int64_t D);
     void (*embedding_bwd)(float *dtable, const float *dout, const int32_t *ids, int64_t N, int64_t D);
     void (*rmsnorm_fwd)(float *y, float *rstd, const float *x, const float *w, int64_t N, int64_t D, float eps);
@@ -118,7 +129,8 @@ typedef struct ds4_kernel_backend {
 /* Every entry of the table, for checks that walk it (X(name) per entry). */
 #define DS4_KERNEL_ENTRIES(X)                                                                                 \
     X(gemm_nt) X(gemm_nn) X(gemm_tn) X(gemm_workspace_reserve) X(gemm_workspace_release) X(linear_fwd)        \
-    X(linear_bwd) X(grouped_linear_fwd) X(grouped_linear_bwd) X(embedding_fwd) X(embedding_bwd)               \
+    X(linear_bwd) X(grouped_linear_fwd) X(grouped_linear_bwd) X(linear_fwd_bf16w) X(linear_bwd_bf16w)          \
+    X(grouped_linear_fwd_bf16w) X(grouped_linear_bwd_bf16w) X(embedding_fwd) X(embedding_bwd)               \
     X(rmsnorm_fwd) X(rmsnorm_bwd) X(rope_fwd) X(rope_bwd) X(hc_split_sinkhorn_fwd) X(hc_split_sinkhorn_bwd)   \
     X(hc_pre_fwd) X(hc_pre_bwd) X(hc_post_fwd) X(hc_post_bwd) X(hc_head_fwd) X(hc_head_bwd)                   \
     X(compressor_pool_fwd) X(compressor_pool_bwd) X(sparse_attn_fwd) X(sparse_attn_bwd) X(indexer_topk_fwd)   \

@@ -25,10 +25,12 @@
 #define DS4_X86_ENGINES 0
 #endif
 
-/* A matrix seen through strides: element (r, c) at p[r·rs + c·cs]. */
+/* A matrix seen through strides: element (r, c) at p[r·rs + c·cs], or, when h is set (a B operand of the
+ * bf16 GEMM: a weight's bf16 compute copy), the bf16 bits h[r·rs + c·cs]. */
 typedef struct {
     const float *p;
     int64_t rs, cs;
+    const uint16_t *h;
 } gemm_view;
 
 /* An engine of the blocked GEMM driver (gemm.c): its blocking sizes, packers and register-tile kernel. */
@@ -43,6 +45,10 @@ typedef struct {
     void (*pack_a)(void *dst, gemm_view A, int64_t i0, int64_t mr, int64_t k0, int64_t kc);
     /* dst: B (viewed K×N) rows [k0, k0+kc) × columns [j0, j0+nr), columns >= nr zero. */
     void (*pack_b)(void *dst, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr);
+    /* The same panel from B.h: what pack_b (and the driver's rounding) makes of the fp32 values whose
+     * rounding the bits are, read without rounding: bf16 engines copy the bits, fp32 engines widen them.
+     * NULL: the engine cannot read bf16 B (the driver then runs the reference). */
+    void (*pack_b_bf16)(void *dst, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr);
     /* C tile [mr, nr] = cscale·C + a·b over one packed slice (kc as passed to the packers). */
     void (*tile)(int64_t kc, const void *a, const void *b, float *C, int64_t ldc, int64_t mr, int64_t nr,
                  float cscale);
@@ -56,6 +62,8 @@ typedef struct {
 /* Portable fp32 packers (gemm.c) that engines with plain [kc][MR] / [kc][NR] float panels share. */
 void gemm_pack_a_f32(float *dst, int64_t MR, gemm_view A, int64_t i0, int64_t mr, int64_t k0, int64_t kc);
 void gemm_pack_b_f32(float *dst, int64_t NR, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr);
+/* gemm_pack_b_f32's panel from bf16 bits B.h, each widened to its float (a shift: exact). */
+void gemm_pack_b_bf16_f32(float *dst, int64_t NR, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr);
 
 /* The engines, each NULL when this build has no code for it (another target, or a compiler without the
  * instructions). Whether the CPU can run one is the dispatch's business, not theirs. */

@@ -49,6 +49,28 @@ void gemm_pack_b_f32(float *dst, int64_t NR, gemm_view B, int64_t k0, int64_t kc
     }
 }
 
+/* The float of bf16 bits h (exact: the bits are the float's top half). */
+static inline float widen_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+void gemm_pack_b_bf16_f32(float *dst, int64_t NR, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr) {
+    if (B.cs == 1) { /* rows of B contiguous in j */
+        for (int64_t k = 0; k < kc; k++) {
+            const uint16_t *src = B.h + (k0 + k) * B.rs + j0;
+            for (int64_t c = 0; c < NR; c++) dst[k * NR + c] = c < nr ? widen_bf16(src[c]) : 0.0f;
+        }
+        return;
+    }
+    for (int64_t c = 0; c < NR; c++) { /* B^T stored: column c is a run over k */
+        const uint16_t *src = B.h + (j0 + c) * B.cs + k0 * B.rs;
+        for (int64_t k = 0; k < kc; k++) dst[k * NR + c] = c < nr ? widen_bf16(src[k * B.rs]) : 0.0f;
+    }
+}
+
 /* In place: every value of a packed fp32 panel rounded to bf16 (gemm_bf16_round; zeros stay zeros). */
 static void round_panel_bf16(void *panel, size_t bytes) {
     bf16_round_array(panel, (int64_t)(bytes / sizeof(float)));
@@ -157,6 +179,10 @@ static bool gemm_fast(const gemm_engine *e, int64_t M, int64_t N, int64_t K, gem
             for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta == 0 ? 0 : beta * C[i * ldc + j];
         return true;
     }
+    /* B given as bf16 bits: its panels are bf16 values already, rounding them again would change nothing */
+    void (*pack_b)(void *, gemm_view, int64_t, int64_t, int64_t, int64_t) = B.h ? e->pack_b_bf16 : e->pack_b;
+    const bool round_b = e->round_bf16 && !B.h;
+    if (!pack_b) return false;
     gemm_buffers w;
     if (!buffers_take(&w, false, e, M, N, K)) return false;
     char *bp = w.bp, *ap = w.ap;
@@ -177,8 +203,8 @@ static bool gemm_fast(const gemm_engine *e, int64_t M, int64_t N, int64_t K, gem
 #pragma omp for schedule(static)
                 for (int64_t p = 0; p < npan; p++)
                 {
-                    e->pack_b(bp + (size_t)p * b_pan, B, pc, kc, jc + p * e->nr, min64(e->nr, nc - p * e->nr));
-                    if (e->round_bf16) round_panel_bf16(bp + (size_t)p * b_pan, b_pan);
+                    pack_b(bp + (size_t)p * b_pan, B, pc, kc, jc + p * e->nr, min64(e->nr, nc - p * e->nr));
+                    if (round_b) round_panel_bf16(bp + (size_t)p * b_pan, b_pan);
                 }
                 /* tasks in row-block-major order; a thread keeps its packed A block while it
                  * takes tasks of the same row block. Dynamic: a descheduled thread does not hold
@@ -225,7 +251,7 @@ void cpu_gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, c
                  int64_t ldc, float beta) {
     bool bf16;
     const gemm_engine *e = current_engine(&bf16);
-    if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, lda, 1}, (gemm_view){B, 1, ldb}, C, ldc, beta))
+    if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){B, 1, ldb, NULL}, C, ldc, beta))
         (bf16 ? cpu_gemm_nt_bf16_ref : cpu_gemm_nt_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
 }
 
@@ -234,8 +260,28 @@ void cpu_gemm_nn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, c
                  int64_t ldc, float beta) {
     bool bf16;
     const gemm_engine *e = current_engine(&bf16);
-    if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, lda, 1}, (gemm_view){B, ldb, 1}, C, ldc, beta))
+    if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){B, ldb, 1, NULL}, C, ldc, beta))
         (bf16 ? cpu_gemm_nn_bf16_ref : cpu_gemm_nn_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
+
+/* The bf16 GEMM with B given as bf16 bits (a weight's compute copy), whatever the matmul precision:
+ * the same bits as cpu_gemm_nt/nn in bf16 precision on the fp32 values the bits were rounded from. */
+static const gemm_engine *bf16_engine(void) { return cpu_engines_active()->gemm_bf16; }
+
+/* C[M,N] = beta*C + A[M,K] · B[N,K]^T, B: bf16 bits */
+void cpu_gemm_nt_hb(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const uint16_t *B, int64_t ldb,
+                    float *C, int64_t ldc, float beta) {
+    const gemm_engine *e = bf16_engine();
+    if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){NULL, 1, ldb, B}, C, ldc, beta))
+        cpu_gemm_nt_hb_ref(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
+
+/* C[M,N] = beta*C + A[M,K] · B[K,N], B: bf16 bits */
+void cpu_gemm_nn_hb(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const uint16_t *B, int64_t ldb,
+                    float *C, int64_t ldc, float beta) {
+    const gemm_engine *e = bf16_engine();
+    if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){NULL, ldb, 1, B}, C, ldc, beta))
+        cpu_gemm_nn_hb_ref(M, N, K, A, lda, B, ldb, C, ldc, beta);
 }
 
 /* C[M,N] = beta*C + A[K,M]^T · B[K,N] */
@@ -243,7 +289,7 @@ void cpu_gemm_tn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, c
                  int64_t ldc, float beta) {
     bool bf16;
     const gemm_engine *e = current_engine(&bf16);
-    if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, 1, lda}, (gemm_view){B, ldb, 1}, C, ldc, beta))
+    if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, 1, lda, NULL}, (gemm_view){B, ldb, 1, NULL}, C, ldc, beta))
         (bf16 ? cpu_gemm_tn_bf16_ref : cpu_gemm_tn_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
 }
 
@@ -252,12 +298,34 @@ void cpu_gemm_tn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, c
 /* What cpu_gemm_* allocates for an M×N×K product, allocated and given back: nothing without an engine
  * (the references allocate nothing) or with an empty product. The layout (nt, nn, tn) does not change
  * the buffers. */
-static void gemm_plan(int64_t M, int64_t N, int64_t K) {
-    bool bf16;
-    const gemm_engine *e = current_engine(&bf16);
+static void gemm_plan_on(const gemm_engine *e, int64_t M, int64_t N, int64_t K) {
     gemm_buffers w;
     if (!e || M <= 0 || N <= 0 || K <= 0 || !buffers_take(&w, true, e, M, N, K)) return;
     buffers_give_back(&w);
+}
+
+static void gemm_plan(int64_t M, int64_t N, int64_t K) {
+    bool bf16;
+    gemm_plan_on(current_engine(&bf16), M, N, K);
+}
+
+/* The bf16-B GEMMs run the bf16 engine whatever the precision; an engine without a bf16 B packer runs
+ * the reference, which allocates nothing. */
+static void gemm_hb_plan(int64_t M, int64_t N, int64_t K) {
+    const gemm_engine *e = bf16_engine();
+    gemm_plan_on(e && e->pack_b_bf16 ? e : NULL, M, N, K);
+}
+
+void cpu_gemm_nt_hb_plan(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const uint16_t *B, int64_t ldb,
+                         float *C, int64_t ldc, float beta) {
+    (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc, (void)beta;
+    gemm_hb_plan(M, N, K);
+}
+
+void cpu_gemm_nn_hb_plan(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const uint16_t *B, int64_t ldb,
+                         float *C, int64_t ldc, float beta) {
+    (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc, (void)beta;
+    gemm_hb_plan(M, N, K);
 }
 
 void cpu_gemm_nt_plan(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,

@@ -110,6 +110,31 @@ static inline void grouped_linear_bwd(float *do_, float *dw, const float *dz, co
     if (k->grouped_linear_bwd) k->grouped_linear_bwd(do_, dw, dz, o, w, N, G, R, Din);
 }
 
+/* The same layers on a weight's bf16 compute copy w (uint16 bits, the weight's gemm_bf16_bits): bf16
+ * GEMMs (whatever the matmul precision) that give the bits linear_fwd / linear_bwd / grouped_linear_*
+ * give in bf16 precision on the fp32 weight, without rounding the weight per call (mixed precision:
+ * docs/mixed-precision.md). The weight gradient dw is the same fp32 GEMM as theirs. */
+static inline void linear_fwd_bf16w(float *out, const float *inp, const uint16_t *w, int64_t N, int64_t IC,
+                                    int64_t OC) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->linear_fwd_bf16w) k->linear_fwd_bf16w(out, inp, w, N, IC, OC);
+}
+static inline void linear_bwd_bf16w(float *dinp, float *dw, const float *dout, const float *inp, const uint16_t *w,
+                                    int64_t N, int64_t IC, int64_t OC) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->linear_bwd_bf16w) k->linear_bwd_bf16w(dinp, dw, dout, inp, w, N, IC, OC);
+}
+static inline void grouped_linear_fwd_bf16w(float *z, const float *o, const uint16_t *w, int64_t N, int64_t G,
+                                            int64_t R, int64_t Din) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->grouped_linear_fwd_bf16w) k->grouped_linear_fwd_bf16w(z, o, w, N, G, R, Din);
+}
+static inline void grouped_linear_bwd_bf16w(float *do_, float *dw, const float *dz, const float *o,
+                                            const uint16_t *w, int64_t N, int64_t G, int64_t R, int64_t Din) {
+    const ds4_kernel_backend *k = ds4_kernels();
+    if (k->grouped_linear_bwd_bf16w) k->grouped_linear_bwd_bf16w(do_, dw, dz, o, w, N, G, R, Din);
+}
+
 /* ================================================================ embedding (cpu/embed.c)
  * out: [N, D] = table[ids[n]]; table: [V, D]. */
 static inline void embedding_fwd(float *out, const float *table, const int32_t *ids, int64_t N, int64_t D) {
@@ -494,6 +519,10 @@ struct moe_experts_args {
     float limit;
     const int64_t *off;      /* [nexp + 1] */
     const moe_expert_w *w;   /* [nexp] */
+    /* Mixed precision: the buffer the weights lie in and its bf16 compute copy; the GEMMs read weight x as
+     * the bits hcopy + (x − wbase) (linear_fwd_bf16w). hcopy NULL: they read the fp32 weights. */
+    const float *wbase;
+    const uint16_t *hcopy;
     const float *x, *rw;     /* [R, D], [R] */
     float *h1, *h3;          /* [R, I]: written by the forward, read by the backward */
     float *act;              /* [rows of the largest expert, I] scratch */

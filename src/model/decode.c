@@ -183,7 +183,7 @@ ds4_status ds4_decoder_step(ds4_decoder *dec, int32_t token, float *logits_out) 
             .norm_eps = (float)c->norm_eps, .X = dec->X, .fn = m->w.hc_head_fn, .scale = m->w.hc_head_scale,
             .base = m->w.hc_head_base, .y = dec->hy, .mixes = dec->hmix, .rsqrt = dec->hrsqrt});
         rmsnorm_fwd(dec->hyn, dec->hrstd, dec->hy, m->w.norm, 1, D, (float)c->norm_eps);
-        linear_fwd(logits_out, dec->hyn, m->w.head, 1, D, c->vocab_size); // [V]
+        model_linear_fwd(m, logits_out, dec->hyn, m->w.head, 1, D, c->vocab_size); // [V]
     }
     if (dec->serial) ds4_set_threads(threads);
     if (st != DS4_OK) return st;

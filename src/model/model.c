@@ -305,7 +305,7 @@ static ds4_status head_fwd(ds4_pass *p, head_acts *h, const float *X, const floa
         .norm_eps = (float)c->norm_eps, .X = X, .fn = fn, .scale = scale, .base = base, .y = h->y, .mixes = h->mixes,
         .rsqrt = h->rsqrt});
     rmsnorm_fwd(h->yn, h->rstd, h->y, normw, N, D, (float)c->norm_eps);
-    linear_fwd(h->logits, h->yn, m->w.head, N, D, V);
+    model_linear_fwd(m, h->logits, h->yn, m->w.head, N, D, V);
     /* position t predicts ids[t + shift] */
     shift_ids(h->targets, p->ids, p->B, p->T, shift, -1);
     cross_entropy_fwd_bwd(&h->loss_sum, &h->n_scored, NULL, h->logits, h->targets, N, V, 0.0f);
@@ -331,7 +331,7 @@ static ds4_status head_bwd(ds4_pass *p, head_acts *h, const float *X, float *dX,
     int64_t ns;
     float gscale = h->n_scored > 0 ? (float)(weight / (double)h->n_scored) : 0.0f;
     cross_entropy_fwd_bwd(&ls, &ns, dlogits, h->logits, h->targets, N, V, gscale);
-    linear_bwd(dyn, m->g.head, dlogits, h->yn, m->w.head, N, D, V);
+    model_linear_bwd(m, dyn, m->g.head, dlogits, h->yn, m->w.head, N, D, V);
     rmsnorm_bwd(dy, g_norm, dyn, h->y, normw, h->rstd, N, D);
     hc_head_bwd(&(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)c->hc_eps,
         .norm_eps = (float)c->norm_eps, .X = X, .fn = fn, .scale = scale, .base = base, .mixes = h->mixes,
@@ -363,9 +363,9 @@ static ds4_status mtp_input_fwd(ds4_pass *p) {
     }
     embedding_fwd(p->m_e, m->w.embed, p->ids_next, N, D);
     rmsnorm_fwd(p->m_en, p->m_en_rstd, p->m_e, m->w.enorm, N, D, eps);
-    linear_fwd(ep, p->m_en, m->w.e_proj, N, D, D);
+    model_linear_fwd(m, ep, p->m_en, m->w.e_proj, N, D, D);
     rmsnorm_fwd(p->m_hn, p->m_hn_rstd, p->X[c->n_layers], m->w.hnorm, N * n, D, eps);
-    linear_fwd(p->m_X0, p->m_hn, m->w.h_proj, N * n, D, D);
+    model_linear_fwd(m, p->m_X0, p->m_hn, m->w.h_proj, N * n, D, D);
     streams_add(p->m_X0, ep, N, n, D);
     ds4_free(ep);
     return DS4_OK;
@@ -386,10 +386,10 @@ static ds4_status mtp_input_bwd(ds4_pass *p, const float *dX0, float *dXL) {
         goto done;
     }
     streams_sum(dep, dX0, N, n, D);
-    linear_bwd(den, m->g.e_proj, dep, p->m_en, m->w.e_proj, N, D, D);
+    model_linear_bwd(m, den, m->g.e_proj, dep, p->m_en, m->w.e_proj, N, D, D);
     rmsnorm_bwd(de, m->g.enorm, den, p->m_e, m->w.enorm, p->m_en_rstd, N, D);
     embedding_bwd(m->g.embed, de, p->ids_next, N, D);
-    linear_bwd(dhn, m->g.h_proj, dX0, p->m_hn, m->w.h_proj, N * n, D, D);
+    model_linear_bwd(m, dhn, m->g.h_proj, dX0, p->m_hn, m->w.h_proj, N * n, D, D);
     rmsnorm_bwd(dXL, m->g.hnorm, dhn, p->X[c->n_layers], m->w.hnorm, p->m_hn_rstd, N * n, D);
 done:
     ds4_free(dep);

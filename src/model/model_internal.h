@@ -48,12 +48,44 @@ struct ds4_model {
     ds4_rope rope_main, rope_cmp;     /* rebuilt when T grows */
     int64_t rope_len;
     bool gemm_ws;                     /* holds a reference on the GEMM packing workspace */
+    bool bf16;                        /* made with the bf16 compute copy (ds4_model_create_bf16) */
     ds4_region *regions;              /* [nregions] in flat order */
     int64_t nregions;
     bool unmapped;                    /* flat / gflat are reserved ranges (ds4_model_create with unmapped) */
     ds4_exec exec;                    /* the context it was made for (ds4_model_create); passes check it */
-    size_t reserved_bytes;            /* bytes of each reservation */
+    uint16_t *hflat;                  /* [numel] the bf16 compute copy, or NULL (fp32 models) */
 };
+
+/* ------------------------------------------------------------------ the linear layers' weights
+ * The one place the model picks what its linear layers read: the bf16 compute copy of weight w (a slot
+ * of m->w whose parameter has compute dtype bf16) when the model holds one, else w in fp32. */
+static inline const uint16_t *weight_bf16(const ds4_model *m, const float *w) {
+    return m->hflat ? m->hflat + (w - m->flat) : NULL;
+}
+static inline void model_linear_fwd(const ds4_model *m, float *out, const float *inp, const float *w, int64_t N,
+                                    int64_t IC, int64_t OC) {
+    const uint16_t *h = weight_bf16(m, w);
+    if (h) linear_fwd_bf16w(out, inp, h, N, IC, OC);
+    else linear_fwd(out, inp, w, N, IC, OC);
+}
+static inline void model_linear_bwd(const ds4_model *m, float *dinp, float *dw, const float *dout, const float *inp,
+                                    const float *w, int64_t N, int64_t IC, int64_t OC) {
+    const uint16_t *h = weight_bf16(m, w);
+    if (h) linear_bwd_bf16w(dinp, dw, dout, inp, h, N, IC, OC);
+    else linear_bwd(dinp, dw, dout, inp, w, N, IC, OC);
+}
+static inline void model_grouped_linear_fwd(const ds4_model *m, float *z, const float *o, const float *w, int64_t N,
+                                            int64_t G, int64_t R, int64_t Din) {
+    const uint16_t *h = weight_bf16(m, w);
+    if (h) grouped_linear_fwd_bf16w(z, o, h, N, G, R, Din);
+    else grouped_linear_fwd(z, o, w, N, G, R, Din);
+}
+static inline void model_grouped_linear_bwd(const ds4_model *m, float *do_, float *dw, const float *dz, const float *o,
+                                            const float *w, int64_t N, int64_t G, int64_t R, int64_t Din) {
+    const uint16_t *h = weight_bf16(m, w);
+    if (h) grouped_linear_bwd_bf16w(do_, dw, dz, o, h, N, G, R, Din);
+    else grouped_linear_bwd(do_, dw, dz, o, w, N, G, R, Din);
+}
 
 /* Parameter groups (ds4/model.h): embed, layers, head, MTP. */
 static inline int64_t group_of_layer(int64_t l) { return 1 + l; }

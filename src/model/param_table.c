@@ -11,11 +11,12 @@
 #include <stdio.h>
 
 static void emit(param_walk *w, float **ws, float **gs, int ndim, int64_t d0, int64_t d1, ds4_init_rule init,
-                 const char *fmt, ...) __attribute__((format(printf, 8, 9)));
+                 bool gemm, const char *fmt, ...) __attribute__((format(printf, 9, 10)));
 static void emit(param_walk *w, float **ws, float **gs, int ndim, int64_t d0, int64_t d1, ds4_init_rule init,
-                 const char *fmt, ...) {
+                 bool gemm, const char *fmt, ...) {
     if (w->stopped) return;
-    param_entry e = {.ndim = ndim, .shape = {d0, d1}, .init = init, .w = ws, .g = gs, .carried = w->carrying};
+    param_entry e = {.ndim = ndim, .shape = {d0, d1}, .init = init, .gemm = gemm, .w = ws, .g = gs,
+                     .carried = w->carrying};
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(e.name, sizeof e.name, fmt, ap);
@@ -30,10 +31,15 @@ static void region(param_walk *w, int64_t group, int64_t expert) {
 /* An entry of a list: the slot `field` of struct pointers W / G (NULL in a walk without slots). */
 #define SLOTS(W, G, field) (W) ? &(W)->field : NULL, (G) ? &(G)->field : NULL
 
+/* The compute dtype rule (param_entry.gemm): the matrices the GEMMs read are the 2-D weights drawn from
+ * N(0, 0.02) that a bf16 checkpoint does not keep in fp32 (the mHC fn matrices are mixed in fp32 by their
+ * own kernels); the embedding, also such a matrix, is read by a lookup and is named with `false`. */
+#define GEMM_READ(nd, rule, f32) ((nd) == 2 && DS4_INIT_##rule == DS4_INIT_NORMAL && !(f32))
+
 static void compressor(param_walk *w, compressor_w *W, compressor_w *G, const char *pre, int64_t r, int64_t cd,
                        int64_t D) {
     const int64_t cw = r == 4 ? 2 * cd : cd; /* CSA keeps two overlapping series */
-#define X(field, nd, a, b, nm, hf, rule, f32) emit(w, SLOTS(W, G, field), nd, a, b, DS4_INIT_##rule, "%s." nm, pre);
+#define X(field, nd, a, b, nm, hf, rule, f32) emit(w, SLOTS(W, G, field), nd, a, b, DS4_INIT_##rule, GEMM_READ(nd, rule, f32), "%s." nm, pre);
     DS4_COMPRESSOR_TENSORS(X)
 #undef X
 }
@@ -46,7 +52,7 @@ static void block(param_walk *w, int64_t l, const char *pre, int64_t group) {
     const int64_t E = c->n_routed_experts, I = c->moe_inter_dim, Is = I * c->n_shared_experts;
     const int64_t V = c->vocab_size, K = c->n_activated_experts, ih = c->index_n_heads, id = c->index_head_dim;
     region(w, group, -1);
-#define X(field, nd, a, b, nm, hf, rule, f32) emit(w, SLOTS(W, G, field), nd, a, b, DS4_INIT_##rule, "%s." nm, pre);
+#define X(field, nd, a, b, nm, hf, rule, f32) emit(w, SLOTS(W, G, field), nd, a, b, DS4_INIT_##rule, GEMM_READ(nd, rule, f32), "%s." nm, pre);
     DS4_BLOCK_TENSORS(X)
     char sub[128];
     if (r > 0) {
@@ -62,7 +68,7 @@ static void block(param_walk *w, int64_t l, const char *pre, int64_t group) {
     if (!block_is_hash(c, l)) {
         DS4_ROUTER_BIAS_TENSORS(X)
     } else {
-#define X_INT(field, nd, a, b, nm, hf, rule, f32) emit(w, NULL, NULL, nd, a, b, DS4_INIT_##rule, "%s." nm, pre);
+#define X_INT(field, nd, a, b, nm, hf, rule, f32) emit(w, NULL, NULL, nd, a, b, DS4_INIT_##rule, GEMM_READ(nd, rule, f32), "%s." nm, pre);
         DS4_ROUTER_HASH_TENSORS(X_INT)
 #undef X_INT
     }
@@ -71,12 +77,12 @@ static void block(param_walk *w, int64_t l, const char *pre, int64_t group) {
         region(w, group, e);
         expert_w *We = W ? &W->experts[e] : NULL, *Ge = G ? &G->experts[e] : NULL;
 #define X(field, nd, a, b, nm, hf, rule, f32) \
-    emit(w, SLOTS(We, Ge, field), nd, a, b, DS4_INIT_##rule, "%s.ffn.experts.%lld." nm, pre, (long long)e);
+    emit(w, SLOTS(We, Ge, field), nd, a, b, DS4_INIT_##rule, GEMM_READ(nd, rule, f32), "%s.ffn.experts.%lld." nm, pre, (long long)e);
         DS4_EXPERT_TENSORS(X)
 #undef X
     }
     region(w, group, -1);
-#define X(field, nd, a, b, nm, hf, rule, f32) emit(w, SLOTS(W, G, field), nd, a, b, DS4_INIT_##rule, "%s." nm, pre);
+#define X(field, nd, a, b, nm, hf, rule, f32) emit(w, SLOTS(W, G, field), nd, a, b, DS4_INIT_##rule, GEMM_READ(nd, rule, f32), "%s." nm, pre);
     DS4_SHARED_EXPERT_TENSORS(X)
 #undef X
 }
@@ -91,7 +97,7 @@ static void dspark_stages(param_walk *w) {
         char pre[32];
         snprintf(pre, sizeof pre, "mtp.%lld", (long long)s);
         block(w, c->n_layers + c->n_mtp_layers + s, pre, -1);
-#define X(field, nd, a, b, nm, hf, rule, f32) emit(w, NULL, NULL, nd, a, b, DS4_INIT_##rule, "%s." nm, pre);
+#define X(field, nd, a, b, nm, hf, rule, f32) emit(w, NULL, NULL, nd, a, b, DS4_INIT_##rule, GEMM_READ(nd, rule, f32), "%s." nm, pre);
         if (s == 0) {
             DS4_DSPARK_FIRST_TENSORS(X)
         }
@@ -108,9 +114,11 @@ void param_walk_run(param_walk *w) {
     model_w *W = w->W, *G = w->G;
     const int64_t D = c->dim, V = c->vocab_size, n = c->hc_mult;
     w->stopped = false;
-#define X(field, nd, a, b, nm, hf, rule, f32) emit(w, SLOTS(W, G, field), nd, a, b, DS4_INIT_##rule, nm);
+#define X_EMBED(field, nd, a, b, nm, hf, rule, f32) emit(w, SLOTS(W, G, field), nd, a, b, DS4_INIT_##rule, false, nm);
+#define X(field, nd, a, b, nm, hf, rule, f32) emit(w, SLOTS(W, G, field), nd, a, b, DS4_INIT_##rule, GEMM_READ(nd, rule, f32), nm);
     region(w, 0, -1);
-    DS4_EMBED_TENSORS(X)
+    DS4_EMBED_TENSORS(X_EMBED)
+#undef X_EMBED
     for (int64_t l = 0; l < c->n_layers; l++) {
         char pre[32];
         snprintf(pre, sizeof pre, "layers.%lld", (long long)l);

@@ -14,6 +14,7 @@ typedef struct {
     int ndim;
     int64_t shape[2];
     ds4_init_rule init;   /* also decides weight decay, gradients and int storage */
+    bool gemm;            /* read by GEMMs: its compute dtype is bf16 under mixed precision (param_table.c) */
     bool carried;         /* the DSpark drafter's: kept outside the flat layout, never trained */
     float **w, **g;       /* its slots in the walk's value / gradient structs; NULL without them or for ints */
 } param_entry;

@@ -26,25 +26,41 @@ typedef struct {
 } table_builder;
 
 /* Floats per page: in an unmapped model every region starts on a page, so mapping or unmapping one
- * region never touches its neighbours. */
+ * region never touches its neighbours; with the bf16 copy on a page of the copy too (2 bytes each). */
 #define REGION_ALIGN 1024
+
+static int64_t region_align(const ds4_model *m) { return !m->unmapped ? 1 : m->bf16 ? 2 * REGION_ALIGN : REGION_ALIGN; }
+
+/* Bytes of each reserved range of an unmapped model (the bf16 copy's: half). */
+static size_t reserved_bytes(const ds4_model *m) { return (size_t)m->numel * sizeof(float); }
 
 /* Starts a new region of `group` (expert -1: dense) at the current end of the flat layout. */
 static void region_begin(table_builder *tb, int64_t group, int64_t expert) {
     ds4_model *m = tb->m;
     if (tb->st != DS4_OK) return;
-    if (m->unmapped) m->numel = (m->numel + REGION_ALIGN - 1) / REGION_ALIGN * REGION_ALIGN;
+    m->numel = (m->numel + region_align(m) - 1) / region_align(m) * region_align(m);
     if (m->nregions > 0) m->regions[m->nregions - 1].end = m->numel;
     if (!ds4_grow((void **)&m->regions, &tb->capreg, m->nregions + 1, sizeof *m->regions)) {
         tb->st = DS4_ERR_OOM;
         return;
     }
-    m->regions[m->nregions++] = (ds4_region){group, expert, m->numel, m->numel};
+    m->regions[m->nregions++] = (ds4_region){.group = group, .expert = (int32_t)expert,
+                                                .start = m->numel, .end = m->numel};
+}
+
+/* With the bf16 copy a region holds one compute dtype: the first tensor sets it, a tensor of the other
+ * starts a new region of the same group and expert. */
+static void region_dtype(table_builder *tb, bool bf16) {
+    ds4_model *m = tb->m;
+    if (!m->bf16 || tb->st != DS4_OK || m->nregions == 0) return;
+    ds4_region *r = &m->regions[m->nregions - 1];
+    if (r->start < m->numel && r->bf16 != bf16) region_begin(tb, r->group, r->expert);
+    m->regions[m->nregions - 1].bf16 = bf16;
 }
 
 static void regions_finish(table_builder *tb) {
     ds4_model *m = tb->m;
-    if (m->unmapped) m->numel = (m->numel + REGION_ALIGN - 1) / REGION_ALIGN * REGION_ALIGN;
+    m->numel = (m->numel + region_align(m) - 1) / region_align(m) * region_align(m);
     if (m->nregions > 0) m->regions[m->nregions - 1].end = m->numel;
 }
 
@@ -103,8 +119,10 @@ static void on_region(param_walk *w, int64_t group, int64_t expert) { region_beg
 static bool on_tensor(param_walk *w, const param_entry *e) {
     table_builder *tb = w->ctx;
     bool own = e->init == DS4_INIT_EXPERT_IDS || e->carried; /* storage of its own, not in the flat layout */
+    if (!own) region_dtype(tb, e->gemm);
     ds4_param *p = own ? add_entry(tb, e) : reg(tb, e->w, e->g, e);
     if (p) {
+        p->gemm = e->gemm;
         p->init = e->init;
         p->is_int = e->init == DS4_INIT_EXPERT_IDS;
         p->carried = e->carried;
@@ -121,13 +139,15 @@ static void reg_model(table_builder *tb) {
     regions_finish(tb);
 }
 
-static ds4_status model_create(const ds4_exec *exec, const ds4_config *cfg, bool unmapped, ds4_model **out) {
+static ds4_status model_create(const ds4_exec *exec, const ds4_config *cfg, bool unmapped, bool bf16,
+                               ds4_model **out) {
     *out = NULL;
     DS4_TRY(ds4_config_validate(cfg, "config"));
     ds4_model *m = ds4_calloc(DS4_MEM_OTHER, sizeof *m);
     if (!m) return DS4_ERR_OOM;
     m->cfg = *cfg;
     m->unmapped = unmapped;
+    m->bf16 = bf16;
     m->exec = exec ? *exec : (ds4_exec){0};
     int64_t nb = n_blocks(cfg), E = cfg->n_routed_experts;
     m->w.blocks = ds4_calloc(DS4_MEM_OTHER, (size_t)nb * sizeof(block_w));
@@ -148,14 +168,15 @@ static ds4_status model_create(const ds4_exec *exec, const ds4_config *cfg, bool
     gemm_workspace_reserve();
     m->gemm_ws = true;
     if (unmapped) {
-        m->reserved_bytes = (size_t)m->numel * sizeof(float);
-        m->flat = ds4_range_reserve(m->reserved_bytes); /* pages are made resident by ds4_model_map */
-        m->gflat = ds4_range_reserve(m->reserved_bytes);
+        m->flat = ds4_range_reserve(reserved_bytes(m)); /* pages are made resident by ds4_model_map */
+        m->gflat = ds4_range_reserve(reserved_bytes(m));
+        if (bf16) m->hflat = ds4_range_reserve(reserved_bytes(m) / 2);
     } else {
         m->flat = ds4_calloc(DS4_MEM_PARAM, (size_t)m->numel * sizeof(float));
         m->gflat = ds4_calloc(DS4_MEM_GRAD, (size_t)m->numel * sizeof(float));
+        if (bf16) m->hflat = ds4_calloc(DS4_MEM_PARAM, (size_t)m->numel * sizeof(uint16_t));
     }
-    if (!m->flat || !m->gflat) {
+    if (!m->flat || !m->gflat || (bf16 && !m->hflat)) {
         ds4_free(tb.binds);
         goto oom;
     }
@@ -184,10 +205,14 @@ oom:
 }
 
 ds4_status ds4_model_create(const ds4_exec *exec, const ds4_config *cfg, bool unmapped, ds4_model **out) {
-    return model_create(exec, cfg, unmapped, out);
+    return model_create(exec, cfg, unmapped, false, out);
 }
 
-static void free_range(float *p, size_t bytes, bool unmapped) {
+ds4_status ds4_model_create_bf16(const ds4_exec *exec, const ds4_config *cfg, bool unmapped, ds4_model **out) {
+    return model_create(exec, cfg, unmapped, true, out);
+}
+
+static void free_range(void *p, size_t bytes, bool unmapped) {
     if (!p) return;
     if (unmapped) ds4_range_release(p, bytes);
     else ds4_free(p);
@@ -207,8 +232,9 @@ void ds4_model_free(ds4_model *m) {
     ds4_free(m->w.blocks);
     ds4_free(m->g.blocks);
     ds4_free(m->tid2eid);
-    free_range(m->flat, m->reserved_bytes, m->unmapped);
-    free_range(m->gflat, m->reserved_bytes, m->unmapped);
+    free_range(m->flat, reserved_bytes(m), m->unmapped);
+    free_range(m->gflat, reserved_bytes(m), m->unmapped);
+    free_range(m->hflat, reserved_bytes(m) / 2, m->unmapped);
     ds4_free(m->regions);
     rope_table_free(&m->rope_main);
     rope_table_free(&m->rope_cmp);
@@ -222,6 +248,17 @@ ds4_param *ds4_model_param(ds4_model *m, int64_t i) { return &m->params[i]; }
 int64_t ds4_model_numel(const ds4_model *m) { return m->numel; }
 float *ds4_model_params_flat(ds4_model *m) { return m->flat; }
 float *ds4_model_grads_flat(ds4_model *m) { return m->gflat; }
+uint16_t *ds4_model_bf16_flat(ds4_model *m) { return m->hflat; }
+
+void ds4_model_pack_bf16(uint16_t *dst, const float *src, int64_t n) { tensor_pack_bf16(dst, src, n); }
+
+void ds4_model_refresh_bf16(ds4_model *m) {
+    if (!m->hflat || m->unmapped) return;
+    for (int64_t i = 0; i < m->nregions; i++) {
+        const ds4_region *r = &m->regions[i];
+        if (r->bf16) tensor_pack_bf16(m->hflat + r->start, m->flat + r->start, r->end - r->start);
+    }
+}
 void ds4_model_zero_grad(ds4_model *m) {
     if (!m->unmapped) tensor_zero(m->gflat, (size_t)m->numel * sizeof(float)); /* a plan's: skipped */
 }
@@ -231,8 +268,8 @@ int64_t ds4_model_nregions(const ds4_model *m) { return m->nregions; }
 const ds4_region *ds4_model_region(const ds4_model *m, int64_t i) { return &m->regions[i]; }
 
 static ds4_status check_range(const ds4_model *m, int64_t start, int64_t end) {
-    if (!m->unmapped || start < 0 || end > m->numel || start > end || start % REGION_ALIGN ||
-        (end % REGION_ALIGN && end != m->numel))
+    if (!m->unmapped || start < 0 || end > m->numel || start > end || start % region_align(m) ||
+        (end % region_align(m) && end != m->numel))
         return ds4_fail(DS4_ERR_INTERNAL, "model map: [%lld, %lld) is not a page-aligned range of an unmapped model",
                         (long long)start, (long long)end);
     return DS4_OK;
@@ -252,6 +289,22 @@ void ds4_model_unmap(ds4_model *m, int64_t start, int64_t end, bool grad) {
     size_t bytes = (size_t)(end - start) * sizeof(float);
     if (bytes == 0) return;
     ds4_range_unmap((grad ? m->gflat : m->flat) + start, bytes, grad ? DS4_MEM_GRAD : DS4_MEM_PARAM);
+}
+
+ds4_status ds4_model_map_bf16(ds4_model *m, int64_t start, int64_t end) {
+    DS4_TRY(check_range(m, start, end));
+    size_t bytes = (size_t)(end - start) * sizeof(uint16_t);
+    if (!m->hflat) return ds4_fail(DS4_ERR_INTERNAL, "model map: the model has no bf16 copy");
+    if (bytes == 0) return DS4_OK;
+    if (!ds4_range_map(m->hflat + start, bytes, DS4_MEM_PARAM))
+        return ds4_fail(DS4_ERR_OOM, "out of memory mapping %zu bytes of the bf16 parameter copy", bytes);
+    return DS4_OK;
+}
+
+void ds4_model_unmap_bf16(ds4_model *m, int64_t start, int64_t end) {
+    if (!m->hflat || check_range(m, start, end) != DS4_OK) return;
+    size_t bytes = (size_t)(end - start) * sizeof(uint16_t);
+    if (bytes) ds4_range_unmap(m->hflat + start, bytes, DS4_MEM_PARAM);
 }
 
 ds4_param *ds4_model_find(ds4_model *m, const char *name) {

@@ -47,7 +47,7 @@ static const act_slot k_q_down_outs[] = {
 static ds4_status q_down_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
     const int64_t QR = c->q_lora_rank;
-    linear_fwd(F32(U_Q_DOWN, QD_QA), F32(U_ATTN_NORM, NORM_X), W->wq_a, N, D, QR);
+    model_linear_fwd(m, F32(U_Q_DOWN, QD_QA), F32(U_ATTN_NORM, NORM_X), W->wq_a, N, D, QR);
     rmsnorm_fwd(F32(U_Q_DOWN, QD_QR), F32(U_Q_DOWN, QD_RSTD), F32(U_Q_DOWN, QD_QA), W->q_norm, N, QR, eps);
     return DS4_OK;
 }
@@ -58,7 +58,7 @@ static ds4_status q_down_bwd(const block_ctx *bc, block_acts *a, block_grads *g)
     float *dqa = work_zeros(N * QR);
     if (!dqa) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
     rmsnorm_bwd(dqa, Gw->q_norm, g->dqr, F32(U_Q_DOWN, QD_QA), W->q_norm, F32(U_Q_DOWN, QD_RSTD), N, QR);
-    linear_bwd(g->dxa, Gw->wq_a, dqa, F32(U_ATTN_NORM, NORM_X), W->wq_a, N, D, QR);
+    model_linear_bwd(m, g->dxa, Gw->wq_a, dqa, F32(U_ATTN_NORM, NORM_X), W->wq_a, N, D, QR);
     ds4_free(dqa);
     return DS4_OK;
 }
@@ -82,7 +82,7 @@ static ds4_status q_up_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
     const int64_t H = c->n_heads, hd = c->head_dim, QR = c->q_lora_rank;
     float *q = F32(U_Q_UP, QU_Q);
-    linear_fwd(F32(U_Q_UP, QU_RAW), F32(U_Q_DOWN, QD_QR), W->wq_b, N, QR, H * hd);
+    model_linear_fwd(m, F32(U_Q_UP, QU_RAW), F32(U_Q_DOWN, QD_QR), W->wq_b, N, QR, H * hd);
     rmsnorm_fwd(q, F32(U_Q_UP, QU_RSTD), F32(U_Q_UP, QU_RAW), NULL, N * H, hd, eps);
     rope_fwd(q, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1, .table = block_rope(bc, a->ratio),
         .inverse = false});
@@ -97,7 +97,7 @@ static ds4_status q_up_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     rope_bwd(g->dq, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = false});
     rmsnorm_bwd(dqraw, NULL, g->dq, F32(U_Q_UP, QU_RAW), NULL, F32(U_Q_UP, QU_RSTD), N * H, hd);
-    linear_bwd(g->dqr, Gw->wq_b, dqraw, F32(U_Q_DOWN, QD_QR), W->wq_b, N, QR, H * hd);
+    model_linear_bwd(m, g->dqr, Gw->wq_b, dqraw, F32(U_Q_DOWN, QD_QR), W->wq_b, N, QR, H * hd);
     ds4_free(dqraw);
     return DS4_OK;
 }
@@ -122,7 +122,7 @@ static ds4_status kv_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
     const int64_t hd = c->head_dim;
     float *kv = F32(U_KV, KV_KV);
-    linear_fwd(F32(U_KV, KV_RAW), F32(U_ATTN_NORM, NORM_X), W->wkv, N, D, hd);
+    model_linear_fwd(m, F32(U_KV, KV_RAW), F32(U_ATTN_NORM, NORM_X), W->wkv, N, D, hd);
     rmsnorm_fwd(kv, F32(U_KV, KV_RSTD), F32(U_KV, KV_RAW), W->kv_norm, N, hd, eps);
     rope_fwd(kv, &(rope_args){.N = N, .H = 1, .hd = hd, .period = T, .mult = 1, .table = block_rope(bc, a->ratio),
         .inverse = false});
@@ -137,7 +137,7 @@ static ds4_status kv_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     rope_bwd(g->dkv, &(rope_args){.N = N, .H = 1, .hd = hd, .period = T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = false});
     rmsnorm_bwd(dkvraw, Gw->kv_norm, g->dkv, F32(U_KV, KV_RAW), W->kv_norm, F32(U_KV, KV_RSTD), N, hd);
-    linear_bwd(g->dxa, Gw->wkv, dkvraw, F32(U_ATTN_NORM, NORM_X), W->wkv, N, D, hd);
+    model_linear_bwd(m, g->dxa, Gw->wkv, dkvraw, F32(U_ATTN_NORM, NORM_X), W->wkv, N, D, hd);
     ds4_free(dkvraw);
     return DS4_OK;
 }
@@ -168,8 +168,8 @@ static void compress_fwd(const block_ctx *bc, block_acts *a, unit_id u, int firs
     float *ca = F32(u, first + CMP_A), *cz = F32(u, first + CMP_Z), *pool = F32(u, first + CMP_POOL);
     float *out = F32(u, first + CMP_OUT);
     const float *xa = F32(U_ATTN_NORM, NORM_X);
-    linear_fwd(ca, xa, cw->wkv, N, D, coff * d);
-    linear_fwd(cz, xa, cw->wgate, N, D, coff * d);
+    model_linear_fwd(m, ca, xa, cw->wkv, N, D, coff * d);
+    model_linear_fwd(m, cz, xa, cw->wgate, N, D, coff * d);
     compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = r == 4},
         .a = ca, .z = cz, .ape = cw->ape, .out = pool});
     rmsnorm_fwd(out, F32(u, first + CMP_RSTD), pool, cw->norm, B * Nc, d, eps);
@@ -193,8 +193,8 @@ static ds4_status compress_bwd(const block_ctx *bc, block_acts *a, unit_id u, in
         compressor_pool_bwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = r == 4},
             .a = ca, .z = cz, .ape = cw->ape}, &(compressor_pool_grads){.dout = dpool, .da = da, .dz = dz,
             .dape = G->ape});
-        linear_bwd(dxa, G->wkv, da, xa, cw->wkv, N, D, coff * d);
-        linear_bwd(dxa, G->wgate, dz, xa, cw->wgate, N, D, coff * d);
+        model_linear_bwd(m, dxa, G->wkv, da, xa, cw->wkv, N, D, coff * d);
+        model_linear_bwd(m, dxa, G->wgate, dz, xa, cw->wgate, N, D, coff * d);
     }
     ds4_free(dpool);
     ds4_free(da);
@@ -209,8 +209,8 @@ static void compress_decode(const block_ctx *bc, unit_cache *kc, cmp_cache *cs, 
     const float *xa) {
     const ds4_config *c = &bc->m->cfg;
     const int64_t p = kc->pos, r = cs->r, d = cs->d, C = cs->C, row = (cs->overlap ? r : 0) + p % r;
-    linear_fwd(cs->a + row * C, xa, cw->wkv, 1, c->dim, C);   // [C]
-    linear_fwd(cs->z + row * C, xa, cw->wgate, 1, c->dim, C); // [C]
+    model_linear_fwd(bc->m, cs->a + row * C, xa, cw->wkv, 1, c->dim, C);   // [C]
+    model_linear_fwd(bc->m, cs->z + row * C, xa, cw->wgate, 1, c->dim, C); // [C]
     if ((p + 1) % r != 0) return;
     const int64_t i = (p + 1) / r - 1;
     const float *pooled = kc->pool; // [d]
@@ -286,10 +286,10 @@ static void indexer_queries(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
     const int64_t HI = c->index_n_heads, dI = c->index_head_dim, QR = c->q_lora_rank;
     float *qi = F32(U_INDEXER, IDX_QI);
-    linear_fwd(qi, F32(U_Q_DOWN, QD_QR), W->idx_wq_b, N, QR, HI * dI);
+    model_linear_fwd(m, qi, F32(U_Q_DOWN, QD_QR), W->idx_wq_b, N, QR, HI * dI);
     rope_fwd(qi, &(rope_args){.N = N, .H = HI, .hd = dI, .period = T, .mult = 1, .table = bc->rope_cmp,
         .inverse = false});
-    linear_fwd(F32(U_INDEXER, IDX_WI), F32(U_ATTN_NORM, NORM_X), W->idx_weights_proj, N, D, HI);
+    model_linear_fwd(m, F32(U_INDEXER, IDX_WI), F32(U_ATTN_NORM, NORM_X), W->idx_weights_proj, N, D, HI);
 }
 
 static ds4_status indexer_fwd(const block_ctx *bc, block_acts *a) {
@@ -332,10 +332,10 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, block_grads *g
         st = kernel_status(oom, "indexer backward");
     }
     if (st == DS4_OK) {
-        linear_bwd(NULL, Gw->idx_weights_proj, dwi, F32(U_ATTN_NORM, NORM_X), W->idx_weights_proj, N, D, HI);
+        model_linear_bwd(m, NULL, Gw->idx_weights_proj, dwi, F32(U_ATTN_NORM, NORM_X), W->idx_weights_proj, N, D, HI);
         rope_bwd(dqi, &(rope_args){.N = N, .H = HI, .hd = dI, .period = T, .mult = 1, .table = bc->rope_cmp,
             .inverse = false});
-        linear_bwd(NULL, Gw->idx_wq_b, dqi, F32(U_Q_DOWN, QD_QR), W->idx_wq_b, N, QR, HI * dI);
+        model_linear_bwd(m, NULL, Gw->idx_wq_b, dqi, F32(U_Q_DOWN, QD_QR), W->idx_wq_b, N, QR, HI * dI);
         st = compress_bwd(bc, a, U_INDEXER, IDX_CMP, &Gw->idx_cmp, &W->idx_cmp, NULL, dki, 4, dI);
     }
     ds4_free(dqi);
@@ -543,8 +543,8 @@ static ds4_status o_proj_fwd(const block_ctx *bc, block_acts *a) {
     const int64_t H = c->n_heads, hd = c->head_dim, G = c->o_groups, R = c->o_lora_rank;
     float *o_r = inverse_roped_o(bc, a);
     if (!o_r) return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer);
-    grouped_linear_fwd(F32(U_O_PROJ, OP_Z), o_r, W->wo_a, N, G, R, H * hd / G);
-    linear_fwd(F32(U_O_PROJ, OP_OUT), F32(U_O_PROJ, OP_Z), W->wo_b, N, G * R, D);
+    model_grouped_linear_fwd(m, F32(U_O_PROJ, OP_Z), o_r, W->wo_a, N, G, R, H * hd / G);
+    model_linear_fwd(m, F32(U_O_PROJ, OP_OUT), F32(U_O_PROJ, OP_Z), W->wo_b, N, G * R, D);
     ds4_free(o_r);
     return DS4_OK;
 }
@@ -554,8 +554,8 @@ static ds4_status o_proj_bwd(const block_ctx *bc, block_acts *a, block_grads *g)
     const int64_t H = c->n_heads, hd = c->head_dim, G = c->o_groups, R = c->o_lora_rank;
     float *o_r = inverse_roped_o(bc, a);
     if (!o_r) return ds4_fail(DS4_ERR_OOM, "out of memory in o_proj backward");
-    linear_bwd(g->dz, Gw->wo_b, g->dattn, F32(U_O_PROJ, OP_Z), W->wo_b, N, G * R, D);
-    grouped_linear_bwd(g->do_, Gw->wo_a, g->dz, o_r, W->wo_a, N, G, R, H * hd / G);
+    model_linear_bwd(m, g->dz, Gw->wo_b, g->dattn, F32(U_O_PROJ, OP_Z), W->wo_b, N, G * R, D);
+    model_grouped_linear_bwd(m, g->do_, Gw->wo_a, g->dz, o_r, W->wo_a, N, G, R, H * hd / G);
     rope_bwd(g->do_, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = true});
     ds4_free(o_r);

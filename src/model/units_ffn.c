@@ -59,7 +59,7 @@ static ds4_status router_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
     const int64_t E = c->n_routed_experts, K = c->n_activated_experts;
     float *logits = F32(U_ROUTER, RT_LOGITS);
-    linear_fwd(logits, F32(U_FFN_NORM, NORM_X), W->gate, N, D, E);
+    model_linear_fwd(m, logits, F32(U_FFN_NORM, NORM_X), W->gate, N, D, E);
     bool hash = block_is_hash(c, bc->layer);
     const int64_t *table = hash ? m->tid2eid[bc->layer] : NULL;
     const int32_t *ids = bc->ids;
@@ -116,7 +116,8 @@ static moe_experts_args experts_args(const block_ctx *bc, block_acts *a, int64_t
     const ds4_config *c = &bc->m->cfg;
     const int64_t I = c->moe_inter_dim;
     return (moe_experts_args){.nexp = nexp, .D = c->dim, .I = I, .limit = (float)c->swiglu_limit, .off = off,
-        .w = &bc->m->w.blocks[bc->layer].experts[e0], .x = x, .rw = rw, .h1 = F32(U_MOE, MOE_H1) + first * I,
+        .w = &bc->m->w.blocks[bc->layer].experts[e0], .wbase = bc->m->flat, .hcopy = weight_bf16(bc->m, bc->m->flat),
+        .x = x, .rw = rw, .h1 = F32(U_MOE, MOE_H1) + first * I,
         .h3 = F32(U_MOE, MOE_H3) + first * I, .act = act};
 }
 
@@ -214,10 +215,10 @@ static ds4_status moe_fwd(const block_ctx *bc, block_acts *a) {
     if (st == DS4_OK && bc->ep) st = moe_routed_fwd_ep(bc, a, wj, act);
     else if (st == DS4_OK) moe_routed_fwd_local(bc, a, wj, xe, act, ye);
     if (st == DS4_OK) {
-        linear_fwd(sh1, xf, W->shared.w1, N, D, Is);
-        linear_fwd(sh3, xf, W->shared.w3, N, D, Is);
+        model_linear_fwd(m, sh1, xf, W->shared.w1, N, D, Is);
+        model_linear_fwd(m, sh3, xf, W->shared.w3, N, D, Is);
         swiglu_fwd(act, sh1, sh3, N, Is, limit);
-        linear_fwd(ye, act, W->shared.w2, N, Is, D);
+        model_linear_fwd(m, ye, act, W->shared.w2, N, Is, D);
         tensor_add(ffn_out, ye, N * D);
     }
     ds4_free(wj);
@@ -322,12 +323,12 @@ static void shared_expert_bwd(const block_ctx *bc, block_acts *a, block_grads *g
     const float *sh1 = F32(U_MOE, MOE_SH1), *sh3 = F32(U_MOE, MOE_SH3), *xf = F32(U_FFN_NORM, NORM_X);
     swiglu_fwd(s->act, sh1, sh3, N, Is, limit);
     tensor_zero(s->dact, (size_t)(N * Is) * sizeof(float));
-    linear_bwd(s->dact, Gw->shared.w2, g->dffn, s->act, W->shared.w2, N, Is, D);
+    model_linear_bwd(m, s->dact, Gw->shared.w2, g->dffn, s->act, W->shared.w2, N, Is, D);
     tensor_zero(s->dh1, (size_t)(N * Is) * sizeof(float));
     tensor_zero(s->dh3, (size_t)(N * Is) * sizeof(float));
     swiglu_bwd(s->dh1, s->dh3, s->dact, sh1, sh3, N, Is, limit);
-    linear_bwd(g->dxf, Gw->shared.w1, s->dh1, xf, W->shared.w1, N, D, Is);
-    linear_bwd(g->dxf, Gw->shared.w3, s->dh3, xf, W->shared.w3, N, D, Is);
+    model_linear_bwd(m, g->dxf, Gw->shared.w1, s->dh1, xf, W->shared.w1, N, D, Is);
+    model_linear_bwd(m, g->dxf, Gw->shared.w3, s->dh3, xf, W->shared.w3, N, D, Is);
 }
 
 /* dxf += …: the shared expert, the routed experts, then the router (its gate from d routing weights). */
@@ -354,7 +355,7 @@ static ds4_status moe_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
         moe_gate_bwd(&(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)c->route_scale,
             .logits = F32(U_ROUTER, RT_LOGITS), .scores = F32(U_ROUTER, RT_SCORES), .idx = I32(U_ROUTER, RT_IDX)},
             &(moe_gate_grads){.dweights = dgw, .dlogits = dlog});
-        linear_bwd(g->dxf, Gw->gate, dlog, F32(U_FFN_NORM, NORM_X), W->gate, N, D, E);
+        model_linear_bwd(m, g->dxf, Gw->gate, dlog, F32(U_FFN_NORM, NORM_X), W->gate, N, D, E);
     }
     ds4_free(dgw);
     ds4_free(dlog);

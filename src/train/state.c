@@ -66,7 +66,8 @@ ds4_status ds4_train_agree(ds4_comm *world, ds4_status st) {
 /* ------------------------------------------------------------------ open / free */
 /* The model first (the order memplan's numbers were first taken in): whole, or unmapped behind FSDP. */
 static ds4_status open_model(ds4_train_state *s, const ds4_config *mc) {
-    return ds4_model_create(&s->exec, mc, s->sharded, &s->m);
+    return s->bf16 ? ds4_model_create_bf16(&s->exec, mc, s->sharded, &s->m)
+                   : ds4_model_create(&s->exec, mc, s->sharded, &s->m);
 }
 
 /* The offload store and the layer-input swap, when a swap policy asks for them. */
@@ -124,6 +125,7 @@ ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const
     if (st == DS4_OK) st = open_model(s, mc);
     if (st == DS4_OK) st = open_offload(s, opts);
     if (st == DS4_OK) st = s->sharded ? open_sharded(s, d, seed, opts->ep, opts) : open_whole(s, d, seed, opts);
+    if (st == DS4_OK) ds4_train_state_refresh_bf16(s);
     s->opt.plan = s->exec.plan; /* after the AdamW init, which clears it */
     ds4_exec_leave(prev);
     return st;
@@ -207,6 +209,12 @@ bool ds4_train_state_bf16(const ds4_train_state *s) { return s->bf16; }
 ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c, double lr) {
     if (s->f) return ds4_adamw_step_flat(&s->opt, ds4_fsdp_shard_params(s->f), ds4_fsdp_shard_grads(s->f), c, lr);
     return ds4_adamw_step(&s->opt, s->m, c, lr);
+}
+
+void ds4_train_state_refresh_bf16(ds4_train_state *s) {
+    if (!s->bf16) return;
+    if (s->f) ds4_fsdp_refresh_bf16(s->f);
+    else ds4_model_refresh_bf16(s->m);
 }
 
 ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, double gamma) {
@@ -555,6 +563,7 @@ ds4_status ds4_train_state_switch_optimizer(ds4_train_state *s, const ds4_ckpt_m
 
 ds4_status ds4_train_state_load(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta) {
     DS4_TRY(needs_values(s, "checkpoint load"));
-    if (!s->f) return ds4_checkpoint_load(path, s->m, &s->opt, meta);
-    return load_sharded(s, path, meta);
+    DS4_TRY(s->f ? load_sharded(s, path, meta) : ds4_checkpoint_load(path, s->m, &s->opt, meta));
+    ds4_train_state_refresh_bf16(s);
+    return DS4_OK;
 }

@@ -18,6 +18,10 @@ gemm_signature cpu_gemm_nt_ref, cpu_gemm_nn_ref, cpu_gemm_tn_ref;
 /* Their bf16 precision (cpu/gemm_bf16.c): operands rounded by gemm_bf16_round, products summed in
  * double: the oracle of the bf16 engines (layouts of cpu_gemm_nt/nn/tn). */
 gemm_signature cpu_gemm_nt_bf16_ref, cpu_gemm_nn_bf16_ref, cpu_gemm_tn_bf16_ref;
+/* The bf16 GEMMs with B given as bf16 bits (a weight's compute copy, kernels.h linear_fwd_bf16w): the
+ * driver on the bf16 engine whatever the matmul precision, and their reference (cpu/gemm_bf16.c). Same
+ * bits as cpu_gemm_nt/nn in bf16 precision on the fp32 values the bits were rounded from. */
+gemm_signature_hb cpu_gemm_nt_hb, cpu_gemm_nn_hb, cpu_gemm_nt_hb_ref, cpu_gemm_nn_hb_ref;
 
 /* ---- the other ops (cpu/<op>.c, compiled from cpu/<op>.inc) ---- */
 void cpu_linear_fwd(float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC);
@@ -26,6 +30,13 @@ void cpu_linear_bwd(float *dinp, float *dw, const float *dout, const float *inp,
 void cpu_grouped_linear_fwd(float *z, const float *o, const float *w, int64_t N, int64_t G, int64_t R, int64_t Din);
 void cpu_grouped_linear_bwd(float *do_, float *dw, const float *dz, const float *o, const float *w, int64_t N,
                             int64_t G, int64_t R, int64_t Din);
+void cpu_linear_fwd_bf16w(float *out, const float *inp, const uint16_t *w, int64_t N, int64_t IC, int64_t OC);
+void cpu_linear_bwd_bf16w(float *dinp, float *dw, const float *dout, const float *inp, const uint16_t *w, int64_t N,
+                          int64_t IC, int64_t OC);
+void cpu_grouped_linear_fwd_bf16w(float *z, const float *o, const uint16_t *w, int64_t N, int64_t G, int64_t R,
+                                  int64_t Din);
+void cpu_grouped_linear_bwd_bf16w(float *do_, float *dw, const float *dz, const float *o, const uint16_t *w,
+                                  int64_t N, int64_t G, int64_t R, int64_t Din);
 void cpu_embedding_fwd(float *out, const float *table, const int32_t *ids, int64_t N, int64_t D);
 void cpu_embedding_bwd(float *dtable, const float *dout, const int32_t *ids, int64_t N, int64_t D);
 void cpu_rmsnorm_fwd(float *y, float *rstd, const float *x, const float *w, int64_t N, int64_t D, float eps);
@@ -96,6 +107,14 @@ void cpu_grouped_linear_fwd_plan(float *z, const float *o, const float *w, int64
                                  int64_t Din);
 void cpu_grouped_linear_bwd_plan(float *do_, float *dw, const float *dz, const float *o, const float *w, int64_t N,
                                  int64_t G, int64_t R, int64_t Din);
+gemm_signature_hb cpu_gemm_nt_hb_plan, cpu_gemm_nn_hb_plan;
+void cpu_linear_fwd_bf16w_plan(float *out, const float *inp, const uint16_t *w, int64_t N, int64_t IC, int64_t OC);
+void cpu_linear_bwd_bf16w_plan(float *dinp, float *dw, const float *dout, const float *inp, const uint16_t *w,
+                               int64_t N, int64_t IC, int64_t OC);
+void cpu_grouped_linear_fwd_bf16w_plan(float *z, const float *o, const uint16_t *w, int64_t N, int64_t G, int64_t R,
+                                       int64_t Din);
+void cpu_grouped_linear_bwd_bf16w_plan(float *do_, float *dw, const float *dz, const float *o, const uint16_t *w,
+                                       int64_t N, int64_t G, int64_t R, int64_t Din);
 void cpu_sparse_attn_fwd_plan(const sparse_attn_args *a);
 void cpu_sparse_attn_bwd_plan(const sparse_attn_args *a, const sparse_attn_grads *g);
 void cpu_indexer_topk_fwd_plan(const indexer_topk_args *a);

@@ -4,16 +4,34 @@
 
 #include "kernels/cpu/cpu.h"
 
+/* Where the experts' weights are read: fp32, or their bf16 compute copy (moe_experts_args.hcopy). */
+typedef struct {
+    const float *wbase;
+    const uint16_t *hcopy;
+} weights_at;
+
+/* One of an expert's linear layers, on the bf16 copy of its weight w when there is one. */
+static void lin_fwd(weights_at at, float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC) {
+    if (at.hcopy) cpu_linear_fwd_bf16w(out, inp, at.hcopy + (w - at.wbase), N, IC, OC);
+    else cpu_linear_fwd(out, inp, w, N, IC, OC);
+}
+
+static void lin_bwd(weights_at at, float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                    int64_t N, int64_t IC, int64_t OC) {
+    if (at.hcopy) cpu_linear_bwd_bf16w(dinp, dw, dout, inp, at.hcopy + (w - at.wbase), N, IC, OC);
+    else cpu_linear_bwd(dinp, dw, dout, inp, w, N, IC, OC);
+}
+
 /* One expert on ne rows: x [ne, D] with routing weights w [ne] → h1, h3 [ne, I] and
  * y [ne, D] = w2(w · swiglu(h1, h3)). act: [ne, I] scratch. */
-static void expert_fwd(const moe_expert_w *ew, const float *x, const float *w, int64_t ne, int64_t D, int64_t I,
+static void expert_fwd(weights_at at, const moe_expert_w *ew, const float *x, const float *w, int64_t ne, int64_t D, int64_t I,
                        float limit, float *h1, float *h3, float *act, float *y) {
-    cpu_linear_fwd(h1, x, ew->w1, ne, D, I);
-    cpu_linear_fwd(h3, x, ew->w3, ne, D, I);
+    lin_fwd(at, h1, x, ew->w1, ne, D, I);
+    lin_fwd(at, h3, x, ew->w3, ne, D, I);
     cpu_swiglu_fwd(act, h1, h3, ne, I, limit);
     for (int64_t i = 0; i < ne; i++)
         for (int64_t k = 0; k < I; k++) act[i * I + k] *= w[i]; /* routing weight before w2 */
-    cpu_linear_fwd(y, act, ew->w2, ne, I, D);
+    lin_fwd(at, y, act, ew->w2, ne, I, D);
 }
 
 void cpu_moe_experts_fwd(const moe_experts_args *a, float *y) {
@@ -21,7 +39,7 @@ void cpu_moe_experts_fwd(const moe_experts_args *a, float *y) {
     for (int64_t e = 0; e < a->nexp; e++) {
         const int64_t o = a->off[e], ne = a->off[e + 1] - o;
         if (ne > 0)
-            expert_fwd(&a->w[e], a->x + o * D, a->rw + o, ne, D, I, a->limit, a->h1 + o * I, a->h3 + o * I, a->act,
+            expert_fwd((weights_at){a->wbase, a->hcopy}, &a->w[e], a->x + o * D, a->rw + o, ne, D, I, a->limit, a->h1 + o * I, a->h3 + o * I, a->act,
                        y + o * D);
     }
 }
@@ -29,7 +47,7 @@ void cpu_moe_experts_fwd(const moe_experts_args *a, float *y) {
 /* Backward of one expert on ne rows (expert_fwd's inputs x, w, saved h1, h3; dy = d of its output):
  * dx [ne, D] and dw [ne] are overwritten; weight gradients accumulate into eg. Scratch act, dact, dh1,
  * dh3: [ne, I]. */
-static void expert_bwd(const moe_expert_w *ew, moe_expert_w *eg, const float *x, const float *dy, const float *w,
+static void expert_bwd(weights_at at, const moe_expert_w *ew, moe_expert_w *eg, const float *x, const float *dy, const float *w,
                        const float *h1, const float *h3, int64_t ne, int64_t D, int64_t I, float limit, float *dx,
                        float *dw, float *act, float *dact, float *dh1, float *dh3) {
     cpu_swiglu_fwd(act, h1, h3, ne, I, limit); /* unweighted activation */
@@ -37,7 +55,7 @@ static void expert_bwd(const moe_expert_w *ew, moe_expert_w *eg, const float *x,
     for (int64_t i = 0; i < ne; i++)
         for (int64_t k = 0; k < I; k++) wact[i * I + k] = act[i * I + k] * w[i];
     memset(dact, 0, (size_t)(ne * I) * sizeof(float));
-    cpu_linear_bwd(dact, eg->w2, dy, wact, ew->w2, ne, I, D);
+    lin_bwd(at, dact, eg->w2, dy, wact, ew->w2, ne, I, D);
     /* d weight = ⟨d wact, act⟩; d act = d wact · weight */
     for (int64_t i = 0; i < ne; i++) {
         double s = 0;
@@ -49,8 +67,8 @@ static void expert_bwd(const moe_expert_w *ew, moe_expert_w *eg, const float *x,
     memset(dh3, 0, (size_t)(ne * I) * sizeof(float));
     cpu_swiglu_bwd(dh1, dh3, dact, h1, h3, ne, I, limit);
     memset(dx, 0, (size_t)(ne * D) * sizeof(float));
-    cpu_linear_bwd(dx, eg->w1, dh1, x, ew->w1, ne, D, I);
-    cpu_linear_bwd(dx, eg->w3, dh3, x, ew->w3, ne, D, I);
+    lin_bwd(at, dx, eg->w1, dh1, x, ew->w1, ne, D, I);
+    lin_bwd(at, dx, eg->w3, dh3, x, ew->w3, ne, D, I);
 }
 
 void cpu_moe_experts_bwd(const moe_experts_args *a, const moe_experts_grads *g) {
@@ -58,7 +76,7 @@ void cpu_moe_experts_bwd(const moe_experts_args *a, const moe_experts_grads *g) 
     for (int64_t e = 0; e < a->nexp; e++) {
         const int64_t o = a->off[e], ne = a->off[e + 1] - o;
         if (ne > 0)
-            expert_bwd(&a->w[e], &g->g[e], a->x + o * D, g->dy + o * D, a->rw + o, a->h1 + o * I, a->h3 + o * I, ne,
+            expert_bwd((weights_at){a->wbase, a->hcopy}, &a->w[e], &g->g[e], a->x + o * D, g->dy + o * D, a->rw + o, a->h1 + o * I, a->h3 + o * I, ne,
                        D, I, a->limit, g->dx + o * D, g->dw + o, a->act, g->dact, g->dh1, g->dh3);
     }
 }

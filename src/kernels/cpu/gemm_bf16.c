@@ -56,3 +56,35 @@ void cpu_gemm_tn_bf16_ref(int64_t M, int64_t N, int64_t K, const float *A, int64
                           float *C, int64_t ldc, float beta) {
     gemm_bf16_strided(M, N, K, A, 1, lda, B, ldb, 1, C, ldc, beta);
 }
+
+/* The same with B given as bf16 bits Bh[k·brs + j·bcs] (a weight's compute copy): each element the
+ * double sum over k ascending of bf16(A)·B, the values cpu_gemm_*_bf16_ref gives on the fp32 values the
+ * bits were rounded from. */
+static void gemm_bf16_strided_hb(int64_t M, int64_t N, int64_t K, const float *A, int64_t ars, int64_t acs,
+                                 const uint16_t *Bh, int64_t brs, int64_t bcs, float *C, int64_t ldc, float beta) {
+#pragma omp parallel for schedule(static) if (M * N * K > GEMM_BF16_REF_PAR_MIN)
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            double acc = 0;
+            for (int64_t k = 0; k < K; k++) {
+                uint32_t u = (uint32_t)Bh[k * brs + j * bcs] << 16;
+                float b;
+                memcpy(&b, &u, sizeof b);
+                acc += (double)gemm_bf16_round(A[i * ars + k * acs]) * b;
+            }
+            float *c = &C[i * ldc + j];
+            *c = beta == 0 ? (float)acc : (float)((double)beta * *c + acc);
+        }
+}
+
+/* C[M,N] = beta*C + A[M,K] · B[N,K]^T, B: bf16 bits */
+void cpu_gemm_nt_hb_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const uint16_t *B, int64_t ldb,
+                        float *C, int64_t ldc, float beta) {
+    gemm_bf16_strided_hb(M, N, K, A, lda, 1, B, 1, ldb, C, ldc, beta);
+}
+
+/* C[M,N] = beta*C + A[M,K] · B[K,N], B: bf16 bits */
+void cpu_gemm_nn_hb_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const uint16_t *B, int64_t ldb,
+                        float *C, int64_t ldc, float beta) {
+    gemm_bf16_strided_hb(M, N, K, A, lda, 1, B, ldb, 1, C, ldc, beta);
+}

@@ -151,6 +151,22 @@ static void amx_pack_b(void *dst, gemm_view B, int64_t k0, int64_t kc, int64_t j
     }
 }
 
+/* The same B panel from bf16 bits B.h (a weight's compute copy): element (k, j) of the slice is copied to
+ * chunk k / 32, half j / 16, pair (k % 32) / 2, column j % 16, word k % 2; zero for k >= kc or j >= nr. */
+static void amx_pack_b_bf16(void *dst, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr) {
+    uint16_t *d = dst;
+    int64_t nq = (kc + 31) / 32;
+    for (int64_t q = 0; q < nq; q++)
+        for (int64_t h = 0; h < 2; h++)
+            for (int64_t c = 0; c < 16; c++) {
+                const int64_t j = 16 * h + c;
+                const uint16_t *col = j < nr ? B.h + (k0 + q * 32) * B.rs + (j0 + j) * B.cs : NULL;
+                uint16_t *t = d + (q * CHUNK + h * TILE_HALF) / 2 + 2 * c; /* pair p at t + 32·p */
+                for (int64_t kk = 0; kk < 32; kk++)
+                    t[32 * (kk / 2) + kk % 2] = col && q * 32 + kk < kc ? col[kk * B.rs] : 0;
+            }
+}
+
 /* ---------------------------------------------------------------- tile kernel */
 
 /* Palette 1, all eight tiles 16 rows × 64 bytes: tmm0..3 accumulate the 2 × 2 output tiles,
@@ -213,7 +229,7 @@ static void amx_tile_32x32(int64_t kc, const void *a, const void *b, float *C, i
 
 static const gemm_engine k_amx_engine = {
     .name = "amx bf16 tiles 32x32", .mr = AMX_MR, .nr = AMX_NR, .kc = AMX_KC, .mc = AMX_MC, .nt = AMX_NT, .nc = AMX_NC, .kalign = 32, .elem = 2,
-    .pack_a = amx_pack_a, .pack_b = amx_pack_b, .tile = amx_tile_32x32,
+    .pack_a = amx_pack_a, .pack_b = amx_pack_b, .pack_b_bf16 = amx_pack_b_bf16, .tile = amx_tile_32x32,
     .thread_begin = amx_thread_begin, .thread_end = amx_thread_end,
 };
 

@@ -71,9 +71,14 @@ static void kernel_6x16(int64_t kc, const void *ap, const void *bp, float *C, in
     ROWS(ACC_STORE)
 }
 
+/* B from bf16 bits (a weight's compute copy), widened: the panel pack_b makes of the rounded values. */
+static void pack_b_bf16(void *dst, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr) {
+    gemm_pack_b_bf16_f32(dst, NR, B, k0, kc, j0, nr);
+}
+
 static const gemm_engine k_avx2_engine = {
     .name = "avx2 fp32 FMA 6x16", .mr = MR, .nr = NR, .kc = KC, .mc = MC, .nt = NT, .nc = NC, .kalign = 1,
-    .elem = sizeof(float), .pack_a = pack_a, .pack_b = pack_b, .tile = kernel_6x16,
+    .elem = sizeof(float), .pack_a = pack_a, .pack_b = pack_b, .pack_b_bf16 = pack_b_bf16, .tile = kernel_6x16,
 };
 
 #pragma GCC pop_options

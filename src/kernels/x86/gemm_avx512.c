@@ -97,6 +97,11 @@ static void pack_b(void *dstv, gemm_view B, int64_t k0, int64_t kc, int64_t j0, 
     }
 }
 
+/* B from bf16 bits (a weight's compute copy), widened: the panel pack_b makes of the rounded values. */
+static void pack_b_bf16(void *dst, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr) {
+    gemm_pack_b_bf16_f32(dst, NR, B, k0, kc, j0, nr);
+}
+
 /* ---------------------------------------------------------------- microkernel */
 
 #define ACC_DECL(i) __m512 c##i##l = _mm512_setzero_ps(), c##i##h = _mm512_setzero_ps();
@@ -129,7 +134,7 @@ static void kernel_14x32(int64_t kc, const void *ap, const void *bp, float *C, i
 
 static const gemm_engine k_avx512_engine = {
     .name = "avx512 fp32 FMA 14x32", .mr = MR, .nr = NR, .kc = KC, .mc = MC, .nt = NT, .nc = NC, .kalign = 1,
-    .elem = sizeof(float), .pack_a = pack_a, .pack_b = pack_b, .tile = kernel_14x32,
+    .elem = sizeof(float), .pack_a = pack_a, .pack_b = pack_b, .pack_b_bf16 = pack_b_bf16, .tile = kernel_14x32,
 };
 
 #pragma GCC pop_options

@@ -56,6 +56,20 @@ static void dp_pack_b(void *dst, gemm_view B, int64_t k0, int64_t kc, int64_t j0
     }
 }
 
+/* The same panel from bf16 bits B.h (a weight's compute copy): the bits are copied. */
+static void dp_pack_b_bf16(void *dst, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr) {
+    uint32_t *d = dst;
+    int64_t np = (kc + 1) / 2;
+    for (int64_t c = 0; c < DP_NR; c++) {
+        const uint16_t *col = c < nr ? B.h + k0 * B.rs + (j0 + c) * B.cs : NULL;
+        for (int64_t p = 0; p < np; p++) {
+            uint32_t lo = col && 2 * p < kc ? col[2 * p * B.rs] : 0;
+            uint32_t hi = col && 2 * p + 1 < kc ? col[(2 * p + 1) * B.rs] : 0;
+            d[p * DP_NR + c] = lo | hi << 16;
+        }
+    }
+}
+
 /* C = acc (cscale 0: C not read), C + acc (1), or cscale·C + acc. */
 static float dp_out(float c, float acc, float cscale) {
     return cscale == 0 ? acc : (cscale == 1 ? c : cscale * c) + acc;
@@ -84,7 +98,7 @@ static void dp_tile_portable(int64_t kc, const void *ap, const void *bp, float *
 
 static const gemm_engine k_dp_portable = {
     .name = "avx512bf16 panels, portable tile (tests)", .mr = DP_MR, .nr = DP_NR, .kc = DP_KC, .mc = DP_MC,
-    .nt = DP_NT, .nc = DP_NC, .kalign = 2, .elem = 2, .pack_a = dp_pack_a, .pack_b = dp_pack_b,
+    .nt = DP_NT, .nc = DP_NC, .kalign = 2, .elem = 2, .pack_a = dp_pack_a, .pack_b = dp_pack_b, .pack_b_bf16 = dp_pack_b_bf16,
     .tile = dp_tile_portable,
 };
 
@@ -128,7 +142,7 @@ static void dp_tile_14x32(int64_t kc, const void *ap, const void *bp, float *C, 
 
 static const gemm_engine k_dp_engine = {
     .name = "avx512bf16 VDPBF16PS 14x32", .mr = DP_MR, .nr = DP_NR, .kc = DP_KC, .mc = DP_MC, .nt = DP_NT,
-    .nc = DP_NC, .kalign = 2, .elem = 2, .pack_a = dp_pack_a, .pack_b = dp_pack_b, .tile = dp_tile_14x32,
+    .nc = DP_NC, .kalign = 2, .elem = 2, .pack_a = dp_pack_a, .pack_b = dp_pack_b, .pack_b_bf16 = dp_pack_b_bf16, .tile = dp_tile_14x32,
 };
 
 #pragma GCC pop_options
