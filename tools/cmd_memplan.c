@@ -1,6 +1,7 @@
 /* ds4 memplan --model DIR|CONFIG.json --seq T --micro-batch B [--world N --ep E [--rank R]]
  *              [recompute flags] [--swap-optimizer] [--swap-layer-input] [--muon]
- *              [--mixed-precision-param bfloat16|float32] [--prefetch-depth D] [--threads N] [--device-memory SIZE]
+ *              [--mixed-precision-param bfloat16|float32] [--prefetch-depth D] [--moe-fb-overlap] [--threads N]
+ *              [--device-memory SIZE]
  *              [--policies] */
 #include "cli.h"
 #include "cmds.h"
@@ -28,7 +29,7 @@ static void usage(void) {
                     "       [--recompute-csa-attention] [--mhc-recompute] [--recompute-norm ...]\n"
                     "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
                     "       [--swap-optimizer] [--swap-layer-input] [--muon] [--mixed-precision-param bfloat16]\n"
-                    "       [--prefetch-depth D]\n"
+                    "       [--prefetch-depth D] [--moe-fb-overlap]\n"
                     "Peak memory of one training step by category: the trainer's own step run as a plan\n"
                     "(every allocation counted, no data touched).\n"
                     "--swap-optimizer: AdamW state in the offload tier between updates; --swap-layer-input: each\n"
@@ -41,6 +42,8 @@ static void usage(void) {
                     "expert parallelism of degree E (as mpirun -np N ds4 train ... --parallel.ep E), balanced\n"
                     "routing; --micro-batch is per rank. --prefetch-depth D: FSDP groups in flight (parallel.prefetch_depth,\n"
                     "default 1 as in ds4 train; 0: blocking collectives); their buffers are counted.\n"
+                    "--moe-fb-overlap: the step of parallel.moe_fb_overlap, two micro-batches, the second's forward\n"
+                    "beside the first's backward (both passes' activations alive).\n"
                     "--device-memory SIZE (64GiB, 64GB, 1.5TiB, 68719476736): whether the step's peak (the memory\n"
                     "tier; the offload tier is the host's) fits a device of SIZE, and the bytes free or over.\n"
                     "--policies: plan every recompute setting (off, csa, mhc, norm, csa+mhc, csa+mhc+norm, full),\n"
@@ -78,6 +81,11 @@ static int parse_args(int argc, char **argv, memplan_args *a) {
         }
         if (!strcmp(f, "--muon")) {
             a->so.muon = true;
+            continue;
+        }
+        if (!strcmp(f, "--moe-fb-overlap")) { /* two micro-batches: the peak of two passes alive */
+            a->so.moe_fb_overlap = true;
+            a->so.micro_batches = 2;
             continue;
         }
         if (!strcmp(f, "--policies")) {

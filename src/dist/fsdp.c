@@ -41,6 +41,10 @@ struct ds4_fsdp {
     int64_t npieces;
     int64_t *piece_of_region;          /* [nregions] piece index or -1 */
     bool *w_mapped, *g_mapped;         /* [ngroups] */
+    int *users;                        /* [ngroups] passes between gather and drop of the group (two under
+                                        * --moe-fb-overlap): the weights go when the last one drops them */
+    void (*yield)(void *ctx);          /* between the start and the wait of each EP all-to-all, or NULL */
+    void *yield_ctx;
     overlap *ov;                       /* NULL: blocking collectives (prefetch depth 0) */
     float *sp, *sg;                    /* [ns] */
     int64_t ns;
@@ -119,9 +123,7 @@ static ds4_status hook_prefetch(void *ctx, const int64_t *next, int64_t n) {
     return st;
 }
 
-static ds4_status hook_gather(void *ctx, int64_t group) {
-    ds4_fsdp *f = ctx;
-    ds4_comm_progress();
+static ds4_status gather_group(ds4_fsdp *f, int64_t group) {
     if (f->w_mapped[group]) return DS4_OK;
     if (f->ov) {
         ds4_status st = f->ov->w_flight[group] ? DS4_OK : gather_start(f, group);
@@ -135,13 +137,27 @@ static ds4_status hook_gather(void *ctx, int64_t group) {
     return st;
 }
 
-static void hook_drop(void *ctx, int64_t group) {
+static ds4_status hook_gather(void *ctx, int64_t group) {
     ds4_fsdp *f = ctx;
-    if (f->ov && f->ov->w_flight[group]) (void)gather_finish(f, group); /* a prefetch the pass did not use (a failure) */
+    ds4_comm_progress();
+    ds4_status st = gather_group(f, group);
+    if (st == DS4_OK) f->users[group]++;
+    return st;
+}
+
+/* The group's weights leave memory (a prefetch still in flight is completed first). */
+static void unmap_group(ds4_fsdp *f, int64_t group) {
+    if (f->ov && f->ov->w_flight[group]) (void)gather_finish(f, group); /* a prefetch no pass used */
     if (!f->w_mapped[group]) return;
     for (int64_t i = 0; i < f->npieces; i++)
         if (f->pieces[i].group == group) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, false);
     f->w_mapped[group] = false;
+}
+
+static void hook_drop(void *ctx, int64_t group) {
+    ds4_fsdp *f = ctx;
+    if (f->users[group] > 0 && --f->users[group] > 0) return; /* another pass still reads it */
+    unmap_group(f, group);
 }
 
 static ds4_status reduce_finish(ds4_fsdp *f, int64_t group);
@@ -270,7 +286,7 @@ static ds4_status hook_sync(void *ctx) {
         if (st == DS4_OK) st = r;
     }
     for (int64_t g = 0; g < ds4_model_ngroups(f->m); g++)
-        if (o->w_flight[g]) hook_drop(f, g);
+        if (o->w_flight[g]) unmap_group(f, g);
     return st;
 }
 
@@ -294,6 +310,16 @@ static ds4_status hook_grad_end(void *ctx, int64_t group) {
 }
 
 /* ------------------------------------------------------------------ hooks: EP */
+/* Another pass may compute while this all-to-all is in flight (--moe-fb-overlap). */
+static void ep_yield(ds4_fsdp *f) {
+    if (f->yield) f->yield(f->yield_ctx);
+}
+
+void ds4_fsdp_set_yield(ds4_fsdp *f, void (*yield)(void *ctx), void *ctx) {
+    f->yield = yield;
+    f->yield_ctx = ctx;
+}
+
 /* EP rank owning expert e. */
 static int expert_owner(const ds4_fsdp *f, int64_t e) { return (int)(e / f->eloc); }
 
@@ -304,6 +330,7 @@ static ds4_status ep_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
     const int64_t L = f->eloc;
     ds4_ep_route *r = ds4_ep_route_new(n, f->ops.e0, f->ops.e1);
     int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * (size_t)(4 * n + (int64_t)n * L + 1));
+    ds4_comm_req *req = NULL;
     if (!r || !v) {
         ds4_ep_route_free(r);
         ds4_free(v);
@@ -322,11 +349,11 @@ static ds4_status ep_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
         for (int s = 0; s < n; s++)
             for (int64_t i = 0; i < L; i++) got[(int64_t)s * L + i] = cnt[f->ops.e0 + i];
     } else {
-        ds4_comm_req *q = NULL;
-        st = ds4_comm_ialltoallv(f->ep, cnt, sc, sd, got, rc, rd, sizeof(int64_t), &q);
-        ds4_comm_req_label(q, "route");
-        if (st == DS4_OK) st = ds4_comm_wait(q);
+        st = ds4_comm_ialltoallv(f->ep, cnt, sc, sd, got, rc, rd, sizeof(int64_t), &req);
+        ds4_comm_req_label(req, "route");
     }
+    if (st == DS4_OK) ep_yield(f); /* a plan yields too: the same interleaving, so the same peak as the run */
+    if (st == DS4_OK) st = ds4_comm_wait(req);
     r->rows = 0;
     for (int s = 0; s < n; s++) {
         r->recv_from[s] = 0;
@@ -400,6 +427,7 @@ static ds4_status ep_exchange(ds4_fsdp *f, const ds4_ep_route *r, const float *i
         st = dispatch ? ds4_comm_ialltoallv(f->ep, in, sc, sd, wire, rc, rd, sizeof(float), &q)
                       : ds4_comm_ialltoallv(f->ep, wire, rc, rd, out, sc, sd, sizeof(float), &q);
     ds4_comm_req_label(q, dispatch ? "dispatch" : "combine");
+    if (st == DS4_OK) ep_yield(f);
     if (st == DS4_OK) st = ds4_comm_wait(q);
     if (st == DS4_OK && dispatch && data) ep_permute(r, wire, out, width, true);
     ds4_free(v);
@@ -507,7 +535,8 @@ ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out
     int64_t ng = ds4_model_ngroups(m);
     f->w_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
     f->g_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
-    ds4_status st = f->w_mapped && f->g_mapped ? DS4_OK : DS4_ERR_OOM;
+    f->users = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(int));
+    ds4_status st = f->w_mapped && f->g_mapped && f->users ? DS4_OK : DS4_ERR_OOM;
     /* three communicators of their own: FSDP (all ranks), EP groups, expert replicas */
     if (st == DS4_OK) st = sub_comm(world, 0, rank, W, rank, &f->fsdp);
     if (st == DS4_OK) st = sub_comm(world, rank / ep, rank, ep, rank % ep, &f->ep);
@@ -534,7 +563,7 @@ void ds4_fsdp_free(ds4_fsdp *f) {
     int64_t ng = ds4_model_ngroups(f->m);
     (void)hook_sync(f); /* nothing may stay in flight */
     for (int64_t g = 0; f->w_mapped && g < ng; g++) {
-        hook_drop(f, g);
+        unmap_group(f, g);
         if (f->g_mapped[g]) {
             for (int64_t i = 0; i < f->npieces; i++)
                 if (f->pieces[i].group == g) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, true);
@@ -548,6 +577,7 @@ void ds4_fsdp_free(ds4_fsdp *f) {
     ds4_free(f->piece_of_region);
     ds4_free(f->w_mapped);
     ds4_free(f->g_mapped);
+    ds4_free(f->users);
     overlap_free(f->ov);
     ds4_free(f->sp);
     ds4_free(f->sg);

@@ -161,6 +161,9 @@ int ds4_train_state_ranks(const ds4_train_state *s) { return ds4_comm_size(s->wo
 ds4_model *ds4_train_state_model(ds4_train_state *s) { return s->m; }
 const ds4_param_hooks *ds4_train_state_hooks(ds4_train_state *s) { return s->f ? ds4_fsdp_hooks(s->f) : NULL; }
 ds4_act_swap *ds4_train_state_swap(ds4_train_state *s) { return s->swap; }
+void ds4_train_state_set_yield(ds4_train_state *s, void (*yield)(void *ctx), void *ctx) {
+    if (s->f) ds4_fsdp_set_yield(s->f, yield, ctx);
+}
 int64_t ds4_train_state_numel(const ds4_train_state *s) {
     return s->f ? ds4_fsdp_packed_numel(s->f) : ds4_model_numel(s->m);
 }
