@@ -167,10 +167,12 @@ static ds4_status plan(const memplan_args *a, const ds4_config *c, const ds4_ste
 }
 
 static void describe_world(const memplan_args *a, char *where, size_t n) {
-    if (a->world == 1 && a->ep == 1) snprintf(where, n, "one process");
+    const char *fbo = a->so.moe_fb_overlap ? ", MoE FB overlap (2 micro-batches)" : "";
+    if (a->world == 1 && a->ep == 1) snprintf(where, n, "one process%s", fbo);
     else
-        snprintf(where, n, "rank %lld of %lld, FSDP %lld, EP %lld, balanced routing, prefetch depth %d", (long long)a->rank,
-                 (long long)a->world, (long long)a->world, (long long)a->ep, a->so.prefetch_depth);
+        snprintf(where, n, "rank %lld of %lld, FSDP %lld, EP %lld, balanced routing, prefetch depth %d%s",
+                 (long long)a->rank, (long long)a->world, (long long)a->world, (long long)a->ep, a->so.prefetch_depth,
+                 fbo);
 }
 
 /* "fits, 12.000 GiB (... bytes) free at the peak" or "does not fit: 3.000 GiB (... bytes) over". */
@@ -188,7 +190,7 @@ static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so
     so.masks = ds4_recompute_any(&a->rc) ? masks : NULL;
     ds4_step_memory r;
     if (plan(a, c, &so, &r) != DS4_OK) return cli_fail();
-    char desc[64], where[96];
+    char desc[64], where[160];
     describe_world(a, where, sizeof where);
     printf("memplan: %s, seq %lld, micro-batch %lld, recompute %s, swap %s, %d threads (%s)\n", a->model,
            (long long)a->T, (long long)a->B, ds4_recompute_describe(&a->rc, desc, sizeof desc),
@@ -218,7 +220,7 @@ static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so
 
 /* --policies: one line per policy of ds4_memplan_policy_at, with fits and margin under --device-memory. */
 static int plan_policies(const memplan_args *a, const ds4_config *c) {
-    char where[96];
+    char where[160];
     describe_world(a, where, sizeof where);
     printf("memplan: %s, seq %lld, micro-batch %lld, %s, %s, %d threads (%s), every policy", a->model,
            (long long)a->T, (long long)a->B, a->so.muon ? "Muon" : "AdamW",
