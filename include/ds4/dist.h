@@ -119,7 +119,7 @@ void ds4_fsdp_set_yield(ds4_fsdp *f, void (*yield)(void *ctx), void *ctx);
 int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f);
 float *ds4_fsdp_shard_params(ds4_fsdp *f); /* [shard_numel] DS4_MEM_PARAM */
 float *ds4_fsdp_shard_grads(ds4_fsdp *f);  /* [shard_numel] DS4_MEM_GRAD, accumulated by grad_end */
-void ds4_fsdp_zero_grads(ds4_fsdp *f);
+void ds4_fsdp_zero_grads(ds4_fsdp *f); /* a step starts: also drops groups a failed pass left gathered */
 /* Fills this rank's shard: the init rules of docs/contract.md (the same values as a single process)
  * or a model directory; the integer tables are filled on every rank. */
 ds4_status ds4_fsdp_init_random(ds4_fsdp *f, uint64_t seed);

@@ -589,6 +589,12 @@ int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f) { return f->ns; }
 float *ds4_fsdp_shard_params(ds4_fsdp *f) { return f->sp; }
 float *ds4_fsdp_shard_grads(ds4_fsdp *f) { return f->sg; }
 void ds4_fsdp_zero_grads(ds4_fsdp *f) {
+    /* a step starts with no pass alive: what a failed pass left gathered (it never dropped it) goes */
+    for (int64_t g = 0; g < ds4_model_ngroups(f->m); g++)
+        if (f->users[g] > 0) {
+            f->users[g] = 0;
+            unmap_group(f, g);
+        }
     if (!planning(f)) memset(f->sg, 0, (size_t)f->ns * sizeof(float));
 }
 
