@@ -18,10 +18,7 @@
 extern "C" {
 #endif
 
-/* The layer inputs held in an offload store (the store must outlive it), per pass slot: up to
- * DS4_ACT_PASSES passes alive at once (--moe-fb-overlap: a forward beside the previous micro-batch's
- * backward), each with its own entries. */
-#define DS4_ACT_PASSES 2
+/* The layer inputs held in an offload store (the store must outlive it). One pass at a time. */
 typedef struct ds4_act_swap ds4_act_swap;
 ds4_status ds4_act_swap_new(ds4_offload *offload, ds4_act_swap **out);
 int64_t ds4_act_swap_held(const ds4_act_swap *s); /* streams in the offload tier now */
@@ -36,8 +33,6 @@ void ds4_act_swap_free(ds4_act_swap *s);          /* drops what it still holds; 
 typedef struct {
     const uint32_t *recompute; /* [n_layers] masks: bit u = recompute unit u (ds4_unit_name order); NULL: none */
     ds4_act_swap *swap;        /* where layer inputs go; NULL: they stay in memory */
-    int pass;                  /* the pass slot [0, DS4_ACT_PASSES) whose swap entries these are: two passes
-                                * alive at once use two slots, so (pass, layer) names an entry */
 } ds4_act_policies;
 
 /* The store the model calls (ds4_pass_opts.store) for these policies. */

@@ -126,8 +126,12 @@ int ds4_train_state_ranks(const ds4_train_state *s);               /* ranks of i
 ds4_model *ds4_train_state_model(ds4_train_state *s);               /* what ds4_forward runs on */
 const ds4_param_hooks *ds4_train_state_hooks(ds4_train_state *s);  /* for ds4_pass_opts; NULL: whole */
 ds4_act_swap *ds4_train_state_swap(ds4_train_state *s);           /* --swap-layer-input; NULL: none */
-/* Sharded: the EP all-to-alls call yield(ctx) between start and wait (ds4_fsdp_set_yield); NULL: none. */
-void ds4_train_state_set_yield(ds4_train_state *s, void (*yield)(void *ctx), void *ctx);
+/* --moe-fb-overlap keeps two passes alive. The layer-input swap of pass slot 0 or 1 (each pass its own
+ * entries; slot 1's made on first use); NULL without --swap-layer-input. */
+ds4_status ds4_train_state_swap_slot(ds4_train_state *s, int slot, ds4_act_swap **out);
+/* The EP ops of the hooks whose all-to-alls call yield(ctx) between start and wait (ds4_fsdp_yielding,
+ * held by the state until the next call); NULL without EP. */
+const ds4_ep_ops *ds4_train_state_yielding_ep(ds4_train_state *s, void (*yield)(void *ctx), void *ctx);
 int64_t ds4_train_state_numel(const ds4_train_state *s);           /* parameters of the whole model */
 int64_t ds4_train_state_held_numel(const ds4_train_state *s);      /* elements held here: all, or the shard's */
 void ds4_train_state_zero_grads(ds4_train_state *s);

@@ -41,10 +41,6 @@ struct ds4_fsdp {
     int64_t npieces;
     int64_t *piece_of_region;          /* [nregions] piece index or -1 */
     bool *w_mapped, *g_mapped;         /* [ngroups] */
-    int *users;                        /* [ngroups] passes between gather and drop of the group (two under
-                                        * --moe-fb-overlap): the weights go when the last one drops them */
-    void (*yield)(void *ctx);          /* between the start and the wait of each EP all-to-all, or NULL */
-    void *yield_ctx;
     overlap *ov;                       /* NULL: blocking collectives (prefetch depth 0) */
     float *sp, *sg;                    /* [ns] */
     int64_t ns;
@@ -123,7 +119,9 @@ static ds4_status hook_prefetch(void *ctx, const int64_t *next, int64_t n) {
     return st;
 }
 
-static ds4_status gather_group(ds4_fsdp *f, int64_t group) {
+static ds4_status hook_gather(void *ctx, int64_t group) {
+    ds4_fsdp *f = ctx;
+    ds4_comm_progress();
     if (f->w_mapped[group]) return DS4_OK;
     if (f->ov) {
         ds4_status st = f->ov->w_flight[group] ? DS4_OK : gather_start(f, group);
@@ -137,27 +135,13 @@ static ds4_status gather_group(ds4_fsdp *f, int64_t group) {
     return st;
 }
 
-static ds4_status hook_gather(void *ctx, int64_t group) {
+static void hook_drop(void *ctx, int64_t group) {
     ds4_fsdp *f = ctx;
-    ds4_comm_progress();
-    ds4_status st = gather_group(f, group);
-    if (st == DS4_OK) f->users[group]++;
-    return st;
-}
-
-/* The group's weights leave memory (a prefetch still in flight is completed first). */
-static void unmap_group(ds4_fsdp *f, int64_t group) {
-    if (f->ov && f->ov->w_flight[group]) (void)gather_finish(f, group); /* a prefetch no pass used */
+    if (f->ov && f->ov->w_flight[group]) (void)gather_finish(f, group); /* a prefetch the pass did not use (a failure) */
     if (!f->w_mapped[group]) return;
     for (int64_t i = 0; i < f->npieces; i++)
         if (f->pieces[i].group == group) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, false);
     f->w_mapped[group] = false;
-}
-
-static void hook_drop(void *ctx, int64_t group) {
-    ds4_fsdp *f = ctx;
-    if (f->users[group] > 0 && --f->users[group] > 0) return; /* another pass still reads it */
-    unmap_group(f, group);
 }
 
 static ds4_status reduce_finish(ds4_fsdp *f, int64_t group);
@@ -286,7 +270,7 @@ static ds4_status hook_sync(void *ctx) {
         if (st == DS4_OK) st = r;
     }
     for (int64_t g = 0; g < ds4_model_ngroups(f->m); g++)
-        if (o->w_flight[g]) unmap_group(f, g);
+        if (o->w_flight[g]) hook_drop(f, g);
     return st;
 }
 
@@ -310,21 +294,16 @@ static ds4_status hook_grad_end(void *ctx, int64_t group) {
 }
 
 /* ------------------------------------------------------------------ hooks: EP */
-/* Another pass may compute while this all-to-all is in flight (--moe-fb-overlap). */
-static void ep_yield(ds4_fsdp *f) {
-    if (f->yield) f->yield(f->yield_ctx);
-}
-
-void ds4_fsdp_set_yield(ds4_fsdp *f, void (*yield)(void *ctx), void *ctx) {
-    f->yield = yield;
-    f->yield_ctx = ctx;
-}
-
 /* EP rank owning expert e. */
 static int expert_owner(const ds4_fsdp *f, int64_t e) { return (int)(e / f->eloc); }
 
-static ds4_status ep_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
-    ds4_fsdp *f = ctx;
+/* Between the start of an EP all-to-all and its wait: y->yield(y->ctx) lets another pass compute while the
+ * rows travel (--moe-fb-overlap); y NULL: nothing. A plan yields too: the same interleaving, the same peak. */
+static void ep_yield(const ds4_fsdp_yielding *y) {
+    if (y && y->yield) y->yield(y->ctx);
+}
+
+static ds4_status route_rows(ds4_fsdp *f, const ds4_fsdp_yielding *y, const int64_t *cnt, ds4_ep_route **out) {
     ds4_comm_progress();
     const int n = f->ep_size;
     const int64_t L = f->eloc;
@@ -352,7 +331,7 @@ static ds4_status ep_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
         st = ds4_comm_ialltoallv(f->ep, cnt, sc, sd, got, rc, rd, sizeof(int64_t), &req);
         ds4_comm_req_label(req, "route");
     }
-    if (st == DS4_OK) ep_yield(f); /* a plan yields too: the same interleaving, so the same peak as the run */
+    if (st == DS4_OK) ep_yield(y);
     if (st == DS4_OK) st = ds4_comm_wait(req);
     r->rows = 0;
     for (int s = 0; s < n; s++) {
@@ -411,8 +390,8 @@ static int64_t *ep_layout(const ds4_ep_route *r, int64_t **sc, int64_t **sd, int
 
 /* Dispatch: rows in assignment order (in) → the owners, expert-major (out). Combine: the reverse, the
  * owners' results (in) → assignment order (out). */
-static ds4_status ep_exchange(ds4_fsdp *f, const ds4_ep_route *r, const float *in, float *out, int64_t width,
-                              bool dispatch) {
+static ds4_status ep_exchange(ds4_fsdp *f, const ds4_fsdp_yielding *y, const ds4_ep_route *r, const float *in,
+                              float *out, int64_t width, bool dispatch) {
     int64_t *sc = NULL, *sd = NULL, *rc = NULL, *rd = NULL, *v = ep_layout(r, &sc, &sd, &rc, &rd);
     float *wire = ds4_alloc(DS4_MEM_COMM, (size_t)(r->rows * width) * sizeof(float));
     ds4_status st = v && wire ? DS4_OK
@@ -427,7 +406,7 @@ static ds4_status ep_exchange(ds4_fsdp *f, const ds4_ep_route *r, const float *i
         st = dispatch ? ds4_comm_ialltoallv(f->ep, in, sc, sd, wire, rc, rd, sizeof(float), &q)
                       : ds4_comm_ialltoallv(f->ep, wire, rc, rd, out, sc, sd, sizeof(float), &q);
     ds4_comm_req_label(q, dispatch ? "dispatch" : "combine");
-    if (st == DS4_OK) ep_yield(f);
+    if (st == DS4_OK) ep_yield(y);
     if (st == DS4_OK) st = ds4_comm_wait(q);
     if (st == DS4_OK && dispatch && data) ep_permute(r, wire, out, width, true);
     ds4_free(v);
@@ -435,12 +414,35 @@ static ds4_status ep_exchange(ds4_fsdp *f, const ds4_ep_route *r, const float *i
     return st;
 }
 
+/* The EP ops: f's own (ctx f), and the yielding ones (ctx a ds4_fsdp_yielding). */
+static ds4_status ep_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
+    return route_rows(ctx, NULL, cnt, out);
+}
 static ds4_status ep_dispatch(void *ctx, const ds4_ep_route *r, const float *send, float *recv, int64_t width) {
-    return ep_exchange(ctx, r, send, recv, width, true);
+    return ep_exchange(ctx, NULL, r, send, recv, width, true);
+}
+static ds4_status ep_combine(void *ctx, const ds4_ep_route *r, const float *recv, float *send, int64_t width) {
+    return ep_exchange(ctx, NULL, r, recv, send, width, false);
+}
+static ds4_status yielding_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
+    const ds4_fsdp_yielding *y = ctx;
+    return route_rows(y->f, y, cnt, out);
+}
+static ds4_status yielding_dispatch(void *ctx, const ds4_ep_route *r, const float *send, float *recv, int64_t width) {
+    const ds4_fsdp_yielding *y = ctx;
+    return ep_exchange(y->f, y, r, send, recv, width, true);
+}
+static ds4_status yielding_combine(void *ctx, const ds4_ep_route *r, const float *recv, float *send, int64_t width) {
+    const ds4_fsdp_yielding *y = ctx;
+    return ep_exchange(y->f, y, r, recv, send, width, false);
 }
 
-static ds4_status ep_combine(void *ctx, const ds4_ep_route *r, const float *recv, float *send, int64_t width) {
-    return ep_exchange(ctx, r, recv, send, width, false);
+void ds4_fsdp_yielding_init(ds4_fsdp *f, void (*yield)(void *ctx), void *ctx, ds4_fsdp_yielding *y) {
+    *y = (ds4_fsdp_yielding){.f = f, .yield = yield, .ctx = ctx, .ops = f->ops};
+    y->ops.ctx = y;
+    y->ops.route = yielding_route;
+    y->ops.dispatch = yielding_dispatch;
+    y->ops.combine = yielding_combine;
 }
 
 static void overlap_free(overlap *o) {
@@ -535,8 +537,7 @@ ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out
     int64_t ng = ds4_model_ngroups(m);
     f->w_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
     f->g_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
-    f->users = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(int));
-    ds4_status st = f->w_mapped && f->g_mapped && f->users ? DS4_OK : DS4_ERR_OOM;
+    ds4_status st = f->w_mapped && f->g_mapped ? DS4_OK : DS4_ERR_OOM;
     /* three communicators of their own: FSDP (all ranks), EP groups, expert replicas */
     if (st == DS4_OK) st = sub_comm(world, 0, rank, W, rank, &f->fsdp);
     if (st == DS4_OK) st = sub_comm(world, rank / ep, rank, ep, rank % ep, &f->ep);
@@ -563,7 +564,7 @@ void ds4_fsdp_free(ds4_fsdp *f) {
     int64_t ng = ds4_model_ngroups(f->m);
     (void)hook_sync(f); /* nothing may stay in flight */
     for (int64_t g = 0; f->w_mapped && g < ng; g++) {
-        unmap_group(f, g);
+        hook_drop(f, g);
         if (f->g_mapped[g]) {
             for (int64_t i = 0; i < f->npieces; i++)
                 if (f->pieces[i].group == g) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, true);
@@ -577,7 +578,6 @@ void ds4_fsdp_free(ds4_fsdp *f) {
     ds4_free(f->piece_of_region);
     ds4_free(f->w_mapped);
     ds4_free(f->g_mapped);
-    ds4_free(f->users);
     overlap_free(f->ov);
     ds4_free(f->sp);
     ds4_free(f->sg);
@@ -589,12 +589,6 @@ int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f) { return f->ns; }
 float *ds4_fsdp_shard_params(ds4_fsdp *f) { return f->sp; }
 float *ds4_fsdp_shard_grads(ds4_fsdp *f) { return f->sg; }
 void ds4_fsdp_zero_grads(ds4_fsdp *f) {
-    /* a step starts with no pass alive: what a failed pass left gathered (it never dropped it) goes */
-    for (int64_t g = 0; g < ds4_model_ngroups(f->m); g++)
-        if (f->users[g] > 0) {
-            f->users[g] = 0;
-            unmap_group(f, g);
-        }
     if (!planning(f)) memset(f->sg, 0, (size_t)f->ns * sizeof(float));
 }
 

@@ -6,8 +6,7 @@
 
 struct ds4_act_swap {
     ds4_offload *offload;
-    int64_t held[DS4_ACT_PASSES][DS4_MAX_LAYERS]; /* handle of pass slot p's layer l input stream, -1 while it is
-                                                   * in memory: two live passes (--moe-fb-overlap) never share one */
+    int64_t held[DS4_MAX_LAYERS]; /* handle of layer l's input stream, -1 while it is in memory */
     ds4_act_swap_stats moved;     /* streams moved out and back so far */
 };
 
@@ -16,31 +15,28 @@ ds4_status ds4_act_swap_new(ds4_offload *offload, ds4_act_swap **out) {
     ds4_act_swap *s = ds4_calloc(DS4_MEM_OTHER, sizeof *s);
     if (!s) return ds4_fail(DS4_ERR_OOM, "swap-layer-input: out of memory");
     s->offload = offload;
-    for (int p = 0; p < DS4_ACT_PASSES; p++)
-        for (int64_t l = 0; l < DS4_MAX_LAYERS; l++) s->held[p][l] = -1;
+    for (int64_t l = 0; l < DS4_MAX_LAYERS; l++) s->held[l] = -1;
     *out = s;
     return DS4_OK;
 }
 
 int64_t ds4_act_swap_held(const ds4_act_swap *s) {
     int64_t n = 0;
-    for (int p = 0; p < DS4_ACT_PASSES; p++)
-        for (int64_t l = 0; l < DS4_MAX_LAYERS; l++) n += s->held[p][l] >= 0;
+    for (int64_t l = 0; l < DS4_MAX_LAYERS; l++) n += s->held[l] >= 0;
     return n;
 }
 
 ds4_act_swap_stats ds4_act_swap_moved(const ds4_act_swap *s) { return s->moved; }
 
-static void swap_drop(ds4_act_swap *s, int pass, int64_t layer) {
+static void swap_drop(ds4_act_swap *s, int64_t layer) {
     if (layer < 0 || layer >= DS4_MAX_LAYERS) return;
-    ds4_offload_drop(s->offload, s->held[pass][layer]);
-    s->held[pass][layer] = -1;
+    ds4_offload_drop(s->offload, s->held[layer]);
+    s->held[layer] = -1;
 }
 
 void ds4_act_swap_free(ds4_act_swap *s) {
     if (!s) return;
-    for (int p = 0; p < DS4_ACT_PASSES; p++)
-        for (int64_t l = 0; l < DS4_MAX_LAYERS; l++) swap_drop(s, p, l);
+    for (int64_t l = 0; l < DS4_MAX_LAYERS; l++) swap_drop(s, l);
     ds4_free(s);
 }
 
@@ -51,17 +47,13 @@ static ds4_act_policy policy(void *ctx, int64_t layer, int unit) {
     return p->recompute && (p->recompute[layer] >> unit & 1u) ? DS4_ACT_RECOMPUTE : DS4_ACT_KEEP;
 }
 
-/* The pass slot of a store's policies (0 when out of range: a caller that never set it). */
-static int pass_of(const ds4_act_policies *p) { return p->pass >= 0 && p->pass < DS4_ACT_PASSES ? p->pass : 0; }
-
 static ds4_status save(void *ctx, int64_t layer, int unit, int slot, void **buf, size_t bytes) {
     ds4_act_swap *s = ((const ds4_act_policies *)ctx)->swap;
-    const int p = pass_of(ctx);
-    if (!s || unit != DS4_UNIT_INPUT || slot != 0 || layer < 0 || layer >= DS4_MAX_LAYERS || s->held[p][layer] >= 0)
-        return ds4_fail(DS4_ERR_INTERNAL, "swap-layer-input: layer %lld's input cannot be saved (already out for pass "
-                        "slot %d, or not a layer input)", (long long)layer, p);
+    if (!s || unit != DS4_UNIT_INPUT || slot != 0 || layer < 0 || layer >= DS4_MAX_LAYERS || s->held[layer] >= 0)
+        return ds4_fail(DS4_ERR_INTERNAL, "swap-layer-input: layer %lld's input cannot be saved (already out, or not "
+                        "a layer input; one pass at a time per store)", (long long)layer);
     if (!*buf) return DS4_OK;
-    DS4_TRY(ds4_offload_put(s->offload, DS4_MEM_ACT, *buf, bytes, &s->held[p][layer]));
+    DS4_TRY(ds4_offload_put(s->offload, DS4_MEM_ACT, *buf, bytes, &s->held[layer]));
     ds4_free(*buf);
     *buf = NULL;
     s->moved.saves++;
@@ -71,18 +63,17 @@ static ds4_status save(void *ctx, int64_t layer, int unit, int slot, void **buf,
 
 static ds4_status fetch(void *ctx, int64_t layer, int unit, int slot, void **buf, size_t bytes) {
     ds4_act_swap *s = ((const ds4_act_policies *)ctx)->swap;
-    const int p = pass_of(ctx);
-    if (!s || unit != DS4_UNIT_INPUT || slot != 0 || layer < 0 || layer >= DS4_MAX_LAYERS || s->held[p][layer] < 0 ||
+    if (!s || unit != DS4_UNIT_INPUT || slot != 0 || layer < 0 || layer >= DS4_MAX_LAYERS || s->held[layer] < 0 ||
         *buf)
         return DS4_OK;
     void *x = ds4_alloc(DS4_MEM_ACT, bytes);
     if (!x) return ds4_fail_prefix(DS4_ERR_OOM, "swap-layer-input: restoring layer %lld's input", (long long)layer);
-    ds4_status st = ds4_offload_read(s->offload, s->held[p][layer], 0, x, bytes);
+    ds4_status st = ds4_offload_read(s->offload, s->held[layer], 0, x, bytes);
     if (st != DS4_OK) {
         ds4_free(x);
         return ds4_fail_prefix(st, "swap-layer-input: restoring layer %lld's input", (long long)layer);
     }
-    swap_drop(s, p, layer);
+    swap_drop(s, layer);
     s->moved.fetches++;
     s->moved.bytes_in += (int64_t)bytes;
     *buf = x;
@@ -91,7 +82,7 @@ static ds4_status fetch(void *ctx, int64_t layer, int unit, int slot, void **buf
 
 static void release(void *ctx, int64_t layer, int unit, int slot) {
     ds4_act_swap *s = ((const ds4_act_policies *)ctx)->swap;
-    if (s && unit == DS4_UNIT_INPUT && slot == 0) swap_drop(s, pass_of(ctx), layer);
+    if (s && unit == DS4_UNIT_INPUT && slot == 0) swap_drop(s, layer);
 }
 
 static const ds4_act_store_ops k_ops = {.policy = policy, .save = save, .fetch = fetch, .release = release};

@@ -14,13 +14,14 @@
 #include <math.h>
 #include <string.h>
 
-/* What the passes of one step share; pol[k] is the store of the passes in slot k (micro-batch mod
- * DS4_ACT_PASSES), alive as long as they are. */
+/* What the passes of one step share; pol[k] is the store of the passes in slot k (overlapped: micro-batch
+ * mod 2, each slot with its own layer-input swap, so a forward's swapped X[l] never takes the entry of the
+ * backward beside it; one after another: slot 0), alive as long as they are. */
 typedef struct {
     ds4_train_state *s;
     const ds4_step_args *a;
     const ds4_param_hooks *hooks;
-    ds4_act_policies pol[DS4_ACT_PASSES];
+    ds4_act_policies pol[2];
     ds4_step_result *out;
 } step_ctx;
 
@@ -33,7 +34,7 @@ static ds4_status pass_forward(step_ctx *c, int64_t micro, ds4_pass **p) {
                        .csa_dense = a->csa_dense,
                        .moe_force_balance = a->moe_force_balance,
                        .hooks = c->hooks,
-                       .store = ds4_act_store_of(&c->pol[micro % DS4_ACT_PASSES]),
+                       .store = ds4_act_store_of(&c->pol[a->moe_fb_overlap ? micro % 2 : 0]),
                        .bf16_acts = ds4_train_state_bf16(c->s)};
     return ds4_forward(ds4_train_state_model(c->s), a->ids, a->B, a->T, &o, p);
 }
@@ -82,22 +83,28 @@ static ds4_status backward_job(void *ctx) {
     return pass_backward(j->c, j->micro, p);
 }
 
-/* Without EP no all-to-all gives way: these hooks (around the state's, or none) give way after each
- * gather instead, so the passes still take turns, layer by layer. */
+/* The hooks of the two passes, around the state's (or none): gather and drop are counted, as both passes
+ * may hold one group (forward and backward at the same layer; the embedding, head and MTP groups) and its
+ * weights must stay until the last holder drops them; the EP ops give way between each all-to-all's start
+ * and wait. Without EP no all-to-all gives way: a gather does instead, so the passes still take turns,
+ * layer by layer. */
 typedef struct {
     const ds4_param_hooks *in; /* NULL: the whole model */
     fbo *f;
+    int holders[DS4_MAX_LAYERS + 3]; /* [groups] passes between gather and drop */
     ds4_param_hooks hooks;
 } turn_hooks;
 
 static ds4_status turn_gather(void *ctx, int64_t g) {
     turn_hooks *t = ctx;
     ds4_status st = t->in && t->in->gather ? t->in->gather(t->in->ctx, g) : DS4_OK;
-    fbo_yield(t->f);
+    if (st == DS4_OK) t->holders[g]++;
+    if (!t->hooks.ep) fbo_yield(t->f);
     return st;
 }
 static void turn_drop(void *ctx, int64_t g) {
     turn_hooks *t = ctx;
+    if (t->holders[g] > 0 && --t->holders[g] > 0) return; /* the other pass still reads it */
     if (t->in && t->in->drop) t->in->drop(t->in->ctx, g);
 }
 static ds4_status turn_grad_begin(void *ctx, int64_t g) {
@@ -117,11 +124,12 @@ static ds4_status turn_sync(void *ctx) {
     return t->in && t->in->sync ? t->in->sync(t->in->ctx) : DS4_OK;
 }
 
-static void turn_hooks_init(turn_hooks *t, const ds4_param_hooks *in, fbo *f) {
+static void turn_hooks_init(turn_hooks *t, const ds4_param_hooks *in, const ds4_ep_ops *ep, fbo *f) {
+    memset(t, 0, sizeof *t);
     t->in = in;
     t->f = f;
     t->hooks = (ds4_param_hooks){.ctx = t, .gather = turn_gather, .drop = turn_drop, .grad_begin = turn_grad_begin,
-                                 .grad_end = turn_grad_end, .prefetch = turn_prefetch, .sync = turn_sync, .ep = NULL};
+                                 .grad_end = turn_grad_end, .prefetch = turn_prefetch, .sync = turn_sync, .ep = ep};
 }
 
 /* forward(0); forward(i) beside backward(i - 1) for i = 1 .. M-1; backward(M - 1). */
@@ -142,16 +150,13 @@ static ds4_status passes_overlapped(step_ctx *c, fbo *f) {
 }
 
 static ds4_status passes_fb_overlap(step_ctx *c) {
+    DS4_TRY(ds4_train_state_swap_slot(c->s, 1, &c->pol[1].swap));
     fbo *f = fbo_new();
     if (!f) return ds4_fail(DS4_ERR_OOM, "--moe-fb-overlap: out of memory for the second pass's stack");
     turn_hooks th;
-    if (!c->hooks || !c->hooks->ep) { /* no EP: take turns at the gathers */
-        turn_hooks_init(&th, c->hooks, f);
-        c->hooks = &th.hooks;
-    }
-    ds4_train_state_set_yield(c->s, fbo_yield, f);
+    turn_hooks_init(&th, c->hooks, ds4_train_state_yielding_ep(c->s, fbo_yield, f), f);
+    c->hooks = &th.hooks;
     ds4_status st = passes_overlapped(c, f);
-    ds4_train_state_set_yield(c->s, NULL, NULL);
     fbo_free(f);
     return st;
 }
@@ -165,8 +170,8 @@ static ds4_status gradients(ds4_train_state *s, const ds4_step_args *a, ds4_step
     memset(a->loads, 0, (size_t)(nb * mc->n_routed_experts) * sizeof(int64_t));
     ds4_train_state_zero_grads(s);
     step_ctx c = {.s = s, .a = a, .hooks = ds4_train_state_hooks(s), .out = out};
-    for (int k = 0; k < DS4_ACT_PASSES; k++)
-        c.pol[k] = (ds4_act_policies){.recompute = a->release_mask, .swap = ds4_train_state_swap(s), .pass = k};
+    for (int k = 0; k < 2; k++) /* slot 1's swap: made by the overlap, which alone uses it */
+        c.pol[k] = (ds4_act_policies){.recompute = a->release_mask, .swap = k ? NULL : ds4_train_state_swap(s)};
     if (a->moe_fb_overlap) DS4_TRY(passes_fb_overlap(&c));
     else
         for (int64_t micro = 0; micro < accum; micro++) {
