@@ -11,14 +11,20 @@
  *    step on that rank, byte for byte per category (balanced routing in both);
  *  - AdamW on the shards (rules by ranges cut at the shard boundaries), resident and swapped, gives bit
  *    for bit the whole model's parameters and moments; its state is 8 bytes per shard element, counted
- *    once: resident, or with --swap-optimizer in the offload tier with only the update buffers resident.
+ *    once: resident, or with --swap-optimizer in the offload tier with only the update buffers resident;
+ *  - MoE forward-backward overlap (--moe-fb-overlap: forward(i) beside backward(i - 1)) gives the
+ *    sequential schedule's losses, grad norms and checkpoint bytes over two steps of 2 and 3 micro-batches,
+ *    with EP, with recompute (csa + mhc, full) and --swap-layer-input; its plan equals its measured step
+ *    and holds more activations than the sequential one (two passes alive).
  * Without mpirun on the machine the test fails: Open MPI is a dependency (scripts/install-deps.sh). */
 #include "ds4/dist.h"
 #include "ds4/memplan.h"
 #include "ds4/offload.h"
 #include "ds4/recompute.h"
 #include "ds4/train.h"
+#include "ds4/trainer.h"
 #include "test.h"
+#include "test_files.h"
 #include "test_mpi.h"
 
 #include <cjson/cJSON.h>
@@ -414,6 +420,125 @@ static void test_shard_sizes(void) {
     ds4_model_free(full);
 }
 
+/* ------------------------------------------------------------------ MoE forward-backward overlap */
+/* Each rank's micro-batches: a different sequence of ids per rank and per micro-batch. */
+typedef struct {
+    const ds4_config *c;
+    int rank;
+    int64_t next;
+} mb_source;
+
+static ds4_status mb_next(void *ctx, int32_t *ids) {
+    mb_source *s = ctx;
+    for (int64_t i = 0; i < kB * kT; i++)
+        ids[i] = (int32_t)(ds4_rng_u64(77, (uint64_t)s->rank << 20 | (uint64_t)s->next, (uint64_t)i) %
+                           (uint64_t)s->c->vocab_size);
+    s->next++;
+    return DS4_OK;
+}
+
+/* What two steps of a run give: per step the losses and grad norm; the state saved under root. */
+typedef struct {
+    double loss[2], total[2], norm[2];
+} fbo_run;
+
+/* Two steps of M micro-batches per rank on a sharded state (EP ep), overlapped or not. */
+static void fbo_steps(const ds4_config *c, int ep, int64_t M, bool overlap, const uint32_t *masks, bool swap,
+                      const char *root, fbo_run *r) {
+    ds4_comm *world = ds4_comm_world();
+    const ds4_train_state_opts so = {.ep = ep, .shard = true, .swap_layer_input = swap, .prefetch_depth = 1};
+    ds4_train_state *s = NULL;
+    CHECK(ds4_train_state_open(c, NULL, 7, world, &so, &s) == DS4_OK, "%s", ds4_errmsg());
+    const int64_t nl = (c->n_layers + c->n_mtp_layers) * c->n_routed_experts;
+    int64_t *loads = calloc((size_t)nl, sizeof *loads);
+    int32_t ids[64];
+    mb_source src = {c, ds4_comm_rank(world), 0};
+    for (int k = 0; s && k < 2; k++) {
+        const ds4_step_args a = {.step = k + 1, .micro_batches = M, .B = kB, .T = kT, .ids = ids, .next_ids = mb_next,
+                                 .ctx = &src, .loads = loads, .release_mask = masks, .adamw = &k_adamw,
+                                 .lr = k_adamw.lr, .max_norm = 1.0, .router_bias_gamma = 1e-3,
+                                 .moe_fb_overlap = overlap};
+        ds4_step_result out;
+        CHECK(ds4_train_step(s, &a, &out) == DS4_OK, "overlap %d, %lld micro-batches: %s", overlap, (long long)M,
+              ds4_errmsg());
+        r->loss[k] = out.loss, r->total[k] = out.total_loss, r->norm[k] = out.grad_norm;
+    }
+    if (s) CHECK(ds4_train_state_save(s, root, 0, &(ds4_ckpt_meta){.step = 2}) == DS4_OK, "%s", ds4_errmsg());
+    ds4_train_state_free(s);
+    free(loads);
+}
+
+/* The overlapped schedule gives the sequential one's losses, grad norms and checkpoint bytes. */
+static void fbo_matches_sequential(const char *cfg_path, int ep, int64_t M, int recompute, bool swap) {
+    ds4_comm *world = ds4_comm_world();
+    ds4_config c;
+    CHECK(ds4_config_load(cfg_path, &c) == DS4_OK, "%s", ds4_errmsg());
+    uint32_t masks[64] = {0};
+    ds4_recompute_cfg rc;
+    ds4_recompute_defaults(&rc);
+    if (recompute == 1) rc.csa_attention = rc.mhc = true;
+    if (recompute == 2) rc.granularity = DS4_RECOMPUTE_GRAN_FULL, rc.method = DS4_RECOMPUTE_METHOD_UNIFORM, rc.num_layers = 1;
+    ds4_recompute_masks(&rc, &c, masks);
+    int64_t tag = ds4_comm_rank(world) == 0 ? (int64_t)getpid() : 0; /* one folder name on every rank */
+    CHECK(ds4_comm_sum_i64(world, &tag, 1) == DS4_OK);
+    char seq[128], fbo[128], a[320], b[320];
+    snprintf(seq, sizeof seq, "/tmp/ds4-test-fbo-%lld-seq", (long long)tag);
+    snprintf(fbo, sizeof fbo, "/tmp/ds4-test-fbo-%lld-fbo", (long long)tag);
+    fbo_run x = {0}, y = {0};
+    fbo_steps(&c, ep, M, false, recompute ? masks : NULL, swap, seq, &x);
+    fbo_steps(&c, ep, M, true, recompute ? masks : NULL, swap, fbo, &y);
+    for (int k = 0; k < 2; k++)
+        CHECK(x.loss[k] == y.loss[k] && x.total[k] == y.total[k] && x.norm[k] == y.norm[k] && isfinite(x.norm[k]) &&
+                  x.norm[k] > 0,
+              "%s ep %d, %lld micro-batches, step %d: loss %.9g / %.9g, norm %.9g / %.9g (sequential / overlapped)",
+              cfg_path, ep, (long long)M, k + 1, x.total[k], y.total[k], x.norm[k], y.norm[k]);
+    if (ds4_comm_rank(world) == 0) {
+        const char *files[] = {"model.safetensors", "optim.state"};
+        for (int i = 0; i < 2; i++) {
+            snprintf(a, sizeof a, "%s/step-00000002/%s", seq, files[i]);
+            snprintf(b, sizeof b, "%s/step-00000002/%s", fbo, files[i]);
+            CHECK(t_files_equal(a, b), "%s ep %d, %lld micro-batches: %s differs", cfg_path, ep, (long long)M, files[i]);
+        }
+        snprintf(a, sizeof a, "rm -rf '%s' '%s'", seq, fbo);
+        CHECK(system(a) == 0);
+    }
+    CHECK(ds4_comm_barrier(world) == DS4_OK); /* the folders are gone before any rank starts the next test */
+}
+
+static void test_fbo_ep(void) { fbo_matches_sequential("tests/configs/tiny-b.json", 2, 2, 0, false); }
+static void test_fbo_ep_recompute_swap(void) { fbo_matches_sequential("tests/configs/tiny-b.json", 2, 3, 1, true); }
+static void test_fbo_full_recompute_swap(void) { fbo_matches_sequential("tests/configs/tiny-a.json", 1, 3, 2, true); }
+static void test_fbo_ep_all(void) {
+    fbo_matches_sequential("tests/configs/tiny-b.json", ds4_comm_size(ds4_comm_world()), 2, 1, true);
+}
+
+/* Planned == measured with overlap (two micro-batches), and the overlapped step holds more activations
+ * than the sequential one: the second forward runs while the first pass is still alive. */
+static void memplan_matches_fbo(const char *cfg_path, int ep) {
+    ds4_comm *world = ds4_comm_world();
+    ds4_config c;
+    CHECK(ds4_config_load(cfg_path, &c) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_step_opts seq = {.prefetch_depth = 1, .micro_batches = 2},
+                        so = {.prefetch_depth = 1, .micro_batches = 2, .moe_fb_overlap = true};
+    ds4_step_memory real0, real, plan;
+    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &seq, false, world, ep, true, &real0) == DS4_OK, "%s",
+          ds4_errmsg());
+    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &so, false, world, ep, true, &real) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm *sim = NULL;
+    CHECK(ds4_comm_plan(ds4_comm_size(world), ds4_comm_rank(world), &sim) == DS4_OK);
+    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &so, true, sim, ep, true, &plan) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm_free(sim);
+    for (int k = 0; k < DS4_MEM_NCAT; k++)
+        if (k != DS4_MEM_OTHER)
+            CHECK(real.peak[k] == plan.peak[k], "moe-fb-overlap ep=%d rank %d %s: measured %lld, planned %lld", ep,
+                  ds4_comm_rank(world), ds4_mem_cat_name((ds4_mem_cat)k), (long long)real.peak[k],
+                  (long long)plan.peak[k]);
+    CHECK(real.peak[DS4_MEM_ACT] > real0.peak[DS4_MEM_ACT], "activation peak %lld overlapped, %lld sequential",
+          (long long)real.peak[DS4_MEM_ACT], (long long)real0.peak[DS4_MEM_ACT]);
+}
+static void test_memplan_fbo(void) { memplan_matches_fbo("tests/configs/tiny-b.json", 1); }
+static void test_memplan_fbo_ep(void) { memplan_matches_fbo("tests/configs/tiny-b.json", 2); }
+
 /* ------------------------------------------------------------------ simulated link, exposed time, trace */
 static double now_s(void) { return ds4_now(); }
 
@@ -572,7 +697,13 @@ static int child_main(void) {
     RUN(test_memplan_overlap_ep_depth2);
     RUN(test_sim_link);
     RUN(test_trace);
+    RUN(test_fbo_ep);
+    RUN(test_fbo_ep_recompute_swap);
+    RUN(test_fbo_full_recompute_swap);
+    RUN(test_memplan_fbo);
+    RUN(test_memplan_fbo_ep);
     if (W > 2) {
+        RUN(test_fbo_ep_all);
         RUN(test_fsdp_ep_all_tiny_a);
         RUN(test_memplan_ep_all_recompute);
     }
@@ -587,8 +718,8 @@ static void under_mpirun(int ranks, int checks) {
     CHECK(ok == ranks, "%d of %d ranks passed all %d checks", ok, ranks, checks);
 }
 
-static void test_two_ranks(void) { under_mpirun(2, 18); }
-static void test_four_ranks(void) { under_mpirun(4, 20); }
+static void test_two_ranks(void) { under_mpirun(2, 23); }
+static void test_four_ranks(void) { under_mpirun(4, 26); }
 
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--child")) return child_main();
@@ -600,6 +731,8 @@ int main(int argc, char **argv) {
     RUN(test_memplan_overlap);
     RUN(test_fsdp_adamw);
     RUN(test_optimizer_counted_once);
+    RUN(test_fbo_full_recompute_swap); /* one process: the passes take turns at the gathers */
+    RUN(test_memplan_fbo);
     RUN(test_two_ranks);
     RUN(test_four_ranks);
     TEST_MAIN_END("test_dist");

@@ -8,6 +8,10 @@
  *  (j) overlap (the default prefetch depth 1) vs blocking collectives (--prefetch-depth 0) vs depth 2 with
  *      EP 2 under a simulated link with a trace: the same losses and checkpoint bytes; the log line and the
  *      JSONL carry the compute / exposed FSDP / exposed EP breakdown, the trace file is written;
+ *  (k) --moe-fb-overlap (forward(i) beside backward(i - 1)) with EP 2, with csa + mhc recompute and
+ *      --swap-layer-input, with full recompute, with 3 micro-batches per rank, and in one process: the
+ *      losses and checkpoint bytes of the sequential schedule; with one micro-batch per rank one `error:`
+ *      line naming parallel.moe_fb_overlap and the micro-batches;
  *  (h) kill -USR1 <mpirun>: every rank finishes the step, a checkpoint is saved, exit 0;
  *  (f) --parallel.ep 3 on 2 ranks: one `error:` line naming parallel.ep, a non-zero exit, no hang;
  *  (i) a checkpoint folder rank 0 cannot use: one `error:` line naming it before any step, no hang;
@@ -339,6 +343,48 @@ static void test_sigusr1_stops_every_rank_with_a_checkpoint(void) {
     CHECK(ds4_checkpoint_find(root, -1, path, sizeof path) == DS4_OK, "no checkpoint after SIGUSR1: %s", ds4_errmsg());
 }
 
+/* MoE forward-backward overlap changes no bit (base.toml: two micro-batches per rank, four in one process). */
+static void test_moe_fb_overlap_changes_no_math(void) {
+    CHECK(mpi_train("fbo", "--parallel.ep 2 --moe-fb-overlap", NULL, 0) == 0);
+    same_losses("ep2", "fbo", 1, 4);
+    same_checkpoint("ep2", "fbo", 2);
+    same_checkpoint("ep2", "fbo", 4);
+    CHECK(mpi_train("fbo_mem", "--parallel.ep 2 --moe-fb-overlap --recompute-csa-attention --mhc-recompute "
+                               "--swap-layer-input", NULL, 0) == 0);
+    same_losses("ep2", "fbo_mem", 1, 4);
+    same_checkpoint("ep2", "fbo_mem", 4);
+    CHECK(mpi_train("fbo_full", "--moe-fb-overlap --recompute-granularity full --recompute-method uniform "
+                                "--recompute-num-layers 1 --swap-layer-input", NULL, 0) == 0);
+    same_losses("fsdp", "fbo_full", 1, 4);
+    same_checkpoint("fsdp", "fbo_full", 4);
+    /* three micro-batches per rank: two pairs */
+    CHECK(mpi_train("mb3", "--parallel.ep 2 --training.global_batch_size 6 --training.steps 2", NULL, 0) == 0);
+    CHECK(mpi_train("mb3_fbo", "--parallel.ep 2 --training.global_batch_size 6 --training.steps 2 --moe-fb-overlap",
+                    NULL, 0) == 0);
+    same_losses("mb3", "mb3_fbo", 1, 2);
+    same_checkpoint("mb3", "mb3_fbo", 2);
+    /* one process (four micro-batches): the passes take turns at the gathers */
+    CHECK(local_train("one4", NULL, NULL) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(local_train("one4_fbo", "parallel.moe_fb_overlap", "true") == DS4_OK, "%s", ds4_errmsg());
+    same_losses("one4", "one4_fbo", 1, 4);
+    same_checkpoint("one4", "one4_fbo", 4);
+}
+
+/* One micro-batch per rank has nothing to pair: one `error:` line naming the key and the micro-batches. */
+static void test_moe_fb_overlap_needs_two_micro_batches(void) {
+    char out[16384] = "";
+    int rc = mpi_train("fbo1", "--moe-fb-overlap --training.global_batch_size 2", out, sizeof out);
+    CHECK(rc != 0, "--moe-fb-overlap with one micro-batch per rank was accepted");
+    int errors = 0;
+    for (const char *l = out; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
+        if (!strncmp(l, "error:", 6)) {
+            errors++;
+            CHECK(strstr(l, "parallel.moe_fb_overlap") && strstr(l, "micro_batch_size") && strstr(l, "= 1"),
+                  "message: %.300s", l);
+        }
+    CHECK(errors == 1, "%d error lines (one expected):\n%s", errors, out);
+}
+
 static void test_bad_ep_fails_on_every_rank(void) {
     char out[16384] = "";
     int rc = mpi_train("bad", "--parallel.ep 3", out, sizeof out);
@@ -594,6 +640,8 @@ int main(int argc, char **argv) {
     RUN(test_first_loss_matches_one_process);
     RUN(test_per_rank_checkpoints);
     RUN(test_dspark_under_two_ranks);
+    RUN(test_moe_fb_overlap_changes_no_math);
+    RUN(test_moe_fb_overlap_needs_two_micro_batches);
     RUN(test_bad_ep_fails_on_every_rank);
     RUN(test_unusable_checkpoint_folder_fails_on_every_rank);
     t_cur_failed = 0; /* RUN takes no argument */

@@ -1,6 +1,7 @@
 /* ds4 memplan --model DIR|CONFIG.json --seq T --micro-batch B [--world N --ep E [--rank R]]
  *              [recompute flags] [--swap-optimizer] [--swap-layer-input] [--muon]
- *              [--mixed-precision-param bfloat16|float32] [--prefetch-depth D] [--threads N] [--device-memory SIZE]
+ *              [--mixed-precision-param bfloat16|float32] [--prefetch-depth D] [--moe-fb-overlap] [--threads N]
+ *              [--device-memory SIZE]
  *              [--policies] */
 #include "cli.h"
 #include "cmds.h"
@@ -28,7 +29,7 @@ static void usage(void) {
                     "       [--recompute-csa-attention] [--mhc-recompute] [--recompute-norm ...]\n"
                     "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
                     "       [--swap-optimizer] [--swap-layer-input] [--muon] [--mixed-precision-param bfloat16]\n"
-                    "       [--prefetch-depth D]\n"
+                    "       [--prefetch-depth D] [--moe-fb-overlap]\n"
                     "Peak memory of one training step by category: the trainer's own step run as a plan\n"
                     "(every allocation counted, no data touched).\n"
                     "--swap-optimizer: AdamW state in the offload tier between updates; --swap-layer-input: each\n"
@@ -41,6 +42,8 @@ static void usage(void) {
                     "expert parallelism of degree E (as mpirun -np N ds4 train ... --parallel.ep E), balanced\n"
                     "routing; --micro-batch is per rank. --prefetch-depth D: FSDP groups in flight (parallel.prefetch_depth,\n"
                     "default 1 as in ds4 train; 0: blocking collectives); their buffers are counted.\n"
+                    "--moe-fb-overlap: the step of parallel.moe_fb_overlap, two micro-batches, the second's forward\n"
+                    "beside the first's backward (both passes' activations alive).\n"
                     "--device-memory SIZE (64GiB, 64GB, 1.5TiB, 68719476736): whether the step's peak (the memory\n"
                     "tier; the offload tier is the host's) fits a device of SIZE, and the bytes free or over.\n"
                     "--policies: plan every recompute setting (off, csa, mhc, norm, csa+mhc, csa+mhc+norm, full),\n"
@@ -78,6 +81,11 @@ static int parse_args(int argc, char **argv, memplan_args *a) {
         }
         if (!strcmp(f, "--muon")) {
             a->so.muon = true;
+            continue;
+        }
+        if (!strcmp(f, "--moe-fb-overlap")) { /* two micro-batches: the peak of two passes alive */
+            a->so.moe_fb_overlap = true;
+            a->so.micro_batches = 2;
             continue;
         }
         if (!strcmp(f, "--policies")) {
@@ -159,10 +167,12 @@ static ds4_status plan(const memplan_args *a, const ds4_config *c, const ds4_ste
 }
 
 static void describe_world(const memplan_args *a, char *where, size_t n) {
-    if (a->world == 1 && a->ep == 1) snprintf(where, n, "one process");
+    const char *fbo = a->so.moe_fb_overlap ? ", MoE FB overlap (2 micro-batches)" : "";
+    if (a->world == 1 && a->ep == 1) snprintf(where, n, "one process%s", fbo);
     else
-        snprintf(where, n, "rank %lld of %lld, FSDP %lld, EP %lld, balanced routing, prefetch depth %d", (long long)a->rank,
-                 (long long)a->world, (long long)a->world, (long long)a->ep, a->so.prefetch_depth);
+        snprintf(where, n, "rank %lld of %lld, FSDP %lld, EP %lld, balanced routing, prefetch depth %d%s",
+                 (long long)a->rank, (long long)a->world, (long long)a->world, (long long)a->ep, a->so.prefetch_depth,
+                 fbo);
 }
 
 /* "fits, 12.000 GiB (... bytes) free at the peak" or "does not fit: 3.000 GiB (... bytes) over". */
@@ -180,7 +190,7 @@ static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so
     so.masks = ds4_recompute_any(&a->rc) ? masks : NULL;
     ds4_step_memory r;
     if (plan(a, c, &so, &r) != DS4_OK) return cli_fail();
-    char desc[64], where[96];
+    char desc[64], where[160];
     describe_world(a, where, sizeof where);
     printf("memplan: %s, seq %lld, micro-batch %lld, recompute %s, swap %s, %d threads (%s)\n", a->model,
            (long long)a->T, (long long)a->B, ds4_recompute_describe(&a->rc, desc, sizeof desc),
@@ -210,7 +220,7 @@ static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so
 
 /* --policies: one line per policy of ds4_memplan_policy_at, with fits and margin under --device-memory. */
 static int plan_policies(const memplan_args *a, const ds4_config *c) {
-    char where[96];
+    char where[160];
     describe_world(a, where, sizeof where);
     printf("memplan: %s, seq %lld, micro-batch %lld, %s, %s, %d threads (%s), every policy", a->model,
            (long long)a->T, (long long)a->B, a->so.muon ? "Muon" : "AdamW",

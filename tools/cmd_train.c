@@ -81,6 +81,8 @@ static void train_usage(void) {
             "  --swap-layer-input              layer inputs in the offload store from forward to backward\n"
             "  --offload-dir DIR               the offload store's directory (default $TMPDIR, else /tmp)\n"
             "  --prefetch-depth D              FSDP groups gathered / reduced while computing (default 1; 0: blocking)\n"
+            "  --moe-fb-overlap                MoE forward-backward overlap: micro-batch i's forward beside i-1's\n"
+            "                                  backward, each one's EP all-to-alls under the other's compute\n"
             "  --sim-link-gbps G               a simulated link of G Gb/s under every MPI collective (0: off)\n"
             "  --sim-link-latency-us U         ... and U microseconds of latency per collective\n"
             "  --trace FILE                    Chrome trace JSON of the steps: compute, fsdp, ep lanes per rank\n");
@@ -128,6 +130,10 @@ int cmd_train(int argc, char **argv) {
         }
         if (!strcmp(argv[i], "--swap-layer-input")) {
             cfg.swap_layer_input = true;
+            continue;
+        }
+        if (!strcmp(argv[i], "--moe-fb-overlap")) {
+            cfg.moe_fb_overlap = true;
             continue;
         }
         if (!strcmp(argv[i], "--offload-dir")) {

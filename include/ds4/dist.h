@@ -114,6 +114,16 @@ ds4_status ds4_fsdp_set_prefetch(ds4_fsdp *f, int depth);
 #define DS4_PREFETCH_MAX 8
 #define DS4_PREFETCH_DEFAULT 1 /* parallel.prefetch_depth's default, which memplan plans too */
 const ds4_param_hooks *ds4_fsdp_hooks(ds4_fsdp *f);
+/* MoE forward-backward overlap (--moe-fb-overlap): f's EP ops (route, dispatch, combine) whose all-to-alls
+ * call yield(ctx) after their start and before their wait, so the caller can run another pass's compute
+ * while the rows travel. The caller owns *y and keeps it while passes use y->ops. */
+typedef struct {
+    ds4_fsdp *f;
+    void (*yield)(void *ctx);
+    void *ctx;
+    ds4_ep_ops ops; /* ctx: y */
+} ds4_fsdp_yielding;
+void ds4_fsdp_yielding_init(ds4_fsdp *f, void (*yield)(void *ctx), void *ctx, ds4_fsdp_yielding *y);
 int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f);
 float *ds4_fsdp_shard_params(ds4_fsdp *f); /* [shard_numel] DS4_MEM_PARAM */
 float *ds4_fsdp_shard_grads(ds4_fsdp *f);  /* [shard_numel] DS4_MEM_GRAD, accumulated by grad_end */

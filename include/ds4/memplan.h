@@ -37,6 +37,9 @@ typedef struct {
     bool muon;                /* Muon for the Muon group (ds4/train.h, DeepSeek-V4's settings), AdamW for the rest */
     bool bf16;                /* bf16 mixed precision (training.mixed_precision_param = "bfloat16") */
     int prefetch_depth;       /* FSDP: communication in flight while computing (ds4/dist.h); 0: blocking */
+    int64_t micro_batches;    /* micro-batches of the step, all the same ids (0: one) */
+    bool moe_fb_overlap;      /* --moe-fb-overlap: forward(i) beside backward(i - 1), two passes alive (>= 2
+                               * micro_batches) */
 } ds4_step_opts;
 
 /* One training step — the state opened (model, AdamW state, offload store), ds4_train_step on one [B, T]

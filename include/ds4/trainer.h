@@ -57,6 +57,8 @@ typedef struct {
     int64_t ac_every;         /* activation_checkpoint: every N-th layer in full (1: all), 0: none; resolved
                                  onto the recompute policy once the model's layers are known */
     int64_t prefetch_depth;   /* parallel.prefetch_depth (--prefetch-depth): FSDP groups in flight, 0: blocking */
+    bool moe_fb_overlap;      /* parallel.moe_fb_overlap (--moe-fb-overlap): forward(i) beside backward(i - 1),
+                                 each one's EP all-to-alls hidden behind the other's compute (>= 2 micro-batches) */
     double sim_link_gbps, sim_link_latency_us; /* parallel.sim_link_*: a simulated link (ds4/dist.h), 0: off */
     char trace_file[1024];    /* metrics.trace_file (--trace): Chrome trace JSON of the run's steps ("": none) */
     /* [memory] (also --swap-optimizer, --swap-layer-input, --offload-dir) */
@@ -124,6 +126,12 @@ int ds4_train_state_ranks(const ds4_train_state *s);               /* ranks of i
 ds4_model *ds4_train_state_model(ds4_train_state *s);               /* what ds4_forward runs on */
 const ds4_param_hooks *ds4_train_state_hooks(ds4_train_state *s);  /* for ds4_pass_opts; NULL: whole */
 ds4_act_swap *ds4_train_state_swap(ds4_train_state *s);           /* --swap-layer-input; NULL: none */
+/* --moe-fb-overlap keeps two passes alive. The layer-input swap of pass slot 0 or 1 (each pass its own
+ * entries; slot 1's made on first use); NULL without --swap-layer-input. */
+ds4_status ds4_train_state_swap_slot(ds4_train_state *s, int slot, ds4_act_swap **out);
+/* The EP ops of the hooks whose all-to-alls call yield(ctx) between start and wait (ds4_fsdp_yielding,
+ * held by the state until the next call); NULL without EP. */
+const ds4_ep_ops *ds4_train_state_yielding_ep(ds4_train_state *s, void (*yield)(void *ctx), void *ctx);
 int64_t ds4_train_state_numel(const ds4_train_state *s);           /* parameters of the whole model */
 int64_t ds4_train_state_held_numel(const ds4_train_state *s);      /* elements held here: all, or the shard's */
 void ds4_train_state_zero_grads(ds4_train_state *s);
@@ -184,6 +192,9 @@ typedef struct {
     const ds4_adamw_cfg *adamw;
     const ds4_muon_cfg *muon;  /* NULL: AdamW alone; else Muon for the Muon group (state opened with muon) */
     double lr, max_norm, router_bias_gamma;
+    /* MoE forward-backward overlap (parallel.moe_fb_overlap, --moe-fb-overlap; micro_batches >= 2):
+     * forward(i) runs beside backward(i - 1), taking turns at each EP all-to-all; the same bits */
+    bool moe_fb_overlap;
     /* called after each micro-batch's backward, before its pass is freed (reports); NULL: none */
     void (*on_pass)(void *ctx, int64_t micro, const ds4_pass *p);
 } ds4_step_args;

@@ -313,13 +313,19 @@ static ds4_status hook_grad_end(void *ctx, int64_t group) {
 /* EP rank owning expert e. */
 static int expert_owner(const ds4_fsdp *f, int64_t e) { return (int)(e / f->eloc); }
 
-static ds4_status ep_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
-    ds4_fsdp *f = ctx;
+/* Between the start of an EP all-to-all and its wait: y->yield(y->ctx) lets another pass compute while the
+ * rows travel (--moe-fb-overlap); y NULL: nothing. A plan yields too: the same interleaving, the same peak. */
+static void ep_yield(const ds4_fsdp_yielding *y) {
+    if (y && y->yield) y->yield(y->ctx);
+}
+
+static ds4_status route_rows(ds4_fsdp *f, const ds4_fsdp_yielding *y, const int64_t *cnt, ds4_ep_route **out) {
     ds4_comm_progress();
     const int n = f->ep_size;
     const int64_t L = f->eloc;
     ds4_ep_route *r = ds4_ep_route_new(n, f->ops.e0, f->ops.e1);
     int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * (size_t)(4 * n + (int64_t)n * L + 1));
+    ds4_comm_req *req = NULL;
     if (!r || !v) {
         ds4_ep_route_free(r);
         ds4_free(v);
@@ -338,11 +344,11 @@ static ds4_status ep_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
         for (int s = 0; s < n; s++)
             for (int64_t i = 0; i < L; i++) got[(int64_t)s * L + i] = cnt[f->ops.e0 + i];
     } else {
-        ds4_comm_req *q = NULL;
-        st = ds4_comm_ialltoallv(f->ep, cnt, sc, sd, got, rc, rd, sizeof(int64_t), &q);
-        ds4_comm_req_label(q, "route");
-        if (st == DS4_OK) st = ds4_comm_wait(q);
+        st = ds4_comm_ialltoallv(f->ep, cnt, sc, sd, got, rc, rd, sizeof(int64_t), &req);
+        ds4_comm_req_label(req, "route");
     }
+    if (st == DS4_OK) ep_yield(y);
+    if (st == DS4_OK) st = ds4_comm_wait(req);
     r->rows = 0;
     for (int s = 0; s < n; s++) {
         r->recv_from[s] = 0;
@@ -400,8 +406,8 @@ static int64_t *ep_layout(const ds4_ep_route *r, int64_t **sc, int64_t **sd, int
 
 /* Dispatch: rows in assignment order (in) → the owners, expert-major (out). Combine: the reverse, the
  * owners' results (in) → assignment order (out). */
-static ds4_status ep_exchange(ds4_fsdp *f, const ds4_ep_route *r, const float *in, float *out, int64_t width,
-                              bool dispatch) {
+static ds4_status ep_exchange(ds4_fsdp *f, const ds4_fsdp_yielding *y, const ds4_ep_route *r, const float *in,
+                              float *out, int64_t width, bool dispatch) {
     int64_t *sc = NULL, *sd = NULL, *rc = NULL, *rd = NULL, *v = ep_layout(r, &sc, &sd, &rc, &rd);
     float *wire = ds4_alloc(DS4_MEM_COMM, (size_t)(r->rows * width) * sizeof(float));
     ds4_status st = v && wire ? DS4_OK
@@ -416,6 +422,7 @@ static ds4_status ep_exchange(ds4_fsdp *f, const ds4_ep_route *r, const float *i
         st = dispatch ? ds4_comm_ialltoallv(f->ep, in, sc, sd, wire, rc, rd, sizeof(float), &q)
                       : ds4_comm_ialltoallv(f->ep, wire, rc, rd, out, sc, sd, sizeof(float), &q);
     ds4_comm_req_label(q, dispatch ? "dispatch" : "combine");
+    if (st == DS4_OK) ep_yield(y);
     if (st == DS4_OK) st = ds4_comm_wait(q);
     if (st == DS4_OK && dispatch && data) ep_permute(r, wire, out, width, true);
     ds4_free(v);
@@ -423,12 +430,35 @@ static ds4_status ep_exchange(ds4_fsdp *f, const ds4_ep_route *r, const float *i
     return st;
 }
 
+/* The EP ops: f's own (ctx f), and the yielding ones (ctx a ds4_fsdp_yielding). */
+static ds4_status ep_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
+    return route_rows(ctx, NULL, cnt, out);
+}
 static ds4_status ep_dispatch(void *ctx, const ds4_ep_route *r, const float *send, float *recv, int64_t width) {
-    return ep_exchange(ctx, r, send, recv, width, true);
+    return ep_exchange(ctx, NULL, r, send, recv, width, true);
+}
+static ds4_status ep_combine(void *ctx, const ds4_ep_route *r, const float *recv, float *send, int64_t width) {
+    return ep_exchange(ctx, NULL, r, recv, send, width, false);
+}
+static ds4_status yielding_route(void *ctx, const int64_t *cnt, ds4_ep_route **out) {
+    const ds4_fsdp_yielding *y = ctx;
+    return route_rows(y->f, y, cnt, out);
+}
+static ds4_status yielding_dispatch(void *ctx, const ds4_ep_route *r, const float *send, float *recv, int64_t width) {
+    const ds4_fsdp_yielding *y = ctx;
+    return ep_exchange(y->f, y, r, send, recv, width, true);
+}
+static ds4_status yielding_combine(void *ctx, const ds4_ep_route *r, const float *recv, float *send, int64_t width) {
+    const ds4_fsdp_yielding *y = ctx;
+    return ep_exchange(y->f, y, r, recv, send, width, false);
 }
 
-static ds4_status ep_combine(void *ctx, const ds4_ep_route *r, const float *recv, float *send, int64_t width) {
-    return ep_exchange(ctx, r, recv, send, width, false);
+void ds4_fsdp_yielding_init(ds4_fsdp *f, void (*yield)(void *ctx), void *ctx, ds4_fsdp_yielding *y) {
+    *y = (ds4_fsdp_yielding){.f = f, .yield = yield, .ctx = ctx, .ops = f->ops};
+    y->ops.ctx = y;
+    y->ops.route = yielding_route;
+    y->ops.dispatch = yielding_dispatch;
+    y->ops.combine = yielding_combine;
 }
 
 static void overlap_free(overlap *o) {

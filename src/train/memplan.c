@@ -18,7 +18,7 @@ typedef struct {
     bool force_balance;
 } step_world;
 
-/* Sets the state up, runs one step of one micro-batch ids [B, T] (loads: [n_blocks, E] scratch); *end: the
+/* Sets the state up, runs one step of so->micro_batches micro-batches ids [B, T] (loads: [n_blocks, E] scratch); *end: the
  * counters after the step, with what stays between steps (parameters, gradients, optimizer state) live. */
 static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *so,
                            const step_world *w, int32_t *ids, int64_t *loads, ds4_mem_stats *end, int64_t *held) {
@@ -34,7 +34,7 @@ static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, i
     const ds4_muon_cfg muon = ds4_muon_defaults();
     ds4_status st = ds4_train_state_setup(s, c, NULL, 1, w->comm ? w->comm : ds4_comm_self(), &o);
     const ds4_step_args a = {.step = 1,
-                             .micro_batches = 1,
+                             .micro_batches = so->micro_batches > 1 ? so->micro_batches : 1,
                              .B = B,
                              .T = T,
                              .ids = ids,
@@ -45,7 +45,8 @@ static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, i
                              .muon = so->muon ? &muon : NULL,
                              .lr = k_adamw.lr,
                              .max_norm = 1.0,
-                             .router_bias_gamma = 1e-3};
+                             .router_bias_gamma = 1e-3,
+                             .moe_fb_overlap = so->moe_fb_overlap};
     ds4_step_result r;
     if (st == DS4_OK) st = ds4_train_step(s, &a, &r);
     ds4_mem_get(end);

@@ -28,6 +28,8 @@ struct ds4_train_state {
     ds4_adamw opt;    /* [numel] whole, [shard_numel] sharded */
     ds4_offload *store;     /* NULL: no offload */
     ds4_act_swap *swap;     /* --swap-layer-input */
+    ds4_act_swap *swap2;    /* ... of the second live pass under --moe-fb-overlap, made at its first step */
+    ds4_fsdp_yielding yielding; /* --moe-fb-overlap: the EP ops that give way between start and wait */
     bool bf16;              /* mixed precision: bf16 GEMMs and activations, fp32 weights and optimizer state */
     bool per_rank;          /* sharded saves: every rank writes its own file */
 };
@@ -149,6 +151,7 @@ void ds4_train_state_free(ds4_train_state *s) {
     if (!s) return;
     const ds4_exec prev = ds4_exec_enter(&s->exec);
     ds4_act_swap_free(s->swap);
+    ds4_act_swap_free(s->swap2);
     ds4_adamw_free(&s->opt);
     ds4_offload_close(s->store); /* after everything it holds */
     ds4_fsdp_free(s->f);
@@ -163,6 +166,19 @@ int ds4_train_state_ranks(const ds4_train_state *s) { return ds4_comm_size(s->wo
 ds4_model *ds4_train_state_model(ds4_train_state *s) { return s->m; }
 const ds4_param_hooks *ds4_train_state_hooks(ds4_train_state *s) { return s->f ? ds4_fsdp_hooks(s->f) : NULL; }
 ds4_act_swap *ds4_train_state_swap(ds4_train_state *s) { return s->swap; }
+ds4_status ds4_train_state_swap_slot(ds4_train_state *s, int slot, ds4_act_swap **out) {
+    *out = NULL;
+    if (!s->swap) return DS4_OK;
+    if (slot == 0) *out = s->swap;
+    else if (s->swap2 || ds4_act_swap_new(s->store, &s->swap2) == DS4_OK) *out = s->swap2;
+    return *out ? DS4_OK : ds4_fail_prefix(DS4_ERR_OOM, "--moe-fb-overlap: the second pass's layer-input swap");
+}
+const ds4_ep_ops *ds4_train_state_yielding_ep(ds4_train_state *s, void (*yield)(void *ctx), void *ctx) {
+    const ds4_param_hooks *h = ds4_train_state_hooks(s);
+    if (!h || !h->ep) return NULL;
+    ds4_fsdp_yielding_init(s->f, yield, ctx, &s->yielding);
+    return &s->yielding.ops;
+}
 int64_t ds4_train_state_numel(const ds4_train_state *s) {
     return s->f ? ds4_fsdp_packed_numel(s->f) : ds4_model_numel(s->m);
 }

@@ -36,7 +36,7 @@ static const char *const k_known_keys[] = {
     "checkpoint.per_rank",
     "metrics.log_freq", "metrics.jsonl", "metrics.peak_tflops", "metrics.enable_tensorboard",
     "metrics.save_tb_folder", "job.dump_folder", "job.description",
-    "parallel.ep", "parallel.prefetch_depth", "parallel.sim_link_gbps", "parallel.sim_link_latency_us",
+    "parallel.ep", "parallel.prefetch_depth", "parallel.moe_fb_overlap", "parallel.sim_link_gbps", "parallel.sim_link_latency_us",
     "metrics.trace_file",
     "memory.swap_optimizer", "memory.swap_layer_input", "memory.offload_dir",
 };
@@ -180,6 +180,7 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     }
     DS4_TRY(ds4_toml_int_or(t, titan_key(t, "parallel.ep"), 1, &c->ep));
     DS4_TRY(ds4_toml_int_or(t, "parallel.prefetch_depth", DS4_PREFETCH_DEFAULT, &c->prefetch_depth));
+    DS4_TRY(ds4_toml_bool_or(t, "parallel.moe_fb_overlap", false, &c->moe_fb_overlap));
     DS4_TRY(ds4_toml_float_or(t, "parallel.sim_link_gbps", 0, &c->sim_link_gbps));
     DS4_TRY(ds4_toml_float_or(t, "parallel.sim_link_latency_us", 0, &c->sim_link_latency_us));
     DS4_TRY(copy_str(t, "metrics.trace_file", "", c->trace_file, sizeof c->trace_file));
@@ -332,6 +333,12 @@ static ds4_status check_parallel(const ds4_train_cfg *c, const ds4_config *mc, i
         return ds4_fail(DS4_ERR_CONFIG,
                         "training.global_batch_size %lld is not a multiple of training.micro_batch_size %lld x %d ranks",
                         (long long)c->global_batch, (long long)c->micro_batch, W);
+    if (c->moe_fb_overlap && c->global_batch / (c->micro_batch * W) < 2)
+        return ds4_fail(DS4_ERR_CONFIG,
+                        "--moe-fb-overlap (parallel.moe_fb_overlap) needs 2 or more micro-batches per rank: "
+                        "training.global_batch_size %lld / (training.micro_batch_size %lld x %d ranks) = %lld",
+                        (long long)c->global_batch, (long long)c->micro_batch, W,
+                        (long long)(c->global_batch / (c->micro_batch * W)));
     return DS4_OK;
 }
 
@@ -501,6 +508,7 @@ static ds4_step_args step_args(trainer *tr, int64_t step, double lr) {
                            .lr = lr,
                            .max_norm = c->max_norm,
                            .router_bias_gamma = c->router_bias_gamma,
+                           .moe_fb_overlap = c->moe_fb_overlap,
                            .on_pass = report_units};
 }
 
