@@ -357,6 +357,16 @@ static void test_moe_fb_overlap_changes_no_math(void) {
                                 "--recompute-num-layers 1 --swap-layer-input", NULL, 0) == 0);
     same_losses("fsdp", "fbo_full", 1, 4);
     same_checkpoint("fsdp", "fbo_full", 4);
+    /* mixed precision: the bf16 compute copy gathered by FSDP, bf16 keys, recompute + swap, paired passes */
+    CHECK(mpi_train("ep2_bf16", "--parallel.ep 2 --training.mixed_precision_param bfloat16", NULL, 0) == 0);
+    CHECK(mpi_train("fbo_bf16", "--parallel.ep 2 --training.mixed_precision_param bfloat16 --moe-fb-overlap "
+                                "--recompute-csa-attention --mhc-recompute --swap-layer-input", NULL, 0) == 0);
+    same_losses("ep2_bf16", "fbo_bf16", 1, 4);
+    same_checkpoint("ep2_bf16", "fbo_bf16", 4);
+    run_log f32, b16;
+    read_log("ep2", &f32);
+    read_log("ep2_bf16", &b16);
+    CHECK(strcmp(f32.text[4], b16.text[4]) != 0, "the bf16 run logs the fp32 run's step-4 loss %s", f32.text[4]);
     /* three micro-batches per rank: two pairs */
     CHECK(mpi_train("mb3", "--parallel.ep 2 --training.global_batch_size 6 --training.steps 2", NULL, 0) == 0);
     CHECK(mpi_train("mb3_fbo", "--parallel.ep 2 --training.global_batch_size 6 --training.steps 2 --moe-fb-overlap",
