@@ -14,32 +14,15 @@
 #include "ds4/model.h"
 #include "ds4/trainer.h"
 #include "test.h"
+#include "test_fsdp_ref.h"
 #include "test_mpi.h"
 
 #include <math.h>
 
-static const int64_t kB = 1, kT = 64;
 #define MAX_RANKS 2
-
-static void batch_ids(const ds4_config *c, int rank, int32_t *ids) {
-    for (int64_t i = 0; i < kB * kT; i++)
-        ids[i] = (int32_t)(ds4_rng_u64(77, (uint64_t)rank, (uint64_t)i) % (uint64_t)c->vocab_size);
-}
 
 static bool load_cfg(const char *path, ds4_config *c) {
     ds4_status st = ds4_config_load(path, c);
-    CHECK(st == DS4_OK, "%s", ds4_errmsg());
-    return st == DS4_OK;
-}
-
-/* One mixed-precision pass (bf16 GEMMs and activations): total loss into *total, gradients into m's. */
-static bool bf16_pass(ds4_model *m, const int32_t *ids, const ds4_param_hooks *hooks, double *total) {
-    ds4_pass_opts o = {.need_backward = true, .bf16_acts = true, .hooks = hooks};
-    ds4_pass *p = NULL;
-    ds4_status st = ds4_forward(m, ids, kB, kT, &o, &p);
-    if (st == DS4_OK) st = ds4_backward(m, p);
-    if (st == DS4_OK) *total = ds4_pass_losses(p)->total_loss;
-    ds4_pass_free(p);
     CHECK(st == DS4_OK, "%s", ds4_errmsg());
     return st == DS4_OK;
 }
@@ -116,11 +99,11 @@ static void copy_matches_per_call(const char *cfg_path) {
     const ds4_matmul_precision prev = ds4_get_matmul_precision();
     ds4_set_matmul_precision(DS4_MATMUL_BF16);
     int32_t ids[64];
-    batch_ids(&c, 0, ids);
+    ref_batch_ids(&c, 77, 0, ids);
     double lref = 0, lcopy = 0, lnan = 0;
     ds4_model_zero_grad(ref);
     ds4_model_zero_grad(m);
-    bool ok = bf16_pass(ref, ids, NULL, &lref) && bf16_pass(m, ids, NULL, &lcopy);
+    bool ok = ref_pass(ref, ids, NULL, true, &lref) && ref_pass(m, ids, NULL, true, &lcopy);
     CHECK(ok && lref == lcopy, "%s: total loss %.17g on the copy, %.17g rounded per call", cfg_path, lcopy, lref);
     int64_t d = differing(ds4_model_grads_flat(ref), ds4_model_grads_flat(m), n);
     CHECK(d == 0, "%s: %lld gradient elements differ between the copy and per-call rounding", cfg_path, (long long)d);
@@ -135,7 +118,7 @@ static void copy_matches_per_call(const char *cfg_path) {
         nan_elems += p->numel;
     }
     ds4_model_zero_grad(m);
-    ok = bf16_pass(m, ids, NULL, &lnan);
+    ok = ref_pass(m, ids, NULL, true, &lnan);
     CHECK(ok && lnan == lcopy && differing(g1, ds4_model_grads_flat(m), n) == 0,
           "%s: with NaN fp32 matrices (%lld elements) the pass changed: loss %.17g vs %.17g", cfg_path,
           (long long)nan_elems, lnan, lcopy);
@@ -146,7 +129,7 @@ static void copy_matches_per_call(const char *cfg_path) {
     ds4_model_zero_grad(ref);
     ds4_model_zero_grad(m);
     double l12 = 0, lref12 = 0;
-    ok = bf16_pass(ref, ids, NULL, &lref12) && bf16_pass(m, ids, NULL, &l12);
+    ok = ref_pass(ref, ids, NULL, true, &lref12) && ref_pass(m, ids, NULL, true, &l12);
     CHECK(ok && l12 == lref12 && l12 != lcopy, "%s: after new weights and a refresh: loss %.17g, per call %.17g, before %.17g",
           cfg_path, l12, lref12, lcopy);
     CHECK(differing(ds4_model_grads_flat(ref), ds4_model_grads_flat(m), n) == 0, "%s: gradients after a refresh", cfg_path);
@@ -161,72 +144,6 @@ static void test_whole_tiny_b(void) { copy_matches_per_call("tests/configs/tiny-
 
 /* ------------------------------------------------------------------ FSDP (+ EP) */
 
-/* The single-process reference on fp32 weights rounded per call: each rank's loss and gradient. */
-typedef struct {
-    ds4_model *m;
-    int ranks;
-    float *g[MAX_RANKS];
-    double total[MAX_RANKS];
-} reference;
-
-static bool reference_run(const ds4_config *c, int ranks, reference *ref) {
-    memset(ref, 0, sizeof *ref);
-    if (ds4_model_create(NULL, c, false, &ref->m) != DS4_OK) return false;
-    ds4_model_init_random(ref->m, 7);
-    const int64_t n = ds4_model_numel(ref->m);
-    ref->ranks = ranks;
-    int32_t ids[64];
-    for (int r = 0; r < ranks; r++) {
-        batch_ids(c, r, ids);
-        ds4_model_zero_grad(ref->m);
-        if (!bf16_pass(ref->m, ids, NULL, &ref->total[r])) return false;
-        ref->g[r] = malloc((size_t)n * sizeof(float));
-        memcpy(ref->g[r], ds4_model_grads_flat(ref->m), (size_t)n * sizeof(float));
-    }
-    return true;
-}
-
-/* What FSDP + EP of degree ep reduce-scatters, in the reference layout: dense parameters summed in rank
- * order, a routed expert over each EP group's sources first. */
-static float *expected_grads(const reference *ref, int ep) {
-    const int64_t n = ds4_model_numel(ref->m);
-    float *out = calloc((size_t)n, sizeof(float));
-    const float *base = ds4_model_params_flat(ref->m);
-    for (int64_t i = 0; i < ds4_model_nparams(ref->m); i++) {
-        ds4_param *q = ds4_model_param(ref->m, i);
-        if (!ds4_param_in_flat(q)) continue;
-        const int64_t o = q->data - base;
-        const int group = strstr(q->name, ".ffn.experts.") ? ep : 1;
-        for (int64_t k = o; k < o + q->numel; k++) {
-            float acc = 0;
-            for (int g0 = 0; g0 < ref->ranks; g0 += group) {
-                float part = 0;
-                for (int r = g0; r < g0 + group; r++) part += ref->g[r][k];
-                acc += part;
-            }
-            out[k] = acc;
-        }
-    }
-    return out;
-}
-
-/* Elements of every float parameter of fm's layout (got) that differ from rm's (want). */
-static int64_t compare_params(ds4_model *fm, const float *got, ds4_model *rm, const float *want, const char **first) {
-    int64_t bad = 0;
-    const float *fb = ds4_model_params_flat(fm), *rb = ds4_model_params_flat(rm);
-    for (int64_t i = 0; i < ds4_model_nparams(fm); i++) {
-        ds4_param *p = ds4_model_param(fm, i), *q = ds4_model_param(rm, i);
-        if (!ds4_param_in_flat(p)) continue;
-        const float *a = got + (p->data - fb), *b = want + (q->data - rb);
-        for (int64_t k = 0; k < p->numel; k++)
-            if (memcmp(&a[k], &b[k], sizeof(float))) {
-                if (!bad) *first = p->name;
-                bad++;
-            }
-    }
-    return bad;
-}
-
 static void fsdp_matches_per_call(const char *cfg_path, int ep) {
     ds4_comm *world = ds4_comm_world();
     const int rank = ds4_comm_rank(world);
@@ -235,7 +152,7 @@ static void fsdp_matches_per_call(const char *cfg_path, int ep) {
     const ds4_matmul_precision prev = ds4_get_matmul_precision();
     ds4_set_matmul_precision(DS4_MATMUL_BF16);
     reference ref;
-    CHECK(reference_run(&c, ds4_comm_size(world), &ref), "%s", ds4_errmsg());
+    CHECK(reference_run(&c, ds4_comm_size(world), 77, true, &ref), "%s", ds4_errmsg());
     ds4_model *m = NULL;
     ds4_fsdp *f = NULL;
     CHECK(ds4_model_create_bf16(NULL, &c, true, &m) == DS4_OK, "%s", ds4_errmsg());
@@ -244,9 +161,9 @@ static void fsdp_matches_per_call(const char *cfg_path, int ep) {
         CHECK(ds4_fsdp_init_random(f, 7) == DS4_OK);
         ds4_fsdp_refresh_bf16(f);
         int32_t ids[64];
-        batch_ids(&c, rank, ids);
+        ref_batch_ids(&c, 77, rank, ids);
         double got = 0;
-        if (bf16_pass(m, ids, ds4_fsdp_hooks(f), &got))
+        if (ref_pass(m, ids, ds4_fsdp_hooks(f), true, &got))
             CHECK(got == ref.total[rank], "%s ep=%d rank %d: total loss %.17g, single process %.17g", cfg_path, ep,
                   rank, got, ref.total[rank]);
         const int64_t n = ds4_model_numel(m);
@@ -265,8 +182,7 @@ static void fsdp_matches_per_call(const char *cfg_path, int ep) {
     ds4_set_matmul_precision(prev);
     ds4_fsdp_free(f);
     ds4_model_free(m);
-    ds4_model_free(ref.m);
-    for (int r = 0; r < ref.ranks; r++) free(ref.g[r]);
+    reference_free(&ref);
 }
 
 static void test_fsdp_tiny_a(void) { fsdp_matches_per_call("tests/configs/tiny-a.json", 1); }
@@ -362,11 +278,11 @@ static int64_t pass_gather_bytes(bool bf16) {
         CHECK(ds4_fsdp_init_random(f, 7) == DS4_OK);
         ds4_fsdp_refresh_bf16(f);
         int32_t ids[64];
-        batch_ids(&c, ds4_comm_rank(world), ids);
+        ref_batch_ids(&c, 77, ds4_comm_rank(world), ids);
         double loss;
         const ds4_matmul_precision prev = ds4_get_matmul_precision();
         ds4_set_matmul_precision(DS4_MATMUL_BF16);
-        bf16_pass(m, ids, ds4_fsdp_hooks(f), &loss);
+        ref_pass(m, ids, ds4_fsdp_hooks(f), true, &loss);
         ds4_set_matmul_precision(prev);
     }
     ds4_comm_allgather_bytes(b1);

@@ -25,100 +25,20 @@
 #include "ds4/trainer.h"
 #include "test.h"
 #include "test_files.h"
+#include "test_fsdp_ref.h"
 #include "test_mpi.h"
 
 #include <cjson/cJSON.h>
 #include <unistd.h>
 
 #define MAX_RANKS 4
-static const int64_t kB = 1, kT = 64;
-
-static void batch_ids(const ds4_config *c, int rank, int32_t *ids) {
-    for (int64_t i = 0; i < kB * kT; i++)
-        ids[i] = (int32_t)(ds4_rng_u64(99, (uint64_t)rank, (uint64_t)i) % (uint64_t)c->vocab_size);
-}
-
-/* Single-process reference: losses and gradients of every rank's batch. */
-typedef struct {
-    ds4_model *m;
-    int ranks;
-    float *g[MAX_RANKS];     /* [numel] gradient of rank r's batch */
-    double total[MAX_RANKS]; /* total_loss of each rank's batch */
-} reference;
-
-static bool reference_run(const ds4_config *c, int ranks, reference *ref) {
-    memset(ref, 0, sizeof *ref);
-    if (ds4_model_create(NULL, c, false, &ref->m) != DS4_OK) return false;
-    ds4_model_init_random(ref->m, 7);
-    int64_t n = ds4_model_numel(ref->m);
-    ref->ranks = ranks;
-    int32_t ids[64];
-    for (int r = 0; r < ranks; r++) {
-        batch_ids(c, r, ids);
-        ds4_model_zero_grad(ref->m);
-        ds4_pass_opts o = {.need_backward = true};
-        ds4_pass *p = NULL;
-        if (ds4_forward(ref->m, ids, kB, kT, &o, &p) != DS4_OK || ds4_backward(ref->m, p) != DS4_OK) {
-            ds4_pass_free(p);
-            return false;
-        }
-        ref->total[r] = ds4_pass_losses(p)->total_loss;
-        ds4_pass_free(p);
-        ref->g[r] = malloc((size_t)n * sizeof(float));
-        memcpy(ref->g[r], ds4_model_grads_flat(ref->m), (size_t)n * sizeof(float));
-    }
-    return true;
-}
-
-/* The gradient FSDP + EP of degree ep must produce, in the reference layout: [numel]. */
-static float *expected_grads(const reference *ref, int ep) {
-    int64_t n = ds4_model_numel(ref->m);
-    float *out = calloc((size_t)n, sizeof(float));
-    const float *base = ds4_model_params_flat(ref->m);
-    for (int64_t i = 0; i < ds4_model_nparams(ref->m); i++) {
-        ds4_param *q = ds4_model_param(ref->m, i);
-        if (q->is_int) continue;
-        const int64_t o = q->data - base;
-        const bool expert = strstr(q->name, ".ffn.experts.") != NULL;
-        const int group = expert ? ep : 1; /* ranks summed before the next level */
-        for (int64_t k = o; k < o + q->numel; k++) {
-            float acc = 0;
-            for (int g0 = 0; g0 < ref->ranks; g0 += group) {
-                float part = 0;
-                for (int r = g0; r < g0 + group; r++) part += ref->g[r][k];
-                acc += part;
-            }
-            out[k] = acc;
-        }
-    }
-    return out;
-}
-
-/* Parameter-by-parameter bitwise comparison of a collected flat buffer (the unmapped layout of fm)
- * with the reference layout. Returns the number of differing elements. */
-static int64_t compare_params(ds4_model *fm, const float *got, ds4_model *rm, const float *want, const char **first) {
-    int64_t bad = 0;
-    const float *fb = ds4_model_params_flat(fm), *rb = ds4_model_params_flat(rm);
-    for (int64_t i = 0; i < ds4_model_nparams(fm); i++) {
-        ds4_param *p = ds4_model_param(fm, i), *q = ds4_model_param(rm, i);
-        if (p->is_int) continue;
-        const float *a = got + (p->data - fb), *b = want + (q->data - rb);
-        for (int64_t k = 0; k < p->numel; k++)
-            if (memcmp(&a[k], &b[k], sizeof(float))) {
-                if (!bad) *first = p->name;
-                bad++;
-            }
-    }
-    return bad;
-}
-
 static void fsdp_matches_reference_at(const char *cfg_path, int ep, int depth) {
     ds4_comm *world = ds4_comm_world();
     int rank = ds4_comm_rank(world);
     ds4_config c;
     CHECK(ds4_config_load(cfg_path, &c) == DS4_OK, "%s", ds4_errmsg());
     reference ref;
-    CHECK(reference_run(&c, ds4_comm_size(world), &ref), "%s", ds4_errmsg());
+    CHECK(reference_run(&c, ds4_comm_size(world), 99, false, &ref), "%s", ds4_errmsg());
     ds4_model *m = NULL;
     ds4_fsdp *f = NULL;
     CHECK(ds4_model_create(NULL, &c, true, &m) == DS4_OK, "%s", ds4_errmsg());
@@ -136,7 +56,7 @@ static void fsdp_matches_reference_at(const char *cfg_path, int ep, int depth) {
               first);
     }
     int32_t ids[64];
-    batch_ids(&c, rank, ids);
+    ref_batch_ids(&c, 99, rank, ids);
     ds4_pass_opts o = {.need_backward = true, .hooks = ds4_fsdp_hooks(f)};
     ds4_pass *p = NULL;
     CHECK(ds4_forward(m, ids, kB, kT, &o, &p) == DS4_OK, "%s", ds4_errmsg());
@@ -164,8 +84,7 @@ static void fsdp_matches_reference_at(const char *cfg_path, int ep, int depth) {
     free(full);
     ds4_fsdp_free(f);
     ds4_model_free(m);
-    ds4_model_free(ref.m);
-    for (int r = 0; r < ref.ranks; r++) free(ref.g[r]);
+    reference_free(&ref);
 }
 
 static void fsdp_matches_reference(const char *cfg_path, int ep) { fsdp_matches_reference_at(cfg_path, ep, 0); }
@@ -606,7 +525,7 @@ static void test_trace(void) {
     snprintf(path, sizeof path, "/tmp/ds4-test-dist-trace-%lld.json", (long long)pid);
     CHECK(ds4_trace_begin(world) == DS4_OK, "%s", ds4_errmsg());
     int32_t ids[64];
-    batch_ids(&c, rank, ids);
+    ref_batch_ids(&c, 99, rank, ids);
     ds4_pass_opts o = {.need_backward = true, .hooks = ds4_fsdp_hooks(f)};
     ds4_pass *p = NULL;
     CHECK(ds4_forward(m, ids, kB, kT, &o, &p) == DS4_OK, "%s", ds4_errmsg());
