@@ -124,25 +124,33 @@ static void memplan_matches(const char *cfg_path, int ep, bool recompute) {
     CHECK(real.peak[DS4_MEM_PARAM] > 0 && real.peak[DS4_MEM_COMM] > 0, "the step has shards and communication");
 }
 
-/* Muon under FSDP + EP: this rank's plan == its measured step, in memory and in the store (--swap-optimizer
- * streams the momentum), the whole matrices it gathers as their owner included. */
-static void memplan_matches_muon(int ep, bool swap) {
+/* This rank's measured step under so (into *real) and its plan on a simulated world: the same peak per
+ * category, resident and offloaded (what: the case, for the message). */
+static void plan_equals_measured(const ds4_config *c, const ds4_step_opts *so, int ep, const char *what,
+                                 ds4_step_memory *real) {
     ds4_comm *world = ds4_comm_world();
-    ds4_config c;
-    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
-    const ds4_step_opts so = {.muon = true, .swap_optimizer = swap};
-    ds4_step_memory real, plan;
-    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &so, false, world, ep, true, &real) == DS4_OK, "%s", ds4_errmsg());
+    ds4_step_memory plan;
+    CHECK(ds4_step_memory_run_dist_opts(c, kB, kT, so, false, world, ep, true, real) == DS4_OK, "%s", ds4_errmsg());
     ds4_comm *sim = NULL;
     CHECK(ds4_comm_plan(ds4_comm_size(world), ds4_comm_rank(world), &sim) == DS4_OK);
-    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &so, true, sim, ep, true, &plan) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_step_memory_run_dist_opts(c, kB, kT, so, true, sim, ep, true, &plan) == DS4_OK, "%s", ds4_errmsg());
     ds4_comm_free(sim);
     for (int k = 0; k < DS4_MEM_NCAT; k++)
         if (k != DS4_MEM_OTHER)
-            CHECK(real.peak[k] == plan.peak[k] && real.offload_peak[k] == plan.offload_peak[k],
-                  "muon ep=%d swap %d rank %d %s: measured %lld + %lld offloaded, planned %lld + %lld", ep, swap,
-                  ds4_comm_rank(world), ds4_mem_cat_name((ds4_mem_cat)k), (long long)real.peak[k],
-                  (long long)real.offload_peak[k], (long long)plan.peak[k], (long long)plan.offload_peak[k]);
+            CHECK(real->peak[k] == plan.peak[k] && real->offload_peak[k] == plan.offload_peak[k],
+                  "%s ep=%d rank %d %s: measured %lld + %lld offloaded, planned %lld + %lld", what, ep,
+                  ds4_comm_rank(world), ds4_mem_cat_name((ds4_mem_cat)k), (long long)real->peak[k],
+                  (long long)real->offload_peak[k], (long long)plan.peak[k], (long long)plan.offload_peak[k]);
+}
+
+/* Muon under FSDP + EP: this rank's plan == its measured step, in memory and in the store (--swap-optimizer
+ * streams the momentum), the whole matrices it gathers as their owner included. */
+static void memplan_matches_muon(int ep, bool swap) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_step_opts so = {.muon = true, .swap_optimizer = swap};
+    ds4_step_memory real;
+    plan_equals_measured(&c, &so, ep, swap ? "muon + swap-optimizer" : "muon", &real);
 }
 static void test_memplan_muon(void) { memplan_matches_muon(1, false); }
 static void test_memplan_muon_ep_swap(void) { memplan_matches_muon(2, true); }
@@ -150,23 +158,15 @@ static void test_memplan_muon_ep_swap(void) { memplan_matches_muon(2, true); }
 /* With overlap: this rank's plan == its measured step, the prefetched groups and the reduce-scatters in
  * flight included; and overlap costs memory (the next group's weights while one computes). */
 static void memplan_matches_overlap(const char *cfg_path, int ep, int depth) {
-    ds4_comm *world = ds4_comm_world();
     ds4_config c;
     CHECK(ds4_config_load(cfg_path, &c) == DS4_OK, "%s", ds4_errmsg());
     const ds4_step_opts blocking = {0}, so = {.prefetch_depth = depth};
-    ds4_step_memory real0, real, plan;
-    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &blocking, false, world, ep, true, &real0) == DS4_OK, "%s",
-          ds4_errmsg());
-    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &so, false, world, ep, true, &real) == DS4_OK, "%s", ds4_errmsg());
-    ds4_comm *sim = NULL;
-    CHECK(ds4_comm_plan(ds4_comm_size(world), ds4_comm_rank(world), &sim) == DS4_OK);
-    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &so, true, sim, ep, true, &plan) == DS4_OK, "%s", ds4_errmsg());
-    ds4_comm_free(sim);
-    for (int k = 0; k < DS4_MEM_NCAT; k++)
-        if (k != DS4_MEM_OTHER)
-            CHECK(real.peak[k] == plan.peak[k], "depth %d ep=%d rank %d %s: measured %lld, planned %lld", depth, ep,
-                  ds4_comm_rank(world), ds4_mem_cat_name((ds4_mem_cat)k), (long long)real.peak[k],
-                  (long long)plan.peak[k]);
+    ds4_step_memory real0, real;
+    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &blocking, false, ds4_comm_world(), ep, true, &real0) == DS4_OK,
+          "%s", ds4_errmsg());
+    char what[32];
+    snprintf(what, sizeof what, "depth %d", depth);
+    plan_equals_measured(&c, &so, ep, what, &real);
     CHECK(real.peak[DS4_MEM_PARAM] > real0.peak[DS4_MEM_PARAM], "depth %d: parameter peak %lld, blocking %lld", depth,
           (long long)real.peak[DS4_MEM_PARAM], (long long)real0.peak[DS4_MEM_PARAM]);
     CHECK(real.peak[DS4_MEM_COMM] >= real0.peak[DS4_MEM_COMM], "depth %d: communication peak %lld < blocking %lld",
@@ -434,24 +434,14 @@ static void test_fbo_ep_all(void) {
 /* Planned == measured with overlap (two micro-batches), and the overlapped step holds more activations
  * than the sequential one: the second forward runs while the first pass is still alive. */
 static void memplan_matches_fbo(const char *cfg_path, int ep) {
-    ds4_comm *world = ds4_comm_world();
     ds4_config c;
     CHECK(ds4_config_load(cfg_path, &c) == DS4_OK, "%s", ds4_errmsg());
     const ds4_step_opts seq = {.prefetch_depth = 1, .micro_batches = 2},
                         so = {.prefetch_depth = 1, .micro_batches = 2, .moe_fb_overlap = true};
-    ds4_step_memory real0, real, plan;
-    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &seq, false, world, ep, true, &real0) == DS4_OK, "%s",
+    ds4_step_memory real0, real;
+    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &seq, false, ds4_comm_world(), ep, true, &real0) == DS4_OK, "%s",
           ds4_errmsg());
-    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &so, false, world, ep, true, &real) == DS4_OK, "%s", ds4_errmsg());
-    ds4_comm *sim = NULL;
-    CHECK(ds4_comm_plan(ds4_comm_size(world), ds4_comm_rank(world), &sim) == DS4_OK);
-    CHECK(ds4_step_memory_run_dist_opts(&c, kB, kT, &so, true, sim, ep, true, &plan) == DS4_OK, "%s", ds4_errmsg());
-    ds4_comm_free(sim);
-    for (int k = 0; k < DS4_MEM_NCAT; k++)
-        if (k != DS4_MEM_OTHER)
-            CHECK(real.peak[k] == plan.peak[k], "moe-fb-overlap ep=%d rank %d %s: measured %lld, planned %lld", ep,
-                  ds4_comm_rank(world), ds4_mem_cat_name((ds4_mem_cat)k), (long long)real.peak[k],
-                  (long long)plan.peak[k]);
+    plan_equals_measured(&c, &so, ep, "moe-fb-overlap", &real);
     CHECK(real.peak[DS4_MEM_ACT] > real0.peak[DS4_MEM_ACT], "activation peak %lld overlapped, %lld sequential",
           (long long)real.peak[DS4_MEM_ACT], (long long)real0.peak[DS4_MEM_ACT]);
 }
