@@ -49,25 +49,17 @@ void gemm_pack_b_f32(float *dst, int64_t NR, gemm_view B, int64_t k0, int64_t kc
     }
 }
 
-/* The float of bf16 bits h (exact: the bits are the float's top half). */
-static inline float widen_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float x;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-
 void gemm_pack_b_bf16_f32(float *dst, int64_t NR, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr) {
     if (B.cs == 1) { /* rows of B contiguous in j */
         for (int64_t k = 0; k < kc; k++) {
             const uint16_t *src = B.h + (k0 + k) * B.rs + j0;
-            for (int64_t c = 0; c < NR; c++) dst[k * NR + c] = c < nr ? widen_bf16(src[c]) : 0.0f;
+            for (int64_t c = 0; c < NR; c++) dst[k * NR + c] = c < nr ? bf16_widen(src[c]) : 0.0f;
         }
         return;
     }
     for (int64_t c = 0; c < NR; c++) { /* B^T stored: column c is a run over k */
         const uint16_t *src = B.h + (j0 + c) * B.cs + k0 * B.rs;
-        for (int64_t k = 0; k < kc; k++) dst[k * NR + c] = c < nr ? widen_bf16(src[k * B.rs]) : 0.0f;
+        for (int64_t k = 0; k < kc; k++) dst[k * NR + c] = c < nr ? bf16_widen(src[k * B.rs]) : 0.0f;
     }
 }
 

@@ -85,6 +85,14 @@ static inline void bf16_round_array(float *x, int64_t n) {
     }
 }
 
+/* The float whose bits are bf16 bits h followed by 16 zero bits (exact: how every bf16 buffer is read). */
+static inline float bf16_widen(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
 /* Linear layer without bias. out: [N, OC], inp: [N, IC], w: [OC, IC]. */
 static inline void linear_fwd(float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC) {
     const ds4_kernel_backend *k = ds4_kernels();

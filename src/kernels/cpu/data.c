@@ -27,10 +27,7 @@ void cpu_tensor_pack_bf16(uint16_t *dst, const float *src, int64_t n) {
 
 void cpu_tensor_unpack_bf16(float *dst, const uint16_t *src, int64_t n) {
 #pragma omp parallel for schedule(static) if (n > 65536)
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t u = (uint32_t)src[i] << 16;
-        memcpy(dst + i, &u, sizeof u);
-    }
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_widen(src[i]);
 }
 
 /* out[b, t] = ids[b, t + shift] while t + shift < T, else fill. out, ids: [B, T]. */

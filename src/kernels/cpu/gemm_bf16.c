@@ -24,16 +24,21 @@ float gemm_bf16_round(float x) {
     return x;
 }
 
-/* C[M,N] = beta·C + A·B with A[i,k] = A[i·ars + k·acs], B[k,j] = B[k·brs + j·bcs]; beta 0 does not
+/* C[M,N] = beta·C + A·B with A[i,k] = A[i·ars + k·acs] and B[k,j] at k·brs + j·bcs, in B (fp32, rounded
+ * here) or, when Bh is set, in Bh (bf16 bits, read as they are: a weight's compute copy); beta 0 does not
  * read C. Each element: double sum over k ascending of bf16(A)·bf16(B). */
 static void gemm_bf16_strided(int64_t M, int64_t N, int64_t K, const float *A, int64_t ars, int64_t acs,
-                              const float *B, int64_t brs, int64_t bcs, float *C, int64_t ldc, float beta) {
+                              const float *B, const uint16_t *Bh, int64_t brs, int64_t bcs, float *C, int64_t ldc,
+                              float beta) {
 #pragma omp parallel for schedule(static) if (M * N * K > GEMM_BF16_REF_PAR_MIN)
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < N; j++) {
             double acc = 0;
-            for (int64_t k = 0; k < K; k++)
-                acc += (double)gemm_bf16_round(A[i * ars + k * acs]) * gemm_bf16_round(B[k * brs + j * bcs]);
+            for (int64_t k = 0; k < K; k++) {
+                const int64_t b = k * brs + j * bcs;
+                const float bv = Bh ? bf16_widen(Bh[b]) : gemm_bf16_round(B[b]);
+                acc += (double)gemm_bf16_round(A[i * ars + k * acs]) * bv;
+            }
             float *c = &C[i * ldc + j];
             *c = beta == 0 ? (float)acc : (float)((double)beta * *c + acc);
         }
@@ -42,49 +47,29 @@ static void gemm_bf16_strided(int64_t M, int64_t N, int64_t K, const float *A, i
 /* C[M,N] = beta*C + A[M,K] · B[N,K]^T */
 void cpu_gemm_nt_bf16_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
                           float *C, int64_t ldc, float beta) {
-    gemm_bf16_strided(M, N, K, A, lda, 1, B, 1, ldb, C, ldc, beta);
+    gemm_bf16_strided(M, N, K, A, lda, 1, B, NULL, 1, ldb, C, ldc, beta);
 }
 
 /* C[M,N] = beta*C + A[M,K] · B[K,N] */
 void cpu_gemm_nn_bf16_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
                           float *C, int64_t ldc, float beta) {
-    gemm_bf16_strided(M, N, K, A, lda, 1, B, ldb, 1, C, ldc, beta);
+    gemm_bf16_strided(M, N, K, A, lda, 1, B, NULL, ldb, 1, C, ldc, beta);
 }
 
 /* C[M,N] = beta*C + A[K,M]^T · B[K,N] */
 void cpu_gemm_tn_bf16_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
                           float *C, int64_t ldc, float beta) {
-    gemm_bf16_strided(M, N, K, A, 1, lda, B, ldb, 1, C, ldc, beta);
-}
-
-/* The same with B given as bf16 bits Bh[k·brs + j·bcs] (a weight's compute copy): each element the
- * double sum over k ascending of bf16(A)·B, the values cpu_gemm_*_bf16_ref gives on the fp32 values the
- * bits were rounded from. */
-static void gemm_bf16_strided_hb(int64_t M, int64_t N, int64_t K, const float *A, int64_t ars, int64_t acs,
-                                 const uint16_t *Bh, int64_t brs, int64_t bcs, float *C, int64_t ldc, float beta) {
-#pragma omp parallel for schedule(static) if (M * N * K > GEMM_BF16_REF_PAR_MIN)
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t j = 0; j < N; j++) {
-            double acc = 0;
-            for (int64_t k = 0; k < K; k++) {
-                uint32_t u = (uint32_t)Bh[k * brs + j * bcs] << 16;
-                float b;
-                memcpy(&b, &u, sizeof b);
-                acc += (double)gemm_bf16_round(A[i * ars + k * acs]) * b;
-            }
-            float *c = &C[i * ldc + j];
-            *c = beta == 0 ? (float)acc : (float)((double)beta * *c + acc);
-        }
+    gemm_bf16_strided(M, N, K, A, 1, lda, B, NULL, ldb, 1, C, ldc, beta);
 }
 
 /* C[M,N] = beta*C + A[M,K] · B[N,K]^T, B: bf16 bits */
 void cpu_gemm_nt_hb_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const uint16_t *B, int64_t ldb,
                         float *C, int64_t ldc, float beta) {
-    gemm_bf16_strided_hb(M, N, K, A, lda, 1, B, 1, ldb, C, ldc, beta);
+    gemm_bf16_strided(M, N, K, A, lda, 1, NULL, B, 1, ldb, C, ldc, beta);
 }
 
 /* C[M,N] = beta*C + A[M,K] · B[K,N], B: bf16 bits */
 void cpu_gemm_nn_hb_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const uint16_t *B, int64_t ldb,
                         float *C, int64_t ldc, float beta) {
-    gemm_bf16_strided_hb(M, N, K, A, lda, 1, B, ldb, 1, C, ldc, beta);
+    gemm_bf16_strided(M, N, K, A, lda, 1, NULL, B, ldb, 1, C, ldc, beta);
 }
