@@ -20,6 +20,9 @@ static inline void t_note(const char *fmt, ...) {
     fputc('\n', stderr);
 }
 
+/* The context of a kernel test: real (data and arithmetic) on the cpu backend. */
+#define CPU_EXEC (&(const ds4_exec){.plan = false})
+
 #define CHECK(cond, ...)                                               \
     do {                                                               \
         if (!(cond)) {                                                 \

@@ -187,7 +187,7 @@ static void test_attn_fwd_matches_dense_oracle(void) {
         double *o_ref = malloc(no * sizeof(double)), *l_ref = malloc(nl * sizeof(double));
         oracle_attn(o_ref, l_ref, NULL, &a);
         float *o = malloc(no * sizeof(float)), *l = malloc(nl * sizeof(float));
-        sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+        sparse_attn_fwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
             .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l});
         double *od = malloc(no * sizeof(double)), *ld = malloc(nl * sizeof(double));
         sparse_attn_fwd_f64(&(sparse_attn_args_f64){.dims = ACFG_DIMS(g), .scale = a.scale, .q = a.qd, .kv = a.kvd,
@@ -306,21 +306,21 @@ static void test_attn_bwd_accumulates_and_nulls(void) {
     ainputs a = ain_make(g, 41);
     int64_t nq = g.B * g.T * g.H * g.c, nkv = g.B * g.T * g.c, nkvc = g.B * g.Nc * g.c, nl = g.B * g.T * g.H;
     float *dout = frand(nq, 42, 1.0f), *o = malloc(nq * sizeof(float)), *l = malloc(nl * sizeof(float));
-    sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+    sparse_attn_fwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
         .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l});
     float *dq = calloc(nq, 4), *dkv = calloc(nkv, 4), *dkvc = calloc(nkvc, 4), *ds = calloc(g.H, 4);
-    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+    sparse_attn_bwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
         .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l}, &(sparse_attn_grads){.dout = dout, .dq = dq,
         .dkv = dkv, .dkvc = dkvc, .dsink = ds});
     /* only dkvc */
     float *dkvc2 = calloc(nkvc, 4);
-    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+    sparse_attn_bwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
         .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l}, &(sparse_attn_grads){.dout = dout,
         .dkvc = dkvc2});
     CHECK(memcmp(dkvc, dkvc2, nkvc * 4) == 0, "dkvc alone differs from dkvc with all gradients");
     /* only dq and dsink */
     float *dq2 = calloc(nq, 4), *ds2 = calloc(g.H, 4);
-    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+    sparse_attn_bwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
         .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l}, &(sparse_attn_grads){.dout = dout, .dq = dq2,
         .dsink = ds2});
     CHECK(memcmp(dq, dq2, nq * 4) == 0 && memcmp(ds, ds2, g.H * 4) == 0, "dq/dsink alone differ");
@@ -329,7 +329,7 @@ static void test_attn_bwd_accumulates_and_nulls(void) {
     float *b_kvc = frand(nkvc, 45, t_absmax(dkvc, nkvc)), *b_s = frand(g.H, 46, t_absmax(ds, g.H));
     float *aq = malloc(nq * 4), *akv = malloc(nkv * 4), *akvc = malloc(nkvc * 4), *as = malloc(g.H * 4);
     memcpy(aq, b_q, nq * 4), memcpy(akv, b_kv, nkv * 4), memcpy(akvc, b_kvc, nkvc * 4), memcpy(as, b_s, g.H * 4);
-    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+    sparse_attn_bwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
         .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l}, &(sparse_attn_grads){.dout = dout, .dq = aq,
         .dkv = akv, .dkvc = akvc, .dsink = as});
     const float *acc[4] = {aq, akv, akvc, as}, *base[4] = {b_q, b_kv, b_kvc, b_s}, *fresh[4] = {dq, dkv, dkvc, ds};
@@ -479,11 +479,11 @@ static void test_indexer_kl_matches_naive(void) {
               (long long)nrows, (long long)expect);
         /* float kernel */
         float *of = malloc(no * sizeof(float)), *lf = malloc(nl * sizeof(float));
-        sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+        sparse_attn_fwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
             .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = of, .lse = lf});
         double klf;
         int64_t nf;
-        indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
+        indexer_kl_fwd_bwd(CPU_EXEC, &(indexer_kl_args){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
             .ratio = g.ratio, .K = g.K}, .H = g.H, .c = g.c, .scale = (float)a.scale, .wscale = (float)x.wscale,
             .grad_scale = 1.0f, .qi = x.qi, .ki = x.ki, .w = x.w, .q = a.q, .kvc = a.kvc, .lse = lf, .topk = a.topk,
             .kl_sum = &klf, .n_rows = &nf});
@@ -504,13 +504,13 @@ static void test_indexer_kl_accumulates_and_nulls(void) {
     int64_t no = g.B * g.T * g.H * g.c, nl = g.B * g.T * g.H;
     int64_t nqi = g.B * g.T * x.HI * x.dI, nki = g.B * g.Nc * x.dI, nw = g.B * g.T * x.HI;
     float *o = malloc(no * 4), *l = malloc(nl * 4);
-    sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+    sparse_attn_fwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
         .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l});
     float *dqi = calloc(nqi, 4), *dki = calloc(nki, 4), *dw = calloc(nw, 4);
     double kl0, kl1, kl2;
     int64_t n0, n1, n2;
 #define KL_CALL(kl, n, a1, a2, a3, gs)                                                                             \
-    indexer_kl_fwd_bwd(&(indexer_kl_args){                                                                         \
+    indexer_kl_fwd_bwd(CPU_EXEC, &(indexer_kl_args){                                                                         \
         .dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc, .ratio = g.ratio, .K = g.K}, .H = g.H,    \
         .c = g.c, .scale = (float)a.scale, .wscale = (float)x.wscale, .grad_scale = gs, .qi = x.qi, .ki = x.ki,    \
         .w = x.w, .q = a.q, .kvc = a.kvc, .lse = l, .topk = a.topk, .dqi = a1, .dki = a2, .dw = a3, .kl_sum = &kl, \
@@ -668,7 +668,7 @@ static void test_indexer_topk_matches_naive_sort(void) {
     int32_t *ref = malloc(g.B * g.T * g.K * 4), *got = malloc(g.B * g.T * g.K * 4), *gotd = malloc(g.B * g.T * g.K * 4);
     int ties = 0;
     naive_topk(ref, &x, g, &ties);
-    indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
+    indexer_topk_fwd(CPU_EXEC, &(indexer_topk_args){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
         .ratio = g.ratio, .K = g.K}, .wscale = (float)x.wscale, .qi = x.qi, .ki = x.ki, .w = x.w, .topk = got});
     indexer_topk_fwd_f64(&(indexer_topk_args_f64){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
         .ratio = g.ratio, .K = g.K}, .wscale = x.wscale, .qi = x.qid, .ki = x.kid, .w = x.wd, .topk = gotd});
@@ -690,7 +690,7 @@ static void test_indexer_topk_matches_naive_sort(void) {
     int32_t *r2 = malloc(nb), *f2 = malloc(nb), *d2 = malloc(nb);
     ties = 0;
     naive_topk(r2, &y, g2, &ties);
-    indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = g2.B, .T = g2.T, .HI = y.HI, .dI = y.dI, .Nc = g2.Nc,
+    indexer_topk_fwd(CPU_EXEC, &(indexer_topk_args){.dims = {.B = g2.B, .T = g2.T, .HI = y.HI, .dI = y.dI, .Nc = g2.Nc,
         .ratio = g2.ratio, .K = g2.K}, .wscale = (float)y.wscale, .qi = y.qi, .ki = y.ki, .w = y.w, .topk = f2});
     indexer_topk_fwd_f64(&(indexer_topk_args_f64){.dims = {.B = g2.B, .T = g2.T, .HI = y.HI, .dI = y.dI, .Nc = g2.Nc,
         .ratio = g2.ratio, .K = g2.K}, .wscale = y.wscale, .qi = y.qid, .ki = y.kid, .w = y.wd, .topk = d2});
@@ -713,13 +713,13 @@ static void test_float_matches_double(void) {
         double *doutd = widen(dout, nq);
         float *o = malloc(nq * 4), *l = malloc(nl * 4);
         double *od = malloc(nq * 8), *ld = malloc(nl * 8);
-        sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+        sparse_attn_fwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
             .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l});
         sparse_attn_fwd_f64(&(sparse_attn_args_f64){.dims = ACFG_DIMS(g), .scale = a.scale, .q = a.qd, .kv = a.kvd,
             .kvc = a.kvcd, .sink = a.sinkd, .topk = a.topk, .o = od, .lse = ld});
         float *dq = calloc(nq, 4), *dkv = calloc(nkv, 4), *dkvc = calloc(nkvc, 4), *ds = calloc(g.H, 4);
         double *dqd = calloc(nq, 8), *dkvd = calloc(nkv, 8), *dkvcd = calloc(nkvc, 8), *dsd = calloc(g.H, 8);
-        sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
+        sparse_attn_bwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q, .kv = a.kv,
             .kvc = a.kvc, .sink = a.sink, .topk = a.topk, .o = o, .lse = l}, &(sparse_attn_grads){.dout = dout,
             .dq = dq, .dkv = dkv, .dkvc = dkvc, .dsink = ds});
         sparse_attn_bwd_f64(&(sparse_attn_args_f64){.dims = ACFG_DIMS(g), .scale = a.scale, .q = a.qd, .kv = a.kvd,
@@ -732,7 +732,7 @@ static void test_float_matches_double(void) {
         float *dqi = calloc(nqi, 4), *dki = calloc(nki, 4), *dw = calloc(nw, 4);
         double *dqid = calloc(nqi, 8), *dkid = calloc(nki, 8), *dwd = calloc(nw, 8), kl, kld;
         int64_t n1, n2;
-        indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
+        indexer_kl_fwd_bwd(CPU_EXEC, &(indexer_kl_args){.dims = {.B = g.B, .T = g.T, .HI = x.HI, .dI = x.dI, .Nc = g.Nc,
             .ratio = g.ratio, .K = g.K}, .H = g.H, .c = g.c, .scale = (float)a.scale, .wscale = (float)x.wscale,
             .grad_scale = 0.5f, .qi = x.qi, .ki = x.ki, .w = x.w, .q = a.q, .kvc = a.kvc, .lse = l, .topk = a.topk,
             .dqi = dqi, .dki = dki, .dw = dw, .kl_sum = &kl, .n_rows = &n1});
@@ -781,18 +781,18 @@ static pipe_out run_pipeline_keys(const ainputs *a, const iinputs *x, int thread
     pipe_out r = {0};
     r.topk = g.use_topk ? malloc(g.B * g.T * g.K * 4) : NULL;
     if (r.topk)
-        indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = g.B, .T = g.T, .HI = x->HI, .dI = x->dI, .Nc = g.Nc,
+        indexer_topk_fwd(CPU_EXEC, &(indexer_topk_args){.dims = {.B = g.B, .T = g.T, .HI = x->HI, .dI = x->dI, .Nc = g.Nc,
             .ratio = g.ratio, .K = g.K}, .wscale = (float)x->wscale, .qi = x->qi, .ki = ki, .ki16 = ki16, .w = x->w,
             .topk = r.topk});
     r.o = malloc(nq * 4), r.l = malloc(nl * 4);
-    sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a->scale, .q = a->q, .kv = kv,
+    sparse_attn_fwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a->scale, .q = a->q, .kv = kv,
         .kvc = kvc, .kv16 = kv16, .kvc16 = kvc16, .sink = a->sink, .topk = r.topk, .o = r.o, .lse = r.l});
     r.dq = calloc(nq, 4), r.dkv = calloc(nkv, 4), r.dkvc = calloc(nkvc, 4), r.ds = calloc(g.H, 4);
-    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a->scale, .q = a->q, .kv = kv,
+    sparse_attn_bwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a->scale, .q = a->q, .kv = kv,
         .kvc = kvc, .kv16 = kv16, .kvc16 = kvc16, .sink = a->sink, .topk = r.topk, .o = r.o, .lse = r.l},
         &(sparse_attn_grads){.dout = a->q /* any dO */, .dq = r.dq, .dkv = r.dkv, .dkvc = r.dkvc, .dsink = r.ds});
     r.dqi = calloc(nqi, 4), r.dki = calloc(nki, 4), r.dw = calloc(nw, 4);
-    indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = g.B, .T = g.T, .HI = x->HI, .dI = x->dI, .Nc = g.Nc,
+    indexer_kl_fwd_bwd(CPU_EXEC, &(indexer_kl_args){.dims = {.B = g.B, .T = g.T, .HI = x->HI, .dI = x->dI, .Nc = g.Nc,
         .ratio = g.ratio, .K = g.K}, .H = g.H, .c = g.c, .scale = (float)a->scale, .wscale = (float)x->wscale,
         .grad_scale = 0.01f, .qi = x->qi, .ki = ki, .ki16 = ki16, .w = x->w, .q = a->q, .kvc = kvc, .kvc16 = kvc16,
         .lse = r.l, .topk = r.topk, .dqi = r.dqi, .dki = r.dki, .dw = r.dw, .kl_sum = &r.kl, .n_rows = &r.n});
@@ -862,7 +862,7 @@ static void test_bf16_keys_match_rounded_fp32(void) {
         iinputs x = iin_make(g, ci % 2 ? 3 : 4, ci % 2 ? 5 : 16, 1700 + ci);
         int64_t nkv = g.B * g.T * g.c, nkvc = g.B * g.Nc * g.c, nki = g.B * g.Nc * x.dI;
         pipe_out raw = run_pipeline(&a, &x, 1);
-        tensor_round_bf16(a.kv, nkv), tensor_round_bf16(a.kvc, nkvc), tensor_round_bf16(x.ki, nki);
+        tensor_round_bf16(CPU_EXEC, a.kv, nkv), tensor_round_bf16(CPU_EXEC, a.kvc, nkvc), tensor_round_bf16(CPU_EXEC, x.ki, nki);
         for (int th = 1; th <= 3; th += 2) {
             pipe_out f = run_pipeline_keys(&a, &x, th, false), h = run_pipeline_keys(&a, &x, th, true);
             CHECK(pipe_same(&h, &f, g, &x), "%d: bf16 keys differ from rounded fp32 keys (%d threads)", ci, th);

@@ -9,17 +9,41 @@
 
 static const ds4_exec k_plan_ctx = {.plan = true}; /* the context of a plan step (memplan) */
 
+/* A backend made by copying the cpu table and replacing one entry: what a context names runs. */
+static int g_counted_norms;
+static void counting_rmsnorm_fwd(const ds4_exec *ex, float *y, float *rstd, const float *x, const float *w, int64_t N,
+                                 int64_t D, float eps) {
+    g_counted_norms++;
+    ds4_kernel_backend_cpu()->rmsnorm_fwd(ex, y, rstd, x, w, N, D, eps);
+}
+
 static void test_tables(void) {
     const ds4_kernel_backend *cpu = ds4_kernel_backend_cpu(), *plan = ds4_kernel_backend_plan();
     const char *missing = ds4_kernel_backend_missing(cpu);
     CHECK(missing == NULL, "the cpu backend lacks %s", missing);
     CHECK(!strcmp(cpu->name, "cpu") && !strcmp(plan->name, "plan"), "names %s, %s", cpu->name, plan->name);
     CHECK(ds4_kernel_backend_missing(plan) != NULL, "the plan backend computes nothing: it has NULL entries");
-    CHECK(ds4_kernels() == cpu, "the cpu backend runs in a real context");
-    const ds4_exec prev = ds4_exec_enter(&k_plan_ctx);
-    CHECK(ds4_kernels() == plan, "the plan backend runs while the allocator serves a plan");
-    ds4_exec_leave(prev);
-    CHECK(ds4_kernels() == cpu, "and the cpu backend again after it");
+    CHECK(cpu->plan == plan && plan->plan == NULL, "the plan backend is the cpu backend's plan twin");
+    CHECK(ds4_kernel_op_count == 62 && !strcmp(ds4_kernel_op_names[0], "gemm_nt"), "%d ops listed, first %s",
+          ds4_kernel_op_count, ds4_kernel_op_names[0]);
+    CHECK(ds4_exec_kernels(NULL) == cpu && ds4_exec_kernels(CPU_EXEC) == cpu, "no backend named: the cpu runs");
+    CHECK(ds4_exec_kernels(&k_plan_ctx) == plan, "a plan context runs the plan of its backend");
+    /* the context alone picks: no process-wide backend */
+    ds4_kernel_backend custom = *cpu;
+    custom.name = "custom";
+    custom.rmsnorm_fwd = counting_rmsnorm_fwd;
+    const ds4_exec on_custom = {.backend = &custom}, plan_custom = {.plan = true, .backend = &custom};
+    CHECK(ds4_exec_kernels(&on_custom) == &custom && ds4_exec_kernels(&plan_custom) == plan,
+          "a context's backend runs it, and its plan twin plans it");
+    CHECK(ds4_kernel_backend_missing(&custom) == NULL, "a copy of the cpu table is complete");
+    custom.swiglu_bwd = NULL;
+    CHECK(ds4_kernel_backend_missing(&custom) && !strcmp(ds4_kernel_backend_missing(&custom), "swiglu_bwd"),
+          "a NULL entry is named");
+    float x[2 * 4] = {1, 2, 3, 4, 5, 6, 7, 8}, y[8], rstd[2], y2[8], rstd2[2];
+    rmsnorm_fwd(&on_custom, y, rstd, x, NULL, 2, 4, 1e-6f);
+    rmsnorm_fwd(CPU_EXEC, y2, rstd2, x, NULL, 2, 4, 1e-6f);
+    CHECK(g_counted_norms == 1 && !memcmp(y, y2, sizeof y) && !memcmp(rstd, rstd2, sizeof rstd),
+          "the wrapper ran the context's entry once (%d) with the cpu's result", g_counted_norms);
 }
 
 /* Workspace of one call: peak bytes of DS4_MEM_WORK above what was live, and allocations made. */
@@ -40,14 +64,14 @@ static ws_use measure_end(ws_use b) {
     return (ws_use){s.peak[DS4_MEM_WORK] - b.peak, s.n_allocs - b.allocs, s.live[DS4_MEM_WORK] - b.left};
 }
 
-/* Runs fn(ctx) for real, then in a plan context, and compares the workspace both used. */
-static void check_same_workspace(const char *what, void (*fn)(void *), void *ctx, bool expect_some) {
+/* Runs fn(ctx) for real, then in a plan context (the allocator's too), and compares the workspace both used. */
+static void check_same_workspace(const char *what, void (*fn)(const ds4_exec *, void *), void *ctx, bool expect_some) {
     ws_use b = measure_begin();
-    fn(ctx);
+    fn(CPU_EXEC, ctx);
     ws_use real = measure_end(b);
     const ds4_exec prev = ds4_exec_enter(&k_plan_ctx);
     b = measure_begin();
-    fn(ctx);
+    fn(&k_plan_ctx, ctx);
     ws_use plan = measure_end(b);
     ds4_exec_leave(prev);
     CHECK(real.peak == plan.peak && real.allocs == plan.allocs,
@@ -73,30 +97,30 @@ static sparse_attn_args attn_args(tensors *x) {
                               .topk = x->topk, .o = x->o, .lse = x->lse};
 }
 
-static void run_attn_fwd(void *p) {
+static void run_attn_fwd(const ds4_exec *ex, void *p) {
     sparse_attn_args a = attn_args(p);
-    sparse_attn_fwd(&a);
+    sparse_attn_fwd(ex, &a);
 }
 
-static void run_attn_bwd(void *p) {
+static void run_attn_bwd(const ds4_exec *ex, void *p) {
     tensors *x = p;
     sparse_attn_args a = attn_args(x);
-    sparse_attn_bwd(&a, &(sparse_attn_grads){.dout = x->q, .dq = x->dq, .dkv = x->dkv, .dkvc = x->dkvc,
+    sparse_attn_bwd(ex, &a, &(sparse_attn_grads){.dout = x->q, .dq = x->dq, .dkv = x->dkv, .dkvc = x->dkvc,
                                              .dsink = x->dsink});
 }
 
-static void run_topk(void *p) {
+static void run_topk(const ds4_exec *ex, void *p) {
     tensors *x = p;
-    indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = B, .T = T, .HI = HI, .dI = DI, .Nc = NC, .ratio = 4,
+    indexer_topk_fwd(ex, &(indexer_topk_args){.dims = {.B = B, .T = T, .HI = HI, .dI = DI, .Nc = NC, .ratio = 4,
                                                    .K = KSEL},
                                           .wscale = 0.5f, .qi = x->qi, .ki = x->ki, .w = x->w, .topk = x->topk});
 }
 
-static void run_kl(void *p) {
+static void run_kl(const ds4_exec *ex, void *p) {
     tensors *x = p;
     double kl = -1;
     int64_t rows = -1;
-    indexer_kl_fwd_bwd(&(indexer_kl_args){
+    indexer_kl_fwd_bwd(ex, &(indexer_kl_args){
         .dims = {.B = B, .T = T, .HI = HI, .dI = DI, .Nc = NC, .ratio = 4, .K = KSEL}, .H = H, .c = C,
         .scale = 0.2f, .wscale = 0.5f, .grad_scale = 1.0f, .qi = x->qi, .ki = x->ki, .w = x->w, .q = x->q,
         .kvc = x->kvc, .lse = x->lse, .topk = x->topk, .dqi = x->dqi, .dki = x->dki, .dw = x->dw, .kl_sum = &kl,
@@ -104,13 +128,13 @@ static void run_kl(void *p) {
     CHECK(rows >= 0 && kl >= 0, "the KL loss writes its sums in both modes (%lld rows, %g)", (long long)rows, kl);
 }
 
-static void run_gemms(void *p) {
+static void run_gemms(const ds4_exec *ex, void *p) {
     tensors *x = p;
-    gemm_nt(GM, GN, GK, x->a, GK, x->bm, GK, x->cm, GN, 0); /* bm as [GN, GK] */
-    gemm_nn(GM, GN, GK, x->a, GK, x->bm, GN, x->cm, GN, 1); /* bm as [GK, GN] */
-    gemm_tn(GK, GN, GM, x->cm, GK, x->bm, GN, x->da, GN, 0); /* cm as [GM, GK], bm as [GM, GN]: GM·GK <= GM·GN */
-    linear_fwd(x->cm, x->a, x->bm, GM, GK, GN);              /* cm [GM, GN] = a [GM, GK] · bm [GN, GK]^T */
-    linear_bwd(x->da, x->dbm, x->cm, x->a, x->bm, GM, GK, GN);
+    gemm_nt(ex, GM, GN, GK, x->a, GK, x->bm, GK, x->cm, GN, 0); /* bm as [GN, GK] */
+    gemm_nn(ex, GM, GN, GK, x->a, GK, x->bm, GN, x->cm, GN, 1); /* bm as [GK, GN] */
+    gemm_tn(ex, GK, GN, GM, x->cm, GK, x->bm, GN, x->da, GN, 0); /* cm as [GM, GK], bm as [GM, GN]: GM·GK <= GM·GN */
+    linear_fwd(ex, x->cm, x->a, x->bm, GM, GK, GN);              /* cm [GM, GN] = a [GM, GK] · bm [GN, GK]^T */
+    linear_bwd(ex, x->da, x->dbm, x->cm, x->a, x->bm, GM, GK, GN);
 }
 
 static void test_plan_counts_the_cpu_workspace(void) {
@@ -141,25 +165,25 @@ static void test_plan_touches_no_data(void) {
     double kl = -1;
     int64_t rows = -1;
     sparse_attn_args a = {.dims = {.B = B, .T = T, .H = H, .c = C, .window = 8, .ratio = 4, .Nc = NC, .K = KSEL}};
-    sparse_attn_fwd(&a);
-    sparse_attn_bwd(&a, &(sparse_attn_grads){0});
-    indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = B, .T = T, .HI = HI, .dI = DI, .Nc = NC, .ratio = 4},
+    sparse_attn_fwd(&k_plan_ctx, &a);
+    sparse_attn_bwd(&k_plan_ctx, &a, &(sparse_attn_grads){0});
+    indexer_kl_fwd_bwd(&k_plan_ctx, &(indexer_kl_args){.dims = {.B = B, .T = T, .HI = HI, .dI = DI, .Nc = NC, .ratio = 4},
                                           .H = H, .c = C, .kl_sum = &kl, .n_rows = &rows});
-    hc_pre_fwd(&(hc_pre_args){.dims = {.N = 8, .n = 4, .D = 16, .iters = 3}});
-    moe_gate_fwd(&(moe_gate_args){.dims = {.N = 8, .E = 16, .K = 2}});
-    rmsnorm_fwd(NULL, NULL, NULL, NULL, 8, 16, 1e-6f);
-    cross_entropy_fwd_bwd(NULL, NULL, NULL, NULL, NULL, 8, 16, 1.0f);
-    gemm_nt(GM, GN, GK, NULL, GK, NULL, GK, NULL, GN, 0);
-    tensor_copy(NULL, NULL, 64); /* the model's copies and fills are ops too: skipped in a plan */
-    tensor_zero(NULL, 64);
-    shift_ids(NULL, NULL, 2, 8, 1, 0);
-    streams_expand(NULL, 8, 4, 16);
-    streams_add(NULL, NULL, 8, 4, 16);
-    streams_sum(NULL, NULL, 8, 4, 16);
-    moe_group_by_expert(NULL, NULL, NULL, NULL, 8, 16, 2); /* routing is data: skipped too */
-    moe_experts_fwd(&(moe_experts_args){.nexp = 16, .D = 16, .I = 8}, NULL);
-    rows_scatter_add(NULL, NULL, NULL, 8, 16);
-    tensor_add(NULL, NULL, 64);
+    hc_pre_fwd(&k_plan_ctx, &(hc_pre_args){.dims = {.N = 8, .n = 4, .D = 16, .iters = 3}});
+    moe_gate_fwd(&k_plan_ctx, &(moe_gate_args){.dims = {.N = 8, .E = 16, .K = 2}});
+    rmsnorm_fwd(&k_plan_ctx, NULL, NULL, NULL, NULL, 8, 16, 1e-6f);
+    cross_entropy_fwd_bwd(&k_plan_ctx, NULL, NULL, NULL, NULL, NULL, 8, 16, 1.0f);
+    gemm_nt(&k_plan_ctx, GM, GN, GK, NULL, GK, NULL, GK, NULL, GN, 0);
+    tensor_copy(&k_plan_ctx, NULL, NULL, 64); /* the model's copies and fills are ops too: skipped in a plan */
+    tensor_zero(&k_plan_ctx, NULL, 64);
+    shift_ids(&k_plan_ctx, NULL, NULL, 2, 8, 1, 0);
+    streams_expand(&k_plan_ctx, NULL, 8, 4, 16);
+    streams_add(&k_plan_ctx, NULL, NULL, 8, 4, 16);
+    streams_sum(&k_plan_ctx, NULL, NULL, 8, 4, 16);
+    moe_group_by_expert(&k_plan_ctx, NULL, NULL, NULL, NULL, 8, 16, 2); /* routing is data: skipped too */
+    moe_experts_fwd(&k_plan_ctx, &(moe_experts_args){.nexp = 16, .D = 16, .I = 8}, NULL);
+    rows_scatter_add(&k_plan_ctx, NULL, NULL, NULL, 8, 16);
+    tensor_add(&k_plan_ctx, NULL, NULL, 64);
     ds4_exec_leave(prev);
     CHECK(kl == 0 && rows == 0, "the plan KL loss writes 0 rows and loss 0, as the kernel does before computing");
 }
@@ -169,19 +193,19 @@ static void test_routing_ops(void) {
     const int32_t idx[3 * 2] = {2, 0, 0, 3, 2, 3}; /* N = 3 tokens, K = 2 slots, E = 4 experts */
     int64_t eoff[5], cnt[4];
     int32_t etok[6], eslot[6];
-    moe_group_by_expert(eoff, etok, eslot, idx, 3, 4, 2);
+    moe_group_by_expert(CPU_EXEC, eoff, etok, eslot, idx, 3, 4, 2);
     const int64_t want_off[5] = {0, 2, 2, 4, 6};
     const int32_t want_tok[6] = {0, 1, 0, 2, 1, 2}, want_slot[6] = {1, 0, 0, 0, 1, 1};
     CHECK(!memcmp(eoff, want_off, sizeof eoff), "offsets %lld %lld %lld %lld %lld", (long long)eoff[0],
           (long long)eoff[1], (long long)eoff[2], (long long)eoff[3], (long long)eoff[4]);
     CHECK(!memcmp(etok, want_tok, sizeof etok) && !memcmp(eslot, want_slot, sizeof eslot), "assignments");
-    moe_expert_counts(cnt, eoff, 4, 6);
+    moe_expert_counts(CPU_EXEC, cnt, eoff, 4, 6);
     CHECK(cnt[0] == 2 && cnt[1] == 0 && cnt[2] == 2 && cnt[3] == 2, "counts of the routing");
     const ds4_exec prev = ds4_exec_enter(&k_plan_ctx);
-    moe_expert_counts(cnt, NULL, 4, 10);
+    moe_expert_counts(&k_plan_ctx, cnt, NULL, 4, 10);
     ds4_exec_leave(prev);
     CHECK(cnt[0] == 3 && cnt[1] == 3 && cnt[2] == 2 && cnt[3] == 2, "a plan's counts are balanced routing's");
-    CHECK(indexer_kl_rows(2, 8, 4) == 10 && indexer_kl_rows(2, 3, 4) == 0, "KL rows: those that see an entry");
+    CHECK(indexer_kl_rows(CPU_EXEC, 2, 8, 4) == 10 && indexer_kl_rows(CPU_EXEC, 2, 3, 4) == 0, "KL rows: those that see an entry");
 }
 
 int main(void) {

@@ -87,7 +87,7 @@ typedef void (*gemm_fn)(int64_t, int64_t, int64_t, const float *, int64_t, const
 
 enum { OP_NT, OP_NN, OP_TN };
 static const char *OP_NAME[] = {"nt", "nn", "tn"};
-static gemm_fn fast_of(int op) { return op == OP_NT ? gemm_nt : op == OP_NN ? gemm_nn : gemm_tn; }
+static gemm_fn fast_of(int op) { return op == OP_NT ? cpu_gemm_nt : op == OP_NN ? cpu_gemm_nn : cpu_gemm_tn; }
 static gemm_fn ref_of(int op) {
     return op == OP_NT ? cpu_gemm_nt_ref : op == OP_NN ? cpu_gemm_nn_ref : cpu_gemm_tn_ref;
 }
@@ -191,7 +191,7 @@ static void test_gemm_degenerate(void) {
     }
     /* a 1×1×1 product is exact */
     float a = 3, b = -2, c = 0.5f;
-    gemm_nt(1, 1, 1, &a, 1, &b, 1, &c, 1, 1.0f);
+    gemm_nt(CPU_EXEC, 1, 1, 1, &a, 1, &b, 1, &c, 1, 1.0f);
     CHECK(c == -5.5f, "1x1x1 accumulate: %g", c);
 }
 
@@ -235,9 +235,9 @@ static void test_gemm_ops_agree(void) {
     for (int64_t k = 0; k < K; k++)
         for (int64_t j = 0; j < N; j++) Bt[j * K + k] = B[k * N + j];
     float *c1 = falloc(M * N), *c2 = falloc(M * N), *c3 = falloc(M * N);
-    gemm_nt(M, N, K, A, K, Bt, K, c1, N, 0);
-    gemm_nn(M, N, K, A, K, B, N, c2, N, 0);
-    gemm_tn(M, N, K, At, M, B, N, c3, N, 0);
+    gemm_nt(CPU_EXEC, M, N, K, A, K, Bt, K, c1, N, 0);
+    gemm_nn(CPU_EXEC, M, N, K, A, K, B, N, c2, N, 0);
+    gemm_tn(CPU_EXEC, M, N, K, At, M, B, N, c3, N, 0);
     CHECK(memcmp(c1, c2, (size_t)(M * N) * sizeof(float)) == 0, "nt vs nn differ");
     CHECK(memcmp(c1, c3, (size_t)(M * N) * sizeof(float)) == 0, "nt vs tn differ");
     /* the references too: each element is one sum over k ascending, whatever the loop order */
@@ -330,16 +330,16 @@ static void linear_check(int grouped) {
     memset(din, 0, (size_t)nin * sizeof(double));
     memset(dw, 0, (size_t)nw * sizeof(double));
     if (grouped) {
-        grouped_linear_fwd(fout, fin, fw, c.N, c.G, c.R, c.Din);
+        grouped_linear_fwd(CPU_EXEC, fout, fin, fw, c.N, c.G, c.R, c.Din);
         grouped_linear_fwd_f64(c.out, c.inp, c.w, c.N, c.G, c.R, c.Din);
-        grouped_linear_bwd(fdi, NULL, fr, fin, fw, c.N, c.G, c.R, c.Din);
-        grouped_linear_bwd(NULL, fdww, fr, fin, fw, c.N, c.G, c.R, c.Din);
+        grouped_linear_bwd(CPU_EXEC, fdi, NULL, fr, fin, fw, c.N, c.G, c.R, c.Din);
+        grouped_linear_bwd(CPU_EXEC, NULL, fdww, fr, fin, fw, c.N, c.G, c.R, c.Din);
         grouped_linear_bwd_f64(din, dw, c.r, c.inp, c.w, c.N, c.G, c.R, c.Din);
     } else {
-        linear_fwd(fout, fin, fw, c.N, c.IC, c.OC);
+        linear_fwd(CPU_EXEC, fout, fin, fw, c.N, c.IC, c.OC);
         linear_fwd_f64(c.out, c.inp, c.w, c.N, c.IC, c.OC);
-        linear_bwd(fdi, NULL, fr, fin, fw, c.N, c.IC, c.OC);
-        linear_bwd(NULL, fdww, fr, fin, fw, c.N, c.IC, c.OC);
+        linear_bwd(CPU_EXEC, fdi, NULL, fr, fin, fw, c.N, c.IC, c.OC);
+        linear_bwd(CPU_EXEC, NULL, fdww, fr, fin, fw, c.N, c.IC, c.OC);
         linear_bwd_f64(din, dw, c.r, c.inp, c.w, c.N, c.IC, c.OC);
     }
     CHECK(rel_fd(fout, c.out, nout) <= F32_TOL, "%s fwd float vs double %.3g", name, rel_fd(fout, c.out, nout));
@@ -391,9 +391,9 @@ static void test_embedding(void) {
     to_f(fr, c.r, N * D);
     to_d(c.r, fr, N * D);
     memset(g, 0, (size_t)(V * D) * sizeof(double));
-    embedding_bwd(fg, fr, ids, N, D);
+    embedding_bwd(CPU_EXEC, fg, fr, ids, N, D);
     embedding_bwd_f64(g, c.r, ids, N, D);
-    embedding_fwd(fo, ft, ids, N, D);
+    embedding_fwd(CPU_EXEC, fo, ft, ids, N, D);
     CHECK(rel_fd(fg, g, V * D) <= F32_TOL, "embedding_bwd float vs double");
     CHECK(fo[3 * D + 1] == ft[5 * D + 1], "float embedding_fwd row");
     free(ft), free(fr), free(fg), free(fo), free(g0), free(g), free(fd);
@@ -409,9 +409,9 @@ static void test_embedding_bwd_deterministic(void) {
     t_fill(dout, N * D, 5, 1.0f);
     int saved = omp_get_max_threads();
     omp_set_num_threads(1);
-    embedding_bwd(g1, dout, ids, N, D);
+    embedding_bwd(CPU_EXEC, g1, dout, ids, N, D);
     omp_set_num_threads(2);
-    embedding_bwd(g2, dout, ids, N, D);
+    embedding_bwd(CPU_EXEC, g2, dout, ids, N, D);
     omp_set_num_threads(saved);
     CHECK(memcmp(g1, g2, (size_t)(V * D) * sizeof(float)) == 0, "embedding_bwd: 1 vs 2 threads differ");
     /* and it equals the serial sum in token order */
@@ -481,8 +481,8 @@ static void rmsnorm_check(int weighted) {
     memset(dx, 0, (size_t)(N * D) * sizeof(double));
     memset(dw, 0, (size_t)D * sizeof(double));
     rmsnorm_bwd_f64(dx, weighted ? dw : NULL, c.r, c.x, c.w, c.rstd, N, D);
-    rmsnorm_fwd(fy, frs, fx, weighted ? fw : NULL, N, D, 1e-6f);
-    rmsnorm_bwd(fdxx, weighted ? fdww : NULL, fr, fx, weighted ? fw : NULL, frs, N, D);
+    rmsnorm_fwd(CPU_EXEC, fy, frs, fx, weighted ? fw : NULL, N, D, 1e-6f);
+    rmsnorm_bwd(CPU_EXEC, fdxx, weighted ? fdww : NULL, fr, fx, weighted ? fw : NULL, frs, N, D);
     CHECK(rel_fd(fy, c.y, N * D) <= F32_TOL, "rmsnorm %s fwd float vs double", nm);
     CHECK(rel_fd(fdxx, dx, N * D) <= F32_TOL, "rmsnorm %s dx float vs double %.3g", nm, rel_fd(fdxx, dx, N * D));
     if (weighted) CHECK(rel_fd(fdww, dw, D) <= F32_TOL, "rmsnorm dw float vs double");
@@ -504,8 +504,8 @@ static void test_rmsnorm_deterministic(void) {
     int saved = omp_get_max_threads();
     for (int t = 0; t < 2; t++) {
         omp_set_num_threads(t + 1);
-        rmsnorm_fwd(y, rs, x, w, N, D, 1e-6f);
-        rmsnorm_bwd(dx[t], dw[t], dy, x, w, rs, N, D);
+        rmsnorm_fwd(CPU_EXEC, y, rs, x, w, N, D, 1e-6f);
+        rmsnorm_bwd(CPU_EXEC, dx[t], dw[t], dy, x, w, rs, N, D);
     }
     omp_set_num_threads(saved);
     CHECK(memcmp(dx[0], dx[1], (size_t)(N * D) * sizeof(float)) == 0, "rmsnorm dx: 1 vs 2 threads");
@@ -603,7 +603,7 @@ static void test_rope_fwd_bwd(void) {
                 }
             }
             CHECK(err < 1e-15, "rope fwd (inverse %d, period %lld) vs formula %.3g", inv, (long long)c.period, err);
-            /* exact adjoint: <rope(x), g> = <x, rope_bwd(g)> */
+            /* exact adjoint: <rope(x), g> = <x, rope_bwd(CPU_EXEC, g)> */
             double *g = dalloc(n);
             memcpy(g, c.r, (size_t)n * sizeof(double));
             rope_bwd_f64(g, &(rope_args){.N = N, .H = H, .hd = hd, .period = c.period, .mult = c.mult, .table = &rp,
@@ -623,7 +623,7 @@ static void test_rope_fwd_bwd(void) {
             to_f(fx, c.x, n);
             to_d(c.x, fx, n);
             rope_obj(&c);
-            rope_fwd(fx, &(rope_args){.N = N, .H = H, .hd = hd, .period = c.period, .mult = c.mult, .table = &rp,
+            rope_fwd(CPU_EXEC, fx, &(rope_args){.N = N, .H = H, .hd = hd, .period = c.period, .mult = c.mult, .table = &rp,
                 .inverse = inv});
             CHECK(rel_fd(fx, c.y, n) <= F32_TOL, "rope float vs double");
             free(fx), free(g), free(fd), free(zero), free(c.x), free(c.y), free(c.r);
@@ -691,9 +691,9 @@ static void gate_fd_check(gate_ctx *c, const char *what) {
     moe_gate_bwd_f64(&(moe_gate_args_f64){.dims = {.N = c->N, .E = c->E, .K = c->K}, .route_scale = c->R,
         .logits = c->logits, .scores = c->scores, .idx = c->idx}, &(moe_gate_grads_f64){.dweights = c->r,
         .dlogits = dl});
-    moe_gate_fwd(&(moe_gate_args){.dims = {.N = c->N, .E = c->E, .K = c->K}, .route_scale = (float)c->R, .logits = fl,
+    moe_gate_fwd(CPU_EXEC, &(moe_gate_args){.dims = {.N = c->N, .E = c->E, .K = c->K}, .route_scale = (float)c->R, .logits = fl,
         .bias = c->bias ? fb : NULL, .tid2eid = c->tid2eid, .ids = c->ids, .idx = fidx, .weights = fw, .scores = fs});
-    moe_gate_bwd(&(moe_gate_args){.dims = {.N = c->N, .E = c->E, .K = c->K}, .route_scale = (float)c->R, .logits = fl,
+    moe_gate_bwd(CPU_EXEC, &(moe_gate_args){.dims = {.N = c->N, .E = c->E, .K = c->K}, .route_scale = (float)c->R, .logits = fl,
         .scores = fs, .idx = fidx}, &(moe_gate_grads){.dweights = fr, .dlogits = fdl});
     CHECK(memcmp(fidx, c->idx, (size_t)NK * sizeof(int32_t)) == 0, "%s: float selection differs", what);
     CHECK(rel_fd(fs, c->scores, NE) <= F32_TOL, "%s: scores float vs double", what);
@@ -746,11 +746,11 @@ static void test_moe_gate_ties(void) {
     float logits[8] = {0.5f, 1.0f, 2.0f, 1.0f, 2.0f, 1.0f, 0.1f, 2.0f};
     float scores[8], w[3];
     int32_t idx[3];
-    moe_gate_fwd(&(moe_gate_args){.dims = {.N = 1, .E = E, .K = K}, .route_scale = 1.0f, .logits = logits, .idx = idx,
+    moe_gate_fwd(CPU_EXEC, &(moe_gate_args){.dims = {.N = 1, .E = E, .K = K}, .route_scale = 1.0f, .logits = logits, .idx = idx,
         .weights = w, .scores = scores});
     CHECK(idx[0] == 2 && idx[1] == 4 && idx[2] == 7, "ties at the top: %d %d %d", idx[0], idx[1], idx[2]);
     float l2[8] = {3.0f, 1.0f, 1.0f, 0.0f, 1.0f, 1.0f, 1.0f, -1.0f};
-    moe_gate_fwd(&(moe_gate_args){.dims = {.N = 1, .E = E, .K = K}, .route_scale = 1.0f, .logits = l2, .idx = idx,
+    moe_gate_fwd(CPU_EXEC, &(moe_gate_args){.dims = {.N = 1, .E = E, .K = K}, .route_scale = 1.0f, .logits = l2, .idx = idx,
         .weights = w, .scores = scores});
     CHECK(idx[0] == 0 && idx[1] == 1 && idx[2] == 2, "ties at the boundary: %d %d %d", idx[0], idx[1], idx[2]);
     CHECK(w[1] == w[2] && fabsf(w[0] + w[1] + w[2] - 1.0f) < 1e-6f, "weights of tied experts");
@@ -880,9 +880,9 @@ static void swiglu_check(double limit) {
     memset(dg, 0, (size_t)n * sizeof(double));
     memset(du, 0, (size_t)n * sizeof(double));
     swiglu_bwd_f64(dg, du, c.r, c.g, c.u, N, I, limit);
-    swiglu_fwd(fa, fg, fu, N, I, (float)limit);
-    swiglu_bwd(fdgg, NULL, fr, fg, fu, N, I, (float)limit);
-    swiglu_bwd(NULL, fduu, fr, fg, fu, N, I, (float)limit);
+    swiglu_fwd(CPU_EXEC, fa, fg, fu, N, I, (float)limit);
+    swiglu_bwd(CPU_EXEC, fdgg, NULL, fr, fg, fu, N, I, (float)limit);
+    swiglu_bwd(CPU_EXEC, NULL, fduu, fr, fg, fu, N, I, (float)limit);
     CHECK(rel_fd(fa, c.act, n) <= F32_TOL, "swiglu fwd float vs double");
     CHECK(rel_fd(fdgg, dg, n) <= F32_TOL, "swiglu dg float vs double");
     CHECK(rel_fd(fduu, du, n) <= F32_TOL, "swiglu du float vs double");
@@ -944,12 +944,12 @@ static void test_cross_entropy(void) {
     cross_entropy_fwd_bwd_f64(&loss, &cnt, dl, c.logits, targets, N, V, c.gs);
     double floss;
     int64_t fcnt;
-    cross_entropy_fwd_bwd(&floss, &fcnt, fdl, fl, targets, N, V, 0.25f);
+    cross_entropy_fwd_bwd(CPU_EXEC, &floss, &fcnt, fdl, fl, targets, N, V, 0.25f);
     CHECK(fcnt == cnt);
     CHECK_CLOSE(floss, loss, F32_TOL, 0.0);
     CHECK(rel_fd(fdl, dl, N * V) <= F32_TOL, "cross_entropy dlogits float vs double %.3g", rel_fd(fdl, dl, N * V));
     double nl;
-    cross_entropy_fwd_bwd(&nl, &fcnt, NULL, fl, targets, N, V, 0.25f);
+    cross_entropy_fwd_bwd(CPU_EXEC, &nl, &fcnt, NULL, fl, targets, N, V, 0.25f);
     CHECK(nl == floss, "loss without gradient differs: %.17g vs %.17g", nl, floss);
     free(fl), free(fdl), free(dl), free(fd), free(zero), free(c.logits);
 }
@@ -964,9 +964,9 @@ static void test_cross_entropy_deterministic(void) {
     int64_t c1, c2;
     int saved = omp_get_max_threads();
     omp_set_num_threads(1);
-    cross_entropy_fwd_bwd(&s1, &c1, d1, l, t, N, V, 1.0f / 115);
+    cross_entropy_fwd_bwd(CPU_EXEC, &s1, &c1, d1, l, t, N, V, 1.0f / 115);
     omp_set_num_threads(2);
-    cross_entropy_fwd_bwd(&s2, &c2, d2, l, t, N, V, 1.0f / 115);
+    cross_entropy_fwd_bwd(CPU_EXEC, &s2, &c2, d2, l, t, N, V, 1.0f / 115);
     omp_set_num_threads(saved);
     CHECK(c1 == 115 && c2 == 115, "n_scored %lld %lld", (long long)c1, (long long)c2);
     CHECK(s1 == s2, "loss 1 vs 2 threads: %.17g vs %.17g", s1, s2);

@@ -35,7 +35,7 @@ typedef void (*gemm_fn)(int64_t, int64_t, int64_t, const float *, int64_t, const
                         int64_t, float);
 enum { OP_NT, OP_NN, OP_TN };
 static const char *OP_NAME[] = {"nt", "nn", "tn"};
-static gemm_fn fast_of(int op) { return op == OP_NT ? gemm_nt : op == OP_NN ? gemm_nn : gemm_tn; }
+static gemm_fn fast_of(int op) { return op == OP_NT ? cpu_gemm_nt : op == OP_NN ? cpu_gemm_nn : cpu_gemm_tn; }
 static gemm_fn bf16_ref_of(int op) {
     return op == OP_NT ? cpu_gemm_nt_bf16_ref : op == OP_NN ? cpu_gemm_nn_bf16_ref : cpu_gemm_tn_bf16_ref;
 }
@@ -109,9 +109,9 @@ static void test_bf16_rounding_values(void) {
         x[i] = f_of(u);
         want[i] = gemm_bf16_bits(x[i]);
     }
-    tensor_pack_bf16(packed, x, NV);
-    tensor_round_bf16(x, NV);
-    tensor_unpack_bf16(back, packed, NV);
+    tensor_pack_bf16(CPU_EXEC, packed, x, NV);
+    tensor_round_bf16(CPU_EXEC, x, NV);
+    tensor_unpack_bf16(CPU_EXEC, back, packed, NV);
     int64_t bad = 0;
     for (uint32_t i = 0; i < NV; i++)
         bad += packed[i] != want[i] || u_of(x[i]) != (uint32_t)want[i] << 16 || u_of(back[i]) != (uint32_t)want[i] << 16;
@@ -256,7 +256,7 @@ static void test_degenerate(void) {
             CHECK(bad == 0, "gemm_%s beta=%d: K = 0 or M, N = 0 gave the wrong C", OP_NAME[op], beta);
         }
     float a = 3, b = -2, c = 0.5f;
-    gemm_nt(1, 1, 1, &a, 1, &b, 1, &c, 1, 1.0f);
+    gemm_nt(CPU_EXEC, 1, 1, 1, &a, 1, &b, 1, &c, 1, 1.0f);
     CHECK(c == -5.5f, "1x1x1 accumulate: %g", c);
 }
 
@@ -311,11 +311,11 @@ static void test_nested_parallel(void) {
     float *A = falloc(M * K), *B = falloc(N * K), *ref = falloc(M * N), *C[2] = {falloc(M * N), falloc(M * N)};
     t_fill(A, M * K, 51, 1.0f);
     t_fill(B, N * K, 52, 1.0f);
-    gemm_nt(M, N, K, A, K, B, K, ref, N, 0);
+    gemm_nt(CPU_EXEC, M, N, K, A, K, B, K, ref, N, 0);
 #pragma omp parallel num_threads(2)
     {
         int t = omp_get_thread_num();
-        if (t < 2) gemm_nt(M, N, K, A, K, B, K, C[t], N, 0);
+        if (t < 2) gemm_nt(CPU_EXEC, M, N, K, A, K, B, K, C[t], N, 0);
     }
     for (int t = 0; t < 2; t++)
         CHECK(memcmp(ref, C[t], (size_t)(M * N) * sizeof(float)) == 0, "nested call on thread %d differs", t);
@@ -339,9 +339,9 @@ static void test_precision_switch(void) {
     float *A = falloc(M * K), *B = falloc(N * K), *c0 = falloc(M * N), *c1 = falloc(M * N), *c2 = falloc(M * N);
     t_fill(A, M * K, 31, 1.0f);
     t_fill(B, N * K, 32, 1.0f);
-    gemm_nt(M, N, K, A, K, B, K, c0, N, 0);
+    gemm_nt(CPU_EXEC, M, N, K, A, K, B, K, c0, N, 0);
     CHECK(ds4_set_matmul_precision(DS4_MATMUL_BF16) == DS4_OK, "%s", ds4_errmsg());
-    gemm_nt(M, N, K, A, K, B, K, c1, N, 0);
+    gemm_nt(CPU_EXEC, M, N, K, A, K, B, K, c1, N, 0);
     CHECK(memcmp(c0, c1, (size_t)(M * N) * sizeof(float)) != 0, "bf16 mode gave the fp32 bits");
     /* bf16 mode is the bf16 product (fp32 accumulation error only); fp32 mode is far from it (operand
      * rounding, ~2^-9 relative per operand) */
@@ -351,7 +351,7 @@ static void test_precision_switch(void) {
     CHECK(t_rel_err(c0, r, M * N) > 1e-4, "fp32 mode vs bf16 reference: %.3g", t_rel_err(c0, r, M * N));
     free(r);
     CHECK(ds4_set_matmul_precision(DS4_MATMUL_FP32) == DS4_OK);
-    gemm_nt(M, N, K, A, K, B, K, c2, N, 0);
+    gemm_nt(CPU_EXEC, M, N, K, A, K, B, K, c2, N, 0);
     CHECK(memcmp(c0, c2, (size_t)(M * N) * sizeof(float)) == 0, "fp32 bits changed after bf16 and back");
     /* fp32 mode is an fp32 kernel, not a bf16 one: within the fp32 tolerance of the fp32 reference */
     cpu_gemm_nt_ref(M, N, K, A, K, B, K, c1, N, 0);
@@ -401,13 +401,13 @@ static int64_t work_peak_of(int op, bool plan, bool reserve, const float *A, con
                             int64_t M, int64_t N, int64_t K) {
     ds4_mem_stats s0, s1;
     const ds4_exec prev = ds4_exec_enter(&(ds4_exec){.plan = plan});
-    if (reserve) gemm_workspace_reserve();
+    if (reserve) gemm_workspace_reserve(CPU_EXEC);
     ds4_mem_reset_peak();
     ds4_mem_get(&s0);
     int64_t lda = op == OP_TN ? M : K, ldb = op == OP_NT ? K : N;
     fast_of(op)(M, N, K, A, lda, B, ldb, C, N, 0.0f);
     ds4_mem_get(&s1);
-    if (reserve) gemm_workspace_release();
+    if (reserve) gemm_workspace_release(CPU_EXEC);
     ds4_exec_leave(prev);
     return s1.peak[DS4_MEM_WORK] - s0.live[DS4_MEM_WORK];
 }
@@ -465,10 +465,10 @@ static void hb_case(int op, int64_t M, int64_t N, int64_t K, int64_t pad, float 
     memcpy(C2, C1, (size_t)(M * ldc) * sizeof(float));
     uint16_t *Bh = bits_of(B, br * ldb);
     if (op == OP_NT) {
-        gemm_nt(M, N, K, A, lda, B, ldb, C1, ldc, beta);
+        gemm_nt(CPU_EXEC, M, N, K, A, lda, B, ldb, C1, ldc, beta);
         cpu_gemm_nt_hb(M, N, K, A, lda, Bh, ldb, C2, ldc, beta);
     } else {
-        gemm_nn(M, N, K, A, lda, B, ldb, C1, ldc, beta);
+        gemm_nn(CPU_EXEC, M, N, K, A, lda, B, ldb, C1, ldc, beta);
         cpu_gemm_nn_hb(M, N, K, A, lda, Bh, ldb, C2, ldc, beta);
     }
     int64_t d = differing(C1, C2, M * ldc);
@@ -510,21 +510,21 @@ static void test_bf16_weight_layers(void) {
     float *dw1 = falloc(OC * IC), *dw2 = falloc(OC * IC);
     t_fill(x, N * IC, 1, 1.0f), t_fill(w, OC * IC, 2, 0.5f), t_fill(dout, N * OC, 3, 1.0f);
     uint16_t *wh = bits_of(w, OC * IC);
-    linear_fwd(o1, x, w, N, IC, OC);
-    linear_fwd_bf16w(o2, x, wh, N, IC, OC);
+    linear_fwd(CPU_EXEC, o1, x, w, N, IC, OC);
+    linear_fwd_bf16w(CPU_EXEC, o2, x, wh, N, IC, OC);
     CHECK(differing(o1, o2, N * OC) == 0, "%s: linear_fwd_bf16w differs from linear_fwd", g_engine_name);
-    linear_bwd(dx1, dw1, dout, x, w, N, IC, OC);
-    linear_bwd_bf16w(dx2, dw2, dout, x, wh, N, IC, OC);
+    linear_bwd(CPU_EXEC, dx1, dw1, dout, x, w, N, IC, OC);
+    linear_bwd_bf16w(CPU_EXEC, dx2, dw2, dout, x, wh, N, IC, OC);
     CHECK(differing(dx1, dx2, N * IC) == 0 && differing(dw1, dw2, OC * IC) == 0,
           "%s: linear_bwd_bf16w differs from linear_bwd", g_engine_name);
     /* grouped: o [N, G, Din], w [G, R, Din], z [N, G, R] (reusing the buffers above, big enough) */
     uint16_t *gh = bits_of(w, G * R * Din);
-    grouped_linear_fwd(o1, x, w, N, G, R, Din);
-    grouped_linear_fwd_bf16w(o2, x, gh, N, G, R, Din);
+    grouped_linear_fwd(CPU_EXEC, o1, x, w, N, G, R, Din);
+    grouped_linear_fwd_bf16w(CPU_EXEC, o2, x, gh, N, G, R, Din);
     CHECK(differing(o1, o2, N * G * R) == 0, "%s: grouped_linear_fwd_bf16w differs", g_engine_name);
     memset(dx1, 0, (size_t)(N * IC) * sizeof(float)), memset(dx2, 0, (size_t)(N * IC) * sizeof(float));
-    grouped_linear_bwd(dx1, dw1, dout, x, w, N, G, R, Din);
-    grouped_linear_bwd_bf16w(dx2, dw2, dout, x, gh, N, G, R, Din);
+    grouped_linear_bwd(CPU_EXEC, dx1, dw1, dout, x, w, N, G, R, Din);
+    grouped_linear_bwd_bf16w(CPU_EXEC, dx2, dw2, dout, x, gh, N, G, R, Din);
     CHECK(differing(dx1, dx2, N * G * Din) == 0 && differing(dw1, dw2, G * R * Din) == 0,
           "%s: grouped_linear_bwd_bf16w differs", g_engine_name);
     /* two routed experts on ne rows each */
@@ -543,8 +543,8 @@ static void test_bf16_weight_layers(void) {
                            .h1 = h[0], .h3 = h[1], .act = act};
     moe_experts_args a2 = a1;
     a2.wbase = ew, a2.hcopy = eh, a2.h1 = h[2], a2.h3 = h[3];
-    moe_experts_fwd(&a1, y1);
-    moe_experts_fwd(&a2, y2);
+    moe_experts_fwd(CPU_EXEC, &a1, y1);
+    moe_experts_fwd(CPU_EXEC, &a2, y2);
     CHECK(differing(y1, y2, 2 * ne * D) == 0 && differing(h[0], h[2], 2 * ne * I) == 0,
           "%s: routed experts on bf16 copies differ", g_engine_name);
     free(ew), free(xr), free(rw), free(y1), free(y2), free(act), free(eh);

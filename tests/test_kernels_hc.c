@@ -283,9 +283,9 @@ static void test_sinkhorn_float_and_nulls(void) {
         .dmixes = dm, .dscale = ds, .dbase = db});
     float *fm = to_f(c.mixes, M), *fs = to_f(c.scale, 3), *fb = to_f(c.base, M);
     float *fpre = fbuf(4), *fpost = fbuf(4), *fcomb = fbuf(16), *fdm = fbuf(M), *fds = fbuf(3), *fdb = fbuf(M);
-    hc_split_sinkhorn_fwd(&(hc_sinkhorn_args){.n = 4, .iters = 20, .eps = 1e-6f, .mixes = fm, .scale = fs, .base = fb,
+    hc_split_sinkhorn_fwd(CPU_EXEC, &(hc_sinkhorn_args){.n = 4, .iters = 20, .eps = 1e-6f, .mixes = fm, .scale = fs, .base = fb,
         .pre = fpre, .post = fpost, .comb = fcomb});
-    hc_split_sinkhorn_bwd(&(hc_sinkhorn_args){.n = 4, .iters = 20, .eps = 1e-6f, .mixes = fm, .scale = fs, .base = fb},
+    hc_split_sinkhorn_bwd(CPU_EXEC, &(hc_sinkhorn_args){.n = 4, .iters = 20, .eps = 1e-6f, .mixes = fm, .scale = fs, .base = fb},
         &(hc_sinkhorn_grads){.dpre = to_f(c.rpre, 4), .dpost = to_f(c.rpost, 4), .dcomb = to_f(c.rcomb, 16),
         .dmixes = fdm, .dscale = fds, .dbase = fdb});
     CHECK_F32("pre", fpre, c.pre, 4);
@@ -406,7 +406,7 @@ static void test_hc_pre_float_chunks_accumulate(void) {
     /* float == double */
     float *fX = to_f(c.X, N * nD), *ffn = to_f(c.fn, M * nD), *fs = to_f(c.scale, 3), *fb = to_f(c.base, M);
     float *fy = fbuf(N * c.D), *fpost = fbuf(N * 4), *fcomb = fbuf(N * 16), *fmx = fbuf(N * M), *frs = fbuf(N);
-    hc_pre_fwd(&(hc_pre_args){.dims = {.N = N, .n = 4, .D = c.D, .iters = 20}, .hc_eps = 1e-6f, .norm_eps = 1e-6f,
+    hc_pre_fwd(CPU_EXEC, &(hc_pre_args){.dims = {.N = N, .n = 4, .D = c.D, .iters = 20}, .hc_eps = 1e-6f, .norm_eps = 1e-6f,
         .X = fX, .fn = ffn, .scale = fs, .base = fb, .y = fy, .post = fpost, .comb = fcomb, .mixes = fmx,
         .rsqrt = frs});
     CHECK_F32("y", fy, c.y, N * c.D);
@@ -415,7 +415,7 @@ static void test_hc_pre_float_chunks_accumulate(void) {
     CHECK_F32("mixes", fmx, c.mixes, N * M);
     CHECK_F32("rsqrt", frs, c.rsqrt, N);
     float *fdX = fbuf(N * nD), *fdfn = fbuf(M * nD), *fds = fbuf(3), *fdb = fbuf(M);
-    hc_pre_bwd(&(hc_pre_args){.dims = {.N = N, .n = 4, .D = c.D, .iters = 20}, .hc_eps = 1e-6f, .norm_eps = 1e-6f,
+    hc_pre_bwd(CPU_EXEC, &(hc_pre_args){.dims = {.N = N, .n = 4, .D = c.D, .iters = 20}, .hc_eps = 1e-6f, .norm_eps = 1e-6f,
         .X = fX, .fn = ffn, .scale = fs, .base = fb, .mixes = fmx, .rsqrt = frs},
         &(hc_pre_grads){.dy = to_f(c.ry, N * c.D), .dpost = to_f(c.rpost, N * 4), .dcomb = to_f(c.rcomb, N * 16),
         .dX = fdX, .dfn = fdfn, .dscale = fds, .dbase = fdb});
@@ -482,9 +482,9 @@ static void test_hc_post(void) {
     float *fx = to_f(x2, N2 * D2), *fr = to_f(r2, N2 * n * D2), *fp = to_f(p2, N2 * n), *fc = to_f(c2, N2 * n * n);
     float *fY = fbuf(N2 * n * D2), *fdx = fbuf(N2 * D2), *fdr = fbuf(N2 * n * D2), *fdp = fbuf(N2 * n);
     float *fdc = fbuf(N2 * n * n);
-    hc_post_fwd(&(hc_post_args){.dims = {.N = N2, .n = n, .D = D2}, .x = fx, .res = fr, .post = fp, .comb = fc,
+    hc_post_fwd(CPU_EXEC, &(hc_post_args){.dims = {.N = N2, .n = n, .D = D2}, .x = fx, .res = fr, .post = fp, .comb = fc,
         .Y = fY});
-    hc_post_bwd(&(hc_post_args){.dims = {.N = N2, .n = n, .D = D2}, .x = fx, .res = fr, .post = fp, .comb = fc},
+    hc_post_bwd(CPU_EXEC, &(hc_post_args){.dims = {.N = N2, .n = n, .D = D2}, .x = fx, .res = fr, .post = fp, .comb = fc},
         &(hc_post_grads){.dY = to_f(g2, N2 * n * D2), .dx = fdx, .dres = fdr, .dpost = fdp, .dcomb = fdc});
     CHECK_F32("Y", fY, Y2, N2 * n * D2);
     CHECK_F32("dx", fdx, dx2, N2 * D2);
@@ -551,12 +551,12 @@ static void test_hc_head(void) {
         &(hc_head_grads_f64){.dy = b.ry, .dX = dX2, .dfn = dfn2, .dscale = ds2, .dbase = db2});
     float *fX = to_f(b.X, N2 * nD2), *ffn = to_f(b.fn, n * nD2), *fs = to_f(b.scale, 1), *fb = to_f(b.base, n);
     float *fy = fbuf(N2 * b.D), *fmx = fbuf(N2 * n), *frs = fbuf(N2);
-    hc_head_fwd(&(hc_head_args){.dims = {.N = N2, .n = n, .D = b.D}, .hc_eps = 1e-6f, .norm_eps = 1e-6f, .X = fX,
+    hc_head_fwd(CPU_EXEC, &(hc_head_args){.dims = {.N = N2, .n = n, .D = b.D}, .hc_eps = 1e-6f, .norm_eps = 1e-6f, .X = fX,
         .fn = ffn, .scale = fs, .base = fb, .y = fy, .mixes = fmx, .rsqrt = frs});
     CHECK_F32("head y", fy, b.y, N2 * b.D);
     CHECK_F32("head mixes", fmx, b.mixes, N2 * n);
     float *fdX = fbuf(N2 * nD2), *fdfn = fbuf(n * nD2), *fds = fbuf(1), *fdb = fbuf(n);
-    hc_head_bwd(&(hc_head_args){.dims = {.N = N2, .n = n, .D = b.D}, .hc_eps = 1e-6f, .norm_eps = 1e-6f, .X = fX,
+    hc_head_bwd(CPU_EXEC, &(hc_head_args){.dims = {.N = N2, .n = n, .D = b.D}, .hc_eps = 1e-6f, .norm_eps = 1e-6f, .X = fX,
         .fn = ffn, .scale = fs, .base = fb, .mixes = fmx, .rsqrt = frs}, &(hc_head_grads){.dy = to_f(b.ry, N2 * b.D),
         .dX = fdX, .dfn = fdfn, .dscale = fds, .dbase = fdb});
     CHECK_F32("head dX", fdX, dX2, N2 * nD2);
@@ -614,9 +614,9 @@ static void cp_check(long B, long T, long r, long d, bool overlap, unsigned seed
     /* float == double */
     float *fa = to_f(c.a, B * T * C), *fz = to_f(c.z, B * T * C), *fp = to_f(c.ape, r * C), *fo = fbuf(NO);
     float *fda = fbuf(B * T * C), *fdz = fbuf(B * T * C), *fdp = fbuf(r * C);
-    compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = overlap}, .a = fa,
+    compressor_pool_fwd(CPU_EXEC, &(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = overlap}, .a = fa,
         .z = fz, .ape = fp, .out = fo});
-    compressor_pool_bwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = overlap}, .a = fa,
+    compressor_pool_bwd(CPU_EXEC, &(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = overlap}, .a = fa,
         .z = fz, .ape = fp}, &(compressor_pool_grads){.dout = to_f(c.rout, NO), .da = fda, .dz = fdz, .dape = fdp});
     CHECK_F32("pool out", fo, c.out, NO);
     CHECK_F32("pool da", fda, da, B * T * C);
@@ -689,12 +689,12 @@ static void test_deterministic_across_runs_and_threads(void) {
         ds4_set_threads(threads[run]);
         float *y = fbuf(N * D), *post = fbuf(N * n), *comb = fbuf(N * n * n), *mx = fbuf(N * M), *rs = fbuf(N);
         for (int k = 0; k < nout; k++) runs[run][k] = fbuf(sizes[k]);
-        hc_pre_fwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = 20}, .hc_eps = 1e-6f, .norm_eps = 1e-6f,
+        hc_pre_fwd(CPU_EXEC, &(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = 20}, .hc_eps = 1e-6f, .norm_eps = 1e-6f,
             .X = X, .fn = fn, .scale = sc, .base = ba, .y = y, .post = post, .comb = comb, .mixes = mx, .rsqrt = rs});
-        hc_pre_bwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = 20}, .hc_eps = 1e-6f, .norm_eps = 1e-6f,
+        hc_pre_bwd(CPU_EXEC, &(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = 20}, .hc_eps = 1e-6f, .norm_eps = 1e-6f,
             .X = X, .fn = fn, .scale = sc, .base = ba, .mixes = mx, .rsqrt = rs}, &(hc_pre_grads){.dy = dy, .dpost = dp,
             .dcomb = dc, .dX = runs[run][0], .dfn = runs[run][1], .dscale = runs[run][2], .dbase = runs[run][3]});
-        compressor_pool_bwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = true}, .a = a,
+        compressor_pool_bwd(CPU_EXEC, &(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = true}, .a = a,
             .z = z, .ape = ape}, &(compressor_pool_grads){.dout = go, .da = runs[run][4], .dz = runs[run][5],
             .dape = runs[run][6]});
     }

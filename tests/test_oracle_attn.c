@@ -171,7 +171,7 @@ static void attn_case(acfg g, unsigned seed, int fd) {
     snprintf(what, sizeof what, "sparse_attn B=%lld T=%lld H=%lld c=%lld w=%lld r=%lld Nc=%lld K=%lld topk=%d",
              (long long)g.B, (long long)g.T, (long long)g.H, (long long)g.c, (long long)g.window, (long long)g.ratio,
              (long long)g.Nc, (long long)g.K, g.use_topk);
-    sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q.f, .kv = a.kv.f,
+    sparse_attn_fwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q.f, .kv = a.kv.f,
         .kvc = a.kvc.f, .sink = a.sink.f, .topk = a.topk, .o = o.f, .lse = lse.f});
     oracle_sparse_attn_fwd(wo, wl, a.q.d, a.kv.d, a.kvc.d, a.topk, a.sink.d, ACFG_ARGS(g), a.scale);
 
@@ -189,7 +189,7 @@ static void attn_case(acfg g, unsigned seed, int fd) {
     memcpy(wdkv, dkv.d, (size_t)a.kv.n * sizeof(double));
     memcpy(wdkvc, dkvc.d, (size_t)a.kvc.n * sizeof(double));
     memcpy(wds, dsink.d, (size_t)g.H * sizeof(double));
-    sparse_attn_bwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q.f, .kv = a.kv.f,
+    sparse_attn_bwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q.f, .kv = a.kv.f,
         .kvc = a.kvc.f, .sink = a.sink.f, .topk = a.topk, .o = o.f, .lse = lse.f}, &(sparse_attn_grads){.dout = dout.f,
         .dq = dq.f, .dkv = dkv.f, .dkvc = dkvc.f, .dsink = dsink.f});
     oracle_sparse_attn_bwd(wdq, wdkv, wdkvc, wds, dout.d, a.q.d, a.kv.d, a.kvc.d, a.topk, a.sink.d, ACFG_ARGS(g),
@@ -279,7 +279,7 @@ static void topk_case(icfg g, unsigned seed, int ties) {
     oc_sync(&ki), oc_sync(&w);
     int64_t n = g.B * g.T * g.K;
     int32_t *got = malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t)), *want = malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t));
-    indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = g.B, .T = g.T, .HI = g.HI, .dI = g.dI, .Nc = g.Nc,
+    indexer_topk_fwd(CPU_EXEC, &(indexer_topk_args){.dims = {.B = g.B, .T = g.T, .HI = g.HI, .dI = g.dI, .Nc = g.Nc,
         .ratio = g.ratio, .K = g.K}, .wscale = (float)wscale, .qi = qi.f, .ki = ki.f, .w = w.f, .topk = got});
     oracle_indexer_topk(want, qi.d, ki.d, w.d, g.B, g.T, g.HI, g.dI, g.Nc, g.ratio, g.K, wscale);
     int64_t near = 0, bad = 0, selecting = 0;
@@ -362,7 +362,7 @@ static void kl_case(acfg g, int64_t HI, int64_t dI, unsigned seed, int fd) {
     const double wscale = 0.35, gs = 0.7;
     ain a = ain_make(g, seed);
     oc_buf o = oc_zero(a.q.n), lse = oc_zero(g.B * g.T * g.H);
-    sparse_attn_fwd(&(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q.f, .kv = a.kv.f,
+    sparse_attn_fwd(CPU_EXEC, &(sparse_attn_args){.dims = ACFG_DIMS(g), .scale = (float)a.scale, .q = a.q.f, .kv = a.kv.f,
         .kvc = a.kvc.f, .sink = a.sink.f, .topk = a.topk, .o = o.f, .lse = lse.f});
     oc_sync(&lse);
     oc_buf qi = oc_rand(g.B * g.T * HI * dI, seed + 20, 1.0f), ki = oc_rand(g.B * g.Nc * dI, seed + 21, 1.0f);
@@ -374,7 +374,7 @@ static void kl_case(acfg g, int64_t HI, int64_t dI, unsigned seed, int fd) {
     memcpy(wdw, dw.d, (size_t)w.n * sizeof(double));
     double kl, wkl;
     int64_t nr, wnr;
-    indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = g.B, .T = g.T, .HI = HI, .dI = dI, .Nc = g.Nc, .ratio = g.ratio,
+    indexer_kl_fwd_bwd(CPU_EXEC, &(indexer_kl_args){.dims = {.B = g.B, .T = g.T, .HI = HI, .dI = dI, .Nc = g.Nc, .ratio = g.ratio,
         .K = g.K}, .H = g.H, .c = g.c, .scale = (float)a.scale, .wscale = (float)wscale, .grad_scale = (float)gs,
         .qi = qi.f, .ki = ki.f, .w = w.f, .q = a.q.f, .kvc = a.kvc.f, .lse = lse.f, .topk = a.topk, .dqi = dqi.f,
         .dki = dki.f, .dw = dw.f, .kl_sum = &kl, .n_rows = &nr});

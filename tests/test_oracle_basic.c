@@ -56,9 +56,9 @@ static void linear_case(int64_t N, int64_t IC, int64_t OC, int64_t G, unsigned s
     double *want = oc_dalloc(nout), *tol = oc_dalloc(nout);
     double *ai = absd(inp.d, nin), *aw = absd(w.d, nw), *ag = absd(dout.d, nout);
     if (G)
-        grouped_linear_fwd(out.f, inp.f, w.f, N, G, OC, IC);
+        grouped_linear_fwd(CPU_EXEC, out.f, inp.f, w.f, N, G, OC, IC);
     else
-        linear_fwd(out.f, inp.f, w.f, N, IC, OC);
+        linear_fwd(CPU_EXEC, out.f, inp.f, w.f, N, IC, OC);
     lin_oracle_fwd(want, inp.d, w.d, &c);
     lin_oracle_fwd(tol, ai, aw, &c);
     for (int64_t i = 0; i < nout; i++) tol[i] *= (double)(IC + 2) * U_F32;
@@ -69,9 +69,9 @@ static void linear_case(int64_t N, int64_t IC, int64_t OC, int64_t G, unsigned s
     memcpy(wdi, dinp.d, (size_t)nin * sizeof(double));
     memcpy(wdw, dw.d, (size_t)nw * sizeof(double));
     if (G)
-        grouped_linear_bwd(dinp.f, dw.f, dout.f, inp.f, w.f, N, G, OC, IC);
+        grouped_linear_bwd(CPU_EXEC, dinp.f, dw.f, dout.f, inp.f, w.f, N, G, OC, IC);
     else
-        linear_bwd(dinp.f, dw.f, dout.f, inp.f, w.f, N, IC, OC);
+        linear_bwd(CPU_EXEC, dinp.f, dw.f, dout.f, inp.f, w.f, N, IC, OC);
     lin_oracle_bwd(wdi, wdw, dout.d, inp.d, w.d, &c);
     lin_oracle_bwd(tdi, tdw, ag, ai, aw, &c);
     for (int64_t i = 0; i < nin; i++) tdi[i] *= (double)(OC + 3) * U_F32;
@@ -112,13 +112,13 @@ static void test_embedding(void) {
     oc_buf table = oc_rand(V * D, 11, 1.0f), dout = oc_rand(N * D, 12, 1.0f), dtab = oc_rand(V * D, 13, 0.5f);
     oc_buf out = oc_zero(N * D);
     double *want = oc_dalloc(N * D);
-    embedding_fwd(out.f, table.f, ids, N, D);
+    embedding_fwd(CPU_EXEC, out.f, table.f, ids, N, D);
     oracle_embedding_fwd(want, table.d, ids, N, D);
     oc_check("embedding fwd (exact)", out.f, want, NULL, N * D);
 
     double *wd = oc_dalloc(V * D), *tol = absd(dtab.d, V * D), *ag = absd(dout.d, N * D);
     memcpy(wd, dtab.d, (size_t)(V * D) * sizeof(double));
-    embedding_bwd(dtab.f, dout.f, ids, N, D);
+    embedding_bwd(CPU_EXEC, dtab.f, dout.f, ids, N, D);
     oracle_embedding_bwd(wd, dout.d, ids, N, D);
     oracle_embedding_bwd(tol, ag, ids, N, D);
     for (int64_t i = 0; i < V * D; i++) tol[i] *= (double)(N + 2) * U_F32;
@@ -167,7 +167,7 @@ static void rmsnorm_case(int64_t N, int64_t D, int weighted, unsigned seed) {
     const float *wf = weighted ? w.f : NULL;
     const double *wd = weighted ? w.d : NULL;
     double *want = oc_dalloc(N * D), *r = oc_dalloc(N), *tol = oc_dalloc(N * D), *tr = oc_dalloc(N);
-    rmsnorm_fwd(y.f, rs.f, x.f, wf, N, D, (float)eps);
+    rmsnorm_fwd(CPU_EXEC, y.f, rs.f, x.f, wf, N, D, (float)eps);
     oracle_rmsnorm_fwd(want, r, x.d, wd, N, D, (double)(float)eps);
     for (int64_t n = 0; n < N; n++) {
         tr[n] = 2 * U_F32 * r[n];
@@ -179,7 +179,7 @@ static void rmsnorm_case(int64_t N, int64_t D, int weighted, unsigned seed) {
     double *wdx = oc_dalloc(N * D), *wdw = oc_dalloc(D), *tdx = oc_dalloc(N * D), *tdw = oc_dalloc(D);
     memcpy(wdx, dx.d, (size_t)(N * D) * sizeof(double));
     memcpy(wdw, dw.d, (size_t)D * sizeof(double));
-    rmsnorm_bwd(dx.f, wf ? dw.f : NULL, dy.f, x.f, wf, rs.f, N, D);
+    rmsnorm_bwd(CPU_EXEC, dx.f, wf ? dw.f : NULL, dy.f, x.f, wf, rs.f, N, D);
     oracle_rmsnorm_bwd(wdx, wd ? wdw : NULL, dy.d, x.d, wd, N, D, (double)(float)eps);
     for (int64_t j = 0; j < D; j++) tdw[j] = fabs(dw.d[j]);
     for (int64_t n = 0; n < N; n++) {
@@ -259,13 +259,13 @@ static void rope_case(int64_t N, int64_t H, int64_t hd, int64_t rd, int64_t peri
         float *xf = oc_falloc(n);
         memcpy(xf, x.f, (size_t)n * sizeof(float));
         memcpy(want, x.d, (size_t)n * sizeof(double));
-        rope_fwd(xf, &(rope_args){.N = N, .H = H, .hd = hd, .period = period, .mult = mult, .table = &tab,
+        rope_fwd(CPU_EXEC, xf, &(rope_args){.N = N, .H = H, .hd = hd, .period = period, .mult = mult, .table = &tab,
             .inverse = inverse});
         oracle_rope_fwd(want, N, H, hd, rd, period, mult, theta, inverse);
         oc_check(inverse ? "rope inverse" : "rope", xf, want, tol, n);
         memcpy(xf, x.f, (size_t)n * sizeof(float));
         memcpy(want, x.d, (size_t)n * sizeof(double));
-        rope_bwd(xf, &(rope_args){.N = N, .H = H, .hd = hd, .period = period, .mult = mult, .table = &tab,
+        rope_bwd(CPU_EXEC, xf, &(rope_args){.N = N, .H = H, .hd = hd, .period = period, .mult = mult, .table = &tab,
             .inverse = inverse});
         oracle_rope_bwd(want, N, H, hd, rd, period, mult, theta, inverse);
         oc_check(inverse ? "rope_bwd inverse" : "rope_bwd", xf, want, tol, n);
@@ -313,7 +313,7 @@ static void swiglu_case(int64_t n, double limit, unsigned seed) {
     oc_buf dg = oc_rand(n, seed + 3, 0.5f), du = oc_rand(n, seed + 4, 0.5f), act = oc_zero(n);
     double *want = oc_dalloc(n), *tol = oc_dalloc(n), *wdg = oc_dalloc(n), *wdu = oc_dalloc(n);
     double *tdg = oc_dalloc(n), *tdu = oc_dalloc(n);
-    swiglu_fwd(act.f, g.f, u.f, 1, n, (float)limit);
+    swiglu_fwd(CPU_EXEC, act.f, g.f, u.f, 1, n, (float)limit);
     oracle_swiglu_fwd(want, g.d, u.d, n, limit);
     int clamped = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -328,7 +328,7 @@ static void swiglu_case(int64_t n, double limit, unsigned seed) {
     oc_check("swiglu act", act.f, want, tol, n);
     memcpy(wdg, dg.d, (size_t)n * sizeof(double));
     memcpy(wdu, du.d, (size_t)n * sizeof(double));
-    swiglu_bwd(dg.f, du.f, dact.f, g.f, u.f, 1, n, (float)limit);
+    swiglu_bwd(CPU_EXEC, dg.f, du.f, dact.f, g.f, u.f, 1, n, (float)limit);
     oracle_swiglu_bwd(wdg, wdu, dact.d, g.d, u.d, n, limit);
     oc_check("swiglu dg", dg.f, wdg, tdg, n);
     oc_check("swiglu du", du.f, wdu, tdu, n);
@@ -382,7 +382,7 @@ static void pool_case(int64_t B, int64_t T, int64_t r, int64_t d, bool overlap, 
     double eps_e = U_F32 * (3 * vmax + 2);
     double e_out = (2 * eps_e + (2 * ns + 3) * U_F32) * amax;
     double e_dz = gmax * (e_out + (2 * eps_e + (ns + 5) * U_F32) * 2 * amax);
-    compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = overlap}, .a = a.f,
+    compressor_pool_fwd(CPU_EXEC, &(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = overlap}, .a = a.f,
         .z = z.f, .ape = ape.f, .out = out.f});
     oracle_compressor_pool_fwd(want, a.d, z.d, ape.d, B, T, r, d, overlap);
     oc_check_all(what, out.f, want, e_out, Ne * d);
@@ -397,7 +397,7 @@ static void pool_case(int64_t B, int64_t T, int64_t r, int64_t d, bool overlap, 
         tdz[i] = e_dz + U_F32 * fabs(dz.d[i]);
     }
     for (int64_t i = 0; i < dape.n; i++) tdape[i] = Ne * (e_dz + (Ne + 1) * U_F32 * gmax * 2 * amax) + U_F32 * fabs(dape.d[i]);
-    compressor_pool_bwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = overlap}, .a = a.f,
+    compressor_pool_bwd(CPU_EXEC, &(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = overlap}, .a = a.f,
         .z = z.f, .ape = ape.f}, &(compressor_pool_grads){.dout = dout.f, .da = da.f, .dz = dz.f, .dape = dape.f});
     oracle_compressor_pool_bwd(wda, wdz, wdape, dout.d, a.d, z.d, ape.d, B, T, r, d, overlap);
     oc_check("compressor_pool da", da.f, wda, tda, da.n);
@@ -478,7 +478,7 @@ static void gate_case(int64_t N, int64_t E, int64_t K, int hash, int with_bias, 
     int32_t *idx = malloc((size_t)(N * K) * sizeof(int32_t)), *widx = malloc((size_t)(N * K) * sizeof(int32_t));
     oc_buf wts = oc_zero(N * K), sc = oc_zero(N * E);
     double *ww = oc_dalloc(N * K), *ws = oc_dalloc(N * E);
-    moe_gate_fwd(&(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)R, .logits = logits.f,
+    moe_gate_fwd(CPU_EXEC, &(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)R, .logits = logits.f,
         .bias = bf, .tid2eid = tab, .ids = ids, .idx = idx, .weights = wts.f, .scores = sc.f});
     oracle_moe_gate_fwd(widx, ww, ws, logits.d, bd, tab, ids, N, E, K, R);
     double *ts = oc_dalloc(N * E);
@@ -532,7 +532,7 @@ static void gate_case(int64_t N, int64_t E, int64_t K, int hash, int with_bias, 
             tdl[n * E + e] += (2 * K + 24) * U_F32 * R / S * (fabs(dwt.d[n * K + k]) + adw) * dsdl;
         }
     }
-    moe_gate_bwd(&(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)R, .logits = logits.f,
+    moe_gate_bwd(CPU_EXEC, &(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)R, .logits = logits.f,
         .scores = sc.f, .idx = idx}, &(moe_gate_grads){.dweights = dwt.f, .dlogits = dl.f});
     oracle_moe_gate_bwd(wdl, dwt.d, logits.d, idx, N, E, K, R);
     oc_check("moe_gate dlogits", dl.f, wdl, tdl, N * E);
@@ -584,7 +584,7 @@ static void test_cross_entropy(void) {
     int32_t t[7] = {3, -1, 5, 36, 37, 0, 6}; /* −1 and V: not scored */
     double loss, wloss, *wdl = oc_dalloc(N * V), *tol = oc_dalloc(N * V);
     int64_t ns, wns;
-    cross_entropy_fwd_bwd(&loss, &ns, dl.f, l.f, t, N, V, gs);
+    cross_entropy_fwd_bwd(CPU_EXEC, &loss, &ns, dl.f, l.f, t, N, V, gs);
     oracle_cross_entropy(&wloss, &wns, wdl, l.d, t, N, V, gs);
     CHECK(ns == wns && ns == 5, "cross_entropy scored %lld rows, oracle %lld (5 expected)", (long long)ns, (long long)wns);
     double tl = 0;

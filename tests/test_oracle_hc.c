@@ -59,7 +59,7 @@ static void sinkhorn_case(int64_t n, int64_t iters, float amp, unsigned seed) {
     oc_buf dpre = oc_rand(n, seed + 3, 1.0f), dpost = oc_rand(n, seed + 4, 1.0f), dcomb = oc_rand(nn, seed + 5, 1.0f);
     oc_buf dmix = oc_rand(M, seed + 6, 0.5f), dsc = oc_rand(3, seed + 7, 0.5f), dbase = oc_rand(M, seed + 8, 0.5f);
     double wpre[8], wpost[8], wcomb[64], tp[8], tq[8], tc[64];
-    hc_split_sinkhorn_fwd(&(hc_sinkhorn_args){.n = n, .iters = iters, .eps = (float)eps, .mixes = mixes.f,
+    hc_split_sinkhorn_fwd(CPU_EXEC, &(hc_sinkhorn_args){.n = n, .iters = iters, .eps = (float)eps, .mixes = mixes.f,
         .scale = scale.f, .base = base.f, .pre = pre.f, .post = post.f, .comb = comb.f});
     oracle_hc_sinkhorn_fwd(wpre, wpost, wcomb, mixes.d, scale.d, base.d, n, iters, eps);
     double Lmax = comb_logit_max(mixes.d, scale.d, base.d, n), ec = sk_fwd_rel(n, iters, Lmax);
@@ -81,7 +81,7 @@ static void sinkhorn_case(int64_t n, int64_t iters, float amp, unsigned seed) {
     memcpy(wdm, dmix.d, (size_t)M * sizeof(double));
     memcpy(wdb, dbase.d, (size_t)M * sizeof(double));
     memcpy(wds, dsc.d, 3 * sizeof(double));
-    hc_split_sinkhorn_bwd(&(hc_sinkhorn_args){.n = n, .iters = iters, .eps = (float)eps, .mixes = mixes.f,
+    hc_split_sinkhorn_bwd(CPU_EXEC, &(hc_sinkhorn_args){.n = n, .iters = iters, .eps = (float)eps, .mixes = mixes.f,
         .scale = scale.f, .base = base.f}, &(hc_sinkhorn_grads){.dpre = dpre.f, .dpost = dpost.f, .dcomb = dcomb.f,
         .dmixes = dmix.f, .dscale = dsc.f, .dbase = dbase.f});
     oracle_hc_sinkhorn_bwd(wdm, wds, wdb, dpre.d, dpost.d, dcomb.d, mixes.d, scale.d, base.d, n, iters, eps);
@@ -194,12 +194,12 @@ static void hc_pre_head_case(int64_t N, int64_t n, int64_t D, int64_t iters, int
     snprintf(what, sizeof what, "%s N=%lld n=%lld D=%lld iters=%lld", head ? "hc_head" : "hc_pre", (long long)N,
              (long long)n, (long long)D, (long long)iters);
     if (head) {
-        hc_head_fwd(&(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)hc_eps,
+        hc_head_fwd(CPU_EXEC, &(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)hc_eps,
             .norm_eps = (float)norm_eps, .X = X.f, .fn = fn.f, .scale = scale.f, .base = base.f, .y = y.f,
             .mixes = mixes.f, .rsqrt = rs.f});
         oracle_hc_head_fwd(wy, X.d, fn.d, scale.d, base.d, N, n, D, hc_eps, norm_eps);
     } else {
-        hc_pre_fwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = iters}, .hc_eps = (float)hc_eps,
+        hc_pre_fwd(CPU_EXEC, &(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = iters}, .hc_eps = (float)hc_eps,
             .norm_eps = (float)norm_eps, .X = X.f, .fn = fn.f, .scale = scale.f, .base = base.f, .y = y.f,
             .post = post.f, .comb = comb.f, .mixes = mixes.f, .rsqrt = rs.f});
         oracle_hc_pre_fwd(wy, wpost, wcomb, wmix, wr, X.d, fn.d, scale.d, base.d, N, n, D, iters, hc_eps, norm_eps);
@@ -275,12 +275,12 @@ static void hc_pre_head_case(int64_t N, int64_t n, int64_t D, int64_t iters, int
     memcpy(wds, dsc.d, (size_t)nsc * sizeof(double));
     memcpy(wdb, dbase.d, (size_t)M * sizeof(double));
     if (head) {
-        hc_head_bwd(&(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)hc_eps,
+        hc_head_bwd(CPU_EXEC, &(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)hc_eps,
             .norm_eps = (float)norm_eps, .X = X.f, .fn = fn.f, .scale = scale.f, .base = base.f, .mixes = mixes.f,
             .rsqrt = rs.f}, &(hc_head_grads){.dy = dy.f, .dX = dX.f, .dfn = dfn.f, .dscale = dsc.f, .dbase = dbase.f});
         oracle_hc_head_bwd(wdX, wdfn, wds, wdb, dy.d, X.d, fn.d, scale.d, base.d, N, n, D, hc_eps, norm_eps);
     } else {
-        hc_pre_bwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = iters}, .hc_eps = (float)hc_eps,
+        hc_pre_bwd(CPU_EXEC, &(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = iters}, .hc_eps = (float)hc_eps,
             .norm_eps = (float)norm_eps, .X = X.f, .fn = fn.f, .scale = scale.f, .base = base.f, .mixes = mixes.f,
             .rsqrt = rs.f}, &(hc_pre_grads){.dy = dy.f, .dpost = dpost.f, .dcomb = dcomb.f, .dX = dX.f, .dfn = dfn.f,
             .dscale = dsc.f, .dbase = dbase.f});
@@ -366,7 +366,7 @@ static void hc_post_case(int64_t N, int64_t n, int64_t D, unsigned seed) {
     double *wY = oc_dalloc(N * nD), *tY = oc_dalloc(N * nD);
     double *ax = abs_copy(x.d, x.n), *ares = abs_copy(res.d, res.n), *apost = abs_copy(post.d, post.n);
     double *acomb = abs_copy(comb.d, comb.n), *adY = abs_copy(dY.d, dY.n);
-    hc_post_fwd(&(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = x.f, .res = res.f, .post = post.f,
+    hc_post_fwd(CPU_EXEC, &(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = x.f, .res = res.f, .post = post.f,
         .comb = comb.f, .Y = Y.f});
     oracle_hc_post_fwd(wY, x.d, res.d, post.d, comb.d, N, n, D);
     oracle_hc_post_fwd(tY, ax, ares, apost, acomb, N, n, D);
@@ -379,7 +379,7 @@ static void hc_post_case(int64_t N, int64_t n, int64_t D, unsigned seed) {
         w[k] = oc_dalloc(g[k]->n), t[k] = abs_copy(g[k]->d, g[k]->n);
         memcpy(w[k], g[k]->d, (size_t)g[k]->n * sizeof(double));
     }
-    hc_post_bwd(&(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = x.f, .res = res.f, .post = post.f,
+    hc_post_bwd(CPU_EXEC, &(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = x.f, .res = res.f, .post = post.f,
         .comb = comb.f}, &(hc_post_grads){.dY = dY.f, .dx = dx.f, .dres = dres.f, .dpost = dpost.f, .dcomb = dcomb.f});
     oracle_hc_post_bwd(w[0], w[1], w[2], w[3], dY.d, x.d, res.d, post.d, comb.d, N, n, D);
     oracle_hc_post_bwd(t[0], t[1], t[2], t[3], adY, ax, ares, apost, acomb, N, n, D);

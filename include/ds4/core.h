@@ -136,8 +136,15 @@ void ds4_mem_reset_peak(void);    /* peaks := current live (both tiers) */
  * behind it, and no tensor data is read or written. Made by whoever starts the work (the trainer,
  * memplan) and passed down: the train state (ds4/trainer.h) gets it when opened, the optimizer and FSDP
  * read it from what they are given (the AdamW state, a plan communicator). */
+typedef struct ds4_stream ds4_stream; /* a backend's queue of ops (NULL: its default; the cpu runs ops inline) */
+struct ds4_kernel_backend;            /* a kernel backend's table (src/kernels/backend.h) */
 typedef struct {
     bool plan;
+    /* The backend the work runs on (NULL: cpu); in a plan, the backend planned for: the kernels then run
+     * that backend's plan twin, which counts the workspace it would allocate. Chosen by name
+     * (ds4_backend_find: training.device, --device). */
+    const struct ds4_kernel_backend *backend;
+    ds4_stream *stream; /* the queue every op of this context goes to (NULL: the backend's default) */
 } ds4_exec;
 
 /* The allocator serves one context at a time (plan: counted, not backed). ds4_exec_enter makes x the

@@ -247,7 +247,7 @@ ds4_status ds4_newton_schulz(float *x, int64_t rows, int64_t cols, const ds4_ns_
                              bool plan);
 
 /* Peak fp32 FLOP/s of this machine with the given threads, measured on the model's GEMM (~0.3 s). */
-double ds4_probe_peak_flops(void);
+double ds4_probe_peak_flops(const ds4_exec *ex);
 
 /* ------------------------------------------------------------------ units (for policies and reports) */
 const char *ds4_unit_name(int unit);  /* "hc_pre_attn", "attn_norm", ..., "hc_post_ffn" */

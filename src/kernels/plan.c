@@ -1,31 +1,29 @@
-/* The plan backend: what the kernels do while memplan plans a step (a plan context). Tensors have no
- * memory behind them then, so no entry touches data. The entries that allocate workspace in the cpu
- * backend (GEMM packing buffers, attention and indexer scratch) are that backend's workspace mirrors
- * (cpu/cpu.h): same bytes, allocated and freed in the same order, so a plan counts what a real step
- * allocates, byte for byte. moe_expert_counts gives balanced routing's counts, which size expert
- * parallelism's rows in a plan. Every other entry is NULL: the kernels.h wrapper does nothing. */
+/* The plan backend: what the kernels do while memplan plans a step on the cpu backend (a plan context).
+ * Tensors have no memory behind them then, so no entry touches data. The ops marked MIRROR in ops.def
+ * allocate workspace in the cpu backend (GEMM packing buffers, attention and indexer scratch); their entry
+ * here is that kernel's workspace mirror (cpu/cpu.h, cpu_<op>_plan): same bytes, allocated and freed in the
+ * same order, so a plan counts what a real step allocates, byte for byte. moe_expert_counts gives balanced
+ * routing's counts, which size expert parallelism's rows in a plan. The SKIP ops have no entry: their
+ * wrapper does nothing. */
 #include "kernels/cpu/cpu.h"
 
-static const ds4_kernel_backend k_plan = {
+/* Releasing the GEMM workspace is the same in a plan: it frees what the mirror reserved. */
+static void cpu_gemm_workspace_release_plan(void) { cpu_gemm_workspace_release(); }
+
+#define PLAN_ENTRY_MIRROR(name, params, args) \
+    static void plan_entry_##name params { (void)ex; cpu_##name##_plan(DS4_DROP_FIRST args); }
+#define PLAN_ENTRY_SKIP(name, params, args)
+#define DS4_OP(name, plan, params, args) PLAN_ENTRY_##plan(name, params, args)
+#define DS4_QUERY(name, plan, type, absent, params, args) PLAN_ENTRY_##plan(name, params, args)
+#include "kernels/ops.def"
+
+#define PLAN_INIT_MIRROR(name) .name = plan_entry_##name,
+#define PLAN_INIT_SKIP(name)
+const ds4_kernel_backend ds4_kernel_backend_plan_table = {
     .name = "plan",
-    .gemm_nt = cpu_gemm_nt_plan,
-    .gemm_nn = cpu_gemm_nn_plan,
-    .gemm_tn = cpu_gemm_tn_plan,
-    .gemm_workspace_reserve = cpu_gemm_workspace_reserve_plan,
-    .gemm_workspace_release = cpu_gemm_workspace_release,
-    .linear_fwd = cpu_linear_fwd_plan,
-    .linear_bwd = cpu_linear_bwd_plan,
-    .grouped_linear_fwd = cpu_grouped_linear_fwd_plan,
-    .grouped_linear_bwd = cpu_grouped_linear_bwd_plan,
-    .linear_fwd_bf16w = cpu_linear_fwd_bf16w_plan,
-    .linear_bwd_bf16w = cpu_linear_bwd_bf16w_plan,
-    .grouped_linear_fwd_bf16w = cpu_grouped_linear_fwd_bf16w_plan,
-    .grouped_linear_bwd_bf16w = cpu_grouped_linear_bwd_bf16w_plan,
-    .sparse_attn_fwd = cpu_sparse_attn_fwd_plan,
-    .sparse_attn_bwd = cpu_sparse_attn_bwd_plan,
-    .indexer_topk_fwd = cpu_indexer_topk_fwd_plan,
-    .indexer_kl_fwd_bwd = cpu_indexer_kl_fwd_bwd_plan,
-    .moe_expert_counts = cpu_moe_expert_counts_plan, /* a plan routes as moe_force_balance does */
+#define DS4_OP(name, plan, params, args) PLAN_INIT_##plan(name)
+#define DS4_QUERY(name, plan, type, absent, params, args) PLAN_INIT_##plan(name)
+#include "kernels/ops.def"
 };
 
-const ds4_kernel_backend *ds4_kernel_backend_plan(void) { return &k_plan; }
+const ds4_kernel_backend *ds4_kernel_backend_plan(void) { return &ds4_kernel_backend_plan_table; }

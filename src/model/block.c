@@ -65,7 +65,7 @@ static ds4_status indexer_kl_forward_only(const block_ctx *bc, block_acts *a, do
     double kl = 0;
     int64_t rows = 0;
     const int64_t oom = ds4_alloc_failures();
-    indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = bc->B, .T = bc->T, .HI = c->index_n_heads,
+    indexer_kl_fwd_bwd(&bc->m->exec, &(indexer_kl_args){.dims = {.B = bc->B, .T = bc->T, .HI = c->index_n_heads,
         .dI = c->index_head_dim, .Nc = a->Nc, .ratio = 4, .K = sel ? c->index_topk : 0}, .H = c->n_heads,
         .c = c->head_dim, .scale = attn_scale(c), .wscale = indexer_wscale(c), .grad_scale = 0.0f,
         .qi = F32(U_INDEXER, IDX_QI), .ki = KEYS_F32(U_INDEXER, IDX_CMP + CMP_OUT),
@@ -82,7 +82,7 @@ static ds4_status indexer_kl_forward_only(const block_ctx *bc, block_acts *a, do
 static ds4_status after_unit(const block_ctx *bc, block_acts *a, unit_id u, int64_t *expert_load, double *kl_sum,
                              int64_t *kl_rows) {
     if (u == U_SPARSE_ATTN && a->ratio == 4 && !bc->keep) return indexer_kl_forward_only(bc, a, kl_sum, kl_rows);
-    if (u == U_ROUTER && expert_load) moe_expert_load(expert_load, I64(U_ROUTER, RT_EOFF), bc->m->cfg.n_routed_experts);
+    if (u == U_ROUTER && expert_load) moe_expert_load(&bc->m->exec, expert_load, I64(U_ROUTER, RT_EOFF), bc->m->cfg.n_routed_experts);
     return DS4_OK;
 }
 

@@ -236,7 +236,7 @@ void act_free_after_bwd(block_acts *a, int step);
 void block_acts_free(block_acts *a);
 /* Mixed precision: *buf [n] (DS4_MEM_ACT) replaced by its bf16 form (to_bf16: 2-byte bits of values already
  * rounded, exact) or widened back to floats; the old buffer is freed. DS4_ERR_OOM (no message) leaves it. */
-ds4_status act_convert_bf16(void **buf, int64_t n, bool to_bf16);
+ds4_status act_convert_bf16(const ds4_exec *ex, void **buf, int64_t n, bool to_bf16);
 /* Bytes held by one unit's outputs. */
 int64_t act_unit_bytes(const block_acts *a, unit_id u);
 

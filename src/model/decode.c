@@ -168,7 +168,7 @@ ds4_status ds4_decoder_step(ds4_decoder *dec, int32_t token, float *logits_out) 
     const int threads = ds4_get_threads();
     if (dec->serial) ds4_set_threads(1);
     /* embedding into n identical streams: X [n, D] */
-    embedding_fwd(dec->X, m->w.embed, &token, 1, D);
+    embedding_fwd(&m->exec, dec->X, m->w.embed, &token, 1, D);
     for (int64_t k = 1; k < n; k++) memcpy(dec->X + k * D, dec->X, (size_t)D * sizeof(float));
     ds4_status st = DS4_OK;
     for (int64_t l = 0; l < c->n_layers && st == DS4_OK; l++) {
@@ -179,10 +179,10 @@ ds4_status ds4_decoder_step(ds4_decoder *dec, int32_t token, float *logits_out) 
     }
     /* hc_head → norm → head */
     if (st == DS4_OK) {
-        hc_head_fwd(&(hc_head_args){.dims = {.N = 1, .n = n, .D = D}, .hc_eps = (float)c->hc_eps,
+        hc_head_fwd(&m->exec, &(hc_head_args){.dims = {.N = 1, .n = n, .D = D}, .hc_eps = (float)c->hc_eps,
             .norm_eps = (float)c->norm_eps, .X = dec->X, .fn = m->w.hc_head_fn, .scale = m->w.hc_head_scale,
             .base = m->w.hc_head_base, .y = dec->hy, .mixes = dec->hmix, .rsqrt = dec->hrsqrt});
-        rmsnorm_fwd(dec->hyn, dec->hrstd, dec->hy, m->w.norm, 1, D, (float)c->norm_eps);
+        rmsnorm_fwd(&m->exec, dec->hyn, dec->hrstd, dec->hy, m->w.norm, 1, D, (float)c->norm_eps);
         model_linear_fwd(m, logits_out, dec->hyn, m->w.head, 1, D, c->vocab_size); // [V]
     }
     if (dec->serial) ds4_set_threads(threads);

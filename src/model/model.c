@@ -233,11 +233,11 @@ static size_t stream_bytes(const ds4_pass *p, int64_t l) {
  * block, the head and every replay read the same values) and held as bf16 between a block's forward and
  * its backward. */
 static void stream_round(ds4_pass *p, int64_t l) {
-    if (p->opts.bf16_acts) tensor_round_bf16(p->X[l], stream_numel(p));
+    if (p->opts.bf16_acts) tensor_round_bf16(&p->m->exec, p->X[l], stream_numel(p));
 }
 
 static ds4_status stream_convert(ds4_pass *p, int64_t l, bool to_bf16) {
-    if (act_convert_bf16((void **)&p->X[l], stream_numel(p), to_bf16) != DS4_OK)
+    if (act_convert_bf16(&p->m->exec, (void **)&p->X[l], stream_numel(p), to_bf16) != DS4_OK)
         return ds4_fail(DS4_ERR_OOM, "out of memory converting layer %lld's input stream", (long long)l);
     p->X_bf16[l] = to_bf16;
     stream_rebind(p, l);
@@ -280,7 +280,7 @@ static ds4_status finish_backward(ds4_pass *p, int64_t group) {
     const ds4_config *c = &p->m->cfg;
     int64_t l = group == group_mtp(c) ? c->n_layers : group - 1;
     if (l >= 0 && l < n_blocks(c) && group != group_head(c) && p->m->g.blocks[l].gate_bias)
-        tensor_zero(p->m->g.blocks[l].gate_bias, (size_t)c->n_routed_experts * sizeof(float));
+        tensor_zero(&p->m->exec, p->m->g.blocks[l].gate_bias, (size_t)c->n_routed_experts * sizeof(float));
     ds4_status st = grad_end(p, group);
     drop(p, group);
     return st;
@@ -301,14 +301,14 @@ static ds4_status head_fwd(ds4_pass *p, head_acts *h, const float *X, const floa
     h->targets = ds4_alloc(DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
     if (!h->mixes || !h->rsqrt || !h->y || !h->rstd || !h->yn || !h->logits || !h->targets)
         return ds4_fail(DS4_ERR_OOM, "out of memory in the head forward");
-    hc_head_fwd(&(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)c->hc_eps,
+    hc_head_fwd(&p->m->exec, &(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)c->hc_eps,
         .norm_eps = (float)c->norm_eps, .X = X, .fn = fn, .scale = scale, .base = base, .y = h->y, .mixes = h->mixes,
         .rsqrt = h->rsqrt});
-    rmsnorm_fwd(h->yn, h->rstd, h->y, normw, N, D, (float)c->norm_eps);
+    rmsnorm_fwd(&p->m->exec, h->yn, h->rstd, h->y, normw, N, D, (float)c->norm_eps);
     model_linear_fwd(m, h->logits, h->yn, m->w.head, N, D, V);
     /* position t predicts ids[t + shift] */
-    shift_ids(h->targets, p->ids, p->B, p->T, shift, -1);
-    cross_entropy_fwd_bwd(&h->loss_sum, &h->n_scored, NULL, h->logits, h->targets, N, V, 0.0f);
+    shift_ids(&p->m->exec, h->targets, p->ids, p->B, p->T, shift, -1);
+    cross_entropy_fwd_bwd(&p->m->exec, &h->loss_sum, &h->n_scored, NULL, h->logits, h->targets, N, V, 0.0f);
     return DS4_OK;
 }
 
@@ -330,10 +330,10 @@ static ds4_status head_bwd(ds4_pass *p, head_acts *h, const float *X, float *dX,
     double ls;
     int64_t ns;
     float gscale = h->n_scored > 0 ? (float)(weight / (double)h->n_scored) : 0.0f;
-    cross_entropy_fwd_bwd(&ls, &ns, dlogits, h->logits, h->targets, N, V, gscale);
+    cross_entropy_fwd_bwd(&p->m->exec, &ls, &ns, dlogits, h->logits, h->targets, N, V, gscale);
     model_linear_bwd(m, dyn, m->g.head, dlogits, h->yn, m->w.head, N, D, V);
-    rmsnorm_bwd(dy, g_norm, dyn, h->y, normw, h->rstd, N, D);
-    hc_head_bwd(&(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)c->hc_eps,
+    rmsnorm_bwd(&p->m->exec, dy, g_norm, dyn, h->y, normw, h->rstd, N, D);
+    hc_head_bwd(&p->m->exec, &(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)c->hc_eps,
         .norm_eps = (float)c->norm_eps, .X = X, .fn = fn, .scale = scale, .base = base, .mixes = h->mixes,
         .rsqrt = h->rsqrt}, &(hc_head_grads){.dy = dy, .dX = dX, .dfn = g_fn, .dscale = g_scale, .dbase = g_base});
 done:
@@ -361,12 +361,12 @@ static ds4_status mtp_input_fwd(ds4_pass *p) {
         ds4_free(ep);
         return ds4_fail(DS4_ERR_OOM, "out of memory in the MTP input");
     }
-    embedding_fwd(p->m_e, m->w.embed, p->ids_next, N, D);
-    rmsnorm_fwd(p->m_en, p->m_en_rstd, p->m_e, m->w.enorm, N, D, eps);
+    embedding_fwd(&p->m->exec, p->m_e, m->w.embed, p->ids_next, N, D);
+    rmsnorm_fwd(&p->m->exec, p->m_en, p->m_en_rstd, p->m_e, m->w.enorm, N, D, eps);
     model_linear_fwd(m, ep, p->m_en, m->w.e_proj, N, D, D);
-    rmsnorm_fwd(p->m_hn, p->m_hn_rstd, p->X[c->n_layers], m->w.hnorm, N * n, D, eps);
+    rmsnorm_fwd(&p->m->exec, p->m_hn, p->m_hn_rstd, p->X[c->n_layers], m->w.hnorm, N * n, D, eps);
     model_linear_fwd(m, p->m_X0, p->m_hn, m->w.h_proj, N * n, D, D);
-    streams_add(p->m_X0, ep, N, n, D);
+    streams_add(&p->m->exec, p->m_X0, ep, N, n, D);
     ds4_free(ep);
     return DS4_OK;
 }
@@ -385,12 +385,12 @@ static ds4_status mtp_input_bwd(ds4_pass *p, const float *dX0, float *dXL) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory in the MTP input backward");
         goto done;
     }
-    streams_sum(dep, dX0, N, n, D);
+    streams_sum(&p->m->exec, dep, dX0, N, n, D);
     model_linear_bwd(m, den, m->g.e_proj, dep, p->m_en, m->w.e_proj, N, D, D);
-    rmsnorm_bwd(de, m->g.enorm, den, p->m_e, m->w.enorm, p->m_en_rstd, N, D);
-    embedding_bwd(m->g.embed, de, p->ids_next, N, D);
+    rmsnorm_bwd(&p->m->exec, de, m->g.enorm, den, p->m_e, m->w.enorm, p->m_en_rstd, N, D);
+    embedding_bwd(&p->m->exec, m->g.embed, de, p->ids_next, N, D);
     model_linear_bwd(m, dhn, m->g.h_proj, dX0, p->m_hn, m->w.h_proj, N * n, D, D);
-    rmsnorm_bwd(dXL, m->g.hnorm, dhn, p->X[c->n_layers], m->w.hnorm, p->m_hn_rstd, N * n, D);
+    rmsnorm_bwd(&p->m->exec, dXL, m->g.hnorm, dhn, p->X[c->n_layers], m->w.hnorm, p->m_hn_rstd, N * n, D);
 done:
     ds4_free(dep);
     ds4_free(den);
@@ -499,8 +499,8 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
         st = ds4_fail(DS4_ERR_OOM, "out of memory starting the forward pass");
         goto fail;
     }
-    shift_ids(p->ids, ids, B, T, 0, 0);
-    shift_ids(p->ids_next, ids, B, T, 1, 0);
+    shift_ids(&m->exec, p->ids, ids, B, T, 0, 0);
+    shift_ids(&m->exec, p->ids_next, ids, B, T, 1, 0);
 
     /* embedding into n identical streams: X0 [N, n, D] */
     p->X[0] = pass_alloc(N * n * D);
@@ -509,9 +509,9 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
         goto fail;
     }
     if ((st = gather_fwd(p, 0, 0)) != DS4_OK) goto fail;
-    embedding_fwd(p->X[0], m->w.embed, p->ids, N, D);
+    embedding_fwd(&m->exec, p->X[0], m->w.embed, p->ids, N, D);
     drop(p, 0);
-    streams_expand(p->X[0], N, n, D);
+    streams_expand(&m->exec, p->X[0], N, n, D);
     stream_round(p, 0);
     /* blocks */
     for (int64_t l = 0; l < c->n_layers && st == DS4_OK; l++) {
@@ -597,8 +597,8 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
         float *de = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
         if (!de) st = ds4_fail(DS4_ERR_OOM, "out of memory in embedding backward");
         else {
-            streams_sum(de, dX, N, n, D);
-            embedding_bwd(m->g.embed, de, p->ids, N, D);
+            streams_sum(&m->exec, de, dX, N, n, D);
+            embedding_bwd(&m->exec, m->g.embed, de, p->ids, N, D);
             ds4_free(de);
             st = grad_end(p, 0);
         }

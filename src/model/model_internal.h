@@ -65,26 +65,26 @@ static inline const uint16_t *weight_bf16(const ds4_model *m, const float *w) {
 static inline void model_linear_fwd(const ds4_model *m, float *out, const float *inp, const float *w, int64_t N,
                                     int64_t IC, int64_t OC) {
     const uint16_t *h = weight_bf16(m, w);
-    if (h) linear_fwd_bf16w(out, inp, h, N, IC, OC);
-    else linear_fwd(out, inp, w, N, IC, OC);
+    if (h) linear_fwd_bf16w(&m->exec, out, inp, h, N, IC, OC);
+    else linear_fwd(&m->exec, out, inp, w, N, IC, OC);
 }
 static inline void model_linear_bwd(const ds4_model *m, float *dinp, float *dw, const float *dout, const float *inp,
                                     const float *w, int64_t N, int64_t IC, int64_t OC) {
     const uint16_t *h = weight_bf16(m, w);
-    if (h) linear_bwd_bf16w(dinp, dw, dout, inp, h, N, IC, OC);
-    else linear_bwd(dinp, dw, dout, inp, w, N, IC, OC);
+    if (h) linear_bwd_bf16w(&m->exec, dinp, dw, dout, inp, h, N, IC, OC);
+    else linear_bwd(&m->exec, dinp, dw, dout, inp, w, N, IC, OC);
 }
 static inline void model_grouped_linear_fwd(const ds4_model *m, float *z, const float *o, const float *w, int64_t N,
                                             int64_t G, int64_t R, int64_t Din) {
     const uint16_t *h = weight_bf16(m, w);
-    if (h) grouped_linear_fwd_bf16w(z, o, h, N, G, R, Din);
-    else grouped_linear_fwd(z, o, w, N, G, R, Din);
+    if (h) grouped_linear_fwd_bf16w(&m->exec, z, o, h, N, G, R, Din);
+    else grouped_linear_fwd(&m->exec, z, o, w, N, G, R, Din);
 }
 static inline void model_grouped_linear_bwd(const ds4_model *m, float *do_, float *dw, const float *dz, const float *o,
                                             const float *w, int64_t N, int64_t G, int64_t R, int64_t Din) {
     const uint16_t *h = weight_bf16(m, w);
-    if (h) grouped_linear_bwd_bf16w(do_, dw, dz, o, h, N, G, R, Din);
-    else grouped_linear_bwd(do_, dw, dz, o, w, N, G, R, Din);
+    if (h) grouped_linear_bwd_bf16w(&m->exec, do_, dw, dz, o, h, N, G, R, Din);
+    else grouped_linear_bwd(&m->exec, do_, dw, dz, o, w, N, G, R, Din);
 }
 
 /* Parameter groups (ds4/model.h): embed, layers, head, MTP. */

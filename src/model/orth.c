@@ -13,12 +13,13 @@ static void transpose(const float *x, int64_t r, int64_t c, float *out) {
 }
 
 /* One iteration on x [r, c] (r <= c): A = x·xᵀ [r, r], B = b·A + c·A·A [r, r], x = a·x + B·x. */
-static void ns_iteration(float *x, int64_t r, int64_t c, ds4_ns_coef k, float *A, float *B, float *y) {
-    gemm_nt(r, r, c, x, c, x, c, A, r, 0.0f);
-    gemm_nn(r, r, r, A, r, A, r, B, r, 0.0f);
+static void ns_iteration(const ds4_exec *ex, float *x, int64_t r, int64_t c, ds4_ns_coef k, float *A, float *B,
+                         float *y) {
+    gemm_nt(ex, r, r, c, x, c, x, c, A, r, 0.0f);
+    gemm_nn(ex, r, r, r, A, r, A, r, B, r, 0.0f);
 #pragma omp parallel for if (r * r >= 1 << 16) schedule(static)
     for (int64_t i = 0; i < r * r; i++) B[i] = k.b * A[i] + k.c * B[i];
-    gemm_nn(r, c, r, B, r, x, c, y, c, 0.0f);
+    gemm_nn(ex, r, c, r, B, r, x, c, y, c, 0.0f);
 #pragma omp parallel for if (r * c >= 1 << 16) schedule(static)
     for (int64_t i = 0; i < r * c; i++) x[i] = k.a * x[i] + y[i];
 }
@@ -44,10 +45,11 @@ ds4_status ds4_newton_schulz(float *x, int64_t rows, int64_t cols, const ds4_ns_
     ds4_status st = A && B && y && t ? DS4_OK
                                      : ds4_fail(DS4_ERR_OOM, "newton-schulz: out of memory for a %lld x %lld matrix",
                                                 (long long)rows, (long long)cols);
+    const ds4_exec ex = {.plan = plan}; /* the cpu backend (the optimizer holds no context of its own yet) */
     if (st == DS4_OK && !plan) {
         if (tall) transpose(x, rows, cols, t);
         normalize(t, r * c, eps);
-        for (int64_t i = 0; i < iters; i++) ns_iteration(t, r, c, coef[i], A, B, y);
+        for (int64_t i = 0; i < iters; i++) ns_iteration(&ex, t, r, c, coef[i], A, B, y);
         if (tall) transpose(t, r, c, x);
     }
     ds4_free(A);

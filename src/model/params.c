@@ -165,7 +165,7 @@ static ds4_status model_create(const ds4_exec *exec, const ds4_config *cfg, bool
         ds4_free(tb.binds);
         goto oom;
     }
-    gemm_workspace_reserve();
+    gemm_workspace_reserve(&m->exec);
     m->gemm_ws = true;
     if (unmapped) {
         m->flat = ds4_range_reserve(reserved_bytes(m)); /* pages are made resident by ds4_model_map */
@@ -238,7 +238,7 @@ void ds4_model_free(ds4_model *m) {
     ds4_free(m->regions);
     rope_table_free(&m->rope_main);
     rope_table_free(&m->rope_cmp);
-    if (m->gemm_ws) gemm_workspace_release();
+    if (m->gemm_ws) gemm_workspace_release(&m->exec);
     ds4_free(m);
 }
 
@@ -250,17 +250,21 @@ float *ds4_model_params_flat(ds4_model *m) { return m->flat; }
 float *ds4_model_grads_flat(ds4_model *m) { return m->gflat; }
 uint16_t *ds4_model_bf16_flat(ds4_model *m) { return m->hflat; }
 
-void ds4_model_pack_bf16(uint16_t *dst, const float *src, int64_t n) { tensor_pack_bf16(dst, src, n); }
+/* Called by FSDP, which holds no context of its own yet: the allocator's current one says plan or real. */
+void ds4_model_pack_bf16(uint16_t *dst, const float *src, int64_t n) {
+    const ds4_exec ex = ds4_exec_current();
+    tensor_pack_bf16(&ex, dst, src, n);
+}
 
 void ds4_model_refresh_bf16(ds4_model *m) {
     if (!m->hflat || m->unmapped) return;
     for (int64_t i = 0; i < m->nregions; i++) {
         const ds4_region *r = &m->regions[i];
-        if (r->bf16) tensor_pack_bf16(m->hflat + r->start, m->flat + r->start, r->end - r->start);
+        if (r->bf16) tensor_pack_bf16(&m->exec, m->hflat + r->start, m->flat + r->start, r->end - r->start);
     }
 }
 void ds4_model_zero_grad(ds4_model *m) {
-    if (!m->unmapped) tensor_zero(m->gflat, (size_t)m->numel * sizeof(float)); /* a plan's: skipped */
+    if (!m->unmapped) tensor_zero(&m->exec, m->gflat, (size_t)m->numel * sizeof(float)); /* a plan's: skipped */
 }
 
 int64_t ds4_model_ngroups(const ds4_model *m) { return m->cfg.n_layers + 2 + (m->cfg.n_mtp_layers > 0); }

@@ -2,7 +2,7 @@
  * denominator of the trainer's MFU. */
 #include "model/model_internal.h"
 
-double ds4_probe_peak_flops(void) {
+double ds4_probe_peak_flops(const ds4_exec *ex) {
     const int64_t n = 512;
     float *a = ds4_alloc(DS4_MEM_WORK, (size_t)(n * n) * sizeof(float));
     float *b = ds4_alloc(DS4_MEM_WORK, (size_t)(n * n) * sizeof(float));
@@ -10,10 +10,10 @@ double ds4_probe_peak_flops(void) {
     double best = 0;
     if (a && b && c) {
         for (int64_t i = 0; i < n * n; i++) a[i] = b[i] = (float)((i % 7) - 3) * 0.01f;
-        gemm_nt(n, n, n, a, n, b, n, c, n, 0.0f); /* warm up */
+        gemm_nt(ex, n, n, n, a, n, b, n, c, n, 0.0f); /* warm up */
         for (int rep = 0; rep < 5; rep++) {
             double t0 = ds4_now();
-            gemm_nt(n, n, n, a, n, b, n, c, n, 0.0f);
+            gemm_nt(ex, n, n, n, a, n, b, n, c, n, 0.0f);
             double dt = ds4_now() - t0;
             double f = 2.0 * (double)n * n * n / dt;
             if (f > best) best = f;

@@ -87,19 +87,19 @@ static ds4_status round_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
     for (int s = 0; s < ud->nouts; s++) {
         if (!a->bf16 || !a->out[u][s]) continue;
         const int64_t n = (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(float));
-        if (slot_bf16(a, u, s)) tensor_round_bf16(F32(u, s), n);
-        if (act_held_bf16(a, u, s) && act_convert_bf16(&a->out[u][s], n, true) != DS4_OK)
+        if (slot_bf16(a, u, s)) tensor_round_bf16(&bc->m->exec, F32(u, s), n);
+        if (act_held_bf16(a, u, s) && act_convert_bf16(&bc->m->exec, &a->out[u][s], n, true) != DS4_OK)
             return ds4_fail(DS4_ERR_OOM, "out of memory holding block %lld's %s in bf16", (long long)bc->layer,
                             unit_name(u));
     }
     return DS4_OK;
 }
 
-ds4_status act_convert_bf16(void **buf, int64_t n, bool to_bf16) {
+ds4_status act_convert_bf16(const ds4_exec *ex, void **buf, int64_t n, bool to_bf16) {
     void *to = ds4_alloc(DS4_MEM_ACT, (size_t)n * (to_bf16 ? sizeof(uint16_t) : sizeof(float)));
     if (!to) return DS4_ERR_OOM;
-    if (to_bf16) tensor_pack_bf16(to, *buf, n);
-    else tensor_unpack_bf16(to, *buf, n);
+    if (to_bf16) tensor_pack_bf16(ex, to, *buf, n);
+    else tensor_unpack_bf16(ex, to, *buf, n);
     ds4_free(*buf);
     *buf = to;
     return DS4_OK;
@@ -109,7 +109,7 @@ static ds4_status pack_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
     for (int s = 0; s < UNIT_MAX_OUTS; s++) {
         if (!slot_bf16(a, u, s) || (a->packed[u] >> s & 1u)) continue;
         const int64_t n = (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(float));
-        if (act_convert_bf16(&a->out[u][s], n, true) != DS4_OK)
+        if (act_convert_bf16(&bc->m->exec, &a->out[u][s], n, true) != DS4_OK)
             return ds4_fail(DS4_ERR_OOM, "out of memory holding block %lld's %s in bf16", (long long)bc->layer,
                             unit_name(u));
         a->packed[u] |= (uint8_t)(1u << s);
@@ -121,7 +121,7 @@ static ds4_status unpack_outputs(const block_ctx *bc, block_acts *a, unit_id u) 
     for (int s = 0; s < UNIT_MAX_OUTS; s++) {
         if (!(a->packed[u] >> s & 1u)) continue;
         const int64_t n = (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(uint16_t));
-        if (act_convert_bf16(&a->out[u][s], n, false) != DS4_OK)
+        if (act_convert_bf16(&bc->m->exec, &a->out[u][s], n, false) != DS4_OK)
             return ds4_fail(DS4_ERR_OOM, "out of memory widening block %lld's %s from bf16", (long long)bc->layer,
                             unit_name(u));
         a->packed[u] &= (uint8_t)~(1u << s);
@@ -171,7 +171,7 @@ ds4_status act_release_after_fwd(const block_ctx *bc, block_acts *a, unit_id u) 
         if (!a->present[v] || last_forward_reader((unit_id)v) != u) continue;
         if (a->release_mask & UNIT_BIT(v)) {
             if (v == U_INDEXER_TOPK && bc->topk_copy && a->out[v][TOPK_SEL])
-                tensor_copy(bc->topk_copy, a->out[v][TOPK_SEL],
+                tensor_copy(&bc->m->exec, bc->topk_copy, a->out[v][TOPK_SEL],
                        (size_t)(bc->B * bc->T * bc->m->cfg.index_topk) * sizeof(int32_t));
             unit_release(a, (unit_id)v);
             if (a->stats) a->stats[v].released++;

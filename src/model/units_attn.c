@@ -16,14 +16,14 @@ static const act_slot k_attn_norm_outs[] = {
 
 static ds4_status attn_norm_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
-    rmsnorm_fwd(F32(U_ATTN_NORM, NORM_X), F32(U_ATTN_NORM, NORM_RSTD), F32(U_HC_PRE_ATTN, HC_Y), W->attn_norm, N, D,
+    rmsnorm_fwd(&bc->m->exec, F32(U_ATTN_NORM, NORM_X), F32(U_ATTN_NORM, NORM_RSTD), F32(U_HC_PRE_ATTN, HC_Y), W->attn_norm, N, D,
                 eps);
     return DS4_OK;
 }
 
 static ds4_status attn_norm_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
-    rmsnorm_bwd(g->dyA, Gw->attn_norm, g->dxa, F32(U_HC_PRE_ATTN, HC_Y), W->attn_norm, F32(U_ATTN_NORM, NORM_RSTD),
+    rmsnorm_bwd(&bc->m->exec, g->dyA, Gw->attn_norm, g->dxa, F32(U_HC_PRE_ATTN, HC_Y), W->attn_norm, F32(U_ATTN_NORM, NORM_RSTD),
                 N, D);
     return DS4_OK;
 }
@@ -48,7 +48,7 @@ static ds4_status q_down_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
     const int64_t QR = c->q_lora_rank;
     model_linear_fwd(m, F32(U_Q_DOWN, QD_QA), F32(U_ATTN_NORM, NORM_X), W->wq_a, N, D, QR);
-    rmsnorm_fwd(F32(U_Q_DOWN, QD_QR), F32(U_Q_DOWN, QD_RSTD), F32(U_Q_DOWN, QD_QA), W->q_norm, N, QR, eps);
+    rmsnorm_fwd(&bc->m->exec, F32(U_Q_DOWN, QD_QR), F32(U_Q_DOWN, QD_RSTD), F32(U_Q_DOWN, QD_QA), W->q_norm, N, QR, eps);
     return DS4_OK;
 }
 
@@ -57,7 +57,7 @@ static ds4_status q_down_bwd(const block_ctx *bc, block_acts *a, block_grads *g)
     const int64_t QR = c->q_lora_rank;
     float *dqa = work_zeros(N * QR);
     if (!dqa) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
-    rmsnorm_bwd(dqa, Gw->q_norm, g->dqr, F32(U_Q_DOWN, QD_QA), W->q_norm, F32(U_Q_DOWN, QD_RSTD), N, QR);
+    rmsnorm_bwd(&bc->m->exec, dqa, Gw->q_norm, g->dqr, F32(U_Q_DOWN, QD_QA), W->q_norm, F32(U_Q_DOWN, QD_RSTD), N, QR);
     model_linear_bwd(m, g->dxa, Gw->wq_a, dqa, F32(U_ATTN_NORM, NORM_X), W->wq_a, N, D, QR);
     ds4_free(dqa);
     return DS4_OK;
@@ -83,8 +83,8 @@ static ds4_status q_up_fwd(const block_ctx *bc, block_acts *a) {
     const int64_t H = c->n_heads, hd = c->head_dim, QR = c->q_lora_rank;
     float *q = F32(U_Q_UP, QU_Q);
     model_linear_fwd(m, F32(U_Q_UP, QU_RAW), F32(U_Q_DOWN, QD_QR), W->wq_b, N, QR, H * hd);
-    rmsnorm_fwd(q, F32(U_Q_UP, QU_RSTD), F32(U_Q_UP, QU_RAW), NULL, N * H, hd, eps);
-    rope_fwd(q, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1, .table = block_rope(bc, a->ratio),
+    rmsnorm_fwd(&bc->m->exec, q, F32(U_Q_UP, QU_RSTD), F32(U_Q_UP, QU_RAW), NULL, N * H, hd, eps);
+    rope_fwd(&bc->m->exec, q, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1, .table = block_rope(bc, a->ratio),
         .inverse = false});
     return DS4_OK;
 }
@@ -94,9 +94,9 @@ static ds4_status q_up_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     const int64_t H = c->n_heads, hd = c->head_dim, QR = c->q_lora_rank;
     float *dqraw = work_zeros(N * H * hd);
     if (!dqraw) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
-    rope_bwd(g->dq, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1,
+    rope_bwd(&bc->m->exec, g->dq, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = false});
-    rmsnorm_bwd(dqraw, NULL, g->dq, F32(U_Q_UP, QU_RAW), NULL, F32(U_Q_UP, QU_RSTD), N * H, hd);
+    rmsnorm_bwd(&bc->m->exec, dqraw, NULL, g->dq, F32(U_Q_UP, QU_RAW), NULL, F32(U_Q_UP, QU_RSTD), N * H, hd);
     model_linear_bwd(m, g->dqr, Gw->wq_b, dqraw, F32(U_Q_DOWN, QD_QR), W->wq_b, N, QR, H * hd);
     ds4_free(dqraw);
     return DS4_OK;
@@ -123,8 +123,8 @@ static ds4_status kv_fwd(const block_ctx *bc, block_acts *a) {
     const int64_t hd = c->head_dim;
     float *kv = F32(U_KV, KV_KV);
     model_linear_fwd(m, F32(U_KV, KV_RAW), F32(U_ATTN_NORM, NORM_X), W->wkv, N, D, hd);
-    rmsnorm_fwd(kv, F32(U_KV, KV_RSTD), F32(U_KV, KV_RAW), W->kv_norm, N, hd, eps);
-    rope_fwd(kv, &(rope_args){.N = N, .H = 1, .hd = hd, .period = T, .mult = 1, .table = block_rope(bc, a->ratio),
+    rmsnorm_fwd(&bc->m->exec, kv, F32(U_KV, KV_RSTD), F32(U_KV, KV_RAW), W->kv_norm, N, hd, eps);
+    rope_fwd(&bc->m->exec, kv, &(rope_args){.N = N, .H = 1, .hd = hd, .period = T, .mult = 1, .table = block_rope(bc, a->ratio),
         .inverse = false});
     return DS4_OK;
 }
@@ -134,9 +134,9 @@ static ds4_status kv_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     const int64_t hd = c->head_dim;
     float *dkvraw = work_zeros(N * hd);
     if (!dkvraw) return ds4_fail(DS4_ERR_OOM, "out of memory in kv backward");
-    rope_bwd(g->dkv, &(rope_args){.N = N, .H = 1, .hd = hd, .period = T, .mult = 1,
+    rope_bwd(&bc->m->exec, g->dkv, &(rope_args){.N = N, .H = 1, .hd = hd, .period = T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = false});
-    rmsnorm_bwd(dkvraw, Gw->kv_norm, g->dkv, F32(U_KV, KV_RAW), W->kv_norm, F32(U_KV, KV_RSTD), N, hd);
+    rmsnorm_bwd(&bc->m->exec, dkvraw, Gw->kv_norm, g->dkv, F32(U_KV, KV_RAW), W->kv_norm, F32(U_KV, KV_RSTD), N, hd);
     model_linear_bwd(m, g->dxa, Gw->wkv, dkvraw, F32(U_ATTN_NORM, NORM_X), W->wkv, N, D, hd);
     ds4_free(dkvraw);
     return DS4_OK;
@@ -170,10 +170,10 @@ static void compress_fwd(const block_ctx *bc, block_acts *a, unit_id u, int firs
     const float *xa = F32(U_ATTN_NORM, NORM_X);
     model_linear_fwd(m, ca, xa, cw->wkv, N, D, coff * d);
     model_linear_fwd(m, cz, xa, cw->wgate, N, D, coff * d);
-    compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = r == 4},
+    compressor_pool_fwd(&bc->m->exec, &(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = r == 4},
         .a = ca, .z = cz, .ape = cw->ape, .out = pool});
-    rmsnorm_fwd(out, F32(u, first + CMP_RSTD), pool, cw->norm, B * Nc, d, eps);
-    rope_fwd(out, &(rope_args){.N = B * Nc, .H = 1, .hd = d, .period = Nc, .mult = r, .table = block_rope(bc, r),
+    rmsnorm_fwd(&bc->m->exec, out, F32(u, first + CMP_RSTD), pool, cw->norm, B * Nc, d, eps);
+    rope_fwd(&bc->m->exec, out, &(rope_args){.N = B * Nc, .H = 1, .hd = d, .period = Nc, .mult = r, .table = block_rope(bc, r),
         .inverse = false});
 }
 
@@ -187,10 +187,10 @@ static ds4_status compress_bwd(const block_ctx *bc, block_acts *a, unit_id u, in
     ds4_status st = DS4_OK;
     if (!dpool || !da || !dz) st = ds4_fail(DS4_ERR_OOM, "out of memory in compressor backward");
     if (st == DS4_OK) {
-        rope_bwd(dout, &(rope_args){.N = B * Nc, .H = 1, .hd = d, .period = Nc, .mult = r,
+        rope_bwd(&bc->m->exec, dout, &(rope_args){.N = B * Nc, .H = 1, .hd = d, .period = Nc, .mult = r,
             .table = block_rope(bc, r), .inverse = false});
-        rmsnorm_bwd(dpool, G->norm, dout, F32(u, first + CMP_POOL), cw->norm, F32(u, first + CMP_RSTD), B * Nc, d);
-        compressor_pool_bwd(&(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = r == 4},
+        rmsnorm_bwd(&bc->m->exec, dpool, G->norm, dout, F32(u, first + CMP_POOL), cw->norm, F32(u, first + CMP_RSTD), B * Nc, d);
+        compressor_pool_bwd(&bc->m->exec, &(compressor_pool_args){.dims = {.B = B, .T = T, .r = r, .d = d, .overlap = r == 4},
             .a = ca, .z = cz, .ape = cw->ape}, &(compressor_pool_grads){.dout = dpool, .da = da, .dz = dz,
             .dape = G->ape});
         model_linear_bwd(m, dxa, G->wkv, da, xa, cw->wkv, N, D, coff * d);
@@ -215,13 +215,13 @@ static void compress_decode(const block_ctx *bc, unit_cache *kc, cmp_cache *cs, 
     const int64_t i = (p + 1) / r - 1;
     const float *pooled = kc->pool; // [d]
     if (!cs->overlap) {
-        compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = 1, .T = r, .r = r, .d = d, .overlap = false},
+        compressor_pool_fwd(&bc->m->exec, &(compressor_pool_args){.dims = {.B = 1, .T = r, .r = r, .d = d, .overlap = false},
             .a = cs->a, .z = cs->z, .ape = cw->ape, .out = kc->pool});
     } else if (i == 0) { /* no previous block: the current block alone, as the pass's entry 0 */
-        compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = 1, .T = r, .r = r, .d = d, .overlap = true},
+        compressor_pool_fwd(&bc->m->exec, &(compressor_pool_args){.dims = {.B = 1, .T = r, .r = r, .d = d, .overlap = true},
             .a = cs->a + r * C, .z = cs->z + r * C, .ape = cw->ape, .out = kc->pool});
     } else { /* [previous | current] as a 2-entry sequence; its entry 1 is this one */
-        compressor_pool_fwd(&(compressor_pool_args){.dims = {.B = 1, .T = 2 * r, .r = r, .d = d, .overlap = true},
+        compressor_pool_fwd(&bc->m->exec, &(compressor_pool_args){.dims = {.B = 1, .T = 2 * r, .r = r, .d = d, .overlap = true},
             .a = cs->a, .z = cs->z, .ape = cw->ape, .out = kc->pool});
         pooled = kc->pool + d;
     }
@@ -231,8 +231,8 @@ static void compress_decode(const block_ctx *bc, unit_cache *kc, cmp_cache *cs, 
     }
     float *e = cs->out + i * d; // [d]
     const ds4_rope at = rope_view(&bc->m->rope_cmp, i * r); /* the entry's position */
-    rmsnorm_fwd(e, kc->rstd, pooled, cw->norm, 1, d, (float)c->norm_eps);
-    rope_fwd(e, &(rope_args){.N = 1, .H = 1, .hd = d, .period = 1, .mult = 1, .table = &at, .inverse = false});
+    rmsnorm_fwd(&bc->m->exec, e, kc->rstd, pooled, cw->norm, 1, d, (float)c->norm_eps);
+    rope_fwd(&bc->m->exec, e, &(rope_args){.N = 1, .H = 1, .hd = d, .period = 1, .mult = 1, .table = &at, .inverse = false});
     cs->n = i + 1;
 }
 
@@ -287,7 +287,7 @@ static void indexer_queries(const block_ctx *bc, block_acts *a) {
     const int64_t HI = c->index_n_heads, dI = c->index_head_dim, QR = c->q_lora_rank;
     float *qi = F32(U_INDEXER, IDX_QI);
     model_linear_fwd(m, qi, F32(U_Q_DOWN, QD_QR), W->idx_wq_b, N, QR, HI * dI);
-    rope_fwd(qi, &(rope_args){.N = N, .H = HI, .hd = dI, .period = T, .mult = 1, .table = bc->rope_cmp,
+    rope_fwd(&bc->m->exec, qi, &(rope_args){.N = N, .H = HI, .hd = dI, .period = T, .mult = 1, .table = bc->rope_cmp,
         .inverse = false});
     model_linear_fwd(m, F32(U_INDEXER, IDX_WI), F32(U_ATTN_NORM, NORM_X), W->idx_weights_proj, N, D, HI);
 }
@@ -311,7 +311,7 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, block_grads *g
     UNIT_PROLOGUE;
     const int64_t HI = c->index_n_heads, dI = c->index_head_dim, QR = c->q_lora_rank, Nc = a->Nc;
     const int32_t *sel = attn_selection(bc, a);
-    const int64_t rows = indexer_kl_rows(B, T, 4); /* the rows the KL scores (a plan: none) */
+    const int64_t rows = indexer_kl_rows(&bc->m->exec, B, T, 4); /* the rows the KL scores (a plan: none) */
     const float gscale = rows > 0 ? (float)(c->indexer_loss_coeff / (double)rows) : 0.0f;
     float *dqi = work_zeros(N * HI * dI), *dki = work_zeros(B * Nc * dI + 1), *dwi = work_zeros(N * HI);
     ds4_status st = DS4_OK;
@@ -320,7 +320,7 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, block_grads *g
     int64_t got = 0;
     const int64_t oom = ds4_alloc_failures();
     if (st == DS4_OK) {
-        indexer_kl_fwd_bwd(&(indexer_kl_args){.dims = {.B = B, .T = T, .HI = HI, .dI = dI, .Nc = Nc, .ratio = 4,
+        indexer_kl_fwd_bwd(&bc->m->exec, &(indexer_kl_args){.dims = {.B = B, .T = T, .HI = HI, .dI = dI, .Nc = Nc, .ratio = 4,
             .K = sel ? c->index_topk : 0}, .H = c->n_heads, .c = c->head_dim, .scale = attn_scale(c),
             .wscale = indexer_wscale(c), .grad_scale = gscale, .qi = F32(U_INDEXER, IDX_QI),
             .ki = KEYS_F32(U_INDEXER, IDX_CMP + CMP_OUT), .ki16 = KEYS_BF16(U_INDEXER, IDX_CMP + CMP_OUT),
@@ -333,7 +333,7 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, block_grads *g
     }
     if (st == DS4_OK) {
         model_linear_bwd(m, NULL, Gw->idx_weights_proj, dwi, F32(U_ATTN_NORM, NORM_X), W->idx_weights_proj, N, D, HI);
-        rope_bwd(dqi, &(rope_args){.N = N, .H = HI, .hd = dI, .period = T, .mult = 1, .table = bc->rope_cmp,
+        rope_bwd(&bc->m->exec, dqi, &(rope_args){.N = N, .H = HI, .hd = dI, .period = T, .mult = 1, .table = bc->rope_cmp,
             .inverse = false});
         model_linear_bwd(m, NULL, Gw->idx_wq_b, dqi, F32(U_Q_DOWN, QD_QR), W->idx_wq_b, N, QR, HI * dI);
         st = compress_bwd(bc, a, U_INDEXER, IDX_CMP, &Gw->idx_cmp, &W->idx_cmp, NULL, dki, 4, dI);
@@ -367,7 +367,7 @@ static const act_slot k_indexer_topk_outs[] = {[TOPK_SEL] = {"topk", ACT_I32, {X
 static ds4_status indexer_topk_fwd_unit(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
     const int64_t oom = ds4_alloc_failures();
-    indexer_topk_fwd(&(indexer_topk_args){.dims = {.B = B, .T = T, .HI = c->index_n_heads, .dI = c->index_head_dim,
+    indexer_topk_fwd(&bc->m->exec, &(indexer_topk_args){.dims = {.B = B, .T = T, .HI = c->index_n_heads, .dI = c->index_head_dim,
         .Nc = a->Nc, .ratio = 4, .K = c->index_topk}, .wscale = indexer_wscale(c), .qi = F32(U_INDEXER, IDX_QI),
         .ki = KEYS_F32(U_INDEXER, IDX_CMP + CMP_OUT), .ki16 = KEYS_BF16(U_INDEXER, IDX_CMP + CMP_OUT),
         .w = F32(U_INDEXER, IDX_WI), .topk = I32(U_INDEXER_TOPK, TOPK_SEL)});
@@ -462,7 +462,7 @@ static ds4_status sparse_attn_fwd_unit(const block_ctx *bc, block_acts *a) {
     const int64_t H = c->n_heads, hd = c->head_dim;
     const int32_t *sel = attn_selection(bc, a);
     const int64_t oom = ds4_alloc_failures();
-    sparse_attn_fwd(&(sparse_attn_args){.dims = {.B = B, .T = T, .H = H, .c = hd, .window = c->window,
+    sparse_attn_fwd(&bc->m->exec, &(sparse_attn_args){.dims = {.B = B, .T = T, .H = H, .c = hd, .window = c->window,
         .ratio = a->ratio, .Nc = a->Nc, .K = sel ? c->index_topk : 0}, .scale = attn_scale(c),
         .q = F32(U_Q_UP, QU_Q), .kv = KEYS_F32(U_KV, KV_KV), .kvc = KEYS_F32(U_COMPRESSOR, CMP_OUT),
         .kv16 = KEYS_BF16(U_KV, KV_KV), .kvc16 = KEYS_BF16(U_COMPRESSOR, CMP_OUT), .sink = W->attn_sink,
@@ -475,7 +475,7 @@ static ds4_status sparse_attn_bwd_unit(const block_ctx *bc, block_acts *a, block
     const int64_t H = c->n_heads, hd = c->head_dim, r = a->ratio;
     const int32_t *sel = attn_selection(bc, a);
     const int64_t oom = ds4_alloc_failures();
-    sparse_attn_bwd(&(sparse_attn_args){.dims = {.B = B, .T = T, .H = H, .c = hd, .window = c->window, .ratio = r,
+    sparse_attn_bwd(&bc->m->exec, &(sparse_attn_args){.dims = {.B = B, .T = T, .H = H, .c = hd, .window = c->window, .ratio = r,
         .Nc = a->Nc, .K = sel ? c->index_topk : 0}, .scale = attn_scale(c), .q = F32(U_Q_UP, QU_Q),
         .kv = KEYS_F32(U_KV, KV_KV), .kvc = KEYS_F32(U_COMPRESSOR, CMP_OUT), .kv16 = KEYS_BF16(U_KV, KV_KV),
         .kvc16 = KEYS_BF16(U_COMPRESSOR, CMP_OUT), .sink = W->attn_sink, .topk = sel,
@@ -502,7 +502,7 @@ static ds4_status sparse_attn_decode(const block_ctx *bc, block_acts *a, unit_ca
             for (int64_t i = 0; i < kc->cmp.n; i++) kc->keylist[nk++] = (int32_t)i;
         }
     }
-    sparse_attn_fwd(&(sparse_attn_args){.dims = {.B = 1, .T = 1, .H = H, .c = hd, .window = 0, .ratio = 1,
+    sparse_attn_fwd(&bc->m->exec, &(sparse_attn_args){.dims = {.B = 1, .T = 1, .H = H, .c = hd, .window = 0, .ratio = 1,
         .Nc = kc->ncap + win, .K = nk}, .scale = attn_scale(c), .q = F32(U_Q_UP, QU_Q), .kv = kc->keys,
         .kvc = kc->keys, .sink = bc->m->w.blocks[bc->layer].attn_sink, .topk = kc->keylist,
         .o = F32(U_SPARSE_ATTN, SA_O), .lse = F32(U_SPARSE_ATTN, SA_LSE)});
@@ -532,8 +532,8 @@ static float *inverse_roped_o(const block_ctx *bc, const block_acts *a) {
     const int64_t N = bc->B * bc->T, H = c->n_heads, hd = c->head_dim;
     float *o_r = work(N * H * hd);
     if (!o_r) return NULL;
-    tensor_copy(o_r, F32(U_SPARSE_ATTN, SA_O), (size_t)(N * H * hd) * sizeof(float));
-    rope_fwd(o_r, &(rope_args){.N = N, .H = H, .hd = hd, .period = bc->T, .mult = 1,
+    tensor_copy(&bc->m->exec, o_r, F32(U_SPARSE_ATTN, SA_O), (size_t)(N * H * hd) * sizeof(float));
+    rope_fwd(&bc->m->exec, o_r, &(rope_args){.N = N, .H = H, .hd = hd, .period = bc->T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = true});
     return o_r;
 }
@@ -556,7 +556,7 @@ static ds4_status o_proj_bwd(const block_ctx *bc, block_acts *a, block_grads *g)
     if (!o_r) return ds4_fail(DS4_ERR_OOM, "out of memory in o_proj backward");
     model_linear_bwd(m, g->dz, Gw->wo_b, g->dattn, F32(U_O_PROJ, OP_Z), W->wo_b, N, G * R, D);
     model_grouped_linear_bwd(m, g->do_, Gw->wo_a, g->dz, o_r, W->wo_a, N, G, R, H * hd / G);
-    rope_bwd(g->do_, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1,
+    rope_bwd(&bc->m->exec, g->do_, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = true});
     ds4_free(o_r);
     return DS4_OK;

@@ -12,13 +12,13 @@ static const act_slot k_ffn_norm_outs[] = {
 
 static ds4_status ffn_norm_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
-    rmsnorm_fwd(F32(U_FFN_NORM, NORM_X), F32(U_FFN_NORM, NORM_RSTD), F32(U_HC_PRE_FFN, HC_Y), W->ffn_norm, N, D, eps);
+    rmsnorm_fwd(&bc->m->exec, F32(U_FFN_NORM, NORM_X), F32(U_FFN_NORM, NORM_RSTD), F32(U_HC_PRE_FFN, HC_Y), W->ffn_norm, N, D, eps);
     return DS4_OK;
 }
 
 static ds4_status ffn_norm_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
-    rmsnorm_bwd(g->dyF, Gw->ffn_norm, g->dxf, F32(U_HC_PRE_FFN, HC_Y), W->ffn_norm, F32(U_FFN_NORM, NORM_RSTD), N, D);
+    rmsnorm_bwd(&bc->m->exec, g->dyF, Gw->ffn_norm, g->dxf, F32(U_HC_PRE_FFN, HC_Y), W->ffn_norm, F32(U_FFN_NORM, NORM_RSTD), N, D);
     return DS4_OK;
 }
 
@@ -73,16 +73,16 @@ static ds4_status router_fwd(const block_ctx *bc, block_acts *a) {
             ds4_free(iota);
             return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer);
         }
-        moe_balanced_table(forced, iota, N, K, E);
+        moe_balanced_table(&bc->m->exec, forced, iota, N, K, E);
         table = forced;
         ids = iota;
     }
-    moe_gate_fwd(&(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)c->route_scale,
+    moe_gate_fwd(&bc->m->exec, &(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)c->route_scale,
         .logits = logits, .bias = table ? NULL : W->gate_bias, .tid2eid = table, .ids = ids,
         .idx = I32(U_ROUTER, RT_IDX), .weights = F32(U_ROUTER, RT_W), .scores = F32(U_ROUTER, RT_SCORES)});
     ds4_free(forced);
     ds4_free(iota);
-    moe_group_by_expert(I64(U_ROUTER, RT_EOFF), I32(U_ROUTER, RT_ETOK), I32(U_ROUTER, RT_ESLOT), I32(U_ROUTER, RT_IDX),
+    moe_group_by_expert(&bc->m->exec, I64(U_ROUTER, RT_EOFF), I32(U_ROUTER, RT_ETOK), I32(U_ROUTER, RT_ESLOT), I32(U_ROUTER, RT_IDX),
                         N, E, K);
     return DS4_OK;
 }
@@ -129,7 +129,7 @@ static ds4_status moe_route(const block_ctx *bc, block_acts *a) {
     const int64_t E = c->n_routed_experts, N = bc->B * bc->T;
     int64_t *cnt = ds4_alloc(DS4_MEM_OTHER, (size_t)E * sizeof(int64_t));
     if (!cnt) return ds4_fail(DS4_ERR_OOM, "out of memory routing block %lld", (long long)bc->layer);
-    moe_expert_counts(cnt, I64(U_ROUTER, RT_EOFF), E, N * c->n_activated_experts);
+    moe_expert_counts(&bc->m->exec, cnt, I64(U_ROUTER, RT_EOFF), E, N * c->n_activated_experts);
     ds4_status st = bc->ep->route(bc->ep->ctx, cnt, &a->route);
     ds4_free(cnt);
     return st;
@@ -159,10 +159,10 @@ static void moe_routed_fwd_local(const block_ctx *bc, block_acts *a, const float
     UNIT_PROLOGUE;
     const int64_t NK = N * c->n_activated_experts;
     const routing r = routing_of(a);
-    rows_gather(xe, F32(U_FFN_NORM, NORM_X), r.etok, NK, D);
+    rows_gather(&bc->m->exec, xe, F32(U_FFN_NORM, NORM_X), r.etok, NK, D);
     const moe_experts_args ea = experts_args(bc, a, 0, c->n_routed_experts, r.eoff, 0, xe, wj, act);
-    moe_experts_fwd(&ea, ye);
-    rows_scatter_add(F32(U_MOE, MOE_OUT), ye, r.etok, NK, D);
+    moe_experts_fwd(&bc->m->exec, &ea, ye);
+    rows_scatter_add(&bc->m->exec, F32(U_MOE, MOE_OUT), ye, r.etok, NK, D);
 }
 
 /* Routed experts over EP: rows (x | weight) go to the experts' owners, the owners run their experts on
@@ -175,17 +175,17 @@ static ds4_status moe_routed_fwd_ep(const block_ctx *bc, block_acts *a, const fl
     float *xr = F32(U_MOE, MOE_XR), *wr = F32(U_MOE, MOE_WR);
     float *send = work(NK * (D + 1)), *recv = work(R * (D + 1)), *yr = work(R * D), *ys = work(NK * D);
     ds4_status st = send && recv && yr && ys ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
-    if (st == DS4_OK) rows_pack(send, F32(U_FFN_NORM, NORM_X), etok, wj, NK, D);
+    if (st == DS4_OK) rows_pack(&bc->m->exec, send, F32(U_FFN_NORM, NORM_X), etok, wj, NK, D);
     if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, a->route, send, recv, D + 1);
-    if (st == DS4_OK) rows_unpack(xr, wr, recv, R, D);
+    if (st == DS4_OK) rows_unpack(&bc->m->exec, xr, wr, recv, R, D);
     for (int64_t i = 0; st == DS4_OK && i < a->route->e1 - a->route->e0; i++) {
         int64_t o, ne = route_expert_rows(a->route, i, &o);
         const int64_t off[2] = {0, ne};
         const moe_experts_args ea = experts_args(bc, a, a->route->e0 + i, 1, off, o, xr + o * D, wr + o, act);
-        moe_experts_fwd(&ea, yr + o * D);
+        moe_experts_fwd(&bc->m->exec, &ea, yr + o * D);
     }
     if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, a->route, yr, ys, D);
-    if (st == DS4_OK) rows_scatter_add(F32(U_MOE, MOE_OUT), ys, etok, NK, D);
+    if (st == DS4_OK) rows_scatter_add(&bc->m->exec, F32(U_MOE, MOE_OUT), ys, etok, NK, D);
     ds4_free(send);
     ds4_free(recv);
     ds4_free(yr);
@@ -201,7 +201,7 @@ static ds4_status moe_fwd(const block_ctx *bc, block_acts *a) {
     const int64_t R = bc->ep ? a->route->rows : N * K; /* routed rows computed here */
     float *ffn_out = F32(U_MOE, MOE_OUT), *sh1 = F32(U_MOE, MOE_SH1), *sh3 = F32(U_MOE, MOE_SH3);
     const float *xf = F32(U_FFN_NORM, NORM_X);
-    tensor_zero(ffn_out, (size_t)(N * D) * sizeof(float));
+    tensor_zero(&bc->m->exec, ffn_out, (size_t)(N * D) * sizeof(float));
     const int64_t Rmax = R > N * K ? R : N * K;
     float *wj = work(N * K), *act = work(Rmax * I > N * Is ? Rmax * I : N * Is),
         *ye = work(N * (K * D > D ? K * D : D));
@@ -210,16 +210,16 @@ static ds4_status moe_fwd(const block_ctx *bc, block_acts *a) {
         "out of memory in MoE forward");
     if (st == DS4_OK) {
         const routing r = routing_of(a);
-        moe_assignment_weights(wj, r.w, r.etok, r.eslot, N * K, K);
+        moe_assignment_weights(&bc->m->exec, wj, r.w, r.etok, r.eslot, N * K, K);
     }
     if (st == DS4_OK && bc->ep) st = moe_routed_fwd_ep(bc, a, wj, act);
     else if (st == DS4_OK) moe_routed_fwd_local(bc, a, wj, xe, act, ye);
     if (st == DS4_OK) {
         model_linear_fwd(m, sh1, xf, W->shared.w1, N, D, Is);
         model_linear_fwd(m, sh3, xf, W->shared.w3, N, D, Is);
-        swiglu_fwd(act, sh1, sh3, N, Is, limit);
+        swiglu_fwd(&bc->m->exec, act, sh1, sh3, N, Is, limit);
         model_linear_fwd(m, ye, act, W->shared.w2, N, Is, D);
-        tensor_add(ffn_out, ye, N * D);
+        tensor_add(&bc->m->exec, ffn_out, ye, N * D);
     }
     ds4_free(wj);
     ds4_free(xe);
@@ -246,13 +246,13 @@ static void moe_routed_bwd_local(const block_ctx *bc, block_acts *a, block_grads
     UNIT_PROLOGUE;
     const int64_t E = c->n_routed_experts, K = c->n_activated_experts, NK = N * K;
     const routing r = routing_of(a);
-    rows_gather(s->xe, F32(U_FFN_NORM, NORM_X), r.etok, NK, D);
-    rows_gather(s->dye, g->dffn, r.etok, NK, D);
+    rows_gather(&bc->m->exec, s->xe, F32(U_FFN_NORM, NORM_X), r.etok, NK, D);
+    rows_gather(&bc->m->exec, s->dye, g->dffn, r.etok, NK, D);
     const moe_experts_args ea = experts_args(bc, a, 0, E, r.eoff, 0, s->xe, s->wj, s->act);
     const moe_experts_grads eg = experts_grads(s, Gw->experts, s->dye, s->dxe, s->dwe);
-    moe_experts_bwd(&ea, &eg);
-    moe_weight_grads_add(dgw, s->dwe, r.etok, r.eslot, NK, K);
-    rows_scatter_add(g->dxf, s->dxe, r.etok, NK, D);
+    moe_experts_bwd(&bc->m->exec, &ea, &eg);
+    moe_weight_grads_add(&bc->m->exec, dgw, s->dwe, r.etok, r.eslot, NK, K);
+    rows_scatter_add(&bc->m->exec, g->dxf, s->dxe, r.etok, NK, D);
 }
 
 /* Routed experts over EP. The output gradients travel to the experts' owners; each (expert, source)
@@ -273,7 +273,7 @@ static ds4_status moe_routed_bwd_ep(const block_ctx *bc, block_acts *a, block_gr
     ds4_status st = dys && dyr && dxr && dxs && (!split || tmp) ? DS4_OK
                                                                  : ds4_fail(DS4_ERR_OOM,
                                                                      "out of memory in MoE backward");
-    if (st == DS4_OK) rows_gather(dys, g->dffn, rt.etok, NK, D);
+    if (st == DS4_OK) rows_gather(&bc->m->exec, dys, g->dffn, rt.etok, NK, D);
     if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, r, dys, dyr, D);
     expert_w tg = {tmp, tmp ? tmp + I * D : NULL, tmp ? tmp + 2 * I * D : NULL};
     for (int64_t i = 0, o = 0; st == DS4_OK && i < r->e1 - r->e0; i++) {
@@ -281,20 +281,20 @@ static ds4_status moe_routed_bwd_ep(const block_ctx *bc, block_acts *a, block_gr
         for (int src = 0; src < r->nsrc; o += r->recv_cnt[i * r->nsrc + src], src++) {
             const int64_t ne = r->recv_cnt[i * r->nsrc + src], off[2] = {0, ne};
             if (ne == 0) continue;
-            if (split) tensor_zero(tmp, (size_t)(3 * I * D) * sizeof(float));
+            if (split) tensor_zero(&bc->m->exec, tmp, (size_t)(3 * I * D) * sizeof(float));
             const moe_experts_args ea = experts_args(bc, a, e, 1, off, o, xr + o * D, wr + o, s->act);
             const moe_experts_grads eg = experts_grads(s, split ? &tg : &Gw->experts[e], dyr + o * D, s->dxe, s->dwe);
-            moe_experts_bwd(&ea, &eg);
+            moe_experts_bwd(&bc->m->exec, &ea, &eg);
             if (split) {
-                tensor_add(Gw->experts[e].w1, tg.w1, I * D);
-                tensor_add(Gw->experts[e].w2, tg.w2, I * D);
-                tensor_add(Gw->experts[e].w3, tg.w3, I * D);
+                tensor_add(&bc->m->exec, Gw->experts[e].w1, tg.w1, I * D);
+                tensor_add(&bc->m->exec, Gw->experts[e].w2, tg.w2, I * D);
+                tensor_add(&bc->m->exec, Gw->experts[e].w3, tg.w3, I * D);
             }
-            rows_pack(dxr + o * (D + 1), s->dxe, NULL, s->dwe, ne, D);
+            rows_pack(&bc->m->exec, dxr + o * (D + 1), s->dxe, NULL, s->dwe, ne, D);
         }
     }
     if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, r, dxr, dxs, D + 1);
-    if (st == DS4_OK) moe_unpack_grads_add(g->dxf, dgw, dxs, rt.etok, rt.eslot, NK, D, K);
+    if (st == DS4_OK) moe_unpack_grads_add(&bc->m->exec, g->dxf, dgw, dxs, rt.etok, rt.eslot, NK, D, K);
     ds4_free(dys);
     ds4_free(dyr);
     ds4_free(dxr);
@@ -321,12 +321,12 @@ static void shared_expert_bwd(const block_ctx *bc, block_acts *a, block_grads *g
     const int64_t Is = c->moe_inter_dim * c->n_shared_experts;
     const float limit = (float)c->swiglu_limit;
     const float *sh1 = F32(U_MOE, MOE_SH1), *sh3 = F32(U_MOE, MOE_SH3), *xf = F32(U_FFN_NORM, NORM_X);
-    swiglu_fwd(s->act, sh1, sh3, N, Is, limit);
-    tensor_zero(s->dact, (size_t)(N * Is) * sizeof(float));
+    swiglu_fwd(&bc->m->exec, s->act, sh1, sh3, N, Is, limit);
+    tensor_zero(&bc->m->exec, s->dact, (size_t)(N * Is) * sizeof(float));
     model_linear_bwd(m, s->dact, Gw->shared.w2, g->dffn, s->act, W->shared.w2, N, Is, D);
-    tensor_zero(s->dh1, (size_t)(N * Is) * sizeof(float));
-    tensor_zero(s->dh3, (size_t)(N * Is) * sizeof(float));
-    swiglu_bwd(s->dh1, s->dh3, s->dact, sh1, sh3, N, Is, limit);
+    tensor_zero(&bc->m->exec, s->dh1, (size_t)(N * Is) * sizeof(float));
+    tensor_zero(&bc->m->exec, s->dh3, (size_t)(N * Is) * sizeof(float));
+    swiglu_bwd(&bc->m->exec, s->dh1, s->dh3, s->dact, sh1, sh3, N, Is, limit);
     model_linear_bwd(m, g->dxf, Gw->shared.w1, s->dh1, xf, W->shared.w1, N, D, Is);
     model_linear_bwd(m, g->dxf, Gw->shared.w3, s->dh3, xf, W->shared.w3, N, D, Is);
 }
@@ -347,12 +347,12 @@ static ds4_status moe_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     if (st == DS4_OK) {
         const routing r = routing_of(a);
         shared_expert_bwd(bc, a, g, &s);
-        moe_assignment_weights(s.wj, r.w, r.etok, r.eslot, N * K, K);
+        moe_assignment_weights(&bc->m->exec, s.wj, r.w, r.etok, r.eslot, N * K, K);
         if (bc->ep) st = moe_routed_bwd_ep(bc, a, g, dgw, &s);
         else moe_routed_bwd_local(bc, a, g, dgw, &s);
     }
     if (st == DS4_OK) {
-        moe_gate_bwd(&(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)c->route_scale,
+        moe_gate_bwd(&bc->m->exec, &(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)c->route_scale,
             .logits = F32(U_ROUTER, RT_LOGITS), .scores = F32(U_ROUTER, RT_SCORES), .idx = I32(U_ROUTER, RT_IDX)},
             &(moe_gate_grads){.dweights = dgw, .dlogits = dlog});
         model_linear_bwd(m, g->dxf, Gw->gate, dlog, F32(U_FFN_NORM, NORM_X), W->gate, N, D, E);

@@ -15,7 +15,7 @@ static const act_slot k_hc_pre_outs[] = {
 static ds4_status hc_pre_attn_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
     const unit_id u = U_HC_PRE_ATTN;
-    hc_pre_fwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = c->hc_sinkhorn_iters},
+    hc_pre_fwd(&bc->m->exec, &(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = c->hc_sinkhorn_iters},
         .hc_eps = (float)c->hc_eps, .norm_eps = eps, .X = a->X_in, .fn = W->hc_attn_fn, .scale = W->hc_attn_scale,
         .base = W->hc_attn_base, .y = F32(u, HC_Y), .post = F32(u, HC_POST), .comb = F32(u, HC_COMB),
         .mixes = F32(u, HC_MIXES), .rsqrt = F32(u, HC_RSQRT)});
@@ -25,7 +25,7 @@ static ds4_status hc_pre_attn_fwd(const block_ctx *bc, block_acts *a) {
 static ds4_status hc_pre_attn_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
     const unit_id u = U_HC_PRE_ATTN;
-    hc_pre_bwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = c->hc_sinkhorn_iters},
+    hc_pre_bwd(&bc->m->exec, &(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = c->hc_sinkhorn_iters},
         .hc_eps = (float)c->hc_eps, .norm_eps = eps, .X = a->X_in, .fn = W->hc_attn_fn, .scale = W->hc_attn_scale,
         .base = W->hc_attn_base, .mixes = F32(u, HC_MIXES), .rsqrt = F32(u, HC_RSQRT)},
         &(hc_pre_grads){.dy = g->dyA, .dpost = g->dpostA, .dcomb = g->dcombA, .dX = g->dX_in, .dfn = Gw->hc_attn_fn,
@@ -46,14 +46,14 @@ static const act_slot k_hc_post_attn_outs[] = {[HP_X] = {"X_mid", ACT_F32_BF16, 
 
 static ds4_status hc_post_attn_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
-    hc_post_fwd(&(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = F32(U_O_PROJ, OP_OUT), .res = a->X_in,
+    hc_post_fwd(&bc->m->exec, &(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = F32(U_O_PROJ, OP_OUT), .res = a->X_in,
         .post = F32(U_HC_PRE_ATTN, HC_POST), .comb = F32(U_HC_PRE_ATTN, HC_COMB), .Y = F32(U_HC_POST_ATTN, HP_X)});
     return DS4_OK;
 }
 
 static ds4_status hc_post_attn_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
-    hc_post_bwd(&(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = F32(U_O_PROJ, OP_OUT), .res = a->X_in,
+    hc_post_bwd(&bc->m->exec, &(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = F32(U_O_PROJ, OP_OUT), .res = a->X_in,
         .post = F32(U_HC_PRE_ATTN, HC_POST), .comb = F32(U_HC_PRE_ATTN, HC_COMB)}, &(hc_post_grads){.dY = g->dX_mid,
         .dx = g->dattn, .dres = g->dX_in, .dpost = g->dpostA, .dcomb = g->dcombA});
     return DS4_OK;
@@ -71,7 +71,7 @@ const unit_decl unit_hc_post_attn = {
 static ds4_status hc_pre_ffn_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
     const unit_id u = U_HC_PRE_FFN;
-    hc_pre_fwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = c->hc_sinkhorn_iters},
+    hc_pre_fwd(&bc->m->exec, &(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = c->hc_sinkhorn_iters},
         .hc_eps = (float)c->hc_eps, .norm_eps = eps, .X = F32(U_HC_POST_ATTN, HP_X), .fn = W->hc_ffn_fn,
         .scale = W->hc_ffn_scale, .base = W->hc_ffn_base, .y = F32(u, HC_Y), .post = F32(u, HC_POST),
         .comb = F32(u, HC_COMB), .mixes = F32(u, HC_MIXES), .rsqrt = F32(u, HC_RSQRT)});
@@ -81,7 +81,7 @@ static ds4_status hc_pre_ffn_fwd(const block_ctx *bc, block_acts *a) {
 static ds4_status hc_pre_ffn_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
     const unit_id u = U_HC_PRE_FFN;
-    hc_pre_bwd(&(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = c->hc_sinkhorn_iters},
+    hc_pre_bwd(&bc->m->exec, &(hc_pre_args){.dims = {.N = N, .n = n, .D = D, .iters = c->hc_sinkhorn_iters},
         .hc_eps = (float)c->hc_eps, .norm_eps = eps, .X = F32(U_HC_POST_ATTN, HP_X), .fn = W->hc_ffn_fn,
         .scale = W->hc_ffn_scale, .base = W->hc_ffn_base, .mixes = F32(u, HC_MIXES), .rsqrt = F32(u, HC_RSQRT)},
         &(hc_pre_grads){.dy = g->dyF, .dpost = g->dpostF, .dcomb = g->dcombF, .dX = g->dX_mid, .dfn = Gw->hc_ffn_fn,
@@ -100,7 +100,7 @@ const unit_decl unit_hc_pre_ffn = {
 /* ------------------------------------------------------------------ hc_post_ffn: the block output */
 static ds4_status hc_post_ffn_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
-    hc_post_fwd(&(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = F32(U_MOE, MOE_OUT),
+    hc_post_fwd(&bc->m->exec, &(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = F32(U_MOE, MOE_OUT),
         .res = F32(U_HC_POST_ATTN, HP_X), .post = F32(U_HC_PRE_FFN, HC_POST), .comb = F32(U_HC_PRE_FFN, HC_COMB),
         .Y = a->X_out});
     return DS4_OK;
@@ -108,7 +108,7 @@ static ds4_status hc_post_ffn_fwd(const block_ctx *bc, block_acts *a) {
 
 static ds4_status hc_post_ffn_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
-    hc_post_bwd(&(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = F32(U_MOE, MOE_OUT),
+    hc_post_bwd(&bc->m->exec, &(hc_post_args){.dims = {.N = N, .n = n, .D = D}, .x = F32(U_MOE, MOE_OUT),
         .res = F32(U_HC_POST_ATTN, HP_X), .post = F32(U_HC_PRE_FFN, HC_POST), .comb = F32(U_HC_PRE_FFN, HC_COMB)},
         &(hc_post_grads){.dY = g->dX_out, .dx = g->dffn, .dres = g->dX_mid, .dpost = g->dpostF, .dcomb = g->dcombF});
     return DS4_OK;

@@ -801,7 +801,7 @@ static ds4_status train_loop(trainer *tr, bool *agreed) {
     ds4_status st = ds4_train_agree(tr->world, resume_and_trim(tr, &start));
     if (st != DS4_OK) return st;
     tr->flops_per_token = ds4_train_flops_per_token(ds4_model_config(tr->m), c->seq_len);
-    tr->peak_flops = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : ds4_probe_peak_flops();
+    tr->peak_flops = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : ds4_probe_peak_flops(&(const ds4_exec){.plan = false});
     if (tr->lead) print_model_line(tr);
     st = check_stop(tr); /* a stop signal during start-up: no step at all */
     if (st == DS4_OK) st = ds4_comm_set_link(c->sim_link_gbps, c->sim_link_latency_us);

@@ -1,71 +1,21 @@
 /* The cpu backend's table: every entry of ds4_kernel_backend, on the kernels of this folder and the
- * GEMM driver (../gemm.c) that runs the engine the dispatch (../dispatch.c) chose from the CPU. */
+ * GEMM driver (../gemm.c) that runs the engine the dispatch (../dispatch.c) chose from the CPU. The cpu
+ * runs each op inline on the calling thread (its stream is NULL), so an entry is the op's cpu_<name>
+ * function (cpu/cpu.h) called without the context. Its plan twin is the plan backend (../plan.c). */
 #include "kernels/cpu/cpu.h"
+
+#define DS4_OP(name, plan, params, args) \
+    static void cpu_entry_##name params { (void)ex; cpu_##name(DS4_DROP_FIRST args); }
+#define DS4_QUERY(name, plan, type, absent, params, args) \
+    static type cpu_entry_##name params { (void)ex; return cpu_##name(DS4_DROP_FIRST args); }
+#include "kernels/ops.def"
 
 static const ds4_kernel_backend k_cpu = {
     .name = "cpu",
-    .gemm_nt = cpu_gemm_nt,
-    .gemm_nn = cpu_gemm_nn,
-    .gemm_tn = cpu_gemm_tn,
-    .gemm_workspace_reserve = cpu_gemm_workspace_reserve,
-    .gemm_workspace_release = cpu_gemm_workspace_release,
-    .linear_fwd = cpu_linear_fwd,
-    .linear_bwd = cpu_linear_bwd,
-    .grouped_linear_fwd = cpu_grouped_linear_fwd,
-    .grouped_linear_bwd = cpu_grouped_linear_bwd,
-    .linear_fwd_bf16w = cpu_linear_fwd_bf16w,
-    .linear_bwd_bf16w = cpu_linear_bwd_bf16w,
-    .grouped_linear_fwd_bf16w = cpu_grouped_linear_fwd_bf16w,
-    .grouped_linear_bwd_bf16w = cpu_grouped_linear_bwd_bf16w,
-    .embedding_fwd = cpu_embedding_fwd,
-    .embedding_bwd = cpu_embedding_bwd,
-    .rmsnorm_fwd = cpu_rmsnorm_fwd,
-    .rmsnorm_bwd = cpu_rmsnorm_bwd,
-    .rope_fwd = cpu_rope_fwd,
-    .rope_bwd = cpu_rope_bwd,
-    .hc_split_sinkhorn_fwd = cpu_hc_split_sinkhorn_fwd,
-    .hc_split_sinkhorn_bwd = cpu_hc_split_sinkhorn_bwd,
-    .hc_pre_fwd = cpu_hc_pre_fwd,
-    .hc_pre_bwd = cpu_hc_pre_bwd,
-    .hc_post_fwd = cpu_hc_post_fwd,
-    .hc_post_bwd = cpu_hc_post_bwd,
-    .hc_head_fwd = cpu_hc_head_fwd,
-    .hc_head_bwd = cpu_hc_head_bwd,
-    .compressor_pool_fwd = cpu_compressor_pool_fwd,
-    .compressor_pool_bwd = cpu_compressor_pool_bwd,
-    .sparse_attn_fwd = cpu_sparse_attn_fwd,
-    .sparse_attn_bwd = cpu_sparse_attn_bwd,
-    .indexer_topk_fwd = cpu_indexer_topk_fwd,
-    .indexer_kl_fwd_bwd = cpu_indexer_kl_fwd_bwd,
-    .indexer_kl_rows = cpu_indexer_kl_rows,
-    .moe_gate_fwd = cpu_moe_gate_fwd,
-    .moe_gate_bwd = cpu_moe_gate_bwd,
-    .moe_balanced_table = cpu_moe_balanced_table,
-    .moe_group_by_expert = cpu_moe_group_by_expert,
-    .moe_expert_counts = cpu_moe_expert_counts,
-    .moe_expert_load = cpu_moe_expert_load,
-    .moe_assignment_weights = cpu_moe_assignment_weights,
-    .moe_weight_grads_add = cpu_moe_weight_grads_add,
-    .rows_gather = cpu_rows_gather,
-    .rows_scatter_add = cpu_rows_scatter_add,
-    .rows_pack = cpu_rows_pack,
-    .rows_unpack = cpu_rows_unpack,
-    .moe_unpack_grads_add = cpu_moe_unpack_grads_add,
-    .moe_experts_fwd = cpu_moe_experts_fwd,
-    .moe_experts_bwd = cpu_moe_experts_bwd,
-    .swiglu_fwd = cpu_swiglu_fwd,
-    .swiglu_bwd = cpu_swiglu_bwd,
-    .cross_entropy_fwd_bwd = cpu_cross_entropy_fwd_bwd,
-    .tensor_copy = cpu_tensor_copy,
-    .tensor_zero = cpu_tensor_zero,
-    .tensor_add = cpu_tensor_add,
-    .tensor_round_bf16 = cpu_tensor_round_bf16,
-    .tensor_pack_bf16 = cpu_tensor_pack_bf16,
-    .tensor_unpack_bf16 = cpu_tensor_unpack_bf16,
-    .shift_ids = cpu_shift_ids,
-    .streams_expand = cpu_streams_expand,
-    .streams_add = cpu_streams_add,
-    .streams_sum = cpu_streams_sum,
+    .plan = &ds4_kernel_backend_plan_table,
+#define DS4_OP(name, plan, params, args) .name = cpu_entry_##name,
+#define DS4_QUERY(name, plan, type, absent, params, args) .name = cpu_entry_##name,
+#include "kernels/ops.def"
 };
 
 const ds4_kernel_backend *ds4_kernel_backend_cpu(void) { return &k_cpu; }

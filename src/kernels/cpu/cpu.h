@@ -7,6 +7,9 @@
 
 #include "kernels/kernels.h"
 
+/* The cpu backend's plan twin (../plan.c): what memplan runs in its place. */
+extern const ds4_kernel_backend ds4_kernel_backend_plan_table;
+
 /* ---- GEMM: the blocked driver (../gemm.c) on the engine the dispatch chose ---- */
 gemm_signature cpu_gemm_nt, cpu_gemm_nn, cpu_gemm_tn;
 void cpu_gemm_workspace_reserve(void);
