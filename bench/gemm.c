@@ -17,9 +17,6 @@
 #include "kernels/kernels.h"
 #include "stats.h"
 
-typedef void (*gemm_fn)(int64_t, int64_t, int64_t, const float *, int64_t, const float *, int64_t, float *,
-                        int64_t, float);
-
 typedef struct {
     const char *what;
     char op; /* 'n' = nt, 'm' = nn, 't' = tn */
@@ -50,11 +47,12 @@ static const shape SHAPES[] = {
     {"expert dw   up", 't', 512, 256, 512, false},
 };
 
-/* f on shape s; with Bh (nt, nn only) the bf16-B GEMM on those bits instead. */
-static void call(gemm_fn f, const shape *s, const float *A, const float *B, const uint16_t *Bh, float *C) {
+/* f on shape s in precision prec; with Bh (nt, nn only) the bf16-B GEMM on those bits instead. */
+static void call(gemm_driver_signature *f, ds4_matmul_precision prec, const shape *s, const float *A, const float *B,
+                 const uint16_t *Bh, float *C) {
     int64_t lda = s->op == 't' ? s->M : s->K, ldb = s->op == 'n' ? s->K : s->N;
     if (Bh) (s->op == 'n' ? cpu_gemm_nt_hb : cpu_gemm_nn_hb)(s->M, s->N, s->K, A, lda, Bh, ldb, C, s->N, 0);
-    else f(s->M, s->N, s->K, A, lda, B, ldb, C, s->N, 0);
+    else f(prec, s->M, s->N, s->K, A, lda, B, ldb, C, s->N, 0);
 }
 
 /* One engine: an ISA level and a matmul precision (hb: bf16 with B as bf16 bits). */
@@ -69,18 +67,16 @@ static bool runs_on(const engine_run *e, const shape *s) { return !e->hb || s->o
 
 /* Median seconds of each engine on shape s, over `runs` rounds in which every engine is called once
  * (after a warm-up round). */
-static void time_engines(engine_run *e, int ne, gemm_fn f, const shape *s, const float *A, const float *B,
+static void time_engines(engine_run *e, int ne, gemm_driver_signature *f, const shape *s, const float *A, const float *B,
                          const uint16_t *Bh, float *C, int runs) {
     for (int r = -1; r < runs; r++)
         for (int i = 0; i < ne; i++) {
             if (!runs_on(&e[i], s)) continue;
             ds4_isa_select(e[i].isa);
-            ds4_set_matmul_precision(e[i].prec);
             double t0 = ds4_now();
-            call(f, s, A, B, e[i].hb ? Bh : NULL, C);
+            call(f, e[i].prec, s, A, B, e[i].hb ? Bh : NULL, C);
             if (r >= 0) e[i].t[r] = ds4_now() - t0;
         }
-    ds4_set_matmul_precision(DS4_MATMUL_FP32);
 }
 
 int main(int argc, char **argv) {
@@ -128,7 +124,7 @@ int main(int argc, char **argv) {
         for (size_t i = 0; i < na; i++) A[i] = ds4_rng_uniform(1, 1, i) - 0.5f;
         for (size_t i = 0; i < nb; i++) B[i] = ds4_rng_uniform(1, 2, i) - 0.5f;
         for (size_t i = 0; i < nb; i++) Bh[i] = gemm_bf16_bits(B[i]);
-        gemm_fn f = s->op == 'n' ? gemm_nt : s->op == 'm' ? gemm_nn : gemm_tn;
+        gemm_driver_signature *f = s->op == 'n' ? cpu_gemm_nt : s->op == 'm' ? cpu_gemm_nn : cpu_gemm_tn;
         const char *opname = s->op == 'n' ? "nt" : s->op == 'm' ? "nn" : "tn";
         double flop = 2.0 * (double)s->M * (double)s->N * (double)s->K;
         /* the generic level only where the shape allows it */

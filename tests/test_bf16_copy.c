@@ -21,6 +21,9 @@
 
 #define MAX_RANKS 2
 
+/* The context of the bf16 passes: bf16 GEMMs, as mixed precision runs them. */
+static const ds4_exec k_bf16_gemms = {.matmul_precision = DS4_MATMUL_BF16};
+
 static bool load_cfg(const char *path, ds4_config *c) {
     ds4_status st = ds4_config_load(path, c);
     CHECK(st == DS4_OK, "%s", ds4_errmsg());
@@ -88,7 +91,8 @@ static void copy_matches_per_call(const char *cfg_path) {
     ds4_config c;
     if (!load_cfg(cfg_path, &c)) return;
     ds4_model *ref = NULL, *m = NULL;
-    CHECK(ds4_model_create(NULL, &c, false, &ref) == DS4_OK && ds4_model_create_bf16(NULL, &c, false, &m) == DS4_OK,
+    CHECK(ds4_model_create(&k_bf16_gemms, &c, false, &ref) == DS4_OK &&
+              ds4_model_create_bf16(&k_bf16_gemms, &c, false, &m) == DS4_OK,
           "%s", ds4_errmsg());
     if (!ref || !m) return;
     ds4_model_init_random(ref, 11);
@@ -96,8 +100,6 @@ static void copy_matches_per_call(const char *cfg_path) {
     ds4_model_refresh_bf16(m);
     const int64_t n = ds4_model_numel(m);
     CHECK(n == ds4_model_numel(ref), "a whole model has no region padding: same layout");
-    const ds4_matmul_precision prev = ds4_get_matmul_precision();
-    ds4_set_matmul_precision(DS4_MATMUL_BF16);
     int32_t ids[64];
     ref_batch_ids(&c, 77, 0, ids);
     double lref = 0, lcopy = 0, lnan = 0;
@@ -133,7 +135,6 @@ static void copy_matches_per_call(const char *cfg_path) {
     CHECK(ok && l12 == lref12 && l12 != lcopy, "%s: after new weights and a refresh: loss %.17g, per call %.17g, before %.17g",
           cfg_path, l12, lref12, lcopy);
     CHECK(differing(ds4_model_grads_flat(ref), ds4_model_grads_flat(m), n) == 0, "%s: gradients after a refresh", cfg_path);
-    ds4_set_matmul_precision(prev);
     free(g1);
     ds4_model_free(ref);
     ds4_model_free(m);
@@ -149,13 +150,11 @@ static void fsdp_matches_per_call(const char *cfg_path, int ep) {
     const int rank = ds4_comm_rank(world);
     ds4_config c;
     if (!load_cfg(cfg_path, &c)) return;
-    const ds4_matmul_precision prev = ds4_get_matmul_precision();
-    ds4_set_matmul_precision(DS4_MATMUL_BF16);
     reference ref;
     CHECK(reference_run(&c, ds4_comm_size(world), 77, true, &ref), "%s", ds4_errmsg());
     ds4_model *m = NULL;
     ds4_fsdp *f = NULL;
-    CHECK(ds4_model_create_bf16(NULL, &c, true, &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create_bf16(&k_bf16_gemms, &c, true, &m) == DS4_OK, "%s", ds4_errmsg());
     if (m) CHECK(ds4_fsdp_create(m, world, ep, &f) == DS4_OK, "%s", ds4_errmsg());
     if (f) {
         CHECK(ds4_fsdp_init_random(f, 7) == DS4_OK);
@@ -179,7 +178,6 @@ static void fsdp_matches_per_call(const char *cfg_path, int ep) {
         }
         free(full);
     }
-    ds4_set_matmul_precision(prev);
     ds4_fsdp_free(f);
     ds4_model_free(m);
     reference_free(&ref);
@@ -270,7 +268,8 @@ static int64_t pass_gather_bytes(bool bf16) {
     if (!load_cfg("tests/configs/tiny-a.json", &c)) return -1;
     ds4_model *m = NULL;
     ds4_fsdp *f = NULL;
-    CHECK((bf16 ? ds4_model_create_bf16 : ds4_model_create)(NULL, &c, true, &m) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_exec ex = {.matmul_precision = bf16 ? DS4_MATMUL_BF16 : DS4_MATMUL_FP32};
+    CHECK((bf16 ? ds4_model_create_bf16 : ds4_model_create)(&ex, &c, true, &m) == DS4_OK, "%s", ds4_errmsg());
     if (m) CHECK(ds4_fsdp_create(m, world, 1, &f) == DS4_OK, "%s", ds4_errmsg());
     int64_t b0[DS4_NUM_LANES], b1[DS4_NUM_LANES];
     ds4_comm_allgather_bytes(b0);
@@ -280,11 +279,8 @@ static int64_t pass_gather_bytes(bool bf16) {
         int32_t ids[64];
         ref_batch_ids(&c, 77, ds4_comm_rank(world), ids);
         double loss;
-        const ds4_matmul_precision prev = ds4_get_matmul_precision();
-        ds4_set_matmul_precision(DS4_MATMUL_BF16);
         ref_pass(m, ids, ds4_fsdp_hooks(f), true, &loss);
-        ds4_set_matmul_precision(prev);
-    }
+        }
     ds4_comm_allgather_bytes(b1);
     ds4_fsdp_free(f);
     ds4_model_free(m);

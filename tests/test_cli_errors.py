@@ -129,6 +129,13 @@ with tempfile.TemporaryDirectory() as tmp:
         expect_error(f"train --training.threads {bad}",
                      ["train", "--config", "configs/train/demo.toml", "--training.threads", bad],
                      f"training.threads = {bad}", "[0, 1024]")
+    # --device: a backend by name, the same way in every command that computes (train: training.device)
+    for cmd in ("debug-state", "generate", "eval", "memplan"):
+        expect_error(f"{cmd} --device nope", threads_cmds[cmd] + ["--device", "nope"], f"ds4 {cmd}", "--device",
+                     "'nope'", "built in: cpu")
+    expect_error("train --training.device nope",
+                 ["train", "--config", "configs/train/demo.toml", "--training.device", "nope"], "training.device",
+                 "'nope'", "built in: cpu")
     # nothing was written by the failing runs
     if os.path.exists(out):
         failed += 1

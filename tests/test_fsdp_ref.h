@@ -43,7 +43,8 @@ typedef struct {
 
 static inline bool reference_run(const ds4_config *c, int ranks, uint64_t seed, bool bf16, reference *ref) {
     memset(ref, 0, sizeof *ref);
-    if (ranks > REF_MAX_RANKS || ds4_model_create(NULL, c, false, &ref->m) != DS4_OK) return false;
+    const ds4_exec ex = {.matmul_precision = bf16 ? DS4_MATMUL_BF16 : DS4_MATMUL_FP32}; /* bf16 runs bf16 GEMMs */
+    if (ranks > REF_MAX_RANKS || ds4_model_create(&ex, c, false, &ref->m) != DS4_OK) return false;
     ds4_model_init_random(ref->m, 7);
     const int64_t n = ds4_model_numel(ref->m);
     ref->ranks = ranks;

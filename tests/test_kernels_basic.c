@@ -87,7 +87,13 @@ typedef void (*gemm_fn)(int64_t, int64_t, int64_t, const float *, int64_t, const
 
 enum { OP_NT, OP_NN, OP_TN };
 static const char *OP_NAME[] = {"nt", "nn", "tn"};
-static gemm_fn fast_of(int op) { return op == OP_NT ? cpu_gemm_nt : op == OP_NN ? cpu_gemm_nn : cpu_gemm_tn; }
+/* The GEMM wrapper of op in context ex (the context's backend and matmul precision; a plan's mirrors). */
+static void gemm_op(const ds4_exec *ex, int op, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                    const float *B, int64_t ldb, float *C, int64_t ldc, float beta) {
+    if (op == OP_NT) gemm_nt(ex, M, N, K, A, lda, B, ldb, C, ldc, beta);
+    else if (op == OP_NN) gemm_nn(ex, M, N, K, A, lda, B, ldb, C, ldc, beta);
+    else gemm_tn(ex, M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
 static gemm_fn ref_of(int op) {
     return op == OP_NT ? cpu_gemm_nt_ref : op == OP_NN ? cpu_gemm_nn_ref : cpu_gemm_tn_ref;
 }
@@ -118,7 +124,7 @@ static double gemm_case(int op, int64_t M, int64_t N, int64_t K, int64_t pad, fl
             for (int64_t j = 0; j < N; j++) Cr[i * ldc + j] = NAN; /* beta 0 must not read C */
     memcpy(Cf, Cr, (size_t)(M * ldc) * sizeof(float));
     ref_of(op)(M, N, K, A, lda, B, ldb, Cr, ldc, beta);
-    fast_of(op)(M, N, K, A, lda, B, ldb, Cf, ldc, beta);
+    gemm_op(CPU_EXEC, op, M, N, K, A, lda, B, ldb, Cf, ldc, beta);
     double num = 0, den = 0;
     int bad_pad = 0, nonfinite = 0;
     for (int64_t i = 0; i < M; i++) {
@@ -181,12 +187,12 @@ static void test_gemm_degenerate(void) {
         float c1[6], c0[6];
         memcpy(c1, C, sizeof C);
         for (int i = 0; i < 6; i++) c0[i] = NAN; /* beta 0 must not read C */
-        fast_of(op)(2, 3, 0, A, 1, B, 3, c1, 3, 1.0f);
-        fast_of(op)(2, 3, 0, A, 1, B, 3, c0, 3, 0.0f);
+        gemm_op(CPU_EXEC, op, 2, 3, 0, A, 1, B, 3, c1, 3, 1.0f);
+        gemm_op(CPU_EXEC, op, 2, 3, 0, A, 1, B, 3, c0, 3, 0.0f);
         CHECK(memcmp(c1, C, sizeof C) == 0, "gemm_%s K=0 beta=1 changed C", OP_NAME[op]);
         for (int i = 0; i < 6; i++) CHECK(c0[i] == 0, "gemm_%s K=0 beta=0: C[%d] = %g", OP_NAME[op], i, c0[i]);
-        fast_of(op)(0, 3, 2, A, 2, B, 3, c1, 3, 0.0f);
-        fast_of(op)(2, 0, 2, A, 2, B, 2, c1, 3, 0.0f);
+        gemm_op(CPU_EXEC, op, 0, 3, 2, A, 2, B, 3, c1, 3, 0.0f);
+        gemm_op(CPU_EXEC, op, 2, 0, 2, A, 2, B, 2, c1, 3, 0.0f);
         CHECK(memcmp(c1, C, sizeof C) == 0, "gemm_%s M or N = 0 wrote C", OP_NAME[op]);
     }
     /* a 1×1×1 product is exact */
@@ -209,7 +215,7 @@ static void test_gemm_deterministic_threads(void) {
             C[r] = falloc(M * N);
             t_fill(C[r], M * N, 9, 1.0f);
             omp_set_num_threads(r == 0 ? 1 : r);
-            fast_of(op)(M, N, K, A, ac, B, bc, C[r], N, 1.0f);
+            gemm_op(CPU_EXEC, op, M, N, K, A, ac, B, bc, C[r], N, 1.0f);
         }
         omp_set_num_threads(saved);
         CHECK(memcmp(C[0], C[1], (size_t)(M * N) * sizeof(float)) == 0, "gemm_%s: run to run differs", OP_NAME[op]);

@@ -35,7 +35,16 @@ typedef void (*gemm_fn)(int64_t, int64_t, int64_t, const float *, int64_t, const
                         int64_t, float);
 enum { OP_NT, OP_NN, OP_TN };
 static const char *OP_NAME[] = {"nt", "nn", "tn"};
-static gemm_fn fast_of(int op) { return op == OP_NT ? cpu_gemm_nt : op == OP_NN ? cpu_gemm_nn : cpu_gemm_tn; }
+/* The GEMM wrapper of op in context ex (the context's backend and matmul precision; a plan's mirrors). */
+static void gemm_op(const ds4_exec *ex, int op, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                    const float *B, int64_t ldb, float *C, int64_t ldc, float beta) {
+    if (op == OP_NT) gemm_nt(ex, M, N, K, A, lda, B, ldb, C, ldc, beta);
+    else if (op == OP_NN) gemm_nn(ex, M, N, K, A, lda, B, ldb, C, ldc, beta);
+    else gemm_tn(ex, M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
+/* The engine tests' context: real, bf16 GEMMs; and its plan. */
+#define BF16_EXEC (&(const ds4_exec){.matmul_precision = DS4_MATMUL_BF16})
+#define BF16_PLAN_EXEC (&(const ds4_exec){.plan = true, .matmul_precision = DS4_MATMUL_BF16})
 static gemm_fn bf16_ref_of(int op) {
     return op == OP_NT ? cpu_gemm_nt_bf16_ref : op == OP_NN ? cpu_gemm_nn_bf16_ref : cpu_gemm_tn_bf16_ref;
 }
@@ -147,7 +156,7 @@ static void test_packer_rounding(void) {
             const float *A = side ? one : v, *B = side ? v : one;
             int64_t lda = op == OP_TN ? M : 1, ldb = op == OP_NT ? 1 : N;
             for (int i = 0; i < NV; i++) C[i] = NAN;
-            fast_of(op)(M, N, 1, A, lda, B, ldb, C, N, 0.0f);
+            gemm_op(BF16_EXEC, op, M, N, 1, A, lda, B, ldb, C, N, 0.0f);
             int bad = 0;
             for (int i = 0; i < NV; i++)
                 if (u_of(C[i]) != u_of(gemm_bf16_round(v[i])) && !(isnan(C[i]) && isnan(v[i])) &&
@@ -181,7 +190,7 @@ static void bf16_case(int op, int64_t M, int64_t N, int64_t K, int64_t pad, floa
     memcpy(Cf, C0, (size_t)(M * ldc) * sizeof(float));
     memcpy(Cr, C0, (size_t)(M * ldc) * sizeof(float));
     bf16_ref_of(op)(M, N, K, A, lda, B, ldb, Cr, ldc, beta);
-    fast_of(op)(M, N, K, A, lda, B, ldb, Cf, ldc, beta);
+    gemm_op(BF16_EXEC, op, M, N, K, A, lda, B, ldb, Cf, ldc, beta);
     int bad = 0, bad_pad = 0;
     for (int64_t i = 0; i < M; i++) {
         for (int64_t j = 0; j < N; j++) {
@@ -247,16 +256,16 @@ static void test_degenerate(void) {
         for (int beta = 0; beta <= 1; beta++) {
             float c[6];
             for (int i = 0; i < 6; i++) c[i] = beta ? before[i] : NAN;
-            fast_of(op)(2, 3, 0, A, 1, B, 3, c, 3, (float)beta);
+            gemm_op(BF16_EXEC, op, 2, 3, 0, A, 1, B, 3, c, 3, (float)beta);
             int bad = 0;
             for (int i = 0; i < 6; i++) bad += c[i] != (beta ? before[i] : 0.0f);
-            fast_of(op)(0, 3, 2, A, 2, B, 3, c, 3, 0.0f); /* M = 0 */
-            fast_of(op)(2, 0, 2, A, 2, B, 2, c, 3, 0.0f); /* N = 0 */
+            gemm_op(BF16_EXEC, op, 0, 3, 2, A, 2, B, 3, c, 3, 0.0f); /* M = 0 */
+            gemm_op(BF16_EXEC, op, 2, 0, 2, A, 2, B, 2, c, 3, 0.0f); /* N = 0 */
             for (int i = 0; i < 6; i++) bad += c[i] != (beta ? before[i] : 0.0f);
             CHECK(bad == 0, "gemm_%s beta=%d: K = 0 or M, N = 0 gave the wrong C", OP_NAME[op], beta);
         }
     float a = 3, b = -2, c = 0.5f;
-    gemm_nt(CPU_EXEC, 1, 1, 1, &a, 1, &b, 1, &c, 1, 1.0f);
+    gemm_nt(BF16_EXEC, 1, 1, 1, &a, 1, &b, 1, &c, 1, 1.0f);
     CHECK(c == -5.5f, "1x1x1 accumulate: %g", c);
 }
 
@@ -269,7 +278,7 @@ static float *product_on(int threads, int op, int64_t M, int64_t N, int64_t K, c
     t_fill(C, M * N, 9, 1.0f);
     int saved = omp_get_max_threads();
     omp_set_num_threads(threads);
-    fast_of(op)(M, N, K, A, lda, B, ldb, C, N, 1.0f);
+    gemm_op(BF16_EXEC, op, M, N, K, A, lda, B, ldb, C, N, 1.0f);
     omp_set_num_threads(saved);
     return C;
 }
@@ -311,11 +320,11 @@ static void test_nested_parallel(void) {
     float *A = falloc(M * K), *B = falloc(N * K), *ref = falloc(M * N), *C[2] = {falloc(M * N), falloc(M * N)};
     t_fill(A, M * K, 51, 1.0f);
     t_fill(B, N * K, 52, 1.0f);
-    gemm_nt(CPU_EXEC, M, N, K, A, K, B, K, ref, N, 0);
+    gemm_nt(BF16_EXEC, M, N, K, A, K, B, K, ref, N, 0);
 #pragma omp parallel num_threads(2)
     {
         int t = omp_get_thread_num();
-        if (t < 2) gemm_nt(CPU_EXEC, M, N, K, A, K, B, K, C[t], N, 0);
+        if (t < 2) gemm_nt(BF16_EXEC, M, N, K, A, K, B, K, C[t], N, 0);
     }
     for (int t = 0; t < 2; t++)
         CHECK(memcmp(ref, C[t], (size_t)(M * N) * sizeof(float)) == 0, "nested call on thread %d differs", t);
@@ -324,24 +333,18 @@ static void test_nested_parallel(void) {
 
 /* ---------------------------------------------------------------- the switch */
 
-/* Unknown precisions are refused and leave the precision as it was; bf16 works on every CPU (whatever
- * engine the dispatch chose) and is the bf16 product, not the fp32 one; switching to bf16 and back leaves
- * the fp32 results bit for bit as they were. */
+/* The precision is the context's: bf16 works on every CPU (whatever engine the dispatch chose) and is the
+ * bf16 product, not the fp32 one; a bf16 context between two fp32 ones leaves the fp32 results bit for bit
+ * as they were. */
 static void test_precision_switch(void) {
-    ds4_matmul_precision was = ds4_get_matmul_precision();
-    CHECK(ds4_set_matmul_precision(DS4_MATMUL_FP32) == DS4_OK);
-    CHECK(ds4_set_matmul_precision((ds4_matmul_precision)7) == DS4_ERR_ARG);
-    CHECK(strstr(ds4_errmsg(), "unknown") && strstr(ds4_errmsg(), "stays fp32"), "%s", ds4_errmsg());
-    CHECK(ds4_get_matmul_precision() == DS4_MATMUL_FP32);
     CHECK(!strcmp(ds4_matmul_precision_name(DS4_MATMUL_BF16), "bf16"));
-
+    CHECK(!strcmp(ds4_matmul_precision_name(DS4_MATMUL_FP32), "fp32"));
     const int64_t M = 70, N = 90, K = 300;
     float *A = falloc(M * K), *B = falloc(N * K), *c0 = falloc(M * N), *c1 = falloc(M * N), *c2 = falloc(M * N);
     t_fill(A, M * K, 31, 1.0f);
     t_fill(B, N * K, 32, 1.0f);
     gemm_nt(CPU_EXEC, M, N, K, A, K, B, K, c0, N, 0);
-    CHECK(ds4_set_matmul_precision(DS4_MATMUL_BF16) == DS4_OK, "%s", ds4_errmsg());
-    gemm_nt(CPU_EXEC, M, N, K, A, K, B, K, c1, N, 0);
+    gemm_nt(BF16_EXEC, M, N, K, A, K, B, K, c1, N, 0);
     CHECK(memcmp(c0, c1, (size_t)(M * N) * sizeof(float)) != 0, "bf16 mode gave the fp32 bits");
     /* bf16 mode is the bf16 product (fp32 accumulation error only); fp32 mode is far from it (operand
      * rounding, ~2^-9 relative per operand) */
@@ -350,14 +353,12 @@ static void test_precision_switch(void) {
     CHECK(t_rel_err(c1, r, M * N) < 1e-6, "bf16 mode vs bf16 reference: %.3g", t_rel_err(c1, r, M * N));
     CHECK(t_rel_err(c0, r, M * N) > 1e-4, "fp32 mode vs bf16 reference: %.3g", t_rel_err(c0, r, M * N));
     free(r);
-    CHECK(ds4_set_matmul_precision(DS4_MATMUL_FP32) == DS4_OK);
     gemm_nt(CPU_EXEC, M, N, K, A, K, B, K, c2, N, 0);
-    CHECK(memcmp(c0, c2, (size_t)(M * N) * sizeof(float)) == 0, "fp32 bits changed after bf16 and back");
+    CHECK(memcmp(c0, c2, (size_t)(M * N) * sizeof(float)) == 0, "fp32 bits changed after a bf16 context");
     /* fp32 mode is an fp32 kernel, not a bf16 one: within the fp32 tolerance of the fp32 reference */
     cpu_gemm_nt_ref(M, N, K, A, K, B, K, c1, N, 0);
     CHECK(t_rel_err(c2, c1, M * N) < 1e-6, "fp32 mode error %.3g", t_rel_err(c2, c1, M * N));
     free(A), free(B), free(c0), free(c1), free(c2);
-    CHECK(ds4_set_matmul_precision(was) == DS4_OK);
 }
 
 /* ISA levels: names parse both ways; a level above this CPU's best is refused with the missing feature
@@ -401,13 +402,13 @@ static int64_t work_peak_of(int op, bool plan, bool reserve, const float *A, con
                             int64_t M, int64_t N, int64_t K) {
     ds4_mem_stats s0, s1;
     const ds4_exec prev = ds4_exec_enter(&(ds4_exec){.plan = plan});
-    if (reserve) gemm_workspace_reserve(CPU_EXEC);
+    if (reserve) gemm_workspace_reserve(plan ? BF16_PLAN_EXEC : BF16_EXEC);
     ds4_mem_reset_peak();
     ds4_mem_get(&s0);
     int64_t lda = op == OP_TN ? M : K, ldb = op == OP_NT ? K : N;
-    fast_of(op)(M, N, K, A, lda, B, ldb, C, N, 0.0f);
+    gemm_op(plan ? BF16_PLAN_EXEC : BF16_EXEC, op, M, N, K, A, lda, B, ldb, C, N, 0.0f);
     ds4_mem_get(&s1);
-    if (reserve) gemm_workspace_release(CPU_EXEC);
+    if (reserve) gemm_workspace_release(plan ? BF16_PLAN_EXEC : BF16_EXEC);
     ds4_exec_leave(prev);
     return s1.peak[DS4_MEM_WORK] - s0.live[DS4_MEM_WORK];
 }
@@ -465,10 +466,10 @@ static void hb_case(int op, int64_t M, int64_t N, int64_t K, int64_t pad, float 
     memcpy(C2, C1, (size_t)(M * ldc) * sizeof(float));
     uint16_t *Bh = bits_of(B, br * ldb);
     if (op == OP_NT) {
-        gemm_nt(CPU_EXEC, M, N, K, A, lda, B, ldb, C1, ldc, beta);
+        gemm_nt(BF16_EXEC, M, N, K, A, lda, B, ldb, C1, ldc, beta);
         cpu_gemm_nt_hb(M, N, K, A, lda, Bh, ldb, C2, ldc, beta);
     } else {
-        gemm_nn(CPU_EXEC, M, N, K, A, lda, B, ldb, C1, ldc, beta);
+        gemm_nn(BF16_EXEC, M, N, K, A, lda, B, ldb, C1, ldc, beta);
         cpu_gemm_nn_hb(M, N, K, A, lda, Bh, ldb, C2, ldc, beta);
     }
     int64_t d = differing(C1, C2, M * ldc);
@@ -510,21 +511,21 @@ static void test_bf16_weight_layers(void) {
     float *dw1 = falloc(OC * IC), *dw2 = falloc(OC * IC);
     t_fill(x, N * IC, 1, 1.0f), t_fill(w, OC * IC, 2, 0.5f), t_fill(dout, N * OC, 3, 1.0f);
     uint16_t *wh = bits_of(w, OC * IC);
-    linear_fwd(CPU_EXEC, o1, x, w, N, IC, OC);
-    linear_fwd_bf16w(CPU_EXEC, o2, x, wh, N, IC, OC);
+    linear_fwd(BF16_EXEC, o1, x, w, N, IC, OC);
+    linear_fwd_bf16w(BF16_EXEC, o2, x, wh, N, IC, OC);
     CHECK(differing(o1, o2, N * OC) == 0, "%s: linear_fwd_bf16w differs from linear_fwd", g_engine_name);
-    linear_bwd(CPU_EXEC, dx1, dw1, dout, x, w, N, IC, OC);
-    linear_bwd_bf16w(CPU_EXEC, dx2, dw2, dout, x, wh, N, IC, OC);
+    linear_bwd(BF16_EXEC, dx1, dw1, dout, x, w, N, IC, OC);
+    linear_bwd_bf16w(BF16_EXEC, dx2, dw2, dout, x, wh, N, IC, OC);
     CHECK(differing(dx1, dx2, N * IC) == 0 && differing(dw1, dw2, OC * IC) == 0,
           "%s: linear_bwd_bf16w differs from linear_bwd", g_engine_name);
     /* grouped: o [N, G, Din], w [G, R, Din], z [N, G, R] (reusing the buffers above, big enough) */
     uint16_t *gh = bits_of(w, G * R * Din);
-    grouped_linear_fwd(CPU_EXEC, o1, x, w, N, G, R, Din);
-    grouped_linear_fwd_bf16w(CPU_EXEC, o2, x, gh, N, G, R, Din);
+    grouped_linear_fwd(BF16_EXEC, o1, x, w, N, G, R, Din);
+    grouped_linear_fwd_bf16w(BF16_EXEC, o2, x, gh, N, G, R, Din);
     CHECK(differing(o1, o2, N * G * R) == 0, "%s: grouped_linear_fwd_bf16w differs", g_engine_name);
     memset(dx1, 0, (size_t)(N * IC) * sizeof(float)), memset(dx2, 0, (size_t)(N * IC) * sizeof(float));
-    grouped_linear_bwd(CPU_EXEC, dx1, dw1, dout, x, w, N, G, R, Din);
-    grouped_linear_bwd_bf16w(CPU_EXEC, dx2, dw2, dout, x, gh, N, G, R, Din);
+    grouped_linear_bwd(BF16_EXEC, dx1, dw1, dout, x, w, N, G, R, Din);
+    grouped_linear_bwd_bf16w(BF16_EXEC, dx2, dw2, dout, x, gh, N, G, R, Din);
     CHECK(differing(dx1, dx2, N * G * Din) == 0 && differing(dw1, dw2, G * R * Din) == 0,
           "%s: grouped_linear_bwd_bf16w differs", g_engine_name);
     /* two routed experts on ne rows each */
@@ -543,8 +544,8 @@ static void test_bf16_weight_layers(void) {
                            .h1 = h[0], .h3 = h[1], .act = act};
     moe_experts_args a2 = a1;
     a2.wbase = ew, a2.hcopy = eh, a2.h1 = h[2], a2.h3 = h[3];
-    moe_experts_fwd(CPU_EXEC, &a1, y1);
-    moe_experts_fwd(CPU_EXEC, &a2, y2);
+    moe_experts_fwd(BF16_EXEC, &a1, y1);
+    moe_experts_fwd(BF16_EXEC, &a2, y2);
     CHECK(differing(y1, y2, 2 * ne * D) == 0 && differing(h[0], h[2], 2 * ne * I) == 0,
           "%s: routed experts on bf16 copies differ", g_engine_name);
     free(ew), free(xr), free(rw), free(y1), free(y2), free(act), free(eh);
@@ -558,7 +559,6 @@ static void run_engine_tests(void) {
     g_engine = t->gemm_bf16;
     g_engine_name = g_engine ? g_engine->name : "portable bf16 reference";
     t_note("test_kernels_bf16: engine %s", g_engine_name);
-    if (ds4_set_matmul_precision(DS4_MATMUL_BF16) != DS4_OK) t_failed++, t_note("  FAIL bf16: %s", ds4_errmsg());
     RUN(test_packer_rounding);
     RUN(test_edge_shapes);
     RUN(test_degenerate);
@@ -567,7 +567,6 @@ static void run_engine_tests(void) {
     RUN(test_memory);
     RUN(test_bf16_weight_gemm);
     RUN(test_bf16_weight_layers);
-    ds4_set_matmul_precision(DS4_MATMUL_FP32);
 }
 
 int main(void) {

@@ -69,6 +69,25 @@ static void swap_plan_equals_measured(const char *cfg, int64_t B, int64_t T, ds4
           cfg, what, (long long)plan.offload_peak_total, (long long)real.offload_peak_total);
 }
 
+/* The matmul precision is the context's: a plan of a step with bf16 GEMMs on fp32 weights (memplan
+ * --matmul-precision bf16) equals that step measured, per category; where the CPU has a bf16 engine with
+ * panels of its own its workspace differs from the fp32 step's, which proves the plan saw the precision. */
+static void test_matmul_precision_plan_equals_measured(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_step_memory plan, real, fp32;
+    const ds4_step_opts bf16 = {.matmul_precision = DS4_MATMUL_BF16}, f32 = {0};
+    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &bf16, true, &plan) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &bf16, false, &real) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_step_memory_run_opts(&c, 2, 64, &f32, true, &fp32) == DS4_OK, "%s", ds4_errmsg());
+    for (int k = 0; k < DS4_MEM_NCAT; k++)
+        CHECK(plan.peak[k] == real.peak[k], "bf16 GEMMs: %s planned %lld, measured %lld",
+              ds4_mem_cat_name((ds4_mem_cat)k), (long long)plan.peak[k], (long long)real.peak[k]);
+    CHECK(plan.peak_total == real.peak_total && plan.after_step == real.after_step, "bf16 GEMMs: totals");
+    CHECK(plan.peak[DS4_MEM_PARAM] == fp32.peak[DS4_MEM_PARAM] && plan.peak[DS4_MEM_ACT] == fp32.peak[DS4_MEM_ACT],
+          "bf16 GEMMs on fp32 weights hold fp32 parameters and activations");
+}
+
 static void test_swap_plan_equals_measured(void) {
     ds4_config c;
     CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
@@ -278,6 +297,7 @@ int main(void) {
     RUN(test_plan_equals_measured_tiny_a);
     RUN(test_plan_equals_measured_tiny_b);
     RUN(test_swap_plan_equals_measured);
+    RUN(test_matmul_precision_plan_equals_measured);
     RUN(test_swap_plan_equals_measured_dist);
     RUN(test_muon_plan_equals_measured);
     RUN(test_plans_flash_and_pro);

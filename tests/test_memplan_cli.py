@@ -112,6 +112,16 @@ expect_error("zero bytes", ["--device-memory", "0"], "--device-memory")
 expect_error("no value", ["--device-memory"], "--device-memory")
 expect_error("policies with recompute flags", ["--policies", "--mhc-recompute"], "--policies")
 expect_error("policies with swap flags", ["--policies", "--swap-optimizer"], "--policies")
+expect_error("an unknown backend", ["--device", "nope"], "--device", "'nope'", "built in: cpu")
+expect_error("an unknown matmul precision", ["--matmul-precision", "fp16"], "--matmul-precision", "'fp16'")
+expect_error("fp32 GEMMs under bf16 mixed precision", ["--matmul-precision", "fp32", "--mixed-precision-param",
+             "bfloat16"], "--matmul-precision", "--mixed-precision-param")
+r = memplan("--device", "cpu")
+check("--device cpu plans the default backend", r.returncode == 0 and peak_total(r.stdout) == peak, r.stdout)
+r = memplan("--matmul-precision", "bf16")
+check("--matmul-precision bf16 says so and keeps fp32 parameters", r.returncode == 0 and
+      "matmul precision: bf16" in r.stdout and category_bytes(r.stdout, "params") == category_bytes(o32, "params"),
+      r.stdout)
 r = memplan("--device-memory", "1.5")
 check("1.5 bytes is a size, rounded down to one byte", fit(r.stdout) == (1, 1 - peak), r.stdout)
 finish("test_memplan_cli")

@@ -125,18 +125,20 @@ static void test_bf16_moves_within_rounding(void) {
     free(b16.params);
 }
 
+/* The context of the mixed-precision passes below: bf16 GEMMs (bf16 activations imply them). */
+static const ds4_exec k_bf16_gemms = {.matmul_precision = DS4_MATMUL_BF16};
+
 /* After forward, a unit's saved outputs hold 2 bytes per element for its bf16 slots and 4 for the others:
  * q_up keeps qraw and q [N, H, hd] in bf16 and rstd [N, H] in fp32; the router keeps everything fp32. */
 static void test_held_bytes(void) {
     ds4_config c;
     CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
     ds4_model *m;
-    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(&k_bf16_gemms, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
     ds4_model_init_random(m, 3);
     const int64_t B = 2, T = 64, N = B * T;
     int32_t ids[2 * 64];
     for (int64_t i = 0; i < N; i++) ids[i] = (int32_t)(i * 7 % c.vocab_size);
-    CHECK(ds4_set_matmul_precision(DS4_MATMUL_BF16) == DS4_OK);
     for (int bf16 = 0; bf16 < 2; bf16++) {
         ds4_pass_opts o = {.need_backward = true, .bf16_acts = bf16};
         ds4_pass *p;
@@ -153,7 +155,6 @@ static void test_held_bytes(void) {
         CHECK(ds4_backward(m, p) == DS4_OK, "%s", ds4_errmsg());
         ds4_pass_free(p);
     }
-    CHECK(ds4_set_matmul_precision(DS4_MATMUL_FP32) == DS4_OK);
     ds4_model_free(m);
 }
 
@@ -175,7 +176,7 @@ static void test_keys_bf16_when_made(void) {
     ds4_config c;
     CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
     ds4_model *m;
-    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(&k_bf16_gemms, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
     ds4_model_init_random(m, 3);
     const int64_t B = 2, T = 64, N = B * T, Nc = T / 4;
     CHECK(ds4_layer_ratio(&c, 1) == 4, "tiny-a's layer 1 is CSA");
@@ -186,7 +187,6 @@ static void test_keys_bf16_when_made(void) {
     const int64_t keys[3] = {N * c.head_dim, B * Nc * c.head_dim, B * Nc * c.index_head_dim};
     int64_t bytes[2][3];
     double loss[2];
-    CHECK(ds4_set_matmul_precision(DS4_MATMUL_BF16) == DS4_OK);
     for (int bf16 = 0; bf16 < 2; bf16++) {
         ds4_pass_opts o = {.need_backward = true, .bf16_acts = bf16, .store = {.ops = &ops}};
         ds4_pass *p;
@@ -207,7 +207,6 @@ static void test_keys_bf16_when_made(void) {
         CHECK(bytes[0][k] - bytes[1][k] == 2 * keys[k], "%s held %lld bytes in fp32 and %lld in bf16 after its run: "
               "expected %lld less", units[k], (long long)bytes[0][k], (long long)bytes[1][k], (long long)(2 * keys[k]));
     CHECK(isfinite(loss[1]) && loss[1] != loss[0], "bf16 loss %.9g vs fp32 %.9g", loss[1], loss[0]);
-    CHECK(ds4_set_matmul_precision(DS4_MATMUL_FP32) == DS4_OK);
     ds4_model_free(m);
 }
 

@@ -41,11 +41,12 @@ static ds4_status next_ids(void *ctx, int32_t *ids) {
 }
 
 /* The forward logits of the initial model, then one training step, under `threads` threads. */
-static bool run_step(const ds4_config *c, int threads, step_out *out) {
+static bool run_step(const ds4_config *c, ds4_matmul_precision prec, int threads, step_out *out) {
     omp_set_num_threads(threads);
     memset(out, 0, sizeof *out);
     ds4_train_state *s;
-    ds4_train_state_opts so = {.ep = 1};
+    const ds4_exec ex = {.matmul_precision = prec};
+    ds4_train_state_opts so = {.ep = 1, .exec = &ex};
     if (ds4_train_state_open(c, NULL, 7, ds4_comm_world(), &so, &s) != DS4_OK) return false;
     ds4_model *m = ds4_train_state_model(s);
     const int64_t nb = c->n_layers + c->n_mtp_layers;
@@ -122,20 +123,18 @@ static void threads_agree(ds4_matmul_precision prec, const int *counts, int ncou
     CHECK(ds4_config_load(CONFIG, &c) == DS4_OK, "%s", ds4_errmsg());
     CHECK(c.n_mtp_layers > 0 && c.n_hash_layers > 0 && c.n_hash_layers < c.n_layers,
           CONFIG ": the test needs MTP and both hash and score routing");
-    CHECK(ds4_set_matmul_precision(prec) == DS4_OK, "%s", ds4_errmsg());
     char what[160];
     snprintf(what, sizeof what, "%s %s %s", CONFIG, ds4_isa_name(ds4_isa_current()), ds4_matmul_precision_name(prec));
     step_out base;
-    CHECK(run_step(&c, 1, &base), "%s: %s", what, ds4_errmsg());
+    CHECK(run_step(&c, prec, 1, &base), "%s: %s", what, ds4_errmsg());
     CHECK(base.logits && base.mtp_logits && base.grads && base.params, "%s: nothing captured", what);
     for (int k = 0; k < ncounts; k++) {
         step_out r;
-        CHECK(run_step(&c, counts[k], &r), "%s, %d threads: %s", what, counts[k], ds4_errmsg());
+        CHECK(run_step(&c, prec, counts[k], &r), "%s, %d threads: %s", what, counts[k], ds4_errmsg());
         same_bits(what, &r, &base, counts[k]);
         free_out(&r);
     }
     free_out(&base);
-    CHECK(ds4_set_matmul_precision(DS4_MATMUL_FP32) == DS4_OK, "%s", ds4_errmsg());
 }
 
 /* The engines of the level in use (the best, or DS4_ISA: `make check` runs the suite again at generic). */

@@ -1,5 +1,6 @@
 /* Flag parsing shared by the subcommands. */
 #include "cli.h"
+#include "ds4/kernels.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -55,6 +56,13 @@ bool cli_int(const char *cmd, const char *flag, const char *s, int64_t *out) {
     }
     *out = v;
     return true;
+}
+
+bool cli_device(const char *cmd, const char *s, ds4_exec *ex) {
+    if (!s) return true;
+    if (ds4_backend_find("--device", s, &ex->backend) == DS4_OK) return true;
+    fprintf(stderr, "error: ds4 %s: %s\n", cmd, ds4_errmsg());
+    return false;
 }
 
 bool cli_threads(const char *cmd, const char *s) {

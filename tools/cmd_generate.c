@@ -22,7 +22,8 @@
 /* ------------------------------------------------------------------ shared: loading a model */
 /* --model DIR, or --checkpoint DIR: a checkpoint folder (ROOT/step-NNNNNNNN: a model directory, or the
  * shard files of every rank with their index) or a checkpoint root, whose latest complete checkpoint is used. */
-static ds4_status open_model(const char *cmd, const char *model_dir, const char *ckpt, ds4_model **out) {
+static ds4_status open_model(const char *cmd, const ds4_exec *ex, const char *model_dir, const char *ckpt,
+                             ds4_model **out) {
     *out = NULL;
     if (!model_dir == !ckpt)
         return ds4_fail(DS4_ERR_ARG, "ds4 %s: give exactly one of --model DIR and --checkpoint DIR", cmd);
@@ -43,12 +44,12 @@ static ds4_status open_model(const char *cmd, const char *model_dir, const char 
         ds4_config c;
         snprintf(cfg, sizeof cfg, "%s/config.json", path);
         DS4_TRY(ds4_config_load(cfg, &c));
-        st = ds4_model_create(NULL, &c, false, &m);
+        st = ds4_model_create(ex, &c, false, &m);
         if (st == DS4_OK) st = ds4_checkpoint_load_model(path, m);
     } else {
         ds4_model_dir *d;
         DS4_TRY(ds4_model_dir_open(path, &d));
-        st = ds4_model_create(NULL, ds4_model_dir_config(d), false, &m);
+        st = ds4_model_create(ex, ds4_model_dir_config(d), false, &m);
         if (st == DS4_OK) st = ds4_model_load(m, d);
         ds4_model_dir_close(d);
     }
@@ -147,7 +148,8 @@ int cmd_generate(int argc, char **argv) {
                     {"seed", false, NULL, "sampling seed (default 0)"},
                     {"no-bos", true, NULL, "do not start the prompt with the tokenizer's BOS"},
                     {"ignore-eos", true, NULL, "keep generating after EOS"},
-                    {"threads", false, NULL, "OpenMP threads"}};
+                    {"threads", false, NULL, "OpenMP threads"},
+                    {"device", false, NULL, "backend to compute on (default cpu; ds4 info lists them)"}};
     const char *pos[1];
     int npos;
     const char *syn = "--model DIR|--checkpoint DIR --prompt TEXT [--tokenizer byte|PATH] [--max-new-tokens N] "
@@ -183,13 +185,15 @@ int cmd_generate(int argc, char **argv) {
         return 2;
     }
     if (!cli_threads("generate", cli_get(f, NFLAGS(f), "threads"))) return 2;
+    ds4_exec ex = {.plan = false};
+    if (!cli_device("generate", cli_get(f, NFLAGS(f), "device"), &ex)) return 2;
 
     ds4_tokenizer *tk = NULL;
     ds4_model *m = NULL;
     ds4_tokens ids = {0};
     ds4_status st = ds4_tokenizer_open(tks ? tks : "byte", &tk);
     if (st == DS4_OK)
-        st = open_model("generate", cli_get(f, NFLAGS(f), "model"), cli_get(f, NFLAGS(f), "checkpoint"), &m);
+        st = open_model("generate", &ex, cli_get(f, NFLAGS(f), "model"), cli_get(f, NFLAGS(f), "checkpoint"), &m);
     if (st == DS4_OK && ds4_tokenizer_bos(tk) >= 0 && !cli_get(f, NFLAGS(f), "no-bos"))
         st = ds4_tokens_push(&ids, ds4_tokenizer_bos(tk));
     if (st == DS4_OK) st = ds4_tokenizer_encode(tk, prompt, strlen(prompt), true, &ids);
@@ -273,7 +277,8 @@ int cmd_eval(int argc, char **argv) {
                     {"seq-len", false, NULL, "tokens per row (default 256)"},
                     {"batch", false, NULL, "rows per forward (default 4)"},
                     {"max-batches", false, NULL, "stop after N batches (default 0: all rows)"},
-                    {"threads", false, NULL, "OpenMP threads"}};
+                    {"threads", false, NULL, "OpenMP threads"},
+                    {"device", false, NULL, "backend to compute on (default cpu; ds4 info lists them)"}};
     const char *pos[1];
     int npos;
     if (cli_want_help(argc, argv)) {
@@ -297,10 +302,12 @@ int cmd_eval(int argc, char **argv) {
         return 2;
     }
     if (!cli_threads("eval", cli_get(f, NFLAGS(f), "threads"))) return 2;
+    ds4_exec ex = {.plan = false};
+    if (!cli_device("eval", cli_get(f, NFLAGS(f), "device"), &ex)) return 2;
     ds4_model *m = NULL;
     ds4_dataloader *dl = NULL;
     ds4_status st = open_eval_data(data, &e, &dl);
-    if (st == DS4_OK) st = open_model("eval", cli_get(f, NFLAGS(f), "model"), cli_get(f, NFLAGS(f), "checkpoint"), &m);
+    if (st == DS4_OK) st = open_model("eval", &ex, cli_get(f, NFLAGS(f), "model"), cli_get(f, NFLAGS(f), "checkpoint"), &m);
     if (st == DS4_OK && ds4_data_vocab_size(dl) > ds4_model_config(m)->vocab_size)
         st = ds4_fail(DS4_ERR_ARG, "ds4 eval: %s has vocab %lld but the model's vocab_size is %lld", data,
                       (long long)ds4_data_vocab_size(dl), (long long)ds4_model_config(m)->vocab_size);

@@ -1,7 +1,7 @@
 /* ds4 memplan --model DIR|CONFIG.json --seq T --micro-batch B [--world N --ep E [--rank R]]
  *              [recompute flags] [--swap-optimizer] [--swap-layer-input] [--muon]
- *              [--mixed-precision-param bfloat16|float32] [--prefetch-depth D] [--moe-fb-overlap] [--threads N]
- *              [--device-memory SIZE]
+ *              [--mixed-precision-param bfloat16|float32] [--matmul-precision fp32|bf16] [--prefetch-depth D] [--moe-fb-overlap] [--threads N]
+ *              [--device-memory SIZE] [--device NAME]
  *              [--policies] */
 #include "cli.h"
 #include "cmds.h"
@@ -29,6 +29,7 @@ static void usage(void) {
                     "       [--recompute-csa-attention] [--mhc-recompute] [--recompute-norm ...]\n"
                     "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
                     "       [--swap-optimizer] [--swap-layer-input] [--muon] [--mixed-precision-param bfloat16]\n"
+                    "       [--matmul-precision fp32|bf16] [--device NAME]\n"
                     "       [--prefetch-depth D] [--moe-fb-overlap]\n"
                     "Peak memory of one training step by category: the trainer's own step run as a plan\n"
                     "(every allocation counted, no data touched).\n"
@@ -38,6 +39,10 @@ static void usage(void) {
                     "and the whole matrices Newton-Schulz works on are counted).\n"
                     "--mixed-precision-param bfloat16: the step of training.mixed_precision_param = \"bfloat16\"\n"
                     "(bf16 GEMM operands, the bf16-safe activations held in bf16; fp32 weights and state).\n"
+                    "--matmul-precision bf16: the step of training.matmul_precision = \"bf16\" (bf16 GEMM operands on\n"
+                    "fp32 weights and activations; the GEMM engines' buffers differ).\n"
+                    "--device NAME: plan the step on that backend (default cpu; ds4 info lists them): its plan\n"
+                    "twin counts the workspace that backend allocates.\n"
                     "--world N --ep E: one rank (--rank, default 0) of N processes with FSDP over all N and\n"
                     "expert parallelism of degree E (as mpirun -np N ds4 train ... --parallel.ep E), balanced\n"
                     "routing; --micro-batch is per rank. --prefetch-depth D: FSDP groups in flight (parallel.prefetch_depth,\n"
@@ -58,6 +63,7 @@ typedef struct {
     int64_t T, B, world, ep, rank;
     int64_t device; /* --device-memory bytes; 0: none */
     bool policies;
+    bool matmul_set; /* --matmul-precision given */
     ds4_recompute_cfg rc;
     ds4_step_opts so; /* swap and muon flags (masks filled later) */
 } memplan_args;
@@ -119,6 +125,17 @@ static int parse_args(int argc, char **argv, memplan_args *a) {
                 return 2;
             }
             a->so.prefetch_depth = (int)d;
+        } else if (!strcmp(f, "--device")) {
+            ds4_exec ex = {.plan = true};
+            if (!cli_device("memplan", v, &ex)) return 2;
+            a->so.backend = ex.backend;
+        } else if (!strcmp(f, "--matmul-precision")) {
+            if (strcmp(v, "fp32") && strcmp(v, "bf16")) {
+                fprintf(stderr, "error: ds4 memplan: --matmul-precision '%s': expected fp32 or bf16\n", v);
+                return 2;
+            }
+            a->so.matmul_precision = strcmp(v, "bf16") ? DS4_MATMUL_FP32 : DS4_MATMUL_BF16;
+            a->matmul_set = true;
         } else if (!strcmp(f, "--mixed-precision-param")) {
             if (strcmp(v, "bfloat16") && strcmp(v, "float32")) {
                 fprintf(stderr, "error: ds4 memplan: --mixed-precision-param '%s': expected bfloat16 or float32\n", v);
@@ -148,6 +165,12 @@ static int parse_args(int argc, char **argv, memplan_args *a) {
                         "0 <= rank < world\n", (long long)a->world, (long long)a->ep, (long long)a->rank);
         return 2;
     }
+    if (a->so.bf16 && a->matmul_set && a->so.matmul_precision != DS4_MATMUL_BF16) {
+        fprintf(stderr, "error: ds4 memplan: --matmul-precision fp32 contradicts --mixed-precision-param bfloat16 "
+                        "(bf16 mixed precision runs bf16 GEMMs)\n");
+        return 2;
+    }
+    if (a->so.bf16) a->so.matmul_precision = DS4_MATMUL_BF16;
     if (a->policies && (ds4_recompute_any(&a->rc) || a->so.swap_optimizer || a->so.swap_layer_input)) {
         fprintf(stderr, "error: ds4 memplan: --policies plans every recompute and swap setting itself; drop the "
                         "recompute and --swap-* flags\n");
@@ -199,6 +222,8 @@ static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so
            ds4_get_threads(), where);
     if (so.bf16)
         printf("  mixed precision: bfloat16 compute (bf16 GEMM operands and activations), float32 weights and state\n");
+    else if (so.matmul_precision == DS4_MATMUL_BF16)
+        printf("  matmul precision: bf16 GEMM operands on float32 weights and activations\n");
     printf("  %-12s %20s %12s\n", "category", "peak bytes", "GiB");
     for (int k = 0; k < DS4_MEM_NCAT; k++)
         printf("  %-12s %20lld %12.3f\n", ds4_mem_cat_name((ds4_mem_cat)k), (long long)r.peak[k], gib(r.peak[k]));

@@ -272,6 +272,7 @@ int cmd_debug_state(int argc, char **argv) {
                     {"batch", false, NULL, "BATCH.safetensors with input_ids I32 [B, T]"},
                     {"out", false, NULL, "OUT.safetensors"},
                     {"threads", false, NULL, "OpenMP threads"},
+                    {"device", false, NULL, "backend to compute on (default cpu; ds4 info lists them)"},
                     {"swap-layer-input", true, NULL, "offload each layer's input stream from forward to backward"},
                     {"offload-dir", false, NULL, "directory of the offload file (default $TMPDIR or /tmp)"},
                     {"mixed-precision-param", false, NULL,
@@ -319,7 +320,10 @@ int cmd_debug_state(int argc, char **argv) {
     ds4_model *m = NULL;
     int32_t *ids = NULL;
     int64_t B = 0, T = 0;
-    ds4_status st = ds4_model_create(NULL, ds4_model_dir_config(d), false, &m);
+    /* bf16 activations imply bf16 GEMMs: the model runs in that precision, on the backend asked for */
+    ds4_exec ex = {.matmul_precision = bf16 ? DS4_MATMUL_BF16 : DS4_MATMUL_FP32};
+    if (!cli_device("debug-state", cli_get(f, NFLAGS(f), "device"), &ex)) return 2;
+    ds4_status st = ds4_model_create(&ex, ds4_model_dir_config(d), false, &m);
     if (st == DS4_OK) st = ds4_model_load(m, d);
     ds4_model_dir_close(d);
     if (st == DS4_OK) st = read_batch(bp, &ids, &B, &T);
@@ -329,13 +333,10 @@ int cmd_debug_state(int argc, char **argv) {
         st = ds4_offload_open(NULL, cli_get(f, NFLAGS(f), "offload-dir"), &store);
         if (st == DS4_OK) st = ds4_act_swap_new(store, &swap);
     }
-    const ds4_matmul_precision prev = ds4_get_matmul_precision();
-    if (st == DS4_OK && bf16) st = ds4_set_matmul_precision(DS4_MATMUL_BF16); /* bf16 activations imply bf16 GEMMs */
     if (st == DS4_OK) {
         st = debug_state(m, ids, B, T, out, &rc, report, swap, bf16);
         if (st == DS4_ERR_ARG && strstr(ds4_errmsg(), "input_ids")) ds4_fail_prefix(st, "%s", bp);
     }
-    ds4_set_matmul_precision(prev);
     ds4_act_swap_free(swap);
     ds4_offload_close(store);
     ds4_free(ids);

@@ -9,7 +9,7 @@
 #define DS4_VERSION "0.9.0"
 
 /* `ds4 info` and `ds4 --version`: the version, then the CPU features found and the engine each kernel
- * family runs (DS4_ISA caps the level). */
+ * family runs (DS4_ISA caps the level), and the backends built in. */
 static int cmd_info(int argc, char **argv) {
     if (argc > 1) {
         fprintf(stderr, "error: %s takes no options (got '%s')\n", argv[0], argv[1]);
@@ -18,6 +18,9 @@ static int cmd_info(int argc, char **argv) {
     char buf[4096];
     ds4_isa_describe(buf, sizeof buf);
     printf("ds4 %s\n%s", DS4_VERSION, buf);
+    printf("backends:");
+    for (int i = 0; i < ds4_backend_count(); i++) printf(" %s", ds4_backend_name(i));
+    printf(" (training.device, --device)\n");
     return 0;
 }
 

@@ -136,6 +136,11 @@ void ds4_mem_reset_peak(void);    /* peaks := current live (both tiers) */
  * behind it, and no tensor data is read or written. Made by whoever starts the work (the trainer,
  * memplan) and passed down: the train state (ds4/trainer.h) gets it when opened, the optimizer and FSDP
  * read it from what they are given (the AdamW state, a plan communicator). */
+/* The precision of the GEMM kernels (gemm_nt/nn/tn and the linear layers on them). FP32 (the default): fp32
+ * operands and arithmetic. BF16: operands rounded to bf16 (nearest even), their exact products accumulated
+ * in fp32, fp32 output (docs/DESIGN.md, "Matmul precision"). A property of the context work runs in. */
+typedef enum { DS4_MATMUL_FP32 = 0, DS4_MATMUL_BF16 } ds4_matmul_precision;
+
 typedef struct ds4_stream ds4_stream; /* a backend's queue of ops (NULL: its default; the cpu runs ops inline) */
 struct ds4_kernel_backend;            /* a kernel backend's table (src/kernels/backend.h) */
 typedef struct {
@@ -145,6 +150,7 @@ typedef struct {
      * (ds4_backend_find: training.device, --device). */
     const struct ds4_kernel_backend *backend;
     ds4_stream *stream; /* the queue every op of this context goes to (NULL: the backend's default) */
+    ds4_matmul_precision matmul_precision; /* of every GEMM run in this context (training.matmul_precision) */
 } ds4_exec;
 
 /* The allocator serves one context at a time (plan: counted, not backed). ds4_exec_enter makes x the

@@ -1,5 +1,5 @@
-/* The public switches of the kernel layer: the GEMM precision and the ISA level of the cpu backend's
- * engines (src/kernels/dispatch.c implements them). */
+/* The public switches of the kernel layer: the name of a GEMM precision and the ISA level of the cpu
+ * backend's engines (src/kernels/dispatch.c implements them). */
 #ifndef DS4_PUBLIC_KERNELS_H
 #define DS4_PUBLIC_KERNELS_H
 
@@ -10,14 +10,19 @@ extern "C" {
 #endif
 
 /* ---------------------------------------------------------------- matmul precision */
-/* Process-wide precision of the GEMM kernels (gemm_nt/nn/tn). FP32 (the default): fp32 operands and
- * arithmetic. BF16: operands rounded to bf16 (nearest even), their exact products accumulated in fp32,
- * fp32 output: on AMX tiles, AVX512-BF16 dot products, or fp32 FMAs of the rounded operands, whichever
- * the CPU has (ds4_isa_current). Every CPU runs it. Set it before work starts, not while GEMMs run. */
-typedef enum { DS4_MATMUL_FP32 = 0, DS4_MATMUL_BF16 } ds4_matmul_precision;
-ds4_status ds4_set_matmul_precision(ds4_matmul_precision p);
-ds4_matmul_precision ds4_get_matmul_precision(void);
+/* The GEMM precision is a property of the context (ds4_exec.matmul_precision, ds4/core.h). On the cpu
+ * backend BF16 runs on AMX tiles, AVX512-BF16 dot products, or fp32 FMAs of the rounded operands,
+ * whichever the CPU has (ds4_isa_current). Every CPU runs it. */
 const char *ds4_matmul_precision_name(ds4_matmul_precision p); /* "fp32", "bf16" */
+
+/* ---------------------------------------------------------------- backends */
+/* The compute backends built into this ds4, chosen by name the same way by every command
+ * (training.device, --device): "cpu" always. A context names the one it runs on (ds4_exec.backend). */
+int ds4_backend_count(void);
+const char *ds4_backend_name(int i); /* i < ds4_backend_count() */
+/* *out = the backend called `name`. An unknown name is an error naming `what` (the key or flag the name
+ * came from) and listing the backends built in. */
+ds4_status ds4_backend_find(const char *what, const char *name, const struct ds4_kernel_backend **out);
 
 /* ---------------------------------------------------------------- kernel engines (ISA levels) */
 /* The kernels are built for the target's baseline; engines for richer instruction sets are compiled

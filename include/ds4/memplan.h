@@ -35,7 +35,9 @@ typedef struct {
     const char *offload_dir;  /* the store's directory; NULL: $TMPDIR or /tmp (no file in a plan) */
     size_t swap_chunk_bytes;  /* optimizer update buffer; 0: DS4_ADAMW_SWAP_CHUNK */
     bool muon;                /* Muon for the Muon group (ds4/train.h, DeepSeek-V4's settings), AdamW for the rest */
-    bool bf16;                /* bf16 mixed precision (training.mixed_precision_param = "bfloat16") */
+    bool bf16;                /* bf16 mixed precision (training.mixed_precision_param = "bfloat16"); implies bf16 GEMMs */
+    ds4_matmul_precision matmul_precision; /* of the GEMMs on fp32 weights (training.matmul_precision) */
+    const struct ds4_kernel_backend *backend; /* the backend planned for (its plan twin runs); NULL: cpu */
     int prefetch_depth;       /* FSDP: communication in flight while computing (ds4/dist.h); 0: blocking */
     int64_t micro_batches;    /* micro-batches of the step, all the same ids (0: one) */
     bool moe_fb_overlap;      /* --moe-fb-overlap: forward(i) beside backward(i - 1), two passes alive (>= 2

@@ -32,6 +32,7 @@ typedef struct {
     double max_norm, router_bias_gamma;
     double mtp_loss_weight, indexer_loss_coeff; /* < 0: keep the model config's value */
     ds4_matmul_precision matmul_precision;      /* training.matmul_precision "fp32" (default) | "bf16" */
+    char device[32];          /* training.device: the backend the run computes on, by name ("cpu", the default; "": cpu) */
     bool bf16_params;         /* training.mixed_precision_param "bfloat16" (implies bf16 GEMMs) | "float32" (default) */
     /* [optimizer] */
     ds4_adamw_cfg adamw;

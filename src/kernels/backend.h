@@ -56,8 +56,8 @@ typedef struct ds4_kernel_backend ds4_kernel_backend;
 struct ds4_kernel_backend {
     const char *name;
     const ds4_kernel_backend *plan; /* the plan of this backend; NULL in a plan backend itself */
-#define DS4_OP(name, plan, params, args) void(*name) params;
-#define DS4_QUERY(name, plan, type, absent, params, args) type(*name) params;
+#define DS4_OP(name, plan, cpu, params, args) void(*name) params;
+#define DS4_QUERY(name, plan, cpu, type, absent, params, args) type(*name) params;
 #include "kernels/ops.def"
 };
 
@@ -76,5 +76,6 @@ extern const int ds4_kernel_op_count;
 /* Drops the first of a parenthesised argument list: DS4_DROP_FIRST (x, a, b) is a, b (a backend whose
  * functions take no context adapts them with it). */
 #define DS4_DROP_FIRST(first, ...) __VA_ARGS__
+#define DS4_FIRST(first, ...) first
 
 #endif

@@ -246,22 +246,10 @@ void kernels_override_gemm_bf16(const gemm_engine *e) {
     fill_table(g.table.isa);
 }
 
-/* ---------------------------------------------------------------- the precision switch */
-
-static ds4_matmul_precision g_precision = DS4_MATMUL_FP32;
-
-ds4_matmul_precision ds4_get_matmul_precision(void) { return g_precision; }
+/* ---------------------------------------------------------------- precision names */
 
 const char *ds4_matmul_precision_name(ds4_matmul_precision p) {
     return p == DS4_MATMUL_FP32 ? "fp32" : p == DS4_MATMUL_BF16 ? "bf16" : "?";
-}
-
-ds4_status ds4_set_matmul_precision(ds4_matmul_precision p) {
-    if (p != DS4_MATMUL_FP32 && p != DS4_MATMUL_BF16)
-        return ds4_fail(DS4_ERR_ARG, "matmul precision %d: unknown (expected fp32 or bf16); it stays %s", (int)p,
-                        ds4_matmul_precision_name(g_precision));
-    g_precision = p;
-    return DS4_OK;
 }
 
 /* ---------------------------------------------------------------- description */
@@ -306,5 +294,4 @@ void ds4_isa_describe(char *buf, size_t n) {
     append(buf, n, &at, "gemm fp32: %s\n", g.table.gemm_f32 ? g.table.gemm_f32->name : "portable C reference (one fp32 sum per element, k ascending)");
     append(buf, n, &at, "gemm bf16: %s\n", g.table.gemm_bf16 ? g.table.gemm_bf16->name : "portable C bf16 reference (double accumulation)");
     append(buf, n, &at, "other kernels: portable C (OpenMP, compiler-vectorized for the build's baseline)\n");
-    append(buf, n, &at, "matmul precision: %s\n", ds4_matmul_precision_name(g_precision));
 }

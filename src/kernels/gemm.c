@@ -231,27 +231,27 @@ static bool gemm_fast(const gemm_engine *e, int64_t M, int64_t N, int64_t K, gem
 }
 
 
-/* The engine of the current matmul precision; NULL: the reference of that precision computes. */
-static const gemm_engine *current_engine(bool *bf16) {
+/* The engine of matmul precision prec; NULL: the reference of that precision computes. */
+static const gemm_engine *engine_of(ds4_matmul_precision prec, bool *bf16) {
     const cpu_engines *t = cpu_engines_active();
-    *bf16 = ds4_get_matmul_precision() == DS4_MATMUL_BF16;
+    *bf16 = prec == DS4_MATMUL_BF16;
     return *bf16 ? t->gemm_bf16 : t->gemm_f32;
 }
 
 /* C[M,N] = beta*C + A[M,K] · B[N,K]^T */
-void cpu_gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
-                 int64_t ldc, float beta) {
+void cpu_gemm_nt(ds4_matmul_precision prec, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                 const float *B, int64_t ldb, float *C, int64_t ldc, float beta) {
     bool bf16;
-    const gemm_engine *e = current_engine(&bf16);
+    const gemm_engine *e = engine_of(prec, &bf16);
     if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){B, 1, ldb, NULL}, C, ldc, beta))
         (bf16 ? cpu_gemm_nt_bf16_ref : cpu_gemm_nt_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
 }
 
 /* C[M,N] = beta*C + A[M,K] · B[K,N] */
-void cpu_gemm_nn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
-                 int64_t ldc, float beta) {
+void cpu_gemm_nn(ds4_matmul_precision prec, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                 const float *B, int64_t ldb, float *C, int64_t ldc, float beta) {
     bool bf16;
-    const gemm_engine *e = current_engine(&bf16);
+    const gemm_engine *e = engine_of(prec, &bf16);
     if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){B, ldb, 1, NULL}, C, ldc, beta))
         (bf16 ? cpu_gemm_nn_bf16_ref : cpu_gemm_nn_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
 }
@@ -277,10 +277,10 @@ void cpu_gemm_nn_hb(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda
 }
 
 /* C[M,N] = beta*C + A[K,M]^T · B[K,N] */
-void cpu_gemm_tn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
-                 int64_t ldc, float beta) {
+void cpu_gemm_tn(ds4_matmul_precision prec, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                 const float *B, int64_t ldb, float *C, int64_t ldc, float beta) {
     bool bf16;
-    const gemm_engine *e = current_engine(&bf16);
+    const gemm_engine *e = engine_of(prec, &bf16);
     if (!e || !gemm_fast(e, M, N, K, (gemm_view){A, 1, lda, NULL}, (gemm_view){B, ldb, 1, NULL}, C, ldc, beta))
         (bf16 ? cpu_gemm_tn_bf16_ref : cpu_gemm_tn_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
 }
@@ -296,9 +296,9 @@ static void gemm_plan_on(const gemm_engine *e, int64_t M, int64_t N, int64_t K) 
     buffers_give_back(&w);
 }
 
-static void gemm_plan(int64_t M, int64_t N, int64_t K) {
+static void gemm_plan(ds4_matmul_precision prec, int64_t M, int64_t N, int64_t K) {
     bool bf16;
-    gemm_plan_on(current_engine(&bf16), M, N, K);
+    gemm_plan_on(engine_of(prec, &bf16), M, N, K);
 }
 
 /* The bf16-B GEMMs run the bf16 engine whatever the precision; an engine without a bf16 B packer runs
@@ -320,20 +320,20 @@ void cpu_gemm_nn_hb_plan(int64_t M, int64_t N, int64_t K, const float *A, int64_
     gemm_hb_plan(M, N, K);
 }
 
-void cpu_gemm_nt_plan(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc, float beta) {
+void cpu_gemm_nt_plan(ds4_matmul_precision prec, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                      const float *B, int64_t ldb, float *C, int64_t ldc, float beta) {
     (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc, (void)beta;
-    gemm_plan(M, N, K);
+    gemm_plan(prec, M, N, K);
 }
 
-void cpu_gemm_nn_plan(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc, float beta) {
+void cpu_gemm_nn_plan(ds4_matmul_precision prec, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                      const float *B, int64_t ldb, float *C, int64_t ldc, float beta) {
     (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc, (void)beta;
-    gemm_plan(M, N, K);
+    gemm_plan(prec, M, N, K);
 }
 
-void cpu_gemm_tn_plan(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc, float beta) {
+void cpu_gemm_tn_plan(ds4_matmul_precision prec, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                      const float *B, int64_t ldb, float *C, int64_t ldc, float beta) {
     (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc, (void)beta;
-    gemm_plan(M, N, K);
+    gemm_plan(prec, M, N, K);
 }

@@ -306,12 +306,12 @@ struct moe_experts_grads {
 /* ================================================================ the wrappers
  * One per op of ops.def: runs the op on the table of context ex (ds4_exec_kernels); with no entry (a
  * plan's SKIP ops) it does nothing, and a query returns its absent value. */
-#define DS4_OP(name, plan, params, args)                               \
+#define DS4_OP(name, plan, cpu, params, args)                             \
     static inline void name params {                                   \
         const ds4_kernel_backend *k_ = ds4_exec_kernels(ex);            \
         if (k_->name) k_->name args;                                   \
     }
-#define DS4_QUERY(name, plan, type, absent, params, args)              \
+#define DS4_QUERY(name, plan, cpu, type, absent, params, args)              \
     static inline type name params {                                   \
         const ds4_kernel_backend *k_ = ds4_exec_kernels(ex);            \
         return k_->name ? k_->name args : (absent);                    \

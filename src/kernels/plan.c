@@ -1,28 +1,28 @@
 /* The plan backend: what the kernels do while memplan plans a step on the cpu backend (a plan context).
  * Tensors have no memory behind them then, so no entry touches data. The ops marked MIRROR in ops.def
  * allocate workspace in the cpu backend (GEMM packing buffers, attention and indexer scratch); their entry
- * here is that kernel's workspace mirror (cpu/cpu.h, cpu_<op>_plan): same bytes, allocated and freed in the
- * same order, so a plan counts what a real step allocates, byte for byte. moe_expert_counts gives balanced
- * routing's counts, which size expert parallelism's rows in a plan. The SKIP ops have no entry: their
- * wrapper does nothing. */
+ * here is that kernel's workspace mirror (cpu/cpu.h, cpu_<op>_plan, given what the cpu kernel takes of the
+ * context): same bytes, allocated and freed in the same order, so a plan counts what a real step
+ * allocates, byte for byte. moe_expert_counts gives balanced routing's counts, which size expert
+ * parallelism's rows in a plan. The SKIP ops have no entry: their wrapper does nothing. */
 #include "kernels/cpu/cpu.h"
 
 /* Releasing the GEMM workspace is the same in a plan: it frees what the mirror reserved. */
 static void cpu_gemm_workspace_release_plan(void) { cpu_gemm_workspace_release(); }
 
-#define PLAN_ENTRY_MIRROR(name, params, args) \
-    static void plan_entry_##name params { (void)ex; cpu_##name##_plan(DS4_DROP_FIRST args); }
-#define PLAN_ENTRY_SKIP(name, params, args)
-#define DS4_OP(name, plan, params, args) PLAN_ENTRY_##plan(name, params, args)
-#define DS4_QUERY(name, plan, type, absent, params, args) PLAN_ENTRY_##plan(name, params, args)
+#define PLAN_ENTRY_MIRROR(name, cpu, params, args) \
+    static void plan_entry_##name params { CPU_CALL_##cpu(cpu_##name##_plan, args); }
+#define PLAN_ENTRY_SKIP(name, cpu, params, args)
+#define DS4_OP(name, plan, cpu, params, args) PLAN_ENTRY_##plan(name, cpu, params, args)
+#define DS4_QUERY(name, plan, cpu, type, absent, params, args) PLAN_ENTRY_##plan(name, cpu, params, args)
 #include "kernels/ops.def"
 
 #define PLAN_INIT_MIRROR(name) .name = plan_entry_##name,
 #define PLAN_INIT_SKIP(name)
 const ds4_kernel_backend ds4_kernel_backend_plan_table = {
     .name = "plan",
-#define DS4_OP(name, plan, params, args) PLAN_INIT_##plan(name)
-#define DS4_QUERY(name, plan, type, absent, params, args) PLAN_INIT_##plan(name)
+#define DS4_OP(name, plan, cpu, params, args) PLAN_INIT_##plan(name)
+#define DS4_QUERY(name, plan, cpu, type, absent, params, args) PLAN_INIT_##plan(name)
 #include "kernels/ops.def"
 };
 

@@ -45,7 +45,10 @@ ds4_status ds4_newton_schulz(float *x, int64_t rows, int64_t cols, const ds4_ns_
     ds4_status st = A && B && y && t ? DS4_OK
                                      : ds4_fail(DS4_ERR_OOM, "newton-schulz: out of memory for a %lld x %lld matrix",
                                                 (long long)rows, (long long)cols);
-    const ds4_exec ex = {.plan = plan}; /* the cpu backend (the optimizer holds no context of its own yet) */
+    /* The optimizer holds no context of its own yet: the one the allocator serves (the train state's, which
+     * the step entered) gives the backend and the matmul precision. */
+    ds4_exec ex = ds4_exec_current();
+    ex.plan = plan;
     if (st == DS4_OK && !plan) {
         if (tall) transpose(x, rows, cols, t);
         normalize(t, r * c, eps);

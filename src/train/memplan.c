@@ -67,7 +67,7 @@ static ds4_status measure(const ds4_config *c, int64_t B, int64_t T, const ds4_s
     if (!ds4_shape_fits(2, (const int64_t[]){c->n_layers + c->n_mtp_layers, c->n_routed_experts}, sizeof(int64_t), &nl))
         return ds4_fail(DS4_ERR_ARG, "memplan: %lld x %lld router loads do not fit",
                         (long long)(c->n_layers + c->n_mtp_layers), (long long)c->n_routed_experts);
-    const ds4_exec x = {.plan = plan};
+    const ds4_exec x = {.plan = plan, .backend = so->backend, .matmul_precision = so->matmul_precision};
     int32_t *ids = ds4_calloc(DS4_MEM_OTHER, (size_t)n * sizeof(int32_t));
     int64_t *loads = ds4_calloc(DS4_MEM_OTHER, (size_t)nl * sizeof(int64_t));
     ds4_train_state *s = NULL; /* made before the counting too: the handle the step runs through */

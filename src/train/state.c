@@ -122,6 +122,7 @@ ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const
     s->world = world;
     s->sharded = ds4_comm_size(world) > 1 || opts->ep > 1 || opts->shard;
     s->bf16 = opts->bf16;
+    if (s->bf16) s->exec.matmul_precision = DS4_MATMUL_BF16; /* mixed precision runs its GEMMs on bf16 operands */
     s->per_rank = opts->per_rank_ckpt;
     ds4_status st = check_world(s, world);
     if (st == DS4_OK) st = open_model(s, mc);

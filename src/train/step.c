@@ -211,12 +211,10 @@ ds4_status ds4_train_step(ds4_train_state *s, const ds4_step_args *a, ds4_step_r
                         "rank (training.global_batch_size / (training.micro_batch_size x ranks)), got %lld",
                         (long long)a->micro_batches);
     const ds4_exec prev = ds4_exec_enter(ds4_train_state_exec(s)); /* the allocator serves the state's context */
-    /* mixed precision runs its GEMMs on bf16 operands (a plan too: the engines' buffers differ) */
-    const ds4_matmul_precision prev_precision = ds4_get_matmul_precision();
-    ds4_status st = ds4_train_state_bf16(s) ? ds4_set_matmul_precision(DS4_MATMUL_BF16) : DS4_OK;
-    if (st == DS4_OK) st = gradients(s, a, out);
+    /* the GEMMs run in the state's matmul precision (bf16 under mixed precision, a plan too: the engines'
+     * buffers differ): its model was made in the state's context */
+    ds4_status st = gradients(s, a, out);
     if (st == DS4_OK) st = update(s, a, out);
-    ds4_set_matmul_precision(prev_precision);
     ds4_exec_leave(prev);
     return st;
 }

@@ -27,6 +27,7 @@ static const char *const k_known_keys[] = {
     "training.seed", "training.threads", "training.max_norm", "training.mtp_loss_weight",
     "training.indexer_loss_coeff", "training.csa_dense_steps", "training.router_bias_gamma",
     "training.matmul_precision", "training.mixed_precision_param", "training.mixed_precision_reduce",
+    "training.device",
     "optimizer.name", "optimizer.lr", "optimizer.beta1", "optimizer.beta2", "optimizer.eps",
     "optimizer.weight_decay", "optimizer.momentum", "optimizer.nesterov", "optimizer.ns_steps",
     "optimizer.ns_final_steps", "optimizer.adjust_lr", "optimizer.update_rms",
@@ -184,6 +185,9 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     DS4_TRY(ds4_toml_float_or(t, "parallel.sim_link_gbps", 0, &c->sim_link_gbps));
     DS4_TRY(ds4_toml_float_or(t, "parallel.sim_link_latency_us", 0, &c->sim_link_latency_us));
     DS4_TRY(copy_str(t, "metrics.trace_file", "", c->trace_file, sizeof c->trace_file));
+    DS4_TRY(copy_str(t, "training.device", "cpu", c->device, sizeof c->device));
+    const struct ds4_kernel_backend *backend;
+    DS4_TRY(ds4_backend_find("key training.device", c->device, &backend)); /* a typo fails before any work */
     const char *prec;
     DS4_TRY(ds4_toml_string_or(t, "training.matmul_precision", "fp32", &prec));
     if (strcmp(prec, "fp32") && strcmp(prec, "bf16"))
@@ -456,7 +460,10 @@ static ds4_status open_model(ds4_train_cfg *c, trainer *tr) {
     ds4_status st = resolve_for_run(c, &mc, tr->W);
     if (st == DS4_OK) st = check_cfg(c, &mc);
     if (st == DS4_OK) st = check_parallel(c, &mc, tr->W);
-    const ds4_exec real = {.plan = false}; /* training runs real steps; memplan opens the same state as a plan */
+    /* training runs real steps (memplan opens the same state as a plan) on the configured backend, its GEMMs
+     * in the configured precision */
+    ds4_exec real = {.plan = false, .matmul_precision = c->matmul_precision};
+    if (st == DS4_OK) st = ds4_backend_find("key training.device", c->device[0] ? c->device : "cpu", &real.backend);
     ds4_train_state_opts so = {.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
                                .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir, .exec = &real,
                                .muon = c->use_muon, .bf16 = c->bf16_params, .per_rank_ckpt = c->ckpt_per_rank,
@@ -723,7 +730,7 @@ static void print_model_line(trainer *tr) {
            "peak %.1f GFLOP/s (%s, %s matmul); recompute %s; %d threads\n",
            (long long)ds4_train_state_numel(tr->s), (long long)mc->n_layers, (long long)mc->n_mtp_layers,
            tr->flops_per_token / 1e6, tr->peak_flops / 1e9, c->peak_tflops > 0 ? "config" : "GEMM probe",
-           ds4_matmul_precision_name(ds4_get_matmul_precision()),
+           ds4_matmul_precision_name(ds4_train_state_exec(tr->s)->matmul_precision),
            ds4_recompute_describe(&c->recompute, rc, sizeof rc), ds4_get_threads());
     if (c->use_muon) {
         static const char *const adjust[] = {"rms_norm", "spectral_norm", "none"};
@@ -801,7 +808,7 @@ static ds4_status train_loop(trainer *tr, bool *agreed) {
     ds4_status st = ds4_train_agree(tr->world, resume_and_trim(tr, &start));
     if (st != DS4_OK) return st;
     tr->flops_per_token = ds4_train_flops_per_token(ds4_model_config(tr->m), c->seq_len);
-    tr->peak_flops = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : ds4_probe_peak_flops(&(const ds4_exec){.plan = false});
+    tr->peak_flops = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : ds4_probe_peak_flops(ds4_train_state_exec(tr->s));
     if (tr->lead) print_model_line(tr);
     st = check_stop(tr); /* a stop signal during start-up: no step at all */
     if (st == DS4_OK) st = ds4_comm_set_link(c->sim_link_gbps, c->sim_link_latency_us);
@@ -852,9 +859,7 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *cfg, bool *agreed) {
     g_stop = 0;
     stop_signals(on_stop_signal); /* from the start: a signal once the run's files exist is handled */
     if (c->threads > 0) ds4_set_threads((int)c->threads);
-    const ds4_matmul_precision prev_precision = ds4_get_matmul_precision();
     st = ds4_train_agree(world, tr.lead ? open_outputs(&tr) : DS4_OK); /* before any work */
-    if (st == DS4_OK) st = ds4_set_matmul_precision(c->matmul_precision); /* the same on every rank */
     if (st == DS4_OK) st = open_model(&run, &tr);
     const ds4_config *mc = tr.m ? ds4_model_config(tr.m) : NULL;
     if (st == DS4_OK)
@@ -887,7 +892,6 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *cfg, bool *agreed) {
     ds4_free(tr.loads);
     ds4_data_close(tr.train);
     ds4_train_state_free(tr.s);
-    ds4_set_matmul_precision(prev_precision);
     stop_signals(SIG_DFL);
     return st;
 }

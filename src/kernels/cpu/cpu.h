@@ -10,8 +10,19 @@
 /* The cpu backend's plan twin (../plan.c): what memplan runs in its place. */
 extern const ds4_kernel_backend ds4_kernel_backend_plan_table;
 
+/* How a cpu table entry calls its function (ops.def's `cpu` column): fn(operands) for PLAIN, fn(the
+ * context's matmul precision, operands) for PREC. args is the entry's argument list, context first. */
+static inline ds4_matmul_precision cpu_precision_of(const ds4_exec *ex) {
+    return ex ? ex->matmul_precision : DS4_MATMUL_FP32;
+}
+#define CPU_CALL_PLAIN(fn, args) ((void)DS4_FIRST args, fn(DS4_DROP_FIRST args))
+#define CPU_CALL_PREC(fn, args) fn(cpu_precision_of(DS4_FIRST args), DS4_DROP_FIRST args)
+
 /* ---- GEMM: the blocked driver (../gemm.c) on the engine the dispatch chose ---- */
-gemm_signature cpu_gemm_nt, cpu_gemm_nn, cpu_gemm_tn;
+/* The drivers take the matmul precision first: it picks the engine family (fp32 or bf16 operands). */
+typedef void gemm_driver_signature(ds4_matmul_precision prec, int64_t M, int64_t N, int64_t K, const float *A,
+                                   int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, float beta);
+gemm_driver_signature cpu_gemm_nt, cpu_gemm_nn, cpu_gemm_tn;
 void cpu_gemm_workspace_reserve(void);
 void cpu_gemm_workspace_release(void);
 
@@ -27,18 +38,18 @@ gemm_signature cpu_gemm_nt_bf16_ref, cpu_gemm_nn_bf16_ref, cpu_gemm_tn_bf16_ref;
 gemm_signature_hb cpu_gemm_nt_hb, cpu_gemm_nn_hb, cpu_gemm_nt_hb_ref, cpu_gemm_nn_hb_ref;
 
 /* ---- the other ops (cpu/<op>.c, compiled from cpu/<op>.inc) ---- */
-void cpu_linear_fwd(float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC);
-void cpu_linear_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int64_t N,
+void cpu_linear_fwd(ds4_matmul_precision prec, float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC);
+void cpu_linear_bwd(ds4_matmul_precision prec, float *dinp, float *dw, const float *dout, const float *inp, const float *w, int64_t N,
                     int64_t IC, int64_t OC);
-void cpu_grouped_linear_fwd(float *z, const float *o, const float *w, int64_t N, int64_t G, int64_t R, int64_t Din);
-void cpu_grouped_linear_bwd(float *do_, float *dw, const float *dz, const float *o, const float *w, int64_t N,
+void cpu_grouped_linear_fwd(ds4_matmul_precision prec, float *z, const float *o, const float *w, int64_t N, int64_t G, int64_t R, int64_t Din);
+void cpu_grouped_linear_bwd(ds4_matmul_precision prec, float *do_, float *dw, const float *dz, const float *o, const float *w, int64_t N,
                             int64_t G, int64_t R, int64_t Din);
 void cpu_linear_fwd_bf16w(float *out, const float *inp, const uint16_t *w, int64_t N, int64_t IC, int64_t OC);
-void cpu_linear_bwd_bf16w(float *dinp, float *dw, const float *dout, const float *inp, const uint16_t *w, int64_t N,
+void cpu_linear_bwd_bf16w(ds4_matmul_precision prec, float *dinp, float *dw, const float *dout, const float *inp, const uint16_t *w, int64_t N,
                           int64_t IC, int64_t OC);
 void cpu_grouped_linear_fwd_bf16w(float *z, const float *o, const uint16_t *w, int64_t N, int64_t G, int64_t R,
                                   int64_t Din);
-void cpu_grouped_linear_bwd_bf16w(float *do_, float *dw, const float *dz, const float *o, const uint16_t *w,
+void cpu_grouped_linear_bwd_bf16w(ds4_matmul_precision prec, float *do_, float *dw, const float *dz, const float *o, const uint16_t *w,
                                   int64_t N, int64_t G, int64_t R, int64_t Din);
 void cpu_embedding_fwd(float *out, const float *table, const int32_t *ids, int64_t N, int64_t D);
 void cpu_embedding_bwd(float *dtable, const float *dout, const int32_t *ids, int64_t N, int64_t D);
@@ -79,8 +90,8 @@ void cpu_rows_pack(float *dst, const float *x, const int32_t *rows, const float 
 void cpu_rows_unpack(float *x, float *w, const float *src, int64_t n, int64_t D);
 void cpu_moe_unpack_grads_add(float *dx, float *dgw, const float *src, const int32_t *etok, const int32_t *eslot,
                               int64_t NK, int64_t D, int64_t K);
-void cpu_moe_experts_fwd(const moe_experts_args *a, float *y);
-void cpu_moe_experts_bwd(const moe_experts_args *a, const moe_experts_grads *g);
+void cpu_moe_experts_fwd(ds4_matmul_precision prec, const moe_experts_args *a, float *y);
+void cpu_moe_experts_bwd(ds4_matmul_precision prec, const moe_experts_args *a, const moe_experts_grads *g);
 void cpu_swiglu_fwd(float *act, const float *g, const float *u, int64_t N, int64_t I, float limit);
 void cpu_swiglu_bwd(float *dg, float *du, const float *dact, const float *g, const float *u, int64_t N, int64_t I,
                     float limit);
@@ -101,22 +112,22 @@ void cpu_streams_sum(float *dx, const float *dX, int64_t N, int64_t n, int64_t D
  * Same signature as the entry they mirror; they allocate and free exactly the workspace that entry
  * would (sizes from the same code), write the outputs that entry writes before it computes anything
  * (indexer KL: *kl_sum = 0, *n_rows = 0), and touch no tensor data. */
-gemm_signature cpu_gemm_nt_plan, cpu_gemm_nn_plan, cpu_gemm_tn_plan;
+gemm_driver_signature cpu_gemm_nt_plan, cpu_gemm_nn_plan, cpu_gemm_tn_plan;
 void cpu_gemm_workspace_reserve_plan(void);
-void cpu_linear_fwd_plan(float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC);
-void cpu_linear_bwd_plan(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int64_t N,
+void cpu_linear_fwd_plan(ds4_matmul_precision prec, float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC);
+void cpu_linear_bwd_plan(ds4_matmul_precision prec, float *dinp, float *dw, const float *dout, const float *inp, const float *w, int64_t N,
                          int64_t IC, int64_t OC);
-void cpu_grouped_linear_fwd_plan(float *z, const float *o, const float *w, int64_t N, int64_t G, int64_t R,
+void cpu_grouped_linear_fwd_plan(ds4_matmul_precision prec, float *z, const float *o, const float *w, int64_t N, int64_t G, int64_t R,
                                  int64_t Din);
-void cpu_grouped_linear_bwd_plan(float *do_, float *dw, const float *dz, const float *o, const float *w, int64_t N,
+void cpu_grouped_linear_bwd_plan(ds4_matmul_precision prec, float *do_, float *dw, const float *dz, const float *o, const float *w, int64_t N,
                                  int64_t G, int64_t R, int64_t Din);
 gemm_signature_hb cpu_gemm_nt_hb_plan, cpu_gemm_nn_hb_plan;
 void cpu_linear_fwd_bf16w_plan(float *out, const float *inp, const uint16_t *w, int64_t N, int64_t IC, int64_t OC);
-void cpu_linear_bwd_bf16w_plan(float *dinp, float *dw, const float *dout, const float *inp, const uint16_t *w,
+void cpu_linear_bwd_bf16w_plan(ds4_matmul_precision prec, float *dinp, float *dw, const float *dout, const float *inp, const uint16_t *w,
                                int64_t N, int64_t IC, int64_t OC);
 void cpu_grouped_linear_fwd_bf16w_plan(float *z, const float *o, const uint16_t *w, int64_t N, int64_t G, int64_t R,
                                        int64_t Din);
-void cpu_grouped_linear_bwd_bf16w_plan(float *do_, float *dw, const float *dz, const float *o, const uint16_t *w,
+void cpu_grouped_linear_bwd_bf16w_plan(ds4_matmul_precision prec, float *do_, float *dw, const float *dz, const float *o, const uint16_t *w,
                                        int64_t N, int64_t G, int64_t R, int64_t Din);
 void cpu_sparse_attn_fwd_plan(const sparse_attn_args *a);
 void cpu_sparse_attn_bwd_plan(const sparse_attn_args *a, const sparse_attn_grads *g);

@@ -4,22 +4,24 @@
 
 #include "kernels/cpu/cpu.h"
 
-/* Where the experts' weights are read: fp32, or their bf16 compute copy (moe_experts_args.hcopy). */
+/* Where the experts' weights are read: fp32, or their bf16 compute copy (moe_experts_args.hcopy); and the
+ * matmul precision of the GEMMs on fp32 operands. */
 typedef struct {
     const float *wbase;
     const uint16_t *hcopy;
+    ds4_matmul_precision prec;
 } weights_at;
 
 /* One of an expert's linear layers, on the bf16 copy of its weight w when there is one. */
 static void lin_fwd(weights_at at, float *out, const float *inp, const float *w, int64_t N, int64_t IC, int64_t OC) {
     if (at.hcopy) cpu_linear_fwd_bf16w(out, inp, at.hcopy + (w - at.wbase), N, IC, OC);
-    else cpu_linear_fwd(out, inp, w, N, IC, OC);
+    else cpu_linear_fwd(at.prec, out, inp, w, N, IC, OC);
 }
 
 static void lin_bwd(weights_at at, float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                     int64_t N, int64_t IC, int64_t OC) {
-    if (at.hcopy) cpu_linear_bwd_bf16w(dinp, dw, dout, inp, at.hcopy + (w - at.wbase), N, IC, OC);
-    else cpu_linear_bwd(dinp, dw, dout, inp, w, N, IC, OC);
+    if (at.hcopy) cpu_linear_bwd_bf16w(at.prec, dinp, dw, dout, inp, at.hcopy + (w - at.wbase), N, IC, OC);
+    else cpu_linear_bwd(at.prec, dinp, dw, dout, inp, w, N, IC, OC);
 }
 
 /* One expert on ne rows: x [ne, D] with routing weights w [ne] → h1, h3 [ne, I] and
@@ -34,12 +36,12 @@ static void expert_fwd(weights_at at, const moe_expert_w *ew, const float *x, co
     lin_fwd(at, y, act, ew->w2, ne, I, D);
 }
 
-void cpu_moe_experts_fwd(const moe_experts_args *a, float *y) {
+void cpu_moe_experts_fwd(ds4_matmul_precision prec, const moe_experts_args *a, float *y) {
     const int64_t D = a->D, I = a->I;
     for (int64_t e = 0; e < a->nexp; e++) {
         const int64_t o = a->off[e], ne = a->off[e + 1] - o;
         if (ne > 0)
-            expert_fwd((weights_at){a->wbase, a->hcopy}, &a->w[e], a->x + o * D, a->rw + o, ne, D, I, a->limit, a->h1 + o * I, a->h3 + o * I, a->act,
+            expert_fwd((weights_at){a->wbase, a->hcopy, prec}, &a->w[e], a->x + o * D, a->rw + o, ne, D, I, a->limit, a->h1 + o * I, a->h3 + o * I, a->act,
                        y + o * D);
     }
 }
@@ -71,12 +73,12 @@ static void expert_bwd(weights_at at, const moe_expert_w *ew, moe_expert_w *eg, 
     lin_bwd(at, dx, eg->w3, dh3, x, ew->w3, ne, D, I);
 }
 
-void cpu_moe_experts_bwd(const moe_experts_args *a, const moe_experts_grads *g) {
+void cpu_moe_experts_bwd(ds4_matmul_precision prec, const moe_experts_args *a, const moe_experts_grads *g) {
     const int64_t D = a->D, I = a->I;
     for (int64_t e = 0; e < a->nexp; e++) {
         const int64_t o = a->off[e], ne = a->off[e + 1] - o;
         if (ne > 0)
-            expert_bwd((weights_at){a->wbase, a->hcopy}, &a->w[e], &g->g[e], a->x + o * D, g->dy + o * D, a->rw + o, a->h1 + o * I, a->h3 + o * I, ne,
+            expert_bwd((weights_at){a->wbase, a->hcopy, prec}, &a->w[e], &g->g[e], a->x + o * D, g->dy + o * D, a->rw + o, a->h1 + o * I, a->h3 + o * I, ne,
                        D, I, a->limit, g->dx + o * D, g->dw + o, a->act, g->dact, g->dh1, g->dh3);
     }
 }

@@ -11,8 +11,12 @@
 #define real float
 #define KFN(n) cpu_##n##_plan
 #define KGEMM(op) cpu_gemm_##op##_plan
+#define KPREC_PARAM ds4_matmul_precision prec,
+#define KPREC_ARG prec,
 #include "linear.inc"
 #undef real
+#undef KPREC_PARAM
+#undef KPREC_ARG
 
 #define KGEMM_HB(op, ...) cpu_gemm_##op##_hb_plan(__VA_ARGS__)
 #include "linear_bf16w.inc"

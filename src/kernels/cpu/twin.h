@@ -11,6 +11,8 @@
 #define KFN(n) cpu_##n
 #define KTYPE(n) n
 #define KGEMM(op) cpu_gemm_##op
+#define KPREC_PARAM ds4_matmul_precision prec,
+#define KPREC_ARG prec,
 #define EXP expf
 #define LOG logf
 #define SQRT sqrtf
@@ -20,6 +22,8 @@
 #undef KFN
 #undef KTYPE
 #undef KGEMM
+#undef KPREC_PARAM
+#undef KPREC_ARG
 #undef EXP
 #undef LOG
 #undef SQRT
@@ -29,6 +33,8 @@
 #define KFN(n) n##_f64
 #define KTYPE(n) n##_f64
 #define KGEMM(op) gemm_##op##_ref_f64
+#define KPREC_PARAM
+#define KPREC_ARG
 #define EXP exp
 #define LOG log
 #define SQRT sqrt
@@ -41,3 +47,5 @@
 #undef EXP
 #undef LOG
 #undef SQRT
+#undef KPREC_PARAM
+#undef KPREC_ARG
