@@ -88,6 +88,9 @@ const char *ds4_mem_cat_name(ds4_mem_cat c);
  * DS4_MEM_OTHER gets memory behind the pointer. */
 void *ds4_alloc(ds4_mem_cat cat, size_t bytes);
 void *ds4_calloc(ds4_mem_cat cat, size_t bytes);
+/* The allocation a plan makes, whatever the current context: counted exactly as ds4_alloc counts it, with
+ * memory behind the pointer only for DS4_MEM_OTHER (a plan backend's buffers; ds4_free releases it). */
+void *ds4_alloc_plan(ds4_mem_cat cat, size_t bytes);
 void ds4_free(void *p);             /* NULL is a no-op */
 /* Grows *arr (elements of `elem` bytes, counted as DS4_MEM_OTHER) to hold at least `need`,
  * doubling from 16; keeps the contents. False on allocation failure (*arr unchanged). */

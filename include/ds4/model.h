@@ -71,8 +71,14 @@ int64_t ds4_model_nparams(const ds4_model *m);                          /* numbe
 ds4_param *ds4_model_param(ds4_model *m, int64_t i);
 ds4_param *ds4_model_find(ds4_model *m, const char *name);
 int64_t ds4_model_numel(const ds4_model *m);                            /* float elements in total */
+/* [numel] the parameters and their gradients, in the memory of the model's backend (the host's on the cpu
+ * backend): code above the model reaches their bytes through ds4_model_to_host / ds4_model_to_device. */
 float *ds4_model_params_flat(ds4_model *m);                              /* [numel] */
 float *ds4_model_grads_flat(ds4_model *m);                               /* [numel] */
+/* The host/device boundary of the model's tensors: dst [bytes] on the host = src [bytes] on the model's
+ * backend, and the reverse; both return once the bytes have crossed. A plan copies nothing. */
+void ds4_model_to_host(const ds4_model *m, void *dst, const void *src, size_t bytes);
+void ds4_model_to_device(const ds4_model *m, void *dst, const void *src, size_t bytes);
 void ds4_model_zero_grad(ds4_model *m);
 
 /* The router bias of block b ("layers.L.ffn.gate.bias": L, "mtp.K.ffn.gate.bias": n_layers + K), -1 for

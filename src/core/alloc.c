@@ -103,7 +103,8 @@ void ds4_mem_track_offload(ds4_mem_cat cat, int64_t delta) {
     atomic_max(&g_off_peak_total, atomic_fetch_add(&g_off_live_total, delta) + delta);
 }
 
-void *ds4_alloc(ds4_mem_cat cat, size_t bytes) {
+/* A counted block of `bytes` under cat; backed: memory behind the pointer, else only the header (a plan's). */
+static void *alloc_block(ds4_mem_cat cat, size_t bytes, bool backed) {
     if ((unsigned)cat >= DS4_MEM_NCAT) {
         ds4_fail(DS4_ERR_ARG, "ds4_alloc: bad memory category %d", (int)cat);
         return NULL;
@@ -115,7 +116,7 @@ void *ds4_alloc(ds4_mem_cat cat, size_t bytes) {
         return NULL;
     }
     /* a plan: only the header is real; the data pointer must never be dereferenced */
-    void *base = injected_failure() ? NULL : aligned_alloc(64, unbacked(cat) ? HDR : total);
+    void *base = injected_failure() ? NULL : aligned_alloc(64, backed ? total : HDR);
     if (!base) {
         atomic_fetch_add(&g_fail_count, 1);
         ds4_fail(DS4_ERR_OOM, "out of memory allocating %zu bytes of %s", bytes, ds4_mem_cat_name(cat));
@@ -129,6 +130,10 @@ void *ds4_alloc(ds4_mem_cat cat, size_t bytes) {
     atomic_fetch_add(&g_n_allocs, 1);
     return (char *)base + HDR;
 }
+
+void *ds4_alloc(ds4_mem_cat cat, size_t bytes) { return alloc_block(cat, bytes, !unbacked(cat)); }
+
+void *ds4_alloc_plan(ds4_mem_cat cat, size_t bytes) { return alloc_block(cat, bytes, cat == DS4_MEM_OTHER); }
 
 void *ds4_calloc(ds4_mem_cat cat, size_t bytes) {
     void *p = ds4_alloc(cat, bytes);

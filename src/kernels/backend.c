@@ -32,6 +32,7 @@ const char *ds4_kernel_backend_missing(const ds4_kernel_backend *b) {
 static const ds4_kernel_backend *backend_at(int i) {
     switch (i) {
     case 0: return ds4_kernel_backend_cpu();
+    case 1: return ds4_kernel_backend_guard();
     default: return NULL;
     }
 }

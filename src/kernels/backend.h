@@ -67,6 +67,9 @@ const ds4_kernel_backend *ds4_exec_kernels(const ds4_exec *x);
 /* The backends, for tests and `ds4 info`. */
 const ds4_kernel_backend *ds4_kernel_backend_cpu(void);
 const ds4_kernel_backend *ds4_kernel_backend_plan(void);
+/* "cpu-guard" (guard/guard.c): the cpu's arithmetic on buffers the host cannot reach outside its ops: a
+ * test backend that makes any byte touched above the kernels fault, naming the place. */
+const ds4_kernel_backend *ds4_kernel_backend_guard(void);
 /* The name of the first NULL entry of b, or NULL when b fills every entry (a compute backend must). */
 const char *ds4_kernel_backend_missing(const ds4_kernel_backend *b);
 /* Every op entry's name in ops.def order, and how many (tests walk the table by name). */

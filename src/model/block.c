@@ -31,8 +31,9 @@ const unit_id k_block_bwd_order[] = {
 const int k_block_bwd_steps = (int)(sizeof k_block_bwd_order / sizeof k_block_bwd_order[0]);
 
 /* ================================================================== shared by the units */
-float *work_zeros(int64_t n) { return ds4_calloc(DS4_MEM_WORK, (size_t)n * sizeof(float)); }
-float *work(int64_t n) { return ds4_alloc(DS4_MEM_WORK, (size_t)n * sizeof(float)); }
+float *work_zeros(const block_ctx *bc, int64_t n) { return dev_zalloc(bc->m, DS4_MEM_WORK, (size_t)n * sizeof(float)); }
+float *work(const block_ctx *bc, int64_t n) { return dev_alloc(bc->m, DS4_MEM_WORK, (size_t)n * sizeof(float)); }
+void work_free(const block_ctx *bc, void *p) { dev_free(bc->m, p); }
 
 const ds4_rope *block_rope(const block_ctx *bc, int64_t ratio) { return ratio > 0 ? bc->rope_cmp : bc->rope_main; }
 
@@ -58,12 +59,11 @@ const int32_t *attn_selection(const block_ctx *bc, const block_acts *a) {
 }
 
 /* ================================================================== forward */
-/* Forward-only pass: the indexer KL cannot wait for backward. */
+/* Forward-only pass: the indexer KL cannot wait for backward. The kernel writes the layer's KL and rows into
+ * kl_sum / kl_rows, the layer's slots of the pass's scalars on the backend. */
 static ds4_status indexer_kl_forward_only(const block_ctx *bc, block_acts *a, double *kl_sum, int64_t *kl_rows) {
     const ds4_config *c = &bc->m->cfg;
     const int32_t *sel = attn_selection(bc, a);
-    double kl = 0;
-    int64_t rows = 0;
     const int64_t oom = ds4_alloc_failures();
     indexer_kl_fwd_bwd(&bc->m->exec, &(indexer_kl_args){.dims = {.B = bc->B, .T = bc->T, .HI = c->index_n_heads,
         .dI = c->index_head_dim, .Nc = a->Nc, .ratio = 4, .K = sel ? c->index_topk : 0}, .H = c->n_heads,
@@ -71,9 +71,7 @@ static ds4_status indexer_kl_forward_only(const block_ctx *bc, block_acts *a, do
         .qi = F32(U_INDEXER, IDX_QI), .ki = KEYS_F32(U_INDEXER, IDX_CMP + CMP_OUT),
         .ki16 = KEYS_BF16(U_INDEXER, IDX_CMP + CMP_OUT), .w = F32(U_INDEXER, IDX_WI), .q = F32(U_Q_UP, QU_Q),
         .kvc = KEYS_F32(U_COMPRESSOR, CMP_OUT), .kvc16 = KEYS_BF16(U_COMPRESSOR, CMP_OUT), .lse = F32(U_SPARSE_ATTN, SA_LSE), .topk = sel,
-        .dqi = NULL, .dki = NULL, .dw = NULL, .kl_sum = &kl, .n_rows = &rows});
-    *kl_sum += kl;
-    *kl_rows += rows;
+        .dqi = NULL, .dki = NULL, .dw = NULL, .kl_sum = kl_sum, .n_rows = kl_rows});
     return kernel_status(oom, "the indexer loss");
 }
 
@@ -113,9 +111,9 @@ ds4_status block_fwd(const block_ctx *bc, block_acts *a, const float *X_in, floa
 /* ================================================================== backward */
 #define NGRAD_BUFS ((int)(offsetof(block_grads, dX_out) / sizeof(float *)))
 
-static void grads_free(block_grads *g) {
+static void grads_free(const block_ctx *bc, block_grads *g) {
     float **f = (float **)g;
-    for (int i = 0; i < NGRAD_BUFS; i++) ds4_free(f[i]);
+    for (int i = 0; i < NGRAD_BUFS; i++) work_free(bc, f[i]);
     memset(g, 0, sizeof *g);
 }
 
@@ -123,27 +121,27 @@ static ds4_status grads_alloc(const block_ctx *bc, const block_acts *a, block_gr
     const ds4_config *c = &bc->m->cfg;
     const int64_t N = bc->B * bc->T, D = c->dim, n = c->hc_mult, H = c->n_heads, hd = c->head_dim;
     memset(g, 0, sizeof *g);
-    g->dX_mid = work_zeros(N * n * D);
-    g->dffn = work_zeros(N * D);
-    g->dpostF = work_zeros(N * n);
-    g->dcombF = work_zeros(N * n * n);
-    g->dxf = work_zeros(N * D);
-    g->dyF = work_zeros(N * D);
-    g->dattn = work_zeros(N * D);
-    g->dpostA = work_zeros(N * n);
-    g->dcombA = work_zeros(N * n * n);
-    g->dz = work_zeros(N * c->o_groups * c->o_lora_rank);
-    g->do_ = work_zeros(N * H * hd);
-    g->dq = work_zeros(N * H * hd);
-    g->dkv = work_zeros(N * hd);
-    g->dkvc = work_zeros(bc->B * a->Nc * hd + 1);
-    g->dqr = work_zeros(N * c->q_lora_rank);
-    g->dxa = work_zeros(N * D);
-    g->dyA = work_zeros(N * D);
+    g->dX_mid = work_zeros(bc, N * n * D);
+    g->dffn = work_zeros(bc, N * D);
+    g->dpostF = work_zeros(bc, N * n);
+    g->dcombF = work_zeros(bc, N * n * n);
+    g->dxf = work_zeros(bc, N * D);
+    g->dyF = work_zeros(bc, N * D);
+    g->dattn = work_zeros(bc, N * D);
+    g->dpostA = work_zeros(bc, N * n);
+    g->dcombA = work_zeros(bc, N * n * n);
+    g->dz = work_zeros(bc, N * c->o_groups * c->o_lora_rank);
+    g->do_ = work_zeros(bc, N * H * hd);
+    g->dq = work_zeros(bc, N * H * hd);
+    g->dkv = work_zeros(bc, N * hd);
+    g->dkvc = work_zeros(bc, bc->B * a->Nc * hd + 1);
+    g->dqr = work_zeros(bc, N * c->q_lora_rank);
+    g->dxa = work_zeros(bc, N * D);
+    g->dyA = work_zeros(bc, N * D);
     float **f = (float **)g;
     for (int i = 0; i < NGRAD_BUFS; i++)
         if (!f[i]) {
-            grads_free(g);
+            grads_free(bc, g);
             return ds4_fail(DS4_ERR_OOM, "out of memory for the gradients of block %lld", (long long)bc->layer);
         }
     return DS4_OK;
@@ -166,7 +164,7 @@ ds4_status block_bwd(const block_ctx *bc, block_acts *a, const float *dX_out, fl
         if (st == DS4_OK && unit_runs_here(u, a)) st = ud->bwd(bc, a, &g);
         act_free_after_bwd(a, s);
     }
-    grads_free(&g);
+    grads_free(bc, &g);
     block_acts_free(a);
     return st;
 }

@@ -103,7 +103,9 @@ typedef struct {
 
 /* Saved outputs of one block for one pass. */
 typedef struct {
-    void *out[U_COUNT][UNIT_MAX_OUTS]; /* each unit's output slots (NULL: not held) */
+    void *out[U_COUNT][UNIT_MAX_OUTS]; /* each unit's output slots (NULL: not held), on the model's backend */
+    size_t bytes[U_COUNT][UNIT_MAX_OUTS]; /* the bytes each slot holds now (2 per element while bf16) */
+    const ds4_model *m;                /* whose backend holds them (set by the first allocation) */
     bool present[U_COUNT];
     uint8_t packed[U_COUNT]; /* bit s: slot s is held as bf16 (uint16_t) until a backward reader needs it */
     bool bf16;              /* mixed precision: ACT_F32_BF16 slots rounded and held as bf16, ACT_BF16 slots bf16 */
@@ -241,8 +243,9 @@ ds4_status act_convert_bf16(const ds4_exec *ex, void **buf, int64_t n, bool to_b
 int64_t act_unit_bytes(const block_acts *a, unit_id u);
 
 /* ------------------------------------------------------------------ shared by the units */
-float *work_zeros(int64_t n); /* [n] zeroed workspace */
-float *work(int64_t n);       /* [n] workspace */
+float *work_zeros(const block_ctx *bc, int64_t n); /* [n] zeroed workspace, on the model's backend */
+float *work(const block_ctx *bc, int64_t n);       /* [n] workspace, on the model's backend */
+void work_free(const block_ctx *bc, void *p);      /* releases work / work_zeros (NULL: nothing) */
 const ds4_rope *block_rope(const block_ctx *bc, int64_t ratio); /* the main or the compressed rope */
 ds4_rope rope_view(const ds4_rope *r, int64_t pos); /* the table seen from position pos, one row long */
 float attn_scale(const ds4_config *c);

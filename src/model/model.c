@@ -13,9 +13,19 @@ typedef struct {
     float *y, *rstd, *yn; /* [N, D], [N], [N, D] */
     float *logits;        /* [N, V] */
     int32_t *targets;     /* [N], −1 = not scored */
-    double loss_sum;
-    int64_t n_scored;
 } head_acts;
+
+/* The scalars the kernels produce during a pass, in one buffer on the model's backend: the cross-entropy
+ * sums of the two heads and each layer's indexer KL. The host reads them once per pass direction, at one
+ * named point (read_scalars), into the pass's copy. */
+typedef struct {
+    double loss_sum[2];                 /* main head, MTP head */
+    int64_t n_scored[2];
+    double kl_sum[DS4_MAX_LAYERS];      /* each layer's indexer KL (written once per forward-only or backward) */
+    int64_t kl_rows[DS4_MAX_LAYERS];
+    double discard_sum;                 /* the backward's cross-entropy sums, not needed again */
+    int64_t discard_count;
+} pass_scalars;
 
 struct ds4_pass {
     ds4_model *m;
@@ -33,27 +43,32 @@ struct ds4_pass {
     int64_t *expert_load;     /* [n_blocks, E] */
     unit_stats *unit_stats;   /* [n_blocks, U_COUNT] */
     int32_t *topk_kept[DS4_MAX_LAYERS]; /* keep_logits: [N, index_topk] copies of top-k lists recompute released */
-    double kl_sum[DS4_MAX_LAYERS];
-    int64_t kl_rows[DS4_MAX_LAYERS];
+    pass_scalars *scal;       /* on the model's backend: written by the kernels */
+    pass_scalars got;         /* the host's copy, as of the last read_scalars */
     ds4_losses losses;
     bool backward_done;
 };
 
-static float *pass_alloc(int64_t n) { return ds4_alloc(DS4_MEM_ACT, (size_t)n * sizeof(float)); }
+static float *pass_alloc(const ds4_pass *p, int64_t n) {
+    return dev_alloc(p->m, DS4_MEM_ACT, (size_t)n * sizeof(float));
+}
+static float *pass_work(const ds4_pass *p, int64_t n) { return dev_zalloc(p->m, DS4_MEM_WORK, (size_t)n * sizeof(float)); }
 
-static void head_free(head_acts *h) {
-    ds4_free(h->mixes);
-    ds4_free(h->rsqrt);
-    ds4_free(h->y);
-    ds4_free(h->rstd);
-    ds4_free(h->yn);
-    ds4_free(h->logits);
-    ds4_free(h->targets);
-    double ls = h->loss_sum;
-    int64_t ns = h->n_scored;
+static void head_free(const ds4_pass *p, head_acts *h) {
+    dev_free(p->m, h->mixes);
+    dev_free(p->m, h->rsqrt);
+    dev_free(p->m, h->y);
+    dev_free(p->m, h->rstd);
+    dev_free(p->m, h->yn);
+    dev_free(p->m, h->logits);
+    dev_free(p->m, h->targets);
     memset(h, 0, sizeof *h);
-    h->loss_sum = ls; /* the loss outlives the buffers */
-    h->n_scored = ns;
+}
+
+/* The one point where the pass's scalars reach the host: after the forward, and after the backward. */
+static void read_scalars(ds4_pass *p) {
+    copy_to_host(&p->m->exec, &p->got, p->scal, sizeof p->got);
+    synchronize(&p->m->exec);
 }
 
 void ds4_pass_free(ds4_pass *p) {
@@ -62,22 +77,23 @@ void ds4_pass_free(ds4_pass *p) {
     const ds4_act_store *as = &p->opts.store;
     for (int64_t l = 0; as->ops && l < c->n_layers; l++) as->ops->release(as->ctx, l, DS4_UNIT_INPUT, 0);
     if (p->X)
-        for (int64_t l = 0; l <= c->n_layers; l++) ds4_free(p->X[l]);
+        for (int64_t l = 0; l <= c->n_layers; l++) dev_free(p->m, p->X[l]);
     ds4_free(p->X);
     if (p->ba)
         for (int64_t l = 0; l < n_blocks(c); l++) block_acts_free(&p->ba[l]);
     ds4_free(p->ba);
-    head_free(&p->head);
-    head_free(&p->mhead);
-    ds4_free(p->ids);
-    ds4_free(p->ids_next);
-    ds4_free(p->m_e);
-    ds4_free(p->m_en);
-    ds4_free(p->m_en_rstd);
-    ds4_free(p->m_hn);
-    ds4_free(p->m_hn_rstd);
-    ds4_free(p->m_X0);
-    ds4_free(p->m_X1);
+    head_free(p, &p->head);
+    head_free(p, &p->mhead);
+    dev_free(p->m, p->ids);
+    dev_free(p->m, p->ids_next);
+    dev_free(p->m, p->m_e);
+    dev_free(p->m, p->m_en);
+    dev_free(p->m, p->m_en_rstd);
+    dev_free(p->m, p->m_hn);
+    dev_free(p->m, p->m_hn_rstd);
+    dev_free(p->m, p->m_X0);
+    dev_free(p->m, p->m_X1);
+    dev_free(p->m, p->scal);
     ds4_free(p->expert_load);
     ds4_free(p->unit_stats);
     for (int64_t l = 0; l < c->n_layers; l++) ds4_free(p->topk_kept[l]);
@@ -96,17 +112,42 @@ const int64_t *ds4_pass_expert_load(const ds4_pass *p, int64_t layer) {
     return p->expert_load + layer * p->m->cfg.n_routed_experts;
 }
 
+/* A rope table built on the host moved to the model's backend, where the kernels read it. */
+static bool rope_to_device(ds4_model *m, ds4_rope *r) {
+    const size_t bytes = (size_t)(r->max_pos * (r->rd / 2)) * sizeof(float);
+    float *cs = dev_alloc(m, DS4_MEM_OTHER, bytes), *sn = dev_alloc(m, DS4_MEM_OTHER, bytes);
+    if (cs && sn) {
+        copy_to_device(&m->exec, cs, r->cos, bytes);
+        copy_to_device(&m->exec, sn, r->sin, bytes);
+        synchronize(&m->exec);
+    }
+    rope_table_free(r);
+    r->cos = cs;
+    r->sin = sn;
+    return cs && sn;
+}
+
+void model_rope_free(ds4_model *m, ds4_rope *r) {
+    dev_free(m, r->cos);
+    dev_free(m, r->sin);
+    r->cos = r->sin = NULL;
+}
+
 /* Rope tables cover positions [0, T). */
 static ds4_status ensure_rope(ds4_model *m, int64_t T) {
     if (m->rope_len >= T) return DS4_OK;
     const ds4_config *c = &m->cfg;
-    rope_table_free(&m->rope_main);
-    rope_table_free(&m->rope_cmp);
+    model_rope_free(m, &m->rope_main);
+    model_rope_free(m, &m->rope_cmp);
     m->rope_len = 0;
-    if (!rope_table_init(&m->rope_main, c->rope_head_dim, T, c->rope_theta, 1.0, 0, 0, 0) ||
-        !rope_table_init(&m->rope_cmp, c->rope_head_dim, T, c->compress_rope_theta, c->rope_factor,
-                         c->original_seq_len, c->beta_fast, c->beta_slow)) {
-        rope_table_free(&m->rope_main); /* no half-built pair stays behind */
+    bool ok = rope_table_init(&m->rope_main, c->rope_head_dim, T, c->rope_theta, 1.0, 0, 0, 0) &&
+              rope_to_device(m, &m->rope_main);
+    ok = ok && rope_table_init(&m->rope_cmp, c->rope_head_dim, T, c->compress_rope_theta, c->rope_factor,
+                               c->original_seq_len, c->beta_fast, c->beta_slow) &&
+         rope_to_device(m, &m->rope_cmp);
+    if (!ok) {
+        model_rope_free(m, &m->rope_main); /* no half-built pair stays behind */
+        model_rope_free(m, &m->rope_cmp);
         return ds4_fail(DS4_ERR_OOM, "out of memory building rope tables");
     }
     m->rope_len = T;
@@ -292,13 +333,13 @@ static ds4_status head_fwd(ds4_pass *p, head_acts *h, const float *X, const floa
     ds4_model *m = p->m;
     const ds4_config *c = &m->cfg;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult, V = c->vocab_size;
-    h->mixes = pass_alloc(N * n);
-    h->rsqrt = pass_alloc(N);
-    h->y = pass_alloc(N * D);
-    h->rstd = pass_alloc(N);
-    h->yn = pass_alloc(N * D);
-    h->logits = pass_alloc(N * V);
-    h->targets = ds4_alloc(DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
+    h->mixes = pass_alloc(p, N * n);
+    h->rsqrt = pass_alloc(p, N);
+    h->y = pass_alloc(p, N * D);
+    h->rstd = pass_alloc(p, N);
+    h->yn = pass_alloc(p, N * D);
+    h->logits = pass_alloc(p, N * V);
+    h->targets = dev_alloc(m, DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
     if (!h->mixes || !h->rsqrt || !h->y || !h->rstd || !h->yn || !h->logits || !h->targets)
         return ds4_fail(DS4_ERR_OOM, "out of memory in the head forward");
     hc_head_fwd(&p->m->exec, &(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)c->hc_eps,
@@ -308,7 +349,9 @@ static ds4_status head_fwd(ds4_pass *p, head_acts *h, const float *X, const floa
     model_linear_fwd(m, h->logits, h->yn, m->w.head, N, D, V);
     /* position t predicts ids[t + shift] */
     shift_ids(&p->m->exec, h->targets, p->ids, p->B, p->T, shift, -1);
-    cross_entropy_fwd_bwd(&p->m->exec, &h->loss_sum, &h->n_scored, NULL, h->logits, h->targets, N, V, 0.0f);
+    const int k = h == &p->mhead; /* the head's slot of the pass's scalars */
+    cross_entropy_fwd_bwd(&p->m->exec, &p->scal->loss_sum[k], &p->scal->n_scored[k], NULL, h->logits, h->targets, N, V,
+                          0.0f);
     return DS4_OK;
 }
 
@@ -319,27 +362,27 @@ static ds4_status head_bwd(ds4_pass *p, head_acts *h, const float *X, float *dX,
     ds4_model *m = p->m;
     const ds4_config *c = &m->cfg;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult, V = c->vocab_size;
-    float *dlogits = ds4_alloc(DS4_MEM_WORK, (size_t)(N * V) * sizeof(float));
-    float *dyn = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
-    float *dy = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
+    float *dlogits = dev_alloc(m, DS4_MEM_WORK, (size_t)(N * V) * sizeof(float));
+    float *dyn = pass_work(p, N * D);
+    float *dy = pass_work(p, N * D);
     ds4_status st = DS4_OK;
     if (!dlogits || !dyn || !dy) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory in the head backward");
         goto done;
     }
-    double ls;
-    int64_t ns;
-    float gscale = h->n_scored > 0 ? (float)(weight / (double)h->n_scored) : 0.0f;
-    cross_entropy_fwd_bwd(&p->m->exec, &ls, &ns, dlogits, h->logits, h->targets, N, V, gscale);
+    const int64_t scored = p->got.n_scored[h == &p->mhead]; /* read after the forward */
+    float gscale = scored > 0 ? (float)(weight / (double)scored) : 0.0f;
+    cross_entropy_fwd_bwd(&p->m->exec, &p->scal->discard_sum, &p->scal->discard_count, dlogits, h->logits, h->targets,
+                          N, V, gscale);
     model_linear_bwd(m, dyn, m->g.head, dlogits, h->yn, m->w.head, N, D, V);
     rmsnorm_bwd(&p->m->exec, dy, g_norm, dyn, h->y, normw, h->rstd, N, D);
     hc_head_bwd(&p->m->exec, &(hc_head_args){.dims = {.N = N, .n = n, .D = D}, .hc_eps = (float)c->hc_eps,
         .norm_eps = (float)c->norm_eps, .X = X, .fn = fn, .scale = scale, .base = base, .mixes = h->mixes,
         .rsqrt = h->rsqrt}, &(hc_head_grads){.dy = dy, .dX = dX, .dfn = g_fn, .dscale = g_scale, .dbase = g_base});
 done:
-    ds4_free(dlogits);
-    ds4_free(dyn);
-    ds4_free(dy);
+    dev_free(m, dlogits);
+    dev_free(m, dyn);
+    dev_free(m, dy);
     return st;
 }
 
@@ -349,16 +392,16 @@ static ds4_status mtp_input_fwd(ds4_pass *p) {
     const ds4_config *c = &m->cfg;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult;
     const float eps = (float)c->norm_eps;
-    p->m_e = pass_alloc(N * D);
-    p->m_en = pass_alloc(N * D);
-    p->m_en_rstd = pass_alloc(N);
-    p->m_hn = pass_alloc(N * n * D);
-    p->m_hn_rstd = pass_alloc(N * n);
-    p->m_X0 = pass_alloc(N * n * D);
-    p->m_X1 = pass_alloc(N * n * D);
-    float *ep = ds4_alloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
+    p->m_e = pass_alloc(p, N * D);
+    p->m_en = pass_alloc(p, N * D);
+    p->m_en_rstd = pass_alloc(p, N);
+    p->m_hn = pass_alloc(p, N * n * D);
+    p->m_hn_rstd = pass_alloc(p, N * n);
+    p->m_X0 = pass_alloc(p, N * n * D);
+    p->m_X1 = pass_alloc(p, N * n * D);
+    float *ep = dev_alloc(m, DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
     if (!p->m_e || !p->m_en || !p->m_en_rstd || !p->m_hn || !p->m_hn_rstd || !p->m_X0 || !p->m_X1 || !ep) {
-        ds4_free(ep);
+        dev_free(m, ep);
         return ds4_fail(DS4_ERR_OOM, "out of memory in the MTP input");
     }
     embedding_fwd(&p->m->exec, p->m_e, m->w.embed, p->ids_next, N, D);
@@ -367,7 +410,7 @@ static ds4_status mtp_input_fwd(ds4_pass *p) {
     rmsnorm_fwd(&p->m->exec, p->m_hn, p->m_hn_rstd, p->X[c->n_layers], m->w.hnorm, N * n, D, eps);
     model_linear_fwd(m, p->m_X0, p->m_hn, m->w.h_proj, N * n, D, D);
     streams_add(&p->m->exec, p->m_X0, ep, N, n, D);
-    ds4_free(ep);
+    dev_free(m, ep);
     return DS4_OK;
 }
 
@@ -376,10 +419,10 @@ static ds4_status mtp_input_bwd(ds4_pass *p, const float *dX0, float *dXL) {
     ds4_model *m = p->m;
     const ds4_config *c = &m->cfg;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult;
-    float *dep = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
-    float *den = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
-    float *de = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
-    float *dhn = ds4_calloc(DS4_MEM_WORK, (size_t)(N * n * D) * sizeof(float));
+    float *dep = pass_work(p, N * D);
+    float *den = pass_work(p, N * D);
+    float *de = pass_work(p, N * D);
+    float *dhn = pass_work(p, N * n * D);
     ds4_status st = DS4_OK;
     if (!dep || !den || !de || !dhn) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory in the MTP input backward");
@@ -392,10 +435,10 @@ static ds4_status mtp_input_bwd(ds4_pass *p, const float *dX0, float *dXL) {
     model_linear_bwd(m, dhn, m->g.h_proj, dX0, p->m_hn, m->w.h_proj, N * n, D, D);
     rmsnorm_bwd(&p->m->exec, dXL, m->g.hnorm, dhn, p->X[c->n_layers], m->w.hnorm, p->m_hn_rstd, N * n, D);
 done:
-    ds4_free(dep);
-    ds4_free(den);
-    ds4_free(de);
-    ds4_free(dhn);
+    dev_free(m, dep);
+    dev_free(m, den);
+    dev_free(m, de);
+    dev_free(m, dhn);
     return st;
 }
 
@@ -411,7 +454,7 @@ static ds4_status mtp_fwd(ds4_pass *p) {
     block_ctx bc = make_ctx(p, l, p->ids_next);
     if (st == DS4_OK)
         st = block_fwd(&bc, &p->ba[l], p->m_X0, p->m_X1, 0 /* never recompute MTP */, p->unit_stats + l * U_COUNT,
-                       p->expert_load + l * c->n_routed_experts, &p->kl_sum[l], &p->kl_rows[l]);
+                       p->expert_load + l * c->n_routed_experts, &p->scal->kl_sum[l], &p->scal->kl_rows[l]);
     if (st == DS4_OK)
         st = head_fwd(p, &p->mhead, p->m_X1, m->w.mtp_hc_head_fn, m->w.mtp_hc_head_scale, m->w.mtp_hc_head_base,
                       m->w.mtp_norm, 2);
@@ -424,21 +467,22 @@ static ds4_status mtp_bwd(ds4_pass *p, float *dXL) {
     ds4_model *m = p->m;
     const ds4_config *c = &m->cfg;
     const size_t sbytes = (size_t)(p->N * c->hc_mult * c->dim) * sizeof(float);
-    float *dm1 = ds4_calloc(DS4_MEM_WORK, sbytes), *dm0 = ds4_calloc(DS4_MEM_WORK, sbytes);
+    float *dm1 = dev_zalloc(m, DS4_MEM_WORK, sbytes), *dm0 = dev_zalloc(m, DS4_MEM_WORK, sbytes);
     ds4_status st = dm1 && dm0 ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MTP backward");
     if (st == DS4_OK) st = gather_for_backward(p, group_mtp(c), 1);
     if (st == DS4_OK)
         st = head_bwd(p, &p->mhead, p->m_X1, dm1, c->mtp_loss_weight, m->g.mtp_hc_head_fn, m->g.mtp_hc_head_scale,
                       m->g.mtp_hc_head_base, m->g.mtp_norm, m->w.mtp_hc_head_fn, m->w.mtp_hc_head_scale,
                       m->w.mtp_hc_head_base, m->w.mtp_norm);
-    head_free(&p->mhead);
+    head_free(p, &p->mhead);
     block_ctx bc = make_ctx(p, c->n_layers, p->ids_next);
-    if (st == DS4_OK) st = block_bwd(&bc, &p->ba[c->n_layers], dm1, dm0, &p->kl_sum[c->n_layers], &p->kl_rows[c->n_layers]);
+    if (st == DS4_OK)
+        st = block_bwd(&bc, &p->ba[c->n_layers], dm1, dm0, &p->scal->kl_sum[c->n_layers], &p->scal->kl_rows[c->n_layers]);
     if (st == DS4_OK) st = grad_begin(p, 0); /* the MTP input embeds the next tokens */
     if (st == DS4_OK) st = mtp_input_bwd(p, dm0, dXL);
     if (st == DS4_OK) st = finish_backward(p, group_mtp(c));
-    ds4_free(dm1);
-    ds4_free(dm0);
+    dev_free(m, dm1);
+    dev_free(m, dm0);
     return st;
 }
 
@@ -460,14 +504,27 @@ static ds4_status check_ids(const ds4_config *c, const int32_t *ids, int64_t B, 
     return DS4_OK;
 }
 
+/* After the backward: each CSA layer's KL scored the rows its gradient was scaled by (indexer_kl_rows). */
+static ds4_status check_kl_rows(const ds4_pass *p) {
+    const ds4_config *c = &p->m->cfg;
+    const int64_t want = indexer_kl_rows(&p->m->exec, p->B, p->T, 4);
+    for (int64_t l = 0; l < c->n_layers; l++)
+        if (ds4_layer_ratio(c, l) == 4 && p->got.kl_rows[l] != want)
+            return ds4_fail(DS4_ERR_INTERNAL, "indexer loss of layer %lld: %lld rows counted, %lld expected",
+                            (long long)l, (long long)p->got.kl_rows[l], (long long)want);
+    return DS4_OK;
+}
+
+/* The losses from the scalars the kernels wrote (read_scalars first). */
 static void finish_losses(ds4_pass *p) {
     const ds4_config *c = &p->m->cfg;
+    const pass_scalars *g = &p->got;
     ds4_losses *L = &p->losses;
-    L->loss = p->head.n_scored ? p->head.loss_sum / (double)p->head.n_scored : 0.0;
-    L->mtp_loss = c->n_mtp_layers && p->mhead.n_scored ? p->mhead.loss_sum / (double)p->mhead.n_scored : 0.0;
+    L->loss = g->n_scored[0] ? g->loss_sum[0] / (double)g->n_scored[0] : 0.0;
+    L->mtp_loss = c->n_mtp_layers && g->n_scored[1] ? g->loss_sum[1] / (double)g->n_scored[1] : 0.0;
     L->indexer_loss = 0;
     for (int64_t l = 0; l < c->n_layers; l++)
-        if (p->kl_rows[l] > 0) L->indexer_loss += p->kl_sum[l] / (double)p->kl_rows[l];
+        if (g->kl_rows[l] > 0) L->indexer_loss += g->kl_sum[l] / (double)g->kl_rows[l];
     L->total_loss = L->loss + c->mtp_loss_weight * L->mtp_loss + c->indexer_loss_coeff * L->indexer_loss;
 }
 
@@ -489,21 +546,22 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     p->N = B * T;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult, nb = n_blocks(c);
     ds4_status st = DS4_OK;
-    p->ids = ds4_alloc(DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
-    p->ids_next = ds4_alloc(DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
+    p->ids = dev_alloc(m, DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
+    p->ids_next = dev_alloc(m, DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
     p->X = ds4_calloc(DS4_MEM_OTHER, (size_t)(c->n_layers + 1) * sizeof(float *));
     p->ba = ds4_calloc(DS4_MEM_OTHER, (size_t)nb * sizeof(block_acts));
     p->expert_load = ds4_calloc(DS4_MEM_OTHER, (size_t)(nb * c->n_routed_experts) * sizeof(int64_t));
     p->unit_stats = ds4_calloc(DS4_MEM_OTHER, (size_t)(nb * U_COUNT) * sizeof(unit_stats));
-    if (!p->ids || !p->ids_next || !p->X || !p->ba || !p->expert_load || !p->unit_stats) {
+    p->scal = dev_zalloc(m, DS4_MEM_OTHER, sizeof *p->scal);
+    if (!p->ids || !p->ids_next || !p->X || !p->ba || !p->expert_load || !p->unit_stats || !p->scal) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory starting the forward pass");
         goto fail;
     }
-    shift_ids(&m->exec, p->ids, ids, B, T, 0, 0);
-    shift_ids(&m->exec, p->ids_next, ids, B, T, 1, 0);
+    copy_to_device(&m->exec, p->ids, ids, (size_t)N * sizeof(int32_t)); /* the batch crosses to the backend */
+    shift_ids(&m->exec, p->ids_next, p->ids, B, T, 1, 0);
 
     /* embedding into n identical streams: X0 [N, n, D] */
-    p->X[0] = pass_alloc(N * n * D);
+    p->X[0] = pass_alloc(p, N * n * D);
     if (!p->X[0]) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory for the embedding");
         goto fail;
@@ -515,7 +573,7 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     stream_round(p, 0);
     /* blocks */
     for (int64_t l = 0; l < c->n_layers && st == DS4_OK; l++) {
-        p->X[l + 1] = pass_alloc(N * n * D);
+        p->X[l + 1] = pass_alloc(p, N * n * D);
         if (!p->X[l + 1]) {
             st = ds4_fail(DS4_ERR_OOM, "out of memory for the streams of layer %lld", (long long)l);
             break;
@@ -526,11 +584,11 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
         if ((st = keep_released_topk(p, l, mask, &bc)) != DS4_OK) break;
         if ((st = gather_fwd(p, group_of_layer(l), l + 1)) != DS4_OK) break;
         st = block_fwd(&bc, &p->ba[l], p->X[l], p->X[l + 1], mask, p->unit_stats + l * U_COUNT,
-                       p->expert_load + l * c->n_routed_experts, &p->kl_sum[l], &p->kl_rows[l]);
+                       p->expert_load + l * c->n_routed_experts, &p->scal->kl_sum[l], &p->scal->kl_rows[l]);
         drop(p, group_of_layer(l));
         if (st == DS4_OK) stream_round(p, l + 1);
         if (st == DS4_OK && !opts->need_backward && l > 0) {
-            ds4_free(p->X[l]); /* eval: the previous boundary is no longer needed */
+            dev_free(m, p->X[l]); /* eval: the previous boundary is no longer needed */
             p->X[l] = NULL;
         }
         if (st == DS4_OK) st = act_offload(p, l);
@@ -544,6 +602,7 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     drop(p, group_head(c));
     if (st == DS4_OK) st = hooks_sync(p);
     if (st != DS4_OK) goto fail;
+    read_scalars(p);
     finish_losses(p);
     *out = p;
     return DS4_OK;
@@ -562,21 +621,22 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
     const int64_t N = p->N, D = c->dim, n = c->hc_mult, L = c->n_layers;
     const size_t sbytes = (size_t)(N * n * D) * sizeof(float);
     ds4_status st = DS4_OK;
-    float *dX = ds4_calloc(DS4_MEM_WORK, sbytes), *dprev = NULL;
+    float *dX = dev_zalloc(m, DS4_MEM_WORK, sbytes), *dprev = NULL;
     if (!dX) return ds4_fail(DS4_ERR_OOM, "out of memory in backward");
-    memset(p->kl_sum, 0, sizeof p->kl_sum);
-    memset(p->kl_rows, 0, sizeof p->kl_rows);
+    /* the backward writes each layer's KL again */
+    tensor_zero(&m->exec, p->scal->kl_sum, sizeof p->scal->kl_sum);
+    tensor_zero(&m->exec, p->scal->kl_rows, sizeof p->scal->kl_rows);
 
     st = gather_for_backward(p, group_head(c), 0);
     if (st == DS4_OK)
         st = head_bwd(p, &p->head, p->X[L], dX, 1.0, m->g.hc_head_fn, m->g.hc_head_scale, m->g.hc_head_base,
                       m->g.norm, m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base, m->w.norm);
-    head_free(&p->head);
+    head_free(p, &p->head);
     if (st == DS4_OK && c->n_mtp_layers > 0) st = mtp_bwd(p, dX);
     else if (st == DS4_OK) st = grad_begin(p, 0);
     if (st == DS4_OK) st = finish_backward(p, group_head(c));
     for (int64_t l = L - 1; l >= 0 && st == DS4_OK; l--) {
-        dprev = ds4_calloc(DS4_MEM_WORK, sbytes);
+        dprev = dev_zalloc(m, DS4_MEM_WORK, sbytes);
         if (!dprev) {
             st = ds4_fail(DS4_ERR_OOM, "out of memory in backward of layer %lld", (long long)l);
             break;
@@ -584,28 +644,30 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
         block_ctx bc = make_ctx(p, l, p->ids);
         st = act_restore(p, l);
         if (st == DS4_OK) st = gather_for_backward(p, group_of_layer(l), 1 + (c->n_mtp_layers > 0) + (L - 1 - l));
-        if (st == DS4_OK) st = block_bwd(&bc, &p->ba[l], dX, dprev, &p->kl_sum[l], &p->kl_rows[l]);
+        if (st == DS4_OK) st = block_bwd(&bc, &p->ba[l], dX, dprev, &p->scal->kl_sum[l], &p->scal->kl_rows[l]);
         if (st == DS4_OK) st = finish_backward(p, group_of_layer(l));
-        ds4_free(p->X[l + 1]);
+        dev_free(m, p->X[l + 1]);
         p->X[l + 1] = NULL;
-        ds4_free(dX);
+        dev_free(m, dX);
         dX = dprev;
         dprev = NULL;
     }
     if (st == DS4_OK) {
         /* embedding: the n streams all started as the same row */
-        float *de = ds4_calloc(DS4_MEM_WORK, (size_t)(N * D) * sizeof(float));
+        float *de = pass_work(p, N * D);
         if (!de) st = ds4_fail(DS4_ERR_OOM, "out of memory in embedding backward");
         else {
             streams_sum(&m->exec, de, dX, N, n, D);
             embedding_bwd(&m->exec, m->g.embed, de, p->ids, N, D);
-            ds4_free(de);
+            dev_free(m, de);
             st = grad_end(p, 0);
         }
     }
-    ds4_free(dX);
+    dev_free(m, dX);
     ds4_status sy = hooks_sync(p); /* the last reduce-scatters land in the shard gradients */
     if (st == DS4_OK) st = sy;
+    if (st == DS4_OK) read_scalars(p);
+    if (st == DS4_OK) st = check_kl_rows(p);
     if (st == DS4_OK) finish_losses(p);
     return st;
 }

@@ -56,6 +56,21 @@ struct ds4_model {
     uint16_t *hflat;                  /* [numel] the bf16 compute copy, or NULL (fp32 models) */
 };
 
+/* ------------------------------------------------------------------ the model's device buffers
+ * Every tensor a kernel reads or writes lives in the memory of the model's backend (buf_alloc in the
+ * model's context); the host reaches it only through a copy (ds4_model_to_host / ds4_model_to_device).
+ * Host metadata (the pass itself, its tables of pointers, counters the host keeps) stays ds4_alloc. */
+static inline void *dev_alloc(const ds4_model *m, ds4_mem_cat cat, size_t bytes) {
+    return buf_alloc(&m->exec, cat, bytes);
+}
+/* dev_alloc, zeroed by the backend (a plan's zeroing is skipped with every other op) */
+static inline void *dev_zalloc(const ds4_model *m, ds4_mem_cat cat, size_t bytes) {
+    void *p = buf_alloc(&m->exec, cat, bytes);
+    if (p) tensor_zero(&m->exec, p, bytes);
+    return p;
+}
+static inline void dev_free(const ds4_model *m, void *p) { buf_free(&m->exec, p); }
+
 /* ------------------------------------------------------------------ the linear layers' weights
  * The one place the model picks what its linear layers read: the bf16 compute copy of weight w (a slot
  * of m->w whose parameter has compute dtype bf16) when the model holds one, else w in fp32. */
@@ -92,6 +107,8 @@ static inline int64_t group_of_layer(int64_t l) { return 1 + l; }
 
 /* DS4_ERR_ARG unless the current context (ds4_exec_current) is the one m was made for (model.c). */
 ds4_status model_check_exec(const ds4_model *m, const char *what);
+/* Frees a rope table the model moved to its backend (model.c). */
+void model_rope_free(ds4_model *m, ds4_rope *r);
 /* Rope tables for positions [0, T) (model.c; grows only). For model/decode.c. */
 ds4_status model_ensure_rope(ds4_model *m, int64_t T);
 

@@ -172,9 +172,9 @@ static ds4_status model_create(const ds4_exec *exec, const ds4_config *cfg, bool
         m->gflat = ds4_range_reserve(reserved_bytes(m));
         if (bf16) m->hflat = ds4_range_reserve(reserved_bytes(m) / 2);
     } else {
-        m->flat = ds4_calloc(DS4_MEM_PARAM, (size_t)m->numel * sizeof(float));
-        m->gflat = ds4_calloc(DS4_MEM_GRAD, (size_t)m->numel * sizeof(float));
-        if (bf16) m->hflat = ds4_calloc(DS4_MEM_PARAM, (size_t)m->numel * sizeof(uint16_t));
+        m->flat = dev_zalloc(m, DS4_MEM_PARAM, (size_t)m->numel * sizeof(float)); /* on the model's backend */
+        m->gflat = dev_zalloc(m, DS4_MEM_GRAD, (size_t)m->numel * sizeof(float));
+        if (bf16) m->hflat = dev_zalloc(m, DS4_MEM_PARAM, (size_t)m->numel * sizeof(uint16_t));
     }
     if (!m->flat || !m->gflat || (bf16 && !m->hflat)) {
         ds4_free(tb.binds);
@@ -192,7 +192,7 @@ static ds4_status model_create(const ds4_exec *exec, const ds4_config *cfg, bool
         ds4_param *p = &m->params[i];
         if (p->carried && !(p->data = ds4_calloc(DS4_MEM_PARAM, (size_t)p->numel * sizeof(float)))) goto oom;
         if (!p->is_int) continue;
-        p->idata = ds4_calloc(DS4_MEM_PARAM, (size_t)p->numel * sizeof(int64_t));
+        p->idata = dev_zalloc(m, DS4_MEM_PARAM, (size_t)p->numel * sizeof(int64_t)); /* read by the router */
         if (!p->idata) goto oom;
         int64_t l = -1;
         if (sscanf(p->name, "layers.%lld.", (long long *)&l) == 1 && l >= 0 && l < nb) m->tid2eid[l] = p->idata;
@@ -212,16 +212,16 @@ ds4_status ds4_model_create_bf16(const ds4_exec *exec, const ds4_config *cfg, bo
     return model_create(exec, cfg, unmapped, true, out);
 }
 
-static void free_range(void *p, size_t bytes, bool unmapped) {
+static void free_range(const ds4_model *m, void *p, size_t bytes) {
     if (!p) return;
-    if (unmapped) ds4_range_release(p, bytes);
-    else ds4_free(p);
+    if (m->unmapped) ds4_range_release(p, bytes);
+    else dev_free(m, p);
 }
 
 void ds4_model_free(ds4_model *m) {
     if (!m) return;
     for (int64_t i = 0; i < m->nparams; i++) {
-        ds4_free(m->params[i].idata);
+        dev_free(m, m->params[i].idata);
         if (m->params[i].carried) ds4_free(m->params[i].data);
     }
     ds4_free(m->params);
@@ -232,12 +232,12 @@ void ds4_model_free(ds4_model *m) {
     ds4_free(m->w.blocks);
     ds4_free(m->g.blocks);
     ds4_free(m->tid2eid);
-    free_range(m->flat, reserved_bytes(m), m->unmapped);
-    free_range(m->gflat, reserved_bytes(m), m->unmapped);
-    free_range(m->hflat, reserved_bytes(m) / 2, m->unmapped);
+    free_range(m, m->flat, reserved_bytes(m));
+    free_range(m, m->gflat, reserved_bytes(m));
+    free_range(m, m->hflat, reserved_bytes(m) / 2);
     ds4_free(m->regions);
-    rope_table_free(&m->rope_main);
-    rope_table_free(&m->rope_cmp);
+    model_rope_free(m, &m->rope_main);
+    model_rope_free(m, &m->rope_cmp);
     if (m->gemm_ws) gemm_workspace_release(&m->exec);
     ds4_free(m);
 }
@@ -254,6 +254,16 @@ uint16_t *ds4_model_bf16_flat(ds4_model *m) { return m->hflat; }
 void ds4_model_pack_bf16(uint16_t *dst, const float *src, int64_t n) {
     const ds4_exec ex = ds4_exec_current();
     tensor_pack_bf16(&ex, dst, src, n);
+}
+
+void ds4_model_to_host(const ds4_model *m, void *dst, const void *src, size_t bytes) {
+    copy_to_host(&m->exec, dst, src, bytes);
+    synchronize(&m->exec);
+}
+
+void ds4_model_to_device(const ds4_model *m, void *dst, const void *src, size_t bytes) {
+    copy_to_device(&m->exec, dst, src, bytes);
+    synchronize(&m->exec);
 }
 
 void ds4_model_refresh_bf16(ds4_model *m) {

@@ -82,13 +82,20 @@ static bool slot_bf16(const block_acts *a, unit_id u, int s) {
  * A bf16 slot's values are rounded when its unit has run; from its last forward reader on it is held
  * as bf16 (half the bytes) and widened again, exactly, when backward needs it. An ACT_BF16 slot is
  * packed when its unit has run (the same rounding) and never widened: its readers take bf16. */
+/* Slot s of unit u [n] converted to or from bf16, its byte count kept. */
+static ds4_status convert_slot(const block_ctx *bc, block_acts *a, unit_id u, int s, int64_t n, bool to_bf16) {
+    DS4_TRY(act_convert_bf16(&bc->m->exec, &a->out[u][s], n, to_bf16));
+    a->bytes[u][s] = (size_t)n * (to_bf16 ? sizeof(uint16_t) : sizeof(float));
+    return DS4_OK;
+}
+
 static ds4_status round_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
     const unit_decl *ud = k_block_units[u];
     for (int s = 0; s < ud->nouts; s++) {
         if (!a->bf16 || !a->out[u][s]) continue;
-        const int64_t n = (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(float));
+        const int64_t n = (int64_t)(a->bytes[u][s] / sizeof(float));
         if (slot_bf16(a, u, s)) tensor_round_bf16(&bc->m->exec, F32(u, s), n);
-        if (act_held_bf16(a, u, s) && act_convert_bf16(&bc->m->exec, &a->out[u][s], n, true) != DS4_OK)
+        if (act_held_bf16(a, u, s) && convert_slot(bc, a, u, s, n, true) != DS4_OK)
             return ds4_fail(DS4_ERR_OOM, "out of memory holding block %lld's %s in bf16", (long long)bc->layer,
                             unit_name(u));
     }
@@ -96,11 +103,11 @@ static ds4_status round_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
 }
 
 ds4_status act_convert_bf16(const ds4_exec *ex, void **buf, int64_t n, bool to_bf16) {
-    void *to = ds4_alloc(DS4_MEM_ACT, (size_t)n * (to_bf16 ? sizeof(uint16_t) : sizeof(float)));
+    void *to = buf_alloc(ex, DS4_MEM_ACT, (size_t)n * (to_bf16 ? sizeof(uint16_t) : sizeof(float)));
     if (!to) return DS4_ERR_OOM;
     if (to_bf16) tensor_pack_bf16(ex, to, *buf, n);
     else tensor_unpack_bf16(ex, to, *buf, n);
-    ds4_free(*buf);
+    buf_free(ex, *buf);
     *buf = to;
     return DS4_OK;
 }
@@ -108,8 +115,8 @@ ds4_status act_convert_bf16(const ds4_exec *ex, void **buf, int64_t n, bool to_b
 static ds4_status pack_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
     for (int s = 0; s < UNIT_MAX_OUTS; s++) {
         if (!slot_bf16(a, u, s) || (a->packed[u] >> s & 1u)) continue;
-        const int64_t n = (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(float));
-        if (act_convert_bf16(&bc->m->exec, &a->out[u][s], n, true) != DS4_OK)
+        const int64_t n = (int64_t)(a->bytes[u][s] / sizeof(float));
+        if (convert_slot(bc, a, u, s, n, true) != DS4_OK)
             return ds4_fail(DS4_ERR_OOM, "out of memory holding block %lld's %s in bf16", (long long)bc->layer,
                             unit_name(u));
         a->packed[u] |= (uint8_t)(1u << s);
@@ -120,8 +127,8 @@ static ds4_status pack_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
 static ds4_status unpack_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
     for (int s = 0; s < UNIT_MAX_OUTS; s++) {
         if (!(a->packed[u] >> s & 1u)) continue;
-        const int64_t n = (int64_t)(ds4_alloc_size(a->out[u][s]) / sizeof(uint16_t));
-        if (act_convert_bf16(&bc->m->exec, &a->out[u][s], n, false) != DS4_OK)
+        const int64_t n = (int64_t)(a->bytes[u][s] / sizeof(uint16_t));
+        if (convert_slot(bc, a, u, s, n, false) != DS4_OK)
             return ds4_fail(DS4_ERR_OOM, "out of memory widening block %lld's %s from bf16", (long long)bc->layer,
                             unit_name(u));
         a->packed[u] &= (uint8_t)~(1u << s);
@@ -137,7 +144,9 @@ static ds4_status alloc_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
         if (sl->ep_only && !bc->ep) continue;
         int64_t numel = 1;
         for (int k = 0; k < 3; k++) numel *= act_dim_value(bc, a, sl->dim[k]);
-        a->out[u][s] = ds4_alloc(DS4_MEM_ACT, (size_t)numel * act_dtype_size(sl->dtype));
+        a->m = bc->m;
+        a->bytes[u][s] = (size_t)numel * act_dtype_size(sl->dtype);
+        a->out[u][s] = dev_alloc(bc->m, DS4_MEM_ACT, a->bytes[u][s]);
         if (!a->out[u][s]) return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer);
     }
     return DS4_OK;
@@ -158,8 +167,9 @@ ds4_status act_run(const block_ctx *bc, block_acts *a, unit_id u) { return act_r
  * Reads of a released output then find NULL and crash loudly instead of reading stale memory. */
 static void unit_release(block_acts *a, unit_id u) {
     for (int s = 0; s < UNIT_MAX_OUTS; s++) {
-        ds4_free(a->out[u][s]);
+        if (a->out[u][s]) dev_free(a->m, a->out[u][s]);
         a->out[u][s] = NULL;
+        a->bytes[u][s] = 0;
     }
     a->present[u] = false;
     a->packed[u] = 0;
@@ -220,6 +230,6 @@ ds4_status act_need(const block_ctx *bc, block_acts *a, uint32_t units) {
 int64_t act_unit_bytes(const block_acts *a, unit_id u) {
     int64_t b = 0;
     for (int s = 0; s < UNIT_MAX_OUTS; s++)
-        if (a->out[u][s]) b += (int64_t)ds4_alloc_size(a->out[u][s]);
+        if (a->out[u][s]) b += (int64_t)a->bytes[u][s];
     return b;
 }

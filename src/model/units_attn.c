@@ -55,11 +55,11 @@ static ds4_status q_down_fwd(const block_ctx *bc, block_acts *a) {
 static ds4_status q_down_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
     const int64_t QR = c->q_lora_rank;
-    float *dqa = work_zeros(N * QR);
+    float *dqa = work_zeros(bc, N * QR);
     if (!dqa) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
     rmsnorm_bwd(&bc->m->exec, dqa, Gw->q_norm, g->dqr, F32(U_Q_DOWN, QD_QA), W->q_norm, F32(U_Q_DOWN, QD_RSTD), N, QR);
     model_linear_bwd(m, g->dxa, Gw->wq_a, dqa, F32(U_ATTN_NORM, NORM_X), W->wq_a, N, D, QR);
-    ds4_free(dqa);
+    work_free(bc, dqa);
     return DS4_OK;
 }
 
@@ -92,13 +92,13 @@ static ds4_status q_up_fwd(const block_ctx *bc, block_acts *a) {
 static ds4_status q_up_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
     const int64_t H = c->n_heads, hd = c->head_dim, QR = c->q_lora_rank;
-    float *dqraw = work_zeros(N * H * hd);
+    float *dqraw = work_zeros(bc, N * H * hd);
     if (!dqraw) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
     rope_bwd(&bc->m->exec, g->dq, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = false});
     rmsnorm_bwd(&bc->m->exec, dqraw, NULL, g->dq, F32(U_Q_UP, QU_RAW), NULL, F32(U_Q_UP, QU_RSTD), N * H, hd);
     model_linear_bwd(m, g->dqr, Gw->wq_b, dqraw, F32(U_Q_DOWN, QD_QR), W->wq_b, N, QR, H * hd);
-    ds4_free(dqraw);
+    work_free(bc, dqraw);
     return DS4_OK;
 }
 
@@ -132,13 +132,13 @@ static ds4_status kv_fwd(const block_ctx *bc, block_acts *a) {
 static ds4_status kv_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
     const int64_t hd = c->head_dim;
-    float *dkvraw = work_zeros(N * hd);
+    float *dkvraw = work_zeros(bc, N * hd);
     if (!dkvraw) return ds4_fail(DS4_ERR_OOM, "out of memory in kv backward");
     rope_bwd(&bc->m->exec, g->dkv, &(rope_args){.N = N, .H = 1, .hd = hd, .period = T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = false});
     rmsnorm_bwd(&bc->m->exec, dkvraw, Gw->kv_norm, g->dkv, F32(U_KV, KV_RAW), W->kv_norm, F32(U_KV, KV_RSTD), N, hd);
     model_linear_bwd(m, g->dxa, Gw->wkv, dkvraw, F32(U_ATTN_NORM, NORM_X), W->wkv, N, D, hd);
-    ds4_free(dkvraw);
+    work_free(bc, dkvraw);
     return DS4_OK;
 }
 
@@ -183,7 +183,7 @@ static ds4_status compress_bwd(const block_ctx *bc, block_acts *a, unit_id u, in
     UNIT_PROLOGUE;
     const int64_t coff = r == 4 ? 2 : 1, Nc = a->Nc;
     const float *ca = F32(u, first + CMP_A), *cz = F32(u, first + CMP_Z), *xa = F32(U_ATTN_NORM, NORM_X);
-    float *dpool = work_zeros(B * Nc * d), *da = work_zeros(N * coff * d), *dz = work_zeros(N * coff * d);
+    float *dpool = work_zeros(bc, B * Nc * d), *da = work_zeros(bc, N * coff * d), *dz = work_zeros(bc, N * coff * d);
     ds4_status st = DS4_OK;
     if (!dpool || !da || !dz) st = ds4_fail(DS4_ERR_OOM, "out of memory in compressor backward");
     if (st == DS4_OK) {
@@ -196,9 +196,9 @@ static ds4_status compress_bwd(const block_ctx *bc, block_acts *a, unit_id u, in
         model_linear_bwd(m, dxa, G->wkv, da, xa, cw->wkv, N, D, coff * d);
         model_linear_bwd(m, dxa, G->wgate, dz, xa, cw->wgate, N, D, coff * d);
     }
-    ds4_free(dpool);
-    ds4_free(da);
-    ds4_free(dz);
+    work_free(bc, dpool);
+    work_free(bc, da);
+    work_free(bc, dz);
     return st;
 }
 
@@ -305,19 +305,18 @@ static ds4_status indexer_decode(const block_ctx *bc, block_acts *a, unit_cache 
     return DS4_OK;
 }
 
-/* The indexer KL loss (the layer's, into kl_sum / kl_rows) and its gradient into the indexer's own
- * parameters (its inputs are detached). */
+/* The indexer KL loss (the layer's: the kernel writes it into g->kl_sum / g->kl_rows, the layer's slots of the
+ * pass's scalars on the backend) and its gradient into the indexer's own parameters (its inputs are
+ * detached). */
 static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
     const int64_t HI = c->index_n_heads, dI = c->index_head_dim, QR = c->q_lora_rank, Nc = a->Nc;
     const int32_t *sel = attn_selection(bc, a);
     const int64_t rows = indexer_kl_rows(&bc->m->exec, B, T, 4); /* the rows the KL scores (a plan: none) */
     const float gscale = rows > 0 ? (float)(c->indexer_loss_coeff / (double)rows) : 0.0f;
-    float *dqi = work_zeros(N * HI * dI), *dki = work_zeros(B * Nc * dI + 1), *dwi = work_zeros(N * HI);
+    float *dqi = work_zeros(bc, N * HI * dI), *dki = work_zeros(bc, B * Nc * dI + 1), *dwi = work_zeros(bc, N * HI);
     ds4_status st = DS4_OK;
     if (!dqi || !dki || !dwi) st = ds4_fail(DS4_ERR_OOM, "out of memory in indexer backward");
-    double kl = 0;
-    int64_t got = 0;
     const int64_t oom = ds4_alloc_failures();
     if (st == DS4_OK) {
         indexer_kl_fwd_bwd(&bc->m->exec, &(indexer_kl_args){.dims = {.B = B, .T = T, .HI = HI, .dI = dI, .Nc = Nc, .ratio = 4,
@@ -326,9 +325,7 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, block_grads *g
             .ki = KEYS_F32(U_INDEXER, IDX_CMP + CMP_OUT), .ki16 = KEYS_BF16(U_INDEXER, IDX_CMP + CMP_OUT),
             .w = F32(U_INDEXER, IDX_WI), .q = F32(U_Q_UP, QU_Q), .kvc = KEYS_F32(U_COMPRESSOR, CMP_OUT),
             .kvc16 = KEYS_BF16(U_COMPRESSOR, CMP_OUT), .lse = F32(U_SPARSE_ATTN, SA_LSE), .topk = sel, .dqi = dqi,
-            .dki = dki, .dw = dwi, .kl_sum = &kl, .n_rows = &got});
-        *g->kl_sum += kl;
-        *g->kl_rows += got;
+            .dki = dki, .dw = dwi, .kl_sum = g->kl_sum, .n_rows = g->kl_rows});
         st = kernel_status(oom, "indexer backward");
     }
     if (st == DS4_OK) {
@@ -338,13 +335,10 @@ static ds4_status indexer_bwd(const block_ctx *bc, block_acts *a, block_grads *g
         model_linear_bwd(m, NULL, Gw->idx_wq_b, dqi, F32(U_Q_DOWN, QD_QR), W->idx_wq_b, N, QR, HI * dI);
         st = compress_bwd(bc, a, U_INDEXER, IDX_CMP, &Gw->idx_cmp, &W->idx_cmp, NULL, dki, 4, dI);
     }
-    ds4_free(dqi);
-    ds4_free(dki);
-    ds4_free(dwi);
-    if (st == DS4_OK && got != rows)
-        st = ds4_fail(DS4_ERR_INTERNAL, "indexer loss: %lld rows counted, %lld expected", (long long)got,
-                      (long long)rows);
-    return st;
+    work_free(bc, dqi);
+    work_free(bc, dki);
+    work_free(bc, dwi);
+    return st; /* the rows it counted are checked against `rows` once they reach the host (model.c) */
 }
 
 /* Its backward is the KL against the attention's distribution, so it reads the attention's inputs and
@@ -530,7 +524,7 @@ static const act_slot k_o_proj_outs[] = {
 static float *inverse_roped_o(const block_ctx *bc, const block_acts *a) {
     const ds4_config *c = &bc->m->cfg;
     const int64_t N = bc->B * bc->T, H = c->n_heads, hd = c->head_dim;
-    float *o_r = work(N * H * hd);
+    float *o_r = work(bc, N * H * hd);
     if (!o_r) return NULL;
     tensor_copy(&bc->m->exec, o_r, F32(U_SPARSE_ATTN, SA_O), (size_t)(N * H * hd) * sizeof(float));
     rope_fwd(&bc->m->exec, o_r, &(rope_args){.N = N, .H = H, .hd = hd, .period = bc->T, .mult = 1,
@@ -545,7 +539,7 @@ static ds4_status o_proj_fwd(const block_ctx *bc, block_acts *a) {
     if (!o_r) return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer);
     model_grouped_linear_fwd(m, F32(U_O_PROJ, OP_Z), o_r, W->wo_a, N, G, R, H * hd / G);
     model_linear_fwd(m, F32(U_O_PROJ, OP_OUT), F32(U_O_PROJ, OP_Z), W->wo_b, N, G * R, D);
-    ds4_free(o_r);
+    work_free(bc, o_r);
     return DS4_OK;
 }
 
@@ -558,7 +552,7 @@ static ds4_status o_proj_bwd(const block_ctx *bc, block_acts *a, block_grads *g)
     model_grouped_linear_bwd(m, g->do_, Gw->wo_a, g->dz, o_r, W->wo_a, N, G, R, H * hd / G);
     rope_bwd(&bc->m->exec, g->do_, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = true});
-    ds4_free(o_r);
+    work_free(bc, o_r);
     return DS4_OK;
 }
 

@@ -66,11 +66,11 @@ static ds4_status router_fwd(const block_ctx *bc, block_acts *a) {
     int64_t *forced = NULL; /* force_balance: a per-token table [N, K] read through ids = 0, 1, ..., N-1 */
     int32_t *iota = NULL;
     if (bc->force_balance) {
-        forced = ds4_alloc(DS4_MEM_WORK, (size_t)(N * K) * sizeof(int64_t));
-        iota = ds4_alloc(DS4_MEM_WORK, (size_t)N * sizeof(int32_t));
+        forced = dev_alloc(m, DS4_MEM_WORK, (size_t)(N * K) * sizeof(int64_t));
+        iota = dev_alloc(m, DS4_MEM_WORK, (size_t)N * sizeof(int32_t));
         if (!forced || !iota) {
-            ds4_free(forced);
-            ds4_free(iota);
+            work_free(bc, forced);
+            work_free(bc, iota);
             return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer);
         }
         moe_balanced_table(&bc->m->exec, forced, iota, N, K, E);
@@ -80,8 +80,8 @@ static ds4_status router_fwd(const block_ctx *bc, block_acts *a) {
     moe_gate_fwd(&bc->m->exec, &(moe_gate_args){.dims = {.N = N, .E = E, .K = K}, .route_scale = (float)c->route_scale,
         .logits = logits, .bias = table ? NULL : W->gate_bias, .tid2eid = table, .ids = ids,
         .idx = I32(U_ROUTER, RT_IDX), .weights = F32(U_ROUTER, RT_W), .scores = F32(U_ROUTER, RT_SCORES)});
-    ds4_free(forced);
-    ds4_free(iota);
+    work_free(bc, forced);
+    work_free(bc, iota);
     moe_group_by_expert(&bc->m->exec, I64(U_ROUTER, RT_EOFF), I32(U_ROUTER, RT_ETOK), I32(U_ROUTER, RT_ESLOT), I32(U_ROUTER, RT_IDX),
                         N, E, K);
     return DS4_OK;
@@ -173,7 +173,7 @@ static ds4_status moe_routed_fwd_ep(const block_ctx *bc, block_acts *a, const fl
     const int64_t K = c->n_activated_experts, NK = N * K, R = a->route->rows;
     const int32_t *etok = I32(U_ROUTER, RT_ETOK);
     float *xr = F32(U_MOE, MOE_XR), *wr = F32(U_MOE, MOE_WR);
-    float *send = work(NK * (D + 1)), *recv = work(R * (D + 1)), *yr = work(R * D), *ys = work(NK * D);
+    float *send = work(bc, NK * (D + 1)), *recv = work(bc, R * (D + 1)), *yr = work(bc, R * D), *ys = work(bc, NK * D);
     ds4_status st = send && recv && yr && ys ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
     if (st == DS4_OK) rows_pack(&bc->m->exec, send, F32(U_FFN_NORM, NORM_X), etok, wj, NK, D);
     if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, a->route, send, recv, D + 1);
@@ -186,10 +186,10 @@ static ds4_status moe_routed_fwd_ep(const block_ctx *bc, block_acts *a, const fl
     }
     if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, a->route, yr, ys, D);
     if (st == DS4_OK) rows_scatter_add(&bc->m->exec, F32(U_MOE, MOE_OUT), ys, etok, NK, D);
-    ds4_free(send);
-    ds4_free(recv);
-    ds4_free(yr);
-    ds4_free(ys);
+    work_free(bc, send);
+    work_free(bc, recv);
+    work_free(bc, yr);
+    work_free(bc, ys);
     return st;
 }
 
@@ -203,9 +203,9 @@ static ds4_status moe_fwd(const block_ctx *bc, block_acts *a) {
     const float *xf = F32(U_FFN_NORM, NORM_X);
     tensor_zero(&bc->m->exec, ffn_out, (size_t)(N * D) * sizeof(float));
     const int64_t Rmax = R > N * K ? R : N * K;
-    float *wj = work(N * K), *act = work(Rmax * I > N * Is ? Rmax * I : N * Is),
-        *ye = work(N * (K * D > D ? K * D : D));
-    float *xe = bc->ep ? NULL : work(N * K * D);
+    float *wj = work(bc, N * K), *act = work(bc, Rmax * I > N * Is ? Rmax * I : N * Is),
+        *ye = work(bc, N * (K * D > D ? K * D : D));
+    float *xe = bc->ep ? NULL : work(bc, N * K * D);
     ds4_status st = (wj && act && ye && (bc->ep || xe)) ? DS4_OK : ds4_fail(DS4_ERR_OOM,
         "out of memory in MoE forward");
     if (st == DS4_OK) {
@@ -221,10 +221,10 @@ static ds4_status moe_fwd(const block_ctx *bc, block_acts *a) {
         model_linear_fwd(m, ye, act, W->shared.w2, N, Is, D);
         tensor_add(&bc->m->exec, ffn_out, ye, N * D);
     }
-    ds4_free(wj);
-    ds4_free(xe);
-    ds4_free(act);
-    ds4_free(ye);
+    work_free(bc, wj);
+    work_free(bc, xe);
+    work_free(bc, act);
+    work_free(bc, ye);
     return st;
 }
 
@@ -268,8 +268,8 @@ static ds4_status moe_routed_bwd_ep(const block_ctx *bc, block_acts *a, block_gr
     const int64_t R = r->rows;
     const bool split = r->nsrc > 1;
     const float *xr = F32(U_MOE, MOE_XR), *wr = F32(U_MOE, MOE_WR);
-    float *dys = work(NK * D), *dyr = work(R * D), *dxr = work(R * (D + 1)), *dxs = work(NK * (D + 1));
-    float *tmp = split ? work(3 * I * D) : NULL;
+    float *dys = work(bc, NK * D), *dyr = work(bc, R * D), *dxr = work(bc, R * (D + 1)), *dxs = work(bc, NK * (D + 1));
+    float *tmp = split ? work(bc, 3 * I * D) : NULL;
     ds4_status st = dys && dyr && dxr && dxs && (!split || tmp) ? DS4_OK
                                                                  : ds4_fail(DS4_ERR_OOM,
                                                                      "out of memory in MoE backward");
@@ -295,24 +295,24 @@ static ds4_status moe_routed_bwd_ep(const block_ctx *bc, block_acts *a, block_gr
     }
     if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, r, dxr, dxs, D + 1);
     if (st == DS4_OK) moe_unpack_grads_add(&bc->m->exec, g->dxf, dgw, dxs, rt.etok, rt.eslot, NK, D, K);
-    ds4_free(dys);
-    ds4_free(dyr);
-    ds4_free(dxr);
-    ds4_free(dxs);
-    ds4_free(tmp);
+    work_free(bc, dys);
+    work_free(bc, dyr);
+    work_free(bc, dxr);
+    work_free(bc, dxs);
+    work_free(bc, tmp);
     return st;
 }
 
-static void moe_scratch_free(moe_scratch *s) {
-    ds4_free(s->act);
-    ds4_free(s->dact);
-    ds4_free(s->dh1);
-    ds4_free(s->dh3);
-    ds4_free(s->xe);
-    ds4_free(s->dye);
-    ds4_free(s->dxe);
-    ds4_free(s->dwe);
-    ds4_free(s->wj);
+static void moe_scratch_free(const block_ctx *bc, moe_scratch *s) {
+    work_free(bc, s->act);
+    work_free(bc, s->dact);
+    work_free(bc, s->dh1);
+    work_free(bc, s->dh3);
+    work_free(bc, s->xe);
+    work_free(bc, s->dye);
+    work_free(bc, s->dxe);
+    work_free(bc, s->dwe);
+    work_free(bc, s->wj);
 }
 
 /* The shared expert's backward: dxf += …, its weights' gradients. */
@@ -336,10 +336,10 @@ static ds4_status moe_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
     const int64_t E = c->n_routed_experts, K = c->n_activated_experts, I = c->moe_inter_dim;
     const int64_t Is = I * c->n_shared_experts, Imax = (K * I > Is ? K * I : Is);
-    float *dgw = work_zeros(N * K), *dlog = work_zeros(N * E);
-    moe_scratch s = {.act = work(N * Imax), .dact = work(N * Imax), .dh1 = work(N * Imax), .dh3 = work(N * Imax),
-                     .xe = bc->ep ? NULL : work(N * K * D), .dye = bc->ep ? NULL : work(N * K * D),
-                     .dxe = work(N * K * D), .dwe = work(N * K), .wj = work(N * K)};
+    float *dgw = work_zeros(bc, N * K), *dlog = work_zeros(bc, N * E);
+    moe_scratch s = {.act = work(bc, N * Imax), .dact = work(bc, N * Imax), .dh1 = work(bc, N * Imax), .dh3 = work(bc, N * Imax),
+                     .xe = bc->ep ? NULL : work(bc, N * K * D), .dye = bc->ep ? NULL : work(bc, N * K * D),
+                     .dxe = work(bc, N * K * D), .dwe = work(bc, N * K), .wj = work(bc, N * K)};
     ds4_status st = DS4_OK;
     if (!dgw || !dlog || !s.act || !s.dact || !s.dh1 || !s.dh3 || (!bc->ep && (!s.xe || !s.dye)) || !s.dxe ||
         !s.dwe || !s.wj)
@@ -357,9 +357,9 @@ static ds4_status moe_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
             &(moe_gate_grads){.dweights = dgw, .dlogits = dlog});
         model_linear_bwd(m, g->dxf, Gw->gate, dlog, F32(U_FFN_NORM, NORM_X), W->gate, N, D, E);
     }
-    ds4_free(dgw);
-    ds4_free(dlog);
-    moe_scratch_free(&s);
+    work_free(bc, dgw);
+    work_free(bc, dlog);
+    moe_scratch_free(bc, &s);
     return st;
 }
 

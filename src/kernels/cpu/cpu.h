@@ -18,6 +18,15 @@ static inline ds4_matmul_precision cpu_precision_of(const ds4_exec *ex) {
 #define CPU_CALL_PLAIN(fn, args) ((void)DS4_FIRST args, fn(DS4_DROP_FIRST args))
 #define CPU_CALL_PREC(fn, args) fn(cpu_precision_of(DS4_FIRST args), DS4_DROP_FIRST args)
 
+/* ---- memory (cpu/memory.c): host blocks of the one allocator; their plan mirrors count without memory ---- */
+void *cpu_buf_alloc(ds4_mem_cat cat, size_t bytes);
+void cpu_buf_free(void *p);
+void cpu_copy_to_device(void *dst, const void *src, size_t bytes);
+void cpu_copy_to_host(void *dst, const void *src, size_t bytes);
+void cpu_synchronize(void);
+void *cpu_buf_alloc_plan(ds4_mem_cat cat, size_t bytes);
+void cpu_buf_free_plan(void *p);
+
 /* ---- GEMM: the blocked driver (../gemm.c) on the engine the dispatch chose ---- */
 /* The drivers take the matmul precision first: it picks the engine family (fp32 or bf16 operands). */
 typedef void gemm_driver_signature(ds4_matmul_precision prec, int64_t M, int64_t N, int64_t K, const float *A,

@@ -1,0 +1,19 @@
+/* The cpu backend's memory half (ops.def, "memory and ordering"): its device is the host, so a buffer is a
+ * counted host block, a copy across the boundary is a memcpy, and ops run inline (nothing to wait for).
+ * The plan mirrors count the same blocks with no memory behind them. */
+#include <string.h>
+
+#include "kernels/cpu/cpu.h"
+
+void *cpu_buf_alloc(ds4_mem_cat cat, size_t bytes) { return ds4_alloc(cat, bytes); }
+void cpu_buf_free(void *p) { ds4_free(p); }
+void cpu_copy_to_device(void *dst, const void *src, size_t bytes) {
+    if (bytes) memcpy(dst, src, bytes);
+}
+void cpu_copy_to_host(void *dst, const void *src, size_t bytes) {
+    if (bytes) memcpy(dst, src, bytes);
+}
+void cpu_synchronize(void) {}
+
+void *cpu_buf_alloc_plan(ds4_mem_cat cat, size_t bytes) { return ds4_alloc_plan(cat, bytes); }
+void cpu_buf_free_plan(void *p) { ds4_free(p); }
