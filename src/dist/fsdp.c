@@ -7,6 +7,7 @@
  * grad_end = reduce-scatter by all-to-all of the group's full gradients, each rank adding what it
  * receives in rank order (so the sum is the same bits whatever the MPI library does).
  * Communicators: FSDP, EP (all-to-all of token rows) and expert replicas are three separate ones. */
+#include "dist/dist_kernels.h"
 #include "ds4/dist.h"
 
 #include <math.h>
@@ -194,14 +195,7 @@ static ds4_status reduce_piece(ds4_fsdp *f, const piece *p) {
         ds4_comm_req_label(q, "reduce-scatter");
         if (st == DS4_OK) st = ds4_comm_wait(q);
     }
-    if (st == DS4_OK && !planning(f)) {
-        float *g = f->sg + p->shard_off;
-        for (int64_t i = 0; i < p->len; i++) {
-            float t = recv[i];
-            for (int r = 1; r < n; r++) t += recv[(int64_t)r * p->len + i];
-            g[i] += t;
-        }
-    }
+    if (st == DS4_OK && !planning(f)) rank_sum_add_f32(f->sg + p->shard_off, recv, n, p->len);
     ds4_free(v);
     ds4_free(recv);
     return st;
@@ -247,15 +241,8 @@ static ds4_status reduce_finish(ds4_fsdp *f, int64_t group) {
         o->greq[i] = NULL;
         if (st == DS4_OK) st = w;
         const float *recv = o->grecv[i];
-        if (st == DS4_OK && !planning(f) && recv) {
-            int n = ds4_comm_size(piece_comm(f, p));
-            float *g = f->sg + p->shard_off;
-            for (int64_t k = 0; k < p->len; k++) {
-                float t = recv[k];
-                for (int r = 1; r < n; r++) t += recv[(int64_t)r * p->len + k];
-                g[k] += t;
-            }
-        }
+        if (st == DS4_OK && !planning(f) && recv)
+            rank_sum_add_f32(f->sg + p->shard_off, recv, ds4_comm_size(piece_comm(f, p)), p->len);
         ds4_free(o->grecv[i]);
         o->grecv[i] = NULL;
     }
@@ -319,36 +306,37 @@ static void ep_yield(const ds4_fsdp_yielding *y) {
     if (y && y->yield) y->yield(y->ctx);
 }
 
+/* got [n][L] := the rows every source s of the EP group sends to each of this rank's L experts, from
+ * this rank's cnt [n·L] (rows per expert of the whole model, in expert order). The one place a count
+ * crosses to the host mid-step: dispatch and combine size their buffers and all-to-alls from it, so on a
+ * device the counts the MoE kernel made are copied back here (a synchronization, once per MoE pass). */
+static ds4_status ep_recv_counts(ds4_fsdp *f, const ds4_fsdp_yielding *y, const int64_t *cnt, int64_t *got) {
+    ds4_comm_req *req = NULL;
+    ds4_status st = ds4_comm_ialltoall_counts(f->ep, cnt, f->eloc, got, &req);
+    ds4_comm_req_label(req, "route");
+    if (st == DS4_OK) ep_yield(y);
+    if (st == DS4_OK) st = ds4_comm_wait(req);
+    return st;
+}
+
+/* The route of one MoE pass: what this rank sends each EP rank (cnt summed over that rank's experts) and
+ * what it receives, per expert and source. */
 static ds4_status route_rows(ds4_fsdp *f, const ds4_fsdp_yielding *y, const int64_t *cnt, ds4_ep_route **out) {
     ds4_comm_progress();
     const int n = f->ep_size;
     const int64_t L = f->eloc;
     ds4_ep_route *r = ds4_ep_route_new(n, f->ops.e0, f->ops.e1);
-    int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * (size_t)(4 * n + (int64_t)n * L + 1));
-    ds4_comm_req *req = NULL;
-    if (!r || !v) {
+    int64_t *got = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * (size_t)((int64_t)n * L + 1)); /* [n][L] */
+    if (!r || !got) {
         ds4_ep_route_free(r);
-        ds4_free(v);
+        ds4_free(got);
         return ds4_fail(DS4_ERR_OOM, "out of memory routing tokens");
     }
-    int64_t *sc = v, *sd = v + n, *rc = v + 2 * n, *rd = v + 3 * n, *got = v + 4 * n; /* got: [n][L] */
     for (int q = 0; q < n; q++) {
-        sc[q] = rc[q] = L;
-        sd[q] = (int64_t)q * L;
-        rd[q] = (int64_t)q * L;
         r->send_cnt[q] = 0;
         for (int64_t e = q * L; e < (q + 1) * L; e++) r->send_cnt[q] += cnt[e];
     }
-    ds4_status st = DS4_OK;
-    if (planning(f)) { /* balanced routing: every source sends what this rank's counts say */
-        for (int s = 0; s < n; s++)
-            for (int64_t i = 0; i < L; i++) got[(int64_t)s * L + i] = cnt[f->ops.e0 + i];
-    } else {
-        st = ds4_comm_ialltoallv(f->ep, cnt, sc, sd, got, rc, rd, sizeof(int64_t), &req);
-        ds4_comm_req_label(req, "route");
-    }
-    if (st == DS4_OK) ep_yield(y);
-    if (st == DS4_OK) st = ds4_comm_wait(req);
+    ds4_status st = ep_recv_counts(f, y, cnt, got);
     r->rows = 0;
     for (int s = 0; s < n; s++) {
         r->recv_from[s] = 0;
@@ -358,32 +346,13 @@ static ds4_status route_rows(ds4_fsdp *f, const ds4_fsdp_yielding *y, const int6
         }
         r->rows += r->recv_from[s];
     }
-    ds4_free(v);
+    ds4_free(got);
     if (st != DS4_OK) {
         ds4_ep_route_free(r);
         return st;
     }
     *out = r;
     return DS4_OK;
-}
-
-/* Moves blocks between the wire layout (by source: that source's rows expert by expert) and the
- * expert-major layout the experts run on. to_expert: wire → expert-major. */
-static void ep_permute(const ds4_ep_route *r, const float *src, float *dst, int64_t width, bool to_expert) {
-    const int n = r->nsrc;
-    const int64_t L = r->e1 - r->e0;
-    int64_t wire = 0;
-    for (int s = 0; s < n; s++)
-        for (int64_t i = 0; i < L; i++) {
-            int64_t cnt = r->recv_cnt[i * n + s], exp_off = 0;
-            for (int64_t j = 0; j < i; j++)
-                for (int q = 0; q < n; q++) exp_off += r->recv_cnt[j * n + q];
-            for (int q = 0; q < s; q++) exp_off += r->recv_cnt[i * n + q];
-            size_t bytes = (size_t)(cnt * width) * sizeof(float);
-            if (to_expert) memcpy(dst + exp_off * width, src + wire * width, bytes);
-            else memcpy(dst + wire * width, src + exp_off * width, bytes);
-            wire += cnt;
-        }
 }
 
 /* Counts and displacements of the assignment-order side (by destination) and the wire side (by source). */
@@ -416,7 +385,7 @@ static ds4_status ep_exchange(ds4_fsdp *f, const ds4_fsdp_yielding *y, const ds4
         sc[q] *= width, sd[q] *= width, rc[q] *= width, rd[q] *= width;
     }
     const bool data = !planning(f);
-    if (st == DS4_OK && !dispatch && data) ep_permute(r, in, wire, width, false);
+    if (st == DS4_OK && !dispatch && data) ep_rows_experts_to_wire(r->recv_cnt, r->nsrc, r->e1 - r->e0, in, wire, width);
     ds4_comm_req *q = NULL;
     if (st == DS4_OK)
         st = dispatch ? ds4_comm_ialltoallv(f->ep, in, sc, sd, wire, rc, rd, sizeof(float), &q)
@@ -424,7 +393,7 @@ static ds4_status ep_exchange(ds4_fsdp *f, const ds4_fsdp_yielding *y, const ds4
     ds4_comm_req_label(q, dispatch ? "dispatch" : "combine");
     if (st == DS4_OK) ep_yield(y);
     if (st == DS4_OK) st = ds4_comm_wait(q);
-    if (st == DS4_OK && dispatch && data) ep_permute(r, wire, out, width, true);
+    if (st == DS4_OK && dispatch && data) ep_rows_wire_to_experts(r->recv_cnt, r->nsrc, r->e1 - r->e0, wire, out, width);
     ds4_free(v);
     ds4_free(wire);
     return st;
@@ -498,12 +467,6 @@ ds4_status ds4_fsdp_set_prefetch(ds4_fsdp *f, int depth) {
 }
 
 /* ------------------------------------------------------------------ create */
-/* A sub-communicator: split of a real world, or a simulated one of `size` ranks at `rank`. */
-static ds4_status sub_comm(ds4_comm *world, int color, int key, int size, int rank, ds4_comm **out) {
-    if (ds4_comm_is_plan(world)) return ds4_comm_plan(size, rank, out);
-    return ds4_comm_split(world, color, key, out);
-}
-
 static ds4_status build_pieces(ds4_fsdp *f) {
     ds4_model *m = f->m;
     int64_t nr = ds4_model_nregions(m), numel = ds4_model_numel(m);
@@ -556,9 +519,9 @@ ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out
     f->g_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
     ds4_status st = f->w_mapped && f->g_mapped ? DS4_OK : DS4_ERR_OOM;
     /* three communicators of their own: FSDP (all ranks), EP groups, expert replicas */
-    if (st == DS4_OK) st = sub_comm(world, 0, rank, W, rank, &f->fsdp);
-    if (st == DS4_OK) st = sub_comm(world, rank / ep, rank, ep, rank % ep, &f->ep);
-    if (st == DS4_OK) st = sub_comm(world, rank % ep, rank, W / ep, rank / ep, &f->rep);
+    if (st == DS4_OK) st = ds4_comm_split(world, 0, rank, W, rank, &f->fsdp);
+    if (st == DS4_OK) st = ds4_comm_split(world, rank / ep, rank, ep, rank % ep, &f->ep);
+    if (st == DS4_OK) st = ds4_comm_split(world, rank % ep, rank, W / ep, rank / ep, &f->rep);
     if (st == DS4_OK) {
         ds4_comm_set_lane(f->fsdp, DS4_LANE_FSDP);
         ds4_comm_set_lane(f->rep, DS4_LANE_FSDP);
