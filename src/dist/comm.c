@@ -163,6 +163,13 @@ ds4_status ds4_comm_wait(ds4_comm_req *q) {
     return st;
 }
 
+ds4_status comm_igatherv_as_allgather(ds4_comm *c, const void *send, int64_t scount, void *recv,
+                                      const int64_t *rcounts, const int64_t *rdispls, size_t elem, int root,
+                                      ds4_stream *stream, ds4_comm_req **req) {
+    (void)root;
+    return c->ops->iallgatherv(c, send, scount, recv, rcounts, rdispls, elem, stream, req);
+}
+
 ds4_status comm_keep_sum_f64(ds4_comm *c, double *x, int64_t n, ds4_stream *stream) {
     (void)c, (void)x, (void)n, (void)stream;
     return DS4_OK;

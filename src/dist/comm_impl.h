@@ -88,6 +88,10 @@ ds4_status comm_init(ds4_comm *c, const ds4_comm_ops *t, int rank, int size, ds4
  * dist_ops.h): the same bits whatever the transport does. Through the public all-gather, so the link
  * model, exposed time and trace see it. */
 ds4_status comm_sum_by_gather(ds4_comm *c, void *x, int64_t n, size_t elem, bool is_double);
+/* A gather that delivers on this rank what the table's all-gather does (self: one rank; plan: nothing). */
+ds4_status comm_igatherv_as_allgather(ds4_comm *c, const void *send, int64_t scount, void *recv,
+                                      const int64_t *rcounts, const int64_t *rdispls, size_t elem, int root,
+                                      ds4_stream *stream, ds4_comm_req **req);
 /* The sums and barrier of a world where nothing travels (self: one rank; plan: a simulated world): x
  * stays this rank's values, bit for bit (-0.0 included), and nobody is waited for. */
 ds4_status comm_keep_sum_f64(ds4_comm *c, double *x, int64_t n, ds4_stream *stream);

@@ -34,12 +34,6 @@ static ds4_status plan_iallgatherv(ds4_comm *c, const void *send, int64_t scount
     return DS4_OK;
 }
 
-static ds4_status plan_igatherv(ds4_comm *c, const void *send, int64_t scount, void *recv, const int64_t *rcounts,
-                                const int64_t *rdispls, size_t elem, int root, ds4_stream *stream, ds4_comm_req **req) {
-    (void)root;
-    return plan_iallgatherv(c, send, scount, recv, rcounts, rdispls, elem, stream, req);
-}
-
 static ds4_status plan_ialltoallv(ds4_comm *c, const void *send, const int64_t *scounts, const int64_t *sdispls,
                                   void *recv, const int64_t *rcounts, const int64_t *rdispls, size_t elem,
                                   ds4_stream *stream, ds4_comm_req **req) {
@@ -65,7 +59,7 @@ const ds4_comm_ops ds4_comm_ops_plan = {
     .split = plan_split,
     .free = plan_free,
     .iallgatherv = plan_iallgatherv,
-    .igatherv = plan_igatherv,
+    .igatherv = comm_igatherv_as_allgather,
     .ialltoallv = plan_ialltoallv,
     .ialltoall_counts = plan_ialltoall_counts,
     .sum_f64 = comm_keep_sum_f64,

@@ -34,12 +34,6 @@ static ds4_status self_iallgatherv(ds4_comm *c, const void *send, int64_t scount
     return DS4_OK;
 }
 
-static ds4_status self_igatherv(ds4_comm *c, const void *send, int64_t scount, void *recv, const int64_t *rcounts,
-                                const int64_t *rdispls, size_t elem, int root, ds4_stream *stream, ds4_comm_req **req) {
-    (void)root;
-    return self_iallgatherv(c, send, scount, recv, rcounts, rdispls, elem, stream, req);
-}
-
 static ds4_status self_ialltoallv(ds4_comm *c, const void *send, const int64_t *scounts, const int64_t *sdispls,
                                   void *recv, const int64_t *rcounts, const int64_t *rdispls, size_t elem,
                                   ds4_stream *stream, ds4_comm_req **req) {
@@ -62,7 +56,7 @@ const ds4_comm_ops ds4_comm_ops_self = {
     .split = self_split,
     .free = self_free,
     .iallgatherv = self_iallgatherv,
-    .igatherv = self_igatherv,
+    .igatherv = comm_igatherv_as_allgather,
     .ialltoallv = self_ialltoallv,
     .ialltoall_counts = self_ialltoall_counts,
     .sum_f64 = comm_keep_sum_f64,
