@@ -13,9 +13,9 @@ extern "C" {
 #endif
 
 typedef struct ds4_comm ds4_comm;
-/* A backend's queue (opaque; NULL: the default, host-synchronous). Every entry of a communicator's table
- * takes one, so a device communicator orders its collectives with the kernels; the functions below pass
- * NULL today. */
+/* A backend's queue (opaque; NULL: the default, host-synchronous). The collectives and the wait of a
+ * communicator's table take one, so a device communicator orders its collectives with the kernels; the
+ * functions below pass NULL today. */
 typedef struct ds4_stream ds4_stream;
 
 /* Starts MPI when the process was launched by mpirun (Open MPI / PMIx / PMI environment), else nothing.
