@@ -15,8 +15,12 @@
  *  - MoE forward-backward overlap (--moe-fb-overlap: forward(i) beside backward(i - 1)) gives the
  *    sequential schedule's losses, grad norms and checkpoint bytes over two steps of 2 and 3 micro-batches,
  *    with EP, with recompute (csa + mhc, full) and --swap-layer-input; its plan equals its measured step
- *    and holds more activations than the sequential one (two passes alive).
+ *    and holds more activations than the sequential one (two passes alive);
+ *  - the communicator tables (self, plan, MPI) fill every entry, a NULL one is refused naming table and
+ *    entry; collectives through the self and plan tables deliver what they did before the tables; EP's
+ *    receive counts (ds4_comm_ialltoall_counts) arrive from every rank under MPI.
  * Without mpirun on the machine the test fails: Open MPI is a dependency (scripts/install-deps.sh). */
+#include "dist/comm_impl.h"
 #include "ds4/dist.h"
 #include "ds4/memplan.h"
 #include "ds4/offload.h"
@@ -448,6 +452,114 @@ static void memplan_matches_fbo(const char *cfg_path, int ep) {
 static void test_memplan_fbo(void) { memplan_matches_fbo("tests/configs/tiny-b.json", 1); }
 static void test_memplan_fbo_ep(void) { memplan_matches_fbo("tests/configs/tiny-b.json", 2); }
 
+/* ------------------------------------------------------------------ the communicator tables */
+/* Every table fills every entry; a table with one entry NULL is refused by the check and by comm_init,
+ * with an error naming the table and the entry (each entry in turn). */
+static void test_comm_tables_complete(void) {
+    const ds4_comm_ops *tables[] = {&ds4_comm_ops_self, &ds4_comm_ops_plan,
+#ifdef DS4_HAVE_MPI
+                                    &ds4_comm_ops_mpi,
+#endif
+    };
+    const int nt = (int)(sizeof tables / sizeof *tables);
+    for (int k = 0; k < nt; k++) {
+        const ds4_comm_ops *t = tables[k];
+        const char *missing = ds4_comm_ops_missing(t);
+        CHECK(missing == NULL && ds4_comm_ops_check(t) == DS4_OK, "table %s: entry %s is NULL", t->name,
+              missing ? missing : "-");
+        int refused = 0, entries = 0;
+#define NULL_ONE(e)                                                                                            \
+    do {                                                                                                       \
+        ds4_comm_ops broken = *t;                                                                              \
+        broken.e = NULL;                                                                                       \
+        ds4_comm c;                                                                                            \
+        entries++;                                                                                             \
+        const char *m = ds4_comm_ops_missing(&broken);                                                         \
+        bool named = ds4_comm_ops_check(&broken) != DS4_OK && strstr(ds4_errmsg(), t->name) &&                 \
+                     strstr(ds4_errmsg(), "'" #e "'");                                                         \
+        CHECK(named, "table %s without %s: %s", t->name, #e, ds4_errmsg());                                   \
+        refused += named && m && !strcmp(m, #e) && comm_init(&c, &broken, 0, 1, DS4_LANE_OTHER) != DS4_OK;    \
+    } while (0);
+        DS4_COMM_ENTRIES(NULL_ONE)
+#undef NULL_ONE
+        CHECK(entries == 12 && refused == entries, "table %s: %d of %d entries refused when NULL", t->name, refused,
+              entries);
+    }
+    CHECK(!strcmp(ds4_comm_ops_self.name, "self") && !strcmp(ds4_comm_ops_plan.name, "plan"));
+    CHECK(ds4_comm_self()->ops == &ds4_comm_ops_self && !ds4_comm_is_plan(ds4_comm_self()));
+}
+
+/* Collectives through the self table deliver what a one-rank exchange delivered before the tables: the
+ * send block copied at the receive displacement, sums and barriers leaving everything as it is (-0.0
+ * included), a split of one rank; and the plan table's answers: nothing moved, balanced routing counts,
+ * a split of the size it is asked for. */
+static void test_comm_self_and_plan(void) {
+    ds4_comm *c = ds4_comm_self();
+    ds4_comm_req *q = (ds4_comm_req *)&q; /* any non-NULL value: the start sets it */
+    const float send[5] = {1, 2, 3, 4, 5};
+    float recv[6] = {-1, -1, -1, -1, -1, -1};
+    const int64_t cnt3[1] = {3}, at2[1] = {2}, at1[1] = {1};
+    CHECK(ds4_comm_iallgatherv(c, send, 3, recv, cnt3, at2, sizeof(float), &q) == DS4_OK && q == NULL);
+    CHECK(recv[0] == -1 && recv[1] == -1 && recv[2] == 1 && recv[3] == 2 && recv[4] == 3 && recv[5] == -1,
+          "all-gather: %g %g %g %g %g %g", recv[0], recv[1], recv[2], recv[3], recv[4], recv[5]);
+    float got[4] = {0};
+    CHECK(ds4_comm_gatherv(c, send + 1, 3, got, cnt3, at1, sizeof(float), 0) == DS4_OK);
+    CHECK(got[0] == 0 && got[1] == 2 && got[2] == 3 && got[3] == 4, "gather: %g %g %g %g", got[0], got[1], got[2],
+          got[3]);
+    float a2a[5] = {0};
+    CHECK(ds4_comm_alltoallv(c, send, cnt3, at1, a2a, cnt3, at2, sizeof(float)) == DS4_OK);
+    CHECK(a2a[0] == 0 && a2a[1] == 0 && a2a[2] == 2 && a2a[3] == 3 && a2a[4] == 4, "all-to-all: %g %g %g %g %g",
+          a2a[0], a2a[1], a2a[2], a2a[3], a2a[4]);
+    const int64_t counts[2] = {4, 7};
+    int64_t rc[2] = {0, 0};
+    q = (ds4_comm_req *)&q;
+    CHECK(ds4_comm_ialltoall_counts(c, counts, 2, rc, &q) == DS4_OK && q == NULL && rc[0] == 4 && rc[1] == 7);
+    double x[2] = {-0.0, 1.5};
+    int64_t xi[2] = {-3, 5};
+    CHECK(ds4_comm_sum_f64(c, x, 2) == DS4_OK && ds4_comm_sum_i64(c, xi, 2) == DS4_OK && ds4_comm_barrier(c) == DS4_OK);
+    CHECK(signbit(x[0]) && x[0] == 0 && x[1] == 1.5 && xi[0] == -3 && xi[1] == 5, "sums changed one rank's values");
+    ds4_comm *sub = NULL;
+    CHECK(ds4_comm_split(c, 3, 0, 1, 0, &sub) == DS4_OK && sub && sub != c && ds4_comm_size(sub) == 1 &&
+          ds4_comm_rank(sub) == 0 && sub->ops == &ds4_comm_ops_self);
+    ds4_comm_free(sub);
+    CHECK(ds4_comm_split(c, 0, 0, 2, 1, &sub) != DS4_OK && sub == NULL, "a split of one process into 2 ranks");
+    /* the plan: 4 ranks seen from rank 1 */
+    ds4_comm *p = NULL;
+    CHECK(ds4_comm_plan(4, 1, &p) == DS4_OK && ds4_comm_is_plan(p));
+    if (!p) return;
+    const int64_t mine[8] = {10, 11, 12, 13, 14, 15, 16, 17}; /* [4 ranks][2 experts] */
+    int64_t bal[8] = {0};
+    CHECK(ds4_comm_ialltoall_counts(p, mine, 2, bal, &q) == DS4_OK && q == NULL);
+    for (int s = 0; s < 4; s++)
+        CHECK(bal[2 * s] == 12 && bal[2 * s + 1] == 13, "balanced routing from source %d: %lld %lld", s,
+              (long long)bal[2 * s], (long long)bal[2 * s + 1]);
+    float untouched[3] = {7, 7, 7};
+    const int64_t c4[4] = {1, 1, 1, 0}, d4[4] = {0, 1, 2, 3};
+    CHECK(ds4_comm_allgatherv(p, send, 1, untouched, c4, d4, sizeof(float)) == DS4_OK && untouched[0] == 7 &&
+          untouched[1] == 7 && untouched[2] == 7, "a plan moves no data");
+    double px[1] = {2.5};
+    CHECK(ds4_comm_sum_f64(p, px, 1) == DS4_OK && px[0] == 2.5);
+    CHECK(ds4_comm_split(p, 0, 0, 2, 1, &sub) == DS4_OK && sub && ds4_comm_is_plan(sub) && ds4_comm_size(sub) == 2 &&
+          ds4_comm_rank(sub) == 1);
+    ds4_comm_free(sub);
+    ds4_comm_free(p);
+}
+
+/* EP's receive counts under MPI: rank r sends rank q the block {100·r + 10·q, 100·r + 10·q + 1}; each
+ * rank receives, from every source s, the block s addressed to it. */
+static void test_comm_alltoall_counts(void) {
+    ds4_comm *world = ds4_comm_world();
+    const int W = ds4_comm_size(world), me = ds4_comm_rank(world);
+    int64_t send[2 * MAX_RANKS], recv[2 * MAX_RANKS] = {0};
+    for (int q = 0; q < W; q++) send[2 * q] = 100 * me + 10 * q, send[2 * q + 1] = 100 * me + 10 * q + 1;
+    ds4_comm_req *q = NULL;
+    CHECK(ds4_comm_ialltoall_counts(world, send, 2, recv, &q) == DS4_OK && q != NULL, "%s", ds4_errmsg());
+    CHECK(ds4_comm_wait(q) == DS4_OK, "%s", ds4_errmsg());
+    for (int s = 0; s < W; s++)
+        CHECK(recv[2 * s] == 100 * s + 10 * me && recv[2 * s + 1] == 100 * s + 10 * me + 1,
+              "rank %d from %d: %lld %lld", me, s, (long long)recv[2 * s], (long long)recv[2 * s + 1]);
+}
+
 /* ------------------------------------------------------------------ simulated link, exposed time, trace */
 static double now_s(void) { return ds4_now(); }
 
@@ -588,6 +700,7 @@ static int child_main(void) {
         fprintf(stderr, "test_dist: expected an even number of ranks <= %d, got %d\n", MAX_RANKS, W);
         return 1;
     }
+    RUN(test_comm_alltoall_counts);
     RUN(test_fsdp_tiny_a);
     RUN(test_fsdp_ep_tiny_a);
     RUN(test_fsdp_ep_tiny_b);
@@ -627,12 +740,14 @@ static void under_mpirun(int ranks, int checks) {
     CHECK(ok == ranks, "%d of %d ranks passed all %d checks", ok, ranks, checks);
 }
 
-static void test_two_ranks(void) { under_mpirun(2, 23); }
-static void test_four_ranks(void) { under_mpirun(4, 26); }
+static void test_two_ranks(void) { under_mpirun(2, 24); }
+static void test_four_ranks(void) { under_mpirun(4, 27); }
 
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--child")) return child_main();
-    /* a world of one process: sharding, hooks and the plan communicator without MPI */
+    /* a world of one process: the communicator tables, sharding, hooks and the plan communicator without MPI */
+    RUN(test_comm_tables_complete);
+    RUN(test_comm_self_and_plan);
     RUN(test_fsdp_tiny_a);
     RUN(test_memplan_fsdp);
     RUN(test_memplan_fsdp_recompute);

@@ -13,6 +13,10 @@ extern "C" {
 #endif
 
 typedef struct ds4_comm ds4_comm;
+/* A backend's queue (opaque; NULL: the default, host-synchronous). The collectives and the wait of a
+ * communicator's table take one, so a device communicator orders its collectives with the kernels; the
+ * functions below pass NULL today. */
+typedef struct ds4_stream ds4_stream;
 
 /* Starts MPI when the process was launched by mpirun (Open MPI / PMIx / PMI environment), else nothing.
  * Errors if launched by mpirun but built without MPI. */
@@ -24,15 +28,16 @@ ds4_comm *ds4_comm_self(void);  /* this process alone (one rank, also under mpir
  * communicator of a plan step (ds4_exec): FSDP on it plans (counts, touches no values). */
 ds4_status ds4_comm_plan(int size, int rank, ds4_comm **out);
 /* Ranks of c with the same color form a new communicator, ordered by key. Always a new one, also when
- * it has the same ranks as c. */
-ds4_status ds4_comm_split(ds4_comm *c, int color, int key, ds4_comm **out);
+ * it has the same ranks as c. size, rank: what the caller expects it to be; a plan communicator makes
+ * exactly that (it knows no other rank's color), a real one fails when it is not. */
+ds4_status ds4_comm_split(ds4_comm *c, int color, int key, int size, int rank, ds4_comm **out);
 void ds4_comm_free(ds4_comm *c); /* not the world or self */
 int ds4_comm_rank(const ds4_comm *c);
 int ds4_comm_size(const ds4_comm *c);
 bool ds4_comm_is_plan(const ds4_comm *c);
 
 /* Collectives (all ranks of c call them in the same order). Counts and displacements in elements of
- * `elem` bytes. */
+ * `elem` bytes. Each calls through c's table (self, MPI or plan: src/dist/comm_impl.h). */
 ds4_status ds4_comm_allgatherv(ds4_comm *c, const void *send, int64_t scount, void *recv, const int64_t *rcounts,
                                const int64_t *rdispls, size_t elem);
 ds4_status ds4_comm_alltoallv(ds4_comm *c, const void *send, const int64_t *scounts, const int64_t *sdispls,
@@ -56,6 +61,12 @@ ds4_status ds4_comm_iallgatherv(ds4_comm *c, const void *send, int64_t scount, v
 ds4_status ds4_comm_ialltoallv(ds4_comm *c, const void *send, const int64_t *scounts, const int64_t *sdispls,
                                void *recv, const int64_t *rcounts, const int64_t *rdispls, size_t elem,
                                ds4_comm_req **req);
+/* recv [n·per] := from every rank r of c (n ranks), the block of r's send [n·per] addressed to this
+ * rank (elements [rank·per, (rank + 1)·per)): an all-to-all of equal blocks of int64 counts on the host
+ * (EP's row counts per expert). A plan communicator answers as a world where every rank sends what this
+ * rank sends itself: balanced routing. */
+ds4_status ds4_comm_ialltoall_counts(ds4_comm *c, const int64_t *send, int64_t per, int64_t *recv,
+                                     ds4_comm_req **req);
 ds4_status ds4_comm_wait(ds4_comm_req *req); /* NULL: nothing to wait for */
 /* What the trace calls it (a string that outlives the request; default: the collective's name). */
 void ds4_comm_req_label(ds4_comm_req *req, const char *label);
