@@ -5,7 +5,8 @@
  *   of data, where masked(c) = ((c >> 15) | (c << 17)) + 0xa282ead8 and CRC32C is the Castagnoli CRC.
  * Data: a protobuf `Event` (tensorflow/core/util/event.proto):
  *   1 wall_time double (fixed64) | 2 step int64 (varint) | 3 file_version string | 5 summary Summary |
- *   6 session_log SessionLog { 1 status enum: START = 1 }
+ *   7 session_log SessionLog { 1 status enum: START = 1 }   (6 is the deprecated log_message: TensorBoard
+ *   reads a SessionLog there as a log line and purges nothing)
  *   Summary { repeated Value value = 1 }   Value { 1 tag string | 2 simple_value float (fixed32) }
  * The first record is the Event with file_version "brain.Event:2"; each later one carries scalars. */
 #include "ds4/io.h"
@@ -201,7 +202,7 @@ ds4_status ds4_tfevents_restart(ds4_tfevents *w, int64_t step, double wall_time)
     pb_key(&log, 1, 0);
     pb_varint(&log, 1); /* SessionLog.START: TensorBoard drops the earlier events of steps >= step */
     event_head(&m, wall_time, step);
-    pb_len(&m, 6, log.b, log.n);
+    pb_len(&m, 7, log.b, log.n);
     return write_record(w, &m);
 }
 
