@@ -86,6 +86,13 @@ const ds4_st_file *ds4_model_dir_file(const ds4_model_dir *d, int64_t i);
 ds4_status ds4_model_dir_read_f32(const ds4_model_dir *d, const char *name, int ndim, const int64_t *shape, float *out);
 ds4_status ds4_model_dir_read_i64(const ds4_model_dir *d, const char *name, int ndim, const int64_t *shape, int64_t *out);
 
+/* ---------------------------------------------------------------- folders */
+/* mkdir -p DIR: every missing folder on the way is created (0755). An error names DIR as the `what`
+ * ("checkpoint folder", "TensorBoard folder", ...), the folder that could not be made and why. */
+ds4_status ds4_mkdirs(const char *dir, const char *what);
+/* mkdir -p of the folder that holds the file PATH (nothing when PATH has no folder part). */
+ds4_status ds4_mkdirs_parent(const char *path, const char *what);
+
 /* ---------------------------------------------------------------- whole files */
 /* Atomic whole-file write (temp in same dir, fsync file, rename, fsync dir). */
 ds4_status ds4_write_file_atomic(const char *path, const void *data, size_t len);

@@ -707,8 +707,7 @@ static ds4_status check_opts(const ds4_convert_opts *o) {
     if (!o->in_dir || !o->out_dir) return ds4_fail(DS4_ERR_ARG, "convert: input and output directories are required");
     if (o->dtype != DS4_BF16 && o->dtype != DS4_F32)
         return ds4_fail(DS4_ERR_ARG, "convert: output dtype %s not supported (BF16 or F32)", ds4_dtype_name(o->dtype));
-    if (mkdir(o->out_dir, 0755) != 0 && errno != EEXIST)
-        return ds4_fail(DS4_ERR_IO, "%s: cannot create directory: %s", o->out_dir, strerror(errno));
+    DS4_TRY(ds4_mkdirs(o->out_dir, "output folder"));
     struct stat a, b;
     if (stat(o->in_dir, &a) != 0) return ds4_fail(DS4_ERR_IO, "%s: %s", o->in_dir, strerror(errno));
     if (stat(o->out_dir, &b) != 0 || !S_ISDIR(b.st_mode)) return ds4_fail(DS4_ERR_IO, "%s: not a directory", o->out_dir);

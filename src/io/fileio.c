@@ -194,3 +194,33 @@ ds4_status ds4_write_file_atomic(const char *path, const void *data, size_t len)
     DS4_TRY(ds4_atomic_write(&af, data, len));
     return ds4_atomic_commit(&af);
 }
+
+/* mkdir -p: every missing folder on the way, one at a time, so the message names the one that failed. */
+ds4_status ds4_mkdirs(const char *dir, const char *what) {
+    char p[4096];
+    if (!what) what = "folder";
+    if (!dir || !dir[0]) return ds4_fail(DS4_ERR_ARG, "cannot create the %s: empty path", what);
+    if (snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p) return ds4_fail(DS4_ERR_ARG, "%.80s...: path too long", dir);
+    for (char *c = p + 1;; c++) {
+        if (*c != '/' && *c != 0) continue;
+        char keep = *c;
+        *c = 0;
+        struct stat sb;
+        if (mkdir(p, 0755) != 0 && (errno != EEXIST || stat(p, &sb) != 0 || !S_ISDIR(sb.st_mode))) {
+            const char *why = errno == EEXIST ? "a file of that name is in the way" : strerror(errno);
+            if (!strcmp(p, dir)) return ds4_fail(DS4_ERR_IO, "%s: cannot create the %s: %s", dir, what, why);
+            return ds4_fail(DS4_ERR_IO, "%s: cannot create the %s: cannot create %s: %s", dir, what, p, why);
+        }
+        *c = keep;
+        if (!keep) return DS4_OK;
+    }
+}
+
+ds4_status ds4_mkdirs_parent(const char *path, const char *what) {
+    const char *slash = path ? strrchr(path, '/') : NULL;
+    if (!slash || slash == path) return DS4_OK; /* the working directory or / */
+    char dir[4096];
+    if (snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path) >= (int)sizeof dir)
+        return ds4_fail(DS4_ERR_ARG, "%.80s...: path too long", path);
+    return ds4_mkdirs(dir, what);
+}
