@@ -240,6 +240,13 @@ ds4_status ds4_convert(const ds4_convert_opts *opts, ds4_convert_report *report)
  * target spelling cannot carry it (HCA layers of different ratios, in the transformers spelling). */
 struct cJSON;
 ds4_status ds4_config_json_respell(struct cJSON *root, bool hf, const char *path_for_errors);
+/* Adds layer_types + compress_rates (the transformers spelling of compress_ratios) to a config, so that
+ * transformers reads every compress ratio of a DeepSeek-spelled config (it maps compress_ratios entries 4
+ * and 128 only). *added false, tree untouched, when HCA layers compress by two rates (transformers has one). */
+ds4_status ds4_config_json_add_layer_types(struct cJSON *root, const char *path_for_errors, bool *added);
+/* The keys transformers types as float written as floats ("1.0", not 1): swiglu_limit, hc_eps, ...,
+ * rope_parameters.*.attention_factor. The items become raw JSON text: call it last, before printing. */
+void ds4_config_json_floats(struct cJSON *root);
 
 /* ---------------------------------------------------------------- TensorBoard event files (tfevents.c)
  * CRC32C (Castagnoli) and its TFRecord mask; a writer of events.out.tfevents.<time>.<host> in `dir`
