@@ -10,7 +10,8 @@
  *   4. each shard is declared to the streaming writer and filled chunk by chunk (at most CHUNK
  *      values in memory), the input pages of each chunk dropped once written; then committed.
  * Per-shard resume: OUT/.ds4-convert-progress.json records the shards completed with the options
- * and the source file's size and mtime; such a shard is kept if its header matches the plan. */
+ * and the source file's size and mtime; such a shard is kept if its header matches the plan. The file
+ * is removed once the directory is complete (config.json written). */
 #include "ds4/io.h"
 #include "ds4/tensors.h"
 
@@ -555,22 +556,6 @@ static ds4_status write_index(const plan *p) {
     return s;
 }
 
-/* swiglu_limit as a JSON float ("10.0", as DeepSeek and transformers write it; cJSON prints 10): an
- * integral value with ".0", any other with the shortest digits that read back to the same double. */
-static void float_key(cJSON *r, const char *key) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(r, key);
-    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble)) return;
-    double x = v->valuedouble;
-    char buf[40];
-    if (x == floor(x) && fabs(x) < 1e15) snprintf(buf, sizeof buf, "%.1f", x);
-    else
-        for (int digits = 1; digits <= 17; digits++) {
-            snprintf(buf, sizeof buf, "%.*g", digits, x);
-            if (strtod(buf, NULL) == x) break;
-        }
-    cJSON_ReplaceItemInObjectCaseSensitive(r, key, cJSON_CreateRaw(buf));
-}
-
 /* ds4's own keys have no place in a Hugging Face config: the loss weights are training settings (the
  * TOML's training.* keys set them), and csa_dense changes the model in a way transformers cannot
  * express, so a model that needs it is not exported under HF names. */
@@ -586,8 +571,10 @@ static ds4_status drop_ds4_keys(cJSON *r, const char *path) {
 
 /* The output config.json: the input's without quantization_config; expert_dtype null; the output
  * dtype as `dtype` (the transformers spelling) with HF names, `torch_dtype` with official ones;
- * swiglu_limit a float; its keys in the transformers spelling with HF names (and no ds4-only keys),
- * DeepSeek's with official ones (ds4_config_json_respell). Built before any shard is written, so a
+ * the keys transformers types as float written as floats; its keys in the transformers spelling with
+ * HF names (and no ds4-only keys), DeepSeek's with official ones (ds4_config_json_respell) plus
+ * layer_types + compress_rates, with which transformers reads any compress ratio (it maps only 4 and
+ * 128 of compress_ratios). Built before any shard is written, so a
  * config the target spelling cannot carry fails the conversion up front. */
 static ds4_status make_config(const ds4_convert_opts *o, cJSON **out) {
     char in[4096], *text;
@@ -609,7 +596,9 @@ static ds4_status make_config(const ds4_convert_opts *o, cJSON **out) {
     cJSON_AddStringToObject(r, o->hf_names ? "dtype" : "torch_dtype", o->dtype == DS4_BF16 ? "bfloat16" : "float32");
     ds4_status s = ds4_config_json_respell(r, o->hf_names, in);
     if (s == DS4_OK && o->hf_names) s = drop_ds4_keys(r, in);
-    float_key(r, "swiglu_limit");
+    bool added; /* official names: layer_types + compress_rates beside compress_ratios, for transformers */
+    if (s == DS4_OK && !o->hf_names) s = ds4_config_json_add_layer_types(r, in, &added);
+    ds4_config_json_floats(r);
     if (s == DS4_OK) *out = r;
     else cJSON_Delete(r);
     return s;
@@ -637,6 +626,14 @@ static ds4_status copy_side_files(const ds4_convert_opts *o) {
         ds4_free(data);
         DS4_TRY(s);
     }
+    return DS4_OK;
+}
+
+/* The finished directory keeps no progress file (it was for resuming an unfinished one). */
+static ds4_status remove_progress(const ds4_convert_opts *o) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", o->out_dir, PROGRESS_FILE);
+    if (unlink(path) != 0 && errno != ENOENT) return ds4_fail(DS4_ERR_IO, "%s: cannot remove: %s", path, strerror(errno));
     return DS4_OK;
 }
 
@@ -772,7 +769,8 @@ ds4_status ds4_convert(const ds4_convert_opts *o, ds4_convert_report *rep) {
     progress_show(&pg, true);
     if (s == DS4_OK) s = write_index(&p);
     if (s == DS4_OK) s = copy_side_files(o);
-    if (s == DS4_OK) s = write_config(o, cfg);   /* last: a config.json marks a complete directory */
+    if (s == DS4_OK) s = write_config(o, cfg);   /* a config.json marks a complete directory */
+    if (s == DS4_OK) s = remove_progress(o);      /* nothing of the conversion's own is left in it */
     cJSON_Delete(cfg);
     ds4_free(buf.f);
     ds4_free(buf.h);
