@@ -16,10 +16,10 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 echo "install-deps: all packages present"
 # The tools users check ds4's files with, for the round-trip tests (tests/hf_venv.py): transformers (with
-# tokenizers) and tensorboard from PyPI in a venv of the repository (.venv-hf, git-ignored). No torch from
+# tokenizers; jinja2 for chat templates) and tensorboard from PyPI in a venv of the repository (.venv-hf, git-ignored). No torch from
 # PyPI: transformers needs none for configs and tokenizers; the model round trip runs where a torch >= 2.6 is
 # present and says SKIP elsewhere. Best effort: without PyPI those checks say SKIP.
-HF_PKGS=(transformers==5.23.0 tensorboard==2.21.0)
+HF_PKGS=(transformers==5.23.0 tensorboard==2.21.0 jinja2)
 VENV="$(cd "$(dirname "$0")/.." && pwd)/.venv-hf"
 if ! "$VENV/bin/python" -c "import transformers, tensorboard" 2>/dev/null; then
     if python3 -m venv --system-site-packages "$VENV" && "$VENV/bin/pip" install -q "${HF_PKGS[@]}"; then

@@ -225,6 +225,9 @@ typedef struct {
     bool hf_names;              /* write Hugging Face names (else official) */
     bool progress;              /* progress bar on stderr */
     bool model_shards_only;     /* without an index, read only model*.safetensors (checkpoint folders) */
+    const char *tokenizer;      /* NULL: the input's tokenizer files; "byte": ds4's byte tokenizer as tokenizer.json
+                                 * + tokenizer_config.json; "none"; or a tokenizer.json (or its folder) ds4 reads,
+                                 * copied with the files beside it (tokenizer_config.json, chat template) */
 } ds4_convert_opts;
 typedef struct {
     int64_t shards, shards_skipped, tensors;

@@ -14,6 +14,7 @@
  * is removed once the directory is complete (config.json written). */
 #include "ds4/io.h"
 #include "ds4/tensors.h"
+#include "ds4/tokenizer.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -610,23 +611,83 @@ static ds4_status write_config(const ds4_convert_opts *o, cJSON *cfg) {
     return write_json(out, cfg);
 }
 
-/* Tokenizer and generation files travel with the model; nothing else (never optimizer state). */
-static ds4_status copy_side_files(const ds4_convert_opts *o) {
-    static const char *k_files[] = {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"};
-    for (size_t i = 0; i < sizeof k_files / sizeof k_files[0]; i++) {
-        char in[4096], out[4096], *data;
-        size_t len;
-        snprintf(in, sizeof in, "%s/%s", o->in_dir, k_files[i]);
-        snprintf(out, sizeof out, "%s/%s", o->out_dir, k_files[i]);
-        struct stat st;
-        if (stat(in, &st) != 0) continue;
-        DS4_TRY(ds4_check_input(in, NULL));
-        DS4_TRY(ds4_read_file(in, &data, &len));
-        ds4_status s = ds4_write_file_atomic(out, data, len);
-        ds4_free(data);
-        DS4_TRY(s);
+/* Copies DIR/NAME to OUT/NAME when it exists. */
+static ds4_status copy_if_there(const char *dir, const char *name, const char *out_dir) {
+    char in[4096], out[4096], *data;
+    size_t len;
+    struct stat st;
+    snprintf(in, sizeof in, "%s/%s", dir, name);
+    snprintf(out, sizeof out, "%s/%s", out_dir, name);
+    if (stat(in, &st) != 0) return DS4_OK;
+    DS4_TRY(ds4_check_input(in, NULL));
+    DS4_TRY(ds4_read_file(in, &data, &len));
+    ds4_status s = ds4_write_file_atomic(out, data, len);
+    ds4_free(data);
+    return s;
+}
+
+/* The files of a Hugging Face tokenizer (the chat template is in tokenizer_config.json or a file of its own). */
+static const char *const k_tokenizer_files[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                                "chat_template.jinja", "chat_template.json"};
+#define N_TOKENIZER_FILES (sizeof k_tokenizer_files / sizeof k_tokenizer_files[0])
+
+/* --tokenizer PATH (a tokenizer.json or its folder): one ds4 reads, with the files beside it; without a
+ * tokenizer_config.json there, one naming its BOS and EOS. */
+static ds4_status copy_tokenizer(const char *spec, const char *out_dir) {
+    ds4_tokenizer *t;
+    DS4_TRY(ds4_tokenizer_load(spec, &t));   /* a tokenizer ds4 trains with, or the error naming the file */
+    char dir[4096];
+    struct stat st;
+    const bool is_dir = stat(spec, &st) == 0 && S_ISDIR(st.st_mode);
+    if (is_dir) snprintf(dir, sizeof dir, "%s", spec);
+    else {
+        const char *slash = strrchr(spec, '/');
+        snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - spec) : 1, slash ? spec : ".");
     }
-    return DS4_OK;
+    ds4_status s = DS4_OK;
+    char in[4200], out[4200];
+    snprintf(in, sizeof in, "%s/tokenizer_config.json", dir);
+    bool have_cfg = stat(in, &st) == 0;
+    for (size_t i = 1; s == DS4_OK && i < N_TOKENIZER_FILES; i++) s = copy_if_there(dir, k_tokenizer_files[i], out_dir);
+    if (s == DS4_OK) { /* tokenizer.json: the file given, whatever its name */
+        char *data;
+        size_t len;
+        snprintf(in, sizeof in, "%s%s", spec, is_dir ? "/tokenizer.json" : "");
+        snprintf(out, sizeof out, "%s/tokenizer.json", out_dir);
+        s = ds4_read_file(in, &data, &len);
+        if (s == DS4_OK) s = ds4_write_file_atomic(out, data, len), ds4_free(data);
+    }
+    if (s == DS4_OK && !have_cfg) {
+        cJSON *c = cJSON_CreateObject();
+        size_t n;
+        const char *b = ds4_tokenizer_bos(t) >= 0 ? ds4_tokenizer_token(t, ds4_tokenizer_bos(t), &n) : NULL;
+        const char *e = ds4_tokenizer_eos(t) >= 0 ? ds4_tokenizer_token(t, ds4_tokenizer_eos(t), &n) : NULL;
+        cJSON_AddStringToObject(c, "tokenizer_class", "PreTrainedTokenizerFast");
+        if (b) cJSON_AddStringToObject(c, "bos_token", b);
+        if (e) cJSON_AddStringToObject(c, "eos_token", e);
+        snprintf(out, sizeof out, "%s/tokenizer_config.json", out_dir);
+        s = write_json(out, c);
+        cJSON_Delete(c);
+    }
+    ds4_tokenizer_free(t);
+    return s;
+}
+
+/* Tokenizer and generation files travel with the model; nothing else (never optimizer state). The
+ * tokenizer: the input folder's files, or the one o->tokenizer names ("byte": ds4's byte tokenizer,
+ * "none": no tokenizer files). */
+static ds4_status copy_side_files(const ds4_convert_opts *o, const cJSON *cfg) {
+    DS4_TRY(copy_if_there(o->in_dir, "generation_config.json", o->out_dir));
+    if (!o->tokenizer) {
+        for (size_t i = 0; i < N_TOKENIZER_FILES; i++) DS4_TRY(copy_if_there(o->in_dir, k_tokenizer_files[i], o->out_dir));
+        return DS4_OK;
+    }
+    if (!strcmp(o->tokenizer, "none")) return DS4_OK;
+    if (!strcmp(o->tokenizer, "byte")) {
+        const cJSON *mp = cJSON_GetObjectItemCaseSensitive(cfg, "max_position_embeddings");
+        return ds4_tokenizer_byte_write_hf(o->out_dir, cJSON_IsNumber(mp) ? (int64_t)mp->valuedouble : 0);
+    }
+    return copy_tokenizer(o->tokenizer, o->out_dir);
 }
 
 /* The finished directory keeps no progress file (it was for resuming an unfinished one). */
@@ -768,7 +829,7 @@ ds4_status ds4_convert(const ds4_convert_opts *o, ds4_convert_report *rep) {
     }
     progress_show(&pg, true);
     if (s == DS4_OK) s = write_index(&p);
-    if (s == DS4_OK) s = copy_side_files(o);
+    if (s == DS4_OK) s = copy_side_files(o, cfg);
     if (s == DS4_OK) s = write_config(o, cfg);   /* a config.json marks a complete directory */
     if (s == DS4_OK) s = remove_progress(o);      /* nothing of the conversion's own is left in it */
     cJSON_Delete(cfg);
