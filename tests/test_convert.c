@@ -123,6 +123,24 @@ static void test_names(void) {
     CHECK(!ds4_name_from_hf("embed.weight", nm, sizeof nm));
     CHECK(ds4_name_hf_fused_parts("layers.0.mlp.experts.gate_up_proj") == 0);
     CHECK(!ds4_name_from_hf("model.layers.0.input_layernorm.weight", nm, 10));   /* does not fit: refused */
+    /* what transformers' save_pretrained writes: official per-layer names under "model.", kv_norm as attn.norm */
+    static const char *const saved[][2] = {
+        {"layers.3.attn.wq_a.weight", "model.layers.3.attn.wq_a.weight"},
+        {"layers.3.attn.kv_norm.weight", "model.layers.3.attn.norm.weight"},
+        {"layers.3.attn.compressor.norm.weight", "model.layers.3.attn.compressor.norm.weight"},
+        {"layers.3.attn.indexer.compressor.ape", "model.layers.3.attn.indexer.compressor.ape"},
+        {"layers.3.hc_attn_fn", "model.layers.3.hc_attn_fn"},
+        {"layers.3.ffn.gate.bias", "model.layers.3.ffn.gate.bias"},
+        {"layers.3.ffn.experts.12.w3.weight", "model.layers.3.ffn.experts.12.w3.weight"},
+    };
+    for (size_t i = 0; i < sizeof saved / sizeof saved[0]; i++) {
+        CHECK(ds4_name_to_hf_saved(saved[i][0], nm, sizeof nm) && !strcmp(nm, saved[i][1]), "%s -> %s", saved[i][0], nm);
+        CHECK(ds4_name_from_hf_saved(saved[i][1], nm, sizeof nm) && !strcmp(nm, saved[i][0]), "%s -> %s", saved[i][1], nm);
+    }
+    CHECK(!ds4_name_from_hf_saved("model.layers.3.attn.kv_norm.weight", nm, sizeof nm)); /* not what transformers writes */
+    CHECK(!ds4_name_from_hf_saved("model.layers.3.self_attn.q_a_proj.weight", nm, sizeof nm)); /* an HF name */
+    CHECK(!ds4_name_from_hf_saved("model.layers.3.ffn.experts.1.w4.weight", nm, sizeof nm));
+    CHECK(!ds4_name_to_hf_saved("mtp.0.attn.wq_a.weight", nm, sizeof nm) && !ds4_name_to_hf_saved("head.weight", nm, sizeof nm));
 }
 
 /* Every official name of a real config maps to a distinct HF name and back. */

@@ -7,8 +7,11 @@ and tokenizers into the test venv .venv-hf; without it this test says SKIP):
   ratios 4 and 128 of compress_ratios: layer_types + compress_rates are written beside it);
 - a BPE tokenizer made with the tokenizers library, with a chat template: ds4 tokenize and transformers give
   the same ids, and the export carries the template;
-- the other way: the config transformers' save_pretrained writes (qk_rope_head_dim beside
-  partial_rotary_factor) loads in ds4 with the same model, `ds4 inspect --check` is clean, and ds4 trains on it;
+- the other way: a folder as transformers' save_pretrained writes it: its config (qk_rope_head_dim beside
+  partial_rotary_factor) and its tensor names (transformers' own reverse of its DeepSeek-V4 renaming, run by
+  transformers' code on the model's names: official per-layer names under "model.", one tensor per expert, no
+  MTP block) load in ds4 as the same model, `ds4 inspect --check` is clean, ds4 exports it back to the same
+  bytes, and ds4 trains on it;
 - where a torch >= 2.6 is present too: the export loads in AutoModelForCausalLM, pipeline("text-generation")
   runs, and its greedy text equals `ds4 generate` (SKIP elsewhere: Debian's torch is older)."""
 import glob
@@ -113,6 +116,67 @@ json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eo
 print(json.dumps({"vocab": t.get_vocab_size()}))
 """
 
+SAVED_NAMES = r"""
+import ast, json, re, struct, sys, __future__
+from collections import defaultdict
+from typing import Any
+import transformers
+# transformers' own pattern code (core_model_loading.py imports torch at the top: its pure-Python classes
+# and functions are taken from the module's source) and its deepseek_v4 entry of conversion_mapping.py
+src = transformers.__path__[0] + "/core_model_loading.py"
+want = {"process_target_pattern", "process_source_pattern", "apply_renamings", "apply_converters",
+        "WeightTransform", "WeightRenaming", "WeightConverter"}
+mod = ast.Module(body=[n for n in ast.parse(open(src).read()).body if getattr(n, "name", None) in want], type_ignores=[])
+class Stub:
+    def __init__(self, *a, **k): pass
+    def __getattr__(self, n): return Stub()
+    def __call__(self, *a, **k): return Stub()
+    reverse_op = property(lambda self: Stub())
+ns = {"re": re, "defaultdict": defaultdict, "Any": Any, "__name__": "cml"}
+for n in ["torch", "Future", "ConversionOps", "logger", "nn", "MergeModulelist", "Concatenate"]:
+    ns[n] = Stub
+exec(compile(mod, src, "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
+cm = open(transformers.__path__[0] + "/conversion_mapping.py").read()
+start = cm.index('"deepseek_v4": [') + len('"deepseek_v4": ')
+depth, end = 0, start
+for end in range(start, len(cm)):
+    depth += (cm[end] == "[") - (cm[end] == "]")
+    if depth == 0:
+        break
+rev = [c.reverse_transform() for c in eval(cm[start:end + 1], ns)[::-1]]  # what save_pretrained applies
+renamings = [r for r in rev if isinstance(r, ns["WeightRenaming"])]
+converters = [r for r in rev if isinstance(r, ns["WeightConverter"])]
+raw = open(sys.argv[1], "rb").read()
+hdr = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+out = {}
+for k in hdr:
+    if k != "__metadata__":
+        rk, pattern = ns["apply_converters"](k, converters)
+        out[k] = ns["apply_renamings"](rk if pattern else k, renamings)
+print(json.dumps(out))
+"""
+
+
+def read_safetensors(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    hdr = json.loads(raw[8:8 + n])
+    return {k: (v["dtype"], v["shape"], raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+            for k, v in hdr.items() if k != "__metadata__"}
+
+
+def write_safetensors(path, tensors):
+    hdr, off = {"__metadata__": {"format": "pt"}}, 0
+    for k in sorted(tensors):
+        dt, shape, data = tensors[k]
+        hdr[k] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + len(data)]}
+        off += len(data)
+    h = json.dumps(hdr).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(tensors[k][2] for k in sorted(tensors)))
+
+
 py = venv_python("transformers", "tokenizers")
 if not py:
     print("SKIP test_hf_roundtrip.py: transformers is not installed (scripts/install-deps.sh puts it in .venv-hf)")
@@ -186,11 +250,43 @@ with tempfile.TemporaryDirectory() as tmp:
     sj = json.load(open(os.path.join(saved, "config.json")))
     check("save_pretrained writes qk_rope_head_dim beside partial_rotary_factor",
           "qk_rope_head_dim" in sj and "partial_rotary_factor" in sj, sorted(sj))
-    for f in ["model.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]:
+    for f in ["tokenizer.json", "tokenizer_config.json"]:
         shutil.copy(os.path.join(out, f), saved)
+    nr, names = hf(py, SAVED_NAMES, os.path.join(out, "model.safetensors"))
+    check("transformers' reverse renaming of the model's names", names is not None, nr.stderr[-1500:])
+    tensors = read_safetensors(os.path.join(out, "model.safetensors"))
+    saved_t = {}
+    for name, (dt, shape, data) in tensors.items():
+        to = (names or {}).get(name, name)
+        if name.startswith("mtp."):
+            continue  # transformers does not load the MTP block: save_pretrained writes none
+        if "*" not in to:
+            saved_t[to] = (dt, shape, data)
+            continue
+        E, rows, cols = shape
+        parts = ["w1", "w3"] if to.endswith("w1.weight") else ["w2"]
+        per = rows // len(parts) * cols * (len(data) // (E * rows * cols))
+        for e in range(E):
+            for k, w in enumerate(parts):
+                at = (e * len(parts) + k) * per
+                saved_t[to.replace("*", str(e)).replace("w1.weight", w + ".weight")] = \
+                    (dt, [rows // len(parts), cols], data[at:at + per])
+    write_safetensors(os.path.join(saved, "model.safetensors"), saved_t)
+    check("the saved names are official names under model. (attn.norm for kv_norm)",
+          "model.layers.0.attn.wq_a.weight" in saved_t and "model.layers.0.attn.norm.weight" in saved_t and
+          "model.layers.0.ffn.experts.7.w3.weight" in saved_t and "head.weight" in saved_t and
+          not any(k.startswith("mtp.") for k in saved_t), sorted(saved_t)[:8])
     r = run(ds4, "inspect", saved, "--check")
-    check("ds4 inspect --check of the save_pretrained folder", r.returncode == 0 and "holds every tensor" in r.stdout,
-          r.stdout[-800:] + r.stderr)
+    check("ds4 inspect --check of the save_pretrained folder", r.returncode == 0 and "holds every tensor" in r.stdout
+          and "stores no MTP block" in r.stdout, r.stdout[-800:] + r.stderr)
+    back = os.path.join(tmp, "back")
+    r = run(ds4, "export", "--checkpoint", saved, "--out", back, "--quiet")
+    check("ds4 exports the save_pretrained folder", r.returncode == 0, r.stderr)
+    if r.returncode == 0:
+        again = read_safetensors(os.path.join(back, "model.safetensors"))
+        first = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+        check("HF -> ds4 -> HF: the same tensors, bit for bit", again == first,
+              sorted(set(again) ^ set(first))[:6])
     a = run(ds4, "inspect", "--config", os.path.join(out, "config.json"))
     b2 = run(ds4, "inspect", "--config", os.path.join(saved, "config.json"))
     check("the same model from ds4's and transformers' config", a.returncode == 0 and b2.returncode == 0 and

@@ -74,6 +74,9 @@ ds4_status ds4_model_dir_open(const char *dir, ds4_model_dir **out);
 ds4_status ds4_model_dir_open_shards(const char *dir, const char *const *shards, int64_t n, ds4_model_dir **out);
 void ds4_model_dir_close(ds4_model_dir *d);                         /* NULL is a no-op */
 const ds4_config *ds4_model_dir_config(const ds4_model_dir *d);     /* parsed config.json */
+/* True when the config declares an MTP block the folder does not store, in transformers' layout (its
+ * save_pretrained drops MTP): ds4_model_dir_config then has n_mtp_layers = 0, the model the folder holds. */
+bool ds4_model_dir_mtp_absent(const ds4_model_dir *d);
 const char *ds4_model_dir_path(const ds4_model_dir *d);
 /* Finds the shard holding `name`; NULL if none. *entry (if entry != NULL) gets its entry. */
 const ds4_st_file *ds4_model_dir_find(const ds4_model_dir *d, const char *name, const ds4_st_entry **entry);
@@ -158,6 +161,10 @@ typedef struct {
 bool ds4_name_to_hf(const char *official, ds4_hf_ref *ref);
 /* HF name -> official name for unfused tensors; false for fused experts and unknown names. */
 bool ds4_name_from_hf(const char *hf, char *official, size_t n);
+/* The name transformers' save_pretrained writes for per-layer tensor `official` (src/io/names.c: the
+ * official name under "model.", attn.kv_norm as attn.norm); false for other names. And back. */
+bool ds4_name_to_hf_saved(const char *official, char *saved, size_t n);
+bool ds4_name_from_hf_saved(const char *saved, char *official, size_t n);
 /* 2 for "...mlp.experts.gate_up_proj", 1 for "...mlp.experts.down_proj", 0 for anything else. */
 int ds4_name_hf_fused_parts(const char *hf);
 /* Official name of row block `part` of `expert` in the fused tensor `hf`; false if not fused. */

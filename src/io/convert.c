@@ -144,7 +144,8 @@ static ds4_status collect_sources(plan *p) {
                     }
                 continue;
             }
-            if (!ds4_name_from_hf(e->name, off, sizeof off)) snprintf(off, sizeof off, "%s", e->name);
+            if (!ds4_name_from_hf(e->name, off, sizeof off) && !ds4_name_from_hf_saved(e->name, off, sizeof off))
+                snprintf(off, sizeof off, "%s", e->name);
             DS4_TRY(add_source(p, off, fi, e->name));
         }
     }

@@ -446,6 +446,9 @@ static ds4_status open_model(ds4_train_cfg *c, trainer *tr) {
     if (c->model_dir[0]) {
         DS4_TRY(ds4_model_dir_open(c->model_dir, &d));
         mc = *ds4_model_dir_config(d);
+        if (ds4_model_dir_mtp_absent(d) && tr->lead)
+            printf("note: model.dir %s stores no MTP block (transformers' save_pretrained drops it): training without MTP\n",
+                   c->model_dir);
     } else {
         DS4_TRY(ds4_config_load(c->model_config, &mc));
     }
