@@ -62,7 +62,7 @@ static const note k_mapped[] = {
 static const note k_ignored[] = {
     {"job.print_config", "ds4 does not print its config"},
     {"job.print_args", "ds4 does not print its config"},
-    {"job.config_file", "the config is the --config file"},
+    {"job.config_file", "the file is the one --config / --job.config_file names on the command line"},
     {"job.save_config_file", "ds4 does not save its config"},
     {"job.custom_config_module", "TorchTitan extension modules do not apply to ds4"},
     {"job.use_for_integration_test", "a TorchTitan test-suite marker"},
