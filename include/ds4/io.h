@@ -224,8 +224,9 @@ ds4_status ds4_tensor_loc_stats(const ds4_tensor_loc *loc, ds4_tensor_stats *st)
  * tensor lives in the shard of its expert 0), each written by streaming (bounded memory) and
  * atomically; model.safetensors.index.json rewritten; config.json copied without
  * quantization_config (expert_dtype null, torch_dtype updated). Resumable: a shard already complete
- * from an earlier run with the same options and the same source is kept
- * (OUT/.ds4-convert-progress.json, then its header is verified against the plan). */
+ * from an earlier, unfinished run with the same options and the same source is kept
+ * (OUT/.ds4-convert-progress.json, then its header is verified against the plan); a finished directory
+ * keeps no progress file. Tokenizer and generation files travel with the model (`tokenizer`). */
 typedef struct {
     const char *in_dir, *out_dir;
     ds4_dtype dtype;            /* DS4_BF16 or DS4_F32 */
