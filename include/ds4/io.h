@@ -99,6 +99,9 @@ ds4_status ds4_mkdirs_parent(const char *path, const char *what);
 /* ---------------------------------------------------------------- whole files */
 /* Atomic whole-file write (temp in same dir, fsync file, rename, fsync dir). */
 ds4_status ds4_write_file_atomic(const char *path, const void *data, size_t len);
+/* A cJSON tree, printed (indented), written atomically; NULL root: out of memory. */
+struct cJSON;
+ds4_status ds4_write_json_atomic(const char *path, const struct cJSON *root);
 /* Allocates *data (DS4_MEM_OTHER, free with ds4_free), NUL-terminated; *len excludes the NUL.
  * Opened with ds4_open_input: a FIFO or device is refused, never waited on. */
 ds4_status ds4_read_file(const char *path, char **data, size_t *len);
@@ -247,9 +250,9 @@ ds4_status ds4_convert(const ds4_convert_opts *opts, ds4_convert_report *report)
 /* Rewrites a config.json object (a cJSON tree) into the transformers key spelling (hf) or
  * DeepSeek's: compress_ratios <-> layer_types + compress_rates, num_hash_layers <-> mlp_layer_types,
  * qk_rope_head_dim <-> partial_rotary_factor, rope_scaling <-> rope_parameters; other keys stay.
- * Already in that spelling: untouched. Fails, tree untouched, when it is not a valid config or the
+ * Already in that spelling alone: untouched (a key of the other spelling beside it is removed). Fails,
+ * tree untouched, when it is not a valid config or the
  * target spelling cannot carry it (HCA layers of different ratios, in the transformers spelling). */
-struct cJSON;
 ds4_status ds4_config_json_respell(struct cJSON *root, bool hf, const char *path_for_errors);
 /* Adds layer_types + compress_rates (the transformers spelling of compress_ratios) to a config, so that
  * transformers reads every compress ratio of a DeepSeek-spelled config (it maps compress_ratios entries 4

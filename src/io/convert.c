@@ -530,13 +530,6 @@ static ds4_status progress_record(cJSON *pr, const ds4_convert_opts *o, const ch
 
 static int cmp_out_name(const void *a, const void *b) { return strcmp((*(output *const *)a)->name, (*(output *const *)b)->name); }
 
-static ds4_status write_json(const char *path, cJSON *root) {
-    char *text = root ? cJSON_Print(root) : NULL;
-    if (!text) return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
-    ds4_status s = ds4_write_file_atomic(path, text, strlen(text));
-    cJSON_free(text);
-    return s;
-}
 
 static ds4_status write_index(const plan *p) {
     output **by = ds4_alloc(DS4_MEM_OTHER, (size_t)(p->nout ? p->nout : 1) * sizeof *by);
@@ -552,7 +545,7 @@ static ds4_status write_index(const plan *p) {
         cJSON_AddStringToObject(wm, by[i]->name, base_name(ds4_st_path(ds4_model_dir_file(p->d, by[i]->home))));
     char path[4096];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", p->o->out_dir);
-    ds4_status s = write_json(path, root);
+    ds4_status s = ds4_write_json_atomic(path, root);
     cJSON_Delete(root);
     ds4_free(by);
     return s;
@@ -609,7 +602,7 @@ static ds4_status make_config(const ds4_convert_opts *o, cJSON **out) {
 static ds4_status write_config(const ds4_convert_opts *o, cJSON *cfg) {
     char out[4096];
     snprintf(out, sizeof out, "%s/config.json", o->out_dir);
-    return write_json(out, cfg);
+    return ds4_write_json_atomic(out, cfg);
 }
 
 /* Copies DIR/NAME to OUT/NAME when it exists. */
@@ -667,7 +660,7 @@ static ds4_status copy_tokenizer(const char *spec, const char *out_dir) {
         if (b) cJSON_AddStringToObject(c, "bos_token", b);
         if (e) cJSON_AddStringToObject(c, "eos_token", e);
         snprintf(out, sizeof out, "%s/tokenizer_config.json", out_dir);
-        s = write_json(out, c);
+        s = ds4_write_json_atomic(out, c);
         cJSON_Delete(c);
     }
     ds4_tokenizer_free(t);

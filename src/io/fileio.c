@@ -2,6 +2,8 @@
  * directory, fsync, rename, fsync the directory), so a crash never leaves a half-written file. */
 #include "ds4/io.h"
 
+#include <cjson/cJSON.h>
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdatomic.h>
@@ -223,4 +225,12 @@ ds4_status ds4_mkdirs_parent(const char *path, const char *what) {
     if (snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path) >= (int)sizeof dir)
         return ds4_fail(DS4_ERR_ARG, "%.80s...: path too long", path);
     return ds4_mkdirs(dir, what);
+}
+
+ds4_status ds4_write_json_atomic(const char *path, const struct cJSON *root) {
+    char *text = root ? cJSON_Print(root) : NULL;
+    if (!text) return ds4_fail(DS4_ERR_OOM, "%s: out of memory printing the JSON", path);
+    ds4_status s = ds4_write_file_atomic(path, text, strlen(text));
+    cJSON_free(text);
+    return s;
 }

@@ -1040,12 +1040,10 @@ static cJSON *byte_tokenizer_json(void) {
     return r;
 }
 
+/* Writes r to path, then frees it. */
 static ds4_status write_json_file(const char *path, cJSON *r) {
-    char *text = r ? cJSON_Print(r) : NULL;
+    ds4_status st = ds4_write_json_atomic(path, r);
     cJSON_Delete(r);
-    if (!text) return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
-    ds4_status st = ds4_write_file_atomic(path, text, strlen(text));
-    cJSON_free(text);
     return st;
 }
 
