@@ -78,6 +78,7 @@ static ds4_status write_whole(const char *ckpt, const char *out, char *dir, size
     ds4_config c;
     snprintf(cfg, sizeof cfg, "%s/config.json", ckpt);
     snprintf(dir, n, "%s.whole-tmp", out);
+    DS4_TRY(ds4_mkdirs_parent(dir, "folder of --out"));
     DS4_TRY(ds4_config_load(cfg, &c));
     ds4_model *m;
     DS4_TRY(ds4_model_create(NULL, &c, false, &m));
