@@ -136,6 +136,24 @@ with tempfile.TemporaryDirectory() as tmp:
     expect_error("train --training.device nope",
                  ["train", "--config", "configs/train/demo.toml", "--training.device", "nope"], "training.device",
                  "'nope'", "built in: cpu")
+    # a model whose weights hold a NaN: eval and generate name the first non-finite tensor (not `loss nan`)
+    import shutil
+    import struct
+    nanm = os.path.join(tmp, "nan_model")
+    shutil.copytree(model, nanm)
+    w = st.load(os.path.join(nanm, "model.safetensors"))
+    w["layers.1.attn.wq_b.weight"].view(-1)[5] = float("nan")
+    st.save(os.path.join(nanm, "model.safetensors"), w)
+    shard = os.path.join(tmp, "nan_val.bin")
+    toks = [(i * 7) % 200 + 1 for i in range(400)]
+    with open(shard, "wb") as f:
+        f.write(b"DS4TOKS\0" + struct.pack("<IIIiiI", 1, 256, 2, -1, -1, 0) + struct.pack("<QQ", len(toks), 1) +
+                struct.pack("<2Q", 0, len(toks)) + struct.pack(f"<{len(toks)}H", *toks))
+    expect_error("eval of NaN weights names the tensor", ["eval", "--model", nanm, "--data", shard, "--seq-len", "64"],
+                 "nan_model", "layers.1.attn.wq_b.weight", "non-finite", "element 5")
+    expect_error("generate with NaN weights names the tensor", ["generate", "--model", nanm, "--prompt", "a"],
+                 "layers.1.attn.wq_b.weight", "non-finite")
+
     # nothing was written by the failing runs
     if os.path.exists(out):
         failed += 1

@@ -12,6 +12,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <errno.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -122,6 +123,24 @@ static void test_names(void) {
     CHECK(!ds4_name_from_hf("embed.weight", nm, sizeof nm));
     CHECK(ds4_name_hf_fused_parts("layers.0.mlp.experts.gate_up_proj") == 0);
     CHECK(!ds4_name_from_hf("model.layers.0.input_layernorm.weight", nm, 10));   /* does not fit: refused */
+    /* what transformers' save_pretrained writes: official per-layer names under "model.", kv_norm as attn.norm */
+    static const char *const saved[][2] = {
+        {"layers.3.attn.wq_a.weight", "model.layers.3.attn.wq_a.weight"},
+        {"layers.3.attn.kv_norm.weight", "model.layers.3.attn.norm.weight"},
+        {"layers.3.attn.compressor.norm.weight", "model.layers.3.attn.compressor.norm.weight"},
+        {"layers.3.attn.indexer.compressor.ape", "model.layers.3.attn.indexer.compressor.ape"},
+        {"layers.3.hc_attn_fn", "model.layers.3.hc_attn_fn"},
+        {"layers.3.ffn.gate.bias", "model.layers.3.ffn.gate.bias"},
+        {"layers.3.ffn.experts.12.w3.weight", "model.layers.3.ffn.experts.12.w3.weight"},
+    };
+    for (size_t i = 0; i < sizeof saved / sizeof saved[0]; i++) {
+        CHECK(ds4_name_to_hf_saved(saved[i][0], nm, sizeof nm) && !strcmp(nm, saved[i][1]), "%s -> %s", saved[i][0], nm);
+        CHECK(ds4_name_from_hf_saved(saved[i][1], nm, sizeof nm) && !strcmp(nm, saved[i][0]), "%s -> %s", saved[i][1], nm);
+    }
+    CHECK(!ds4_name_from_hf_saved("model.layers.3.attn.kv_norm.weight", nm, sizeof nm)); /* not what transformers writes */
+    CHECK(!ds4_name_from_hf_saved("model.layers.3.self_attn.q_a_proj.weight", nm, sizeof nm)); /* an HF name */
+    CHECK(!ds4_name_from_hf_saved("model.layers.3.ffn.experts.1.w4.weight", nm, sizeof nm));
+    CHECK(!ds4_name_to_hf_saved("mtp.0.attn.wq_a.weight", nm, sizeof nm) && !ds4_name_to_hf_saved("head.weight", nm, sizeof nm));
 }
 
 /* Every official name of a real config maps to a distinct HF name and back. */
@@ -815,25 +834,46 @@ static void file_id(const char *p, struct stat *st) {
     stat(p, st);
 }
 
+/* A conversion stopped after its shards, before config.json (a folder in its way): its progress file
+ * records every shard, as a run killed at that point leaves it. */
+static void interrupted(const char *in, const char *out, ds4_dtype dt, bool hf) {
+    char cfg[600], block[700];
+    snprintf(cfg, sizeof cfg, "%s/config.json", out);
+    snprintf(block, sizeof block, "%s/x", cfg);
+    unlink(cfg);
+    CHECK(mkdir(out, 0755) == 0 || errno == EEXIST);
+    CHECK(mkdir(cfg, 0755) == 0);
+    write_bytes(block, "x", 1);
+    ds4_convert_report r;
+    CHECK(convert(in, out, dt, hf, &r) != DS4_OK);
+    unlink(block);
+    rmdir(cfg);
+}
+
 static void test_resume(void) {
     const char *in = tpath("r_in"), *out = tpath("r_out");
     make_quant_dir(in);
     ds4_convert_report r;
-    CHECK(convert(in, out, DS4_BF16, false, &r) == DS4_OK, "%s", ds4_errmsg());
     char s1[600], s2[600], prog[600];
     snprintf(s1, sizeof s1, "%s/model-00001-of-00002.safetensors", out);
     snprintf(s2, sizeof s2, "%s/model-00002-of-00002.safetensors", out);
     snprintf(prog, sizeof prog, "%s/.ds4-convert-progress.json", out);
+    interrupted(in, out, DS4_BF16, false);
     struct stat a1, a2, b1, b2;
     file_id(s1, &a1);
     file_id(s2, &a2);
     CHECK(access(prog, R_OK) == 0);
-    /* complete: nothing rewritten */
+    /* every shard done: nothing rewritten, config.json written, the progress file gone */
     CHECK(convert(in, out, DS4_BF16, false, &r) == DS4_OK && r.shards_skipped == 2 && r.tensors == 0 && r.bytes_out == 0);
     file_id(s1, &b1);
     file_id(s2, &b2);
     CHECK(a1.st_ino == b1.st_ino && a2.st_ino == b2.st_ino);
+    CHECK(access(prog, F_OK) != 0, "a finished directory keeps no %s", prog);
+    /* a finished directory is converted anew */
+    CHECK(convert(in, out, DS4_BF16, false, &r) == DS4_OK && r.shards_skipped == 0 && access(prog, F_OK) != 0);
     /* a shard lost (as if the run died before it) and a stale temp file: only that shard is redone */
+    interrupted(in, out, DS4_BF16, false);
+    file_id(s1, &a1);
     unlink(s2);
     char tmp[700];
     snprintf(tmp, sizeof tmp, "%s.tmp.999999.0", s2);
@@ -844,6 +884,7 @@ static void test_resume(void) {
     file_id(s1, &b1);
     CHECK(a1.st_ino == b1.st_ino);
     /* a damaged shard (size no longer matches) is redone */
+    interrupted(in, out, DS4_BF16, false);
     CHECK(truncate(s1, 100) == 0);
     CHECK(convert(in, out, DS4_BF16, false, &r) == DS4_OK && r.shards_skipped == 1 && r.tensors == 4);
     ds4_model_dir *d;
@@ -851,6 +892,7 @@ static void test_resume(void) {
     ds4_model_dir_close(d);
     /* a shard whose header does not match the plan (same size, other content) is redone */
     {
+        interrupted(in, out, DS4_BF16, false);
         char *img;
         size_t n;
         CHECK(ds4_read_file(s1, &img, &n) == DS4_OK);
@@ -861,10 +903,14 @@ static void test_resume(void) {
         CHECK(convert(in, out, DS4_BF16, false, &r) == DS4_OK && r.shards_skipped == 1 && r.tensors == 4);
     }
     /* other options: everything redone */
+    interrupted(in, out, DS4_BF16, false);
     CHECK(convert(in, out, DS4_F32, false, &r) == DS4_OK && r.shards_skipped == 0 && r.tensors == 10);
+    interrupted(in, out, DS4_F32, false);
     CHECK(convert(in, out, DS4_F32, true, &r) == DS4_OK && r.shards_skipped == 0);
     /* the source shard changed (new mtime): redone */
+    interrupted(in, out, DS4_F32, true);
     CHECK(convert(in, out, DS4_F32, true, &r) == DS4_OK && r.shards_skipped == 2);
+    interrupted(in, out, DS4_F32, true);
     char src[600];
     snprintf(src, sizeof src, "%s/model-00001-of-00002.safetensors", in);
     struct timespec ts[2] = {{.tv_sec = 1000000000}, {.tv_sec = 1000000000}};
@@ -1214,7 +1260,11 @@ static void check_loads_back(const char *dir, bool hf, const ds4_config *c, ds4_
                    json_has(r, "partial_rotary_factor") && json_has(r, "rope_parameters");
     bool ds_keys = json_has(r, "compress_ratios") || json_has(r, "num_hash_layers") || json_has(r, "qk_rope_head_dim") ||
                    json_has(r, "rope_scaling");
-    CHECK(hf ? hf_keys && !ds_keys : ds_keys && !json_has(r, "layer_types"), "%s: config.json in the wrong spelling", dir);
+    /* official names: DeepSeek's keys, plus layer_types + compress_rates for transformers (which maps only
+     * the compress ratios 4 and 128) */
+    bool official = ds_keys && json_has(r, "compress_ratios") && json_has(r, "layer_types") == json_has(r, "compress_rates") &&
+                    !json_has(r, "mlp_layer_types") && !json_has(r, "partial_rotary_factor") && !json_has(r, "rope_parameters");
+    CHECK(hf ? hf_keys && !ds_keys : official, "%s: config.json in the wrong spelling", dir);
     if (hf) CHECK(!strcmp(cJSON_GetObjectItemCaseSensitive(r, "model_type")->valuestring, "deepseek_v4"));
     cJSON_Delete(r);
     ds4_config back;
@@ -1250,6 +1300,13 @@ static void test_export_hf_config(void) {
     check_loads_back(hf, true, &c, m);
     CHECK(convert(hf, off, DS4_F32, false, &r) == DS4_OK, "%s", ds4_errmsg());
     check_loads_back(off, false, &c, m);
+    {   /* one HCA rate: layer_types + compress_rates beside compress_ratios, so transformers reads the ratio */
+        char p[600];
+        cJSON *j = NULL;
+        snprintf(p, sizeof p, "%s/config.json", off);
+        CHECK(read_json(p, &j) && json_has(j, "layer_types") && json_has(j, "compress_rates"), "%s: no layer_types", off);
+        cJSON_Delete(j);
+    }
     ds4_model_free(m);
 
     /* HCA layers of two ratios */
@@ -1265,10 +1322,14 @@ static void test_export_hf_config(void) {
     CHECK(access(p, F_OK) != 0);
     snprintf(p, sizeof p, "%s/model.safetensors", hf2);
     CHECK(access(p, F_OK) != 0, "a shard was written before the config failed");
-    /* official names keep DeepSeek's spelling, which carries it */
+    /* official names keep DeepSeek's spelling, which carries it (and no layer_types, which cannot) */
     o.hf_names = false;
     CHECK(ds4_convert(&o, &r) == DS4_OK, "%s", ds4_errmsg());
     check_loads_back(hf2, false, &c, m);
+    snprintf(p, sizeof p, "%s/config.json", hf2);
+    cJSON *j = NULL;
+    CHECK(read_json(p, &j) && !json_has(j, "layer_types"), "%s: layer_types for two HCA rates", hf2);
+    cJSON_Delete(j);
     ds4_model_free(m);
 }
 

@@ -406,7 +406,7 @@ typedef struct {
     const char *needle;  /* must appear in the message */
 } mutation;
 
-static ds4_status parse_mutated(const char *base, const mutation *m) {
+static ds4_status parse_mutated_into(const char *base, const mutation *m, ds4_config *c) {
     cJSON *r = cJSON_Parse(base);
     cJSON *v = NULL;
     switch (m->op) {
@@ -423,10 +423,14 @@ static ds4_status parse_mutated(const char *base, const mutation *m) {
     }
     char *text = cJSON_PrintUnformatted(r);
     cJSON_Delete(r);
-    ds4_config c;
-    ds4_status s = ds4_config_parse(text, strlen(text), "mut.json", &c);
+    ds4_status s = ds4_config_parse(text, strlen(text), "mut.json", c);
     cJSON_free(text);
     return s;
+}
+
+static ds4_status parse_mutated(const char *base, const mutation *m) {
+    ds4_config c;
+    return parse_mutated_into(base, m, &c);
 }
 
 static void test_config_errors(void) {
@@ -881,12 +885,22 @@ static void test_hf_config_equivalent(void) {
 /* Every transformers-specific rule fails with a message that names the key. */
 static void test_hf_config_errors(void) {
     static const mutation ms[] = {
-        /* both spellings of one setting */
-        {M_ADD_RAW, "compress_ratios", 0, "[0, 4, 16, 4, 0]", DS4_ERR_CONFIG,
-         "key 'compress_ratios' (DeepSeek spelling) and key 'layer_types' (transformers spelling)"},
-        {M_ADD_RAW, "num_hash_layers", 0, "1", DS4_ERR_CONFIG, "key 'num_hash_layers' (DeepSeek spelling) and key 'mlp_layer_types'"},
-        {M_ADD_RAW, "qk_rope_head_dim", 0, "8", DS4_ERR_CONFIG, "key 'qk_rope_head_dim' (DeepSeek spelling) and key 'partial_rotary_factor'"},
-        {M_ADD_RAW, "rope_scaling", 0, "null", DS4_ERR_CONFIG, "key 'rope_scaling' (DeepSeek spelling) and key 'rope_parameters'"},
+        /* both spellings of one setting: accepted when they agree (save_pretrained writes qk_rope_head_dim beside
+         * partial_rotary_factor), one error naming both keys when they do not */
+        {M_ADD_RAW, "compress_ratios", 0, "[0, 4, 16, 4, 0]", DS4_OK, ""},
+        {M_ADD_RAW, "num_hash_layers", 0, "1", DS4_OK, ""},
+        {M_ADD_RAW, "qk_rope_head_dim", 0, "8", DS4_OK, ""},
+        {M_ADD_RAW, "rope_scaling", 0, "{\"type\": \"yarn\", \"factor\": 4, \"original_max_position_embeddings\": 16, "
+                                    "\"beta_fast\": 32, \"beta_slow\": 1}", DS4_OK, ""},
+        {M_ADD_RAW, "compress_ratios", 0, "[0, 4, 32, 4, 0]", DS4_ERR_CONFIG,
+         "key 'compress_ratios' entry 2 is 32, but keys 'layer_types' + 'compress_rates' give 16: the two spellings disagree"},
+        {M_ADD_RAW, "compress_ratios", 0, "[0, 4, 16, 4]", DS4_ERR_CONFIG, "key 'compress_ratios' has 4 entries"},
+        {M_ADD_RAW, "num_hash_layers", 0, "2", DS4_ERR_CONFIG,
+         "key 'num_hash_layers' is 2, but key 'mlp_layer_types' has 1 \"hash_moe\" layers: the two spellings disagree"},
+        {M_ADD_RAW, "qk_rope_head_dim", 0, "16", DS4_ERR_CONFIG,
+         "key 'qk_rope_head_dim' is 16, but key 'partial_rotary_factor' (0.25) * head_dim (32) is 8: the two spellings disagree"},
+        {M_ADD_RAW, "rope_scaling", 0, "null", DS4_ERR_CONFIG,
+         "keys 'rope_scaling' and 'rope_parameters' give different YaRN settings"},
         /* unknown keys: the hint comes from the transformers spelling */
         {M_ADD_RAW, "mlp_layer_type", 0, "[]", DS4_ERR_CONFIG, "unknown key 'mlp_layer_type' (did you mean 'mlp_layer_types'?)"},
         {M_ADD_RAW, "compress_rate", 0, "{}", DS4_ERR_CONFIG, "did you mean 'compress_rates'"},
@@ -993,18 +1007,28 @@ static void test_hf_config_errors(void) {
     mutation typo = {M_ADD_RAW, "qk_rope_head_dims", 0, "8", DS4_ERR_CONFIG, ""};
     CHECK(parse_mutated(k_tiny_a_hf, &typo) == DS4_ERR_CONFIG && msg_has("unknown key 'qk_rope_head_dims'") &&
           !msg_has("'qk_rope_head_dim'"), "%s", ds4_errmsg());
-    /* a transformers key in DeepSeek's config makes it a transformers config: the DeepSeek keys then clash */
+    /* transformers keys beside DeepSeek's in DeepSeek's config: the same model when they agree, one error
+     * naming both keys when they do not */
     char *off;
     size_t n;
     CHECK(ds4_read_file(find_config("tests/configs/tiny-a.json"), &off, &n) == DS4_OK);
     if (!off) return;
-    mutation add_mlp = {M_ADD_RAW, "mlp_layer_types", 0, "[\"hash_moe\", \"moe\", \"moe\", \"moe\"]", DS4_ERR_CONFIG, ""};
-    CHECK(parse_mutated(off, &add_mlp) == DS4_ERR_CONFIG &&
-          msg_has("key 'num_hash_layers' (DeepSeek spelling) and key 'mlp_layer_types' (transformers spelling)"), "%s", ds4_errmsg());
-    mutation add_prf = {M_ADD_RAW, "partial_rotary_factor", 0, "0.25", DS4_ERR_CONFIG, ""};
-    CHECK(parse_mutated(off, &add_prf) == DS4_ERR_CONFIG &&
-          msg_has("key 'num_hash_layers' is DeepSeek's spelling, but this config uses the transformers spelling (key "
-                  "'partial_rotary_factor'); write 'mlp_layer_types' instead"), "%s", ds4_errmsg());
+    ds4_config plain, both;
+    CHECK(ds4_config_parse(off, n, "off.json", &plain) == DS4_OK, "%s", ds4_errmsg());
+    mutation add_mlp = {M_ADD_RAW, "mlp_layer_types", 0, "[\"hash_moe\", \"moe\", \"moe\", \"moe\"]", DS4_OK, ""};
+    CHECK(parse_mutated_into(off, &add_mlp, &both) == DS4_OK && memcmp(&plain, &both, sizeof both) == 0, "%s", ds4_errmsg());
+    mutation add_prf = {M_ADD_RAW, "partial_rotary_factor", 0, "0.25", DS4_OK, ""};
+    CHECK(parse_mutated_into(off, &add_prf, &both) == DS4_OK && memcmp(&plain, &both, sizeof both) == 0, "%s", ds4_errmsg());
+    mutation add_types = {M_ADD_RAW, "layer_types", 0, "[\"sliding_attention\", \"compressed_sparse_attention\", "
+                          "\"heavily_compressed_attention\", \"compressed_sparse_attention\"]", DS4_OK, ""};
+    CHECK(parse_mutated_into(off, &add_types, &both) == DS4_ERR_CONFIG && msg_has("required key 'compress_rates' is missing"),
+          "%s", ds4_errmsg());
+    mutation bad_mlp = {M_ADD_RAW, "mlp_layer_types", 0, "[\"hash_moe\", \"hash_moe\", \"moe\", \"moe\"]", DS4_ERR_CONFIG, ""};
+    CHECK(parse_mutated(off, &bad_mlp) == DS4_ERR_CONFIG && msg_has("key 'num_hash_layers' is 1, but key 'mlp_layer_types' has 2"),
+          "%s", ds4_errmsg());
+    mutation bad_prf = {M_ADD_RAW, "partial_rotary_factor", 0, "0.5", DS4_ERR_CONFIG, ""};
+    CHECK(parse_mutated(off, &bad_prf) == DS4_ERR_CONFIG && msg_has("key 'qk_rope_head_dim' is 8") &&
+          msg_has("key 'partial_rotary_factor' (0.5)"), "%s", ds4_errmsg());
     /* and DeepSeek's config still hints DeepSeek keys */
     mutation ds_typo = {M_ADD_RAW, "compress_ratio", 0, "[]", DS4_ERR_CONFIG, ""};
     CHECK(parse_mutated(off, &ds_typo) == DS4_ERR_CONFIG && msg_has("did you mean 'compress_ratios'"), "%s", ds4_errmsg());

@@ -2,7 +2,11 @@
 specs alone (TFRecord framing with masked CRC32C; event.proto / summary.proto by field number), not
 with ds4's code or TensorBoard's: the first Event is file_version "brain.Event:2", then one Event per
 logged step whose scalars equal the run's JSONL metrics, the validation loss last; a resumed run
-writes a second file that starts with SessionLog START at its first step."""
+writes a second file that starts with SessionLog START at its first step, in Event field 7 (field 6 is the
+deprecated log_message, which TensorBoard shows as text and purges nothing for). Field numbers from TensorBoard's
+tensorboard/compat/proto/event.proto: 1 wall_time, 2 step, 3 file_version, 5 summary, 6 log_message,
+7 session_log. Where TensorBoard is installed (scripts/install-deps.sh puts it in the test venv), its own
+EventAccumulator reads the folder of the resumed run and must show every step once."""
 import glob
 import json
 import os
@@ -14,6 +18,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import check, finish  # noqa: E402
+from hf_venv import venv_python  # noqa: E402
 
 build = sys.argv[sys.argv.index("--build") + 1] if "--build" in sys.argv else "build"
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -80,7 +85,7 @@ def varint(b, i):
 
 
 def event(data):
-    """Event: 1 wall_time double, 2 step int64, 3 file_version, 5 summary, 6 session_log."""
+    """Event: 1 wall_time double, 2 step int64, 3 file_version, 5 summary, 6 log_message, 7 session_log."""
     e = {"step": 0, "scalars": {}}
     for f, wt, v in fields(data):
         if f == 1 and wt == 1:
@@ -99,7 +104,9 @@ def event(data):
                     elif xf == 2 and xwt == 5:
                         simple = struct.unpack("<f", x)[0]
                 e["scalars"][tag] = simple
-        elif f == 6 and wt == 2:  # SessionLog { 1 status }
+        elif f == 6:  # LogMessage (deprecated): never written by ds4
+            e["log_message"] = v
+        elif f == 7 and wt == 2:  # SessionLog { 1 status: START = 1 }
             e["session_log"] = dict((sf, sv) for sf, _, sv in fields(v)).get(1)
     return e
 
@@ -198,5 +205,41 @@ with tempfile.TemporaryDirectory() as tmp:
     check("START at the first step of the resumed run",
           len(ev2) > 2 and ev2[1].get("session_log") == 1 and ev2[1]["step"] == 3 and ev2[2]["step"] == 3,
           ev2[:3])
+
+    check("no log_message events", all("log_message" not in e for e in ev + ev2))
+
+    # what TensorBoard shows: files in name order, a SessionLog START purging the steps >= its own
+    shown = []
+    for path in sorted(glob.glob(os.path.join(tmp, "run", "tb", "events.out.tfevents.*"))):
+        for e in read_events(path):
+            if e.get("session_log") == 1:
+                shown = [s for s in shown if s < e["step"]]
+            elif "loss" in e["scalars"]:
+                shown.append(e["step"])
+    check("each step shown once after the resume", shown == [1, 2, 3, 4], shown)
+
+    # TensorBoard's own reader, where it is installed
+    py = venv_python("tensorboard")
+    if not py:
+        print("SKIP tensorboard's EventAccumulator: tensorboard not installed (scripts/install-deps.sh)")
+    else:
+        prog = ("import json, sys\n"
+                "from tensorboard.backend.event_processing import event_accumulator as ea\n"
+                "a = ea.EventAccumulator(sys.argv[1], size_guidance={ea.SCALARS: 0}, purge_orphaned_data=True)\n"
+                "a.Reload()\n"
+                "print(json.dumps({t: [[s.step, s.value] for s in a.Scalars(t)] for t in a.Tags()['scalars']}))\n")
+        r = subprocess.run([py, "-c", prog, os.path.join(tmp, "run", "tb")], capture_output=True, text=True,
+                           timeout=300)
+        check("tensorboard reads the folder", r.returncode == 0, r.stderr[-1000:])
+        tb = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {}
+        check("tensorboard: loss at steps 1..4 once", [s for s, _ in tb.get("loss", [])] == [1, 2, 3, 4],
+              tb.get("loss"))
+        resumed = [json.loads(l) for l in open(os.path.join(tmp, "metrics.jsonl"))][-2:]
+        check("tensorboard: the resumed run's losses at steps 3 and 4",
+              [s for s, _ in tb.get("loss", [])][2:] == [m["step"] for m in resumed] and
+              all(close(v, m["loss"], 1e-4) for (_, v), m in zip(tb.get("loss", [])[2:], resumed)),
+              (tb.get("loss"), resumed))
+        check("tensorboard: val_loss of both runs, the last at step 4",
+              tb.get("val_loss") and tb["val_loss"][-1][0] == 4, tb.get("val_loss"))
 
 finish("test_tfevents.py")

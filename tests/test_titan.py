@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import check, finish  # noqa: E402
 
 build = sys.argv[sys.argv.index("--build") + 1] if "--build" in sys.argv else "build"
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 ds4 = os.path.abspath(os.path.join(build, "ds4"))
 FIXTURE = "tests/data/torchtitan_deepseek_v3_debug_model.toml"
 
@@ -100,5 +101,46 @@ with tempfile.TemporaryDirectory() as tmp:
           tp.stderr[-400:])
     dp = train(FIXTURE, *size, "--parallelism.data_parallel_shard_degree", "4")
     check("shard degree checked against the world", dp.returncode != 0 and "(mpirun -np)" in dp.stderr, dp.stderr[-400:])
+
+    # An error about a value set under TorchTitan's name names that name (and ds4's beside it)
+    ep = train(FIXTURE, *size, "--parallelism.expert_parallel_degree", "3")
+    err = [l for l in ep.stderr.splitlines() if l.startswith("error:")]
+    check("alias error names the TorchTitan key", ep.returncode != 0 and len(err) == 1 and
+          "key parallelism.expert_parallel_degree (ds4's parallel.ep): 3 must" in err[0], ep.stderr[-400:])
+    lb = train(FIXTURE, *size, "--training.local_batch_size", "0")
+    err = [l for l in lb.stderr.splitlines() if l.startswith("error:")]
+    check("alias range error names the TorchTitan key", lb.returncode != 0 and len(err) == 1 and
+          "training.local_batch_size (ds4's training.micro_batch_size) = 0" in err[0], lb.stderr[-400:])
+
+    # TorchTitan's defaults from a fresh working directory: --job.config_file, dump_folder "./outputs" with
+    # checkpoints and TensorBoard on: ./outputs/checkpoint and ./outputs/tb are made as by mkdir -p
+    work = os.path.join(tmp, "fresh")
+    os.makedirs(work)
+    titan = [ds4, "train", "--job.config_file", os.path.join(ROOT, FIXTURE), "--training.threads", "1",
+             "--metrics.peak_tflops", "1", "--training.steps", "2", "--training.seq_len", "64",
+             "--training.local_batch_size", "1", "--training.dataset_path", shard,
+             "--model.hf_assets_path", os.path.join(ROOT, "configs", "ds4-demo-small.json"),
+             "--checkpoint.enable", "true", "--metrics.enable_tensorboard", "true"]
+    d = subprocess.run(titan, cwd=work, capture_output=True, text=True, timeout=600)
+    check("--job.config_file with TorchTitan's defaults trains", d.returncode == 0 and len(steps(d.stdout)) == 2,
+          d.stdout[-600:] + d.stderr[-600:])
+    check("./outputs/checkpoint made (mkdir -p)",
+          os.path.isfile(os.path.join(work, "outputs", "checkpoint", "step-00000002", "state.json")),
+          sorted(os.listdir(work)))
+    check("./outputs/tb made", any(f.startswith("events.out.tfevents.")
+                                   for f in os.listdir(os.path.join(work, "outputs", "tb"))
+                                   if os.path.isdir(os.path.join(work, "outputs", "tb"))))
+    check("same losses as --config", steps(d.stdout) == steps(a.stdout), (steps(d.stdout), steps(a.stdout)))
+    two = subprocess.run(titan + ["--config", native], cwd=work, capture_output=True, text=True, timeout=60)
+    check("--config and --job.config_file naming two files refused", two.returncode != 0 and
+          "given twice" in two.stderr and native in two.stderr, two.stderr[-300:])
+    blocker = os.path.join(tmp, "a-file")
+    open(blocker, "w").close()
+    bad = subprocess.run(titan + ["--job.dump_folder", os.path.join(blocker, "outputs")], cwd=work,
+                         capture_output=True, text=True, timeout=60)
+    err = [l for l in bad.stderr.splitlines() if l.startswith("error:")]
+    check("a folder that cannot be made: one error naming it and why", bad.returncode != 0 and len(err) == 1 and
+          f"cannot create {blocker}: a file of that name is in the way" in err[0] and "checkpoint folder" in err[0],
+          bad.stderr[-400:])
 
 finish("test_titan.py")

@@ -119,10 +119,17 @@ static void test_swap_is_bitwise(void) {
             CHECK(t_files_equal(p1, p2), "%s: %s differs from the straight run", runs[r][0], files[i]);
         }
     }
-    CHECK(cfg_for(&c, "bad_dir", "memory.offload_dir", "/nonexistent/ds4") == DS4_OK);
+    /* an offload folder that cannot be made (a file in the way; a missing one is made as by mkdir -p) */
+    char blocker[600], bad[700];
+    snprintf(blocker, sizeof blocker, "%s/a-file", g_dir);
+    FILE *bf = fopen(blocker, "w");
+    if (bf) fclose(bf);
+    snprintf(bad, sizeof bad, "%s/ds4", blocker);
+    CHECK(cfg_for(&c, "bad_dir", "memory.offload_dir", bad) == DS4_OK);
     c.swap_optimizer = true;
     ds4_status st = ds4_train_run(&c);
-    CHECK(st != DS4_OK && strstr(ds4_errmsg(), "/nonexistent/ds4"), "a missing offload dir: %s", ds4_errmsg());
+    CHECK(st != DS4_OK && strstr(ds4_errmsg(), bad) && strstr(ds4_errmsg(), "offload folder") &&
+          strstr(ds4_errmsg(), "a file of that name is in the way"), "an offload dir that cannot be made: %s", ds4_errmsg());
 }
 
 /* Muon: 4 steps straight == 2 + resume + 2 (losses and checkpoint bytes, the momentum included), also

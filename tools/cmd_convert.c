@@ -1,5 +1,5 @@
 /* ds4 convert: official FP8/FP4 (or HF-named) model directory -> BF16/F32, official or HF names.
- * ds4 export: a ds4 checkpoint folder -> a Hugging Face model directory (weights and config only).
+ * ds4 export: a ds4 checkpoint folder -> a Hugging Face model directory (weights, config and tokenizer).
  * With --names hf the config.json keys are the transformers spelling (layer_types, compress_rates,
  * mlp_layer_types, partial_rotary_factor, rope_parameters), with --names official DeepSeek's. */
 #include "cli.h"
@@ -10,6 +10,7 @@
 
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define NFLAGS(f) ((int)(sizeof(f) / sizeof((f)[0])))
@@ -77,6 +78,7 @@ static ds4_status write_whole(const char *ckpt, const char *out, char *dir, size
     ds4_config c;
     snprintf(cfg, sizeof cfg, "%s/config.json", ckpt);
     snprintf(dir, n, "%s.whole-tmp", out);
+    DS4_TRY(ds4_mkdirs_parent(dir, "folder of --out"));
     DS4_TRY(ds4_config_load(cfg, &c));
     ds4_model *m;
     DS4_TRY(ds4_model_create(NULL, &c, false, &m));
@@ -95,16 +97,38 @@ static void remove_whole(const char *dir) {
     rmdir(dir);
 }
 
+/* The tokenizer of an export: --tokenizer, else the checkpoint folder's tokenizer.json, else ds4's byte tokenizer
+ * when the model's vocab is the byte tokenizer's 258 (what ds4 tokenize and generate use by default); else none,
+ * said on stderr. */
+static bool export_tokenizer(const char *ckpt, const char *flag, const char **spec) {
+    *spec = flag;
+    if (flag) return true;
+    char p[4200];
+    struct stat st;
+    snprintf(p, sizeof p, "%s/tokenizer.json", ckpt);
+    if (stat(p, &st) == 0) return true; /* copied from the checkpoint folder */
+    ds4_config c;
+    snprintf(p, sizeof p, "%s/config.json", ckpt);
+    if (ds4_config_load(p, &c) != DS4_OK) return false;
+    if (c.vocab_size == 258) *spec = "byte";
+    else fprintf(stderr, "note: ds4 export: no tokenizer files written (vocab_size %lld is not the byte tokenizer's 258): pass "
+                         "--tokenizer PATH/tokenizer.json\n", (long long)c.vocab_size);
+    return true;
+}
+
 int cmd_export(int argc, char **argv) {
     cli_flag f[] = {{"checkpoint", false, NULL, "ds4 checkpoint folder (model.safetensors or every rank's shard files; optimizer state is not exported)"},
                     {"out", false, NULL, "output Hugging Face model directory"},
                     {"dtype", false, NULL, "bf16 (default) or f32"},
                     {"names", false, NULL, "hf (default) or official: tensor names and config.json keys (hf: transformers spelling)"},
+                    {"tokenizer", false, NULL, "byte, none, or PATH/tokenizer.json (its tokenizer_config.json and chat template "
+                                               "too); default: the checkpoint's tokenizer files, else byte for a vocab of 258"},
                     {"quiet", true, NULL, "no progress bar"}};
     const char *pos[1];
     int npos;
     if (cli_want_help(argc, argv)) {
-        cli_usage("export", "--checkpoint DIR --out DIR [--dtype bf16|f32] [--names hf|official]", f, NFLAGS(f));
+        cli_usage("export", "--checkpoint DIR --out DIR [--dtype bf16|f32] [--names hf|official] [--tokenizer byte|none|PATH]", f,
+                  NFLAGS(f));
         return 0;
     }
     if (!cli_parse("export", argc, argv, f, NFLAGS(f), pos, 0, &npos)) return 2;
@@ -116,6 +140,7 @@ int cmd_export(int argc, char **argv) {
     }
     if (!parse_dtype("export", cli_get(f, NFLAGS(f), "dtype"), &o.dtype)) return 2;
     if (!parse_names("export", cli_get(f, NFLAGS(f), "names"), true, &o.hf_names)) return 2;
+    if (!export_tokenizer(o.in_dir, cli_get(f, NFLAGS(f), "tokenizer"), &o.tokenizer)) return cli_fail();
     if (!ds4_checkpoint_is_per_rank(o.in_dir)) return run("export", &o);
     char whole[4096];
     if (write_whole(o.in_dir, o.out_dir, whole, sizeof whole) != DS4_OK) {

@@ -20,6 +20,18 @@
 #define NFLAGS(f) ((int)(sizeof(f) / sizeof((f)[0])))
 
 /* ------------------------------------------------------------------ shared: loading a model */
+/* A weight that is NaN or infinite makes every loss and logit NaN: named here, the first one in table order. */
+static ds4_status check_finite(const char *cmd, const char *path, ds4_model *m) {
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+        const ds4_param *p = ds4_model_param(m, i);
+        for (int64_t k = 0; p->data && k < p->numel; k++)
+            if (!isfinite(p->data[k]))
+                return ds4_fail(DS4_ERR_FORMAT, "ds4 %s: %s: tensor '%s' holds a non-finite value (%g at element %lld): "
+                                "the weights are broken", cmd, path, p->name, (double)p->data[k], (long long)k);
+    }
+    return DS4_OK;
+}
+
 /* --model DIR, or --checkpoint DIR: a checkpoint folder (ROOT/step-NNNNNNNN: a model directory, or the
  * shard files of every rank with their index) or a checkpoint root, whose latest complete checkpoint is used. */
 static ds4_status open_model(const char *cmd, const ds4_exec *ex, const char *model_dir, const char *ckpt,
@@ -53,6 +65,7 @@ static ds4_status open_model(const char *cmd, const ds4_exec *ex, const char *mo
         if (st == DS4_OK) st = ds4_model_load(m, d);
         ds4_model_dir_close(d);
     }
+    if (st == DS4_OK) st = check_finite(cmd, path, m);
     if (st != DS4_OK) {
         ds4_model_free(m);
         return st;

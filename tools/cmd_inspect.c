@@ -70,6 +70,9 @@ static void on_problem(void *ctx, const char *what, const char *name, const char
 
 static int run_check(const ds4_model_dir *d) {
     int64_t n;
+    if (ds4_model_dir_mtp_absent(d))
+        printf("note: %s stores no MTP block (transformers' save_pretrained drops it): checked as the model without MTP\n",
+               ds4_model_dir_path(d));
     if (ds4_model_dir_check(d, on_problem, NULL, &n) != DS4_OK) return cli_fail();
     if (n == 0) printf("check: %s holds every tensor its config needs, with the right shapes, and nothing else\n", ds4_model_dir_path(d));
     else printf("check: %lld problem%s in %s\n", (long long)n, n == 1 ? "" : "s", ds4_model_dir_path(d));

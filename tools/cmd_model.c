@@ -62,29 +62,6 @@ int cmd_config_census(const char *path) {
 }
 
 /* ------------------------------------------------------------------ ds4 init */
-/* mkdir -p DIR: every missing folder on the way is created; false after a one-line error naming the
- * folder that could not be made. */
-static bool make_dirs(const char *cmd, const char *dir) {
-    char p[4096];
-    if (snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p) {
-        fprintf(stderr, "error: ds4 %s: --out %.80s...: path too long\n", cmd, dir);
-        return false;
-    }
-    for (char *c = p + 1;; c++) {
-        if (*c != '/' && *c != 0) continue;
-        char keep = *c;
-        *c = 0;
-        struct stat sb;
-        if (mkdir(p, 0755) != 0 && (errno != EEXIST || stat(p, &sb) != 0 || !S_ISDIR(sb.st_mode))) {
-            fprintf(stderr, "error: ds4 %s: --out %s: cannot create the folder %s: %s\n", cmd, dir, p,
-                    errno == EEXIST ? "a file of that name is in the way" : strerror(errno));
-            return false;
-        }
-        *c = keep;
-        if (!keep) return true;
-    }
-}
-
 int cmd_init(int argc, char **argv) {
     cli_flag f[] = {{"config", false, NULL, "CONFIG.json (Hugging Face DeepSeek-V4 keys)"},
                     {"seed", false, NULL, "random seed (default 0)"},
@@ -118,9 +95,9 @@ int cmd_init(int argc, char **argv) {
     if (ds4_check_input(cfgp, NULL) != DS4_OK || ds4_config_load(cfgp, &cfg) != DS4_OK) return cli_fail();
     ds4_model *m;
     if (ds4_model_create(NULL, &cfg, false, &m) != DS4_OK) return cli_fail();
-    if (!make_dirs("init", out)) {
+    if (ds4_mkdirs(out, "output folder (--out)") != DS4_OK) {
         ds4_model_free(m);
-        return 1;
+        return cli_fail();
     }
     ds4_model_init_random(m, (uint64_t)seed);
     ds4_status st = ds4_model_save(m, out, dt);

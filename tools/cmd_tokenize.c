@@ -465,20 +465,6 @@ static int read_jsonl(ctx *c, const char *path, int64_t start) {
 
 /* ---------------------------------------------------------------- the command */
 
-/* mkdir -p */
-static int make_dirs(const char *dir) {
-    char p[4096];
-    snprintf(p, sizeof p, "%s", dir);
-    for (char *c = p + 1;; c++) {
-        if (*c != '/' && *c != 0) continue;
-        char keep = *c;
-        *c = 0;
-        if (mkdir(p, 0755) != 0 && errno != EEXIST) return errorf("--out %s: cannot create %s: %s", dir, p, strerror(errno));
-        *c = keep;
-        if (!keep) return 0;
-    }
-}
-
 /* DIR/PREFIX_[0-9]*.bin: the shards of one kind already there. */
 static bool glob_shards(const char *dir, const char *prefix, glob_t *g) {
     char pat[4096];
@@ -568,7 +554,7 @@ static int run(const char *const *inputs, int n_inputs, const char *out_dir, con
     }
     ds4_tokenizer *tok = NULL;
     if (!rc && ds4_tokenizer_open(tok_spec, &tok)) rc = cli_fail();
-    if (!rc) rc = make_dirs(out_dir);
+    if (!rc && ds4_mkdirs(out_dir, "output folder (--out)") != DS4_OK) rc = cli_fail();
     if (!rc) rc = refuse_old_shards(out_dir, overwrite);
     if (!rc && ds4_tokenizer_eos(tok) < 0)
         fprintf(stderr, "warning: %s has no EOS token: the loader will put nothing between documents\n",

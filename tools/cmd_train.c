@@ -63,12 +63,32 @@ static ds4_status apply_aliases(ds4_toml *t, int *argc, char **argv) {
     return DS4_OK;
 }
 
+/* --config FILE or TorchTitan's --job.config_file FILE (the same file if both are given), taken out of argv. */
+static ds4_status take_config_path(int *argc, char **argv, const char **path) {
+    int out = 1;
+    *path = NULL;
+    for (int i = 1; i < *argc; i++) {
+        if (strcmp(argv[i], "--config") && strcmp(argv[i], "--job.config_file")) {
+            argv[out++] = argv[i];
+            continue;
+        }
+        if (i + 1 >= *argc) return ds4_fail(DS4_ERR_ARG, "ds4 train: %s needs a file", argv[i]);
+        if (*path && strcmp(*path, argv[i + 1]))
+            return ds4_fail(DS4_ERR_ARG, "ds4 train: --config / --job.config_file given twice, as %s and %s: give one",
+                            *path, argv[i + 1]);
+        *path = argv[++i];
+    }
+    *argc = out;
+    return DS4_OK;
+}
+
 static void train_usage(void) {
     fprintf(stderr,
             "usage: ds4 train --config FILE.toml [--section.key value ...] [options]\n"
             "  --config FILE.toml              training config ([job] [model] [training] [optimizer] [lr_scheduler]\n"
             "                                  [data] [checkpoint] [metrics] [parallel] [memory]; TorchTitan's\n"
             "                                  sections and keys too, see docs/torchtitan-configs.md)\n"
+            "  --job.config_file FILE.toml     TorchTitan's spelling of --config\n"
             "  --section.key VALUE             override one config key (TorchTitan style)\n"
             "  --recompute-csa-attention       release and replay q-up, compressor, indexer, sparse attention, o-proj\n"
             "  --mhc-recompute                 release and replay mHC pre (attn, ffn) and mHC post (attn)\n"
@@ -94,10 +114,9 @@ int cmd_train(int argc, char **argv) {
         return 0;
     }
     const char *cfg_path = NULL;
-    for (int i = 1; i + 1 < argc; i++)
-        if (!strcmp(argv[i], "--config")) cfg_path = argv[i + 1];
+    if (take_config_path(&argc, argv, &cfg_path) != DS4_OK) return fail_all(2);
     if (!cfg_path) {
-        ds4_fail(DS4_ERR_ARG, "ds4 train: --config FILE.toml is required");
+        ds4_fail(DS4_ERR_ARG, "ds4 train: --config FILE.toml (TorchTitan's --job.config_file FILE.toml) is required");
         return fail_all(2);
     }
     ds4_toml *t;
@@ -116,10 +135,6 @@ int cmd_train(int argc, char **argv) {
     if (st != DS4_OK) return fail_all(1);
     for (int i = 1; i < argc; i++) {
         bool used = false;
-        if (!strcmp(argv[i], "--config")) {
-            i++;
-            continue;
-        }
         if (!strcmp(argv[i], "--memory-report")) {
             cfg.memory_report = true;
             continue;

@@ -74,6 +74,9 @@ ds4_status ds4_model_dir_open(const char *dir, ds4_model_dir **out);
 ds4_status ds4_model_dir_open_shards(const char *dir, const char *const *shards, int64_t n, ds4_model_dir **out);
 void ds4_model_dir_close(ds4_model_dir *d);                         /* NULL is a no-op */
 const ds4_config *ds4_model_dir_config(const ds4_model_dir *d);     /* parsed config.json */
+/* True when the config declares an MTP block the folder does not store, in transformers' layout (its
+ * save_pretrained drops MTP): ds4_model_dir_config then has n_mtp_layers = 0, the model the folder holds. */
+bool ds4_model_dir_mtp_absent(const ds4_model_dir *d);
 const char *ds4_model_dir_path(const ds4_model_dir *d);
 /* Finds the shard holding `name`; NULL if none. *entry (if entry != NULL) gets its entry. */
 const ds4_st_file *ds4_model_dir_find(const ds4_model_dir *d, const char *name, const ds4_st_entry **entry);
@@ -86,9 +89,19 @@ const ds4_st_file *ds4_model_dir_file(const ds4_model_dir *d, int64_t i);
 ds4_status ds4_model_dir_read_f32(const ds4_model_dir *d, const char *name, int ndim, const int64_t *shape, float *out);
 ds4_status ds4_model_dir_read_i64(const ds4_model_dir *d, const char *name, int ndim, const int64_t *shape, int64_t *out);
 
+/* ---------------------------------------------------------------- folders */
+/* mkdir -p DIR: every missing folder on the way is created (0755). An error names DIR as the `what`
+ * ("checkpoint folder", "TensorBoard folder", ...), the folder that could not be made and why. */
+ds4_status ds4_mkdirs(const char *dir, const char *what);
+/* mkdir -p of the folder that holds the file PATH (nothing when PATH has no folder part). */
+ds4_status ds4_mkdirs_parent(const char *path, const char *what);
+
 /* ---------------------------------------------------------------- whole files */
 /* Atomic whole-file write (temp in same dir, fsync file, rename, fsync dir). */
 ds4_status ds4_write_file_atomic(const char *path, const void *data, size_t len);
+/* A cJSON tree, printed (indented), written atomically; NULL root: out of memory. */
+struct cJSON;
+ds4_status ds4_write_json_atomic(const char *path, const struct cJSON *root);
 /* Allocates *data (DS4_MEM_OTHER, free with ds4_free), NUL-terminated; *len excludes the NUL.
  * Opened with ds4_open_input: a FIFO or device is refused, never waited on. */
 ds4_status ds4_read_file(const char *path, char **data, size_t *len);
@@ -151,6 +164,10 @@ typedef struct {
 bool ds4_name_to_hf(const char *official, ds4_hf_ref *ref);
 /* HF name -> official name for unfused tensors; false for fused experts and unknown names. */
 bool ds4_name_from_hf(const char *hf, char *official, size_t n);
+/* The name transformers' save_pretrained writes for per-layer tensor `official` (src/io/names.c: the
+ * official name under "model.", attn.kv_norm as attn.norm); false for other names. And back. */
+bool ds4_name_to_hf_saved(const char *official, char *saved, size_t n);
+bool ds4_name_from_hf_saved(const char *saved, char *official, size_t n);
 /* 2 for "...mlp.experts.gate_up_proj", 1 for "...mlp.experts.down_proj", 0 for anything else. */
 int ds4_name_hf_fused_parts(const char *hf);
 /* Official name of row block `part` of `expert` in the fused tensor `hf`; false if not fused. */
@@ -210,14 +227,18 @@ ds4_status ds4_tensor_loc_stats(const ds4_tensor_loc *loc, ds4_tensor_stats *st)
  * tensor lives in the shard of its expert 0), each written by streaming (bounded memory) and
  * atomically; model.safetensors.index.json rewritten; config.json copied without
  * quantization_config (expert_dtype null, torch_dtype updated). Resumable: a shard already complete
- * from an earlier run with the same options and the same source is kept
- * (OUT/.ds4-convert-progress.json, then its header is verified against the plan). */
+ * from an earlier, unfinished run with the same options and the same source is kept
+ * (OUT/.ds4-convert-progress.json, then its header is verified against the plan); a finished directory
+ * keeps no progress file. Tokenizer and generation files travel with the model (`tokenizer`). */
 typedef struct {
     const char *in_dir, *out_dir;
     ds4_dtype dtype;            /* DS4_BF16 or DS4_F32 */
     bool hf_names;              /* write Hugging Face names (else official) */
     bool progress;              /* progress bar on stderr */
     bool model_shards_only;     /* without an index, read only model*.safetensors (checkpoint folders) */
+    const char *tokenizer;      /* NULL: the input's tokenizer files; "byte": ds4's byte tokenizer as tokenizer.json
+                                 * + tokenizer_config.json; "none"; or a tokenizer.json (or its folder) ds4 reads,
+                                 * copied with the files beside it (tokenizer_config.json, chat template) */
 } ds4_convert_opts;
 typedef struct {
     int64_t shards, shards_skipped, tensors;
@@ -229,10 +250,17 @@ ds4_status ds4_convert(const ds4_convert_opts *opts, ds4_convert_report *report)
 /* Rewrites a config.json object (a cJSON tree) into the transformers key spelling (hf) or
  * DeepSeek's: compress_ratios <-> layer_types + compress_rates, num_hash_layers <-> mlp_layer_types,
  * qk_rope_head_dim <-> partial_rotary_factor, rope_scaling <-> rope_parameters; other keys stay.
- * Already in that spelling: untouched. Fails, tree untouched, when it is not a valid config or the
+ * Already in that spelling alone: untouched (a key of the other spelling beside it is removed). Fails,
+ * tree untouched, when it is not a valid config or the
  * target spelling cannot carry it (HCA layers of different ratios, in the transformers spelling). */
-struct cJSON;
 ds4_status ds4_config_json_respell(struct cJSON *root, bool hf, const char *path_for_errors);
+/* Adds layer_types + compress_rates (the transformers spelling of compress_ratios) to a config, so that
+ * transformers reads every compress ratio of a DeepSeek-spelled config (it maps compress_ratios entries 4
+ * and 128 only). *added false, tree untouched, when HCA layers compress by two rates (transformers has one). */
+ds4_status ds4_config_json_add_layer_types(struct cJSON *root, const char *path_for_errors, bool *added);
+/* The keys transformers types as float written as floats ("1.0", not 1): swiglu_limit, hc_eps, ...,
+ * rope_parameters.*.attention_factor. The items become raw JSON text: call it last, before printing. */
+void ds4_config_json_floats(struct cJSON *root);
 
 /* ---------------------------------------------------------------- TensorBoard event files (tfevents.c)
  * CRC32C (Castagnoli) and its TFRecord mask; a writer of events.out.tfevents.<time>.<host> in `dir`

@@ -39,6 +39,10 @@ void ds4_tokens_free(ds4_tokens *t);
 ds4_status ds4_tokens_push(ds4_tokens *t, int32_t id);
 
 ds4_status ds4_tokenizer_byte(ds4_tokenizer **out);
+/* The byte tokenizer as the Hugging Face files of a model folder: DIR/tokenizer.json (a byte-level BPE
+ * without merges, ids = bytes, BOS 256 / EOS 257 special, BOS first as ds4 generate starts) and
+ * DIR/tokenizer_config.json (model_max_length when > 0). */
+ds4_status ds4_tokenizer_byte_write_hf(const char *dir, int64_t model_max_length);
 /* `path` is a tokenizer.json, or a directory holding one. */
 ds4_status ds4_tokenizer_load(const char *path, ds4_tokenizer **out);
 /* From JSON text; `name` is used in messages; `config_json` is the tokenizer_config.json text or NULL. */

@@ -55,6 +55,7 @@ typedef struct {
     /* [parallel] */
     int64_t ep;               /* expert-parallel degree (divides the ranks and the routed experts) */
     int64_t dp_shard;         /* parallelism.data_parallel_shard_degree: 0 unset, -1 or the world size */
+    uint32_t titan_names;     /* bit i: alias i of src/train/titan.c was set under TorchTitan's name (errors name it) */
     int64_t ac_every;         /* activation_checkpoint: every N-th layer in full (1: all), 0: none; resolved
                                  onto the recompute policy once the model's layers are known */
     int64_t prefetch_depth;   /* parallel.prefetch_depth (--prefetch-depth): FSDP groups in flight, 0: blocking */

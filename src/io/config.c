@@ -2,11 +2,14 @@
  *
  * Two spellings are read. DeepSeek's official config.json (compress_ratios, num_hash_layers,
  * qk_rope_head_dim, rope_scaling) and the one the transformers port writes (DeepseekV4Config:
- * layer_types + compress_rates, mlp_layer_types, partial_rotary_factor, rope_parameters). A config
- * is in the transformers spelling when it has one of those transformers-only keys; it must then not
- * use DeepSeek's key for the same setting. Every key of either spelling is known; a key outside that
- * set is an error (with the nearest known key of the config's spelling as a hint), so a typo never
- * silently falls back to a default. */
+ * layer_types + compress_rates, mlp_layer_types, partial_rotary_factor, rope_parameters). Each of the
+ * four settings may be given in either spelling or in both (transformers' save_pretrained writes
+ * qk_rope_head_dim beside partial_rotary_factor; ds4's official export writes layer_types +
+ * compress_rates beside compress_ratios): both must then say the same, else one error names the two
+ * keys. A config is "in the transformers spelling" (for hints and the names in messages) when it has
+ * a transformers-only key. Every key of either spelling is known; a key outside that set is an error
+ * (with the nearest known key of the config's spelling as a hint), so a typo never silently falls back
+ * to a default. */
 #include "ds4/io.h"
 
 #include <cjson/cJSON.h>
@@ -272,11 +275,12 @@ static ds4_status check_fixed(const cJSON *root, const char *path) {
     return DS4_OK;
 }
 
-/* The settings of the top-level keys of the config's spelling (hf: transformers), or their defaults. */
-static void read_fields(const cJSON *root, bool hf, ds4_config *cfg) {
+/* The settings of the top-level keys of both spellings' common part and DeepSeek's (its four settings
+ * when given; the transformers parsers fill or check them after), or their defaults. */
+static void read_fields(const cJSON *root, ds4_config *cfg) {
     for (int i = 0; i < N_KEYS; i++) {
         const config_key *k = &k_keys[i];
-        if (k->type == T_NONE || !in_spelling(i, hf)) continue;
+        if (k->type == T_NONE || !in_spelling(i, false)) continue;
         const cJSON *j = get(root, k->key);
         char *f = (char *)cfg + k->field;
         if (k->type == T_I64) {
@@ -301,22 +305,6 @@ static const char *hf_marker(const cJSON *root) {
     return NULL;
 }
 
-/* DeepSeek key k_keys[ki] in a transformers-spelled config: names the transformers key it collides
- * with, or the one that set the spelling. */
-static ds4_status mixed_spelling(const cJSON *root, int ki, const char *marker, const char *path) {
-    const char *ds = k_keys[ki].key;
-    for (int i = 0; i < N_KEYS; i++)
-        if (k_keys[i].sp == SP_HF && strcmp(k_keys[i].alt, ds) == 0 && get(root, k_keys[i].key))
-            return ds4_fail(DS4_ERR_CONFIG,
-                            "%s: key '%s' (DeepSeek spelling) and key '%s' (transformers spelling) both set the same thing; "
-                            "keep one spelling",
-                            path, ds, k_keys[i].key);
-    return ds4_fail(DS4_ERR_CONFIG,
-                    "%s: key '%s' is DeepSeek's spelling, but this config uses the transformers spelling (key '%s'); write '%s' "
-                    "instead",
-                    path, ds, marker, k_keys[ki].alt);
-}
-
 /* A key whose JSON value has the wrong type; an integer setting names its range and the value seen. */
 static ds4_status wrong_kind(const cJSON *c, jkind kind, const char *path) {
     const config_key *r = kind == J_INT ? range_of(c->string) : NULL;
@@ -327,8 +315,24 @@ static ds4_status wrong_kind(const cJSON *c, jkind kind, const char *path) {
                     r->max, seen);
 }
 
-/* Checks every top-level key: known, of the config's spelling, right JSON type, no duplicates,
- * required ones present. *hf: the config uses the transformers spelling. */
+/* A required setting of the two spellings (DeepSeek key k_keys[ds]) is given: by its DeepSeek key or by
+ * every transformers key of it (layer_types needs compress_rates). Else the missing key of the config's
+ * spelling is named. */
+static ds4_status check_setting_given(const cJSON *root, int ds, bool hf, const char *path) {
+    const char *missing = NULL;
+    int given = 0;
+    for (int i = 0; i < N_KEYS; i++) {
+        if (k_keys[i].sp != SP_HF || strcmp(k_keys[i].alt, k_keys[ds].key) != 0) continue;
+        if (get(root, k_keys[i].key)) given++;
+        else if (!missing) missing = k_keys[i].key;
+    }
+    if (given && missing) return ds4_fail(DS4_ERR_CONFIG, "%s: required key '%s' is missing", path, missing);
+    if (given || get(root, k_keys[ds].key)) return DS4_OK;
+    return ds4_fail(DS4_ERR_CONFIG, "%s: required key '%s' is missing", path, hf && missing ? missing : k_keys[ds].key);
+}
+
+/* Checks every top-level key: known, right JSON type, no duplicates, required ones present (a setting of
+ * the two spellings in either). *hf: the config uses the transformers spelling. */
 static ds4_status check_keys(const cJSON *root, const char *path, bool *hf) {
     const char *marker = hf_marker(root);
     *hf = marker != NULL;
@@ -337,14 +341,16 @@ static ds4_status check_keys(const cJSON *root, const char *path, bool *hf) {
         if (ki < 0)
             return ds4_fail(DS4_ERR_CONFIG, "%s: unknown key '%.80s' (did you mean '%s'?)", path, c->string,
                             closest_key(c->string, *hf));
-        if (!in_spelling(ki, *hf)) return mixed_spelling(root, ki, marker, path);
         for (const cJSON *d = root->child; d != c; d = d->next)
             if (strcmp(d->string, c->string) == 0) return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s' appears twice", path, c->string);
         if (!kind_ok(c, k_keys[ki].kind)) return wrong_kind(c, k_keys[ki].kind, path);
     }
-    for (int i = 0; i < N_KEYS; i++)
-        if (k_keys[i].req && in_spelling(i, *hf) && !get(root, k_keys[i].key))
+    for (int i = 0; i < N_KEYS; i++) {
+        if (!k_keys[i].req || k_keys[i].sp == SP_HF) continue;
+        if (k_keys[i].sp == SP_DS) DS4_TRY(check_setting_given(root, i, *hf, path));
+        else if (!get(root, k_keys[i].key))
             return ds4_fail(DS4_ERR_CONFIG, "%s: required key '%s' is missing", path, k_keys[i].key);
+    }
     if (*hf) {
         const cJSON *mt = get(root, "model_type");
         if (!mt || strcmp(mt->valuestring, "deepseek_v4") != 0)
@@ -517,9 +523,12 @@ static ds4_status parse_rope_dict(const cJSON *root, const cJSON *d, const char 
     if (v[2] && v[2]->valuedouble != get_num(root, theta_key, 0))
         return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s.rope_theta' (%g) disagrees with key '%s' (%g)", path, label, v[2]->valuedouble,
                         theta_key, get_num(root, theta_key, 0));
-    if (v[3] && v[3]->valuedouble != get_num(root, "partial_rotary_factor", 0))
-        return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s.partial_rotary_factor' (%g) disagrees with key 'partial_rotary_factor' (%g)", path,
-                        label, v[3]->valuedouble, get_num(root, "partial_rotary_factor", 0));
+    /* without a top-level partial_rotary_factor (qk_rope_head_dim gives it), against qk_rope_head_dim / head_dim */
+    double prf = get_num(root, "partial_rotary_factor", (double)cfg->rope_head_dim / (double)cfg->head_dim);
+    if (v[3] && v[3]->valuedouble != prf)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s.partial_rotary_factor' (%g) disagrees with key '%s' (%g)", path, label,
+                        v[3]->valuedouble, get(root, "partial_rotary_factor") ? "partial_rotary_factor" : "qk_rope_head_dim / head_dim",
+                        prf);
     if (v[4] && v[4]->valuedouble != 1.0)
         return ds4_fail(DS4_ERR_CONFIG, "%s: key '%s.attention_factor' is %g, DeepSeek-V4 scales no attention (must be 1)", path, label,
                         v[4]->valuedouble);
@@ -615,37 +624,84 @@ static ds4_status parse_dspark(const cJSON *root, const char *path, ds4_config *
 static ds4_status validate(const ds4_config *c, const char *path, bool hf);
 static ds4_status check_ranges(const ds4_config *c, const char *path, bool hf);
 
+/* compress_ratios: one integer per layer, main layers then MTP layers (DeepSeek's spelling). */
+static ds4_status parse_ds_layers(const cJSON *root, const char *path, ds4_config *cfg) {
+    int64_t nr = 0;
+    for (const cJSON *c = get(root, "compress_ratios")->child; c; c = c->next, nr++) {
+        if (nr >= DS4_MAX_LAYERS)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has more than %d entries", path, DS4_MAX_LAYERS);
+        if (!is_int(c)) return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' entry %" PRId64 " is not an integer", path, nr);
+        cfg->compress_ratios[nr] = (int64_t)c->valuedouble;
+    }
+    if (cfg->dspark_n_stages > 0 && nr != cfg->n_layers + cfg->dspark_n_stages)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has %" PRId64 " entries, expected num_hidden_layers + "
+                        "one per DSpark stage (len(dspark_target_layer_ids)) = %" PRId64, path, nr,
+                        cfg->n_layers + cfg->dspark_n_stages);
+    if (nr != cfg->n_layers + cfg->n_mtp_layers + cfg->dspark_n_stages)
+        return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has %" PRId64 " entries, expected num_hidden_layers + "
+                        "num_nextn_predict_layers = %" PRId64, path, nr, cfg->n_layers + cfg->n_mtp_layers);
+    return DS4_OK;
+}
+
+/* The YaRN settings of two configs agree (without YaRN, factor and betas mean nothing). */
+static bool same_yarn(const ds4_config *a, const ds4_config *b) {
+    if (a->original_seq_len != b->original_seq_len) return false;
+    return a->original_seq_len == 0 || (a->rope_factor == b->rope_factor && a->beta_fast == b->beta_fast &&
+                                         a->beta_slow == b->beta_slow);
+}
+
+/* The four settings of the two spellings. Each is read from the spelling that gives it; given in both
+ * (h: the transformers reading), the two must agree, else one error names both keys. */
+static ds4_status parse_spellings(const cJSON *root, const char *path, ds4_config *cfg) {
+    ds4_config h = *cfg;
+    const bool ds_layers = get(root, "compress_ratios"), hf_layers = get(root, "layer_types");
+    if (ds_layers) DS4_TRY(parse_ds_layers(root, path, cfg));
+    if (hf_layers) DS4_TRY(parse_hf_layers(root, path, &h));
+    for (int64_t l = 0; ds_layers && hf_layers && l < cfg->n_layers + cfg->n_mtp_layers + cfg->dspark_n_stages; l++)
+        if (cfg->compress_ratios[l] != h.compress_ratios[l])
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' entry %" PRId64 " is %" PRId64 ", but keys 'layer_types' + "
+                            "'compress_rates' give %" PRId64 ": the two spellings disagree; keep one", path, l,
+                            cfg->compress_ratios[l], h.compress_ratios[l]);
+    if (!ds_layers) memcpy(cfg->compress_ratios, h.compress_ratios, sizeof cfg->compress_ratios);
+
+    if (get(root, "mlp_layer_types")) {
+        DS4_TRY(parse_hf_hash(root, path, &h));
+        if (get(root, "num_hash_layers") && h.n_hash_layers != cfg->n_hash_layers)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'num_hash_layers' is %" PRId64 ", but key 'mlp_layer_types' has %" PRId64
+                            " \"hash_moe\" layers: the two spellings disagree; keep one", path, cfg->n_hash_layers, h.n_hash_layers);
+        cfg->n_hash_layers = h.n_hash_layers;
+    }
+    if (get(root, "partial_rotary_factor")) {
+        DS4_TRY(parse_hf_rotary(root, path, &h));
+        if (get(root, "qk_rope_head_dim") && h.rope_head_dim != cfg->rope_head_dim)
+            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'qk_rope_head_dim' is %" PRId64 ", but key 'partial_rotary_factor' (%g) * "
+                            "head_dim (%" PRId64 ") is %" PRId64 ": the two spellings disagree; keep one", path, cfg->rope_head_dim,
+                            get_num(root, "partial_rotary_factor", 0), cfg->head_dim, h.rope_head_dim);
+        cfg->rope_head_dim = h.rope_head_dim;
+    }
+    DS4_TRY(parse_rope_scaling(get(root, "rope_scaling"), path, cfg));
+    if (get(root, "rope_parameters")) {
+        DS4_TRY(parse_hf_rope(root, path, &h));
+        if (get(root, "rope_scaling") && !same_yarn(cfg, &h))
+            return ds4_fail(DS4_ERR_CONFIG, "%s: keys 'rope_scaling' and 'rope_parameters' give different YaRN settings "
+                            "(original_max_position_embeddings %" PRId64 " vs %" PRId64 ", factor %g vs %g): the two spellings "
+                            "disagree; keep one", path, cfg->original_seq_len, h.original_seq_len, cfg->rope_factor, h.rope_factor);
+        cfg->original_seq_len = h.original_seq_len;
+        cfg->rope_factor = h.rope_factor;
+        cfg->beta_fast = h.beta_fast;
+        cfg->beta_slow = h.beta_slow;
+    }
+    return DS4_OK;
+}
+
 /* The checked JSON object -> cfg (validated). *hf: it was in the transformers spelling. */
 static ds4_status parse_root(const cJSON *root, const char *path, ds4_config *cfg, bool *hf) {
     memset(cfg, 0, sizeof *cfg);
     DS4_TRY(check_keys(root, path, hf));
-    read_fields(root, *hf, cfg);
+    read_fields(root, cfg);
     DS4_TRY(check_ranges(cfg, path, *hf));   /* before any count is derived from them (validate repeats it) */
     DS4_TRY(parse_dspark(root, path, cfg));
-
-    if (*hf) {
-        DS4_TRY(parse_hf_layers(root, path, cfg));
-        DS4_TRY(parse_hf_hash(root, path, cfg));
-        DS4_TRY(parse_hf_rotary(root, path, cfg));
-        DS4_TRY(parse_hf_rope(root, path, cfg));
-    } else {
-        /* compress_ratios: one integer per layer, main layers then MTP layers */
-        int64_t nr = 0;
-        for (const cJSON *c = get(root, "compress_ratios")->child; c; c = c->next, nr++) {
-            if (nr >= DS4_MAX_LAYERS)
-                return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has more than %d entries", path, DS4_MAX_LAYERS);
-            if (!is_int(c)) return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' entry %" PRId64 " is not an integer", path, nr);
-            cfg->compress_ratios[nr] = (int64_t)c->valuedouble;
-        }
-        if (cfg->dspark_n_stages > 0 && nr != cfg->n_layers + cfg->dspark_n_stages)
-            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has %" PRId64 " entries, expected num_hidden_layers + "
-                            "one per DSpark stage (len(dspark_target_layer_ids)) = %" PRId64, path, nr,
-                            cfg->n_layers + cfg->dspark_n_stages);
-        if (nr != cfg->n_layers + cfg->n_mtp_layers + cfg->dspark_n_stages)
-            return ds4_fail(DS4_ERR_CONFIG, "%s: key 'compress_ratios' has %" PRId64 " entries, expected num_hidden_layers + "
-                            "num_nextn_predict_layers = %" PRId64, path, nr, cfg->n_layers + cfg->n_mtp_layers);
-        DS4_TRY(parse_rope_scaling(get(root, "rope_scaling"), path, cfg));
-    }
+    DS4_TRY(parse_spellings(root, path, cfg));
 
     DS4_TRY(check_fixed(root, path));
     const cJSON *ed = get(root, "expert_dtype");
@@ -955,7 +1011,38 @@ static ds4_status hca_rate(const ds4_config *c, const char *path, int64_t *rate)
 
 static void add_num(cJSON *o, const char *k, double v) { cJSON_AddNumberToObject(o, k, v); }
 
-static void add_hf_spelling(cJSON *r, const ds4_config *c, int64_t hca) {
+/* A number JSON readers take as a float: an integral value with ".0" (cJSON prints 1.0 as 1, which
+ * Python reads as an int), any other with the shortest digits that read back to the same double. */
+static cJSON *float_item(double x) {
+    char buf[40];
+    if (!isfinite(x)) return cJSON_CreateNumber(x);
+    if (x == floor(x) && fabs(x) < 1e15) snprintf(buf, sizeof buf, "%.1f", x);
+    else
+        for (int digits = 1; digits <= 17; digits++) {
+            snprintf(buf, sizeof buf, "%.*g", digits, x);
+            if (strtod(buf, NULL) == x) break;
+        }
+    return cJSON_CreateRaw(buf);
+}
+
+/* Key `key` of o as a float. A raw item: it prints, but parses no more (the last step before printing). */
+static void float_key(cJSON *o, const char *key) {
+    const cJSON *v = get(o, key);
+    if (cJSON_IsNumber(v)) cJSON_ReplaceItemInObjectCaseSensitive(o, key, float_item(v->valuedouble));
+}
+
+void ds4_config_json_floats(cJSON *root) {
+    static const char *const keys[] = {"swiglu_limit", "routed_scaling_factor", "hc_eps", "rms_norm_eps", "partial_rotary_factor",
+                                       "router_aux_loss_coef", "router_jitter_noise", "attention_dropout", "initializer_range"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) float_key(root, keys[i]);
+    const cJSON *rp = get(root, "rope_parameters");
+    for (cJSON *d = cJSON_IsObject(rp) ? rp->child : NULL; d; d = d->next)
+        if (cJSON_IsObject(d)) float_key(d, "attention_factor"), float_key(d, "partial_rotary_factor");
+    if (cJSON_IsObject(rp)) float_key((cJSON *)rp, "attention_factor");
+}
+
+/* layer_types + compress_rates: each main layer's attention and the two rates. */
+static void add_layer_types(cJSON *r, const ds4_config *c, int64_t hca) {
     cJSON *lt = cJSON_AddArrayToObject(r, "layer_types");
     for (int64_t l = 0; l < c->n_layers; l++) {
         int64_t x = c->compress_ratios[l];
@@ -964,6 +1051,10 @@ static void add_hf_spelling(cJSON *r, const ds4_config *c, int64_t hca) {
     cJSON *cr = cJSON_AddObjectToObject(r, "compress_rates");
     add_num(cr, k_csa, 4);
     add_num(cr, k_hca, (double)hca);
+}
+
+static void add_hf_spelling(cJSON *r, const ds4_config *c, int64_t hca) {
+    add_layer_types(r, c, hca);
     cJSON *mt = cJSON_AddArrayToObject(r, "mlp_layer_types");
     for (int64_t l = 0; l < c->n_layers; l++) cJSON_AddItemToArray(mt, cJSON_CreateString(l < c->n_hash_layers ? "hash_moe" : "moe"));
     double prf = (double)c->rope_head_dim / (double)c->head_dim;
@@ -1017,11 +1108,13 @@ ds4_status ds4_config_json_respell(cJSON *root, bool hf, const char *path) {
     ds4_config c, back;
     bool was_hf, now_hf;
     DS4_TRY(parse_root(root, path, &c, &was_hf));
-    if (was_hf == hf) return DS4_OK;
+    bool other = false; /* a key of the other spelling (a config may give a setting in both) */
+    for (int i = 0; i < N_KEYS; i++) other |= k_keys[i].sp == (hf ? SP_DS : SP_HF) && get(root, k_keys[i].key);
+    if (was_hf == hf && !other) return DS4_OK;
     int64_t hca = 128;
     if (hf) DS4_TRY(hca_rate(&c, path, &hca));
-    for (int i = 0; i < N_KEYS; i++)
-        if (k_keys[i].sp == (hf ? SP_DS : SP_HF)) cJSON_DeleteItemFromObjectCaseSensitive(root, k_keys[i].key);
+    for (int i = 0; i < N_KEYS; i++) /* both spellings out, the target's back in */
+        if (k_keys[i].sp == SP_DS || k_keys[i].sp == SP_HF) cJSON_DeleteItemFromObjectCaseSensitive(root, k_keys[i].key);
     if (hf) add_hf_spelling(root, &c, hca);
     else add_ds_spelling(root, &c);
     /* the rewrite must read back as the same model */
@@ -1029,5 +1122,24 @@ ds4_status ds4_config_json_respell(cJSON *root, bool hf, const char *path) {
     if (now_hf != hf || !same_model(c, back))
         return ds4_fail(DS4_ERR_CONFIG, "%s: the %s spelling of this config does not read back as the same model", path,
                         hf ? "transformers" : "DeepSeek");
+    return DS4_OK;
+}
+
+ds4_status ds4_config_json_add_layer_types(cJSON *root, const char *path, bool *added) {
+    if (!path) path = "config";
+    *added = false;
+    if (!cJSON_IsObject(root)) return ds4_fail(DS4_ERR_FORMAT, "%s: top level is not a JSON object", path);
+    ds4_config c, back;
+    bool hf;
+    DS4_TRY(parse_root(root, path, &c, &hf));
+    int64_t hca;
+    if (hca_rate(&c, path, &hca) != DS4_OK) return DS4_OK; /* HCA layers of two rates: transformers has one */
+    cJSON_DeleteItemFromObjectCaseSensitive(root, "layer_types");
+    cJSON_DeleteItemFromObjectCaseSensitive(root, "compress_rates");
+    add_layer_types(root, &c, hca);
+    DS4_TRY(parse_root(root, path, &back, &hf));
+    if (!same_model(c, back))
+        return ds4_fail(DS4_ERR_CONFIG, "%s: layer_types + compress_rates do not read back as the same model", path);
+    *added = true;
     return DS4_OK;
 }

@@ -10,9 +10,11 @@
  *   4. each shard is declared to the streaming writer and filled chunk by chunk (at most CHUNK
  *      values in memory), the input pages of each chunk dropped once written; then committed.
  * Per-shard resume: OUT/.ds4-convert-progress.json records the shards completed with the options
- * and the source file's size and mtime; such a shard is kept if its header matches the plan. */
+ * and the source file's size and mtime; such a shard is kept if its header matches the plan. The file
+ * is removed once the directory is complete (config.json written). */
 #include "ds4/io.h"
 #include "ds4/tensors.h"
+#include "ds4/tokenizer.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -142,7 +144,8 @@ static ds4_status collect_sources(plan *p) {
                     }
                 continue;
             }
-            if (!ds4_name_from_hf(e->name, off, sizeof off)) snprintf(off, sizeof off, "%s", e->name);
+            if (!ds4_name_from_hf(e->name, off, sizeof off) && !ds4_name_from_hf_saved(e->name, off, sizeof off))
+                snprintf(off, sizeof off, "%s", e->name);
             DS4_TRY(add_source(p, off, fi, e->name));
         }
     }
@@ -527,13 +530,6 @@ static ds4_status progress_record(cJSON *pr, const ds4_convert_opts *o, const ch
 
 static int cmp_out_name(const void *a, const void *b) { return strcmp((*(output *const *)a)->name, (*(output *const *)b)->name); }
 
-static ds4_status write_json(const char *path, cJSON *root) {
-    char *text = root ? cJSON_Print(root) : NULL;
-    if (!text) return ds4_fail(DS4_ERR_OOM, "%s: out of memory", path);
-    ds4_status s = ds4_write_file_atomic(path, text, strlen(text));
-    cJSON_free(text);
-    return s;
-}
 
 static ds4_status write_index(const plan *p) {
     output **by = ds4_alloc(DS4_MEM_OTHER, (size_t)(p->nout ? p->nout : 1) * sizeof *by);
@@ -549,26 +545,10 @@ static ds4_status write_index(const plan *p) {
         cJSON_AddStringToObject(wm, by[i]->name, base_name(ds4_st_path(ds4_model_dir_file(p->d, by[i]->home))));
     char path[4096];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", p->o->out_dir);
-    ds4_status s = write_json(path, root);
+    ds4_status s = ds4_write_json_atomic(path, root);
     cJSON_Delete(root);
     ds4_free(by);
     return s;
-}
-
-/* swiglu_limit as a JSON float ("10.0", as DeepSeek and transformers write it; cJSON prints 10): an
- * integral value with ".0", any other with the shortest digits that read back to the same double. */
-static void float_key(cJSON *r, const char *key) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(r, key);
-    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble)) return;
-    double x = v->valuedouble;
-    char buf[40];
-    if (x == floor(x) && fabs(x) < 1e15) snprintf(buf, sizeof buf, "%.1f", x);
-    else
-        for (int digits = 1; digits <= 17; digits++) {
-            snprintf(buf, sizeof buf, "%.*g", digits, x);
-            if (strtod(buf, NULL) == x) break;
-        }
-    cJSON_ReplaceItemInObjectCaseSensitive(r, key, cJSON_CreateRaw(buf));
 }
 
 /* ds4's own keys have no place in a Hugging Face config: the loss weights are training settings (the
@@ -586,8 +566,10 @@ static ds4_status drop_ds4_keys(cJSON *r, const char *path) {
 
 /* The output config.json: the input's without quantization_config; expert_dtype null; the output
  * dtype as `dtype` (the transformers spelling) with HF names, `torch_dtype` with official ones;
- * swiglu_limit a float; its keys in the transformers spelling with HF names (and no ds4-only keys),
- * DeepSeek's with official ones (ds4_config_json_respell). Built before any shard is written, so a
+ * the keys transformers types as float written as floats; its keys in the transformers spelling with
+ * HF names (and no ds4-only keys), DeepSeek's with official ones (ds4_config_json_respell) plus
+ * layer_types + compress_rates, with which transformers reads any compress ratio (it maps only 4 and
+ * 128 of compress_ratios). Built before any shard is written, so a
  * config the target spelling cannot carry fails the conversion up front. */
 static ds4_status make_config(const ds4_convert_opts *o, cJSON **out) {
     char in[4096], *text;
@@ -609,7 +591,9 @@ static ds4_status make_config(const ds4_convert_opts *o, cJSON **out) {
     cJSON_AddStringToObject(r, o->hf_names ? "dtype" : "torch_dtype", o->dtype == DS4_BF16 ? "bfloat16" : "float32");
     ds4_status s = ds4_config_json_respell(r, o->hf_names, in);
     if (s == DS4_OK && o->hf_names) s = drop_ds4_keys(r, in);
-    float_key(r, "swiglu_limit");
+    bool added; /* official names: layer_types + compress_rates beside compress_ratios, for transformers */
+    if (s == DS4_OK && !o->hf_names) s = ds4_config_json_add_layer_types(r, in, &added);
+    ds4_config_json_floats(r);
     if (s == DS4_OK) *out = r;
     else cJSON_Delete(r);
     return s;
@@ -618,25 +602,93 @@ static ds4_status make_config(const ds4_convert_opts *o, cJSON **out) {
 static ds4_status write_config(const ds4_convert_opts *o, cJSON *cfg) {
     char out[4096];
     snprintf(out, sizeof out, "%s/config.json", o->out_dir);
-    return write_json(out, cfg);
+    return ds4_write_json_atomic(out, cfg);
 }
 
-/* Tokenizer and generation files travel with the model; nothing else (never optimizer state). */
-static ds4_status copy_side_files(const ds4_convert_opts *o) {
-    static const char *k_files[] = {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"};
-    for (size_t i = 0; i < sizeof k_files / sizeof k_files[0]; i++) {
-        char in[4096], out[4096], *data;
-        size_t len;
-        snprintf(in, sizeof in, "%s/%s", o->in_dir, k_files[i]);
-        snprintf(out, sizeof out, "%s/%s", o->out_dir, k_files[i]);
-        struct stat st;
-        if (stat(in, &st) != 0) continue;
-        DS4_TRY(ds4_check_input(in, NULL));
-        DS4_TRY(ds4_read_file(in, &data, &len));
-        ds4_status s = ds4_write_file_atomic(out, data, len);
-        ds4_free(data);
-        DS4_TRY(s);
+/* Copies DIR/NAME to OUT/NAME when it exists. */
+static ds4_status copy_if_there(const char *dir, const char *name, const char *out_dir) {
+    char in[4096], out[4096], *data;
+    size_t len;
+    struct stat st;
+    snprintf(in, sizeof in, "%s/%s", dir, name);
+    snprintf(out, sizeof out, "%s/%s", out_dir, name);
+    if (stat(in, &st) != 0) return DS4_OK;
+    DS4_TRY(ds4_check_input(in, NULL));
+    DS4_TRY(ds4_read_file(in, &data, &len));
+    ds4_status s = ds4_write_file_atomic(out, data, len);
+    ds4_free(data);
+    return s;
+}
+
+/* The files of a Hugging Face tokenizer (the chat template is in tokenizer_config.json or a file of its own). */
+static const char *const k_tokenizer_files[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                                "chat_template.jinja", "chat_template.json"};
+#define N_TOKENIZER_FILES (sizeof k_tokenizer_files / sizeof k_tokenizer_files[0])
+
+/* --tokenizer PATH (a tokenizer.json or its folder): one ds4 reads, with the files beside it; without a
+ * tokenizer_config.json there, one naming its BOS and EOS. */
+static ds4_status copy_tokenizer(const char *spec, const char *out_dir) {
+    ds4_tokenizer *t;
+    DS4_TRY(ds4_tokenizer_load(spec, &t));   /* a tokenizer ds4 trains with, or the error naming the file */
+    char dir[4096];
+    struct stat st;
+    const bool is_dir = stat(spec, &st) == 0 && S_ISDIR(st.st_mode);
+    if (is_dir) snprintf(dir, sizeof dir, "%s", spec);
+    else {
+        const char *slash = strrchr(spec, '/');
+        snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - spec) : 1, slash ? spec : ".");
     }
+    ds4_status s = DS4_OK;
+    char in[4200], out[4200];
+    snprintf(in, sizeof in, "%s/tokenizer_config.json", dir);
+    bool have_cfg = stat(in, &st) == 0;
+    for (size_t i = 1; s == DS4_OK && i < N_TOKENIZER_FILES; i++) s = copy_if_there(dir, k_tokenizer_files[i], out_dir);
+    if (s == DS4_OK) { /* tokenizer.json: the file given, whatever its name */
+        char *data;
+        size_t len;
+        snprintf(in, sizeof in, "%s%s", spec, is_dir ? "/tokenizer.json" : "");
+        snprintf(out, sizeof out, "%s/tokenizer.json", out_dir);
+        s = ds4_read_file(in, &data, &len);
+        if (s == DS4_OK) s = ds4_write_file_atomic(out, data, len), ds4_free(data);
+    }
+    if (s == DS4_OK && !have_cfg) {
+        cJSON *c = cJSON_CreateObject();
+        size_t n;
+        const char *b = ds4_tokenizer_bos(t) >= 0 ? ds4_tokenizer_token(t, ds4_tokenizer_bos(t), &n) : NULL;
+        const char *e = ds4_tokenizer_eos(t) >= 0 ? ds4_tokenizer_token(t, ds4_tokenizer_eos(t), &n) : NULL;
+        cJSON_AddStringToObject(c, "tokenizer_class", "PreTrainedTokenizerFast");
+        if (b) cJSON_AddStringToObject(c, "bos_token", b);
+        if (e) cJSON_AddStringToObject(c, "eos_token", e);
+        snprintf(out, sizeof out, "%s/tokenizer_config.json", out_dir);
+        s = ds4_write_json_atomic(out, c);
+        cJSON_Delete(c);
+    }
+    ds4_tokenizer_free(t);
+    return s;
+}
+
+/* Tokenizer and generation files travel with the model; nothing else (never optimizer state). The
+ * tokenizer: the input folder's files, or the one o->tokenizer names ("byte": ds4's byte tokenizer,
+ * "none": no tokenizer files). */
+static ds4_status copy_side_files(const ds4_convert_opts *o, const cJSON *cfg) {
+    DS4_TRY(copy_if_there(o->in_dir, "generation_config.json", o->out_dir));
+    if (!o->tokenizer) {
+        for (size_t i = 0; i < N_TOKENIZER_FILES; i++) DS4_TRY(copy_if_there(o->in_dir, k_tokenizer_files[i], o->out_dir));
+        return DS4_OK;
+    }
+    if (!strcmp(o->tokenizer, "none")) return DS4_OK;
+    if (!strcmp(o->tokenizer, "byte")) {
+        const cJSON *mp = cJSON_GetObjectItemCaseSensitive(cfg, "max_position_embeddings");
+        return ds4_tokenizer_byte_write_hf(o->out_dir, cJSON_IsNumber(mp) ? (int64_t)mp->valuedouble : 0);
+    }
+    return copy_tokenizer(o->tokenizer, o->out_dir);
+}
+
+/* The finished directory keeps no progress file (it was for resuming an unfinished one). */
+static ds4_status remove_progress(const ds4_convert_opts *o) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", o->out_dir, PROGRESS_FILE);
+    if (unlink(path) != 0 && errno != ENOENT) return ds4_fail(DS4_ERR_IO, "%s: cannot remove: %s", path, strerror(errno));
     return DS4_OK;
 }
 
@@ -707,8 +759,7 @@ static ds4_status check_opts(const ds4_convert_opts *o) {
     if (!o->in_dir || !o->out_dir) return ds4_fail(DS4_ERR_ARG, "convert: input and output directories are required");
     if (o->dtype != DS4_BF16 && o->dtype != DS4_F32)
         return ds4_fail(DS4_ERR_ARG, "convert: output dtype %s not supported (BF16 or F32)", ds4_dtype_name(o->dtype));
-    if (mkdir(o->out_dir, 0755) != 0 && errno != EEXIST)
-        return ds4_fail(DS4_ERR_IO, "%s: cannot create directory: %s", o->out_dir, strerror(errno));
+    DS4_TRY(ds4_mkdirs(o->out_dir, "output folder"));
     struct stat a, b;
     if (stat(o->in_dir, &a) != 0) return ds4_fail(DS4_ERR_IO, "%s: %s", o->in_dir, strerror(errno));
     if (stat(o->out_dir, &b) != 0 || !S_ISDIR(b.st_mode)) return ds4_fail(DS4_ERR_IO, "%s: not a directory", o->out_dir);
@@ -772,8 +823,9 @@ ds4_status ds4_convert(const ds4_convert_opts *o, ds4_convert_report *rep) {
     }
     progress_show(&pg, true);
     if (s == DS4_OK) s = write_index(&p);
-    if (s == DS4_OK) s = copy_side_files(o);
-    if (s == DS4_OK) s = write_config(o, cfg);   /* last: a config.json marks a complete directory */
+    if (s == DS4_OK) s = copy_side_files(o, cfg);
+    if (s == DS4_OK) s = write_config(o, cfg);   /* a config.json marks a complete directory */
+    if (s == DS4_OK) s = remove_progress(o);      /* nothing of the conversion's own is left in it */
     cJSON_Delete(cfg);
     ds4_free(buf.f);
     ds4_free(buf.h);

@@ -2,6 +2,8 @@
  * directory, fsync, rename, fsync the directory), so a crash never leaves a half-written file. */
 #include "ds4/io.h"
 
+#include <cjson/cJSON.h>
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdatomic.h>
@@ -193,4 +195,42 @@ ds4_status ds4_write_file_atomic(const char *path, const void *data, size_t len)
     DS4_TRY(ds4_atomic_open(path, &af));
     DS4_TRY(ds4_atomic_write(&af, data, len));
     return ds4_atomic_commit(&af);
+}
+
+/* mkdir -p: every missing folder on the way, one at a time, so the message names the one that failed. */
+ds4_status ds4_mkdirs(const char *dir, const char *what) {
+    char p[4096];
+    if (!what) what = "folder";
+    if (!dir || !dir[0]) return ds4_fail(DS4_ERR_ARG, "cannot create the %s: empty path", what);
+    if (snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p) return ds4_fail(DS4_ERR_ARG, "%.80s...: path too long", dir);
+    for (char *c = p + 1;; c++) {
+        if (*c != '/' && *c != 0) continue;
+        char keep = *c;
+        *c = 0;
+        struct stat sb;
+        if (mkdir(p, 0755) != 0 && (errno != EEXIST || stat(p, &sb) != 0 || !S_ISDIR(sb.st_mode))) {
+            const char *why = errno == EEXIST ? "a file of that name is in the way" : strerror(errno);
+            if (!strcmp(p, dir)) return ds4_fail(DS4_ERR_IO, "%s: cannot create the %s: %s", dir, what, why);
+            return ds4_fail(DS4_ERR_IO, "%s: cannot create the %s: cannot create %s: %s", dir, what, p, why);
+        }
+        *c = keep;
+        if (!keep) return DS4_OK;
+    }
+}
+
+ds4_status ds4_mkdirs_parent(const char *path, const char *what) {
+    const char *slash = path ? strrchr(path, '/') : NULL;
+    if (!slash || slash == path) return DS4_OK; /* the working directory or / */
+    char dir[4096];
+    if (snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path) >= (int)sizeof dir)
+        return ds4_fail(DS4_ERR_ARG, "%.80s...: path too long", path);
+    return ds4_mkdirs(dir, what);
+}
+
+ds4_status ds4_write_json_atomic(const char *path, const struct cJSON *root) {
+    char *text = root ? cJSON_Print(root) : NULL;
+    if (!text) return ds4_fail(DS4_ERR_OOM, "%s: out of memory printing the JSON", path);
+    ds4_status s = ds4_write_file_atomic(path, text, strlen(text));
+    cJSON_free(text);
+    return s;
 }

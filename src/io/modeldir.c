@@ -20,6 +20,7 @@ typedef struct {
 struct ds4_model_dir {
     char *path;
     ds4_config cfg;
+    bool mtp_absent;      /* the config's MTP block is not stored (transformers drops it): cfg has none */
     int64_t nfiles;
     ds4_st_file **files;
     dir_slot *slots;
@@ -173,6 +174,23 @@ void ds4_model_dir_close(ds4_model_dir *d) {
     ds4_free(d);
 }
 
+/* A folder in transformers' layout (model.layers.*) whose config declares an MTP block but that stores no
+ * mtp.* tensor: transformers does not load the MTP block, so its save_pretrained writes none. The folder
+ * is read as the model it holds, without MTP (ds4_model_dir_mtp_absent says so). */
+static void drop_absent_mtp(ds4_model_dir *d) {
+    if (d->cfg.n_mtp_layers == 0) return;
+    bool hf = false;
+    for (int64_t i = 0; i < d->nfiles; i++)
+        for (int64_t j = 0; j < ds4_st_count(d->files[i]); j++) {
+            const char *name = ds4_st_entry_at(d->files[i], j)->name;
+            if (!strncmp(name, "mtp.", 4)) return;
+            hf |= !strncmp(name, "model.layers.", 13);
+        }
+    if (!hf) return;
+    d->cfg.n_mtp_layers = 0;
+    d->mtp_absent = true;
+}
+
 /* Opens dir with the shards listed by its index (or all *.safetensors), or exactly `shards[nshards]`
  * when shards != NULL. */
 static ds4_status open_dir(const char *dir, const char *const *shards, int64_t nshards, ds4_model_dir **out) {
@@ -210,6 +228,7 @@ static ds4_status open_dir(const char *dir, const char *const *shards, int64_t n
         if (s == DS4_OK) d->nfiles++;
     }
     if (s == DS4_OK) s = build_table(d);
+    if (s == DS4_OK) drop_absent_mtp(d);
     /* The index must tell the truth about where each tensor lives. */
     for (const cJSON *c = wm ? wm->child : NULL; s == DS4_OK && c; c = c->next) {
         const ds4_st_file *f = ds4_model_dir_find(d, c->string, NULL);
@@ -237,6 +256,7 @@ ds4_status ds4_model_dir_open_shards(const char *dir, const char *const *shards,
 }
 
 const ds4_config *ds4_model_dir_config(const ds4_model_dir *d) { return &d->cfg; }
+bool ds4_model_dir_mtp_absent(const ds4_model_dir *d) { return d->mtp_absent; }
 const char *ds4_model_dir_path(const ds4_model_dir *d) { return d->path; }
 int64_t ds4_model_dir_nfiles(const ds4_model_dir *d) { return d->nfiles; }
 const ds4_st_file *ds4_model_dir_file(const ds4_model_dir *d, int64_t i) {

@@ -9,6 +9,12 @@
  *   layers.L.ffn.experts.E.w3.weight           model.layers.L.mlp.experts.gate_up_proj[E, I:2I]
  *   layers.L.ffn.experts.E.w2.weight           model.layers.L.mlp.experts.down_proj[E]
  *   mtp.0.*                                    (none: HF does not load MTP; the name is kept)
+ *
+ * What transformers' save_pretrained writes is a third spelling: it reverses its renaming of DeepSeek's
+ * checkpoint names on the model's names, which gives the official per-layer names under "model."
+ * (model.layers.L.attn.wq_a.weight, one tensor per routed expert: model.layers.L.ffn.experts.E.w1.weight),
+ * except that attn.kv_norm comes out as attn.norm (its renaming .norm. -> .kv_norm. read backwards);
+ * head.weight keeps its official name, embed, norm and hc_head their HF ones; the MTP block is dropped.
  */
 #include "ds4/io.h"
 #include "ds4/tensors.h"
@@ -113,4 +119,33 @@ bool ds4_name_hf_fused_part(const char *hf, int64_t expert, int part, char *offi
     split_layer(hf, "model.layers.", &l, &rest);
     const char *w = np == 1 ? "w2" : part == 0 ? "w1" : "w3";
     return fits(n, snprintf(official, n, "layers.%" PRId64 ".ffn.experts.%" PRId64 ".%s.weight", l, expert, w));
+}
+
+/* "attn.kv_norm.weight" is saved as "attn.norm.weight"; every other per-layer name is official. */
+static const char k_kv_norm[] = "attn.kv_norm.weight", k_kv_norm_saved[] = "attn.norm.weight";
+
+/* rest is an official per-layer name: a table entry or ffn.experts.E.w{1,2,3}.weight. */
+static bool official_layer_suffix(const char *rest) {
+    for (int i = 0; i < COUNT(k_layer); i++)
+        if (strcmp(rest, k_layer[i].official) == 0) return true;
+    int64_t e;
+    const char *w;
+    return split_layer(rest, "ffn.experts.", &e, &w) &&
+           (!strcmp(w, "w1.weight") || !strcmp(w, "w2.weight") || !strcmp(w, "w3.weight"));
+}
+
+bool ds4_name_to_hf_saved(const char *official, char *saved, size_t n) {
+    int64_t l;
+    const char *rest;
+    if (!split_layer(official, "layers.", &l, &rest) || !official_layer_suffix(rest)) return false;
+    return fits(n, snprintf(saved, n, "model.layers.%" PRId64 ".%s", l, strcmp(rest, k_kv_norm) ? rest : k_kv_norm_saved));
+}
+
+bool ds4_name_from_hf_saved(const char *saved, char *official, size_t n) {
+    int64_t l;
+    const char *rest;
+    if (!split_layer(saved, "model.layers.", &l, &rest)) return false;
+    if (!strcmp(rest, k_kv_norm_saved)) rest = k_kv_norm;
+    else if (!strcmp(rest, k_kv_norm) || !official_layer_suffix(rest)) return false;
+    return fits(n, snprintf(official, n, "layers.%" PRId64 ".%s", l, rest));
 }

@@ -137,6 +137,9 @@ ds4_status ds4_model_dir_locate(const ds4_model_dir *d, const char *name, ds4_te
         f = ds4_model_dir_find(d, ref.name, &e);
         if (f && ref.expert < 0) return locate_stored(find_in_dir, d, name, f, e, loc);
         if (f) return locate_slice(name, f, e, &ref, loc);
+        char saved[192]; /* the name transformers' save_pretrained writes */
+        if (ds4_name_to_hf_saved(name, saved, sizeof saved) && (f = ds4_model_dir_find(d, saved, &e)))
+            return locate_stored(find_in_dir, d, name, f, e, loc);
         return ds4_fail(DS4_ERR_MISSING, "%s: tensor '%s' (Hugging Face name '%s') not found in any shard", ds4_model_dir_path(d),
                         name, ref.name);
     }

@@ -5,7 +5,8 @@
  *   of data, where masked(c) = ((c >> 15) | (c << 17)) + 0xa282ead8 and CRC32C is the Castagnoli CRC.
  * Data: a protobuf `Event` (tensorflow/core/util/event.proto):
  *   1 wall_time double (fixed64) | 2 step int64 (varint) | 3 file_version string | 5 summary Summary |
- *   6 session_log SessionLog { 1 status enum: START = 1 }
+ *   7 session_log SessionLog { 1 status enum: START = 1 }   (6 is the deprecated log_message: TensorBoard
+ *   reads a SessionLog there as a log line and purges nothing)
  *   Summary { repeated Value value = 1 }   Value { 1 tag string | 2 simple_value float (fixed32) }
  * The first record is the Event with file_version "brain.Event:2"; each later one carries scalars. */
 #include "ds4/io.h"
@@ -118,23 +119,6 @@ static ds4_status write_record(ds4_tfevents *w, const pb_buf *m) {
     return ok ? DS4_OK : ds4_fail(DS4_ERR_IO, "%s: cannot write an event: %s", w->path, strerror(errno));
 }
 
-/* mkdir -p dir */
-static ds4_status make_dirs(const char *dir) {
-    char p[4096];
-    if (snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p) return ds4_fail(DS4_ERR_ARG, "%.80s...: path too long", dir);
-    for (char *c = p + 1;; c++) {
-        if (*c != '/' && *c != 0) continue;
-        char keep = *c;
-        *c = 0;
-        struct stat sb;
-        if (mkdir(p, 0755) != 0 && (errno != EEXIST || stat(p, &sb) != 0 || !S_ISDIR(sb.st_mode)))
-            return ds4_fail(DS4_ERR_IO, "%s: cannot create the folder %s: %s", dir, p,
-                            errno == EEXIST ? "a file of that name is in the way" : strerror(errno));
-        *c = keep;
-        if (!keep) return DS4_OK;
-    }
-}
-
 /* A new file: the name TensorBoard looks for; a second writer in the same second adds its pid. */
 static ds4_status create_file(ds4_tfevents *w, const char *dir, double wall_time) {
     char host[256] = "localhost";
@@ -160,7 +144,7 @@ static ds4_status create_file(ds4_tfevents *w, const char *dir, double wall_time
 
 ds4_status ds4_tfevents_open(const char *dir, double wall_time, ds4_tfevents **out) {
     *out = NULL;
-    DS4_TRY(make_dirs(dir));
+    DS4_TRY(ds4_mkdirs(dir, "TensorBoard folder"));
     ds4_tfevents *w = ds4_calloc(DS4_MEM_OTHER, sizeof *w);
     if (!w) return ds4_fail(DS4_ERR_OOM, "out of memory for the TensorBoard writer");
     ds4_status st = create_file(w, dir, wall_time);
@@ -201,7 +185,7 @@ ds4_status ds4_tfevents_restart(ds4_tfevents *w, int64_t step, double wall_time)
     pb_key(&log, 1, 0);
     pb_varint(&log, 1); /* SessionLog.START: TensorBoard drops the earlier events of steps >= step */
     event_head(&m, wall_time, step);
-    pb_len(&m, 6, log.b, log.n);
+    pb_len(&m, 7, log.b, log.n);
     return write_record(w, &m);
 }
 

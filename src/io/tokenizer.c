@@ -961,3 +961,104 @@ ds4_status ds4_tokenizer_decode(const ds4_tokenizer *t, const int32_t *ids, int6
     *len = total;
     return DS4_OK;
 }
+
+/* ---------------------------------------------------------------- the byte tokenizer as Hugging Face files */
+
+/* tokenizer.json of ds4's byte tokenizer: a byte-level BPE with no merges, so each byte is one token and
+ * its id is the byte (the vocab spells byte b by its GPT-2 character); <|begin_of_text|> (256) and
+ * <|end_of_text|> (257) are special added tokens, and the post-processor starts every sequence with BOS as
+ * ds4 generate does. tokenizer_config.json names them. */
+static cJSON *byte_tokenizer_json(void) {
+    cJSON *r = cJSON_CreateObject();
+    cJSON_AddStringToObject(r, "version", "1.0");
+    cJSON_AddNullToObject(r, "truncation");
+    cJSON_AddNullToObject(r, "padding");
+    static const char *specials[2] = {"<|begin_of_text|>", "<|end_of_text|>"};
+    cJSON *added = cJSON_AddArrayToObject(r, "added_tokens");
+    for (int i = 0; i < 2; i++) {
+        cJSON *a = cJSON_CreateObject();
+        cJSON_AddNumberToObject(a, "id", 256 + i);
+        cJSON_AddStringToObject(a, "content", specials[i]);
+        cJSON_AddBoolToObject(a, "single_word", false);
+        cJSON_AddBoolToObject(a, "lstrip", false);
+        cJSON_AddBoolToObject(a, "rstrip", false);
+        cJSON_AddBoolToObject(a, "normalized", false);
+        cJSON_AddBoolToObject(a, "special", true);
+        cJSON_AddItemToArray(added, a);
+    }
+    cJSON_AddNullToObject(r, "normalizer");
+    cJSON *pre = cJSON_AddObjectToObject(r, "pre_tokenizer");
+    cJSON_AddStringToObject(pre, "type", "ByteLevel");
+    cJSON_AddBoolToObject(pre, "add_prefix_space", false);
+    cJSON_AddBoolToObject(pre, "trim_offsets", false);
+    cJSON_AddBoolToObject(pre, "use_regex", false);
+    cJSON *post = cJSON_AddObjectToObject(r, "post_processor");
+    cJSON_AddStringToObject(post, "type", "TemplateProcessing");
+    const char *single[2] = {"<|begin_of_text|>", "$A"}, *pair[4] = {"<|begin_of_text|>", "$A", "<|begin_of_text|>", "$B"};
+    for (int k = 0; k < 2; k++) {
+        cJSON *seq = cJSON_AddArrayToObject(post, k ? "pair" : "single");
+        int n = k ? 4 : 2;
+        for (int i = 0; i < n; i++) {
+            const char *x = k ? pair[i] : single[i];
+            cJSON *item = cJSON_CreateObject();
+            cJSON *o = cJSON_AddObjectToObject(item, x[0] == '$' ? "Sequence" : "SpecialToken");
+            cJSON_AddStringToObject(o, "id", x[0] == '$' ? x + 1 : x);
+            cJSON_AddNumberToObject(o, "type_id", k && i >= 2 ? 1 : 0);
+            cJSON_AddItemToArray(seq, item);
+        }
+    }
+    cJSON *st = cJSON_AddObjectToObject(post, "special_tokens");
+    cJSON *bos = cJSON_AddObjectToObject(st, specials[0]);
+    cJSON_AddStringToObject(bos, "id", specials[0]);
+    cJSON *ids = cJSON_AddArrayToObject(bos, "ids");
+    cJSON_AddItemToArray(ids, cJSON_CreateNumber(256));
+    cJSON *toks = cJSON_AddArrayToObject(bos, "tokens");
+    cJSON_AddItemToArray(toks, cJSON_CreateString(specials[0]));
+    cJSON *dec = cJSON_AddObjectToObject(r, "decoder");
+    cJSON_AddStringToObject(dec, "type", "ByteLevel");
+    cJSON_AddBoolToObject(dec, "add_prefix_space", false);
+    cJSON_AddBoolToObject(dec, "trim_offsets", false);
+    cJSON_AddBoolToObject(dec, "use_regex", false);
+    cJSON *model = cJSON_AddObjectToObject(r, "model");
+    cJSON_AddStringToObject(model, "type", "BPE");
+    cJSON_AddNullToObject(model, "dropout");
+    cJSON_AddNullToObject(model, "unk_token");
+    cJSON_AddNullToObject(model, "continuing_subword_prefix");
+    cJSON_AddNullToObject(model, "end_of_word_suffix");
+    cJSON_AddBoolToObject(model, "fuse_unk", false);
+    cJSON_AddBoolToObject(model, "byte_fallback", false);
+    cJSON_AddBoolToObject(model, "ignore_merges", false);
+    cJSON *vocab = cJSON_AddObjectToObject(model, "vocab");
+    for (int b = 0; b < 256; b++) {
+        uint32_t cp = byte_to_cp(b);
+        char s[3] = {0};
+        if (cp < 0x80) s[0] = (char)cp;
+        else s[0] = (char)(0xc0 | (cp >> 6)), s[1] = (char)(0x80 | (cp & 0x3f));
+        cJSON_AddNumberToObject(vocab, s, b);
+    }
+    cJSON_AddArrayToObject(model, "merges");
+    return r;
+}
+
+/* Writes r to path, then frees it. */
+static ds4_status write_json_file(const char *path, cJSON *r) {
+    ds4_status st = ds4_write_json_atomic(path, r);
+    cJSON_Delete(r);
+    return st;
+}
+
+ds4_status ds4_tokenizer_byte_write_hf(const char *dir, int64_t model_max_length) {
+    char p[4200];
+    snprintf(p, sizeof p, "%s/tokenizer.json", dir);
+    DS4_TRY(write_json_file(p, byte_tokenizer_json()));
+    cJSON *c = cJSON_CreateObject();
+    cJSON_AddStringToObject(c, "tokenizer_class", "PreTrainedTokenizerFast");
+    cJSON_AddStringToObject(c, "bos_token", "<|begin_of_text|>");
+    cJSON_AddStringToObject(c, "eos_token", "<|end_of_text|>");
+    cJSON_AddBoolToObject(c, "add_bos_token", true);
+    cJSON_AddBoolToObject(c, "add_eos_token", false);
+    cJSON_AddBoolToObject(c, "clean_up_tokenization_spaces", false);
+    if (model_max_length > 0) cJSON_AddNumberToObject(c, "model_max_length", (double)model_max_length);
+    snprintf(p, sizeof p, "%s/tokenizer_config.json", dir);
+    return write_json_file(p, c);
+}

@@ -121,8 +121,7 @@ void ds4_checkpoint_tmp_name(const char *root, int64_t step, char *tmp, size_t n
 }
 
 ds4_status ds4_checkpoint_begin(const char *root, int64_t step, char *tmp, size_t n) {
-    if (mkdir(root, 0755) != 0 && errno != EEXIST)
-        return ds4_fail(DS4_ERR_IO, "%s: cannot create checkpoint folder: %s", root, strerror(errno));
+    DS4_TRY(ds4_mkdirs(root, "checkpoint folder"));
     ds4_checkpoint_tmp_name(root, step, tmp, n);
     remove_ckpt_dir(tmp); /* leftovers of an interrupted save */
     if (mkdir(tmp, 0755) != 0)
@@ -425,8 +424,7 @@ ds4_status ds4_checkpoint_check_config(const char *path, const ds4_config *run) 
 /* ------------------------------------------------------------------ one writer per checkpoint folder */
 ds4_status ds4_checkpoint_lock(const char *root, int *fd) {
     *fd = -1;
-    if (mkdir(root, 0755) != 0 && errno != EEXIST)
-        return ds4_fail(DS4_ERR_IO, "%s: cannot create checkpoint folder: %s", root, strerror(errno));
+    DS4_TRY(ds4_mkdirs(root, "checkpoint folder"));
     struct stat sb;
     if (stat(root, &sb) != 0 || !S_ISDIR(sb.st_mode))
         return ds4_fail(DS4_ERR_IO, "%s: the checkpoint folder is not a directory", root);

@@ -16,16 +16,18 @@
 #include <unistd.h>
 
 typedef struct {
-    const char *ds4, *titan;
+    const char *ds4, *titan, *label; /* label: what an error about the setting names when set as titan */
 } alias;
 
+#define ALIAS(ds4, titan) {ds4, titan, titan " (ds4's " ds4 ")"}
 static const alias k_aliases[] = {
-    {"training.micro_batch_size", "training.local_batch_size"},
-    {"parallel.ep", "parallelism.expert_parallel_degree"},
-    {"lr_scheduler.decay_steps", "lr_scheduler.total_steps"},
-    {"data.train", "training.dataset_path"},
-    {"training.seed", "debug.seed"},
+    ALIAS("training.micro_batch_size", "training.local_batch_size"),
+    ALIAS("parallel.ep", "parallelism.expert_parallel_degree"),
+    ALIAS("lr_scheduler.decay_steps", "lr_scheduler.total_steps"),
+    ALIAS("data.train", "training.dataset_path"),
+    ALIAS("training.seed", "debug.seed"),
 };
+#undef ALIAS
 #define N_ALIASES (sizeof k_aliases / sizeof k_aliases[0])
 
 typedef struct {
@@ -60,7 +62,7 @@ static const note k_mapped[] = {
 static const note k_ignored[] = {
     {"job.print_config", "ds4 does not print its config"},
     {"job.print_args", "ds4 does not print its config"},
-    {"job.config_file", "the config is the --config file"},
+    {"job.config_file", "the file is the one --config / --job.config_file names on the command line"},
     {"job.save_config_file", "ds4 does not save its config"},
     {"job.custom_config_module", "TorchTitan extension modules do not apply to ds4"},
     {"job.use_for_integration_test", "a TorchTitan test-suite marker"},
@@ -171,6 +173,19 @@ const char *titan_key(const ds4_toml *t, const char *key) {
     for (size_t i = 0; i < N_ALIASES; i++)
         if (!strcmp(k_aliases[i].ds4, key) && !has(t, key) && has(t, k_aliases[i].titan)) return k_aliases[i].titan;
     return key;
+}
+
+const char *titan_label(const ds4_train_cfg *c, const char *key) {
+    for (size_t i = 0; i < N_ALIASES; i++)
+        if (!strcmp(k_aliases[i].ds4, key) && (c->titan_names >> i & 1u)) return k_aliases[i].label;
+    return key;
+}
+
+/* c->titan_names: which aliases the config set under TorchTitan's name only. */
+static void note_titan_names(const ds4_toml *t, ds4_train_cfg *c) {
+    c->titan_names = 0;
+    for (size_t i = 0; i < N_ALIASES; i++)
+        if (strcmp(titan_key(t, k_aliases[i].ds4), k_aliases[i].ds4) != 0) c->titan_names |= 1u << i;
 }
 
 /* ------------------------------------------------------------------ the TorchTitan-only settings */
@@ -292,6 +307,7 @@ static ds4_status read_model(const ds4_toml *t, ds4_train_cfg *c) {
 }
 
 ds4_status titan_read(const ds4_toml *t, ds4_train_cfg *c) {
+    note_titan_names(t, c);
     DS4_TRY(read_degrees(t, c));
     DS4_TRY(read_schedule(t, c));
     DS4_TRY(read_checkpoint(t, c));

@@ -275,15 +275,15 @@ static ds4_status check_range(const ds4_train_cfg *c, const key_range *r) {
         int64_t v;
         memcpy(&v, p, sizeof v);
         if ((double)v >= r->lo && (double)v <= r->hi) return DS4_OK;
-        return ds4_fail(DS4_ERR_CONFIG, "%s = %lld: expected an integer in [%.0f, %.0f]%s", r->key, (long long)v, r->lo,
-                        r->hi, note);
+        return ds4_fail(DS4_ERR_CONFIG, "%s = %lld: expected an integer in [%.0f, %.0f]%s", titan_label(c, r->key),
+                        (long long)v, r->lo, r->hi, note);
     }
     double v;
     memcpy(&v, p, sizeof v);
     bool ok = isfinite(v) && (r->lo_open ? v > r->lo : v >= r->lo) && (r->hi_open ? v < r->hi : v <= r->hi);
     if (ok) return DS4_OK;
     describe_float_range(r, want, sizeof want);
-    return ds4_fail(DS4_ERR_CONFIG, "%s = %g: expected %s%s", r->key, v, want, note);
+    return ds4_fail(DS4_ERR_CONFIG, "%s = %g: expected %s%s", titan_label(c, r->key), v, want, note);
 }
 
 static ds4_status check_ranges(const ds4_train_cfg *c) {
@@ -293,9 +293,9 @@ static ds4_status check_ranges(const ds4_train_cfg *c) {
                         (long long)c->muon.ns_final_steps, (long long)c->muon.ns_steps);
     int64_t tokens;
     if (!ds4_mul_i64(c->micro_batch, c->seq_len, &tokens) || tokens > INT32_MAX)
-        return ds4_fail(DS4_ERR_CONFIG,
-                        "training.micro_batch_size %lld x training.seq_len %lld: more than %d tokens per micro-batch",
-                        (long long)c->micro_batch, (long long)c->seq_len, INT32_MAX);
+        return ds4_fail(DS4_ERR_CONFIG, "%s %lld x training.seq_len %lld: more than %d tokens per micro-batch",
+                        titan_label(c, "training.micro_batch_size"), (long long)c->micro_batch, (long long)c->seq_len,
+                        INT32_MAX);
     return DS4_OK;
 }
 
@@ -305,9 +305,8 @@ static ds4_status check_cfg(const ds4_train_cfg *c, const ds4_config *mc) {
         return ds4_fail(DS4_ERR_CONFIG, "[model]: set exactly one of model.dir (weights) or model.config (random init)");
     if (c->steps < 1) return ds4_fail(DS4_ERR_CONFIG, "key training.steps: must be >= 1, got %lld", (long long)c->steps);
     if (c->micro_batch < 1 || c->global_batch < 1 || c->global_batch % c->micro_batch)
-        return ds4_fail(DS4_ERR_CONFIG,
-                        "training.global_batch_size %lld is not a positive multiple of training.micro_batch_size %lld",
-                        (long long)c->global_batch, (long long)c->micro_batch);
+        return ds4_fail(DS4_ERR_CONFIG, "training.global_batch_size %lld is not a positive multiple of %s %lld",
+                        (long long)c->global_batch, titan_label(c, "training.micro_batch_size"), (long long)c->micro_batch);
     if (c->seq_len < mc->window)
         return ds4_fail(DS4_ERR_CONFIG, "key training.seq_len: %lld is shorter than the attention window %lld",
                         (long long)c->seq_len, (long long)mc->window);
@@ -315,7 +314,8 @@ static ds4_status check_cfg(const ds4_train_cfg *c, const ds4_config *mc) {
         if (mc->compress_ratios[l] > c->seq_len)
             return ds4_fail(DS4_ERR_CONFIG, "key training.seq_len: %lld is shorter than layer %lld's compress ratio %lld",
                             (long long)c->seq_len, (long long)l, (long long)mc->compress_ratios[l]);
-    if (!c->train_data[0]) return ds4_fail(DS4_ERR_CONFIG, "key data.train: missing (a shard file or glob)");
+    if (!c->train_data[0])
+        return ds4_fail(DS4_ERR_CONFIG, "key %s: missing (a shard file or glob)", titan_label(c, "data.train"));
     if (c->log_freq < 1) return ds4_fail(DS4_ERR_CONFIG, "key metrics.log_freq: must be >= 1");
     if (c->ckpt_interval > 0 && !c->ckpt_folder[0])
         return ds4_fail(DS4_ERR_CONFIG, "key checkpoint.interval set but checkpoint.folder is empty");
@@ -326,17 +326,15 @@ static ds4_status check_cfg(const ds4_train_cfg *c, const ds4_config *mc) {
 static ds4_status check_parallel(const ds4_train_cfg *c, const ds4_config *mc, int W) {
     if (c->ep < 1 || W % c->ep || mc->n_routed_experts % c->ep)
         return ds4_fail(DS4_ERR_CONFIG,
-                        "key parallel.ep: %lld must be >= 1 and divide the number of ranks (%d) and of routed experts "
-                        "(%lld)",
-                        (long long)c->ep, W, (long long)mc->n_routed_experts);
+                        "key %s: %lld must be >= 1 and divide the number of ranks (%d) and of routed experts (%lld)",
+                        titan_label(c, "parallel.ep"), (long long)c->ep, W, (long long)mc->n_routed_experts);
     if (c->dp_shard > 0 && c->dp_shard != W)
         return ds4_fail(DS4_ERR_CONFIG,
                         "key parallelism.data_parallel_shard_degree = %lld: ds4 shards over every rank, and the world "
                         "has %d (mpirun -np); set -1 or %d", (long long)c->dp_shard, W, W);
     if (c->global_batch % (c->micro_batch * W))
-        return ds4_fail(DS4_ERR_CONFIG,
-                        "training.global_batch_size %lld is not a multiple of training.micro_batch_size %lld x %d ranks",
-                        (long long)c->global_batch, (long long)c->micro_batch, W);
+        return ds4_fail(DS4_ERR_CONFIG, "training.global_batch_size %lld is not a multiple of %s %lld x %d ranks",
+                        (long long)c->global_batch, titan_label(c, "training.micro_batch_size"), (long long)c->micro_batch, W);
     if (c->moe_fb_overlap && c->global_batch / (c->micro_batch * W) < 2)
         return ds4_fail(DS4_ERR_CONFIG,
                         "--moe-fb-overlap (parallel.moe_fb_overlap) needs 2 or more micro-batches per rank: "
@@ -452,6 +450,9 @@ static ds4_status open_model(ds4_train_cfg *c, trainer *tr) {
     if (c->model_dir[0]) {
         DS4_TRY(ds4_model_dir_open(c->model_dir, &d));
         mc = *ds4_model_dir_config(d);
+        if (ds4_model_dir_mtp_absent(d) && tr->lead)
+            printf("note: model.dir %s stores no MTP block (transformers' save_pretrained drops it): training without MTP\n",
+                   c->model_dir);
     } else {
         DS4_TRY(ds4_config_load(c->model_config, &mc));
     }
@@ -836,10 +837,13 @@ static ds4_status train_loop(trainer *tr, bool *agreed) {
 }
 
 /* Rank 0, before any work: the checkpoint folder is writable and this run's alone (a second run on it
- * fails here instead of resuming the first one's steps), the metrics file can be appended to. */
+ * fails here instead of resuming the first one's steps), the metrics file can be appended to. Every
+ * folder a path names is created as by mkdir -p (TorchTitan's ./outputs/checkpoint included). */
 static ds4_status open_outputs(trainer *tr) {
     const ds4_train_cfg *c = tr->cfg;
     if (c->ckpt_folder[0]) DS4_TRY(ds4_checkpoint_lock(c->ckpt_folder, &tr->lock_fd));
+    if (c->jsonl[0]) DS4_TRY(ds4_mkdirs_parent(c->jsonl, "folder of the metrics file"));
+    if (c->trace_file[0]) DS4_TRY(ds4_mkdirs_parent(c->trace_file, "folder of the trace file"));
     if (c->jsonl[0] && !(tr->jsonl = fopen(c->jsonl, "a")))
         return ds4_fail(DS4_ERR_IO, "%s: cannot open the metrics file: %s", c->jsonl, strerror(errno));
     if (c->tb_folder[0]) DS4_TRY(ds4_tfevents_open(c->tb_folder, wall_clock(), &tr->tb));
@@ -860,6 +864,8 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *cfg, bool *agreed) {
     stop_signals(on_stop_signal); /* from the start: a signal once the run's files exist is handled */
     if (c->threads > 0) ds4_set_threads((int)c->threads);
     st = ds4_train_agree(world, tr.lead ? open_outputs(&tr) : DS4_OK); /* before any work */
+    if (st == DS4_OK && c->offload_dir[0] && (c->swap_optimizer || c->swap_layer_input)) /* each rank's own */
+        st = ds4_train_agree(world, ds4_mkdirs(c->offload_dir, "offload folder"));
     if (st == DS4_OK) st = open_model(&run, &tr);
     const ds4_config *mc = tr.m ? ds4_model_config(tr.m) : NULL;
     if (st == DS4_OK)
