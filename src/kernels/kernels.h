@@ -216,9 +216,12 @@ typedef struct {
     int64_t Nc, ratio, K;   /* compressed entries, compression ratio, top-k */
 } indexer_dims;
 /* topk: [B, T, K] = the K usable entries with the highest I (ties to the lower index), written in
- * ascending index order, −1 padded when fewer than K are usable. O(Nc) workspace per thread. */
+ * ascending index order, −1 padded when fewer than K are usable. O(Nc) workspace per thread. Row t of each
+ * batch row is position t0 + t: a pass has t0 = 0; the cached decoder selects for one position p with
+ * T = 1, t0 = p (usable: (s+1)·ratio <= p+1). */
 struct indexer_topk_args {
     indexer_dims dims;
+    int64_t t0;
     float wscale;
     const float *qi, *ki, *w;
     const uint16_t *ki16; /* bf16 keys read instead of ki, or NULL */

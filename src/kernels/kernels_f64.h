@@ -136,6 +136,7 @@ typedef struct {
 } sparse_attn_grads_f64;
 typedef struct {
     indexer_dims dims;
+    int64_t t0;
     double wscale;
     const double *qi, *ki, *w;
     int32_t *topk;

@@ -162,8 +162,6 @@ typedef struct {
     cmp_cache cmp;        /* main compressor (ratio > 0); cmp.out points into keys */
     cmp_cache icmp;       /* indexer compressor (ratio == 4) */
     float *pool, *rstd;   /* [2·max(hd, dI)], [1] */
-    float *iscore;        /* [ncap4] indexer row scores */
-    uint64_t *ikey, *isort; /* [ncap4] their sort keys */
     int32_t *keylist;     /* [window + max compressed keys] the keys one query attends */
 } unit_cache;
 

@@ -97,7 +97,7 @@ ds4_status ds4_decoder_new(ds4_model *m, int64_t max_len, ds4_decoder **out) {
     dec->cap = 6 * L + 64; /* per layer at most keys + 2 × (a, z) + indexer entries; the scratch */
     bool ok = (dec->layers = ds4_calloc(DS4_MEM_ACT, (size_t)L * sizeof(unit_cache))) != NULL &&
               (dec->bufs = ds4_calloc(DS4_MEM_ACT, (size_t)dec->cap * sizeof(void *))) != NULL;
-    int64_t ncap4 = 0, max_ck = 0; /* indexer entries; compressed keys one query can attend */
+    int64_t max_ck = 0; /* compressed keys one query can attend */
     for (int64_t l = 0; ok && l < L; l++) {
         unit_cache *lc = &dec->layers[l];
         lc->ratio = ds4_layer_ratio(c, l);
@@ -105,17 +105,14 @@ ds4_status ds4_decoder_new(ds4_model *m, int64_t max_len, ds4_decoder **out) {
         ok = (lc->keys = DF((lc->ncap + W) * hd)) != NULL;
         if (ok && lc->ratio > 0) ok = cmp_init(dec, &lc->cmp, lc->ratio, hd, max_len, lc->keys);
         if (ok && lc->ratio == 4) ok = cmp_init(dec, &lc->icmp, 4, dI, max_len, NULL);
-        if (lc->ratio == 4) ncap4 = lc->ncap;
         int64_t ck = lc->ratio == 4 && !dense ? (c->index_topk < lc->ncap ? c->index_topk : lc->ncap) : lc->ncap;
         if (ck > max_ck) max_ck = ck;
     }
     /* the one-row scratch every layer's decode variants share */
-    float *pool = NULL, *rstd = NULL, *iscore = NULL;
-    uint64_t *ikey = NULL, *isort = NULL;
+    float *pool = NULL, *rstd = NULL;
     int32_t *keylist = NULL;
     ok = ok && (dec->X = DF(n * D)) && (dec->Xnext = DF(n * D));
-    ok = ok && (rstd = DF(1)) && (pool = DF(2 * (hd > dI ? hd : dI))) && (iscore = DF(ncap4));
-    ok = ok && (ikey = dec_alloc(dec, ncap4, sizeof(uint64_t))) && (isort = dec_alloc(dec, ncap4, sizeof(uint64_t)));
+    ok = ok && (rstd = DF(1)) && (pool = DF(2 * (hd > dI ? hd : dI)));
     ok = ok && (keylist = dec_alloc(dec, W + max_ck, sizeof(int32_t)));
     ok = ok && (dec->hmix = DF(n)) && (dec->hrsqrt = DF(1)) && (dec->hy = DF(D)) && (dec->hyn = DF(D)) &&
          (dec->hrstd = DF(1));
@@ -127,9 +124,6 @@ ds4_status ds4_decoder_new(ds4_model *m, int64_t max_len, ds4_decoder **out) {
         unit_cache *lc = &dec->layers[l];
         lc->pool = pool;
         lc->rstd = rstd;
-        lc->iscore = iscore;
-        lc->ikey = ikey;
-        lc->isort = isort;
         lc->keylist = keylist;
     }
     *out = dec;

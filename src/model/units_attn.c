@@ -368,71 +368,17 @@ static ds4_status indexer_topk_fwd_unit(const block_ctx *bc, block_acts *a) {
     return kernel_status(oom, "indexer top-k");
 }
 
-/* x·k over n floats in the indexer kernel's order: two 8-lane accumulators (elements i..i+7 and
- * i+8..i+15 of each 16), a last 8-lane step, the lanes summed pairwise, then the tail. */
-static float ix_dot(const float *x, const float *k, int64_t n) {
-    float a[8] = {0}, b[8] = {0}, v[8];
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int l = 0; l < 8; l++) a[l] += x[i + l] * k[i + l], b[l] += x[i + 8 + l] * k[i + 8 + l];
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) a[l] += x[i + l] * k[i + l];
-    for (int l = 0; l < 8; l++) v[l] = a[l] + b[l];
-    float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-    for (; i < n; i++) s += x[i] * k[i];
-    return s;
-}
-
-/* A key that orders like the score (NaN as −inf), as the kernel's selection uses. */
-static uint64_t score_key(float x) {
-    if (x != x) x = -INFINITY;
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return (u >> 31) ? (uint32_t)~u : (u | 0x80000000u);
-}
-
-static int cmp_desc_u64(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? 1 : x > y ? -1 : 0;
-}
-
-/* Decoding: the top-k of the position's row over the nu usable indexer entries, written here in the
- * kernel's operation order because the kernel ties a row's usable entries to its position in the
- * sequence: I[s] = Σ_h (wscale·w[h])·ReLU(qi[h]·ki[s]), heads ascending; the K largest, ties to the
- * lower index, written ascending, −1 padded. qi: [HI, dI]; ki: [nu, dI]; w: [HI]; topk: [K]. */
+/* Decoding: the top-k of the position's row over the indexer entries emitted so far, by the indexer's
+ * kernel for one row at position p (T = 1, t0 = p): the same scores and selection as the pass's row p. */
 static ds4_status indexer_topk_decode(const block_ctx *bc, block_acts *a, unit_cache *kc) {
     if (bc->dense_csa) return DS4_OK;
     const ds4_config *c = &bc->m->cfg;
-    const int64_t HI = c->index_n_heads, dI = c->index_head_dim, K = c->index_topk, nu = kc->icmp.n;
-    const float *qi = F32(U_INDEXER, IDX_QI), *w = F32(U_INDEXER, IDX_WI), *ki = kc->icmp.out;
-    const float wscale = indexer_wscale(c);
-    int32_t *topk = I32(U_INDEXER_TOPK, TOPK_SEL);
-    int64_t n = 0;
-    if (nu <= K) {
-        for (; n < nu; n++) topk[n] = (int32_t)n;
-    } else {
-        for (int64_t s = 0; s < nu; s++) {
-            float acc = 0;
-            for (int64_t h = 0; h < HI; h++) {
-                float dd = ix_dot(qi + h * dI, ki + s * dI, dI), ww = wscale * w[h];
-                acc += ww * (dd > 0 ? dd : 0);
-            }
-            kc->iscore[s] = acc;
-            kc->ikey[s] = kc->isort[s] = score_key(acc);
-        }
-        /* the K-th largest key; take every larger key and the lowest-index equal ones */
-        qsort(kc->isort, (size_t)nu, sizeof(uint64_t), cmp_desc_u64);
-        const uint64_t kth = kc->isort[K - 1];
-        int64_t need = 0;
-        for (int64_t j = 0; j < K; j++) need += kc->isort[j] == kth;
-        for (int64_t s = 0; s < nu && n < K; s++) {
-            bool take = kc->ikey[s] > kth || (kc->ikey[s] == kth && need > 0);
-            if (take && kc->ikey[s] == kth) need--;
-            if (take) topk[n++] = (int32_t)s;
-        }
-    }
-    for (; n < K; n++) topk[n] = -1;
-    return DS4_OK;
+    const int64_t oom = ds4_alloc_failures();
+    indexer_topk_fwd(&bc->m->exec, &(indexer_topk_args){.dims = {.B = 1, .T = 1, .HI = c->index_n_heads,
+        .dI = c->index_head_dim, .Nc = kc->icmp.n, .ratio = 4, .K = c->index_topk}, .t0 = kc->pos,
+        .wscale = indexer_wscale(c), .qi = F32(U_INDEXER, IDX_QI), .ki = kc->icmp.out, .w = F32(U_INDEXER, IDX_WI),
+        .topk = I32(U_INDEXER_TOPK, TOPK_SEL)});
+    return kernel_status(oom, "the decoder's indexer top-k");
 }
 
 /* A selection: no gradient of its own. */
