@@ -40,7 +40,8 @@ struct ds4_pass {
     float *m_e, *m_en, *m_en_rstd; /* [N, D], [N, D], [N] */
     float *m_hn, *m_hn_rstd;       /* [N, n, D], [N·n] */
     float *m_X0, *m_X1;            /* [N, n, D] MTP block input / output */
-    int64_t *expert_load;     /* [n_blocks, E] */
+    int64_t *expert_load;     /* [n_blocks, E] on the model's backend: the routing's counts, added by a kernel */
+    int64_t *expert_load_got; /* [n_blocks, E] the host's copy (read_scalars) */
     unit_stats *unit_stats;   /* [n_blocks, U_COUNT] */
     int32_t *topk_kept[DS4_MAX_LAYERS]; /* keep_logits: [N, index_topk] copies of top-k lists recompute released */
     pass_scalars *scal;       /* on the model's backend: written by the kernels */
@@ -65,9 +66,14 @@ static void head_free(const ds4_pass *p, head_acts *h) {
     memset(h, 0, sizeof *h);
 }
 
-/* The one point where the pass's scalars reach the host: after the forward, and after the backward. */
-static void read_scalars(ds4_pass *p) {
+/* The one point where the pass's scalars reach the host: after the forward (with the expert loads), and
+ * after the backward. */
+static void read_scalars(ds4_pass *p, bool loads) {
+    const ds4_config *c = &p->m->cfg;
     copy_to_host(&p->m->exec, &p->got, p->scal, sizeof p->got);
+    if (loads)
+        copy_to_host(&p->m->exec, p->expert_load_got, p->expert_load,
+                     (size_t)(n_blocks(c) * c->n_routed_experts) * sizeof(int64_t));
     synchronize(&p->m->exec);
 }
 
@@ -94,7 +100,8 @@ void ds4_pass_free(ds4_pass *p) {
     dev_free(p->m, p->m_X0);
     dev_free(p->m, p->m_X1);
     dev_free(p->m, p->scal);
-    ds4_free(p->expert_load);
+    dev_free(p->m, p->expert_load);
+    ds4_free(p->expert_load_got);
     ds4_free(p->unit_stats);
     for (int64_t l = 0; l < c->n_layers; l++) ds4_free(p->topk_kept[l]);
     ds4_free(p);
@@ -109,7 +116,7 @@ const int32_t *ds4_pass_topk(const ds4_pass *p, int64_t layer) {
     return held ? held : p->topk_kept[layer];
 }
 const int64_t *ds4_pass_expert_load(const ds4_pass *p, int64_t layer) {
-    return p->expert_load + layer * p->m->cfg.n_routed_experts;
+    return p->expert_load_got + layer * p->m->cfg.n_routed_experts;
 }
 
 /* A rope table built on the host moved to the model's backend, where the kernels read it. */
@@ -550,10 +557,12 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     p->ids_next = dev_alloc(m, DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
     p->X = ds4_calloc(DS4_MEM_OTHER, (size_t)(c->n_layers + 1) * sizeof(float *));
     p->ba = ds4_calloc(DS4_MEM_OTHER, (size_t)nb * sizeof(block_acts));
-    p->expert_load = ds4_calloc(DS4_MEM_OTHER, (size_t)(nb * c->n_routed_experts) * sizeof(int64_t));
+    p->expert_load = dev_zalloc(m, DS4_MEM_OTHER, (size_t)(nb * c->n_routed_experts) * sizeof(int64_t));
+    p->expert_load_got = ds4_calloc(DS4_MEM_OTHER, (size_t)(nb * c->n_routed_experts) * sizeof(int64_t));
     p->unit_stats = ds4_calloc(DS4_MEM_OTHER, (size_t)(nb * U_COUNT) * sizeof(unit_stats));
     p->scal = dev_zalloc(m, DS4_MEM_OTHER, sizeof *p->scal);
-    if (!p->ids || !p->ids_next || !p->X || !p->ba || !p->expert_load || !p->unit_stats || !p->scal) {
+    if (!p->ids || !p->ids_next || !p->X || !p->ba || !p->expert_load || !p->expert_load_got || !p->unit_stats ||
+        !p->scal) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory starting the forward pass");
         goto fail;
     }
@@ -602,7 +611,7 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     drop(p, group_head(c));
     if (st == DS4_OK) st = hooks_sync(p);
     if (st != DS4_OK) goto fail;
-    read_scalars(p);
+    read_scalars(p, true);
     finish_losses(p);
     *out = p;
     return DS4_OK;
@@ -666,7 +675,7 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
     dev_free(m, dX);
     ds4_status sy = hooks_sync(p); /* the last reduce-scatters land in the shard gradients */
     if (st == DS4_OK) st = sy;
-    if (st == DS4_OK) read_scalars(p);
+    if (st == DS4_OK) read_scalars(p, false);
     if (st == DS4_OK) st = check_kl_rows(p);
     if (st == DS4_OK) finish_losses(p);
     return st;
