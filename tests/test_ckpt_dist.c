@@ -34,7 +34,8 @@ static bool g_swap;
 static ds4_status open_state(bool per_rank, ds4_train_state **s) {
     ds4_config c;
     DS4_TRY(ds4_config_load(k_cfg, &c));
-    ds4_train_state_opts o = {.ep = g_ep, .swap_optimizer = g_swap, .per_rank_ckpt = per_rank, .muon = true};
+    ds4_train_state_opts o = {.ep = g_ep, .swap_optimizer = g_swap, .per_rank_ckpt = per_rank,
+                               .optimizer = &ds4_optimizer_muon};
     return ds4_train_state_open(&c, NULL, 3, g_world, &o, s);
 }
 
@@ -140,10 +141,10 @@ static void under_mpirun(int ranks, const char *mode) {
     CHECK(ok == ranks, "%d of %d ranks passed (%s)", ok, ranks, mode);
 }
 
-/* A whole model and AdamW state as a checkpoint loads them. */
+/* A whole model and Muon state as a checkpoint loads them. */
 typedef struct {
     ds4_model *m;
-    ds4_adamw o;
+    ds4_optim o;
     ds4_offload *store;
     ds4_ckpt_meta meta;
 } whole;
@@ -155,23 +156,23 @@ static ds4_status load_whole(const char *path, bool swap, whole *w) {
     DS4_TRY(ds4_model_create(NULL, &c, false, &w->m));
     if (swap) {
         DS4_TRY(ds4_offload_open(NULL, NULL, &w->store));
-        DS4_TRY(ds4_adamw_init_swapped(&w->o, w->m, w->store, 4096));
+        DS4_TRY(ds4_optim_init(&w->o, &ds4_optimizer_muon, w->m, w->store, 4096));
     } else {
-        DS4_TRY(ds4_adamw_init(&w->o, w->m));
+        DS4_TRY(ds4_optim_init(&w->o, &ds4_optimizer_muon, w->m, NULL, 0));
     }
     return ds4_checkpoint_load(path, w->m, &w->o, &w->meta);
 }
 
 static void free_whole(whole *w) {
-    ds4_adamw_free(&w->o);
+    ds4_optim_free(&w->o);
     ds4_offload_close(w->store);
     ds4_model_free(w->m);
 }
 
-/* Element i of moment k (resident or swapped). */
-static float moment_at(const ds4_adamw *o, int k, int64_t i) {
+/* Element i of array a of group g (resident or swapped). */
+static float moment_at(const ds4_optim *o, int g, int a, int64_t i) {
     float x = NAN;
-    ds4_adamw_moment_read(o, k, i, 1, &x);
+    ds4_optim_read(o, g, a, i, 1, &x);
     return x;
 }
 
@@ -185,17 +186,18 @@ static void same_state(const whole *a, const whole *b, const char *what) {
                       bytes) != 0;
     }
     CHECK(bad == 0, "%s: %lld tensors differ", what, (long long)bad);
-    const int64_t n = a->o.n;
     int64_t mism = 0;
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 3; k++) { /* AdamW's m, v; Muon's momentum */
+        const int g = k < 2 ? DS4_OPT_ADAMW : DS4_OPT_OWN, n = (int)(a->o.g[g].n == b->o.g[g].n);
         const int64_t stride = a->o.store || b->o.store ? 97 : 1; /* swapped: a sample of elements, read one by one */
-        for (int64_t i = 0; i < n; i += stride) {
-            float x = moment_at(&a->o, k, i), y = moment_at(&b->o, k, i);
-            mism += memcmp(&x, &y, sizeof x) != 0;
+        for (int64_t i = 0; i < a->o.g[g].n; i += stride) {
+            float x = moment_at(&a->o, g, k % 2, i), y = moment_at(&b->o, g, k % 2, i);
+            mism += memcmp(&x, &y, sizeof x) != 0 || !n;
         }
     }
-    CHECK(n == b->o.n && mism == 0, "%s: %lld moment elements differ", what, (long long)mism);
-    CHECK(a->meta.muon && b->meta.muon, "%s: the Muon mark is lost", what);
+    CHECK(a->o.n == b->o.n && mism == 0, "%s: %lld optimizer state elements differ", what, (long long)mism);
+    CHECK(a->meta.optimizer == &ds4_optimizer_muon && b->meta.optimizer == &ds4_optimizer_muon, "%s: the Muon mark is lost",
+          what);
     CHECK(a->o.step == b->o.step && a->meta.step == b->meta.step && !strcmp(a->meta.data_state, b->meta.data_state),
           "%s: steps %lld/%lld vs %lld/%lld", what, (long long)a->o.step, (long long)a->meta.step, (long long)b->o.step,
           (long long)b->meta.step);
@@ -211,17 +213,18 @@ static void test_make_base(void) {
     CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
     if (!m) return;
     ds4_model_init_random(m, 11);
-    ds4_adamw o;
-    CHECK(ds4_adamw_init(&o, m) == DS4_OK && ds4_adamw_group_muon(&o, m) == DS4_OK); /* Muon marks the files */
-    t_fill(o.m, (long)o.n, 5, 0.01f);
-    t_fill(o.v, (long)o.n, 6, 1e-4f);
+    ds4_optim o;
+    CHECK(ds4_optim_init(&o, &ds4_optimizer_muon, m, NULL, 0) == DS4_OK); /* Muon marks the files */
+    t_fill(o.g[DS4_OPT_ADAMW].mem[0], (long)o.g[DS4_OPT_ADAMW].n, 5, 0.01f);
+    t_fill(o.g[DS4_OPT_ADAMW].mem[1], (long)o.g[DS4_OPT_ADAMW].n, 6, 1e-4f);
+    t_fill(o.g[DS4_OPT_OWN].mem[0], (long)o.g[DS4_OPT_OWN].n, 7, 0.01f);
     o.step = 7;
     ds4_ckpt_meta meta = {.step = 1, .seed = 42};
     snprintf(meta.data_state, sizeof meta.data_state, "position 123");
     char root[512];
     snprintf(root, sizeof root, "%s/base", g_dir);
     CHECK(ds4_checkpoint_save(root, 0, m, &o, &meta) == DS4_OK, "%s", ds4_errmsg());
-    ds4_adamw_free(&o);
+    ds4_optim_free(&o);
     ds4_model_free(m);
     snprintf(root, sizeof root, "%s/base/step-00000001", g_dir);
     CHECK(load_whole(root, false, &g_base) == DS4_OK, "%s", ds4_errmsg());

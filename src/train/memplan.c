@@ -28,7 +28,7 @@ static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, i
                                     .swap_layer_input = so->swap_layer_input,
                                     .offload_dir = so->offload_dir,
                                     .swap_chunk_bytes = so->swap_chunk_bytes,
-                                    .muon = so->muon,
+                                    .optimizer = so->muon ? &ds4_optimizer_muon : NULL,
                                     .bf16 = so->bf16,
                                     .prefetch_depth = so->prefetch_depth};
     const ds4_muon_cfg muon = ds4_muon_defaults();
