@@ -177,7 +177,7 @@ bool ds4_train_state_bf16(const ds4_train_state *s); /* opened with bf16 mixed p
  * plan and run are one code path): zero the gradients; forward + backward of each micro-batch under the
  * pass options, summing losses and expert loads; gradients / (micro-batches of all ranks); losses := their
  * mean over ranks; clip to max_norm; a non-finite loss or norm is an error; AdamW at lr (then the
- * optimizer's own rule on its group when muon is set); the router bias rule with the loads. src/train/step.c. */
+ * optimizer's own rule on its group with own_cfg); the router bias rule with the loads. src/train/step.c. */
 typedef struct {
     int64_t step;              /* 1-based, for messages */
     int64_t micro_batches;     /* of this rank, >= 1 */
@@ -193,7 +193,7 @@ typedef struct {
     bool moe_force_balance;    /* balanced routing (memplan of a real world) */
     /* the update */
     const ds4_adamw_cfg *adamw;
-    const ds4_muon_cfg *muon;  /* NULL: AdamW alone; else the settings of the state's own rule (Muon) */
+    const void *own_cfg;       /* the settings of the state's own rule (Muon: a ds4_muon_cfg); NULL: AdamW alone */
     double lr, max_norm, router_bias_gamma;
     /* MoE forward-backward overlap (parallel.moe_fb_overlap, --moe-fb-overlap; micro_batches >= 2):
      * forward(i) runs beside backward(i - 1), taking turns at each EP all-to-all; the same bits */

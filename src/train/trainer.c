@@ -502,7 +502,7 @@ static ds4_step_args step_args(trainer *tr, int64_t step, double lr) {
                            .csa_dense = step <= c->csa_dense_steps,
                            .release_mask = ds4_recompute_any(&c->recompute) ? tr->masks : NULL,
                            .adamw = &c->adamw,
-                           .muon = c->optimizer == &ds4_optimizer_muon ? &c->muon : NULL,
+                           .own_cfg = c->optimizer == &ds4_optimizer_muon ? &c->muon : NULL,
                            .lr = lr,
                            .max_norm = c->max_norm,
                            .router_bias_gamma = c->router_bias_gamma,
