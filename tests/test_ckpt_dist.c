@@ -2,7 +2,9 @@
  * tables and the carried drafter included):
  *  (a) a base checkpoint (one process, random weights and moments) loads on 2 ranks, which save it per rank
  *      and in the one-writer format; both load back in one process to exactly the base's bits (weights,
- *      tables, carried tensors, both moments, the step, the Muon mark), resident and with --swap-optimizer;
+ *      tables, carried tensors, AdamW's moments and Muon's momentum, the step, the Muon mark), resident and
+ *      with --swap-optimizer, and so do the per-rank files rewritten in the layout of ds4 before Muon owned
+ *      its state (the momentum in adamw.m);
  *  (b) 4 ranks with EP 2 and --swap-optimizer load the 2-rank per-rank checkpoint (resharding) and save it
  *      again both ways: still the base's bits, in one process;
  *  (c) keep_latest_k rotates per-rank checkpoints (the hidden folder of a save killed half way is replaced);
@@ -251,6 +253,47 @@ static void equals_base(const char *name) {
     ds4_model_free(m);
 }
 
+/* NAME's step folder (per rank, WORLD files) rewritten as ds4 wrote it before Muon owned its state: the
+ * momentum in adamw.m where muon.momentum holds it (its bits are not those of +0, the value outside its
+ * group), no muon.momentum; every other tensor as it is. */
+static void write_old_per_rank_layout(const char *name, int world) {
+    for (int r = 0; r < world; r++) {
+        char file[64], path[700];
+        ds4_checkpoint_shard_name(file, sizeof file, r, world);
+        snprintf(path, sizeof path, "%s/%s/step-00000001/%s", g_dir, name, file);
+        ds4_st_file *f = NULL;
+        CHECK(ds4_st_open(path, &f) == DS4_OK, "%s", ds4_errmsg());
+        if (!f) return;
+        const ds4_st_entry *em = ds4_st_find(f, "adamw.m"), *eo = ds4_st_find(f, "muon.momentum");
+        CHECK(em && eo && ds4_st_entry_numel(em) == ds4_st_entry_numel(eo), "%s: adamw.m and muon.momentum", path);
+        if (!em || !eo) {
+            ds4_st_close(f);
+            return;
+        }
+        const int64_t n = ds4_st_entry_numel(em);
+        uint32_t *m = malloc((size_t)n * sizeof(uint32_t)), *mo = malloc((size_t)n * sizeof(uint32_t));
+        memcpy(m, ds4_st_bytes(f, em), (size_t)n * sizeof(uint32_t));
+        memcpy(mo, ds4_st_bytes(f, eo), (size_t)n * sizeof(uint32_t));
+        int64_t placed = 0;
+        for (int64_t i = 0; i < n; i++)
+            if (mo[i] != 0) m[i] = mo[i], placed++;
+        CHECK(placed > 0, "%s: no momentum to place", path);
+        ds4_st_writer *w = NULL;
+        ds4_status st = ds4_st_writer_new(&w);
+        for (int64_t i = 0; st == DS4_OK && i < ds4_st_count(f); i++) {
+            const ds4_st_entry *e = ds4_st_entry_at(f, i);
+            if (e == eo) continue;
+            st = ds4_st_writer_add(w, e->name, e->dtype, e->ndim, e->shape, e == em ? (const void *)m : ds4_st_bytes(f, e));
+        }
+        if (st == DS4_OK) st = ds4_st_writer_write(w, path);
+        CHECK(st == DS4_OK, "%s", ds4_errmsg());
+        ds4_st_writer_free(w);
+        ds4_st_close(f);
+        free(m);
+        free(mo);
+    }
+}
+
 static void test_two_ranks(void) {
     under_mpirun(2, "save");
     char p[512];
@@ -260,6 +303,13 @@ static void test_two_ranks(void) {
     CHECK(access(p, F_OK) == 0, "%s missing", p);
     equals_base("pr2");
     equals_base("ow2");
+    /* the per-rank files of ds4 before Muon owned its state load to the same bits */
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "rm -rf %s/old2 && mkdir -p %s/old2 && cp -r %s/pr2/step-00000001 %s/old2/", g_dir, g_dir,
+             g_dir, g_dir);
+    CHECK(system(cmd) == 0, "%s", cmd);
+    write_old_per_rank_layout("old2", 2);
+    equals_base("old2");
 }
 
 static void test_four_ranks_reshard(void) {
