@@ -253,45 +253,54 @@ static void equals_base(const char *name) {
     ds4_model_free(m);
 }
 
-/* NAME's step folder (per rank, WORLD files) rewritten as ds4 wrote it before Muon owned its state: the
- * momentum in adamw.m where muon.momentum holds it (its bits are not those of +0, the value outside its
- * group), no muon.momentum; every other tensor as it is. */
-static void write_old_per_rank_layout(const char *name, int world) {
-    for (int r = 0; r < world; r++) {
-        char file[64], path[700];
-        ds4_checkpoint_shard_name(file, sizeof file, r, world);
-        snprintf(path, sizeof path, "%s/%s/step-00000001/%s", g_dir, name, file);
-        ds4_st_file *f = NULL;
-        CHECK(ds4_st_open(path, &f) == DS4_OK, "%s", ds4_errmsg());
-        if (!f) return;
-        const ds4_st_entry *em = ds4_st_find(f, "adamw.m"), *eo = ds4_st_find(f, "muon.momentum");
-        CHECK(em && eo && ds4_st_entry_numel(em) == ds4_st_entry_numel(eo), "%s: adamw.m and muon.momentum", path);
-        if (!em || !eo) {
-            ds4_st_close(f);
-            return;
+/* NAME's step folder (per rank) rewritten as ds4 wrote it before Muon owned its state, from the base's
+ * state: each file's adamw.m and adamw.v over all its elements in the params' layout, the momentum in adamw.m
+ * over the Muon group (0 in adamw.v there and in the padding), no muon.momentum; every other tensor as is. */
+static void write_old_per_rank_layout(const char *name) {
+    char dir[600];
+    snprintf(dir, sizeof dir, "%s/%s/step-00000001", g_dir, name);
+    const ds4_optim *o = &g_base.o;
+    float *m = malloc((size_t)o->n * sizeof(float)), *v = malloc((size_t)o->n * sizeof(float)); /* whole = packed */
+    for (int64_t i = 0; i < o->n; i++) {
+        int64_t j;
+        const int g = ds4_optim_locate(o, i, &j);
+        m[i] = o->g[g].mem[0][j];
+        v[i] = g == DS4_OPT_OWN ? 0.0f : o->g[g].mem[1][j];
+    }
+    ds4_ckpt_shards *s = NULL;
+    CHECK(ds4_checkpoint_is_per_rank(dir) && ds4_ckpt_shards_open(dir, o->n, &s) == DS4_OK, "%s", ds4_errmsg());
+    for (int f = 0; s && f < ds4_ckpt_shards_nfiles(s); f++) {
+        const int64_t k = ds4_ckpt_shards_elements(s, f);
+        float *fm = calloc((size_t)k + 1, sizeof(float)), *fv = calloc((size_t)k + 1, sizeof(float));
+        for (int64_t r = 0; r < ds4_ckpt_shards_nranges(s); r++) {
+            const ds4_ckpt_range g = ds4_ckpt_shards_range(s, r);
+            if (g.file != f) continue;
+            memcpy(fm + g.foff, m + g.poff, (size_t)g.len * sizeof(float));
+            memcpy(fv + g.foff, v + g.poff, (size_t)g.len * sizeof(float));
         }
-        const int64_t n = ds4_st_entry_numel(em);
-        uint32_t *m = malloc((size_t)n * sizeof(uint32_t)), *mo = malloc((size_t)n * sizeof(uint32_t));
-        memcpy(m, ds4_st_bytes(f, em), (size_t)n * sizeof(uint32_t));
-        memcpy(mo, ds4_st_bytes(f, eo), (size_t)n * sizeof(uint32_t));
-        int64_t placed = 0;
-        for (int64_t i = 0; i < n; i++)
-            if (mo[i] != 0) m[i] = mo[i], placed++;
-        CHECK(placed > 0, "%s: no momentum to place", path);
+        char path[700];
+        snprintf(path, sizeof path, "%s", ds4_st_path(ds4_ckpt_shards_file(s, f)));
+        ds4_st_file *in = NULL;
         ds4_st_writer *w = NULL;
-        ds4_status st = ds4_st_writer_new(&w);
-        for (int64_t i = 0; st == DS4_OK && i < ds4_st_count(f); i++) {
-            const ds4_st_entry *e = ds4_st_entry_at(f, i);
-            if (e == eo) continue;
-            st = ds4_st_writer_add(w, e->name, e->dtype, e->ndim, e->shape, e == em ? (const void *)m : ds4_st_bytes(f, e));
+        ds4_status st = ds4_st_open(path, &in);
+        if (st == DS4_OK) st = ds4_st_writer_new(&w);
+        for (int64_t i = 0; st == DS4_OK && i < ds4_st_count(in); i++) {
+            const ds4_st_entry *e = ds4_st_entry_at(in, i);
+            const bool am = !strcmp(e->name, "adamw.m"), av = !strcmp(e->name, "adamw.v");
+            if (!strcmp(e->name, "muon.momentum")) continue;
+            st = ds4_st_writer_add(w, e->name, e->dtype, am || av ? 1 : e->ndim, am || av ? &k : e->shape,
+                                   am ? (const void *)fm : av ? (const void *)fv : ds4_st_bytes(in, e));
         }
         if (st == DS4_OK) st = ds4_st_writer_write(w, path);
-        CHECK(st == DS4_OK, "%s", ds4_errmsg());
+        CHECK(st == DS4_OK, "%s: %s", path, ds4_errmsg());
         ds4_st_writer_free(w);
-        ds4_st_close(f);
-        free(m);
-        free(mo);
+        ds4_st_close(in);
+        free(fm);
+        free(fv);
     }
+    ds4_ckpt_shards_close(s);
+    free(m);
+    free(v);
 }
 
 static void test_two_ranks(void) {
@@ -308,7 +317,7 @@ static void test_two_ranks(void) {
     snprintf(cmd, sizeof cmd, "rm -rf %s/old2 && mkdir -p %s/old2 && cp -r %s/pr2/step-00000001 %s/old2/", g_dir, g_dir,
              g_dir, g_dir);
     CHECK(system(cmd) == 0, "%s", cmd);
-    write_old_per_rank_layout("old2", 2);
+    write_old_per_rank_layout("old2");
     equals_base("old2");
 }
 

@@ -257,11 +257,11 @@ ds4_status ds4_optim_state_load(ds4_optim *o, ds4_model *m, const ds4_fsdp *f, c
  * checkpoint.per_rank: every rank of a sharded state writes its own file into the hidden step folder, all
  * at once; rank 0 adds config.json, the index and, once every rank has written, state.json and the rename
  * (the one-writer commit above). ROOT/step-N then holds
- *   shard-RRRRR-of-WWWWW.safetensors  "params" and the optimizer's arrays ("adamw.m", "adamw.v", Muon's
- *                                     "muon.momentum") F32 [k]: rank R's elements of the packed layout
- *                                     (ds4/dist.h), each array 0 outside its group; "adamw.step" I64 [1] (and
- *                                     the optimizer's mark); shard 0 also the integer tables and carried
- *                                     tensors under their names;
+ *   shard-RRRRR-of-WWWWW.safetensors  "params" F32 [k]: rank R's elements of the packed layout (ds4/dist.h);
+ *                                     the optimizer's arrays ("adamw.m", "adamw.v", Muon's "muon.momentum")
+ *                                     F32, each over its group's elements of those k alone, in their order
+ *                                     (AdamW alone: [k]); "adamw.step" I64 [1] (and the optimizer's mark);
+ *                                     shard 0 also the integer tables and carried tensors under their names;
  *   shards.json                       for each file, the packed ranges it holds: [packed offset, offset in
  *                                     the file's arrays, length].
  * Any packed range can be read back from the files, so such a checkpoint loads on any world and EP degree
@@ -274,9 +274,10 @@ typedef struct {
     const float *params;         /* [n] this rank's elements, in the order of its ranges */
     int64_t n, step;             /* elements; the optimizer's step */
     const char *mark;            /* the optimizer's mark (ds4_optimizer.mark), NULL: none */
-    int narrays;                 /* the optimizer's arrays, [n] each in the params' layout */
+    int narrays;                 /* the optimizer's arrays: [lens[a]] each, its group's elements in the params' order */
     const char *names[DS4_CKPT_ARRAYS_MAX];
     const float *arrays[DS4_CKPT_ARRAYS_MAX];
+    int64_t lens[DS4_CKPT_ARRAYS_MAX];
     ds4_model *tables;           /* rank 0: the model whose integer tables and carried tensors go in; else NULL */
 } ds4_ckpt_shard_data;
 /* tmp/shard-RRRRR-of-WWWWW.safetensors, written atomically. */
@@ -286,7 +287,8 @@ ds4_status ds4_checkpoint_write_shard(const char *tmp, int rank, int world, cons
 ds4_status ds4_checkpoint_write_index(const char *tmp, int world, int64_t packed_numel, const int64_t *sizes,
                                       const int64_t *ranges);
 /* Reading: opens every file the index names and checks that their ranges tile [0, packed_numel) exactly and
- * that each array has the length the index gives it (errors name the file); packed_numel < 0: the index's. */
+ * that "params" has the length the index gives it, the optimizer's arrays at most that (errors name the
+ * file); packed_numel < 0: the index's. */
 typedef struct ds4_ckpt_shards ds4_ckpt_shards;
 typedef enum { DS4_CKPT_PARAMS = 0, DS4_CKPT_ADAMW_M = 1, DS4_CKPT_ADAMW_V = 2 } ds4_ckpt_array; /* in every file */
 ds4_status ds4_ckpt_shards_open(const char *path, int64_t packed_numel, ds4_ckpt_shards **out);
@@ -310,7 +312,8 @@ ds4_ckpt_range ds4_ckpt_shards_range(const ds4_ckpt_shards *s, int64_t i);
 void ds4_ckpt_shards_select(ds4_ckpt_shards *s, ds4_ckpt_array which);
 ds4_status ds4_ckpt_shards_select_name(ds4_ckpt_shards *s, const char *name);
 bool ds4_ckpt_shards_has(const ds4_ckpt_shards *s, const char *name); /* the array is in the files */
-/* Packed elements [off, off + n) of the selected array into dst (a ds4_packed_read_fn). */
+/* Packed elements [off, off + n) of the selected array into dst (a ds4_packed_read_fn); an array over one
+ * group's elements is read by ds4_checkpoint_load_optim, which knows the groups. */
 ds4_status ds4_ckpt_shards_read(void *ctx, int64_t off, int64_t n, float *dst);
 /* The integer tables and carried tensors of m (whole or unmapped), from the first file. */
 ds4_status ds4_ckpt_shards_load_tables(const ds4_ckpt_shards *s, ds4_model *m);

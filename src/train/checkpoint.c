@@ -293,14 +293,24 @@ typedef struct {
     ds4_model *m;
     int64_t *poff;               /* [nparams] each float parameter's packed offset */
     int64_t *goff;               /* [nparams] its offset among the packed elements of its writer group */
+    int64_t *flat, nflat;        /* [nflat] the float parameters (indices), in packed order */
     ds4_tensor_loc loc[DS4_OPT_NGROUPS][DS4_OPT_ARRAYS_MAX]; /* optim.state: each writer array */
     bool full[DS4_OPT_NGROUPS][DS4_OPT_ARRAYS_MAX];
     const char *name[DS4_OPT_NGROUPS][DS4_OPT_ARRAYS_MAX];   /* the tensor each writer array is read from */
+    /* per-rank files whose optimizer arrays hold one group's elements each (the writer's own array is
+     * there): the own group's intervals of every file, sorted by (file, offset), each with the own elements
+     * of its file before it, and each file's arrays */
+    bool grouped;
+    int64_t (*own)[4];           /* [nown]: file, offset in the file's params, length, own elements before */
+    int64_t nown, cap;
+    ds4_tensor_loc *floc;        /* [nfiles][DS4_OPT_NGROUPS][DS4_OPT_ARRAYS_MAX] */
     ds4_optim *o;
     float *buf;                  /* [C] for a swapped state */
     int64_t C, switched;
     ds4_status st;
 } optim_src;
+
+static ds4_status own_intervals(optim_src *x);
 
 static int writer_group(const optim_src *x, const ds4_param *p) {
     return ds4_optimizer_takes(x->writer, p) ? DS4_OPT_OWN : DS4_OPT_ADAMW;
@@ -312,12 +322,15 @@ static ds4_status src_open(optim_src *x) {
     const int64_t np = ds4_model_nparams(x->m);
     x->poff = ds4_alloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(int64_t));
     x->goff = ds4_alloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(int64_t));
-    if (!x->poff || !x->goff) return ds4_fail(DS4_ERR_OOM, "%s: out of memory reading the optimizer state", x->what);
+    x->flat = ds4_alloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(int64_t));
+    if (!x->poff || !x->goff || !x->flat)
+        return ds4_fail(DS4_ERR_OOM, "%s: out of memory reading the optimizer state", x->what);
     int64_t packed = 0, count[DS4_OPT_NGROUPS] = {0, 0};
     for (int64_t i = 0; i < np; i++) {
         const ds4_param *p = ds4_model_param(x->m, i);
         if (!ds4_param_in_flat(p)) continue;
         const int g = writer_group(x, p);
+        x->flat[x->nflat++] = i;
         x->poff[i] = packed, x->goff[i] = count[g];
         packed += p->numel, count[g] += p->numel;
     }
@@ -330,6 +343,7 @@ static ds4_status src_open(optim_src *x) {
             if (g == DS4_OPT_OWN && !present && x->writer == &ds4_optimizer_muon && a == 0) name = "adamw.m";
             x->name[g][a] = name;
             x->full[g][a] = !x->f || !present; /* the old momentum is adamw.m, over every element */
+            x->grouped = x->grouped || (!x->f && g == DS4_OPT_OWN && present); /* per-rank: arrays by group */
             if (!x->f) continue;
             DS4_TRY(ds4_st_locate(x->f, name, &x->loc[g][a]));
             const ds4_tensor_loc *l = &x->loc[g][a];
@@ -338,6 +352,96 @@ static ds4_status src_open(optim_src *x) {
                                 x->what, name, (long long)packed, (long long)count[g]);
             x->full[g][a] = l->shape[0] == packed;
         }
+    }
+    return x->grouped ? own_intervals(x) : DS4_OK;
+}
+
+static int cmp_own(const void *a, const void *b) {
+    const int64_t *x = a, *y = b;
+    return x[0] != y[0] ? (x[0] > y[0]) - (x[0] < y[0]) : (x[1] > y[1]) - (x[1] < y[1]);
+}
+
+/* The file's range holding packed element off (the ranges tile [0, packed)). */
+static ds4_ckpt_range range_at(const ds4_ckpt_shards *s, int64_t off) {
+    int64_t lo = 0, hi = ds4_ckpt_shards_nranges(s) - 1;
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (ds4_ckpt_shards_range(s, mid).poff <= off) lo = mid;
+        else hi = mid - 1;
+    }
+    return ds4_ckpt_shards_range(s, lo);
+}
+
+/* Grouped per-rank files: the writer's own-group intervals of each file, from the index ranges cut at
+ * parameter boundaries, and each file's arrays located and checked against its group's elements. */
+static ds4_status own_intervals(optim_src *x) {
+    const ds4_ckpt_shards *s = x->shards;
+    const int nf = ds4_ckpt_shards_nfiles(s);
+    for (int64_t i = 0; i < ds4_ckpt_shards_nranges(s); i++) {
+        const ds4_ckpt_range r = ds4_ckpt_shards_range(s, i);
+        int64_t lo = 0, hi = x->nflat - 1; /* the last float parameter starting at or before the range */
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (x->poff[x->flat[mid]] <= r.poff) lo = mid;
+            else hi = mid - 1;
+        }
+        for (int64_t k = lo, at = r.poff; k < x->nflat && at < r.poff + r.len; k++) { /* the parameters it covers */
+            const int64_t p = x->flat[k];
+            const ds4_param *q = ds4_model_param(x->m, p);
+            const int64_t end = x->poff[p] + q->numel < r.poff + r.len ? x->poff[p] + q->numel : r.poff + r.len;
+            if (end <= at) continue;
+            if (writer_group(x, q) == DS4_OPT_OWN) {
+                if (!ds4_grow((void **)&x->own, &x->cap, x->nown + 1, sizeof *x->own))
+                    return ds4_fail(DS4_ERR_OOM, "%s: out of memory reading the optimizer state", x->what);
+                x->own[x->nown][0] = r.file, x->own[x->nown][1] = r.foff + (at - r.poff), x->own[x->nown][2] = end - at;
+                x->nown++;
+            }
+            at = end;
+        }
+    }
+    if (x->nown > 1) qsort(x->own, (size_t)x->nown, sizeof *x->own, cmp_own);
+    int64_t *total = ds4_calloc(DS4_MEM_OTHER, (size_t)nf * sizeof(int64_t));
+    x->floc = ds4_calloc(DS4_MEM_OTHER, (size_t)nf * DS4_OPT_NGROUPS * DS4_OPT_ARRAYS_MAX * sizeof *x->floc);
+    if (!total || !x->floc) {
+        ds4_free(total);
+        return ds4_fail(DS4_ERR_OOM, "%s: out of memory reading the optimizer state", x->what);
+    }
+    for (int64_t k = 0; k < x->nown; k++) {
+        x->own[k][3] = total[x->own[k][0]];
+        total[x->own[k][0]] += x->own[k][2];
+    }
+    ds4_status st = DS4_OK;
+    for (int f = 0; f < nf && st == DS4_OK; f++)
+        for (int g = 0; g < DS4_OPT_NGROUPS && st == DS4_OK; g++)
+            for (int a = 0; a < DS4_OPT_ARRAYS_MAX && x->name[g][a] && st == DS4_OK; a++) {
+                ds4_tensor_loc *l = &x->floc[(f * DS4_OPT_NGROUPS + g) * DS4_OPT_ARRAYS_MAX + a];
+                const int64_t want = g == DS4_OPT_OWN ? total[f] : ds4_ckpt_shards_elements(s, f) - total[f];
+                st = ds4_st_locate(ds4_ckpt_shards_file(s, f), x->name[g][a], l);
+                if (st == DS4_OK) st = ds4_tensor_loc_check_shape(l, 1, &want);
+            }
+    ds4_free(total);
+    return st;
+}
+
+/* Grouped per-rank files: packed elements [off, off + n) of writer array (g, a), each piece read from its
+ * file's array at its place among the group's elements there. */
+static ds4_status grouped_read(optim_src *x, int g, int a, int64_t off, int64_t n, float *dst) {
+    while (n > 0) {
+        const ds4_ckpt_range r = range_at(x->shards, off);
+        const int64_t fo = r.foff + (off - r.poff), take = r.poff + r.len - off < n ? r.poff + r.len - off : n;
+        int64_t lo = 0, hi = x->nown - 1, before = 0; /* the last own interval of this file starting at or before fo */
+        while (lo <= hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (x->own[mid][0] < r.file || (x->own[mid][0] == r.file && x->own[mid][1] <= fo)) lo = mid + 1;
+            else hi = mid - 1;
+        }
+        if (hi >= 0 && x->own[hi][0] == r.file)
+            before = x->own[hi][3] + (fo - x->own[hi][1] < x->own[hi][2] ? fo - x->own[hi][1] : x->own[hi][2]);
+        const int64_t j = g == DS4_OPT_OWN ? before : fo - before;
+        const ds4_tensor_loc *l = &x->floc[(r.file * DS4_OPT_NGROUPS + g) * DS4_OPT_ARRAYS_MAX + a];
+        DS4_TRY(ds4_tensor_loc_read_rows(l, j, j + take, dst));
+        ds4_tensor_loc_release_rows(l, j, j + take); /* the pages read go back */
+        off += take, n -= take, dst += take;
     }
     return DS4_OK;
 }
@@ -348,13 +452,17 @@ static void src_close(optim_src *x) {
             if (x->loc[g][a].entry) ds4_tensor_loc_release(&x->loc[g][a]); /* the pages read go back */
     ds4_free(x->poff);
     ds4_free(x->goff);
+    ds4_free(x->flat);
     ds4_free(x->buf);
+    ds4_free(x->own);
+    ds4_free(x->floc);
 }
 
 /* Writer array (g, a) of parameter i, elements [k0, k0 + n), into dst. */
 static ds4_status src_read(optim_src *x, int g, int a, int64_t i, int64_t k0, int64_t n, float *dst) {
     const int64_t off = (x->full[g][a] ? x->poff[i] : x->goff[i]) + k0;
     if (x->f) return ds4_tensor_loc_read_rows(&x->loc[g][a], off, off + n, dst);
+    if (x->grouped) return grouped_read(x, g, a, x->poff[i] + k0, n, dst);
     DS4_TRY(ds4_ckpt_shards_select_name(x->shards, x->name[g][a]));
     return ds4_ckpt_shards_read(x->shards, off, n, dst);
 }

@@ -1,12 +1,12 @@
 /* Per-rank checkpoints (checkpoint.per_rank): every rank of a sharded state writes its own file, at the
  * same time as the others, into the same hidden ROOT/.tmp-step-N that the one-writer save uses:
- *   shard-RRRRR-of-WWWWW.safetensors  "params" and the optimizer's arrays ("adamw.m", "adamw.v", Muon's
- *                                     "muon.momentum") F32 [k]: the rank's elements of the packed layout
- *                                     (ds4/dist.h), each array 0 outside its group; "adamw.step" I64 [1] (and
- *                                     the optimizer's mark);
+ *   shard-RRRRR-of-WWWWW.safetensors  "params" F32 [k]: the rank's elements of the packed layout (ds4/dist.h);
+ *                                     the optimizer's arrays ("adamw.m", "adamw.v", Muon's "muon.momentum"),
+ *                                     each over its group's elements alone; "adamw.step" I64 [1] (and the
+ *                                     optimizer's mark);
  *                                     shard 0 also holds the integer tables and carried tensors by name;
  *   shards.json                       the index (rank 0): for each file, the packed ranges it holds as
- *                                     [packed offset, offset in the file's arrays, length].
+ *                                     [packed offset, offset in the file's params, length].
  * Rank 0 commits (state.json, rename) only after every rank reported its file written, so a failure on
  * any rank leaves no step-N behind. A reader serves any packed range from the files, so a checkpoint
  * written by N ranks loads on any world, EP degree, or in one process. */
@@ -43,7 +43,7 @@ ds4_status ds4_checkpoint_write_shard(const char *tmp, int rank, int world, cons
     if (st == DS4_OK && d->mark) st = ds4_st_writer_add(w, d->mark, DS4_I64, 1, &one, &d->step);
     if (st == DS4_OK) st = ds4_st_writer_add(w, "params", DS4_F32, 1, shape, d->params);
     for (int a = 0; st == DS4_OK && a < d->narrays; a++)
-        st = ds4_st_writer_add(w, d->names[a], DS4_F32, 1, shape, d->arrays[a]);
+        st = ds4_st_writer_add(w, d->names[a], DS4_F32, 1, &d->lens[a], d->arrays[a]);
     for (int64_t i = 0; st == DS4_OK && d->tables && i < ds4_model_nparams(d->tables); i++) {
         const ds4_param *p = ds4_model_param(d->tables, i);
         if (p->is_int) st = ds4_st_writer_add(w, p->name, DS4_I64, p->ndim, p->shape, p->idata);
@@ -157,10 +157,11 @@ static ds4_status open_file(ds4_ckpt_shards *s, const char *index, int i, const 
         ds4_tensor_loc *loc = &s->locs[NARRAYS * i + k];
         if (k >= NREQUIRED && !ds4_st_find(s->files[i], k_arrays[k])) continue;
         DS4_TRY(ds4_st_locate(s->files[i], k_arrays[k], loc));
-        DS4_TRY(ds4_tensor_loc_check_shape(loc, 1, &elements));
         if (loc->entry->dtype != DS4_F32)
             return ds4_fail(DS4_ERR_FORMAT, "%s: tensor %s: expected F32, got %s", path, k_arrays[k],
                             ds4_dtype_name(loc->entry->dtype));
+        /* an optimizer array may hold its group's elements alone (checked against the groups on load) */
+        if (k == 0 || loc->ndim != 1 || loc->shape[0] > elements) DS4_TRY(ds4_tensor_loc_check_shape(loc, 1, &elements));
     }
     const int64_t nr = cJSON_GetArraySize(rs);
     if (!ds4_grow((void **)&s->ranges, &s->cap, s->nranges + nr, sizeof(src_range)))

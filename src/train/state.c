@@ -439,25 +439,20 @@ static ds4_status share_ranges(ds4_train_state *s, const ranges_ctx *c, int64_t 
     return st;
 }
 
-/* This rank's file: its shard of the weights and the optimizer's arrays in the shard's layout (brought back
- * to memory when swapped); rank 0's also the integer tables and carried tensors. */
+/* This rank's file: its shard of the weights and the optimizer's arrays as they are, each over its group's
+ * elements (brought back to memory when swapped); rank 0's also the integer tables and carried tensors. */
 static ds4_status write_rank_file(ds4_train_state *s, const char *tmp) {
     const int rank = ds4_comm_rank(s->world);
     DS4_TRY(moments_in(s));
     ds4_ckpt_shard_data d = {.params = ds4_fsdp_shard_params(s->f), .n = ds4_fsdp_shard_numel(s->f),
                              .step = s->opt.step, .mark = s->opt.opt->mark, .tables = rank == 0 ? s->m : NULL};
-    float *tmps[DS4_CKPT_ARRAYS_MAX] = {NULL};
-    ds4_status st = DS4_OK;
     for (int g = 0; g < DS4_OPT_NGROUPS; g++)
-        for (int a = 0; a < s->opt.g[g].k && st == DS4_OK && d.narrays < DS4_CKPT_ARRAYS_MAX; a++, d.narrays++) {
-            float *arr;
-            st = shard_array(s, g, a, &arr, &tmps[d.narrays]);
+        for (int a = 0; a < s->opt.g[g].k && d.narrays < DS4_CKPT_ARRAYS_MAX; a++, d.narrays++) {
             d.names[d.narrays] = s->opt.g[g].names[a];
-            d.arrays[d.narrays] = arr;
+            d.arrays[d.narrays] = s->opt.g[g].mem[a];
+            d.lens[d.narrays] = s->opt.g[g].n;
         }
-    if (st == DS4_OK) st = ds4_checkpoint_write_shard(tmp, rank, ds4_comm_size(s->world), &d);
-    for (int a = 0; a < DS4_CKPT_ARRAYS_MAX; a++) ds4_free(tmps[a]);
-    return moments_out(s, st);
+    return moments_out(s, ds4_checkpoint_write_shard(tmp, rank, ds4_comm_size(s->world), &d));
 }
 
 /* Every rank writes its shard file into rank 0's hidden step folder at the same time; rank 0 writes the
