@@ -2,7 +2,9 @@
  * tables and the carried drafter included):
  *  (a) a base checkpoint (one process, random weights and moments) loads on 2 ranks, which save it per rank
  *      and in the one-writer format; both load back in one process to exactly the base's bits (weights,
- *      tables, carried tensors, both moments, the step, the Muon mark), resident and with --swap-optimizer;
+ *      tables, carried tensors, AdamW's moments and Muon's momentum, the step, the Muon mark), resident and
+ *      with --swap-optimizer, and so do the per-rank files rewritten in the layout of ds4 before Muon owned
+ *      its state (the momentum in adamw.m);
  *  (b) 4 ranks with EP 2 and --swap-optimizer load the 2-rank per-rank checkpoint (resharding) and save it
  *      again both ways: still the base's bits, in one process;
  *  (c) keep_latest_k rotates per-rank checkpoints (the hidden folder of a save killed half way is replaced);
@@ -34,7 +36,8 @@ static bool g_swap;
 static ds4_status open_state(bool per_rank, ds4_train_state **s) {
     ds4_config c;
     DS4_TRY(ds4_config_load(k_cfg, &c));
-    ds4_train_state_opts o = {.ep = g_ep, .swap_optimizer = g_swap, .per_rank_ckpt = per_rank, .muon = true};
+    ds4_train_state_opts o = {.ep = g_ep, .swap_optimizer = g_swap, .per_rank_ckpt = per_rank,
+                               .optimizer = &ds4_optimizer_muon};
     return ds4_train_state_open(&c, NULL, 3, g_world, &o, s);
 }
 
@@ -140,10 +143,10 @@ static void under_mpirun(int ranks, const char *mode) {
     CHECK(ok == ranks, "%d of %d ranks passed (%s)", ok, ranks, mode);
 }
 
-/* A whole model and AdamW state as a checkpoint loads them. */
+/* A whole model and Muon state as a checkpoint loads them. */
 typedef struct {
     ds4_model *m;
-    ds4_adamw o;
+    ds4_optim o;
     ds4_offload *store;
     ds4_ckpt_meta meta;
 } whole;
@@ -155,23 +158,23 @@ static ds4_status load_whole(const char *path, bool swap, whole *w) {
     DS4_TRY(ds4_model_create(NULL, &c, false, &w->m));
     if (swap) {
         DS4_TRY(ds4_offload_open(NULL, NULL, &w->store));
-        DS4_TRY(ds4_adamw_init_swapped(&w->o, w->m, w->store, 4096));
+        DS4_TRY(ds4_optim_init(&w->o, &ds4_optimizer_muon, w->m, w->store, 4096));
     } else {
-        DS4_TRY(ds4_adamw_init(&w->o, w->m));
+        DS4_TRY(ds4_optim_init(&w->o, &ds4_optimizer_muon, w->m, NULL, 0));
     }
     return ds4_checkpoint_load(path, w->m, &w->o, &w->meta);
 }
 
 static void free_whole(whole *w) {
-    ds4_adamw_free(&w->o);
+    ds4_optim_free(&w->o);
     ds4_offload_close(w->store);
     ds4_model_free(w->m);
 }
 
-/* Element i of moment k (resident or swapped). */
-static float moment_at(const ds4_adamw *o, int k, int64_t i) {
+/* Element i of array a of group g (resident or swapped). */
+static float moment_at(const ds4_optim *o, int g, int a, int64_t i) {
     float x = NAN;
-    ds4_adamw_moment_read(o, k, i, 1, &x);
+    ds4_optim_read(o, g, a, i, 1, &x);
     return x;
 }
 
@@ -185,17 +188,18 @@ static void same_state(const whole *a, const whole *b, const char *what) {
                       bytes) != 0;
     }
     CHECK(bad == 0, "%s: %lld tensors differ", what, (long long)bad);
-    const int64_t n = a->o.n;
     int64_t mism = 0;
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 3; k++) { /* AdamW's m, v; Muon's momentum */
+        const int g = k < 2 ? DS4_OPT_ADAMW : DS4_OPT_OWN, n = (int)(a->o.g[g].n == b->o.g[g].n);
         const int64_t stride = a->o.store || b->o.store ? 97 : 1; /* swapped: a sample of elements, read one by one */
-        for (int64_t i = 0; i < n; i += stride) {
-            float x = moment_at(&a->o, k, i), y = moment_at(&b->o, k, i);
-            mism += memcmp(&x, &y, sizeof x) != 0;
+        for (int64_t i = 0; i < a->o.g[g].n; i += stride) {
+            float x = moment_at(&a->o, g, k % 2, i), y = moment_at(&b->o, g, k % 2, i);
+            mism += memcmp(&x, &y, sizeof x) != 0 || !n;
         }
     }
-    CHECK(n == b->o.n && mism == 0, "%s: %lld moment elements differ", what, (long long)mism);
-    CHECK(a->meta.muon && b->meta.muon, "%s: the Muon mark is lost", what);
+    CHECK(a->o.n == b->o.n && mism == 0, "%s: %lld optimizer state elements differ", what, (long long)mism);
+    CHECK(a->meta.optimizer == &ds4_optimizer_muon && b->meta.optimizer == &ds4_optimizer_muon, "%s: the Muon mark is lost",
+          what);
     CHECK(a->o.step == b->o.step && a->meta.step == b->meta.step && !strcmp(a->meta.data_state, b->meta.data_state),
           "%s: steps %lld/%lld vs %lld/%lld", what, (long long)a->o.step, (long long)a->meta.step, (long long)b->o.step,
           (long long)b->meta.step);
@@ -211,17 +215,18 @@ static void test_make_base(void) {
     CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
     if (!m) return;
     ds4_model_init_random(m, 11);
-    ds4_adamw o;
-    CHECK(ds4_adamw_init(&o, m) == DS4_OK && ds4_adamw_group_muon(&o, m) == DS4_OK); /* Muon marks the files */
-    t_fill(o.m, (long)o.n, 5, 0.01f);
-    t_fill(o.v, (long)o.n, 6, 1e-4f);
+    ds4_optim o;
+    CHECK(ds4_optim_init(&o, &ds4_optimizer_muon, m, NULL, 0) == DS4_OK); /* Muon marks the files */
+    t_fill(o.g[DS4_OPT_ADAMW].mem[0], (long)o.g[DS4_OPT_ADAMW].n, 5, 0.01f);
+    t_fill(o.g[DS4_OPT_ADAMW].mem[1], (long)o.g[DS4_OPT_ADAMW].n, 6, 1e-4f);
+    t_fill(o.g[DS4_OPT_OWN].mem[0], (long)o.g[DS4_OPT_OWN].n, 7, 0.01f);
     o.step = 7;
     ds4_ckpt_meta meta = {.step = 1, .seed = 42};
     snprintf(meta.data_state, sizeof meta.data_state, "position 123");
     char root[512];
     snprintf(root, sizeof root, "%s/base", g_dir);
     CHECK(ds4_checkpoint_save(root, 0, m, &o, &meta) == DS4_OK, "%s", ds4_errmsg());
-    ds4_adamw_free(&o);
+    ds4_optim_free(&o);
     ds4_model_free(m);
     snprintf(root, sizeof root, "%s/base/step-00000001", g_dir);
     CHECK(load_whole(root, false, &g_base) == DS4_OK, "%s", ds4_errmsg());
@@ -248,6 +253,56 @@ static void equals_base(const char *name) {
     ds4_model_free(m);
 }
 
+/* NAME's step folder (per rank) rewritten as ds4 wrote it before Muon owned its state, from the base's
+ * state: each file's adamw.m and adamw.v over all its elements in the params' layout, the momentum in adamw.m
+ * over the Muon group (0 in adamw.v there and in the padding), no muon.momentum; every other tensor as is. */
+static void write_old_per_rank_layout(const char *name) {
+    char dir[600];
+    snprintf(dir, sizeof dir, "%s/%s/step-00000001", g_dir, name);
+    const ds4_optim *o = &g_base.o;
+    float *m = malloc((size_t)o->n * sizeof(float)), *v = malloc((size_t)o->n * sizeof(float)); /* whole = packed */
+    for (int64_t i = 0; i < o->n; i++) {
+        int64_t j;
+        const int g = ds4_optim_locate(o, i, &j);
+        m[i] = o->g[g].mem[0][j];
+        v[i] = g == DS4_OPT_OWN ? 0.0f : o->g[g].mem[1][j];
+    }
+    ds4_ckpt_shards *s = NULL;
+    CHECK(ds4_checkpoint_is_per_rank(dir) && ds4_ckpt_shards_open(dir, o->n, &s) == DS4_OK, "%s", ds4_errmsg());
+    for (int f = 0; s && f < ds4_ckpt_shards_nfiles(s); f++) {
+        const int64_t k = ds4_ckpt_shards_elements(s, f);
+        float *fm = calloc((size_t)k + 1, sizeof(float)), *fv = calloc((size_t)k + 1, sizeof(float));
+        for (int64_t r = 0; r < ds4_ckpt_shards_nranges(s); r++) {
+            const ds4_ckpt_range g = ds4_ckpt_shards_range(s, r);
+            if (g.file != f) continue;
+            memcpy(fm + g.foff, m + g.poff, (size_t)g.len * sizeof(float));
+            memcpy(fv + g.foff, v + g.poff, (size_t)g.len * sizeof(float));
+        }
+        char path[700];
+        snprintf(path, sizeof path, "%s", ds4_st_path(ds4_ckpt_shards_file(s, f)));
+        ds4_st_file *in = NULL;
+        ds4_st_writer *w = NULL;
+        ds4_status st = ds4_st_open(path, &in);
+        if (st == DS4_OK) st = ds4_st_writer_new(&w);
+        for (int64_t i = 0; st == DS4_OK && i < ds4_st_count(in); i++) {
+            const ds4_st_entry *e = ds4_st_entry_at(in, i);
+            const bool am = !strcmp(e->name, "adamw.m"), av = !strcmp(e->name, "adamw.v");
+            if (!strcmp(e->name, "muon.momentum")) continue;
+            st = ds4_st_writer_add(w, e->name, e->dtype, am || av ? 1 : e->ndim, am || av ? &k : e->shape,
+                                   am ? (const void *)fm : av ? (const void *)fv : ds4_st_bytes(in, e));
+        }
+        if (st == DS4_OK) st = ds4_st_writer_write(w, path);
+        CHECK(st == DS4_OK, "%s: %s", path, ds4_errmsg());
+        ds4_st_writer_free(w);
+        ds4_st_close(in);
+        free(fm);
+        free(fv);
+    }
+    ds4_ckpt_shards_close(s);
+    free(m);
+    free(v);
+}
+
 static void test_two_ranks(void) {
     under_mpirun(2, "save");
     char p[512];
@@ -257,6 +312,13 @@ static void test_two_ranks(void) {
     CHECK(access(p, F_OK) == 0, "%s missing", p);
     equals_base("pr2");
     equals_base("ow2");
+    /* the per-rank files of ds4 before Muon owned its state load to the same bits */
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "rm -rf %s/old2 && mkdir -p %s/old2 && cp -r %s/pr2/step-00000001 %s/old2/", g_dir, g_dir,
+             g_dir, g_dir);
+    CHECK(system(cmd) == 0, "%s", cmd);
+    write_old_per_rank_layout("old2");
+    equals_base("old2");
 }
 
 static void test_four_ranks_reshard(void) {

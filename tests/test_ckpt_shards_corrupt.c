@@ -36,7 +36,8 @@ static void make_fixture(void) {
     if (!mkdtemp(g_dir)) abort();
     const float p[5] = {1, 2, 3, 4, 5}, m[5] = {0}, v[5] = {0};
     for (int r = 0; r < 2; r++) {
-        ds4_ckpt_shard_data d = {.params = p + 3 * r, .m = m, .v = v, .n = r ? 2 : 3, .step = 7};
+        ds4_ckpt_shard_data d = {.params = p + 3 * r, .n = r ? 2 : 3, .step = 7, .narrays = 2,
+                                 .names = {"adamw.m", "adamw.v"}, .arrays = {m, v}, .lens = {r ? 2 : 3, r ? 2 : 3}};
         if (ds4_checkpoint_write_shard(g_dir, r, 2, &d) != DS4_OK) abort();
     }
 }

@@ -215,10 +215,10 @@ static ds4_status compare_packed(void *ctx, int64_t param, const float *values, 
 }
 
 /* Whole-model AdamW (held to the per-element rule by test_optim) over ADAMW_STEPS steps. */
-static void whole_adamw_run(const ds4_config *c, ds4_model **ref, ds4_adamw *ro) {
+static void whole_adamw_run(const ds4_config *c, ds4_model **ref, ds4_optim *ro) {
     CHECK(ds4_model_create(NULL, c, false, ref) == DS4_OK, "%s", ds4_errmsg());
     ds4_model_init_random(*ref, 7);
-    CHECK(ds4_adamw_init(ro, *ref) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_optim_init(ro, NULL, *ref, NULL, 0) == DS4_OK, "%s", ds4_errmsg());
     float *g = ds4_model_grads_flat(*ref);
     for (int s = 0; s < ADAMW_STEPS; s++) {
         for (int64_t i = 0; i < ds4_model_numel(*ref); i++) g[i] = grad_value(s, i);
@@ -234,7 +234,7 @@ static void fsdp_adamw_matches_whole(const char *cfg_path, int ep, bool swap) {
     ds4_config c;
     CHECK(ds4_config_load(cfg_path, &c) == DS4_OK, "%s", ds4_errmsg());
     ds4_model *ref = NULL, *m = NULL;
-    ds4_adamw ro = {0}, so = {0};
+    ds4_optim ro = {0}, so = {0};
     whole_adamw_run(&c, &ref, &ro);
     ds4_fsdp *f = NULL;
     ds4_offload *store = NULL;
@@ -244,20 +244,16 @@ static void fsdp_adamw_matches_whole(const char *cfg_path, int ep, bool swap) {
     CHECK(ds4_fsdp_init_random(f, 7) == DS4_OK);
     const int64_t ns = ds4_fsdp_shard_numel(f);
     if (swap) CHECK(ds4_offload_open(NULL, NULL, &store) == DS4_OK, "%s", ds4_errmsg());
-    CHECK((swap ? ds4_adamw_init_n_swapped(&so, ns, store, 4096) : ds4_adamw_init_n(&so, ns)) == DS4_OK &&
-              ds4_fsdp_adamw_ranges(f, &so) == DS4_OK, "%s", ds4_errmsg());
-    ds4_adamw wrong;
-    CHECK(ds4_adamw_init_n(&wrong, ns + 1) == DS4_OK && ds4_fsdp_adamw_ranges(f, &wrong) == DS4_ERR_ARG &&
-              strstr(ds4_errmsg(), "for a shard of") != NULL, "a state of another size: %s", ds4_errmsg());
-    ds4_adamw_free(&wrong);
+    CHECK(ds4_optim_init_shard(&so, NULL, f, swap ? store : NULL, 4096) == DS4_OK && so.n == ns, "%s", ds4_errmsg());
     for (int s = 0; s < ADAMW_STEPS; s++) {
         ds4_fsdp_zero_grads(f);
         CHECK(ds4_fsdp_scatter_packed(f, grad_read, &s, ds4_fsdp_shard_grads(f)) == DS4_OK, "%s", ds4_errmsg());
         CHECK(ds4_adamw_step_flat(&so, ds4_fsdp_shard_params(f), ds4_fsdp_shard_grads(f), &k_adamw, 1e-3 * (s + 1)) ==
                   DS4_OK, "%s", ds4_errmsg());
     }
-    if (swap) CHECK(ds4_adamw_swap_in(&so) == DS4_OK, "%s", ds4_errmsg());
-    const float *shard[3] = {ds4_fsdp_shard_params(f), so.m, so.v}, *want[3] = {ds4_model_params_flat(ref), ro.m, ro.v};
+    if (swap) CHECK(ds4_optim_swap_in(&so) == DS4_OK, "%s", ds4_errmsg());
+    const float *shard[3] = {ds4_fsdp_shard_params(f), so.g[0].mem[0], so.g[0].mem[1]},
+                *want[3] = {ds4_model_params_flat(ref), ro.g[0].mem[0], ro.g[0].mem[1]};
     const char *what[3] = {"parameters", "first moments", "second moments"};
     for (int k = 0; k < 3; k++) {
         packed_cmp pc = {ref, want[k], 0};
@@ -265,8 +261,8 @@ static void fsdp_adamw_matches_whole(const char *cfg_path, int ep, bool swap) {
         CHECK(pc.bad == 0, "ep=%d%s: %lld tensors of %s differ from the whole model's AdamW", ep,
               swap ? " swapped" : "", (long long)pc.bad, what[k]);
     }
-    ds4_adamw_free(&so);
-    ds4_adamw_free(&ro);
+    ds4_optim_free(&so);
+    ds4_optim_free(&ro);
     ds4_offload_close(store);
     ds4_fsdp_free(f);
     ds4_model_free(m);

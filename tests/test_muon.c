@@ -1,7 +1,8 @@
 /* Muon's pieces one by one (ds4/train.h, docs/muon.md): the Newton–Schulz output's singular values lie in
  * the band its schedule promises; a tall matrix is the transpose of its transpose's result, bit for bit;
  * the Muon group is the documented list; AdamW leaves the Muon group alone and changes no bit of its own
- * elements; the momentum streamed through the offload store (--swap-optimizer) gives the resident bits.
+ * elements; Muon's state is 4 bytes per element of its group; the momentum streamed through the offload
+ * store (--swap-optimizer) gives the resident bits; the registry's names.
  * The step against an independent PyTorch implementation is tests/test_muon_ref.py. */
 #include "ds4/offload.h"
 #include "ds4/train.h"
@@ -177,15 +178,26 @@ static void fill_grads(ds4_model *m, int s) {
     t_fill(ds4_model_grads_flat(m), (long)ds4_model_numel(m), 40 + (unsigned)s, 0.5f);
 }
 
-/* With the Muon group marked, an AdamW step changes exactly the AdamW group, with the bits of an AdamW step
- * over everything; Muon then changes exactly the Muon group. */
+/* Elements of the model's float parameters in the Muon group. */
+static int64_t muon_elements(ds4_model *m) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+        const ds4_param *p = ds4_model_param(m, i);
+        if (ds4_param_in_flat(p) && ds4_param_is_muon(p)) n += p->numel;
+    }
+    return n;
+}
+
+/* In a Muon state, an AdamW step changes exactly the AdamW group, with the bits of an AdamW step over
+ * everything, and its moments are those of the AdamW state at the same elements; Muon then changes exactly
+ * the Muon group. */
 static void test_adamw_leaves_the_muon_group(void) {
     ds4_model *a = tiny_model("tests/configs/tiny-a.json", 2), *b = tiny_model("tests/configs/tiny-a.json", 2);
     if (!a || !b) return;
     const int64_t n = ds4_model_numel(a);
-    ds4_adamw oa, ob;
-    CHECK(ds4_adamw_init(&oa, a) == DS4_OK && ds4_adamw_init(&ob, b) == DS4_OK, "%s", ds4_errmsg());
-    CHECK(ds4_adamw_group_muon(&ob, b) == DS4_OK, "%s", ds4_errmsg());
+    ds4_optim oa, ob;
+    CHECK(ds4_optim_init(&oa, NULL, a, NULL, 0) == DS4_OK && ds4_optim_init(&ob, &ds4_optimizer_muon, b, NULL, 0) == DS4_OK,
+          "%s", ds4_errmsg());
     float *w0 = malloc((size_t)n * sizeof(float));
     memcpy(w0, ds4_model_params_flat(b), (size_t)n * sizeof(float));
     fill_grads(a, 0);
@@ -198,11 +210,16 @@ static void test_adamw_leaves_the_muon_group(void) {
         if (p->is_int) continue;
         const int64_t o = p->data - wb;
         for (int64_t k = 0; k < p->numel; k++) {
-            if (ds4_param_is_muon(p)) bad_muon += wb[o + k] != w0[o + k] || ob.m[o + k] != 0 || ob.v[o + k] != 0;
-            else bad_adamw += memcmp(&wa[o + k], &wb[o + k], sizeof(float)) != 0;
+            int64_t j;
+            const int g = ds4_optim_locate(&ob, o + k, &j);
+            if (ds4_param_is_muon(p)) bad_muon += wb[o + k] != w0[o + k] || g != DS4_OPT_OWN || ob.g[g].mem[0][j] != 0;
+            else
+                bad_adamw += memcmp(&wa[o + k], &wb[o + k], sizeof(float)) != 0 || g != DS4_OPT_ADAMW ||
+                             memcmp(&oa.g[0].mem[0][o + k], &ob.g[0].mem[0][j], sizeof(float)) != 0 ||
+                             memcmp(&oa.g[0].mem[1][o + k], &ob.g[0].mem[1][j], sizeof(float)) != 0;
         }
     }
-    CHECK(bad_adamw == 0, "%lld AdamW-group weights differ from a plain AdamW step", (long long)bad_adamw);
+    CHECK(bad_adamw == 0, "%lld AdamW-group weights or moments differ from a plain AdamW step", (long long)bad_adamw);
     CHECK(bad_muon == 0, "%lld Muon-group elements touched by AdamW", (long long)bad_muon);
     const ds4_muon_cfg mc = ds4_muon_defaults();
     memcpy(w0, wb, (size_t)n * sizeof(float));
@@ -219,16 +236,43 @@ static void test_adamw_leaves_the_muon_group(void) {
     }
     CHECK(strays == 0, "Muon changed %lld AdamW-group weights", (long long)strays);
     CHECK(moved > n / 2, "Muon moved only %lld of %lld elements", (long long)moved, (long long)n);
-    ds4_adamw nomark;
-    CHECK(ds4_adamw_init(&nomark, b) == DS4_OK);
-    CHECK(ds4_muon_step(&nomark, b, &mc, 0.1, 1e-3) == DS4_ERR_ARG && strstr(ds4_errmsg(), "no Muon group"),
-          "Muon on a state without the group: %s", ds4_errmsg());
-    ds4_adamw_free(&nomark);
-    ds4_adamw_free(&oa);
-    ds4_adamw_free(&ob);
+    CHECK(ds4_muon_step(&oa, a, &mc, 0.1, 1e-3) == DS4_ERR_ARG && strstr(ds4_errmsg(), "not Muon's"),
+          "Muon on an AdamW state: %s", ds4_errmsg());
+    ds4_optim_free(&oa);
+    ds4_optim_free(&ob);
     free(w0);
     ds4_model_free(a);
     ds4_model_free(b);
+}
+
+/* Muon owns its state: 4 bytes per element of its group (the momentum) and AdamW's 8 per element of the rest,
+ * measured by the allocator, resident and in the offload store; nothing else per element. */
+static void test_state_bytes_per_element(void) {
+    ds4_model *m = tiny_model("tests/configs/tiny-a.json", 1);
+    ds4_offload *store = NULL;
+    CHECK(ds4_offload_open(NULL, NULL, &store) == DS4_OK, "%s", ds4_errmsg());
+    if (!m || !store) return;
+    const int64_t n = ds4_model_numel(m), nm = muon_elements(m);
+    CHECK(nm > n / 2 && nm < n, "%lld of %lld elements in the Muon group", (long long)nm, (long long)n);
+    for (int swapped = 0; swapped < 2; swapped++) {
+        ds4_mem_stats s0, s1;
+        ds4_mem_get(&s0);
+        ds4_optim o;
+        CHECK(ds4_optim_init(&o, &ds4_optimizer_muon, m, swapped ? store : NULL, 0) == DS4_OK, "%s", ds4_errmsg());
+        ds4_mem_get(&s1);
+        const int64_t res = s1.live[DS4_MEM_OPTIM] - s0.live[DS4_MEM_OPTIM],
+                      off = s1.offload_live[DS4_MEM_OPTIM] - s0.offload_live[DS4_MEM_OPTIM];
+        CHECK((swapped ? off : res) == 4 * nm + 8 * (n - nm) && (swapped ? res : off) == 0,
+              "%s: %lld resident + %lld offloaded optimizer bytes for %lld Muon and %lld AdamW elements (expected 4 and 8 "
+              "bytes each)", swapped ? "swapped" : "resident", (long long)res, (long long)off, (long long)nm,
+              (long long)(n - nm));
+        CHECK(o.g[DS4_OPT_OWN].n == nm && o.g[DS4_OPT_OWN].k == 1 && o.g[DS4_OPT_ADAMW].n == n - nm &&
+                  !strcmp(o.g[DS4_OPT_OWN].names[0], "muon.momentum"),
+              "groups %lld + %lld", (long long)o.g[DS4_OPT_OWN].n, (long long)o.g[DS4_OPT_ADAMW].n);
+        ds4_optim_free(&o);
+    }
+    ds4_offload_close(store);
+    ds4_model_free(m);
 }
 
 /* --swap-optimizer: the momentum read and written through the store gives the resident bits, 3 steps. */
@@ -238,28 +282,49 @@ static void test_swapped_momentum_is_bitwise(void) {
     CHECK(ds4_offload_open(NULL, NULL, &store) == DS4_OK, "%s", ds4_errmsg());
     if (!a || !b || !store) return;
     const int64_t n = ds4_model_numel(a);
-    ds4_adamw oa, ob;
-    CHECK(ds4_adamw_init(&oa, a) == DS4_OK && ds4_adamw_group_muon(&oa, a) == DS4_OK);
-    CHECK(ds4_adamw_init_swapped(&ob, b, store, 4096) == DS4_OK && ds4_adamw_group_muon(&ob, b) == DS4_OK);
+    ds4_optim oa, ob;
+    CHECK(ds4_optim_init(&oa, &ds4_optimizer_muon, a, NULL, 0) == DS4_OK);
+    CHECK(ds4_optim_init(&ob, &ds4_optimizer_muon, b, store, 4096) == DS4_OK);
     const ds4_muon_cfg mc = ds4_muon_defaults();
+    const ds4_opt_target ta = {.m = a}, tb = {.m = b};
     for (int s = 0; s < 3; s++) {
         fill_grads(a, s);
         fill_grads(b, s);
-        CHECK(ds4_adamw_step(&oa, a, &k_adamw, 2e-3) == DS4_OK && ds4_muon_step(&oa, a, &mc, 0.1, 2e-3) == DS4_OK);
-        CHECK(ds4_adamw_step(&ob, b, &k_adamw, 2e-3) == DS4_OK && ds4_muon_step(&ob, b, &mc, 0.1, 2e-3) == DS4_OK,
+        CHECK(ds4_adamw_step(&oa, a, &k_adamw, 2e-3) == DS4_OK && ds4_optim_own_step(&oa, &ta, &mc, 0.1, 2e-3) == DS4_OK);
+        CHECK(ds4_adamw_step(&ob, b, &k_adamw, 2e-3) == DS4_OK && ds4_optim_own_step(&ob, &tb, &mc, 0.1, 2e-3) == DS4_OK,
               "%s", ds4_errmsg());
     }
     CHECK(memcmp(ds4_model_params_flat(a), ds4_model_params_flat(b), (size_t)n * sizeof(float)) == 0,
           "swapped weights differ from resident");
-    float *m = malloc((size_t)n * sizeof(float));
-    CHECK(ds4_adamw_moment_read(&ob, 0, 0, n, m) == DS4_OK);
-    CHECK(memcmp(m, oa.m, (size_t)n * sizeof(float)) == 0, "swapped momentum differs from resident");
-    free(m);
-    ds4_adamw_free(&oa);
-    ds4_adamw_free(&ob);
+    for (int g = 0; g < DS4_OPT_NGROUPS; g++)
+        for (int k = 0; k < oa.g[g].k; k++) {
+            float *x = malloc((size_t)oa.g[g].n * sizeof(float));
+            CHECK(ds4_optim_read(&ob, g, k, 0, ob.g[g].n, x) == DS4_OK);
+            CHECK(memcmp(x, oa.g[g].mem[k], (size_t)oa.g[g].n * sizeof(float)) == 0, "swapped %s differs from resident",
+                  oa.g[g].names[k]);
+            free(x);
+        }
+    ds4_optim_free(&oa);
+    ds4_optim_free(&ob);
     ds4_offload_close(store);
     ds4_model_free(a);
     ds4_model_free(b);
+}
+
+/* optimizer.name picks an entry of the registry, in any case; an unknown name is one error line naming the
+ * key and every known name. */
+static void test_registry(void) {
+    const ds4_optimizer *e = NULL;
+    CHECK(ds4_optimizer_find("muon", &e) == DS4_OK && e == &ds4_optimizer_muon, "muon");
+    CHECK(ds4_optimizer_find("AdamW", &e) == DS4_OK && e == &ds4_optimizer_adamw, "AdamW");
+    CHECK(ds4_optimizer_find("Lion", &e) == DS4_ERR_CONFIG && e == NULL, "an unknown name was accepted");
+    const char *msg = ds4_errmsg();
+    CHECK(strstr(msg, "optimizer.name") && strstr(msg, "'Lion'") && strstr(msg, "\"AdamW\"") && strstr(msg, "\"Muon\"") &&
+              !strchr(msg, '\n'),
+          "message: %s", msg);
+    int n = 0;
+    while (ds4_optimizer_at(n)) n++;
+    CHECK(n == 2 && ds4_optimizer_at(0) == &ds4_optimizer_adamw, "%d entries", n);
 }
 
 int main(void) {
@@ -269,6 +334,8 @@ int main(void) {
     RUN(test_ns_tall_is_transpose);
     RUN(test_group_is_the_documented_list);
     RUN(test_adamw_leaves_the_muon_group);
+    RUN(test_state_bytes_per_element);
     RUN(test_swapped_momentum_is_bitwise);
+    RUN(test_registry);
     TEST_MAIN_END("test_muon");
 }

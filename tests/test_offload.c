@@ -147,11 +147,12 @@ static void test_store_plan(void) {
 }
 
 /* ------------------------------------------------------------------ --swap-optimizer */
-static bool moments_equal(const ds4_adamw *a, const ds4_adamw *b) {
+static bool moments_equal(const ds4_optim *a, const ds4_optim *b) {
     float *x = malloc((size_t)a->n * sizeof(float)), *y = malloc((size_t)a->n * sizeof(float));
     bool eq = a->n == b->n;
     for (int k = 0; k < 2 && eq; k++)
-        eq = ds4_adamw_moment_read(a, k, 0, a->n, x) == DS4_OK && ds4_adamw_moment_read(b, k, 0, b->n, y) == DS4_OK &&
+        eq = ds4_optim_read(a, DS4_OPT_ADAMW, k, 0, a->n, x) == DS4_OK &&
+             ds4_optim_read(b, DS4_OPT_ADAMW, k, 0, b->n, y) == DS4_OK &&
              memcmp(x, y, (size_t)a->n * sizeof(float)) == 0;
     free(x);
     free(y);
@@ -165,11 +166,11 @@ static void test_swap_optimizer_equals_resident(void) {
     CHECK(ds4_offload_open(NULL, tmpdir(), &s) == DS4_OK, "%s", ds4_errmsg());
     if (!ma || !mb || !s) return;
     const int64_t n = ds4_model_numel(ma);
-    ds4_adamw ra, sb;
+    ds4_optim ra, sb;
     ds4_mem_stats m0, m1, m2;
-    CHECK(ds4_adamw_init(&ra, ma) == DS4_OK);
+    CHECK(ds4_optim_init(&ra, NULL, ma, NULL, 0) == DS4_OK);
     ds4_mem_get(&m0);
-    CHECK(ds4_adamw_init_swapped(&sb, mb, s, chunk) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_optim_init(&sb, NULL, mb, s, chunk) == DS4_OK, "%s", ds4_errmsg());
     ds4_mem_get(&m1);
     CHECK(m1.live[DS4_MEM_OPTIM] == m0.live[DS4_MEM_OPTIM], "no optimizer byte resident between steps");
     CHECK(m1.offload_live[DS4_MEM_OPTIM] - m0.offload_live[DS4_MEM_OPTIM] == 8 * n,
@@ -193,22 +194,22 @@ static void test_swap_optimizer_equals_resident(void) {
         CHECK(moments_equal(&ra, &sb), "step %d: moments differ", step);
     }
     /* resident, then moved out (default chunk), then moments brought back: the same bits at every step */
-    ds4_adamw rc;
+    ds4_optim rc;
     ds4_model *mc = tiny_model("tests/configs/tiny-a.json", 3);
-    CHECK(ds4_adamw_init(&rc, mc) == DS4_OK);
+    CHECK(ds4_optim_init(&rc, NULL, mc, NULL, 0) == DS4_OK);
     for (int step = 0; step < 3 && mc; step++) {
         t_fill(ds4_model_grads_flat(mc), (long)n, 40 + (unsigned)step, 0.5f);
-        if (step == 1) CHECK(ds4_adamw_swap_out(&rc, s, 0) == DS4_OK && !rc.m && !rc.v, "%s", ds4_errmsg());
-        if (step == 2) CHECK(ds4_adamw_swap_in(&rc) == DS4_OK && rc.m && rc.v, "%s", ds4_errmsg());
+        if (step == 1) CHECK(ds4_optim_swap_out(&rc, s, 0) == DS4_OK && rc.swapped && !rc.g[0].mem[0], "%s", ds4_errmsg());
+        if (step == 2) CHECK(ds4_optim_swap_in(&rc) == DS4_OK && !rc.swapped && rc.g[0].mem[1], "%s", ds4_errmsg());
         CHECK(ds4_adamw_step(&rc, mc, &ac, 1e-3) == DS4_OK, "%s", ds4_errmsg());
     }
     CHECK(moments_equal(&rc, &ra), "swap in / out: moments differ");
-    CHECK(ds4_adamw_swap_out(&rc, NULL, 0) == DS4_OK && !rc.m && !rc.v, "%s", ds4_errmsg());
+    CHECK(ds4_optim_swap_out(&rc, NULL, 0) == DS4_OK && rc.swapped && !rc.g[0].mem[1], "%s", ds4_errmsg());
     CHECK(mc && memcmp(ds4_model_params_flat(ma), ds4_model_params_flat(mc), (size_t)n * sizeof(float)) == 0,
           "default chunk: parameters differ");
-    ds4_adamw_free(&rc);
-    ds4_adamw_free(&ra);
-    ds4_adamw_free(&sb);
+    ds4_optim_free(&rc);
+    ds4_optim_free(&ra);
+    ds4_optim_free(&sb);
     ds4_mem_get(&m2);
     CHECK(m2.offload_live[DS4_MEM_OPTIM] == m0.offload_live[DS4_MEM_OPTIM], "free drops the state from the store");
     ds4_offload_close(s);
@@ -225,11 +226,12 @@ static void test_swap_optimizer_checkpoint(void) {
     CHECK(ds4_offload_open(NULL, tmpdir(), &s) == DS4_OK, "%s", ds4_errmsg());
     if (!m || !s) return;
     const int64_t n = ds4_model_numel(m);
-    ds4_adamw r, w;
+    ds4_optim r, w;
     ds4_adamw_cfg ac = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
     float *p0 = malloc((size_t)n * sizeof(float));
     memcpy(p0, ds4_model_params_flat(m), (size_t)n * sizeof(float));
-    CHECK(ds4_adamw_init(&r, m) == DS4_OK && ds4_adamw_init_swapped(&w, m, s, 10000) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_optim_init(&r, NULL, m, NULL, 0) == DS4_OK && ds4_optim_init(&w, NULL, m, s, 10000) == DS4_OK, "%s",
+          ds4_errmsg());
     for (int step = 0; step < 2; step++) {
         t_fill(ds4_model_grads_flat(m), (long)n, 60 + (unsigned)step, 0.5f);
         memcpy(ds4_model_params_flat(m), p0, (size_t)n * sizeof(float));
@@ -247,17 +249,17 @@ static void test_swap_optimizer_checkpoint(void) {
     snprintf(fb, sizeof fb, "%s/step-00000002/optim.state", rb);
     CHECK(t_files_equal(fa, fb), "optim.state of the swapped optimizer differs from the resident one's");
     /* load the resident one's file into a fresh swapped optimizer and a fresh resident one */
-    ds4_adamw ls, lr;
-    CHECK(ds4_adamw_init_swapped(&ls, m, s, 0) == DS4_OK && ds4_adamw_init(&lr, m) == DS4_OK);
+    ds4_optim ls, lr;
+    CHECK(ds4_optim_init(&ls, NULL, m, s, 0) == DS4_OK && ds4_optim_init(&lr, NULL, m, NULL, 0) == DS4_OK);
     snprintf(path, sizeof path, "%s/step-00000002", ra);
     CHECK(ds4_checkpoint_load(path, m, &ls, &meta) == DS4_OK, "%s", ds4_errmsg());
     CHECK(ds4_checkpoint_load(path, m, &lr, &meta) == DS4_OK, "%s", ds4_errmsg());
     CHECK(moments_equal(&ls, &r) && moments_equal(&lr, &r), "loaded moments differ");
-    CHECK(!ls.m && !ls.v, "loading keeps the swapped state in the store");
-    ds4_adamw_free(&ls);
-    ds4_adamw_free(&lr);
-    ds4_adamw_free(&r);
-    ds4_adamw_free(&w);
+    CHECK(ls.swapped && !ls.g[0].mem[0] && !ls.g[0].mem[1], "loading keeps the swapped state in the store");
+    ds4_optim_free(&ls);
+    ds4_optim_free(&lr);
+    ds4_optim_free(&r);
+    ds4_optim_free(&w);
     ds4_offload_close(s);
     ds4_model_free(m);
     free(p0);

@@ -82,11 +82,11 @@ static void check_has_every_rule(const ref_state *r) {
 }
 
 /* The state's moments equal the reference's on [a, b) (the state holding elements [a, b)). */
-static bool moments_match(const ds4_adamw *o, const ref_state *r, int64_t a) {
+static bool moments_match(const ds4_optim *o, const ref_state *r, int64_t a) {
     float *x = malloc((size_t)o->n * sizeof(float));
     bool eq = true;
     for (int k = 0; k < 2 && eq; k++)
-        eq = ds4_adamw_moment_read(o, k, 0, o->n, x) == DS4_OK &&
+        eq = ds4_optim_read(o, DS4_OPT_ADAMW, k, 0, o->n, x) == DS4_OK &&
              memcmp(x, (k ? r->v : r->m) + a, (size_t)o->n * sizeof(float)) == 0;
     free(x);
     return eq;
@@ -101,9 +101,8 @@ static void run_against_reference(const char *cfg, ds4_offload *store, size_t ch
     check_has_every_rule(&r);
     float *w = malloc((size_t)n * sizeof(float));
     memcpy(w, ds4_model_params_flat(m), (size_t)n * sizeof(float));
-    ds4_adamw o;
-    CHECK((store ? ds4_adamw_init_swapped(&o, m, store, chunk_bytes) : ds4_adamw_init(&o, m)) == DS4_OK, "%s",
-          ds4_errmsg());
+    ds4_optim o;
+    CHECK(ds4_optim_init(&o, NULL, m, store, chunk_bytes) == DS4_OK, "%s", ds4_errmsg());
     for (int s = 0; s < STEPS; s++) {
         fill_grads(m, s);
         CHECK(ds4_adamw_step(&o, m, &k_cfg, k_lr[s]) == DS4_OK, "%s", ds4_errmsg());
@@ -113,7 +112,7 @@ static void run_against_reference(const char *cfg, ds4_offload *store, size_t ch
         CHECK(moments_match(&o, &r, 0), "%s %s step %d: moments differ", cfg, what, s + 1);
     }
     CHECK(o.step == STEPS);
-    ds4_adamw_free(&o);
+    ds4_optim_free(&o);
     ref_free(&r);
     free(w);
     ds4_model_free(m);
@@ -134,7 +133,7 @@ static void test_swapped_equals_reference(void) {
 
 /* The float parameters' rules, intersected with [a, b) and shifted to start at 0: what a shard of
  * those elements holds. Given in reverse order (any order is accepted). */
-static int64_t slice_ranges(ds4_model *m, int64_t a, int64_t b, ds4_adamw_range *out) {
+static int64_t slice_ranges(ds4_model *m, int64_t a, int64_t b, ds4_opt_run *out) {
     const float *base = ds4_model_params_flat(m);
     int64_t nr = 0;
     for (int64_t i = ds4_model_nparams(m) - 1; i >= 0; i--) {
@@ -143,7 +142,7 @@ static int64_t slice_ranges(ds4_model *m, int64_t a, int64_t b, ds4_adamw_range 
         int64_t x = p->data - base, y = x + p->numel;
         x = x > a ? x : a;
         y = y < b ? y : b;
-        if (x < y) out[nr++] = (ds4_adamw_range){.off = x - a, .n = y - x, .decay = !p->no_decay, .frozen = p->no_grad};
+        if (x < y) out[nr++] = (ds4_opt_run){.off = x - a, .n = y - x, .decay = !p->no_decay, .frozen = p->no_grad};
     }
     return nr;
 }
@@ -170,15 +169,14 @@ static void test_slice_equals_reference(void) {
     ref_state r = ref_new(m);
     ref_state part = {.n = b - a, .decay = r.decay + a, .frozen = r.frozen + a};
     check_has_every_rule(&part);
-    ds4_adamw_range *rg = malloc((size_t)ds4_model_nparams(m) * sizeof *rg);
+    ds4_opt_run *rg = malloc((size_t)ds4_model_nparams(m) * sizeof *rg);
     const int64_t nr = slice_ranges(m, a, b, rg);
     float *w0 = malloc((size_t)n * sizeof(float)), *w1 = malloc((size_t)n * sizeof(float));
     memcpy(w0, ds4_model_params_flat(m), (size_t)n * sizeof(float));
     memcpy(w1, w0, (size_t)n * sizeof(float));
-    ds4_adamw res, sw;
-    CHECK(ds4_adamw_init_n(&res, b - a) == DS4_OK && ds4_adamw_set_ranges(&res, rg, nr) == DS4_OK, "%s", ds4_errmsg());
-    CHECK(ds4_adamw_init_n_swapped(&sw, b - a, store, 4096) == DS4_OK && ds4_adamw_set_ranges(&sw, rg, nr) == DS4_OK,
-          "%s", ds4_errmsg());
+    ds4_optim res, sw;
+    CHECK(ds4_optim_init_runs(&res, NULL, b - a, rg, nr, NULL, 0) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_optim_init_runs(&sw, NULL, b - a, rg, nr, store, 4096) == DS4_OK, "%s", ds4_errmsg());
     for (int s = 0; s < STEPS; s++) {
         fill_grads(m, s);
         const float *g = ds4_model_grads_flat(m);
@@ -190,8 +188,8 @@ static void test_slice_equals_reference(void) {
         CHECK(memcmp(w1, w0, (size_t)n * sizeof(float)) == 0, "swapped slice step %d: weights differ", s + 1);
         CHECK(moments_match(&res, &r, a) && moments_match(&sw, &r, a), "slice step %d: moments differ", s + 1);
     }
-    ds4_adamw_free(&res);
-    ds4_adamw_free(&sw);
+    ds4_optim_free(&res);
+    ds4_optim_free(&sw);
     ds4_offload_close(store);
     ref_free(&r);
     free(rg);
@@ -211,17 +209,18 @@ static void test_state_is_8_bytes_per_element(void) {
         const int64_t n = ds4_model_numel(m);
         ds4_mem_stats s0, s1;
         ds4_mem_get(&s0);
-        ds4_adamw o;
-        CHECK(ds4_adamw_init(&o, m) == DS4_OK, "%s", ds4_errmsg());
+        ds4_optim o;
+        CHECK(ds4_optim_init(&o, NULL, m, NULL, 0) == DS4_OK, "%s", ds4_errmsg());
         ds4_mem_get(&s1);
         CHECK(s1.live[DS4_MEM_OPTIM] - s0.live[DS4_MEM_OPTIM] == 8 * n, "%s: %lld optimizer bytes for %lld elements",
               cfgs[c], (long long)(s1.live[DS4_MEM_OPTIM] - s0.live[DS4_MEM_OPTIM]), (long long)n);
-        CHECK(o.nranges > 1 && o.nranges <= 2 * ds4_model_nparams(m) + 1, "%s: %lld ranges for %lld parameters",
-              cfgs[c], (long long)o.nranges, (long long)ds4_model_nparams(m));
+        CHECK(o.nruns > 1 && o.nruns <= 2 * ds4_model_nparams(m) + 1, "%s: %lld ranges for %lld parameters",
+              cfgs[c], (long long)o.nruns, (long long)ds4_model_nparams(m));
         int64_t at = 0;
-        for (int64_t i = 0; i < o.nranges; i++) {
-            CHECK(o.ranges[i].off == at && o.ranges[i].n > 0, "%s: range %lld is not back to back", cfgs[c], (long long)i);
-            at += o.ranges[i].n;
+        for (int64_t i = 0; i < o.nruns; i++) {
+            CHECK(o.runs[i].off == at && o.runs[i].n > 0 && !o.runs[i].own && !o.soff,
+                  "%s: range %lld is not back to back in AdamW's group", cfgs[c], (long long)i);
+            at += o.runs[i].n;
         }
         CHECK(at == n, "%s: the ranges cover %lld of %lld elements", cfgs[c], (long long)at, (long long)n);
         /* a step allocates no optimizer memory */
@@ -230,7 +229,7 @@ static void test_state_is_8_bytes_per_element(void) {
         CHECK(ds4_adamw_step(&o, m, &k_cfg, 1e-3) == DS4_OK);
         ds4_mem_get(&s1);
         CHECK(s1.peak[DS4_MEM_OPTIM] == s0.live[DS4_MEM_OPTIM], "%s: the update allocated optimizer memory", cfgs[c]);
-        ds4_adamw_free(&o);
+        ds4_optim_free(&o);
         ds4_model_free(m);
     }
 }
@@ -247,8 +246,8 @@ static void test_swapped_bytes(void) {
     ds4_mem_stats s0, s1, s2;
     ds4_mem_reset_peak();
     ds4_mem_get(&s0);
-    ds4_adamw o;
-    CHECK(ds4_adamw_init_swapped(&o, m, s, chunk) == DS4_OK, "%s", ds4_errmsg());
+    ds4_optim o;
+    CHECK(ds4_optim_init(&o, NULL, m, s, chunk) == DS4_OK, "%s", ds4_errmsg());
     ds4_mem_get(&s1);
     CHECK(s1.peak[DS4_MEM_OPTIM] == s0.live[DS4_MEM_OPTIM], "init made %lld optimizer bytes resident",
           (long long)(s1.peak[DS4_MEM_OPTIM] - s0.live[DS4_MEM_OPTIM]));
@@ -260,35 +259,36 @@ static void test_swapped_bytes(void) {
     CHECK(s2.peak[DS4_MEM_OPTIM] - s0.live[DS4_MEM_OPTIM] == (int64_t)chunk, "the update held %lld bytes, not %zu",
           (long long)(s2.peak[DS4_MEM_OPTIM] - s0.live[DS4_MEM_OPTIM]), chunk);
     CHECK(s2.offload_peak[DS4_MEM_OPTIM] - s0.offload_live[DS4_MEM_OPTIM] == 8 * n, "the store grew in the update");
-    ds4_adamw_free(&o);
+    ds4_optim_free(&o);
     ds4_offload_close(s);
     ds4_model_free(m);
 }
 
 /* ------------------------------------------------------------------ errors */
-static void expect_bad(ds4_adamw *o, const ds4_adamw_range *r, int64_t nr, const char *want) {
-    ds4_adamw_range *before = o->ranges;
-    CHECK(ds4_adamw_set_ranges(o, r, nr) == DS4_ERR_ARG, "accepted ranges that should fail with \"%s\"", want);
+static void expect_bad(const ds4_opt_run *r, int64_t nr, const char *want) {
+    ds4_optim o;
+    CHECK(ds4_optim_init_runs(&o, NULL, 100, r, nr, NULL, 0) == DS4_ERR_ARG, "accepted ranges that should fail with \"%s\"",
+          want);
     CHECK(strstr(ds4_errmsg(), want) != NULL, "message \"%s\" lacks \"%s\"", ds4_errmsg(), want);
-    CHECK(o->ranges == before && o->nranges == 1, "a failed set changed the rules");
+    CHECK(o.runs == NULL && o.g[0].mem[0] == NULL, "a failed init left something behind");
 }
 
 static void test_bad_ranges(void) {
-    ds4_adamw o;
-    CHECK(ds4_adamw_init_n(&o, 100) == DS4_OK);
-    expect_bad(&o, (ds4_adamw_range[]){{.off = 90, .n = 20}}, 1, "range [90, 110) is outside the 100 elements");
-    expect_bad(&o, (ds4_adamw_range[]){{.off = -1, .n = 5}}, 1, "range [-1, 4) is outside");
-    expect_bad(&o, (ds4_adamw_range[]){{.off = 50, .n = 10}, {.off = 10, .n = 45, .decay = true}}, 2,
+    expect_bad((ds4_opt_run[]){{.off = 90, .n = 20}}, 1, "range [90, 110) is outside the 100 elements");
+    expect_bad((ds4_opt_run[]){{.off = -1, .n = 5}}, 1, "range [-1, 4) is outside");
+    expect_bad((ds4_opt_run[]){{.off = 50, .n = 10}, {.off = 10, .n = 45, .decay = true}}, 2,
                "ranges [10, 55) and [50, 60) overlap");
-    expect_bad(&o, (ds4_adamw_range[]){{.off = 0, .n = 1}}, -1, "-1 ranges");
+    expect_bad((ds4_opt_run[]){{.off = 0, .n = 1}}, -1, "-1 ranges");
     /* empty ranges are ignored; neighbours of one rule merge; gaps train without decay */
-    CHECK(ds4_adamw_set_ranges(&o, (ds4_adamw_range[]){{.off = 10, .n = 10, .decay = true}, {.off = 20, .n = 0},
-                                                         {.off = 20, .n = 5, .decay = true}, {.off = 40, .n = 60, .frozen = true}},
-                               4) == DS4_OK, "%s", ds4_errmsg());
-    CHECK(o.nranges == 4 && o.ranges[0].n == 10 && !o.ranges[0].decay && o.ranges[1].n == 15 && o.ranges[1].decay &&
-              o.ranges[2].off == 25 && !o.ranges[2].decay && !o.ranges[2].frozen && o.ranges[3].frozen,
-          "%lld runs", (long long)o.nranges);
-    ds4_adamw_free(&o);
+    ds4_optim o;
+    CHECK(ds4_optim_init_runs(&o, NULL, 100,
+                              (ds4_opt_run[]){{.off = 10, .n = 10, .decay = true}, {.off = 20, .n = 0},
+                                              {.off = 20, .n = 5, .decay = true}, {.off = 40, .n = 60, .frozen = true}},
+                              4, NULL, 0) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(o.nruns == 4 && o.runs[0].n == 10 && !o.runs[0].decay && o.runs[1].n == 15 && o.runs[1].decay &&
+              o.runs[2].off == 25 && !o.runs[2].decay && !o.runs[2].frozen && o.runs[3].frozen,
+          "%lld runs", (long long)o.nruns);
+    ds4_optim_free(&o);
 }
 
 /* ------------------------------------------------------------------ the checkpoint file */
@@ -296,13 +296,13 @@ static void test_bad_ranges(void) {
 static void test_optim_file_format(void) {
     ds4_model *m = tiny_model("tests/configs/tiny-a.json", 2);
     if (!m) return;
-    ds4_adamw o;
-    CHECK(ds4_adamw_init(&o, m) == DS4_OK);
+    ds4_optim o;
+    CHECK(ds4_optim_init(&o, NULL, m, NULL, 0) == DS4_OK);
     fill_grads(m, 0);
     CHECK(ds4_adamw_step(&o, m, &k_cfg, 1e-3) == DS4_OK);
     char path[64];
     snprintf(path, sizeof path, "/tmp/ds4-test-optim-%d.state", (int)getpid());
-    CHECK(ds4_adamw_state_save(&o, path) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_optim_state_save(&o, path) == DS4_OK, "%s", ds4_errmsg());
     ds4_st_file *f = NULL;
     CHECK(ds4_st_open(path, &f) == DS4_OK, "%s", ds4_errmsg());
     if (f) {
@@ -315,18 +315,21 @@ static void test_optim_file_format(void) {
         ds4_st_close(f);
     }
     /* and it loads back into a fresh state: the same moments, the same next step */
-    ds4_adamw l;
-    CHECK(ds4_adamw_init(&l, m) == DS4_OK && ds4_adamw_state_load(&l, path) == DS4_OK, "%s", ds4_errmsg());
+    ds4_optim l;
+    CHECK(ds4_optim_init(&l, NULL, m, NULL, 0) == DS4_OK &&
+              ds4_optim_state_load(&l, m, NULL, &ds4_optimizer_adamw, path, NULL) == DS4_OK,
+          "%s", ds4_errmsg());
     float *a = malloc((size_t)o.n * sizeof(float)), *b = malloc((size_t)o.n * sizeof(float));
     for (int k = 0; k < 2; k++) {
-        CHECK(ds4_adamw_moment_read(&o, k, 0, o.n, a) == DS4_OK && ds4_adamw_moment_read(&l, k, 0, l.n, b) == DS4_OK);
+        CHECK(ds4_optim_read(&o, DS4_OPT_ADAMW, k, 0, o.n, a) == DS4_OK &&
+              ds4_optim_read(&l, DS4_OPT_ADAMW, k, 0, l.n, b) == DS4_OK);
         CHECK(memcmp(a, b, (size_t)o.n * sizeof(float)) == 0 && l.step == o.step, "moment %d differs after load", k);
     }
     free(a);
     free(b);
     unlink(path);
-    ds4_adamw_free(&l);
-    ds4_adamw_free(&o);
+    ds4_optim_free(&l);
+    ds4_optim_free(&o);
     ds4_model_free(m);
 }
 

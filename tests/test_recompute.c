@@ -58,8 +58,8 @@ static bool run_steps(const ds4_config *c, const uint32_t *masks, int64_t B, int
     ds4_model *m;
     if (ds4_model_create(NULL, c, false, &m) != DS4_OK) return false;
     ds4_model_init_random(m, 21);
-    ds4_adamw opt;
-    ds4_adamw_init(&opt, m);
+    ds4_optim opt;
+    ds4_optim_init(&opt, NULL, m, NULL, 0);
     ds4_adamw_cfg ac = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
     int32_t *ids = malloc((size_t)(B * T) * sizeof(int32_t));
     make_ids(ids, B * T, c->vocab_size);
@@ -81,7 +81,7 @@ static bool run_steps(const ds4_config *c, const uint32_t *masks, int64_t B, int
         ds4_adamw_step(&opt, m, &ac, 1e-3);
     }
     free(ids);
-    ds4_adamw_free(&opt);
+    ds4_optim_free(&opt);
     ds4_model_free(m);
     return ok;
 }

@@ -134,9 +134,9 @@ static void test_swap_is_bitwise(void) {
 
 /* Muon: 4 steps straight == 2 + resume + 2 (losses and checkpoint bytes, the momentum included), also
  * with the momentum in the offload store (--swap-optimizer) and resumed there. */
-static void same_run(const char *a, const char *b, int step) {
+static void same_run_from(const char *a, const char *b, int from, int step) {
     char p1[512], p2[512];
-    for (int s = 1; s <= step; s++) {
+    for (int s = from; s <= step; s++) {
         snprintf(p1, sizeof p1, "%s/%s.jsonl", g_dir, a);
         snprintf(p2, sizeof p2, "%s/%s.jsonl", g_dir, b);
         double l1 = jsonl_loss(p1, s), l2 = jsonl_loss(p2, s);
@@ -149,13 +149,14 @@ static void same_run(const char *a, const char *b, int step) {
         CHECK(t_files_equal(p1, p2), "%s differs between %s and %s", files[i], a, b);
     }
 }
+static void same_run(const char *a, const char *b, int step) { same_run_from(a, b, 1, step); }
 
 static void test_muon_resume_is_bitwise(void) {
     const char *runs[][2] = {{"muon", NULL}, {"muon_resumed", NULL}, {"muon_swap", "true"}};
     for (int r = 0; r < 3; r++) {
         ds4_train_cfg c;
         CHECK(cfg_for(&c, runs[r][0], "optimizer.name", "Muon") == DS4_OK, "%s", ds4_errmsg());
-        CHECK(c.use_muon && c.muon.ns_steps == 10 && c.muon.ns_final_steps == 2 && c.muon.update_rms == 0.18);
+        CHECK(c.optimizer == &ds4_optimizer_muon && c.muon.ns_steps == 10 && c.muon.ns_final_steps == 2 && c.muon.update_rms == 0.18);
         c.swap_optimizer = runs[r][1] != NULL;
         if (r > 0) {
             c.steps = 2;
@@ -170,6 +171,73 @@ static void test_muon_resume_is_bitwise(void) {
     snprintf(p1, sizeof p1, "%s/muon/step-00000004/model.safetensors", g_dir);
     snprintf(p2, sizeof p2, "%s/straight/step-00000004/model.safetensors", g_dir);
     CHECK(!t_files_equal(p1, p2), "Muon trained the same weights as AdamW");
+}
+
+/* DIR/optim.state (a Muon run's) rewritten in the layout ds4 wrote before Muon owned its state: adamw.m and
+ * adamw.v over every element, the momentum in adamw.m over the Muon group and zeros in adamw.v there (the
+ * tensors added in the order that writer added them). */
+static void write_old_muon_layout(const char *dir) {
+    char path[700];
+    snprintf(path, sizeof path, "%s/optim.state", dir);
+    ds4_config c;
+    ds4_model *m = NULL;
+    ds4_optim o = {0};
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK && ds4_model_create(NULL, &c, false, &m) == DS4_OK &&
+              ds4_optim_init(&o, &ds4_optimizer_muon, m, NULL, 0) == DS4_OK &&
+              ds4_optim_state_load(&o, m, NULL, &ds4_optimizer_muon, path, NULL) == DS4_OK,
+          "%s", ds4_errmsg());
+    if (!m || !o.runs) return;
+    const int64_t n = ds4_model_numel(m), one = 1;
+    float *mo = calloc((size_t)n, sizeof(float)), *v = calloc((size_t)n, sizeof(float));
+    float *mom = calloc((size_t)n, sizeof(float));
+    CHECK(ds4_optim_expand(&o, DS4_OPT_ADAMW, 0, mo) == DS4_OK && ds4_optim_expand(&o, DS4_OPT_ADAMW, 1, v) == DS4_OK &&
+          ds4_optim_expand(&o, DS4_OPT_OWN, 0, mom) == DS4_OK);
+    const float *flat = ds4_model_params_flat(m);
+    int64_t moved = 0;
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+        const ds4_param *p = ds4_model_param(m, i);
+        if (!ds4_param_in_flat(p) || !ds4_param_is_muon(p)) continue;
+        memcpy(mo + (p->data - flat), mom + (p->data - flat), (size_t)p->numel * sizeof(float));
+        moved += p->numel;
+    }
+    CHECK(moved == o.g[DS4_OPT_OWN].n && moved > 0, "%lld momentum elements placed", (long long)moved);
+    ds4_st_writer *w = NULL;
+    CHECK(ds4_st_writer_new(&w) == DS4_OK && ds4_st_writer_add(w, "adamw.m", DS4_F32, 1, &n, mo) == DS4_OK &&
+              ds4_st_writer_add(w, "adamw.v", DS4_F32, 1, &n, v) == DS4_OK &&
+              ds4_st_writer_add(w, "adamw.step", DS4_I64, 1, &one, &o.step) == DS4_OK &&
+              ds4_st_writer_add(w, "muon.step", DS4_I64, 1, &one, &o.step) == DS4_OK && ds4_st_writer_write(w, path) == DS4_OK,
+          "%s", ds4_errmsg());
+    ds4_st_writer_free(w);
+    ds4_st_file *f = NULL;
+    CHECK(ds4_st_open(path, &f) == DS4_OK && !ds4_st_find(f, "muon.momentum") &&
+              ds4_st_entry_numel(ds4_st_find(f, "adamw.m")) == n,
+          "%s is not in the old layout", path);
+    if (f) ds4_st_close(f);
+    free(mo);
+    free(v);
+    free(mom);
+    ds4_optim_free(&o);
+    ds4_model_free(m);
+}
+
+/* A Muon checkpoint in the layout ds4 wrote before Muon owned its state (momentum in adamw.m) resumes to
+ * the bits of the straight run, resident and into the offload store (--swap-optimizer). The layout was
+ * checked once against a checkpoint written by that ds4 (commit 5d55471): it resumed to the same bits. */
+static void test_muon_old_layout_resumes_bitwise(void) {
+    const char *runs[] = {"muon_old", "muon_old_swap"};
+    for (int r = 0; r < 2; r++) {
+        char cmd[1200], dir[600];
+        snprintf(dir, sizeof dir, "%s/%s/step-00000002", g_dir, runs[r]);
+        snprintf(cmd, sizeof cmd, "rm -rf %s/%s && mkdir -p %s/%s && cp -r %s/muon_resumed/step-00000002 %s/%s/", g_dir, runs[r],
+                 g_dir, runs[r], g_dir, g_dir, runs[r]);
+        CHECK(system(cmd) == 0, "%s", cmd);
+        write_old_muon_layout(dir);
+        ds4_train_cfg c;
+        CHECK(cfg_for(&c, runs[r], "optimizer.name", "Muon") == DS4_OK, "%s", ds4_errmsg());
+        c.swap_optimizer = r == 1;
+        CHECK(ds4_train_run(&c) == DS4_OK, "%s: %s", runs[r], ds4_errmsg());
+        same_run_from("muon", runs[r], 3, 4);
+    }
 }
 
 /* `ds4 train` of run `run` with extra flags, its stdout into out [n]; returns the exit status. */
@@ -201,7 +269,8 @@ static void test_switch_optimizer_at_resume(void) {
     snprintf(p, sizeof p, "%s/switch/step-00000003/optim.state", g_dir);
     ds4_st_file *f = NULL;
     CHECK(ds4_st_open(p, &f) == DS4_OK, "%s", ds4_errmsg());
-    CHECK(f && ds4_st_find(f, DS4_CKPT_MUON_MARK), "the Muon run's checkpoint lacks %s", DS4_CKPT_MUON_MARK);
+    CHECK(f && ds4_st_find(f, ds4_optimizer_muon.mark) && ds4_st_find(f, "muon.momentum"),
+          "the Muon run's checkpoint lacks %s or muon.momentum", ds4_optimizer_muon.mark);
     if (f) ds4_st_close(f);
     CHECK(ds4_train_output("switch", "", out, sizeof out) == 0, "%s", out);
     CHECK(strstr(out, "Muon -> AdamW") && strstr(out, "former Muon matrices"), "no switch message:\n%s", out);
@@ -476,6 +545,7 @@ int main(int argc, char **argv) {
     RUN(test_resume_is_bitwise);
     RUN(test_swap_is_bitwise);
     RUN(test_muon_resume_is_bitwise);
+    RUN(test_muon_old_layout_resumes_bitwise);
     RUN(test_switch_optimizer_at_resume);
     RUN(test_bf16_matmul);
     RUN(test_bad_config_and_data);

@@ -458,17 +458,13 @@ static int muon_rank(int ep, bool swap) {
     ds4_model *mu = NULL, *whole = NULL;
     ds4_fsdp *f = NULL;
     ds4_offload *store = NULL;
-    ds4_adamw o, ow;
+    ds4_optim o = {0}, ow = {0};
     ds4_status st = ds4_config_load("tests/configs/tiny-a.json", &c);
     if (st == DS4_OK) st = ds4_model_create(NULL, &c, true, &mu);
     if (st == DS4_OK) st = ds4_fsdp_create(mu, world, ep, &f);
     if (st == DS4_OK) st = ds4_fsdp_init_random(f, 9);
     if (st == DS4_OK && swap) st = ds4_offload_open(NULL, NULL, &store);
-    if (st == DS4_OK)
-        st = swap ? ds4_adamw_init_n_swapped(&o, ds4_fsdp_shard_numel(f), store, 4096)
-                  : ds4_adamw_init_n(&o, ds4_fsdp_shard_numel(f));
-    o.muon = true;
-    if (st == DS4_OK) st = ds4_fsdp_adamw_ranges(f, &o);
+    if (st == DS4_OK) st = ds4_optim_init_shard(&o, &ds4_optimizer_muon, f, swap ? store : NULL, 4096);
     const ds4_muon_cfg mc = ds4_muon_defaults();
     for (int s = 0; s < 3 && st == DS4_OK; s++) {
         grad_fill x = {ds4_fsdp_shard_grads(f), s};
@@ -478,16 +474,21 @@ static int muon_rank(int ep, bool swap) {
     }
     const bool root = ds4_comm_rank(world) == 0;
     const int64_t nu = ds4_model_numel(mu);
-    float *w = root ? calloc((size_t)nu, sizeof(float)) : NULL, *m = root ? calloc((size_t)nu, sizeof(float)) : NULL;
+    /* the weights, then each state array (AdamW's m and v, Muon's momentum) laid out like the weights */
+    float *w = root ? calloc((size_t)nu, sizeof(float)) : NULL, *m[3] = {NULL, NULL, NULL};
+    float *tmp = malloc((size_t)(ds4_fsdp_shard_numel(f) + 1) * sizeof(float));
     if (st == DS4_OK) st = ds4_fsdp_collect(f, false, w, 0);
-    if (st == DS4_OK && swap) st = ds4_adamw_swap_in(&o);
-    if (st == DS4_OK) st = ds4_fsdp_collect_buf(f, o.m, m, 0);
+    for (int k = 0; k < 3 && st == DS4_OK; k++) {
+        m[k] = root ? calloc((size_t)nu, sizeof(float)) : NULL;
+        st = ds4_optim_expand(&o, k < 2 ? DS4_OPT_ADAMW : DS4_OPT_OWN, k % 2, tmp);
+        if (st == DS4_OK) st = ds4_fsdp_collect_buf(f, tmp, m[k], 0);
+    }
+    free(tmp);
     int64_t bad_w = 0, bad_m = 0;
     if (st == DS4_OK && root) { /* the same 3 steps on the whole model */
         st = ds4_model_create(NULL, &c, false, &whole);
         if (st == DS4_OK) ds4_model_init_random(whole, 9);
-        if (st == DS4_OK) st = ds4_adamw_init(&ow, whole);
-        if (st == DS4_OK) st = ds4_adamw_group_muon(&ow, whole);
+        if (st == DS4_OK) st = ds4_optim_init(&ow, &ds4_optimizer_muon, whole, NULL, 0);
         for (int s = 0; s < 3 && st == DS4_OK; s++) {
             for (int64_t i = 0; i < ds4_model_nparams(whole); i++) {
                 ds4_param *p = ds4_model_param(whole, i);
@@ -497,24 +498,29 @@ static int muon_rank(int ep, bool swap) {
             if (st == DS4_OK) st = ds4_muon_step(&ow, whole, &mc, k_adamw.weight_decay, k_adamw.lr);
         }
         const float *fw = ds4_model_params_flat(whole), *fu = ds4_model_params_flat(mu);
-        for (int64_t i = 0; st == DS4_OK && i < ds4_model_nparams(whole); i++) {
-            const ds4_param *p = ds4_model_param(whole, i), *q = ds4_model_param(mu, i);
-            if (p->is_int) continue;
-            const int64_t a = p->data - fw, b = q->data - fu;
-            for (int64_t k = 0; k < p->numel; k++) {
-                bad_w += memcmp(&fw[a + k], &w[b + k], sizeof(float)) != 0;
-                bad_m += memcmp(&ow.m[a + k], &m[b + k], sizeof(float)) != 0;
+        float *mw = malloc((size_t)ds4_model_numel(whole) * sizeof(float));
+        for (int j = 0; j < 3 && st == DS4_OK; j++) {
+            st = ds4_optim_expand(&ow, j < 2 ? DS4_OPT_ADAMW : DS4_OPT_OWN, j % 2, mw);
+            for (int64_t i = 0; st == DS4_OK && i < ds4_model_nparams(whole); i++) {
+                const ds4_param *p = ds4_model_param(whole, i), *q = ds4_model_param(mu, i);
+                if (p->is_int) continue;
+                const int64_t a = p->data - fw, b = q->data - fu;
+                for (int64_t k = 0; k < p->numel; k++) {
+                    bad_w += j == 0 && memcmp(&fw[a + k], &w[b + k], sizeof(float)) != 0;
+                    bad_m += memcmp(&mw[a + k], &m[j][b + k], sizeof(float)) != 0;
+                }
             }
         }
-        if (whole) ds4_adamw_free(&ow);
+        free(mw);
+        ds4_optim_free(&ow);
         printf("muon-rank: %lld weights, %lld moments differ%s%s\n", (long long)bad_w, (long long)bad_m,
                st == DS4_OK ? "" : ": ", st == DS4_OK ? "" : ds4_errmsg());
     }
     if (st != DS4_OK) fprintf(stderr, "rank %d: %s\n", ds4_comm_rank(world), ds4_errmsg());
-    ds4_adamw_free(&o);
+    ds4_optim_free(&o);
     ds4_offload_close(store);
     free(w);
-    free(m);
+    for (int k = 0; k < 3; k++) free(m[k]);
     ds4_model_free(whole);
     ds4_fsdp_free(f);
     ds4_model_free(mu);
@@ -542,25 +548,30 @@ static void test_muon_step_is_one_process_bitwise(const char *self) {
     }
 }
 
-/* The float weights, both moments and the optimizer step of two checkpoints load to the same bits. */
+/* The float weights, the optimizer's arrays and its step of two checkpoints load to the same bits (each
+ * into a state of the optimizer that wrote it). */
 static void same_state(const char *a, const char *b) {
     ds4_config c;
     CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
     ds4_model *m[2] = {NULL, NULL};
-    ds4_adamw o[2];
+    ds4_optim o[2];
     memset(o, 0, sizeof o);
     const char *path[2] = {a, b};
     for (int i = 0; i < 2; i++) {
         ds4_ckpt_meta meta;
-        CHECK(ds4_model_create(NULL, &c, false, &m[i]) == DS4_OK && ds4_adamw_init(&o[i], m[i]) == DS4_OK);
+        CHECK(ds4_checkpoint_load_meta(path[i], &meta) == DS4_OK, "%s", ds4_errmsg());
+        CHECK(ds4_model_create(NULL, &c, false, &m[i]) == DS4_OK &&
+              ds4_optim_init(&o[i], meta.optimizer, m[i], NULL, 0) == DS4_OK);
         CHECK(ds4_checkpoint_load(path[i], m[i], &o[i], &meta) == DS4_OK, "%s", ds4_errmsg());
     }
-    const size_t bytes = (size_t)o[0].n * sizeof(float);
-    CHECK(!memcmp(ds4_model_params_flat(m[0]), ds4_model_params_flat(m[1]), bytes) && !memcmp(o[0].m, o[1].m, bytes) &&
-              !memcmp(o[0].v, o[1].v, bytes) && o[0].step == o[1].step,
-          "%s and %s load to different weights or moments", a, b);
+    bool same = o[0].opt == o[1].opt && o[0].step == o[1].step &&
+                !memcmp(ds4_model_params_flat(m[0]), ds4_model_params_flat(m[1]), (size_t)o[0].n * sizeof(float));
+    for (int g = 0; same && g < DS4_OPT_NGROUPS; g++)
+        for (int k = 0; k < o[0].g[g].k; k++)
+            same = same && !memcmp(o[0].g[g].mem[k], o[1].g[g].mem[k], (size_t)o[0].g[g].n * sizeof(float));
+    CHECK(same, "%s and %s load to different weights or optimizer state", a, b);
     for (int i = 0; i < 2; i++) {
-        ds4_adamw_free(&o[i]);
+        ds4_optim_free(&o[i]);
         ds4_model_free(m[i]);
     }
 }

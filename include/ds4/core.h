@@ -257,6 +257,28 @@ double ds4_sumsq_value(const ds4_sumsq_acc *a);  /* normalized a as a double; Na
 /* Gradient clipping: g [n] *= max_norm / (norm + 1e-6) when max_norm > 0 and norm exceeds it. */
 void ds4_clip_scale(float *g, int64_t n, double max_norm, double norm);
 
+/* ---------------------------------------------------------------- per-element ops of the step (src/core/norm.c)
+ * Plain pointers and explicit sizes, no struct walked inside: what a backend would run. Each element's
+ * arithmetic is fixed, so any split of the elements gives the same bits. */
+/* x [n] *= s (the mean over micro-batches, clipping). */
+void ds4_scale_f32(float *x, int64_t n, float s);
+/* How many of x [n] are NaN or Inf. */
+int64_t ds4_count_nonfinite(const float *x, int64_t n);
+/* AdamW's per-step constants, the same for every element (ds4/train.h derives them from its settings). */
+typedef struct {
+    float b1, b2, eps;
+    float step_size;    /* lr / (1 − β1^t) */
+    float inv_sqrt_bc2; /* 1 / sqrt(1 − β2^t) */
+    float decay;        /* lr · weight_decay */
+} ds4_adamw_consts;
+/* AdamW on n elements: w, g, m, v [n]; m := β1·m + (1−β1)·g, v := β2·v + (1−β2)·g², then w −= decay·w
+ * (when decay) and w −= step_size·m / (sqrt(v)·inv_sqrt_bc2 + eps). */
+void ds4_adamw_update(int64_t n, float *w, const float *g, float *m, float *v, ds4_adamw_consts k, bool decay);
+/* Muon's momentum on n elements: g, mom, u [n]; mom := μ·mom + g, u := g + μ·mom (nesterov) or mom. */
+void ds4_muon_momentum(int64_t n, const float *g, float *mom, float *u, float mu, bool nesterov);
+/* Muon's update on n elements: w, o [n]; w −= decay·w, then w −= step·o (o: the orthogonalized u). */
+void ds4_muon_apply(int64_t n, float *w, const float *o, float decay, float step);
+
 /* ---------------------------------------------------------------- time */
 double ds4_now(void);          /* seconds, monotonic */
 

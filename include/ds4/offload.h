@@ -1,7 +1,8 @@
 /* The offload tier (docs/DESIGN.md idea 3): a backing store outside counted memory, and the two policies
  * that use it, as MindSpeed names them:
- *   --swap-optimizer    AdamW moments (m and v) live in the store between updates (ds4/train.h:
- *                       ds4_adamw_swap_out); the update streams them through a bounded buffer.
+ *   --swap-optimizer    the optimizer's arrays (AdamW's m and v, Muon's momentum) live in the store
+ *                       between updates (ds4/train.h: ds4_optim_swap_out); the update streams them through
+ *                       a bounded buffer.
  *   --swap-layer-input  the layer input streams X[l] of a training pass go to the store after block l's
  *                       forward and come back just before block l's backward (ds4/actstore.h).
  *

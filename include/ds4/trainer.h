@@ -36,7 +36,8 @@ typedef struct {
     bool bf16_params;         /* training.mixed_precision_param "bfloat16" (implies bf16 GEMMs) | "float32" (default) */
     /* [optimizer] */
     ds4_adamw_cfg adamw;
-    bool use_muon;            /* optimizer.name "Muon": the Muon group on Muon, the rest on AdamW */
+    const ds4_optimizer *optimizer; /* optimizer.name: the socket's entry (AdamW, Muon: its group on Muon, the
+                                       rest on AdamW) */
     ds4_muon_cfg muon;        /* optimizer.momentum, nesterov, ns_steps, ns_final_steps, adjust_lr, update_rms */
     /* [lr_scheduler] */
     ds4_lr_schedule sched;
@@ -64,7 +65,7 @@ typedef struct {
     double sim_link_gbps, sim_link_latency_us; /* parallel.sim_link_*: a simulated link (ds4/dist.h), 0: off */
     char trace_file[1024];    /* metrics.trace_file (--trace): Chrome trace JSON of the run's steps ("": none) */
     /* [memory] (also --swap-optimizer, --swap-layer-input, --offload-dir) */
-    bool swap_optimizer;      /* AdamW state in the offload store between updates */
+    bool swap_optimizer;      /* optimizer state in the offload store between updates */
     bool swap_layer_input;    /* layer input streams in the offload store between forward and backward */
     char offload_dir[1024];   /* the store's directory ("": $TMPDIR, else /tmp) */
     /* command line */
@@ -101,7 +102,7 @@ typedef struct {
     bool swap_optimizer, swap_layer_input;  /* the offload policies (ds4/offload.h) */
     const char *offload_dir;                /* NULL or "": $TMPDIR, else /tmp */
     size_t swap_chunk_bytes;                /* --swap-optimizer update buffers; 0: DS4_ADAMW_SWAP_CHUNK */
-    bool muon;                              /* the Muon group marked in the optimizer state (ds4/train.h) */
+    const ds4_optimizer *optimizer;         /* the optimizer's entry (ds4/train.h); NULL: AdamW */
     /* training.mixed_precision_param = "bfloat16": fp32 master weights and optimizer state, steps run with
      * bf16 GEMM operands and bf16 activations (ds4_pass_opts.bf16_acts); docs/mixed-precision.md */
     bool bf16;
@@ -144,16 +145,18 @@ void ds4_train_state_scale_grads(ds4_train_state *s, int64_t micro_batches);
 ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n);
 /* Global gradient norm before clipping to max_norm (> 0). Sharded, it is exact (the same bits for any EP). */
 ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *norm);
+/* AdamW on the AdamW group (every float parameter but the optimizer's own group); counts the step. */
 ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c, double lr);
-/* Muon on the Muon group (the state opened with opts->muon), AdamW's weight decay; a collective when sharded. */
-ds4_status ds4_train_state_muon_step(ds4_train_state *s, const ds4_muon_cfg *c, double weight_decay, double lr);
+/* The optimizer's own rule on its group (Muon: cfg a ds4_muon_cfg; a no-op for AdamW), AdamW's weight decay;
+ * a collective when sharded. */
+ds4_status ds4_train_state_own_step(ds4_train_state *s, const void *cfg, double weight_decay, double lr);
 /* Mixed precision: the bf16 compute copy of the GEMM weights (the whole model's or the shard's) rounded
  * again from the fp32 master weights. The state does it after setup and load, ds4_train_step after its
  * optimizer update; call it after changing the weights any other way. A no-op in fp32. */
 void ds4_train_state_refresh_bf16(ds4_train_state *s);
 /* The router bias rule with loads [n_blocks, E] of this rank (summed over ranks in place first). */
 ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, double gamma);
-/* Counts NaN / Inf in the weights and AdamW moments (over every rank): an error naming `step` when there
+/* Counts NaN / Inf in the weights and the optimizer state (over every rank): an error naming `step` when there
  * is any, so a diverged state is never saved. A collective when sharded. The functions from here on need
  * values: a plan state has none and gets an error. */
 ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step);
@@ -163,20 +166,20 @@ ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step);
  * on every rank, whatever world and EP degree wrote it. */
 ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t keep_latest_k, const ds4_ckpt_meta *meta);
 ds4_status ds4_train_state_load(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta);
-/* After a load: when meta->muon (the optimizer that wrote the checkpoint) differs from this state's, the
- * moments of the Muon group's elements are zeroed (they meant the other optimizer's state) and *elements,
- * *matrices say how many (0, 0: nothing changed). */
+/* After a load: when meta->optimizer (the one that wrote the checkpoint) differs from this state's, the
+ * load started the state of the parameters whose rule changed at zero (it meant the other rule's state);
+ * *elements, *matrices say how many (0, 0: nothing changed). */
 ds4_status ds4_train_state_switch_optimizer(ds4_train_state *s, const ds4_ckpt_meta *meta, int64_t *elements,
                                             int64_t *matrices);
-bool ds4_train_state_muon(const ds4_train_state *s); /* opened with the Muon group */
+const ds4_optimizer *ds4_train_state_optimizer(const ds4_train_state *s); /* its entry */
 bool ds4_train_state_bf16(const ds4_train_state *s); /* opened with bf16 mixed precision */
 
 /* ------------------------------------------------------------------ one optimizer step
  * Everything `ds4 train` does to the state in one step, and what `ds4 memplan` runs on a plan state (so
  * plan and run are one code path): zero the gradients; forward + backward of each micro-batch under the
  * pass options, summing losses and expert loads; gradients / (micro-batches of all ranks); losses := their
- * mean over ranks; clip to max_norm; a non-finite loss or norm is an error; AdamW at lr (then Muon on the
- * Muon group when muon is set); the router bias rule with the loads. src/train/step.c. */
+ * mean over ranks; clip to max_norm; a non-finite loss or norm is an error; AdamW at lr (then the
+ * optimizer's own rule on its group with own_cfg); the router bias rule with the loads. src/train/step.c. */
 typedef struct {
     int64_t step;              /* 1-based, for messages */
     int64_t micro_batches;     /* of this rank, >= 1 */
@@ -192,7 +195,7 @@ typedef struct {
     bool moe_force_balance;    /* balanced routing (memplan of a real world) */
     /* the update */
     const ds4_adamw_cfg *adamw;
-    const ds4_muon_cfg *muon;  /* NULL: AdamW alone; else Muon for the Muon group (state opened with muon) */
+    const void *own_cfg;       /* the settings of the state's own rule (Muon: a ds4_muon_cfg); NULL: AdamW alone */
     double lr, max_norm, router_bias_gamma;
     /* MoE forward-backward overlap (parallel.moe_fb_overlap, --moe-fb-overlap; micro_batches >= 2):
      * forward(i) runs beside backward(i - 1), taking turns at each EP all-to-all; the same bits */

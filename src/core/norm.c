@@ -1,5 +1,8 @@
-/* Gradient norms and clipping over flat float arrays: the one place these rules live, for a whole model
- * (ds4_clip_grad_norm) and for FSDP shards (ds4_fsdp_clip_grad_norm). */
+/* The per-element ops over flat fp32 arrays that the step runs above the model: the gradient norm, clipping
+ * and the mean over micro-batches, the finite check, and the optimizer updates (AdamW, Muon's momentum and
+ * apply). One place, each a function of plain pointers and explicit sizes that walks no struct, so a
+ * backend can take them over as they are. The optimizers (src/train/optim.c, muon.c) walk their runs of
+ * parameters and call these on each run. */
 #include "ds4/core.h"
 
 #include <math.h>
@@ -84,9 +87,44 @@ double ds4_sumsq_value(const ds4_sumsq_acc *a) {
     return a->limb[DS4_SUMSQ_LIMBS] ? NAN : s;
 }
 
+void ds4_scale_f32(float *x, int64_t n, float s) {
+#pragma omp parallel for if (n >= 1 << 15) schedule(static)
+    for (int64_t i = 0; i < n; i++) x[i] *= s;
+}
+
 void ds4_clip_scale(float *g, int64_t n, double max_norm, double norm) {
     if (!(max_norm > 0 && norm > max_norm)) return;
-    float s = (float)(max_norm / (norm + 1e-6));
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) g[i] *= s;
+    ds4_scale_f32(g, n, (float)(max_norm / (norm + 1e-6)));
+}
+
+int64_t ds4_count_nonfinite(const float *x, int64_t n) {
+    int64_t bad = 0;
+#pragma omp parallel for reduction(+ : bad) schedule(static)
+    for (int64_t i = 0; i < n; i++) bad += !isfinite(x[i]);
+    return bad;
+}
+
+void ds4_adamw_update(int64_t n, float *w, const float *g, float *m, float *v, ds4_adamw_consts k, bool decay) {
+    for (int64_t i = 0; i < n; i++) {
+        float gi = g[i];
+        m[i] = k.b1 * m[i] + (1.0f - k.b1) * gi;
+        v[i] = k.b2 * v[i] + (1.0f - k.b2) * gi * gi;
+        float denom = sqrtf(v[i]) * k.inv_sqrt_bc2 + k.eps;
+        if (decay) w[i] -= k.decay * w[i];
+        w[i] -= k.step_size * m[i] / denom;
+    }
+}
+
+void ds4_muon_momentum(int64_t n, const float *g, float *mom, float *u, float mu, bool nesterov) {
+    for (int64_t i = 0; i < n; i++) {
+        mom[i] = mu * mom[i] + g[i];
+        u[i] = nesterov ? g[i] + mu * mom[i] : mom[i];
+    }
+}
+
+void ds4_muon_apply(int64_t n, float *w, const float *o, float decay, float step) {
+    for (int64_t i = 0; i < n; i++) {
+        w[i] -= decay * w[i];
+        w[i] -= step * o[i];
+    }
 }

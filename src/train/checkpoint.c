@@ -86,19 +86,7 @@ static ds4_status list_steps(const char *root, step_list *l) {
     return st;
 }
 
-static ds4_status write_optim(const char *path, const ds4_adamw *o) {
-    if (o->store) return ds4_adamw_state_save(o, path); /* --swap-optimizer: streamed from the offload store */
-    ds4_st_writer *w;
-    DS4_TRY(ds4_st_writer_new(&w));
-    int64_t shape[1] = {o->n}, one = 1;
-    ds4_status st = ds4_st_writer_add(w, "adamw.m", DS4_F32, 1, shape, o->m);
-    if (st == DS4_OK) st = ds4_st_writer_add(w, "adamw.v", DS4_F32, 1, shape, o->v);
-    if (st == DS4_OK) st = ds4_st_writer_add(w, "adamw.step", DS4_I64, 1, &one, &o->step);
-    if (st == DS4_OK && o->muon) st = ds4_st_writer_add(w, DS4_CKPT_MUON_MARK, DS4_I64, 1, &one, &o->step);
-    if (st == DS4_OK) st = ds4_st_writer_write(w, path);
-    ds4_st_writer_free(w);
-    return st;
-}
+static ds4_status write_optim(const char *path, const ds4_optim *o) { return ds4_optim_state_save(o, path); }
 
 static ds4_status write_state(const char *path, const ds4_ckpt_meta *meta) {
     cJSON *j = cJSON_CreateObject();
@@ -133,7 +121,7 @@ void ds4_checkpoint_abort(const char *tmp) {
     if (tmp && tmp[0]) remove_ckpt_dir(tmp);
 }
 
-ds4_status ds4_checkpoint_save(const char *root, int64_t keep_latest_k, ds4_model *m, const ds4_adamw *o,
+ds4_status ds4_checkpoint_save(const char *root, int64_t keep_latest_k, ds4_model *m, const ds4_optim *o,
                                const ds4_ckpt_meta *meta) {
     char tmp[4096], p[4200];
     DS4_TRY(ds4_checkpoint_begin(root, meta->step, tmp, sizeof tmp));
@@ -261,127 +249,315 @@ static ds4_status check_optim_step(const char *path, int64_t step) {
                     (long long)step, MAX_CKPT_STEP);
 }
 
-static ds4_status read_optim(const char *path, ds4_adamw *o) {
-    if (o->store) return ds4_adamw_state_load(o, path); /* --swap-optimizer: streamed into the offload store */
-    ds4_st_file *f;
-    DS4_TRY(ds4_st_open(path, &f));
-    int64_t shape[1] = {o->n}, one = 1, step = 0;
-    ds4_status st = ds4_st_read_f32(f, "adamw.m", 1, shape, o->m);
-    if (st == DS4_OK) st = ds4_st_read_f32(f, "adamw.v", 1, shape, o->v);
-    if (st == DS4_OK) st = ds4_st_read_i64(f, "adamw.step", 1, &one, &step);
-    if (st == DS4_OK) st = check_optim_step(path, step);
-    if (st == DS4_OK) o->step = step;
-    ds4_st_close(f);
-    return st;
+/* The entry whose mark the file holds (AdamW: none). */
+static const ds4_optimizer *writer_of(const ds4_st_file *f) {
+    for (int i = 0; ds4_optimizer_at(i); i++) {
+        const ds4_optimizer *e = ds4_optimizer_at(i);
+        if (e->mark && ds4_st_find(f, e->mark)) return e;
+    }
+    return &ds4_optimizer_adamw;
 }
 
 ds4_status ds4_checkpoint_load_meta(const char *path, ds4_ckpt_meta *meta) {
     char p[4200];
     snprintf(p, sizeof p, "%s/state.json", path);
     DS4_TRY(read_state(p, meta));
-    /* which optimizer wrote optim.state: Muon marks its file (a missing file is the optimizer load's error) */
-    snprintf(p, sizeof p, "%s/optim.state", path);
-    meta->muon = false;
+    /* which optimizer wrote optim.state: its mark says so (a missing file is the optimizer load's error) */
+    meta->optimizer = &ds4_optimizer_adamw;
     if (ds4_checkpoint_is_per_rank(path)) { /* the mark is in every rank's file */
         ds4_ckpt_shards *s;
         DS4_TRY(ds4_ckpt_shards_open(path, -1, &s));
-        meta->muon = ds4_ckpt_shards_muon(s);
+        meta->optimizer = writer_of(ds4_ckpt_shards_file(s, 0));
         ds4_ckpt_shards_close(s);
         return DS4_OK;
     }
+    snprintf(p, sizeof p, "%s/optim.state", path);
     ds4_st_file *f;
     if (access(p, F_OK) != 0) return DS4_OK;
     DS4_TRY(ds4_st_open(p, &f));
-    meta->muon = ds4_st_find(f, DS4_CKPT_MUON_MARK) != NULL;
+    meta->optimizer = writer_of(f);
     ds4_st_close(f);
     return DS4_OK;
 }
 
-struct ds4_ckpt_moment {
-    ds4_st_file *f;
-    ds4_tensor_loc loc;
-};
+/* ------------------------------------------------------------------ the optimizer state, read back */
+/* Where the arrays come from: one optim.state file (each tensor over every packed element, "full", or over
+ * its group's elements only) or the per-rank files (every array full). */
+typedef struct {
+    const char *what;            /* for messages */
+    ds4_st_file *f;              /* NULL: shards */
+    ds4_ckpt_shards *shards;
+    const ds4_optimizer *writer;
+    const ds4_optimizer *reader;
+    ds4_model *m;
+    int64_t *poff;               /* [nparams] each float parameter's packed offset */
+    int64_t *goff;               /* [nparams] its offset among the packed elements of its writer group */
+    int64_t *flat, nflat;        /* [nflat] the float parameters (indices), in packed order */
+    ds4_tensor_loc loc[DS4_OPT_NGROUPS][DS4_OPT_ARRAYS_MAX]; /* optim.state: each writer array */
+    bool full[DS4_OPT_NGROUPS][DS4_OPT_ARRAYS_MAX];
+    const char *name[DS4_OPT_NGROUPS][DS4_OPT_ARRAYS_MAX];   /* the tensor each writer array is read from */
+    /* per-rank files whose optimizer arrays hold one group's elements each (the writer's own array is
+     * there): the own group's intervals of every file, sorted by (file, offset), each with the own elements
+     * of its file before it, and each file's arrays */
+    bool grouped;
+    int64_t (*own)[4];           /* [nown]: file, offset in the file's params, length, own elements before */
+    int64_t nown, cap;
+    ds4_tensor_loc *floc;        /* [nfiles][DS4_OPT_NGROUPS][DS4_OPT_ARRAYS_MAX] */
+    ds4_optim *o;
+    float *buf;                  /* [C] for a swapped state */
+    int64_t C, switched;
+    ds4_status st;
+} optim_src;
 
-ds4_status ds4_checkpoint_moment_open(const char *path, const char *name, int64_t n, ds4_ckpt_moment **out,
-                                      int64_t *step) {
-    *out = NULL;
-    char p[4200];
-    snprintf(p, sizeof p, "%s/optim.state", path);
-    ds4_ckpt_moment *mo = ds4_calloc(DS4_MEM_OTHER, sizeof *mo);
-    if (!mo) return DS4_ERR_OOM;
-    int64_t shape[1] = {n}, one = 1;
-    ds4_status st = ds4_st_open(p, &mo->f);
-    if (st == DS4_OK) st = ds4_st_locate(mo->f, name, &mo->loc);
-    if (st == DS4_OK) st = ds4_tensor_loc_check_shape(&mo->loc, 1, shape);
-    if (st == DS4_OK && mo->loc.entry->dtype != DS4_F32)
-        st = ds4_fail(DS4_ERR_SHAPE, "%s: tensor %s: expected F32, got %s", p, name, ds4_dtype_name(mo->loc.entry->dtype));
-    if (st == DS4_OK) st = ds4_st_read_i64(mo->f, "adamw.step", 1, &one, step);
-    if (st == DS4_OK) st = check_optim_step(p, *step);
-    if (st != DS4_OK) {
-        ds4_ckpt_moment_close(mo);
-        return st;
+static ds4_status own_intervals(optim_src *x);
+
+static int writer_group(const optim_src *x, const ds4_param *p) {
+    return ds4_optimizer_takes(x->writer, p) ? DS4_OPT_OWN : DS4_OPT_ADAMW;
+}
+
+/* The packed offsets, and each writer group's tensor names (a file of ds4 before Muon owned its state kept
+ * the momentum in adamw.m) and, from optim.state, their locations and layouts. */
+static ds4_status src_open(optim_src *x) {
+    const int64_t np = ds4_model_nparams(x->m);
+    x->poff = ds4_alloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(int64_t));
+    x->goff = ds4_alloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(int64_t));
+    x->flat = ds4_alloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(int64_t));
+    if (!x->poff || !x->goff || !x->flat)
+        return ds4_fail(DS4_ERR_OOM, "%s: out of memory reading the optimizer state", x->what);
+    int64_t packed = 0, count[DS4_OPT_NGROUPS] = {0, 0};
+    for (int64_t i = 0; i < np; i++) {
+        const ds4_param *p = ds4_model_param(x->m, i);
+        if (!ds4_param_in_flat(p)) continue;
+        const int g = writer_group(x, p);
+        x->flat[x->nflat++] = i;
+        x->poff[i] = packed, x->goff[i] = count[g];
+        packed += p->numel, count[g] += p->numel;
     }
-    *out = mo;
-    return DS4_OK;
+    for (int g = 0; g < DS4_OPT_NGROUPS; g++) {
+        const ds4_optimizer *e = g == DS4_OPT_OWN ? x->writer : &ds4_optimizer_adamw;
+        if (g == DS4_OPT_OWN && !e->takes) break;
+        for (int a = 0; a < e->nstate && a < DS4_OPT_ARRAYS_MAX; a++) {
+            const char *name = e->state_names[a];
+            const bool present = x->f ? ds4_st_find(x->f, name) != NULL : ds4_ckpt_shards_has(x->shards, name);
+            if (g == DS4_OPT_OWN && !present && x->writer == &ds4_optimizer_muon && a == 0) name = "adamw.m";
+            x->name[g][a] = name;
+            x->full[g][a] = !x->f || !present; /* the old momentum is adamw.m, over every element */
+            x->grouped = x->grouped || (!x->f && g == DS4_OPT_OWN && present); /* per-rank: arrays by group */
+            if (!x->f) continue;
+            DS4_TRY(ds4_st_locate(x->f, name, &x->loc[g][a]));
+            const ds4_tensor_loc *l = &x->loc[g][a];
+            if (l->entry->dtype != DS4_F32 || l->ndim != 1 || (l->shape[0] != packed && l->shape[0] != count[g]))
+                return ds4_fail(DS4_ERR_SHAPE, "%s: tensor %s: expected F32 [%lld] (every element) or [%lld] (its group's)",
+                                x->what, name, (long long)packed, (long long)count[g]);
+            x->full[g][a] = l->shape[0] == packed;
+        }
+    }
+    return x->grouped ? own_intervals(x) : DS4_OK;
 }
 
-ds4_status ds4_ckpt_moment_read(void *moment, int64_t off, int64_t n, float *dst) {
-    ds4_ckpt_moment *mo = moment;
-    return ds4_tensor_loc_read_rows(&mo->loc, off, off + n, dst);
+static int cmp_own(const void *a, const void *b) {
+    const int64_t *x = a, *y = b;
+    return x[0] != y[0] ? (x[0] > y[0]) - (x[0] < y[0]) : (x[1] > y[1]) - (x[1] < y[1]);
 }
 
-void ds4_ckpt_moment_close(ds4_ckpt_moment *mo) {
-    if (!mo) return;
-    if (mo->f) ds4_tensor_loc_release(&mo->loc); /* the pages read go back */
-    ds4_st_close(mo->f);
-    ds4_free(mo);
+/* The file's range holding packed element off (the ranges tile [0, packed)). */
+static ds4_ckpt_range range_at(const ds4_ckpt_shards *s, int64_t off) {
+    int64_t lo = 0, hi = ds4_ckpt_shards_nranges(s) - 1;
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (ds4_ckpt_shards_range(s, mid).poff <= off) lo = mid;
+        else hi = mid - 1;
+    }
+    return ds4_ckpt_shards_range(s, lo);
 }
 
-/* One moment of a per-rank checkpoint into o (resident or swapped), a chunk at a time. */
-static ds4_status read_moment_shards(ds4_ckpt_shards *s, ds4_ckpt_array which, ds4_adamw *o) {
-    ds4_ckpt_shards_select(s, which);
-    float *mem = which == DS4_CKPT_ADAMW_M ? o->m : o->v;
-    if (mem) return ds4_ckpt_shards_read(s, 0, o->n, mem);
-    const int64_t C = (int64_t)(DS4_ADAMW_SWAP_CHUNK / sizeof(float));
-    float *buf = ds4_alloc(DS4_MEM_OPTIM, (size_t)C * sizeof(float));
-    if (!buf) return ds4_fail(DS4_ERR_OOM, "out of memory loading the optimizer state");
+/* Grouped per-rank files: the writer's own-group intervals of each file, from the index ranges cut at
+ * parameter boundaries, and each file's arrays located and checked against its group's elements. */
+static ds4_status own_intervals(optim_src *x) {
+    const ds4_ckpt_shards *s = x->shards;
+    const int nf = ds4_ckpt_shards_nfiles(s);
+    for (int64_t i = 0; i < ds4_ckpt_shards_nranges(s); i++) {
+        const ds4_ckpt_range r = ds4_ckpt_shards_range(s, i);
+        int64_t lo = 0, hi = x->nflat - 1; /* the last float parameter starting at or before the range */
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (x->poff[x->flat[mid]] <= r.poff) lo = mid;
+            else hi = mid - 1;
+        }
+        for (int64_t k = lo, at = r.poff; k < x->nflat && at < r.poff + r.len; k++) { /* the parameters it covers */
+            const int64_t p = x->flat[k];
+            const ds4_param *q = ds4_model_param(x->m, p);
+            const int64_t end = x->poff[p] + q->numel < r.poff + r.len ? x->poff[p] + q->numel : r.poff + r.len;
+            if (end <= at) continue;
+            if (writer_group(x, q) == DS4_OPT_OWN) {
+                if (!ds4_grow((void **)&x->own, &x->cap, x->nown + 1, sizeof *x->own))
+                    return ds4_fail(DS4_ERR_OOM, "%s: out of memory reading the optimizer state", x->what);
+                x->own[x->nown][0] = r.file, x->own[x->nown][1] = r.foff + (at - r.poff), x->own[x->nown][2] = end - at;
+                x->nown++;
+            }
+            at = end;
+        }
+    }
+    if (x->nown > 1) qsort(x->own, (size_t)x->nown, sizeof *x->own, cmp_own);
+    int64_t *total = ds4_calloc(DS4_MEM_OTHER, (size_t)nf * sizeof(int64_t));
+    x->floc = ds4_calloc(DS4_MEM_OTHER, (size_t)nf * DS4_OPT_NGROUPS * DS4_OPT_ARRAYS_MAX * sizeof *x->floc);
+    if (!total || !x->floc) {
+        ds4_free(total);
+        return ds4_fail(DS4_ERR_OOM, "%s: out of memory reading the optimizer state", x->what);
+    }
+    for (int64_t k = 0; k < x->nown; k++) {
+        x->own[k][3] = total[x->own[k][0]];
+        total[x->own[k][0]] += x->own[k][2];
+    }
     ds4_status st = DS4_OK;
-    for (int64_t i0 = 0; i0 < o->n && st == DS4_OK; i0 += C) {
-        const int64_t n = o->n - i0 < C ? o->n - i0 : C;
-        st = ds4_ckpt_shards_read(s, i0, n, buf);
-        if (st == DS4_OK) st = ds4_adamw_moment_write(o, which == DS4_CKPT_ADAMW_M ? 0 : 1, i0, n, buf);
-    }
-    ds4_free(buf);
+    for (int f = 0; f < nf && st == DS4_OK; f++)
+        for (int g = 0; g < DS4_OPT_NGROUPS && st == DS4_OK; g++)
+            for (int a = 0; a < DS4_OPT_ARRAYS_MAX && x->name[g][a] && st == DS4_OK; a++) {
+                ds4_tensor_loc *l = &x->floc[(f * DS4_OPT_NGROUPS + g) * DS4_OPT_ARRAYS_MAX + a];
+                const int64_t want = g == DS4_OPT_OWN ? total[f] : ds4_ckpt_shards_elements(s, f) - total[f];
+                st = ds4_st_locate(ds4_ckpt_shards_file(s, f), x->name[g][a], l);
+                if (st == DS4_OK) st = ds4_tensor_loc_check_shape(l, 1, &want);
+            }
+    ds4_free(total);
     return st;
 }
 
-/* A per-rank checkpoint into a whole model: every packed range read from the files that hold it. */
-static ds4_status load_per_rank(const char *path, ds4_model *m, ds4_adamw *o) {
+/* Grouped per-rank files: packed elements [off, off + n) of writer array (g, a), each piece read from its
+ * file's array at its place among the group's elements there. */
+static ds4_status grouped_read(optim_src *x, int g, int a, int64_t off, int64_t n, float *dst) {
+    while (n > 0) {
+        const ds4_ckpt_range r = range_at(x->shards, off);
+        const int64_t fo = r.foff + (off - r.poff), take = r.poff + r.len - off < n ? r.poff + r.len - off : n;
+        int64_t lo = 0, hi = x->nown - 1, before = 0; /* the last own interval of this file starting at or before fo */
+        while (lo <= hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (x->own[mid][0] < r.file || (x->own[mid][0] == r.file && x->own[mid][1] <= fo)) lo = mid + 1;
+            else hi = mid - 1;
+        }
+        if (hi >= 0 && x->own[hi][0] == r.file)
+            before = x->own[hi][3] + (fo - x->own[hi][1] < x->own[hi][2] ? fo - x->own[hi][1] : x->own[hi][2]);
+        const int64_t j = g == DS4_OPT_OWN ? before : fo - before;
+        const ds4_tensor_loc *l = &x->floc[(r.file * DS4_OPT_NGROUPS + g) * DS4_OPT_ARRAYS_MAX + a];
+        DS4_TRY(ds4_tensor_loc_read_rows(l, j, j + take, dst));
+        ds4_tensor_loc_release_rows(l, j, j + take); /* the pages read go back */
+        off += take, n -= take, dst += take;
+    }
+    return DS4_OK;
+}
+
+static void src_close(optim_src *x) {
+    for (int g = 0; g < DS4_OPT_NGROUPS; g++)
+        for (int a = 0; a < DS4_OPT_ARRAYS_MAX; a++)
+            if (x->loc[g][a].entry) ds4_tensor_loc_release(&x->loc[g][a]); /* the pages read go back */
+    ds4_free(x->poff);
+    ds4_free(x->goff);
+    ds4_free(x->flat);
+    ds4_free(x->buf);
+    ds4_free(x->own);
+    ds4_free(x->floc);
+}
+
+/* Writer array (g, a) of parameter i, elements [k0, k0 + n), into dst. */
+static ds4_status src_read(optim_src *x, int g, int a, int64_t i, int64_t k0, int64_t n, float *dst) {
+    const int64_t off = (x->full[g][a] ? x->poff[i] : x->goff[i]) + k0;
+    if (x->f) return ds4_tensor_loc_read_rows(&x->loc[g][a], off, off + n, dst);
+    if (x->grouped) return grouped_read(x, g, a, x->poff[i] + k0, n, dst);
+    DS4_TRY(ds4_ckpt_shards_select_name(x->shards, x->name[g][a]));
+    return ds4_ckpt_shards_read(x->shards, off, n, dst);
+}
+
+/* One piece of the state: elements [k0, k1) of p at flat offset s0 of o. Read when the writer trained p by
+ * the rule o trains it by, else zero; straight into memory, or a chunk at a time into the store. */
+static void src_piece(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
+    optim_src *x = ctx;
+    if (x->st != DS4_OK || k1 == k0) return;
+    int64_t j;
+    const int gr = ds4_optim_locate(x->o, s0, &j), gw = writer_group(x, p);
+    const bool same = gr == gw && (gr == DS4_OPT_ADAMW || x->writer == x->reader);
+    const int64_t i = p - ds4_model_param(x->m, 0);
+    if (!same) x->switched += k1 - k0;
+    for (int a = 0; a < x->o->g[gr].k && x->st == DS4_OK; a++) {
+        float *mem = x->o->swapped ? NULL : x->o->g[gr].mem[a];
+        if (mem && same) x->st = src_read(x, gr, a, i, k0, k1 - k0, mem + j);
+        else if (mem) memset(mem + j, 0, (size_t)(k1 - k0) * sizeof(float));
+        for (int64_t c0 = k0; !mem && c0 < k1 && x->st == DS4_OK; c0 += x->C) {
+            const int64_t n = k1 - c0 < x->C ? k1 - c0 : x->C;
+            if (same) x->st = src_read(x, gr, a, i, c0, n, x->buf);
+            else memset(x->buf, 0, (size_t)n * sizeof(float));
+            if (x->st == DS4_OK) x->st = ds4_optim_write(x->o, gr, a, j + (c0 - k0), n, x->buf);
+        }
+    }
+}
+
+/* Every piece of o: each float parameter whole (f NULL), or the shard's pieces. */
+static ds4_status src_load(optim_src *x, const ds4_fsdp *f) {
+    DS4_TRY(src_open(x));
+    x->C = x->o->chunk > 0 ? x->o->chunk : (int64_t)(DS4_ADAMW_SWAP_CHUNK / (2 * sizeof(float)));
+    if (x->o->swapped && !(x->buf = ds4_alloc(DS4_MEM_OPTIM, (size_t)x->C * sizeof(float))))
+        return ds4_fail(DS4_ERR_OOM, "%s: out of memory loading the optimizer state", x->what);
+    if (f) ds4_fsdp_for_each_piece(f, src_piece, x);
+    const float *flat = ds4_model_params_flat(x->m);
+    for (int64_t i = 0; !f && i < ds4_model_nparams(x->m); i++) {
+        ds4_param *p = ds4_model_param(x->m, i);
+        if (ds4_param_in_flat(p)) src_piece(x, p, 0, p->numel, p->data - flat);
+    }
+    return x->st;
+}
+
+ds4_status ds4_optim_state_load(ds4_optim *o, ds4_model *m, const ds4_fsdp *f, const ds4_optimizer *writer,
+                                const char *path, int64_t *switched) {
+    optim_src x = {.what = path, .writer = writer, .reader = o->opt, .m = m, .o = o};
+    int64_t one = 1, step = 0;
+    DS4_TRY(ds4_st_open(path, &x.f));
+    ds4_status st = src_load(&x, f);
+    if (st == DS4_OK) st = ds4_st_read_i64(x.f, "adamw.step", 1, &one, &step);
+    if (st == DS4_OK) st = check_optim_step(path, step);
+    if (st == DS4_OK) o->step = step;
+    if (switched) *switched = x.switched;
+    src_close(&x);
+    ds4_st_close(x.f);
+    return st;
+}
+
+ds4_status ds4_checkpoint_load_optim(const char *path, ds4_optim *o, ds4_model *m, const ds4_fsdp *f,
+                                     const ds4_optimizer *writer, int64_t *switched) {
+    char p[4200];
+    if (!ds4_checkpoint_is_per_rank(path)) {
+        snprintf(p, sizeof p, "%s/optim.state", path);
+        return ds4_optim_state_load(o, m, f, writer, p, switched);
+    }
+    const int64_t packed = f ? ds4_fsdp_packed_numel(f) : ds4_model_numel(m);
+    optim_src x = {.what = path, .writer = writer, .reader = o->opt, .m = m, .o = o};
+    DS4_TRY(ds4_ckpt_shards_open(path, packed, &x.shards));
+    ds4_status st = src_load(&x, f);
+    if (st == DS4_OK) o->step = ds4_ckpt_shards_step(x.shards);
+    if (switched) *switched = x.switched;
+    src_close(&x);
+    ds4_ckpt_shards_close(x.shards);
+    return st;
+}
+
+/* A per-rank checkpoint's weights into a whole model: every packed range read from the files that hold it. */
+static ds4_status load_per_rank_model(const char *path, ds4_model *m) {
     ds4_ckpt_shards *s;
     DS4_TRY(ds4_ckpt_shards_open(path, ds4_model_numel(m), &s));
     ds4_status st = ds4_ckpt_shards_read(s, 0, ds4_model_numel(m), ds4_model_params_flat(m));
     if (st == DS4_OK) st = ds4_ckpt_shards_load_tables(s, m);
-    if (st == DS4_OK && o) st = read_moment_shards(s, DS4_CKPT_ADAMW_M, o);
-    if (st == DS4_OK && o) st = read_moment_shards(s, DS4_CKPT_ADAMW_V, o);
-    if (st == DS4_OK && o) o->step = ds4_ckpt_shards_step(s);
     ds4_ckpt_shards_close(s);
     return st;
 }
 
-ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_adamw *o, ds4_ckpt_meta *meta) {
-    char p[4200];
+ds4_status ds4_checkpoint_load(const char *path, ds4_model *m, ds4_optim *o, ds4_ckpt_meta *meta) {
     DS4_TRY(ds4_checkpoint_load_meta(path, meta));
-    if (ds4_checkpoint_is_per_rank(path)) return load_per_rank(path, m, o);
-    ds4_model_dir *d;
-    DS4_TRY(ds4_model_dir_open(path, &d));
-    ds4_status st = ds4_model_load(m, d);
-    ds4_model_dir_close(d);
-    if (st != DS4_OK) return ds4_fail_prefix(st, "checkpoint %s", path);
-    if (o) {
-        snprintf(p, sizeof p, "%s/optim.state", path);
-        DS4_TRY(read_optim(p, o));
+    if (ds4_checkpoint_is_per_rank(path)) DS4_TRY(load_per_rank_model(path, m));
+    else {
+        ds4_model_dir *d;
+        DS4_TRY(ds4_model_dir_open(path, &d));
+        ds4_status st = ds4_model_load(m, d);
+        ds4_model_dir_close(d);
+        if (st != DS4_OK) return ds4_fail_prefix(st, "checkpoint %s", path);
     }
-    return DS4_OK;
+    return o ? ds4_checkpoint_load_optim(path, o, m, NULL, meta->optimizer, NULL) : DS4_OK;
 }
 
 /* ------------------------------------------------------------------ the run's config against the checkpoint's */

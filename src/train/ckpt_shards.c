@@ -1,10 +1,12 @@
 /* Per-rank checkpoints (checkpoint.per_rank): every rank of a sharded state writes its own file, at the
  * same time as the others, into the same hidden ROOT/.tmp-step-N that the one-writer save uses:
- *   shard-RRRRR-of-WWWWW.safetensors  "params", "adamw.m", "adamw.v" F32 [k]: the rank's elements of the
- *                                     packed layout (ds4/dist.h), "adamw.step" I64 [1] (and the Muon mark);
+ *   shard-RRRRR-of-WWWWW.safetensors  "params" F32 [k]: the rank's elements of the packed layout (ds4/dist.h);
+ *                                     the optimizer's arrays ("adamw.m", "adamw.v", Muon's "muon.momentum"),
+ *                                     each over its group's elements alone; "adamw.step" I64 [1] (and the
+ *                                     optimizer's mark);
  *                                     shard 0 also holds the integer tables and carried tensors by name;
  *   shards.json                       the index (rank 0): for each file, the packed ranges it holds as
- *                                     [packed offset, offset in the file's arrays, length].
+ *                                     [packed offset, offset in the file's params, length].
  * Rank 0 commits (state.json, rename) only after every rank reported its file written, so a failure on
  * any rank leaves no step-N behind. A reader serves any packed range from the files, so a checkpoint
  * written by N ranks loads on any world, EP degree, or in one process. */
@@ -38,10 +40,10 @@ ds4_status ds4_checkpoint_write_shard(const char *tmp, int rank, int world, cons
     DS4_TRY(ds4_st_writer_new(&w));
     int64_t shape[1] = {d->n}, one = 1;
     ds4_status st = ds4_st_writer_add(w, "adamw.step", DS4_I64, 1, &one, &d->step);
-    if (st == DS4_OK && d->muon) st = ds4_st_writer_add(w, DS4_CKPT_MUON_MARK, DS4_I64, 1, &one, &d->step);
+    if (st == DS4_OK && d->mark) st = ds4_st_writer_add(w, d->mark, DS4_I64, 1, &one, &d->step);
     if (st == DS4_OK) st = ds4_st_writer_add(w, "params", DS4_F32, 1, shape, d->params);
-    if (st == DS4_OK) st = ds4_st_writer_add(w, "adamw.m", DS4_F32, 1, shape, d->m);
-    if (st == DS4_OK) st = ds4_st_writer_add(w, "adamw.v", DS4_F32, 1, shape, d->v);
+    for (int a = 0; st == DS4_OK && a < d->narrays; a++)
+        st = ds4_st_writer_add(w, d->names[a], DS4_F32, 1, &d->lens[a], d->arrays[a]);
     for (int64_t i = 0; st == DS4_OK && d->tables && i < ds4_model_nparams(d->tables); i++) {
         const ds4_param *p = ds4_model_param(d->tables, i);
         if (p->is_int) st = ds4_st_writer_add(w, p->name, DS4_I64, p->ndim, p->shape, p->idata);
@@ -103,17 +105,18 @@ struct ds4_ckpt_shards {
     char dir[4096];
     int nfiles;
     ds4_st_file **files;   /* [nfiles] */
-    ds4_tensor_loc *locs;  /* [nfiles][3]: params, adamw.m, adamw.v */
+    ds4_tensor_loc *locs;  /* [nfiles][NARRAYS]: params, adamw.m, adamw.v, muon.momentum (entry NULL: absent) */
     int64_t *elements;     /* [nfiles] length of each file's arrays */
     int64_t packed;        /* packed_numel of the index */
     src_range *ranges;     /* [nranges] ascending poff, tiling [0, packed_numel) */
     int64_t nranges, cap;
     int which;             /* the array ds4_ckpt_shards_read serves */
     int64_t step;
-    bool muon;
 };
 
-static const char *const k_arrays[3] = {"params", "adamw.m", "adamw.v"};
+/* The arrays a shard file may hold; the first three are in every one. */
+static const char *const k_arrays[] = {"params", "adamw.m", "adamw.v", "muon.momentum"};
+enum { NARRAYS = sizeof k_arrays / sizeof *k_arrays, NREQUIRED = 3 };
 
 static int cmp_range(const void *a, const void *b) {
     const src_range *x = a, *y = b;
@@ -150,13 +153,15 @@ static ds4_status open_file(ds4_ckpt_shards *s, const char *index, int i, const 
     snprintf(path, sizeof path, "%s/%s", s->dir, name->valuestring);
     DS4_TRY(ds4_st_open(path, &s->files[i]));
     s->elements[i] = elements;
-    for (int k = 0; k < 3; k++) {
-        ds4_tensor_loc *loc = &s->locs[3 * i + k];
+    for (int k = 0; k < NARRAYS; k++) {
+        ds4_tensor_loc *loc = &s->locs[NARRAYS * i + k];
+        if (k >= NREQUIRED && !ds4_st_find(s->files[i], k_arrays[k])) continue;
         DS4_TRY(ds4_st_locate(s->files[i], k_arrays[k], loc));
-        DS4_TRY(ds4_tensor_loc_check_shape(loc, 1, &elements));
         if (loc->entry->dtype != DS4_F32)
             return ds4_fail(DS4_ERR_FORMAT, "%s: tensor %s: expected F32, got %s", path, k_arrays[k],
                             ds4_dtype_name(loc->entry->dtype));
+        /* an optimizer array may hold its group's elements alone (checked against the groups on load) */
+        if (k == 0 || loc->ndim != 1 || loc->shape[0] > elements) DS4_TRY(ds4_tensor_loc_check_shape(loc, 1, &elements));
     }
     const int64_t nr = cJSON_GetArraySize(rs);
     if (!ds4_grow((void **)&s->ranges, &s->cap, s->nranges + nr, sizeof(src_range)))
@@ -217,7 +222,7 @@ static ds4_status parse_index(ds4_ckpt_shards *s, const char *index, const cJSON
     s->nfiles = cJSON_GetArraySize(files);
     s->packed = packed;
     s->files = ds4_calloc(DS4_MEM_OTHER, (size_t)s->nfiles * sizeof *s->files);
-    s->locs = ds4_calloc(DS4_MEM_OTHER, (size_t)s->nfiles * 3 * sizeof *s->locs);
+    s->locs = ds4_calloc(DS4_MEM_OTHER, (size_t)s->nfiles * NARRAYS * sizeof *s->locs);
     s->elements = ds4_calloc(DS4_MEM_OTHER, (size_t)s->nfiles * sizeof *s->elements);
     if (!s->files || !s->locs || !s->elements) return ds4_fail(DS4_ERR_OOM, "%s: out of memory opening the files", index);
     for (int i = 0; i < s->nfiles; i++) DS4_TRY(open_file(s, index, i, cJSON_GetArrayItem(files, i)));
@@ -225,11 +230,10 @@ static ds4_status parse_index(ds4_ckpt_shards *s, const char *index, const cJSON
     return check_tiling(s, index, packed);
 }
 
-/* adamw.step and the Muon mark, from the first file (every rank writes the same). */
+/* adamw.step, from the first file (every rank writes the same). */
 static ds4_status read_step(ds4_ckpt_shards *s) {
     int64_t one = 1;
     DS4_TRY(ds4_st_read_i64(s->files[0], "adamw.step", 1, &one, &s->step));
-    s->muon = ds4_st_find(s->files[0], DS4_CKPT_MUON_MARK) != NULL;
     if (s->step >= 0 && s->step <= 999999999999999LL) return DS4_OK;
     return ds4_fail(DS4_ERR_FORMAT, "%s: tensor adamw.step = %lld: expected an integer in [0, 10^15)",
                     ds4_st_path(s->files[0]), (long long)s->step);
@@ -274,7 +278,6 @@ void ds4_ckpt_shards_close(ds4_ckpt_shards *s) {
 }
 
 int64_t ds4_ckpt_shards_step(const ds4_ckpt_shards *s) { return s->step; }
-bool ds4_ckpt_shards_muon(const ds4_ckpt_shards *s) { return s->muon; }
 const char *ds4_ckpt_shards_first_file(const ds4_ckpt_shards *s) { return ds4_st_path(s->files[0]); }
 
 int ds4_ckpt_shards_nfiles(const ds4_ckpt_shards *s) { return s->nfiles; }
@@ -289,6 +292,24 @@ ds4_ckpt_range ds4_ckpt_shards_range(const ds4_ckpt_shards *s, int64_t i) {
 
 void ds4_ckpt_shards_select(ds4_ckpt_shards *s, ds4_ckpt_array which) { s->which = (int)which; }
 
+ds4_status ds4_ckpt_shards_select_name(ds4_ckpt_shards *s, const char *name) {
+    for (int k = 0; k < NARRAYS; k++) {
+        if (strcmp(name, k_arrays[k]) != 0) continue;
+        for (int i = 0; i < s->nfiles; i++)
+            if (!s->locs[NARRAYS * i + k].entry)
+                return ds4_fail(DS4_ERR_MISSING, "%s: tensor %s not found", ds4_st_path(s->files[i]), name);
+        s->which = k;
+        return DS4_OK;
+    }
+    return ds4_fail(DS4_ERR_ARG, "per-rank checkpoint %s: no array named %s", s->dir, name);
+}
+
+bool ds4_ckpt_shards_has(const ds4_ckpt_shards *s, const char *name) {
+    for (int k = 0; k < NARRAYS; k++)
+        if (!strcmp(name, k_arrays[k])) return s->locs[k].entry != NULL; /* as in the first file */
+    return false;
+}
+
 ds4_status ds4_ckpt_shards_read(void *ctx, int64_t off, int64_t n, float *dst) {
     ds4_ckpt_shards *s = ctx;
     int64_t lo = 0, hi = s->nranges - 1; /* the last range starting at or before off */
@@ -302,7 +323,7 @@ ds4_status ds4_ckpt_shards_read(void *ctx, int64_t off, int64_t n, float *dst) {
             return ds4_fail(DS4_ERR_ARG, "%s: packed element %lld is in no file", s->dir, (long long)off);
         const src_range *r = &s->ranges[i];
         int64_t take = r->poff + r->len - off < n ? r->poff + r->len - off : n, at = r->foff + (off - r->poff);
-        const ds4_tensor_loc *loc = &s->locs[3 * r->file + s->which];
+        const ds4_tensor_loc *loc = &s->locs[NARRAYS * r->file + s->which];
         DS4_TRY(ds4_tensor_loc_read_rows(loc, at, at + take, dst));
         ds4_tensor_loc_release_rows(loc, at, at + take); /* the pages read go back */
         off += take, n -= take, dst += take;

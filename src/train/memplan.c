@@ -28,7 +28,7 @@ static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, i
                                     .swap_layer_input = so->swap_layer_input,
                                     .offload_dir = so->offload_dir,
                                     .swap_chunk_bytes = so->swap_chunk_bytes,
-                                    .muon = so->muon,
+                                    .optimizer = so->muon ? &ds4_optimizer_muon : NULL,
                                     .bf16 = so->bf16,
                                     .prefetch_depth = so->prefetch_depth};
     const ds4_muon_cfg muon = ds4_muon_defaults();
@@ -42,7 +42,7 @@ static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, i
                              .release_mask = so->masks,
                              .moe_force_balance = w->force_balance,
                              .adamw = &k_adamw,
-                             .muon = so->muon ? &muon : NULL,
+                             .own_cfg = so->muon ? &muon : NULL,
                              .lr = k_adamw.lr,
                              .max_norm = 1.0,
                              .router_bias_gamma = 1e-3,

@@ -1,7 +1,8 @@
-/* Muon (ds4/train.h, docs/muon.md): the momentum, the Newton–Schulz step and the update of the Muon
- * group's matrices. The whole model and an FSDP shard run the same three per-matrix functions (a part of
- * the matrix out, the whole matrix, a part back in); the shard only adds the exchange between them, so
- * both give the same bits. */
+/* Muon (ds4/train.h, docs/muon.md), an entry of the optimizer socket: its group (ds4_param_is_muon), its
+ * state (one momentum per element, its own array), the Newton–Schulz step and the update of its matrices.
+ * The whole model and an FSDP shard run the same three per-matrix functions (a part of the matrix out, the
+ * whole matrix, a part back in); the shard only adds the exchange between them, so both give the same
+ * bits. The per-element arithmetic is src/core/norm.c's. */
 #include "ds4/train.h"
 
 #include <math.h>
@@ -38,7 +39,7 @@ bool ds4_param_is_muon(const ds4_param *p) {
 
 /* ------------------------------------------------------------------ the three per-matrix functions */
 typedef struct {
-    ds4_adamw *o;
+    ds4_optim *o;
     const ds4_muon_cfg *c;
     float *w;       /* the weights the offsets s0 index: the whole model's flat array or the shard */
     const float *g; /* the gradients, likewise */
@@ -47,23 +48,26 @@ typedef struct {
     ds4_ns_coef coef[DS4_MUON_NS_MAX];
 } muon_ctx;
 
-/* M := μ·M + G over the part (momentum read from the state, resident or swapped, and written back);
- * part := G + μ·M (Nesterov) or M. */
+/* M := μ·M + G over the part, part := G + μ·M (Nesterov) or M: on the momentum in place when resident,
+ * else read from the store into a buffer and written back. */
 static ds4_status muon_part_out(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0, float *part) {
     muon_ctx *x = ctx;
     const int64_t n = k1 - k0;
     if (n == 0) return DS4_OK; /* this rank holds none of the matrix */
+    int64_t j;
+    if (ds4_optim_locate(x->o, s0, &j) != DS4_OPT_OWN)
+        return ds4_fail(DS4_ERR_INTERNAL, "%s: not in the Muon group of the optimizer state", p->name);
+    ds4_opt_group *G = &x->o->g[DS4_OPT_OWN];
+    if (!x->o->swapped) {
+        if (!x->o->plan) ds4_muon_momentum(n, x->g + s0, G->mem[0] + j, part, (float)x->c->momentum, x->c->nesterov);
+        return DS4_OK;
+    }
     float *mom = ds4_alloc(DS4_MEM_OPTIM, (size_t)n * sizeof(float)); /* [n], counted in a plan too */
     if (!mom) return ds4_fail(DS4_ERR_OOM, "%s: out of memory for the Muon momentum", p->name);
-    ds4_status st = x->o->plan ? DS4_OK : ds4_adamw_moment_read(x->o, 0, s0, n, mom);
+    ds4_status st = ds4_optim_read(x->o, DS4_OPT_OWN, 0, j, n, mom);
     if (st == DS4_OK && !x->o->plan) {
-        const float mu = (float)x->c->momentum;
-        const float *g = x->g + s0;
-        for (int64_t i = 0; i < n; i++) {
-            mom[i] = mu * mom[i] + g[i];
-            part[i] = x->c->nesterov ? g[i] + mu * mom[i] : mom[i];
-        }
-        st = ds4_adamw_moment_write(x->o, 0, s0, n, mom);
+        ds4_muon_momentum(n, x->g + s0, mom, part, (float)x->c->momentum, x->c->nesterov);
+        st = ds4_optim_write(x->o, DS4_OPT_OWN, 0, j, n, mom);
     }
     ds4_free(mom);
     return st;
@@ -80,22 +84,19 @@ static ds4_status muon_part_in(void *ctx, ds4_param *p, int64_t k0, int64_t k1, 
     muon_ctx *x = ctx;
     if (x->o->plan) return DS4_OK;
     const float step = (float)(x->lr * ds4_muon_scale(x->c, p->shape[0], p->shape[1]));
-    float *w = x->w + s0;
-    for (int64_t i = 0; i < k1 - k0; i++) {
-        w[i] -= x->decay * w[i];
-        w[i] -= step * part[i];
-    }
+    ds4_muon_apply(k1 - k0, x->w + s0, part, x->decay, step);
     return DS4_OK;
 }
 
-static muon_ctx muon_context(ds4_adamw *o, const ds4_muon_cfg *c, float *w, const float *g, double wd, double lr) {
+static muon_ctx muon_context(ds4_optim *o, const ds4_muon_cfg *c, float *w, const float *g, double wd, double lr) {
     muon_ctx x = {.o = o, .c = c, .w = w, .g = g, .decay = (float)(lr * wd), .lr = lr};
     for (int64_t i = 0; i < c->ns_steps && i < DS4_MUON_NS_MAX; i++) x.coef[i] = ds4_muon_coef(c, i);
     return x;
 }
 
-static ds4_status check_cfg(const ds4_adamw *o, const ds4_muon_cfg *c) {
-    if (!o->muon) return ds4_fail(DS4_ERR_ARG, "muon: the optimizer state has no Muon group (ds4_adamw_group_muon)");
+static ds4_status check_cfg(const ds4_optim *o, const ds4_muon_cfg *c) {
+    if (o->opt != &ds4_optimizer_muon)
+        return ds4_fail(DS4_ERR_ARG, "muon: the optimizer state is %s's, not Muon's (no Muon group)", o->opt->name);
     if (c->ns_steps < 1 || c->ns_steps > DS4_MUON_NS_MAX || c->ns_final_steps < 0 || c->ns_final_steps > c->ns_steps)
         return ds4_fail(DS4_ERR_ARG, "muon: %lld Newton-Schulz iterations of which %lld final (need 1..%d, final <= all)",
                         (long long)c->ns_steps, (long long)c->ns_final_steps, DS4_MUON_NS_MAX);
@@ -103,13 +104,13 @@ static ds4_status check_cfg(const ds4_adamw *o, const ds4_muon_cfg *c) {
 }
 
 /* ------------------------------------------------------------------ the whole model */
-ds4_status ds4_muon_step(ds4_adamw *o, ds4_model *m, const ds4_muon_cfg *c, double weight_decay, double lr) {
+ds4_status ds4_muon_step(ds4_optim *o, ds4_model *m, const ds4_muon_cfg *c, double weight_decay, double lr) {
     DS4_TRY(check_cfg(o, c));
     float *w = ds4_model_params_flat(m);
     muon_ctx x = muon_context(o, c, w, ds4_model_grads_flat(m), weight_decay, lr);
     for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
         ds4_param *p = ds4_model_param(m, i);
-        if (!ds4_param_is_muon(p)) continue;
+        if (!ds4_optimizer_takes(o->opt, p)) continue;
         const int64_t s0 = p->data - w;
         float *buf = ds4_alloc(DS4_MEM_OPTIM, (size_t)p->numel * sizeof(float)); /* the matrix [A, B] */
         ds4_status st = buf ? DS4_OK : ds4_fail(DS4_ERR_OOM, "%s: out of memory for the Muon update", p->name);
@@ -123,7 +124,7 @@ ds4_status ds4_muon_step(ds4_adamw *o, ds4_model *m, const ds4_muon_cfg *c, doub
 }
 
 /* ------------------------------------------------------------------ an FSDP shard */
-ds4_status ds4_fsdp_muon_step(ds4_fsdp *f, ds4_adamw *o, const ds4_muon_cfg *c, double weight_decay, double lr) {
+ds4_status ds4_fsdp_muon_step(ds4_fsdp *f, ds4_optim *o, const ds4_muon_cfg *c, double weight_decay, double lr) {
     DS4_TRY(check_cfg(o, c));
     muon_ctx x = muon_context(o, c, ds4_fsdp_shard_params(f), ds4_fsdp_shard_grads(f), weight_decay, lr);
     const ds4_matrix_ops ops = {.ctx = &x,
@@ -134,37 +135,17 @@ ds4_status ds4_fsdp_muon_step(ds4_fsdp *f, ds4_adamw *o, const ds4_muon_cfg *c, 
     return ds4_fsdp_for_each_matrix(f, &ops);
 }
 
-/* ------------------------------------------------------------------ switching optimizers at a resume */
-typedef struct {
-    ds4_adamw *o;
-    int64_t elements;
-    ds4_status st;
-} reset_ctx;
-
-static void reset_span(reset_ctx *r, int64_t s0, int64_t n) {
-    if (r->st != DS4_OK || n == 0) return;
-    float *zero = ds4_calloc(DS4_MEM_OPTIM, (size_t)n * sizeof(float));
-    if (!zero) r->st = ds4_fail(DS4_ERR_OOM, "out of memory resetting the Muon group's optimizer state");
-    for (int k = 0; k < 2 && r->st == DS4_OK; k++) r->st = ds4_adamw_moment_write(r->o, k, s0, n, zero);
-    ds4_free(zero);
-    r->elements += n;
+/* ------------------------------------------------------------------ the entry */
+static ds4_status muon_entry_step(ds4_optim *o, const ds4_opt_target *t, const void *cfg, double weight_decay,
+                                  double lr) {
+    if (t->f) return ds4_fsdp_muon_step(t->f, o, cfg, weight_decay, lr);
+    return ds4_muon_step(o, t->m, cfg, weight_decay, lr);
 }
 
-static void reset_piece(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
-    if (ds4_param_is_muon(p)) reset_span(ctx, s0, k1 - k0);
-}
-
-ds4_status ds4_muon_reset_group(ds4_adamw *o, ds4_model *m, const ds4_fsdp *f, int64_t *elements, int64_t *matrices) {
-    reset_ctx r = {.o = o, .st = DS4_OK};
-    const float *flat = ds4_model_params_flat(m);
-    *matrices = 0;
-    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
-        ds4_param *p = ds4_model_param(m, i);
-        if (!ds4_param_is_muon(p)) continue;
-        (*matrices)++;
-        if (!f) reset_span(&r, p->data - flat, p->numel);
-    }
-    if (f) ds4_fsdp_for_each_piece(f, reset_piece, &r);
-    *elements = r.elements;
-    return r.st;
-}
+static const char *const k_muon_names[] = {"muon.momentum"};
+const ds4_optimizer ds4_optimizer_muon = {.name = "Muon",
+                                          .takes = ds4_param_is_muon,
+                                          .nstate = 1,
+                                          .state_names = k_muon_names,
+                                          .mark = "muon.step",
+                                          .step = muon_entry_step};

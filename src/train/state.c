@@ -1,16 +1,16 @@
 /* The state a training step updates, in one of two forms behind one interface (ds4/trainer.h):
- *  - whole: the model and its AdamW state in this process (one rank, ep = 1: the single-process path,
+ *  - whole: the model and its optimizer state in this process (one rank, ep = 1: the single-process path,
  *    the same calls in the same order as before there was a second form, so the same bits);
  *  - sharded: this rank's FSDP + EP shard (ds4/dist.h). The model is unmapped; the hooks gather a
  *    group's weights around its use and reduce-scatter its gradients into the shard, where they
- *    accumulate over micro-batches. AdamW, clipping and the router bias rule run on the shard.
- * Checkpoints: the one-writer format (rank 0 gathers the packed parameters and moments and writes them
+ *    accumulate over micro-batches. The optimizer, clipping and the router bias rule run on the shard.
+ * Checkpoints: the one-writer format (rank 0 gathers the packed parameters and optimizer arrays and writes them
  * as one process does), or with per_rank every rank writes its own shard file (ckpt_shards.c); on load
  * every rank reads its elements from either. So a run saved by N ranks resumes on any number of ranks.
- * Offload (--swap-optimizer, --swap-layer-input) puts the AdamW state and the layer input streams in one
- * offload store (ds4/offload.h) owned here; the moments come back to memory only around checkpoints.
+ * Offload (--swap-optimizer, --swap-layer-input) puts the optimizer state and the layer input streams in one
+ * offload store (ds4/offload.h) owned here; the optimizer's arrays come back to memory only around checkpoints.
  * A plan state (memplan) is the same state under a plan context (ds4_exec): opened, stepped and freed
- * with the allocator counting it, its AdamW state and FSDP (on a plan communicator) touching no values. */
+ * with the allocator counting it, its optimizer state and FSDP (on a plan communicator) touching no values. */
 #include "ds4/io.h"
 #include "ds4/offload.h"
 #include "ds4/trainer.h"
@@ -25,7 +25,7 @@ struct ds4_train_state {
     ds4_model *m;     /* whole, or unmapped behind the FSDP hooks */
     ds4_fsdp *f;      /* NULL: whole */
     ds4_comm *world;
-    ds4_adamw opt;    /* [numel] whole, [shard_numel] sharded */
+    ds4_optim opt;    /* over [numel] whole, [shard_numel] sharded */
     ds4_offload *store;     /* NULL: no offload */
     ds4_act_swap *swap;     /* --swap-layer-input */
     ds4_act_swap *swap2;    /* ... of the second live pass under --moe-fb-overlap, made at its first step */
@@ -82,9 +82,7 @@ static ds4_status open_offload(ds4_train_state *s, const ds4_train_state_opts *o
 static ds4_status open_whole(ds4_train_state *s, const ds4_model_dir *d, uint64_t seed, const ds4_train_state_opts *o) {
     if (d) DS4_TRY(ds4_model_load(s->m, d));
     else ds4_model_init_random(s->m, seed);
-    DS4_TRY(o->swap_optimizer ? ds4_adamw_init_swapped(&s->opt, s->m, s->store, o->swap_chunk_bytes)
-                              : ds4_adamw_init(&s->opt, s->m));
-    return o->muon ? ds4_adamw_group_muon(&s->opt, s->m) : DS4_OK;
+    return ds4_optim_init(&s->opt, o->optimizer, s->m, o->swap_optimizer ? s->store : NULL, o->swap_chunk_bytes);
 }
 
 static ds4_status open_sharded(ds4_train_state *s, const ds4_model_dir *d, uint64_t seed, int ep,
@@ -92,11 +90,7 @@ static ds4_status open_sharded(ds4_train_state *s, const ds4_model_dir *d, uint6
     DS4_TRY(ds4_fsdp_create(s->m, s->world, ep, &s->f));
     DS4_TRY(ds4_fsdp_set_prefetch(s->f, o->prefetch_depth));
     DS4_TRY(d ? ds4_fsdp_load(s->f, d) : ds4_fsdp_init_random(s->f, seed));
-    int64_t n = ds4_fsdp_shard_numel(s->f);
-    DS4_TRY(o->swap_optimizer ? ds4_adamw_init_n_swapped(&s->opt, n, s->store, o->swap_chunk_bytes)
-                              : ds4_adamw_init_n(&s->opt, n));
-    s->opt.muon = o->muon; /* after the init, which clears it */
-    return ds4_fsdp_adamw_ranges(s->f, &s->opt);
+    return ds4_optim_init_shard(&s->opt, o->optimizer, s->f, o->swap_optimizer ? s->store : NULL, o->swap_chunk_bytes);
 }
 
 /* A plan communicator moves no data: only a plan steps on it, and a sharded plan needs one. */
@@ -129,7 +123,7 @@ ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const
     if (st == DS4_OK) st = open_offload(s, opts);
     if (st == DS4_OK) st = s->sharded ? open_sharded(s, d, seed, opts->ep, opts) : open_whole(s, d, seed, opts);
     if (st == DS4_OK) ds4_train_state_refresh_bf16(s);
-    s->opt.plan = s->exec.plan; /* after the AdamW init, which clears it */
+    s->opt.plan = s->exec.plan; /* after the optimizer's init, which clears it */
     ds4_exec_leave(prev);
     return st;
 }
@@ -153,7 +147,7 @@ void ds4_train_state_free(ds4_train_state *s) {
     const ds4_exec prev = ds4_exec_enter(&s->exec);
     ds4_act_swap_free(s->swap);
     ds4_act_swap_free(s->swap2);
-    ds4_adamw_free(&s->opt);
+    ds4_optim_free(&s->opt);
     ds4_offload_close(s->store); /* after everything it holds */
     ds4_fsdp_free(s->f);
     ds4_model_free(s->m);
@@ -196,9 +190,8 @@ void ds4_train_state_zero_grads(ds4_train_state *s) {
 
 void ds4_train_state_scale_grads(ds4_train_state *s, int64_t micro_batches) {
     if (micro_batches <= 1 || s->exec.plan) return;
-    float *g = s->f ? ds4_fsdp_shard_grads(s->f) : ds4_model_grads_flat(s->m), k = 1.0f / (float)micro_batches;
-    int64_t n = s->f ? ds4_fsdp_shard_numel(s->f) : ds4_model_numel(s->m);
-    for (int64_t i = 0; i < n; i++) g[i] *= k;
+    float *g = s->f ? ds4_fsdp_shard_grads(s->f) : ds4_model_grads_flat(s->m);
+    ds4_scale_f32(g, s->f ? ds4_fsdp_shard_numel(s->f) : ds4_model_numel(s->m), 1.0f / (float)micro_batches);
 }
 
 ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n) {
@@ -215,12 +208,12 @@ ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *nor
     return DS4_OK;
 }
 
-ds4_status ds4_train_state_muon_step(ds4_train_state *s, const ds4_muon_cfg *c, double weight_decay, double lr) {
-    if (s->f) return ds4_fsdp_muon_step(s->f, &s->opt, c, weight_decay, lr);
-    return ds4_muon_step(&s->opt, s->m, c, weight_decay, lr);
+ds4_status ds4_train_state_own_step(ds4_train_state *s, const void *cfg, double weight_decay, double lr) {
+    const ds4_opt_target t = {.m = s->m, .f = s->f};
+    return ds4_optim_own_step(&s->opt, &t, cfg, weight_decay, lr);
 }
 
-bool ds4_train_state_muon(const ds4_train_state *s) { return s->opt.muon; }
+const ds4_optimizer *ds4_train_state_optimizer(const ds4_train_state *s) { return s->opt.opt; }
 bool ds4_train_state_bf16(const ds4_train_state *s) { return s->bf16; }
 
 ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c, double lr) {
@@ -246,18 +239,41 @@ ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, doubl
 }
 
 /* ------------------------------------------------------------------ checkpoints */
-/* --swap-optimizer: the moments come back to memory around a checkpoint (as MindSpeed does) and go back
- * to the store after it, also after a failure (a resident state steps the same, so nothing is lost). */
-static ds4_status moments_in(ds4_train_state *s) { return s->opt.store ? ds4_adamw_swap_in(&s->opt) : DS4_OK; }
+/* --swap-optimizer: the optimizer's arrays come back to memory around a checkpoint (as MindSpeed does) and
+ * go back to the store after it, also after a failure (a resident state steps the same, so nothing is lost). */
+static ds4_status moments_in(ds4_train_state *s) { return s->opt.store ? ds4_optim_swap_in(&s->opt) : DS4_OK; }
 static ds4_status moments_out(ds4_train_state *s, ds4_status st) {
-    ds4_status out = s->opt.store ? ds4_adamw_swap_out(&s->opt, NULL, 0) : DS4_OK;
+    ds4_status out = s->opt.store ? ds4_optim_swap_out(&s->opt, NULL, 0) : DS4_OK;
     return st != DS4_OK ? st : out;
 }
 
-/* The sink of ds4_fsdp_stream_packed on rank 0: the values go straight into the file being written. */
-static ds4_status put_values(void *w, int64_t param, const float *values, int64_t n) {
-    (void)param;
-    return ds4_st_writer_put(w, values, (size_t)n * sizeof(float));
+/* Array a of group g of the resident state in the shard's layout: the array itself when the group holds
+ * every element (AdamW alone), else expanded into *tmp [shard_numel] (0 outside the group). */
+static ds4_status shard_array(const ds4_train_state *s, int g, int a, float **out, float **tmp) {
+    *tmp = NULL;
+    if (s->opt.g[g].n == s->opt.n) {
+        *out = s->opt.g[g].mem[a];
+        return DS4_OK;
+    }
+    if (!(*tmp = ds4_alloc(DS4_MEM_OPTIM, (size_t)(s->opt.n > 0 ? s->opt.n : 1) * sizeof(float))))
+        return ds4_fail(DS4_ERR_OOM, "out of memory laying out %s for a checkpoint", s->opt.g[g].names[a]);
+    *out = *tmp;
+    return ds4_optim_expand(&s->opt, g, a, *tmp);
+}
+
+/* The sink of ds4_fsdp_stream_packed on rank 0: the values of the parameters of one optimizer group
+ * (group < 0: all) go straight into the file being written. */
+typedef struct {
+    ds4_st_writer *w;
+    ds4_model *m;
+    const ds4_optimizer *opt;
+    int group;
+} sink_ctx;
+static ds4_status put_values(void *ctx, int64_t param, const float *values, int64_t n) {
+    const sink_ctx *c = ctx;
+    const int g = ds4_optimizer_takes(c->opt, ds4_model_param(c->m, param)) ? DS4_OPT_OWN : DS4_OPT_ADAMW;
+    if (c->group >= 0 && g != c->group) return DS4_OK;
+    return ds4_st_writer_put(c->w, values, (size_t)n * sizeof(float));
 }
 
 /* dir/model.safetensors as ds4_model_save lays it out (8-byte integer tables first, then the floats in
@@ -279,18 +295,24 @@ static ds4_status begin_model_file(ds4_model *m, const char *dir, ds4_st_writer 
     return DS4_OK;
 }
 
-/* dir/optim.state as the whole-model save lays it out (adamw.step, then m and v), the step put. */
+/* dir/optim.state as the whole-model save lays it out (adamw.step, the mark, then each group's arrays over
+ * the packed elements of its parameters), the step put. */
 static ds4_status begin_optim_file(const ds4_train_state *s, const char *dir, ds4_st_writer *w) {
-    int64_t shape[1] = {ds4_fsdp_packed_numel(s->f)}, one = 1;
+    const ds4_optim *o = &s->opt;
+    int64_t count[DS4_OPT_NGROUPS] = {0, 0}, one = 1;
+    for (int64_t i = 0; i < ds4_model_nparams(s->m); i++) {
+        const ds4_param *p = ds4_model_param(s->m, i);
+        if (ds4_param_in_flat(p)) count[ds4_optimizer_takes(o->opt, p) ? DS4_OPT_OWN : DS4_OPT_ADAMW] += p->numel;
+    }
     DS4_TRY(ds4_st_writer_declare(w, "adamw.step", DS4_I64, 1, &one));
-    if (s->opt.muon) DS4_TRY(ds4_st_writer_declare(w, DS4_CKPT_MUON_MARK, DS4_I64, 1, &one));
-    DS4_TRY(ds4_st_writer_declare(w, "adamw.m", DS4_F32, 1, shape));
-    DS4_TRY(ds4_st_writer_declare(w, "adamw.v", DS4_F32, 1, shape));
+    if (o->opt->mark) DS4_TRY(ds4_st_writer_declare(w, o->opt->mark, DS4_I64, 1, &one));
+    for (int g = 0; g < DS4_OPT_NGROUPS; g++)
+        for (int a = 0; a < o->g[g].k; a++) DS4_TRY(ds4_st_writer_declare(w, o->g[g].names[a], DS4_F32, 1, &count[g]));
     char path[4200];
     snprintf(path, sizeof path, "%s/optim.state", dir);
     DS4_TRY(ds4_st_writer_begin(w, path));
-    DS4_TRY(ds4_st_writer_put(w, &s->opt.step, sizeof s->opt.step));
-    return s->opt.muon ? ds4_st_writer_put(w, &s->opt.step, sizeof s->opt.step) : DS4_OK;
+    DS4_TRY(ds4_st_writer_put(w, &o->step, sizeof o->step));
+    return o->opt->mark ? ds4_st_writer_put(w, &o->step, sizeof o->step) : DS4_OK;
 }
 
 /* The carried tensors (the DSpark drafter's, whole on every rank), after the streamed floats: they end
@@ -303,16 +325,28 @@ static ds4_status put_carried(ds4_model *m, ds4_st_writer *w) {
     return DS4_OK;
 }
 
-/* One file streamed from the shards: rank 0 (dir != NULL) writes it, every rank gathers the shard
- * buffers in[nin] in order. After a failure on rank 0 the gathers still run, so no rank waits forever. */
-static ds4_status stream_file(ds4_train_state *s, const char *dir, bool optim, float *const *in, int nin) {
+/* One file streamed from the shards: rank 0 (dir != NULL) writes it, every rank gathers the weights, or
+ * each optimizer array in the shard's layout, in order. After a failure on rank 0 the gathers still run, so
+ * no rank waits forever. */
+static ds4_status stream_file(ds4_train_state *s, const char *dir, bool optim) {
     ds4_st_writer *w = NULL;
     ds4_status st = dir ? ds4_st_writer_new(&w) : DS4_OK;
     if (st == DS4_OK && dir) st = optim ? begin_optim_file(s, dir, w) : begin_model_file(s->m, dir, w);
-    for (int k = 0; k < nin; k++) {
-        ds4_status gs = ds4_fsdp_stream_packed(s->f, in[k], 0, put_values, w);
+    sink_ctx c = {.w = w, .m = s->m, .opt = s->opt.opt, .group = -1};
+    if (!optim) {
+        ds4_status gs = ds4_fsdp_stream_packed(s->f, ds4_fsdp_shard_params(s->f), 0, put_values, &c);
         if (st == DS4_OK) st = gs;
     }
+    for (int g = 0; optim && g < DS4_OPT_NGROUPS; g++)
+        for (int a = 0; a < s->opt.g[g].k; a++) {
+            float *in = NULL, *tmp = NULL;
+            ds4_status gs = ds4_train_agree(s->world, shard_array(s, g, a, &in, &tmp)); /* all stream or none */
+            c.group = g;
+            if (gs == DS4_OK) gs = ds4_fsdp_stream_packed(s->f, in, 0, put_values, &c);
+            ds4_free(tmp);
+            if (st == DS4_OK) st = gs;
+            if (gs != DS4_OK) break;
+        }
     if (st == DS4_OK && dir && !optim) st = put_carried(s->m, w);
     if (st == DS4_OK && dir) st = ds4_st_writer_finish(w);
     ds4_st_writer_free(w); /* removes the temp file of an unfinished stream */
@@ -332,12 +366,10 @@ static ds4_status save_sharded(ds4_train_state *s, const char *root, int64_t kee
         ds4_checkpoint_abort(tmp);
         return st;
     }
-    float *params = ds4_fsdp_shard_params(s->f);
-    st = stream_file(s, writer ? tmp : NULL, false, &params, 1);
+    st = stream_file(s, writer ? tmp : NULL, false);
     ds4_status mo = ds4_train_agree(s->world, moments_in(s)); /* the same on every rank: all stream or none */
     if (mo == DS4_OK) {
-        float *moments[2] = {s->opt.m, s->opt.v};
-        mo = stream_file(s, writer && st == DS4_OK ? tmp : NULL, true, moments, 2);
+        mo = stream_file(s, writer && st == DS4_OK ? tmp : NULL, true);
         mo = moments_out(s, mo);
     }
     if (st == DS4_OK) st = mo;
@@ -408,16 +440,20 @@ static ds4_status share_ranges(ds4_train_state *s, const ranges_ctx *c, int64_t 
     return st;
 }
 
-/* This rank's file: its shard of the weights and moments (brought back to memory when swapped); rank 0's
- * also the integer tables and carried tensors. */
+/* This rank's file: its shard of the weights and the optimizer's arrays as they are, each over its group's
+ * elements (brought back to memory when swapped); rank 0's also the integer tables and carried tensors. */
 static ds4_status write_rank_file(ds4_train_state *s, const char *tmp) {
     const int rank = ds4_comm_rank(s->world);
     DS4_TRY(moments_in(s));
-    ds4_ckpt_shard_data d = {.params = ds4_fsdp_shard_params(s->f), .m = s->opt.m, .v = s->opt.v,
-                             .n = ds4_fsdp_shard_numel(s->f), .step = s->opt.step, .muon = s->opt.muon,
-                             .tables = rank == 0 ? s->m : NULL};
-    ds4_status st = ds4_checkpoint_write_shard(tmp, rank, ds4_comm_size(s->world), &d);
-    return moments_out(s, st);
+    ds4_ckpt_shard_data d = {.params = ds4_fsdp_shard_params(s->f), .n = ds4_fsdp_shard_numel(s->f),
+                             .step = s->opt.step, .mark = s->opt.opt->mark, .tables = rank == 0 ? s->m : NULL};
+    for (int g = 0; g < DS4_OPT_NGROUPS; g++)
+        for (int a = 0; a < s->opt.g[g].k && d.narrays < DS4_CKPT_ARRAYS_MAX; a++, d.narrays++) {
+            d.names[d.narrays] = s->opt.g[g].names[a];
+            d.arrays[d.narrays] = s->opt.g[g].mem[a];
+            d.lens[d.narrays] = s->opt.g[g].n;
+        }
+    return moments_out(s, ds4_checkpoint_write_shard(tmp, rank, ds4_comm_size(s->world), &d));
 }
 
 /* Every rank writes its shard file into rank 0's hidden step folder at the same time; rank 0 writes the
@@ -456,44 +492,29 @@ static ds4_status load_shard_per_rank(ds4_train_state *s, const char *path) {
     DS4_TRY(ds4_ckpt_shards_open(path, ds4_fsdp_packed_numel(s->f), &r));
     ds4_status st = ds4_fsdp_scatter_packed(s->f, ds4_ckpt_shards_read, r, ds4_fsdp_shard_params(s->f));
     if (st == DS4_OK) st = ds4_ckpt_shards_load_tables(r, s->m);
-    if (st == DS4_OK) st = moments_in(s);
-    if (st == DS4_OK) {
-        ds4_ckpt_shards_select(r, DS4_CKPT_ADAMW_M);
-        st = ds4_fsdp_scatter_packed(s->f, ds4_ckpt_shards_read, r, s->opt.m);
-        ds4_ckpt_shards_select(r, DS4_CKPT_ADAMW_V);
-        if (st == DS4_OK) st = ds4_fsdp_scatter_packed(s->f, ds4_ckpt_shards_read, r, s->opt.v);
-        st = moments_out(s, st);
-    }
-    if (st == DS4_OK) s->opt.step = ds4_ckpt_shards_step(r);
     ds4_ckpt_shards_close(r);
     return st;
 }
 
 /* ------------------------------------------------------------------ non-finite values */
-static int64_t count_nonfinite(const float *x, int64_t n) {
-    int64_t bad = 0;
-#pragma omp parallel for reduction(+ : bad) schedule(static)
-    for (int64_t i = 0; i < n; i++) bad += !isfinite(x[i]);
-    return bad;
-}
-
-/* Non-finite elements of this rank's AdamW moment `which`, read in chunks when swapped. */
-static ds4_status moment_nonfinite(const ds4_adamw *o, int which, int64_t *bad) {
-    const float *mem = which == 0 ? o->m : o->v;
+/* Non-finite values of this rank's optimizer state, every array of every group, read in chunks when
+ * swapped. */
+static ds4_status state_nonfinite(const ds4_optim *o, int64_t *bad) {
     *bad = 0;
-    if (mem) {
-        *bad = count_nonfinite(mem, o->n);
-        return DS4_OK;
-    }
     const int64_t C = (int64_t)(DS4_ADAMW_SWAP_CHUNK / sizeof(float));
-    float *buf = ds4_alloc(DS4_MEM_OPTIM, (size_t)C * sizeof(float));
-    if (!buf) return ds4_fail(DS4_ERR_OOM, "out of memory checking the optimizer state");
+    float *buf = o->swapped ? ds4_alloc(DS4_MEM_OPTIM, (size_t)C * sizeof(float)) : NULL;
+    if (o->swapped && !buf) return ds4_fail(DS4_ERR_OOM, "out of memory checking the optimizer state");
     ds4_status st = DS4_OK;
-    for (int64_t i0 = 0; i0 < o->n && st == DS4_OK; i0 += C) {
-        const int64_t n = o->n - i0 < C ? o->n - i0 : C;
-        st = ds4_adamw_moment_read(o, which, i0, n, buf);
-        if (st == DS4_OK) *bad += count_nonfinite(buf, n);
-    }
+    for (int g = 0; g < DS4_OPT_NGROUPS; g++)
+        for (int a = 0; a < o->g[g].k && st == DS4_OK; a++) {
+            const int64_t N = o->g[g].n;
+            if (!o->swapped) *bad += ds4_count_nonfinite(o->g[g].mem[a], N);
+            for (int64_t i0 = 0; o->swapped && i0 < N && st == DS4_OK; i0 += C) {
+                const int64_t n = N - i0 < C ? N - i0 : C;
+                st = ds4_optim_read(o, g, a, i0, n, buf);
+                if (st == DS4_OK) *bad += ds4_count_nonfinite(buf, n);
+            }
+        }
     ds4_free(buf);
     return st;
 }
@@ -502,7 +523,7 @@ static ds4_status moment_nonfinite(const ds4_adamw *o, int which, int64_t *bad) 
 static const char *first_nonfinite_param(ds4_model *m) {
     for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
         const ds4_param *p = ds4_model_param(m, i);
-        if (ds4_param_in_flat(p) && count_nonfinite(p->data, p->numel) > 0) return p->name;
+        if (ds4_param_in_flat(p) && ds4_count_nonfinite(p->data, p->numel) > 0) return p->name;
     }
     return NULL;
 }
@@ -514,21 +535,19 @@ static ds4_status needs_values(const ds4_train_state *s, const char *what) {
 
 ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step) {
     DS4_TRY(needs_values(s, "finite check"));
-    int64_t bad[3] = {0, 0, 0}; /* weights, first moments, second moments */
-    bad[0] = s->f ? count_nonfinite(ds4_fsdp_shard_params(s->f), ds4_fsdp_shard_numel(s->f))
-                  : count_nonfinite(ds4_model_params_flat(s->m), ds4_model_numel(s->m));
-    ds4_status st = moment_nonfinite(&s->opt, 0, &bad[1]);
-    if (st == DS4_OK) st = moment_nonfinite(&s->opt, 1, &bad[2]);
-    st = ds4_train_agree(s->world, st);
-    if (st == DS4_OK && ds4_comm_size(s->world) > 1) st = ds4_comm_sum_i64(s->world, bad, 3);
-    if (st != DS4_OK || bad[0] + bad[1] + bad[2] == 0) return st;
+    int64_t bad[2] = {0, 0}; /* weights, optimizer state */
+    bad[0] = s->f ? ds4_count_nonfinite(ds4_fsdp_shard_params(s->f), ds4_fsdp_shard_numel(s->f))
+                  : ds4_count_nonfinite(ds4_model_params_flat(s->m), ds4_model_numel(s->m));
+    ds4_status st = ds4_train_agree(s->world, state_nonfinite(&s->opt, &bad[1]));
+    if (st == DS4_OK && ds4_comm_size(s->world) > 1) st = ds4_comm_sum_i64(s->world, bad, 2);
+    if (st != DS4_OK || bad[0] + bad[1] == 0) return st;
     const char *where = s->f ? NULL : first_nonfinite_param(s->m);
     char first[300] = "";
     if (where) snprintf(first, sizeof first, " (first in %s)", where);
     return ds4_fail(DS4_ERR_INTERNAL,
-                    "step %lld: %lld non-finite weights%s and %lld + %lld non-finite AdamW moments: the run has diverged; "
-                    "this step's checkpoint is not saved and the earlier ones are kept",
-                    (long long)step, (long long)bad[0], first, (long long)bad[1], (long long)bad[2]);
+                    "step %lld: %lld non-finite weights%s and %lld non-finite %s optimizer state values: the run has "
+                    "diverged; this step's checkpoint is not saved and the earlier ones are kept",
+                    (long long)step, (long long)bad[0], first, (long long)bad[1], s->opt.opt->name);
 }
 
 ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t keep_latest_k, const ds4_ckpt_meta *meta) {
@@ -537,44 +556,50 @@ ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t ke
     return s->per_rank ? save_per_rank(s, root, keep_latest_k, meta) : save_sharded(s, root, keep_latest_k, meta);
 }
 
-/* This rank's elements of one moment, read in ranges from the mapped checkpoint file (no whole copy). */
-static ds4_status load_moment(ds4_train_state *s, const char *path, const char *name, float *shard, int64_t *step) {
-    ds4_ckpt_moment *mo;
-    DS4_TRY(ds4_checkpoint_moment_open(path, name, ds4_fsdp_packed_numel(s->f), &mo, step));
-    ds4_status st = ds4_fsdp_scatter_packed(s->f, ds4_ckpt_moment_read, mo, shard);
-    ds4_ckpt_moment_close(mo);
-    return st;
-}
-
 static ds4_status load_sharded(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta) {
     DS4_TRY(ds4_checkpoint_load_meta(path, meta));
-    if (ds4_checkpoint_is_per_rank(path)) return load_shard_per_rank(s, path);
-    ds4_model_dir *d;
-    DS4_TRY(ds4_model_dir_open(path, &d));
-    ds4_status st = ds4_fsdp_load(s->f, d); /* one region resident at a time */
-    ds4_model_dir_close(d);
-    if (st != DS4_OK) return ds4_fail_prefix(st, "checkpoint %s", path);
-    int64_t step = 0;
-    st = moments_in(s);
-    if (st == DS4_OK) st = load_moment(s, path, "adamw.m", s->opt.m, &step);
-    if (st == DS4_OK) st = load_moment(s, path, "adamw.v", s->opt.v, &step);
-    DS4_TRY(moments_out(s, st));
-    s->opt.step = step;
-    return DS4_OK;
+    if (ds4_checkpoint_is_per_rank(path)) DS4_TRY(load_shard_per_rank(s, path));
+    else {
+        ds4_model_dir *d;
+        DS4_TRY(ds4_model_dir_open(path, &d));
+        ds4_status st = ds4_fsdp_load(s->f, d); /* one region resident at a time */
+        ds4_model_dir_close(d);
+        if (st != DS4_OK) return ds4_fail_prefix(st, "checkpoint %s", path);
+    }
+    /* read in ranges from the mapped files (no whole copy), straight into the state's arrays or store */
+    return ds4_checkpoint_load_optim(path, &s->opt, s->m, s->f, meta->optimizer, NULL);
+}
+
+/* Elements of this rank whose rule differs between the writer and this state, counted. */
+typedef struct {
+    const ds4_optimizer *writer, *reader;
+    int64_t elements;
+} switch_ctx;
+static bool rule_differs(const switch_ctx *c, const ds4_param *p) {
+    const bool w = ds4_optimizer_takes(c->writer, p), r = ds4_optimizer_takes(c->reader, p);
+    return w != r || (w && c->writer != c->reader);
+}
+static void count_switched(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
+    (void)s0;
+    switch_ctx *c = ctx;
+    if (rule_differs(c, p)) c->elements += k1 - k0;
 }
 
 ds4_status ds4_train_state_switch_optimizer(ds4_train_state *s, const ds4_ckpt_meta *meta, int64_t *elements,
                                             int64_t *matrices) {
     *elements = *matrices = 0;
-    if (meta->muon == s->opt.muon) return DS4_OK;
-    int64_t n[2] = {0, 0};
-    ds4_status st = ds4_muon_reset_group(&s->opt, s->m, s->f, &n[0], &n[1]);
-    st = ds4_train_agree(s->world, st);
-    if (st == DS4_OK && s->f) {
-        st = ds4_comm_sum_i64(s->world, n, 1); /* elements over the shards; matrices are the table's */
+    switch_ctx c = {.writer = meta->optimizer ? meta->optimizer : &ds4_optimizer_adamw, .reader = s->opt.opt};
+    if (c.writer == c.reader) return DS4_OK;
+    for (int64_t i = 0; i < ds4_model_nparams(s->m); i++) {
+        ds4_param *p = ds4_model_param(s->m, i);
+        if (!ds4_param_in_flat(p) || !rule_differs(&c, p)) continue;
+        (*matrices)++;
+        if (!s->f) count_switched(&c, p, 0, p->numel, 0);
     }
+    if (s->f) ds4_fsdp_for_each_piece(s->f, count_switched, &c);
+    int64_t n[1] = {c.elements};
+    ds4_status st = s->f ? ds4_comm_sum_i64(s->world, n, 1) : DS4_OK; /* elements over the shards */
     *elements = n[0];
-    *matrices = n[1];
     return st;
 }
 

@@ -196,7 +196,7 @@ static ds4_status update(ds4_train_state *s, const ds4_step_args *a, ds4_step_re
                         out->total_loss, out->grad_norm);
     }
     DS4_TRY(ds4_train_state_adamw_step(s, a->adamw, a->lr));
-    if (a->muon) DS4_TRY(ds4_train_state_muon_step(s, a->muon, a->adamw->weight_decay, a->lr));
+    if (a->own_cfg) DS4_TRY(ds4_train_state_own_step(s, a->own_cfg, a->adamw->weight_decay, a->lr));
     ds4_train_state_refresh_bf16(s); /* the next passes read the updated weights' bf16 copy */
     return ds4_train_state_router_bias(s, a->loads, a->router_bias_gamma);
 }

@@ -56,9 +56,7 @@ static ds4_status check_ranges(const ds4_train_cfg *c);
 static ds4_status read_optimizer(const ds4_toml *t, ds4_train_cfg *c) {
     const char *opt, *adj;
     DS4_TRY(ds4_toml_string_or(t, "optimizer.name", "AdamW", &opt));
-    if (strcasecmp(opt, "AdamW") && strcasecmp(opt, "Muon"))
-        return ds4_fail(DS4_ERR_CONFIG, "key optimizer.name: expected \"AdamW\" or \"Muon\", got '%s'", opt);
-    c->use_muon = !strcasecmp(opt, "Muon");
+    DS4_TRY(ds4_optimizer_find(opt, &c->optimizer)); /* the socket's registry (src/train/optim.c) */
     c->muon = ds4_muon_defaults();
     DS4_TRY(ds4_toml_float_or(t, "optimizer.momentum", c->muon.momentum, &c->muon.momentum));
     DS4_TRY(ds4_toml_bool_or(t, "optimizer.nesterov", c->muon.nesterov, &c->muon.nesterov));
@@ -467,7 +465,7 @@ static ds4_status open_model(ds4_train_cfg *c, trainer *tr) {
     if (st == DS4_OK) st = ds4_backend_find("key training.device", c->device[0] ? c->device : "cpu", &real.backend);
     ds4_train_state_opts so = {.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
                                .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir, .exec = &real,
-                               .muon = c->use_muon, .bf16 = c->bf16_params, .per_rank_ckpt = c->ckpt_per_rank,
+                               .optimizer = c->optimizer, .bf16 = c->bf16_params, .per_rank_ckpt = c->ckpt_per_rank,
                                .prefetch_depth = (int)c->prefetch_depth};
     if (st == DS4_OK) st = ds4_train_state_open(&mc, d, (uint64_t)c->init_seed, tr->world, &so, &tr->s);
     if (st == DS4_OK) tr->m = ds4_train_state_model(tr->s);
@@ -512,7 +510,7 @@ static ds4_step_args step_args(trainer *tr, int64_t step, double lr) {
                            .csa_dense = step <= c->csa_dense_steps,
                            .release_mask = ds4_recompute_any(&c->recompute) ? tr->masks : NULL,
                            .adamw = &c->adamw,
-                           .muon = c->use_muon ? &c->muon : NULL,
+                           .own_cfg = c->optimizer == &ds4_optimizer_muon ? &c->muon : NULL,
                            .lr = lr,
                            .max_norm = c->max_norm,
                            .router_bias_gamma = c->router_bias_gamma,
@@ -599,7 +597,7 @@ static ds4_status switch_optimizer(trainer *tr, const ds4_ckpt_meta *meta) {
     int64_t elements, matrices;
     DS4_TRY(ds4_train_state_switch_optimizer(tr->s, meta, &elements, &matrices));
     if (!tr->lead || matrices == 0) return DS4_OK;
-    if (tr->cfg->use_muon)
+    if (tr->cfg->optimizer == &ds4_optimizer_muon)
         printf("optimizer switched AdamW -> Muon at resume: the Muon momentum of %lld matrices (%lld elements) starts "
                "at zero (new); the AdamW moments of the AdamW group and the step count are kept\n",
                (long long)matrices, (long long)elements);
@@ -733,7 +731,7 @@ static void print_model_line(trainer *tr) {
            tr->flops_per_token / 1e6, tr->peak_flops / 1e9, c->peak_tflops > 0 ? "config" : "GEMM probe",
            ds4_matmul_precision_name(ds4_train_state_exec(tr->s)->matmul_precision),
            ds4_recompute_describe(&c->recompute, rc, sizeof rc), ds4_get_threads());
-    if (c->use_muon) {
+    if (c->optimizer == &ds4_optimizer_muon) {
         static const char *const adjust[] = {"rms_norm", "spectral_norm", "none"};
         printf("optimizer: Muon for the matrices (momentum %g%s, %lld Newton-Schulz iterations of which %lld final, "
                "adjust_lr %s, update_rms %g), AdamW for the rest\n",

@@ -29,7 +29,9 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     if (!mkdtemp(g_dir)) abort();
     const float p[5] = {1, 2, 3, 4, 5}, m[5] = {6, 7, 8, 9, 10}, v[5] = {11, 12, 13, 14, 15};
     for (int r = 0; r < 2; r++) {
-        ds4_ckpt_shard_data d = {.params = p + 3 * r, .m = m + 3 * r, .v = v + 3 * r, .n = r ? 2 : 3, .step = 7, .muon = r};
+        ds4_ckpt_shard_data d = {.params = p + 3 * r, .n = r ? 2 : 3, .step = 7, .mark = r ? "muon.step" : NULL,
+                                 .narrays = 2, .names = {"adamw.m", "adamw.v"}, .arrays = {m + 3 * r, v + 3 * r},
+                                 .lens = {r ? 2 : 3, r ? 2 : 3}};
         if (ds4_checkpoint_write_shard(g_dir, r, 2, &d) != DS4_OK) {
             fprintf(stderr, "fuzz_shards: fixture not written: %s\n", ds4_errmsg());
             abort();
