@@ -92,8 +92,8 @@ static int list_per_rank(const char *dir, listing *ls) {
         list_file(NULL, ds4_ckpt_shards_file(s, i), ls);
     }
     printf("%lld tensors, %lld bytes\n", (long long)ls->count, (long long)ls->bytes);
-    printf("\nper-rank checkpoint %s: step %lld, %d shard files, %lld packed elements in each of params, adamw.m, "
-           "adamw.v\n", dir, (long long)ds4_ckpt_shards_step(s), nf, (long long)ds4_ckpt_shards_packed_numel(s));
+    printf("\nper-rank checkpoint %s: step %lld, %d shard files, %lld packed elements of params (each optimizer "
+           "array covers its group's elements)\n", dir, (long long)ds4_ckpt_shards_step(s), nf, (long long)ds4_ckpt_shards_packed_numel(s));
     printf("%-40s %14s %8s\n", "file", "elements", "ranges");
     const int64_t nr = ds4_ckpt_shards_nranges(s);
     for (int i = 0; i < nf; i++) {

@@ -151,7 +151,7 @@ void ds4_fsdp_refresh_bf16(ds4_fsdp *f);
 ds4_status ds4_fsdp_init_random(ds4_fsdp *f, uint64_t seed);
 ds4_status ds4_fsdp_load(ds4_fsdp *f, const ds4_model_dir *d);
 /* Every piece of a float parameter this rank's shard holds, in table order: elements [k0, k1) of p sit at
- * shard offset s0 (the shard's AdamW rules are built from these, ds4_fsdp_adamw_ranges in ds4/train.h). */
+ * shard offset s0 (the shard's optimizer runs are built from these, ds4_optim_init_shard in ds4/train.h). */
 typedef void (*ds4_fsdp_piece_fn)(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0);
 void ds4_fsdp_for_each_piece(const ds4_fsdp *f, ds4_fsdp_piece_fn fn, void *ctx);
 /* The full flat parameters (grads = false) or gradients on rank `root` (out: [ds4_model_numel] there,
