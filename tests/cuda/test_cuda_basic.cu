@@ -1,0 +1,745 @@
+/* The CUDA backend's ground floor against the cpu backend (tests/cuda/cuda_check.h): GEMMs in fp32 and
+ * bf16 (and fp32 is not TF32), linear and grouped layers (fp32, bf16, bf16 weights), embedding, RMSNorm,
+ * RoPE, clamped SwiGLU, cross-entropy, the data ops and AdamW; each also run twice for the same bits.
+ * The argument checks run without a GPU too. */
+#include "cuda_check.h"
+#include "ds4/train.h"
+
+static const ds4_kernel_backend *cpu(void) { return ds4_kernel_backend_cpu(); }
+static cudaStream_t S; /* the stream every launcher here runs on */
+static cuda_blas *BL;
+
+/* ---------------------------------------------------------------- GEMM bounds */
+/* Row-major operands as the GEMM reads them: A(i, k) and B(k, j) of op ("nt", "nn", "tn"). */
+static double op_a(const char *op, const float *A, int64_t lda, int64_t i, int64_t k) {
+    return op[0] == 't' ? A[k * lda + i] : A[i * lda + k];
+}
+static double op_b(const char *op, const float *B, int64_t ldb, int64_t k, int64_t j) {
+    return op[1] == 't' ? B[j * ldb + k] : B[k * ldb + j];
+}
+static double bf(double x, bool round) { return round ? (double)gemm_bf16_round((float)x) : x; }
+
+/* bound [M, N] of C = beta·C0 + op(A)·op(B), two fp32 results computed in different orders:
+ * cc_dot_bound(K + 1, beta·|C0| + Σ_k |a·b|) with a, b rounded to bf16 first when bf16. */
+static void gemm_bound(double *bound, const char *op, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                       const float *B, int64_t ldb, const float *C0, int64_t ldc, float beta, bool bf16) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            double s = beta != 0 ? fabs((double)C0[i * ldc + j]) : 0;
+            for (int64_t k = 0; k < K; k++) s += fabs(bf(op_a(op, A, lda, i, k), bf16) * bf(op_b(op, B, ldb, k, j), bf16));
+            bound[i * N + j] = cc_dot_bound(K + 1, s);
+        }
+}
+
+typedef ds4_status cuda_gemm_fn(cuda_blas *, cudaStream_t, ds4_matmul_precision, int64_t, int64_t, int64_t,
+                                const float *, int64_t, const float *, int64_t, float *, int64_t, float);
+
+/* One GEMM shape: the cpu's gemm_<op> in precision p vs cuda_gemm_<op>, within the bound; twice: same bits. */
+static void gemm_case(const char *op, ds4_matmul_precision p, int64_t M, int64_t N, int64_t K, int64_t pad, float beta,
+                      unsigned seed) {
+    const bool ta = op[0] == 't', tb = op[1] == 't';
+    const int64_t lda = (ta ? M : K) + pad, ldb = (tb ? K : N) + pad, ldc = N + pad;
+    const int64_t na = (ta ? K : M) * lda, nb = (tb ? N : K) * ldb, nc = M * ldc;
+    float *A = cc_hostf(na), *B = cc_hostf(nb), *C0 = cc_hostf(nc), *Cc = cc_hostf(nc), *Cg = cc_hostf(nc),
+          *Cg2 = cc_hostf(nc);
+    cc_fill(A, na, seed, 1.0f);
+    cc_fill(B, nb, seed + 1, 1.0f);
+    cc_fill(C0, nc, seed + 2, 1.0f);
+    memcpy(Cc, C0, (size_t)nc * sizeof(float));
+    gemm_signature *cf = op[0] == 't' ? cpu()->gemm_tn : op[1] == 't' ? cpu()->gemm_nt : cpu()->gemm_nn;
+    cuda_gemm_fn *gf = op[0] == 't' ? cuda_gemm_tn : op[1] == 't' ? cuda_gemm_nt : cuda_gemm_nn;
+    CC_OK(ds4_set_matmul_precision(p));
+    cf(M, N, K, A, lda, B, ldb, Cc, ldc, beta);
+    CC_OK(ds4_set_matmul_precision(DS4_MATMUL_FP32));
+    float *dA = cc_upf(A, na), *dB = cc_upf(B, nb), *dC = cc_upf(C0, nc);
+    CC_OK(gf(BL, S, p, M, N, K, dA, lda, dB, ldb, dC, ldc, beta));
+    cc_down(Cg, dC, (size_t)nc * sizeof(float));
+    CC_CUDA(cudaMemcpy(dC, C0, (size_t)nc * sizeof(float), cudaMemcpyHostToDevice));
+    CC_OK(gf(BL, S, p, M, N, K, dA, lda, dB, ldb, dC, ldc, beta));
+    cc_down(Cg2, dC, (size_t)nc * sizeof(float));
+    /* compare the M×N results (padding columns must be untouched: compared bitwise with C0) */
+    double *bound = (double *)malloc((size_t)(M * N) * sizeof(double));
+    float *rc = cc_hostf(M * N), *rg = cc_hostf(M * N);
+    gemm_bound(bound, op, M, N, K, A, lda, B, ldb, C0, ldc, beta, p == DS4_MATMUL_BF16);
+    bool pad_kept = true;
+    for (int64_t i = 0; i < M; i++) {
+        memcpy(rc + i * N, Cc + i * ldc, (size_t)N * sizeof(float));
+        memcpy(rg + i * N, Cg + i * ldc, (size_t)N * sizeof(float));
+        for (int64_t j = N; j < ldc; j++) pad_kept &= memcmp(&Cg[i * ldc + j], &C0[i * ldc + j], 4) == 0;
+    }
+    char what[128];
+    snprintf(what, sizeof what, "gemm_%s %s M%lld N%lld K%lld pad %lld beta %g", op, ds4_matmul_precision_name(p),
+             (long long)M, (long long)N, (long long)K, (long long)pad, (double)beta);
+    cc_within(what, rg, rc, bound, M * N);
+    CHECK(pad_kept, "%s: wrote outside its M×N block", what);
+    CHECK(memcmp(Cg, Cg2, (size_t)nc * sizeof(float)) == 0, "%s: two runs differ", what);
+    free(bound), free(rc), free(rg), free(A), free(B), free(C0), free(Cc), free(Cg), free(Cg2);
+    cc_free(dA), cc_free(dB), cc_free(dC);
+}
+
+static void test_gemm_fp32(void) {
+    const char *ops[] = {"nt", "nn", "tn"};
+    for (int o = 0; o < 3; o++) {
+        gemm_case(ops[o], DS4_MATMUL_FP32, 67, 45, 131, 3, 0, 10 + o);
+        gemm_case(ops[o], DS4_MATMUL_FP32, 67, 45, 131, 0, 1, 20 + o);
+        gemm_case(ops[o], DS4_MATMUL_FP32, 256, 192, 512, 0, 1, 30 + o);
+        gemm_case(ops[o], DS4_MATMUL_FP32, 1, 7, 1, 0, 0, 40 + o);
+    }
+}
+
+static void test_gemm_bf16(void) {
+    const char *ops[] = {"nt", "nn", "tn"};
+    for (int o = 0; o < 3; o++) {
+        gemm_case(ops[o], DS4_MATMUL_BF16, 67, 45, 131, 3, 0, 50 + o);
+        gemm_case(ops[o], DS4_MATMUL_BF16, 256, 192, 512, 0, 1, 60 + o);
+        gemm_case(ops[o], DS4_MATMUL_BF16, 128, 64, 8, 8, 1, 70 + o);
+    }
+}
+
+/* fp32 is true fp32: a = 1 + 2^-13 has 13 fraction bits, TF32 keeps 10 (bf16 7), so Σ_k a·1 over 256 terms
+ * is exactly 256 + 2^-5 in fp32 and 256 in TF32 or bf16. The bf16 mode must give 256: it rounds. */
+static void test_gemm_not_tf32(void) {
+    const int64_t M = 256, N = 256, K = 256;
+    float *A = cc_hostf(M * K), *B = cc_hostf(N * K), *C = cc_hostf(M * N);
+    for (int64_t i = 0; i < M * K; i++) A[i] = 1.0f + 0x1p-13f;
+    for (int64_t i = 0; i < N * K; i++) B[i] = 1.0f;
+    float *dA = cc_upf(A, M * K), *dB = cc_upf(B, N * K), *dC = cc_upf(C, M * N);
+    const float want[2] = {256.0f + 0x1p-5f, 256.0f};
+    for (int p = 0; p < 2; p++) {
+        CC_OK(cuda_gemm_nt(BL, S, p ? DS4_MATMUL_BF16 : DS4_MATMUL_FP32, M, N, K, dA, K, dB, K, dC, N, 0));
+        cc_down(C, dC, (size_t)(M * N) * sizeof(float));
+        int64_t bad = 0;
+        for (int64_t i = 0; i < M * N; i++) bad += C[i] != want[p];
+        CHECK(bad == 0, "gemm %s: %lld of %lld elements are not %.9g (first %.9g): %s", p ? "bf16" : "fp32",
+              (long long)bad, (long long)(M * N), (double)want[p], (double)C[0],
+              p ? "operands not rounded to bf16" : "the fp32 GEMM is not true fp32 (TF32?)");
+    }
+    free(A), free(B), free(C), cc_free(dA), cc_free(dB), cc_free(dC);
+}
+
+/* ---------------------------------------------------------------- linear layers */
+/* Σ_k |a·b| bounds of the three GEMMs of a linear layer: fwd [N, OC], dinp [N, IC], dw [OC, IC]. */
+static void linear_case(ds4_matmul_precision p, bool bf16w, int64_t N, int64_t IC, int64_t OC, unsigned seed) {
+    float *inp = cc_hostf(N * IC), *w = cc_hostf(OC * IC), *dout = cc_hostf(N * OC), *dinp0 = cc_hostf(N * IC),
+          *dw0 = cc_hostf(OC * IC);
+    cc_fill(inp, N * IC, seed, 1.0f);
+    cc_fill(w, OC * IC, seed + 1, 0.5f);
+    cc_fill(dout, N * OC, seed + 2, 1.0f);
+    cc_fill(dinp0, N * IC, seed + 3, 1.0f);
+    cc_fill(dw0, OC * IC, seed + 4, 1.0f);
+    uint16_t *wh = (uint16_t *)cc_host((size_t)(OC * IC) * 2);
+    for (int64_t i = 0; i < OC * IC; i++) wh[i] = gemm_bf16_bits(w[i]);
+    /* cpu */
+    float *out_c = cc_hostf(N * OC), *dinp_c = cc_hostf(N * IC), *dw_c = cc_hostf(OC * IC);
+    memcpy(dinp_c, dinp0, (size_t)(N * IC) * 4);
+    memcpy(dw_c, dw0, (size_t)(OC * IC) * 4);
+    CC_OK(ds4_set_matmul_precision(p));
+    if (bf16w) {
+        cpu()->linear_fwd_bf16w(out_c, inp, wh, N, IC, OC);
+        cpu()->linear_bwd_bf16w(dinp_c, dw_c, dout, inp, wh, N, IC, OC);
+    } else {
+        cpu()->linear_fwd(out_c, inp, w, N, IC, OC);
+        cpu()->linear_bwd(dinp_c, dw_c, dout, inp, w, N, IC, OC);
+    }
+    CC_OK(ds4_set_matmul_precision(DS4_MATMUL_FP32));
+    /* cuda, twice */
+    float *din = cc_upf(inp, N * IC), *dwt = cc_upf(w, OC * IC), *ddout = cc_upf(dout, N * OC);
+    uint16_t *dwh = (uint16_t *)cc_up(wh, (size_t)(OC * IC) * 2);
+    float *dout_g = (float *)cc_dev((size_t)(N * OC) * 4), *ddinp = cc_upf(dinp0, N * IC), *ddw = cc_upf(dw0, OC * IC);
+    float *got[2][3];
+    for (int r = 0; r < 2; r++) {
+        CC_CUDA(cudaMemcpy(ddinp, dinp0, (size_t)(N * IC) * 4, cudaMemcpyHostToDevice));
+        CC_CUDA(cudaMemcpy(ddw, dw0, (size_t)(OC * IC) * 4, cudaMemcpyHostToDevice));
+        cc_poison(dout_g, (size_t)(N * OC) * 4);
+        if (bf16w) {
+            CC_OK(cuda_linear_fwd_bf16w(BL, S, dout_g, din, dwh, N, IC, OC));
+            CC_OK(cuda_linear_bwd_bf16w(BL, S, p, ddinp, ddw, ddout, din, dwh, N, IC, OC));
+        } else {
+            CC_OK(cuda_linear_fwd(BL, S, p, dout_g, din, dwt, N, IC, OC));
+            CC_OK(cuda_linear_bwd(BL, S, p, ddinp, ddw, ddout, din, dwt, N, IC, OC));
+        }
+        got[r][0] = cc_hostf(N * OC), got[r][1] = cc_hostf(N * IC), got[r][2] = cc_hostf(OC * IC);
+        cc_down(got[r][0], dout_g, (size_t)(N * OC) * 4);
+        cc_down(got[r][1], ddinp, (size_t)(N * IC) * 4);
+        cc_down(got[r][2], ddw, (size_t)(OC * IC) * 4);
+    }
+    const bool bw = bf16w || p == DS4_MATMUL_BF16; /* the GEMMs that read w: bf16 */
+    const bool bdw = p == DS4_MATMUL_BF16;          /* the dw GEMM: precision p */
+    double *b_out = (double *)malloc((size_t)(N * OC) * 8), *b_in = (double *)malloc((size_t)(N * IC) * 8),
+           *b_w = (double *)malloc((size_t)(OC * IC) * 8);
+    gemm_bound(b_out, "nt", N, OC, IC, inp, IC, w, IC, NULL, OC, 0, bw);
+    gemm_bound(b_in, "nn", N, IC, OC, dout, OC, w, IC, dinp0, IC, 1, bw);
+    gemm_bound(b_w, "tn", OC, IC, N, dout, OC, inp, IC, dw0, IC, 1, bdw);
+    char what[96];
+    const char *name = bf16w ? "linear_bf16w" : "linear";
+    snprintf(what, sizeof what, "%s %s out", name, ds4_matmul_precision_name(p));
+    cc_within(what, got[0][0], out_c, b_out, N * OC);
+    snprintf(what, sizeof what, "%s %s dinp", name, ds4_matmul_precision_name(p));
+    cc_within(what, got[0][1], dinp_c, b_in, N * IC);
+    snprintf(what, sizeof what, "%s %s dw", name, ds4_matmul_precision_name(p));
+    cc_within(what, got[0][2], dw_c, b_w, OC * IC);
+    CHECK(!memcmp(got[0][0], got[1][0], (size_t)(N * OC) * 4) && !memcmp(got[0][1], got[1][1], (size_t)(N * IC) * 4) &&
+              !memcmp(got[0][2], got[1][2], (size_t)(OC * IC) * 4),
+          "%s: two runs differ", name);
+    for (int r = 0; r < 2; r++)
+        for (int k = 0; k < 3; k++) free(got[r][k]);
+    free(b_out), free(b_in), free(b_w), free(inp), free(w), free(dout), free(dinp0), free(dw0), free(wh);
+    free(out_c), free(dinp_c), free(dw_c);
+    cc_free(din), cc_free(dwt), cc_free(ddout), cc_free(dwh), cc_free(dout_g), cc_free(ddinp), cc_free(ddw);
+}
+
+static void test_linear(void) {
+    linear_case(DS4_MATMUL_FP32, false, 96, 80, 48, 100);
+    linear_case(DS4_MATMUL_BF16, false, 96, 80, 48, 110);
+    linear_case(DS4_MATMUL_FP32, true, 96, 80, 48, 120);
+    linear_case(DS4_MATMUL_BF16, true, 33, 72, 40, 130);
+}
+
+/* Grouped layer: z [N, G, R] = per group o[:, g, :] · w[g]^T, and its backward, cpu vs cuda. */
+static void grouped_case(ds4_matmul_precision p, bool bf16w, int64_t N, int64_t G, int64_t R, int64_t Din,
+                         unsigned seed) {
+    const int64_t no = N * G * Din, nw = G * R * Din, nz = N * G * R;
+    float *o = cc_hostf(no), *w = cc_hostf(nw), *dz = cc_hostf(nz), *do0 = cc_hostf(no), *dw0 = cc_hostf(nw);
+    cc_fill(o, no, seed, 1.0f);
+    cc_fill(w, nw, seed + 1, 0.5f);
+    cc_fill(dz, nz, seed + 2, 1.0f);
+    cc_fill(do0, no, seed + 3, 1.0f);
+    cc_fill(dw0, nw, seed + 4, 1.0f);
+    uint16_t *wh = (uint16_t *)cc_host((size_t)nw * 2);
+    for (int64_t i = 0; i < nw; i++) wh[i] = gemm_bf16_bits(w[i]);
+    float *z_c = cc_hostf(nz), *do_c = cc_hostf(no), *dw_c = cc_hostf(nw);
+    memcpy(do_c, do0, (size_t)no * 4);
+    memcpy(dw_c, dw0, (size_t)nw * 4);
+    CC_OK(ds4_set_matmul_precision(p));
+    if (bf16w) {
+        cpu()->grouped_linear_fwd_bf16w(z_c, o, wh, N, G, R, Din);
+        cpu()->grouped_linear_bwd_bf16w(do_c, dw_c, dz, o, wh, N, G, R, Din);
+    } else {
+        cpu()->grouped_linear_fwd(z_c, o, w, N, G, R, Din);
+        cpu()->grouped_linear_bwd(do_c, dw_c, dz, o, w, N, G, R, Din);
+    }
+    CC_OK(ds4_set_matmul_precision(DS4_MATMUL_FP32));
+    float *d_o = cc_upf(o, no), *d_w = cc_upf(w, nw), *d_dz = cc_upf(dz, nz), *d_z = (float *)cc_dev((size_t)nz * 4);
+    float *d_do = cc_upf(do0, no), *d_dw = cc_upf(dw0, nw);
+    uint16_t *d_wh = (uint16_t *)cc_up(wh, (size_t)nw * 2);
+    float *got[2][3];
+    for (int r = 0; r < 2; r++) {
+        CC_CUDA(cudaMemcpy(d_do, do0, (size_t)no * 4, cudaMemcpyHostToDevice));
+        CC_CUDA(cudaMemcpy(d_dw, dw0, (size_t)nw * 4, cudaMemcpyHostToDevice));
+        cc_poison(d_z, (size_t)nz * 4);
+        if (bf16w) {
+            CC_OK(cuda_grouped_linear_fwd_bf16w(BL, S, d_z, d_o, d_wh, N, G, R, Din));
+            CC_OK(cuda_grouped_linear_bwd_bf16w(BL, S, p, d_do, d_dw, d_dz, d_o, d_wh, N, G, R, Din));
+        } else {
+            CC_OK(cuda_grouped_linear_fwd(BL, S, p, d_z, d_o, d_w, N, G, R, Din));
+            CC_OK(cuda_grouped_linear_bwd(BL, S, p, d_do, d_dw, d_dz, d_o, d_w, N, G, R, Din));
+        }
+        got[r][0] = cc_hostf(nz), got[r][1] = cc_hostf(no), got[r][2] = cc_hostf(nw);
+        cc_down(got[r][0], d_z, (size_t)nz * 4);
+        cc_down(got[r][1], d_do, (size_t)no * 4);
+        cc_down(got[r][2], d_dw, (size_t)nw * 4);
+    }
+    /* bounds group by group, through the GEMM views of cpu/linear.inc */
+    const bool bw = bf16w || p == DS4_MATMUL_BF16, bdw = p == DS4_MATMUL_BF16;
+    double *bz = (double *)malloc((size_t)nz * 8), *bo = (double *)malloc((size_t)no * 8),
+           *bw_ = (double *)malloc((size_t)nw * 8);
+    double *t = (double *)malloc((size_t)(N * (R > Din ? R : Din) + R * Din) * 8);
+    for (int64_t g = 0; g < G; g++) {
+        gemm_bound(t, "nt", N, R, Din, o + g * Din, G * Din, w + g * R * Din, Din, NULL, 0, 0, bw);
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t r = 0; r < R; r++) bz[(n * G + g) * R + r] = t[n * R + r];
+        gemm_bound(t, "nn", N, Din, R, dz + g * R, G * R, w + g * R * Din, Din, do0 + g * Din, G * Din, 1, bw);
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t d = 0; d < Din; d++) bo[(n * G + g) * Din + d] = t[n * Din + d];
+        gemm_bound(t, "tn", R, Din, N, dz + g * R, G * R, o + g * Din, G * Din, dw0 + g * R * Din, Din, 1, bdw);
+        memcpy(bw_ + g * R * Din, t, (size_t)(R * Din) * 8);
+    }
+    char what[96];
+    const char *name = bf16w ? "grouped_linear_bf16w" : "grouped_linear";
+    snprintf(what, sizeof what, "%s %s z", name, ds4_matmul_precision_name(p));
+    cc_within(what, got[0][0], z_c, bz, nz);
+    snprintf(what, sizeof what, "%s %s do", name, ds4_matmul_precision_name(p));
+    cc_within(what, got[0][1], do_c, bo, no);
+    snprintf(what, sizeof what, "%s %s dw", name, ds4_matmul_precision_name(p));
+    cc_within(what, got[0][2], dw_c, bw_, nw);
+    CHECK(!memcmp(got[0][0], got[1][0], (size_t)nz * 4) && !memcmp(got[0][1], got[1][1], (size_t)no * 4) &&
+              !memcmp(got[0][2], got[1][2], (size_t)nw * 4),
+          "%s: two runs differ", name);
+    for (int r = 0; r < 2; r++)
+        for (int k = 0; k < 3; k++) free(got[r][k]);
+    free(bz), free(bo), free(bw_), free(t), free(o), free(w), free(dz), free(do0), free(dw0), free(wh);
+    free(z_c), free(do_c), free(dw_c);
+    cc_free(d_o), cc_free(d_w), cc_free(d_dz), cc_free(d_z), cc_free(d_do), cc_free(d_dw), cc_free(d_wh);
+}
+
+static void test_grouped_linear(void) {
+    grouped_case(DS4_MATMUL_FP32, false, 40, 4, 24, 32, 200);
+    grouped_case(DS4_MATMUL_BF16, false, 40, 4, 24, 32, 210);
+    grouped_case(DS4_MATMUL_FP32, true, 40, 8, 16, 24, 220);
+    grouped_case(DS4_MATMUL_BF16, true, 17, 3, 8, 40, 230);
+}
+
+/* ---------------------------------------------------------------- embedding */
+static void test_embedding(void) {
+    const int64_t V = 50, N = 301, D = 200;
+    float *table = cc_hostf(V * D), *dout = cc_hostf(N * D), *dt0 = cc_hostf(V * D);
+    int32_t *ids = (int32_t *)cc_host((size_t)N * 4);
+    cc_fill(table, V * D, 1, 1.0f);
+    cc_fill(dout, N * D, 2, 1.0f);
+    cc_fill(dt0, V * D, 3, 1.0f);
+    cc_fill_ids(ids, N, 4, (int32_t)V); /* 301 tokens over 50 rows: every row hit several times */
+    float *out_c = cc_hostf(N * D), *dt_c = cc_hostf(V * D), *out_g = cc_hostf(N * D), *dt_g = cc_hostf(V * D),
+          *dt_g2 = cc_hostf(V * D);
+    memcpy(dt_c, dt0, (size_t)(V * D) * 4);
+    cpu()->embedding_fwd(out_c, table, ids, N, D);
+    cpu()->embedding_bwd(dt_c, dout, ids, N, D);
+    float *d_t = cc_upf(table, V * D), *d_out = (float *)cc_dev((size_t)(N * D) * 4), *d_do = cc_upf(dout, N * D),
+          *d_dt = cc_upf(dt0, V * D);
+    int32_t *d_ids = (int32_t *)cc_up(ids, (size_t)N * 4);
+    CC_OK(cuda_embedding_fwd(S, d_out, d_t, d_ids, N, D));
+    CC_OK(cuda_embedding_bwd(S, d_dt, d_do, d_ids, N, D));
+    cc_down(out_g, d_out, (size_t)(N * D) * 4);
+    cc_down(dt_g, d_dt, (size_t)(V * D) * 4);
+    CC_CUDA(cudaMemcpy(d_dt, dt0, (size_t)(V * D) * 4, cudaMemcpyHostToDevice));
+    CC_OK(cuda_embedding_bwd(S, d_dt, d_do, d_ids, N, D));
+    cc_down(dt_g2, d_dt, (size_t)(V * D) * 4);
+    cc_same_bits("embedding_fwd vs cpu", out_g, out_c, (size_t)(N * D) * 4);
+    cc_same_bits("embedding_bwd vs cpu", dt_g, dt_c, (size_t)(V * D) * 4);
+    cc_same_bits("embedding_bwd rerun", dt_g2, dt_g, (size_t)(V * D) * 4);
+    free(table), free(dout), free(dt0), free(ids), free(out_c), free(dt_c), free(out_g), free(dt_g), free(dt_g2);
+    cc_free(d_t), cc_free(d_out), cc_free(d_do), cc_free(d_dt), cc_free(d_ids);
+}
+
+/* ---------------------------------------------------------------- RMSNorm */
+/* rstd: the sum of squares is double on both sides in different orders (relative difference ~D·2^-53), so
+ * the float r = 1/sqrt(...) is the same or one ulp apart: bound 2^-23·r. y = (x·r)·w: one ulp of r plus
+ * two roundings that may go the other way: under 4 ulps, bound 2^-21·|y|. */
+static void rmsnorm_case(int64_t N, int64_t D, bool weighted, unsigned seed) {
+    float *x = cc_hostf(N * D), *w = cc_hostf(D), *dy = cc_hostf(N * D), *dx0 = cc_hostf(N * D), *dw0 = cc_hostf(D);
+    cc_fill(x, N * D, seed, 2.0f);
+    cc_fill(w, D, seed + 1, 1.0f);
+    cc_fill(dy, N * D, seed + 2, 1.0f);
+    cc_fill(dx0, N * D, seed + 3, 1.0f);
+    cc_fill(dw0, D, seed + 4, 1.0f);
+    const float *wp = weighted ? w : NULL;
+    const float eps = 1e-6f;
+    float *y_c = cc_hostf(N * D), *r_c = cc_hostf(N), *dx_c = cc_hostf(N * D), *dw_c = cc_hostf(D);
+    memcpy(dx_c, dx0, (size_t)(N * D) * 4);
+    memcpy(dw_c, dw0, (size_t)D * 4);
+    cpu()->rmsnorm_fwd(y_c, r_c, x, wp, N, D, eps);
+    cpu()->rmsnorm_bwd(dx_c, dw_c, dy, x, wp, r_c, N, D);
+    float *d_x = cc_upf(x, N * D), *d_w = weighted ? cc_upf(w, D) : NULL, *d_y = (float *)cc_dev((size_t)(N * D) * 4),
+          *d_r = (float *)cc_dev((size_t)N * 4), *d_dy = cc_upf(dy, N * D), *d_dx = cc_upf(dx0, N * D),
+          *d_dw = cc_upf(dw0, D), *d_rc = cc_upf(r_c, N);
+    float *y_g = cc_hostf(N * D), *r_g = cc_hostf(N), *dx_g = cc_hostf(N * D), *dw_g = cc_hostf(D), *y_g2 = cc_hostf(N * D),
+          *dx_g2 = cc_hostf(N * D);
+    CC_OK(cuda_rmsnorm_fwd(S, d_y, d_r, d_x, d_w, N, D, eps));
+    cc_down(y_g, d_y, (size_t)(N * D) * 4);
+    cc_down(r_g, d_r, (size_t)N * 4);
+    /* the backward from the cpu's rstd, so it sees the cpu's inputs exactly */
+    CC_OK(cuda_rmsnorm_bwd(S, d_dx, d_dw, d_dy, d_x, d_w, d_rc, N, D));
+    cc_down(dx_g, d_dx, (size_t)(N * D) * 4);
+    cc_down(dw_g, d_dw, (size_t)D * 4);
+    CC_OK(cuda_rmsnorm_fwd(S, d_y, d_r, d_x, d_w, N, D, eps));
+    cc_down(y_g2, d_y, (size_t)(N * D) * 4);
+    CC_CUDA(cudaMemcpy(d_dx, dx0, (size_t)(N * D) * 4, cudaMemcpyHostToDevice));
+    CC_OK(cuda_rmsnorm_bwd(S, d_dx, NULL, d_dy, d_x, d_w, d_rc, N, D));
+    cc_down(dx_g2, d_dx, (size_t)(N * D) * 4);
+    char what[80];
+    snprintf(what, sizeof what, "rmsnorm%s N%lld D%lld rstd", weighted ? "" : " weightless", (long long)N, (long long)D);
+    cc_within_rel(what, r_g, r_c, N, 0x1p-23, 0);
+    snprintf(what, sizeof what, "rmsnorm%s y", weighted ? "" : " weightless");
+    cc_within_rel(what, y_g, y_c, N * D, 0x1p-21, 0);
+    /* dx = dx0 + (r·gw − c·x), c = r³·dot/D from a double dot (same or one ulp apart): the difference of
+     * c·x (2 ulps) and three roundings that may flip: bound 2^-22·(|dx0| + |r·gw| + 3·|c·x|) per element. */
+    double *b = (double *)malloc((size_t)(N * D) * 8);
+    for (int64_t n = 0; n < N; n++) {
+        double dot = 0;
+        for (int64_t j = 0; j < D; j++) dot += (double)(dy[n * D + j] * (weighted ? w[j] : 1.0f)) * x[n * D + j];
+        const double r = r_c[n], c = r * r * r * dot / (double)D;
+        for (int64_t j = 0; j < D; j++)
+            b[n * D + j] = 0x1p-22 * (fabs(dx0[n * D + j]) + fabs(r * dy[n * D + j] * (weighted ? w[j] : 1.0f)) +
+                                      3 * fabs(c * x[n * D + j]));
+    }
+    snprintf(what, sizeof what, "rmsnorm%s dx", weighted ? "" : " weightless");
+    cc_within(what, dx_g, dx_c, b, N * D);
+    snprintf(what, sizeof what, "rmsnorm%s dw (column owners, n in order) vs cpu", weighted ? "" : " weightless");
+    cc_same_bits(what, dw_g, dw_c, (size_t)D * 4);
+    cc_same_bits("rmsnorm y rerun", y_g2, y_g, (size_t)(N * D) * 4);
+    cc_same_bits("rmsnorm dx rerun", dx_g2, dx_g, (size_t)(N * D) * 4);
+    free(b), free(x), free(w), free(dy), free(dx0), free(dw0), free(y_c), free(r_c), free(dx_c), free(dw_c);
+    free(y_g), free(r_g), free(dx_g), free(dw_g), free(y_g2), free(dx_g2);
+    cc_free(d_x), cc_free(d_w), cc_free(d_y), cc_free(d_r), cc_free(d_dy), cc_free(d_dx), cc_free(d_dw), cc_free(d_rc);
+}
+
+static void test_rmsnorm(void) {
+    rmsnorm_case(37, 1000, true, 300);
+    rmsnorm_case(64, 4096, true, 310);
+    rmsnorm_case(9, 129, false, 320);
+}
+
+/* ---------------------------------------------------------------- RoPE: the same bits */
+static void test_rope(void) {
+    const int64_t N = 48, H = 3, hd = 40, rd = 16, period = 12, mult = 4;
+    ds4_rope host, dev;
+    CHECK(rope_table_init(&host, rd, period * mult, 10000.0, 4.0, 32, 32.0, 1.0), "%s", ds4_errmsg());
+    CC_OK(cuda_rope_table_upload(S, &dev, &host));
+    float *x = cc_hostf(N * H * hd), *xc = cc_hostf(N * H * hd), *xg = cc_hostf(N * H * hd), *xg2 = cc_hostf(N * H * hd);
+    cc_fill(x, N * H * hd, 400, 1.0f);
+    for (int inv = 0; inv < 2; inv++)
+        for (int bwd = 0; bwd < 2; bwd++) {
+            rope_args ac = {N, H, hd, period, mult, &host, inv != 0}, ag = ac;
+            ag.table = &dev;
+            memcpy(xc, x, (size_t)(N * H * hd) * 4);
+            if (bwd) cpu()->rope_bwd(xc, &ac);
+            else cpu()->rope_fwd(xc, &ac);
+            float *d = cc_upf(x, N * H * hd);
+            CC_OK(bwd ? cuda_rope_bwd(S, d, &ag) : cuda_rope_fwd(S, d, &ag));
+            cc_down(xg, d, (size_t)(N * H * hd) * 4);
+            CC_CUDA(cudaMemcpy(d, x, (size_t)(N * H * hd) * 4, cudaMemcpyHostToDevice));
+            CC_OK(bwd ? cuda_rope_bwd(S, d, &ag) : cuda_rope_fwd(S, d, &ag));
+            cc_down(xg2, d, (size_t)(N * H * hd) * 4);
+            char what[64];
+            snprintf(what, sizeof what, "rope_%s%s vs cpu", bwd ? "bwd" : "fwd", inv ? " inverse" : "");
+            cc_same_bits(what, xg, xc, (size_t)(N * H * hd) * 4);
+            CHECK(!memcmp(xg, xg2, (size_t)(N * H * hd) * 4), "%s: two runs differ", what);
+            cc_free(d);
+        }
+    cuda_rope_table_free(&dev);
+    rope_table_free(&host);
+    free(x), free(xc), free(xg), free(xg2);
+}
+
+/* ---------------------------------------------------------------- SwiGLU */
+/* e = exp(−g) is the double exp rounded to float here and glibc's expf on the cpu (within 0.502 ulp): the
+ * same or one ulp apart; σ = 1/(1 + e) then within 3 ulps, act = (g·σ)·u within 5: bound 2^-20·|act|.
+ * Backward terms: each within 16 ulps of its size, |dact·u|·(1 + |g|) bounds every term (σ <= 1,
+ * |1 − σ| <= 1), |dact·g| the du term: bound 2^-20·(|grad0| + |term|). */
+static void test_swiglu(void) {
+    const int64_t N = 33, I = 301, n = N * I;
+    const float limit = 3.0f;
+    float *g = cc_hostf(n), *u = cc_hostf(n), *dact = cc_hostf(n), *dg0 = cc_hostf(n), *du0 = cc_hostf(n);
+    cc_fill(g, n, 500, 6.0f); /* beyond the limit on both sides: clamped elements */
+    cc_fill(u, n, 501, 6.0f);
+    cc_fill(dact, n, 502, 1.0f);
+    cc_fill(dg0, n, 503, 1.0f);
+    cc_fill(du0, n, 504, 1.0f);
+    for (int lim = 0; lim < 2; lim++) {
+        const float L = lim ? limit : 0.0f;
+        float *act_c = cc_hostf(n), *dg_c = cc_hostf(n), *du_c = cc_hostf(n);
+        memcpy(dg_c, dg0, (size_t)n * 4);
+        memcpy(du_c, du0, (size_t)n * 4);
+        cpu()->swiglu_fwd(act_c, g, u, N, I, L);
+        cpu()->swiglu_bwd(dg_c, du_c, dact, g, u, N, I, L);
+        float *d_g = cc_upf(g, n), *d_u = cc_upf(u, n), *d_da = cc_upf(dact, n), *d_act = (float *)cc_dev((size_t)n * 4),
+              *d_dg = cc_upf(dg0, n), *d_du = cc_upf(du0, n);
+        float *act_g = cc_hostf(n), *dg_g = cc_hostf(n), *du_g = cc_hostf(n), *act_g2 = cc_hostf(n), *dg_g2 = cc_hostf(n);
+        CC_OK(cuda_swiglu_fwd(S, d_act, d_g, d_u, N, I, L));
+        CC_OK(cuda_swiglu_bwd(S, d_dg, d_du, d_da, d_g, d_u, N, I, L));
+        cc_down(act_g, d_act, (size_t)n * 4);
+        cc_down(dg_g, d_dg, (size_t)n * 4);
+        cc_down(du_g, d_du, (size_t)n * 4);
+        CC_OK(cuda_swiglu_fwd(S, d_act, d_g, d_u, N, I, L));
+        CC_CUDA(cudaMemcpy(d_dg, dg0, (size_t)n * 4, cudaMemcpyHostToDevice));
+        CC_OK(cuda_swiglu_bwd(S, d_dg, NULL, d_da, d_g, d_u, N, I, L));
+        cc_down(act_g2, d_act, (size_t)n * 4);
+        cc_down(dg_g2, d_dg, (size_t)n * 4);
+        double *bg = (double *)malloc((size_t)n * 8), *bu = (double *)malloc((size_t)n * 8);
+        for (int64_t i = 0; i < n; i++) {
+            const double gc = L > 0 && g[i] > L ? L : g[i];
+            const double uc = L > 0 ? fmin(fmax(u[i], -L), L) : u[i];
+            bg[i] = 0x1p-20 * (fabs(dg0[i]) + fabs(dact[i] * uc) * (1 + fabs(gc)));
+            bu[i] = 0x1p-20 * (fabs(du0[i]) + fabs(dact[i] * gc));
+        }
+        char what[64];
+        snprintf(what, sizeof what, "swiglu limit %g act", (double)L);
+        cc_within_rel(what, act_g, act_c, n, 0x1p-20, 0);
+        snprintf(what, sizeof what, "swiglu limit %g dg", (double)L);
+        cc_within(what, dg_g, dg_c, bg, n);
+        snprintf(what, sizeof what, "swiglu limit %g du", (double)L);
+        cc_within(what, du_g, du_c, bu, n);
+        CHECK(!memcmp(act_g, act_g2, (size_t)n * 4) && !memcmp(dg_g, dg_g2, (size_t)n * 4), "swiglu: two runs differ");
+        if (L > 0) { /* clamped elements pass no gradient: exactly the initial values there */
+            int64_t leak = 0;
+            for (int64_t i = 0; i < n; i++) leak += (g[i] > L && dg_g[i] != dg0[i]) || (fabs(u[i]) > L && du_g[i] != du0[i]);
+            CHECK(leak == 0, "swiglu: %lld clamped elements got a gradient", (long long)leak);
+        }
+        free(bg), free(bu), free(act_c), free(dg_c), free(du_c), free(act_g), free(dg_g), free(du_g), free(act_g2),
+            free(dg_g2);
+        cc_free(d_g), cc_free(d_u), cc_free(d_da), cc_free(d_act), cc_free(d_dg), cc_free(d_du);
+    }
+    free(g), free(u), free(dact), free(dg0), free(du0);
+}
+
+/* ---------------------------------------------------------------- cross-entropy */
+/* Row loss log Σe + m − l[t]: each e within one ulp of the cpu's (see swiglu), so Σe within 2^-23
+ * relative, plus double sums in other orders (V·2^-53): the log within 2^-22 absolute; the total within
+ * N·2^-22 plus the double sums' 2^-40 relative. dlogits = gs·(e·inv) (− gs at the target): e, inv one ulp
+ * each, two roundings: bound 2^-20·(|d| + |gs|). */
+static void test_cross_entropy(void) {
+    const int64_t N = 70, V = 3001;
+    const float gs = 0.25f;
+    float *logits = cc_hostf(N * V);
+    int32_t *tg = (int32_t *)cc_host((size_t)N * 4);
+    cc_fill(logits, N * V, 600, 8.0f);
+    cc_fill_ids(tg, N, 601, (int32_t)V);
+    tg[3] = -1, tg[17] = -1, tg[69] = (int32_t)V; /* not scored: −1 and out of range */
+    double loss_c = 0;
+    int64_t n_c = 0;
+    float *dl_c = cc_hostf(N * V), *dl_g = cc_hostf(N * V), *dl_g2 = cc_hostf(N * V);
+    cpu()->cross_entropy_fwd_bwd(&loss_c, &n_c, dl_c, logits, tg, N, V, gs);
+    float *d_l = cc_upf(logits, N * V), *d_dl = (float *)cc_dev((size_t)(N * V) * 4);
+    int32_t *d_t = (int32_t *)cc_up(tg, (size_t)N * 4);
+    double *d_loss = (double *)cc_dev(8), *d_rows = (double *)cc_dev(cuda_cross_entropy_scratch_bytes(N));
+    int64_t *d_n = (int64_t *)cc_dev(8);
+    double loss_g = 0, loss_g2 = 0;
+    int64_t n_g = 0;
+    CC_OK(cuda_cross_entropy_fwd_bwd(S, d_loss, d_n, d_dl, d_l, d_t, N, V, gs, d_rows));
+    cc_down(&loss_g, d_loss, 8);
+    cc_down(&n_g, d_n, 8);
+    cc_down(dl_g, d_dl, (size_t)(N * V) * 4);
+    cc_poison(d_dl, (size_t)(N * V) * 4);
+    CC_OK(cuda_cross_entropy_fwd_bwd(S, d_loss, d_n, d_dl, d_l, d_t, N, V, gs, d_rows));
+    cc_down(&loss_g2, d_loss, 8);
+    cc_down(dl_g2, d_dl, (size_t)(N * V) * 4);
+    CHECK(n_g == n_c && n_c == N - 3, "cross_entropy: scored %lld rows on the gpu, %lld on the cpu, want %lld",
+          (long long)n_g, (long long)n_c, (long long)(N - 3));
+    const double lb = (double)N * 0x1p-22 + 0x1p-40 * fabs(loss_c);
+    t_note("  cross_entropy loss sum: gpu %.17g cpu %.17g, |diff| %.3g (bound %.3g)", loss_g, loss_c,
+           fabs(loss_g - loss_c), lb);
+    CHECK(fabs(loss_g - loss_c) <= lb, "cross_entropy: loss sum %.17g vs cpu %.17g", loss_g, loss_c);
+    double *b = (double *)malloc((size_t)(N * V) * 8);
+    for (int64_t i = 0; i < N * V; i++) b[i] = 0x1p-20 * (fabs(dl_c[i]) + gs);
+    cc_within("cross_entropy dlogits", dl_g, dl_c, b, N * V);
+    CHECK(memcmp(&loss_g, &loss_g2, 8) == 0 && !memcmp(dl_g, dl_g2, (size_t)(N * V) * 4), "cross_entropy: two runs differ");
+    /* loss only (dlogits NULL): the same sum */
+    CC_OK(cuda_cross_entropy_fwd_bwd(S, d_loss, d_n, NULL, d_l, d_t, N, V, gs, d_rows));
+    cc_down(&loss_g2, d_loss, 8);
+    CHECK(memcmp(&loss_g, &loss_g2, 8) == 0, "cross_entropy: loss without dlogits %.17g vs %.17g", loss_g2, loss_g);
+    free(b), free(logits), free(tg), free(dl_c), free(dl_g), free(dl_g2);
+    cc_free(d_l), cc_free(d_dl), cc_free(d_t), cc_free(d_loss), cc_free(d_rows), cc_free(d_n);
+}
+
+/* ---------------------------------------------------------------- data ops: the same bits */
+static void test_data_ops(void) {
+    const int64_t n = 10007;
+    float *a = cc_hostf(n), *b = cc_hostf(n), *c = cc_hostf(n), *g = cc_hostf(n);
+    cc_fill(a, n, 700, 3.0f);
+    cc_fill(b, n, 701, 3.0f);
+    /* the rounding's corner cases: ties (odd and even), NaN, ±Inf, denormals, ±0, overflow to Inf */
+    const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0x7fc00001u, 0xff800001u, 0x7f800000u, 0xff800000u,
+                                0x00000001u, 0x807fffffu, 0x00000000u, 0x80000000u, 0x7f7fffffu, 0x3f80ffffu};
+    for (size_t i = 0; i < sizeof special / 4; i++) memcpy(&a[i], &special[i], 4);
+    float *da = cc_upf(a, n), *db = cc_upf(b, n);
+    /* add */
+    memcpy(c, a, (size_t)n * 4);
+    cpu()->tensor_add(c, b, n);
+    CC_OK(cuda_tensor_add(S, da, db, n));
+    cc_down(g, da, (size_t)n * 4);
+    cc_same_bits("tensor_add", g, c, (size_t)n * 4);
+    /* round_bf16 */
+    CC_CUDA(cudaMemcpy(da, a, (size_t)n * 4, cudaMemcpyHostToDevice));
+    memcpy(c, a, (size_t)n * 4);
+    cpu()->tensor_round_bf16(c, n);
+    CC_OK(cuda_tensor_round_bf16(S, da, n));
+    cc_down(g, da, (size_t)n * 4);
+    cc_same_bits("tensor_round_bf16", g, c, (size_t)n * 4);
+    /* pack / unpack */
+    uint16_t *hc = (uint16_t *)cc_host((size_t)n * 2), *hg = (uint16_t *)cc_host((size_t)n * 2);
+    uint16_t *dh = (uint16_t *)cc_dev((size_t)n * 2);
+    CC_CUDA(cudaMemcpy(da, a, (size_t)n * 4, cudaMemcpyHostToDevice));
+    cpu()->tensor_pack_bf16(hc, a, n);
+    CC_OK(cuda_tensor_pack_bf16(S, dh, da, n));
+    cc_down(hg, dh, (size_t)n * 2);
+    cc_same_bits("tensor_pack_bf16", hg, hc, (size_t)n * 2);
+    cpu()->tensor_unpack_bf16(c, hc, n);
+    CC_OK(cuda_tensor_unpack_bf16(S, db, dh, n));
+    cc_down(g, db, (size_t)n * 4);
+    cc_same_bits("tensor_unpack_bf16", g, c, (size_t)n * 4);
+    /* copy / zero */
+    CC_OK(cuda_tensor_copy(S, db, da, (size_t)n * 4));
+    cc_down(g, db, (size_t)n * 4);
+    cc_same_bits("tensor_copy", g, a, (size_t)n * 4);
+    CC_OK(cuda_tensor_zero(S, db, (size_t)n * 4));
+    cc_down(g, db, (size_t)n * 4);
+    memset(c, 0, (size_t)n * 4);
+    cc_same_bits("tensor_zero", g, c, (size_t)n * 4);
+    free(hc), free(hg), cc_free(dh);
+    /* shift_ids */
+    const int64_t B = 3, T = 37;
+    int32_t *ids = (int32_t *)cc_host((size_t)(B * T) * 4), *oc = (int32_t *)cc_host((size_t)(B * T) * 4),
+            *og = (int32_t *)cc_host((size_t)(B * T) * 4);
+    cc_fill_ids(ids, B * T, 702, 1000);
+    int32_t *dids = (int32_t *)cc_up(ids, (size_t)(B * T) * 4), *dout = (int32_t *)cc_dev((size_t)(B * T) * 4);
+    for (int64_t shift = 0; shift <= T; shift += 18) {
+        cpu()->shift_ids(oc, ids, B, T, shift, -7);
+        CC_OK(cuda_shift_ids(S, dout, dids, B, T, shift, -7));
+        cc_down(og, dout, (size_t)(B * T) * 4);
+        cc_same_bits("shift_ids", og, oc, (size_t)(B * T) * 4);
+    }
+    free(ids), free(oc), free(og), cc_free(dids), cc_free(dout);
+    free(a), free(b), free(c), free(g), cc_free(da), cc_free(db);
+}
+
+static void test_streams(void) {
+    const int64_t N = 53, D = 70;
+    for (int64_t ns = 1; ns <= 4; ns++) {
+        const int64_t nX = N * ns * D;
+        float *X = cc_hostf(nX), *x = cc_hostf(N * D), *Xc = cc_hostf(nX), *Xg = cc_hostf(nX), *dx = cc_hostf(N * D),
+              *dxc = cc_hostf(N * D), *dxg = cc_hostf(N * D);
+        cc_fill(X, nX, 800 + (unsigned)ns, 1.0f);
+        cc_fill(x, N * D, 810, 1.0f);
+        cc_fill(dx, N * D, 820, 1.0f);
+        float *dX = cc_upf(X, nX), *dxx = cc_upf(x, N * D), *ddx = cc_upf(dx, N * D);
+        memcpy(Xc, X, (size_t)nX * 4);
+        cpu()->streams_expand(Xc, N, ns, D);
+        CC_OK(cuda_streams_expand(S, dX, N, ns, D));
+        cc_down(Xg, dX, (size_t)nX * 4);
+        cc_same_bits("streams_expand", Xg, Xc, (size_t)nX * 4);
+        CC_CUDA(cudaMemcpy(dX, X, (size_t)nX * 4, cudaMemcpyHostToDevice));
+        memcpy(Xc, X, (size_t)nX * 4);
+        cpu()->streams_add(Xc, x, N, ns, D);
+        CC_OK(cuda_streams_add(S, dX, dxx, N, ns, D));
+        cc_down(Xg, dX, (size_t)nX * 4);
+        cc_same_bits("streams_add", Xg, Xc, (size_t)nX * 4);
+        CC_CUDA(cudaMemcpy(dX, X, (size_t)nX * 4, cudaMemcpyHostToDevice));
+        memcpy(dxc, dx, (size_t)(N * D) * 4);
+        cpu()->streams_sum(dxc, X, N, ns, D);
+        CC_OK(cuda_streams_sum(S, ddx, dX, N, ns, D));
+        cc_down(dxg, ddx, (size_t)(N * D) * 4);
+        cc_same_bits("streams_sum", dxg, dxc, (size_t)(N * D) * 4);
+        free(X), free(x), free(Xc), free(Xg), free(dx), free(dxc), free(dxg);
+        cc_free(dX), cc_free(dxx), cc_free(ddx);
+    }
+}
+
+/* ---------------------------------------------------------------- AdamW: the cpu optimizer's bits */
+static void test_adamw(void) {
+    const int64_t n = 5003, half = 2500;
+    const ds4_adamw_cfg cfg = {3e-3, 0.9, 0.95, 1e-8, 0.1};
+    float *w = cc_hostf(n), *g = cc_hostf(n), *wg = cc_hostf(n), *mg = cc_hostf(n), *vg = cc_hostf(n);
+    cc_fill(w, n, 900, 1.0f);
+    ds4_adamw o;
+    CC_OK(ds4_adamw_init_n(&o, n));
+    const ds4_adamw_range r[2] = {{0, half, true, false, false}, {half, n - half, false, false, false}};
+    CC_OK(ds4_adamw_set_ranges(&o, r, 2));
+    float *dw = cc_upf(w, n), *dg = (float *)cc_dev((size_t)n * 4), *dm = (float *)cc_dev((size_t)n * 4),
+          *dv = (float *)cc_dev((size_t)n * 4);
+    CC_OK(cuda_fill(S, dm, 0, (size_t)n * 4));
+    CC_OK(cuda_fill(S, dv, 0, (size_t)n * 4));
+    for (int step = 1; step <= 3; step++) {
+        cc_fill(g, n, 910 + (unsigned)step, 0.1f);
+        const double lr = cfg.lr * step / 3;
+        CC_OK(ds4_adamw_step_flat(&o, w, g, &cfg, lr));
+        CC_CUDA(cudaMemcpy(dg, g, (size_t)n * 4, cudaMemcpyHostToDevice));
+        const cuda_adamw_k k = cuda_adamw_consts(step, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, lr);
+        CC_OK(cuda_adamw_update(S, &k, half, dm, dv, 1, dw, dg));
+        CC_OK(cuda_adamw_update(S, &k, n - half, dm + half, dv + half, 0, dw + half, dg + half));
+    }
+    cc_down(wg, dw, (size_t)n * 4);
+    cc_down(mg, dm, (size_t)n * 4);
+    cc_down(vg, dv, (size_t)n * 4);
+    cc_same_bits("adamw w after 3 steps", wg, w, (size_t)n * 4);
+    cc_same_bits("adamw m", mg, o.m, (size_t)n * 4);
+    cc_same_bits("adamw v", vg, o.v, (size_t)n * 4);
+    ds4_adamw_free(&o);
+    free(w), free(g), free(wg), free(mg), free(vg), cc_free(dw), cc_free(dg), cc_free(dm), cc_free(dv);
+}
+
+/* ---------------------------------------------------------------- memory and streams */
+static void test_memory(void) {
+    /* h2d, d2d, d2h through pinned memory on a stream; an event orders a second stream after the first */
+    const size_t bytes = (size_t)1 << 20;
+    unsigned char *h = NULL, *back = NULL;
+    void *d1 = NULL, *d2 = NULL;
+    cudaStream_t s2 = NULL;
+    cudaEvent_t e = NULL;
+    CC_OK(cuda_alloc_pinned((void **)&h, bytes));
+    CC_OK(cuda_alloc_pinned((void **)&back, bytes));
+    CC_OK(cuda_alloc(&d1, bytes));
+    CC_OK(cuda_alloc(&d2, bytes));
+    CC_OK(cuda_stream_create(&s2));
+    CC_OK(cuda_event_create(&e));
+    if (!h || !back || !d1 || !d2) return;
+    for (size_t i = 0; i < bytes; i++) h[i] = (unsigned char)(i * 131 + 7);
+    CC_OK(cuda_copy_h2d(S, d1, h, bytes));
+    CC_OK(cuda_copy_d2d(S, d2, d1, bytes));
+    CC_OK(cuda_event_record(e, S));
+    CC_OK(cuda_stream_wait(s2, e));
+    CC_OK(cuda_copy_d2h(s2, back, d2, bytes));
+    CC_OK(cuda_stream_sync(s2));
+    CHECK(memcmp(back, h, bytes) == 0, "h2d, d2d, d2h across two streams changed bytes");
+    CC_OK(cuda_fill(S, d1, 0x5a, bytes));
+    CC_OK(cuda_fill_f32(S, (float *)d2, -1.5f, (int64_t)(bytes / 4)));
+    CC_OK(cuda_copy_d2h(S, back, d1, bytes));
+    CC_OK(cuda_stream_sync(S));
+    size_t bad = 0;
+    for (size_t i = 0; i < bytes; i++) bad += back[i] != 0x5a;
+    CHECK(bad == 0, "cuda_fill: %zu bytes not 0x5a", bad);
+    float *f = (float *)back;
+    CC_OK(cuda_copy_d2h(S, back, d2, bytes));
+    CC_OK(cuda_stream_sync(S));
+    bad = 0;
+    for (size_t i = 0; i < bytes / 4; i++) bad += f[i] != -1.5f;
+    CHECK(bad == 0, "cuda_fill_f32: %zu floats not -1.5", bad);
+    /* an allocation larger than any GPU: DS4_ERR_OOM with a message, nothing allocated */
+    void *huge = (void *)1;
+    ds4_status st = cuda_alloc(&huge, (size_t)1 << 50);
+    CHECK(st == DS4_ERR_OOM && huge == NULL, "cuda_alloc of 1 PiB: %s, %p", ds4_status_name(st), huge);
+    CHECK(strstr(ds4_errmsg(), "device memory") != NULL, "message: %s", ds4_errmsg());
+    char desc[256];
+    CC_OK(cuda_device_describe(0, desc, sizeof desc));
+    t_note("  %s", desc);
+    CC_OK(cuda_event_destroy(e));
+    CC_OK(cuda_stream_destroy(s2));
+    CC_OK(cuda_free(d1));
+    CC_OK(cuda_free(d2));
+    CC_OK(cuda_free_pinned(h));
+    CC_OK(cuda_free_pinned(back));
+}
+
+/* ---------------------------------------------------------------- without a GPU */
+/* Bad sizes are one clear error naming the op, before any device work (also where no GPU is visible). */
+static void test_arg_errors(void) {
+    ds4_status st = cuda_rmsnorm_fwd(NULL, NULL, NULL, NULL, NULL, 4, 0, 1e-6f);
+    CHECK(st == DS4_ERR_ARG && strstr(ds4_errmsg(), "rmsnorm_fwd"), "rmsnorm D 0: %s: %s", ds4_status_name(st),
+          ds4_errmsg());
+    st = cuda_gemm_nt(NULL, NULL, DS4_MATMUL_FP32, 2, 2, 2, NULL, 2, NULL, 2, NULL, 2, 0.5f);
+    CHECK(st == DS4_ERR_ARG && strstr(ds4_errmsg(), "beta"), "gemm beta 0.5: %s: %s", ds4_status_name(st), ds4_errmsg());
+    st = cuda_tensor_add(NULL, NULL, NULL, -1);
+    CHECK(st == DS4_ERR_ARG && strstr(ds4_errmsg(), "tensor_add"), "tensor_add n -1: %s", ds4_errmsg());
+    int n = -1;
+    CC_OK(cuda_device_count(&n));
+    CHECK(n >= 0, "cuda_device_count: %d", n);
+}
+
+int main(void) {
+    RUN(test_arg_errors);
+    int ndev = 0;
+    if (cuda_device_count(&ndev) != DS4_OK || ndev == 0) {
+        printf("test_cuda_basic: SKIP the device tests (no CUDA device visible)\n");
+        TEST_MAIN_END("test_cuda_basic");
+    }
+    CUDA_TEST_BEGIN("test_cuda_basic");
+    if (cuda_stream_create(&S) != DS4_OK || cuda_blas_create(&BL, 0) != DS4_OK) {
+        fprintf(stderr, "cuda setup: %s\n", ds4_errmsg());
+        return 1;
+    }
+    RUN(test_memory);
+    RUN(test_gemm_not_tf32);
+    RUN(test_gemm_fp32);
+    RUN(test_gemm_bf16);
+    RUN(test_linear);
+    RUN(test_grouped_linear);
+    RUN(test_embedding);
+    RUN(test_rmsnorm);
+    RUN(test_rope);
+    RUN(test_swiglu);
+    RUN(test_cross_entropy);
+    RUN(test_data_ops);
+    RUN(test_streams);
+    RUN(test_adamw);
+    cuda_blas_destroy(BL);
+    cuda_stream_destroy(S);
+    CUDA_TEST_END("test_cuda_basic");
+}
