@@ -46,6 +46,23 @@ static inline bool cc_gpu_visible(const char *name) {
     } while (0)
 #define CUDA_TEST_END(name) TEST_MAIN_END(name)
 
+/* Whether test `fn` runs: all of them, unless DS4_CUDA_ONLY lists words (comma separated) of which one
+ * is part of its name (scripts/gpu-check.sh runs the slow sanitizers on a few). */
+static inline bool cc_selected(const char *fn) {
+    const char *only = getenv("DS4_CUDA_ONLY");
+    if (!only || !*only) return true;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", only);
+    for (char *w = strtok(buf, ","); w; w = strtok(NULL, ","))
+        if (*w && strstr(fn, w)) return true;
+    return false;
+}
+/* RUN(fn) when fn is selected. */
+#define CC_RUN(fn)                   \
+    do {                             \
+        if (cc_selected(#fn)) RUN(fn); \
+    } while (0)
+
 /* A ds4_status from a launcher: CHECKed, with ds4's message. */
 #define CC_OK(expr)                                                                     \
     do {                                                                                \
@@ -74,12 +91,14 @@ static inline void *cc_dev(size_t bytes) {
         exit(2);
     }
     cudaMemset(d, 0xff, bytes ? bytes : 1);
+    cudaDeviceSynchronize(); /* ordered before work on any stream, blocking or not */
     return d;
 }
 /* Device copy of host data. */
 static inline void *cc_up(const void *h, size_t bytes) {
     void *d = cc_dev(bytes);
     if (bytes) cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize(); /* a copy from pageable memory may return before its DMA is done */
     return d;
 }
 static inline float *cc_upf(const float *h, int64_t n) { return (float *)cc_up(h, (size_t)n * sizeof(float)); }
@@ -88,7 +107,15 @@ static inline void cc_down(void *h, const void *d, size_t bytes) {
     CC_CUDA(cudaDeviceSynchronize());
     if (bytes) CC_CUDA(cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost));
 }
-static inline void cc_poison(void *d, size_t bytes) { cudaMemset(d, 0xff, bytes ? bytes : 1); }
+static inline void cc_poison(void *d, size_t bytes) {
+    cudaMemset(d, 0xff, bytes ? bytes : 1);
+    cudaDeviceSynchronize();
+}
+/* Host -> existing device buffer, finished on return. */
+static inline void cc_reload(void *d, const void *h, size_t bytes) {
+    if (bytes) CC_CUDA(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
+    CC_CUDA(cudaDeviceSynchronize());
+}
 static inline void cc_free(void *d) { cudaFree(d); }
 
 /* Uniform values in [-amp, amp) (test.h's generator), and ints in [0, hi). */

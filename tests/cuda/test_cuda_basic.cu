@@ -54,7 +54,7 @@ static void gemm_case(const char *op, ds4_matmul_precision p, int64_t M, int64_t
     float *dA = cc_upf(A, na), *dB = cc_upf(B, nb), *dC = cc_upf(C0, nc);
     CC_OK(gf(BL, S, p, M, N, K, dA, lda, dB, ldb, dC, ldc, beta));
     cc_down(Cg, dC, (size_t)nc * sizeof(float));
-    CC_CUDA(cudaMemcpy(dC, C0, (size_t)nc * sizeof(float), cudaMemcpyHostToDevice));
+    cc_reload(dC, C0, (size_t)nc * sizeof(float));
     CC_OK(gf(BL, S, p, M, N, K, dA, lda, dB, ldb, dC, ldc, beta));
     cc_down(Cg2, dC, (size_t)nc * sizeof(float));
     /* compare the M×N results (padding columns must be untouched: compared bitwise with C0) */
@@ -148,8 +148,8 @@ static void linear_case(ds4_matmul_precision p, bool bf16w, int64_t N, int64_t I
     float *dout_g = (float *)cc_dev((size_t)(N * OC) * 4), *ddinp = cc_upf(dinp0, N * IC), *ddw = cc_upf(dw0, OC * IC);
     float *got[2][3];
     for (int r = 0; r < 2; r++) {
-        CC_CUDA(cudaMemcpy(ddinp, dinp0, (size_t)(N * IC) * 4, cudaMemcpyHostToDevice));
-        CC_CUDA(cudaMemcpy(ddw, dw0, (size_t)(OC * IC) * 4, cudaMemcpyHostToDevice));
+        cc_reload(ddinp, dinp0, (size_t)(N * IC) * 4);
+        cc_reload(ddw, dw0, (size_t)(OC * IC) * 4);
         cc_poison(dout_g, (size_t)(N * OC) * 4);
         if (bf16w) {
             CC_OK(cuda_linear_fwd_bf16w(BL, S, dout_g, din, dwh, N, IC, OC));
@@ -224,8 +224,8 @@ static void grouped_case(ds4_matmul_precision p, bool bf16w, int64_t N, int64_t 
     uint16_t *d_wh = (uint16_t *)cc_up(wh, (size_t)nw * 2);
     float *got[2][3];
     for (int r = 0; r < 2; r++) {
-        CC_CUDA(cudaMemcpy(d_do, do0, (size_t)no * 4, cudaMemcpyHostToDevice));
-        CC_CUDA(cudaMemcpy(d_dw, dw0, (size_t)nw * 4, cudaMemcpyHostToDevice));
+        cc_reload(d_do, do0, (size_t)no * 4);
+        cc_reload(d_dw, dw0, (size_t)nw * 4);
         cc_poison(d_z, (size_t)nz * 4);
         if (bf16w) {
             CC_OK(cuda_grouped_linear_fwd_bf16w(BL, S, d_z, d_o, d_wh, N, G, R, Din));
@@ -300,7 +300,7 @@ static void test_embedding(void) {
     CC_OK(cuda_embedding_bwd(S, d_dt, d_do, d_ids, N, D));
     cc_down(out_g, d_out, (size_t)(N * D) * 4);
     cc_down(dt_g, d_dt, (size_t)(V * D) * 4);
-    CC_CUDA(cudaMemcpy(d_dt, dt0, (size_t)(V * D) * 4, cudaMemcpyHostToDevice));
+    cc_reload(d_dt, dt0, (size_t)(V * D) * 4);
     CC_OK(cuda_embedding_bwd(S, d_dt, d_do, d_ids, N, D));
     cc_down(dt_g2, d_dt, (size_t)(V * D) * 4);
     cc_same_bits("embedding_fwd vs cpu", out_g, out_c, (size_t)(N * D) * 4);
@@ -342,7 +342,7 @@ static void rmsnorm_case(int64_t N, int64_t D, bool weighted, unsigned seed) {
     cc_down(dw_g, d_dw, (size_t)D * 4);
     CC_OK(cuda_rmsnorm_fwd(S, d_y, d_r, d_x, d_w, N, D, eps));
     cc_down(y_g2, d_y, (size_t)(N * D) * 4);
-    CC_CUDA(cudaMemcpy(d_dx, dx0, (size_t)(N * D) * 4, cudaMemcpyHostToDevice));
+    cc_reload(d_dx, dx0, (size_t)(N * D) * 4);
     CC_OK(cuda_rmsnorm_bwd(S, d_dx, NULL, d_dy, d_x, d_w, d_rc, N, D));
     cc_down(dx_g2, d_dx, (size_t)(N * D) * 4);
     char what[80];
@@ -396,7 +396,7 @@ static void test_rope(void) {
             float *d = cc_upf(x, N * H * hd);
             CC_OK(bwd ? cuda_rope_bwd(S, d, &ag) : cuda_rope_fwd(S, d, &ag));
             cc_down(xg, d, (size_t)(N * H * hd) * 4);
-            CC_CUDA(cudaMemcpy(d, x, (size_t)(N * H * hd) * 4, cudaMemcpyHostToDevice));
+            cc_reload(d, x, (size_t)(N * H * hd) * 4);
             CC_OK(bwd ? cuda_rope_bwd(S, d, &ag) : cuda_rope_fwd(S, d, &ag));
             cc_down(xg2, d, (size_t)(N * H * hd) * 4);
             char what[64];
@@ -440,7 +440,7 @@ static void test_swiglu(void) {
         cc_down(dg_g, d_dg, (size_t)n * 4);
         cc_down(du_g, d_du, (size_t)n * 4);
         CC_OK(cuda_swiglu_fwd(S, d_act, d_g, d_u, N, I, L));
-        CC_CUDA(cudaMemcpy(d_dg, dg0, (size_t)n * 4, cudaMemcpyHostToDevice));
+        cc_reload(d_dg, dg0, (size_t)n * 4);
         CC_OK(cuda_swiglu_bwd(S, d_dg, NULL, d_da, d_g, d_u, N, I, L));
         cc_down(act_g2, d_act, (size_t)n * 4);
         cc_down(dg_g2, d_dg, (size_t)n * 4);
@@ -538,7 +538,7 @@ static void test_data_ops(void) {
     cc_down(g, da, (size_t)n * 4);
     cc_same_bits("tensor_add", g, c, (size_t)n * 4);
     /* round_bf16 */
-    CC_CUDA(cudaMemcpy(da, a, (size_t)n * 4, cudaMemcpyHostToDevice));
+    cc_reload(da, a, (size_t)n * 4);
     memcpy(c, a, (size_t)n * 4);
     cpu()->tensor_round_bf16(c, n);
     CC_OK(cuda_tensor_round_bf16(S, da, n));
@@ -547,7 +547,7 @@ static void test_data_ops(void) {
     /* pack / unpack */
     uint16_t *hc = (uint16_t *)cc_host((size_t)n * 2), *hg = (uint16_t *)cc_host((size_t)n * 2);
     uint16_t *dh = (uint16_t *)cc_dev((size_t)n * 2);
-    CC_CUDA(cudaMemcpy(da, a, (size_t)n * 4, cudaMemcpyHostToDevice));
+    cc_reload(da, a, (size_t)n * 4);
     cpu()->tensor_pack_bf16(hc, a, n);
     CC_OK(cuda_tensor_pack_bf16(S, dh, da, n));
     cc_down(hg, dh, (size_t)n * 2);
@@ -596,13 +596,13 @@ static void test_streams(void) {
         CC_OK(cuda_streams_expand(S, dX, N, ns, D));
         cc_down(Xg, dX, (size_t)nX * 4);
         cc_same_bits("streams_expand", Xg, Xc, (size_t)nX * 4);
-        CC_CUDA(cudaMemcpy(dX, X, (size_t)nX * 4, cudaMemcpyHostToDevice));
+        cc_reload(dX, X, (size_t)nX * 4);
         memcpy(Xc, X, (size_t)nX * 4);
         cpu()->streams_add(Xc, x, N, ns, D);
         CC_OK(cuda_streams_add(S, dX, dxx, N, ns, D));
         cc_down(Xg, dX, (size_t)nX * 4);
         cc_same_bits("streams_add", Xg, Xc, (size_t)nX * 4);
-        CC_CUDA(cudaMemcpy(dX, X, (size_t)nX * 4, cudaMemcpyHostToDevice));
+        cc_reload(dX, X, (size_t)nX * 4);
         memcpy(dxc, dx, (size_t)(N * D) * 4);
         cpu()->streams_sum(dxc, X, N, ns, D);
         CC_OK(cuda_streams_sum(S, ddx, dX, N, ns, D));
@@ -631,7 +631,7 @@ static void test_adamw(void) {
         cc_fill(g, n, 910 + (unsigned)step, 0.1f);
         const double lr = cfg.lr * step / 3;
         CC_OK(ds4_adamw_step_flat(&o, w, g, &cfg, lr));
-        CC_CUDA(cudaMemcpy(dg, g, (size_t)n * 4, cudaMemcpyHostToDevice));
+        cc_reload(dg, g, (size_t)n * 4);
         const cuda_adamw_k k = cuda_adamw_consts(step, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, lr);
         CC_OK(cuda_adamw_update(S, &k, half, dm, dv, 1, dw, dg));
         CC_OK(cuda_adamw_update(S, &k, n - half, dm + half, dv + half, 0, dw + half, dg + half));
@@ -721,24 +721,25 @@ int main(void) {
         TEST_MAIN_END("test_cuda_basic");
     }
     CUDA_TEST_BEGIN("test_cuda_basic");
-    if (cuda_stream_create(&S) != DS4_OK || cuda_blas_create(&BL, 0) != DS4_OK) {
+    /* a blocking stream: ordered after the harness's copies on the legacy stream */
+    if (cudaStreamCreate(&S) != cudaSuccess || cuda_blas_create(&BL, 0) != DS4_OK) {
         fprintf(stderr, "cuda setup: %s\n", ds4_errmsg());
         return 1;
     }
-    RUN(test_memory);
-    RUN(test_gemm_not_tf32);
-    RUN(test_gemm_fp32);
-    RUN(test_gemm_bf16);
-    RUN(test_linear);
-    RUN(test_grouped_linear);
-    RUN(test_embedding);
-    RUN(test_rmsnorm);
-    RUN(test_rope);
-    RUN(test_swiglu);
-    RUN(test_cross_entropy);
-    RUN(test_data_ops);
-    RUN(test_streams);
-    RUN(test_adamw);
+    CC_RUN(test_memory);
+    CC_RUN(test_gemm_not_tf32);
+    CC_RUN(test_gemm_fp32);
+    CC_RUN(test_gemm_bf16);
+    CC_RUN(test_linear);
+    CC_RUN(test_grouped_linear);
+    CC_RUN(test_embedding);
+    CC_RUN(test_rmsnorm);
+    CC_RUN(test_rope);
+    CC_RUN(test_swiglu);
+    CC_RUN(test_cross_entropy);
+    CC_RUN(test_data_ops);
+    CC_RUN(test_streams);
+    CC_RUN(test_adamw);
     cuda_blas_destroy(BL);
     cuda_stream_destroy(S);
     CUDA_TEST_END("test_cuda_basic");

@@ -96,9 +96,10 @@ static int64_t operand_extent(const gemm_operand *o) {
     return (o->batch - 1) * o->stride + (o->rows - 1) * o->ld + o->cols;
 }
 
-/* The largest of 16, 8, 4, 2 bytes that divides the address (the alignment class cuBLASLt is told). */
-static uint32_t align_class(const void *p) {
-    const uintptr_t a = (uintptr_t)p;
+/* The largest of 16, 8, 4, 2 bytes that divides the address and the batch stride in bytes (the alignment
+ * class cuBLASLt is told: every matrix of the batch starts that aligned). */
+static uint32_t align_class(const void *p, int64_t stride_bytes) {
+    const uintptr_t a = (uintptr_t)p | (uintptr_t)stride_bytes;
     for (uint32_t k = 16; k > 2; k /= 2)
         if (a % k == 0) return k;
     return 2;
@@ -142,7 +143,9 @@ static ds4_status lt_matmul(cuda_blas *bl, cudaStream_t s, cudaDataType_t t, boo
     /* cuBLASLt's first operand is ds4's B: op N when B is [K, N] (column-major [N, K]), else T. */
     const cublasOperation_t opa = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
     const uint64_t ws = bl->work_bytes;
-    const uint32_t al_a = align_class(B), al_b = align_class(A), al_c = align_class(C);
+    const size_t el = t == CUDA_R_32F ? 4 : 2;
+    const uint32_t al_a = align_class(B, sb * (int64_t)el), al_b = align_class(A, sa * (int64_t)el),
+                   al_c = align_class(C, sc * 4);
     const float alpha = 1.0f;
     cublasLtMatmulHeuristicResult_t res;
     int found = 0;
