@@ -646,6 +646,182 @@ static void test_adamw(void) {
     free(w), free(g), free(wg), free(mg), free(vg), cc_free(dw), cc_free(dg), cc_free(dm), cc_free(dv);
 }
 
+/* ---------------------------------------------------------------- MoE gate */
+/* scores = sqrt(softplus(l)): expf and log1pf each within an ulp of the cpu's, sqrt halves the relative
+ * difference: bound 2^-21·s. weights = s/S·scale with S a K-term sum of such scores: bound 2^-20·w. The
+ * selection must be the cpu's (random logits leave no two scores within a few ulps). */
+static void gate_case(bool hashed, bool with_bias, unsigned seed) {
+    const int64_t N = 200, E = 64, K = 6, V = 97;
+    const float rs = 2.5f;
+    float *logits = cc_hostf(N * E), *bias = cc_hostf(E), *dwts = cc_hostf(N * K), *dl0 = cc_hostf(N * E);
+    int64_t *tid2eid = (int64_t *)cc_host((size_t)(V * K) * 8);
+    int32_t *ids = (int32_t *)cc_host((size_t)N * 4);
+    cc_fill(logits, N * E, seed, 24.0f); /* some above softplus's threshold of 20 */
+    cc_fill(bias, E, seed + 1, 0.5f);
+    cc_fill(dwts, N * K, seed + 2, 1.0f);
+    cc_fill(dl0, N * E, seed + 3, 1.0f);
+    cc_fill_ids(ids, N, seed + 4, (int32_t)V);
+    for (int64_t v = 0; v < V; v++)
+        for (int64_t k = 0; k < K; k++) tid2eid[v * K + k] = (v * 7 + k * 11) % E;
+    int32_t *idx_c = (int32_t *)cc_host((size_t)(N * K) * 4), *idx_g = (int32_t *)cc_host((size_t)(N * K) * 4);
+    float *w_c = cc_hostf(N * K), *s_c = cc_hostf(N * E), *w_g = cc_hostf(N * K), *s_g = cc_hostf(N * E);
+    moe_gate_args ac = {{N, E, K}, rs, logits, with_bias ? bias : NULL, hashed ? tid2eid : NULL, ids, idx_c, w_c, s_c};
+    cpu()->moe_gate_fwd(&ac);
+    float *d_l = cc_upf(logits, N * E), *d_b = cc_upf(bias, E), *d_w = (float *)cc_dev((size_t)(N * K) * 4),
+          *d_s = (float *)cc_dev((size_t)(N * E) * 4);
+    int64_t *d_t2e = (int64_t *)cc_up(tid2eid, (size_t)(V * K) * 8);
+    int32_t *d_ids = (int32_t *)cc_up(ids, (size_t)N * 4), *d_idx = (int32_t *)cc_dev((size_t)(N * K) * 4);
+    moe_gate_args ag = {{N, E, K}, rs, d_l, with_bias ? d_b : NULL, hashed ? d_t2e : NULL, d_ids, d_idx, d_w, d_s};
+    CC_OK(cuda_moe_gate_fwd(S, &ag));
+    cc_down(idx_g, d_idx, (size_t)(N * K) * 4);
+    cc_down(w_g, d_w, (size_t)(N * K) * 4);
+    cc_down(s_g, d_s, (size_t)(N * E) * 4);
+    char what[80];
+    snprintf(what, sizeof what, "moe_gate_fwd%s%s idx", hashed ? " hashed" : "", with_bias ? " bias" : "");
+    cc_same_bits(what, idx_g, idx_c, (size_t)(N * K) * 4);
+    cc_within_rel("moe_gate_fwd scores", s_g, s_c, N * E, 0x1p-21, 0);
+    cc_within_rel("moe_gate_fwd weights", w_g, w_c, N * K, 0x1p-20, 0);
+    /* backward from the cpu's idx and scores: only σ(l) differs (three ulps): bound 2^-20·(|dl0| + |term|) */
+    float *dl_c = cc_hostf(N * E), *dl_g = cc_hostf(N * E), *dl_g2 = cc_hostf(N * E);
+    memcpy(dl_c, dl0, (size_t)(N * E) * 4);
+    moe_gate_grads gc = {dwts, dl_c};
+    cpu()->moe_gate_bwd(&ac, &gc);
+    cc_reload(d_idx, idx_c, (size_t)(N * K) * 4);
+    cc_reload(d_s, s_c, (size_t)(N * E) * 4);
+    float *d_dw = cc_upf(dwts, N * K), *d_dl = cc_upf(dl0, N * E);
+    moe_gate_grads gg = {d_dw, d_dl};
+    CC_OK(cuda_moe_gate_bwd(S, &ag, &gg));
+    cc_down(dl_g, d_dl, (size_t)(N * E) * 4);
+    cc_reload(d_dl, dl0, (size_t)(N * E) * 4);
+    CC_OK(cuda_moe_gate_bwd(S, &ag, &gg));
+    cc_down(dl_g2, d_dl, (size_t)(N * E) * 4);
+    double *b = (double *)malloc((size_t)(N * E) * 8);
+    for (int64_t i = 0; i < N * E; i++) b[i] = 0x1p-20 * fabs(dl0[i]);
+    for (int64_t n = 0; n < N; n++) {
+        double S_ = 0, dot = 0;
+        for (int64_t k = 0; k < K; k++) S_ += s_c[n * E + idx_c[n * K + k]];
+        for (int64_t k = 0; k < K; k++) dot += dwts[n * K + k] * (s_c[n * E + idx_c[n * K + k]] / S_);
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t e = idx_c[n * K + k];
+            const double l = logits[n * E + e], sc = s_c[n * E + e];
+            const double dsdl = sc == 0 ? 0 : (l > 20 ? 1 : 1 / (1 + exp(-l))) / (2 * sc);
+            b[n * E + e] += 0x1p-20 * fabs(rs / S_ * (dwts[n * K + k] - dot) * dsdl);
+        }
+    }
+    cc_within("moe_gate_bwd dlogits", dl_g, dl_c, b, N * E);
+    CHECK(!memcmp(dl_g, dl_g2, (size_t)(N * E) * 4), "moe_gate_bwd: two runs differ");
+    free(b), free(logits), free(bias), free(dwts), free(dl0), free(tid2eid), free(ids), free(idx_c), free(idx_g);
+    free(w_c), free(s_c), free(w_g), free(s_g), free(dl_c), free(dl_g), free(dl_g2);
+    cc_free(d_l), cc_free(d_b), cc_free(d_w), cc_free(d_s), cc_free(d_t2e), cc_free(d_ids), cc_free(d_idx);
+    cc_free(d_dw), cc_free(d_dl);
+}
+
+static void test_moe_gate(void) {
+    gate_case(false, true, 1000);
+    gate_case(false, false, 1010);
+    gate_case(true, false, 1020);
+}
+
+/* Routing as data ops: grouping, counts, the row moves and their accumulating backwards: the cpu's bits. */
+static void test_moe_routing(void) {
+    const int64_t N = 123, E = 16, K = 4, D = 37, NK = N * K;
+    int32_t *idx = (int32_t *)cc_host((size_t)NK * 4);
+    cc_fill_ids(idx, NK, 1100, (int32_t)(E - 1)); /* expert E − 1 gets nothing: an empty group */
+    int64_t *eoff_c = (int64_t *)cc_host((size_t)(E + 1) * 8), *eoff_g = (int64_t *)cc_host((size_t)(E + 1) * 8);
+    int32_t *etok_c = (int32_t *)cc_host((size_t)NK * 4), *eslot_c = (int32_t *)cc_host((size_t)NK * 4);
+    int32_t *etok_g = (int32_t *)cc_host((size_t)NK * 4), *eslot_g = (int32_t *)cc_host((size_t)NK * 4);
+    cpu()->moe_group_by_expert(eoff_c, etok_c, eslot_c, idx, N, E, K);
+    int32_t *d_idx = (int32_t *)cc_up(idx, (size_t)NK * 4), *d_etok = (int32_t *)cc_dev((size_t)NK * 4),
+            *d_eslot = (int32_t *)cc_dev((size_t)NK * 4);
+    int64_t *d_eoff = (int64_t *)cc_dev((size_t)(E + 1) * 8);
+    CC_OK(cuda_moe_group_by_expert(S, d_eoff, d_etok, d_eslot, d_idx, N, E, K));
+    cc_down(eoff_g, d_eoff, (size_t)(E + 1) * 8);
+    cc_down(etok_g, d_etok, (size_t)NK * 4);
+    cc_down(eslot_g, d_eslot, (size_t)NK * 4);
+    cc_same_bits("moe_group_by_expert eoff", eoff_g, eoff_c, (size_t)(E + 1) * 8);
+    cc_same_bits("moe_group_by_expert etok", etok_g, etok_c, (size_t)NK * 4);
+    cc_same_bits("moe_group_by_expert eslot", eslot_g, eslot_c, (size_t)NK * 4);
+    /* counts and load */
+    int64_t *cnt_c = (int64_t *)cc_host((size_t)E * 8), *cnt_g = (int64_t *)cc_host((size_t)E * 8);
+    int64_t *d_cnt = (int64_t *)cc_dev((size_t)E * 8);
+    cpu()->moe_expert_counts(cnt_c, eoff_c, E, NK);
+    CC_OK(cuda_moe_expert_counts(S, d_cnt, d_eoff, E, NK));
+    cc_down(cnt_g, d_cnt, (size_t)E * 8);
+    cc_same_bits("moe_expert_counts", cnt_g, cnt_c, (size_t)E * 8);
+    cpu()->moe_expert_load(cnt_c, eoff_c, E);
+    CC_OK(cuda_moe_expert_load(S, d_cnt, d_eoff, E));
+    cc_down(cnt_g, d_cnt, (size_t)E * 8);
+    cc_same_bits("moe_expert_load", cnt_g, cnt_c, (size_t)E * 8);
+    /* weights of the assignments and their gradient */
+    float *w = cc_hostf(NK), *wj_c = cc_hostf(NK), *wj_g = cc_hostf(NK), *dgw_c = cc_hostf(NK), *dgw_g = cc_hostf(NK);
+    cc_fill(w, NK, 1101, 1.0f);
+    cc_fill(dgw_c, NK, 1102, 1.0f);
+    float *d_w = cc_upf(w, NK), *d_wj = (float *)cc_dev((size_t)NK * 4), *d_dgw = cc_upf(dgw_c, NK);
+    cpu()->moe_assignment_weights(wj_c, w, etok_c, eslot_c, NK, K);
+    CC_OK(cuda_moe_assignment_weights(S, d_wj, d_w, d_etok, d_eslot, NK, K));
+    cc_down(wj_g, d_wj, (size_t)NK * 4);
+    cc_same_bits("moe_assignment_weights", wj_g, wj_c, (size_t)NK * 4);
+    cpu()->moe_weight_grads_add(dgw_c, wj_c, etok_c, eslot_c, NK, K);
+    CC_OK(cuda_moe_weight_grads_add(S, d_dgw, d_wj, d_etok, d_eslot, NK, K));
+    cc_down(dgw_g, d_dgw, (size_t)NK * 4);
+    cc_same_bits("moe_weight_grads_add", dgw_g, dgw_c, (size_t)NK * 4);
+    /* rows: gather by etok, scatter-add back (rows repeat: a token's K assignments), pack / unpack */
+    float *x = cc_hostf(N * D), *g_c = cc_hostf(NK * D), *g_g = cc_hostf(NK * D), *acc_c = cc_hostf(N * D),
+          *acc_g = cc_hostf(N * D);
+    cc_fill(x, N * D, 1103, 1.0f);
+    cc_fill(acc_c, N * D, 1104, 1.0f);
+    float *d_x = cc_upf(x, N * D), *d_g = (float *)cc_dev((size_t)(NK * D) * 4), *d_acc = cc_upf(acc_c, N * D);
+    cpu()->rows_gather(g_c, x, etok_c, NK, D);
+    CC_OK(cuda_rows_gather(S, d_g, d_x, d_etok, NK, D));
+    cc_down(g_g, d_g, (size_t)(NK * D) * 4);
+    cc_same_bits("rows_gather", g_g, g_c, (size_t)(NK * D) * 4);
+    cpu()->rows_scatter_add(acc_c, g_c, etok_c, NK, D);
+    CC_OK(cuda_rows_scatter_add(S, d_acc, d_g, d_etok, NK, D));
+    cc_down(acc_g, d_acc, (size_t)(N * D) * 4);
+    cc_same_bits("rows_scatter_add", acc_g, acc_c, (size_t)(N * D) * 4);
+    float *p_c = cc_hostf(NK * (D + 1)), *p_g = cc_hostf(NK * (D + 1));
+    float *d_p = (float *)cc_dev((size_t)(NK * (D + 1)) * 4);
+    for (int with_rows = 0; with_rows < 2; with_rows++) {
+        const int64_t n = with_rows ? NK : N;
+        cpu()->rows_pack(p_c, x, with_rows ? etok_c : NULL, w, n, D);
+        CC_OK(cuda_rows_pack(S, d_p, d_x, with_rows ? d_etok : NULL, d_w, n, D));
+        cc_down(p_g, d_p, (size_t)(n * (D + 1)) * 4);
+        cc_same_bits(with_rows ? "rows_pack (rows)" : "rows_pack", p_g, p_c, (size_t)(n * (D + 1)) * 4);
+    }
+    float *ux_c = cc_hostf(NK * D), *uw_c = cc_hostf(NK), *ux_g = cc_hostf(NK * D), *uw_g = cc_hostf(NK);
+    float *d_ux = (float *)cc_dev((size_t)(NK * D) * 4), *d_uw = (float *)cc_dev((size_t)NK * 4);
+    cpu()->rows_unpack(ux_c, uw_c, p_c, NK, D);
+    CC_OK(cuda_rows_unpack(S, d_ux, d_uw, d_p, NK, D));
+    cc_down(ux_g, d_ux, (size_t)(NK * D) * 4);
+    cc_down(uw_g, d_uw, (size_t)NK * 4);
+    cc_same_bits("rows_unpack x", ux_g, ux_c, (size_t)(NK * D) * 4);
+    cc_same_bits("rows_unpack w", uw_g, uw_c, (size_t)NK * 4);
+    cpu()->moe_unpack_grads_add(acc_c, dgw_c, p_c, etok_c, eslot_c, NK, D, K);
+    CC_OK(cuda_moe_unpack_grads_add(S, d_acc, d_dgw, d_p, d_etok, d_eslot, NK, D, K));
+    cc_down(acc_g, d_acc, (size_t)(N * D) * 4);
+    cc_down(dgw_g, d_dgw, (size_t)NK * 4);
+    cc_same_bits("moe_unpack_grads_add dx", acc_g, acc_c, (size_t)(N * D) * 4);
+    cc_same_bits("moe_unpack_grads_add dgw", dgw_g, dgw_c, (size_t)NK * 4);
+    /* balanced routing's table */
+    int64_t *tab_c = (int64_t *)cc_host((size_t)NK * 8), *tab_g = (int64_t *)cc_host((size_t)NK * 8);
+    int32_t *bid_c = (int32_t *)cc_host((size_t)N * 4), *bid_g = (int32_t *)cc_host((size_t)N * 4);
+    int64_t *d_tab = (int64_t *)cc_dev((size_t)NK * 8);
+    int32_t *d_bid = (int32_t *)cc_dev((size_t)N * 4);
+    cpu()->moe_balanced_table(tab_c, bid_c, N, K, E);
+    CC_OK(cuda_moe_balanced_table(S, d_tab, d_bid, N, K, E));
+    cc_down(tab_g, d_tab, (size_t)NK * 8);
+    cc_down(bid_g, d_bid, (size_t)N * 4);
+    cc_same_bits("moe_balanced_table", tab_g, tab_c, (size_t)NK * 8);
+    cc_same_bits("moe_balanced_table ids", bid_g, bid_c, (size_t)N * 4);
+    free(idx), free(eoff_c), free(eoff_g), free(etok_c), free(eslot_c), free(etok_g), free(eslot_g), free(cnt_c);
+    free(cnt_g), free(w), free(wj_c), free(wj_g), free(dgw_c), free(dgw_g), free(x), free(g_c), free(g_g), free(acc_c);
+    free(acc_g), free(p_c), free(p_g), free(ux_c), free(uw_c), free(ux_g), free(uw_g), free(tab_c), free(tab_g);
+    free(bid_c), free(bid_g);
+    cc_free(d_idx), cc_free(d_etok), cc_free(d_eslot), cc_free(d_eoff), cc_free(d_cnt), cc_free(d_w), cc_free(d_wj);
+    cc_free(d_dgw), cc_free(d_x), cc_free(d_g), cc_free(d_acc), cc_free(d_p), cc_free(d_ux), cc_free(d_uw);
+    cc_free(d_tab), cc_free(d_bid);
+}
+
 /* ---------------------------------------------------------------- memory and streams */
 static void test_memory(void) {
     /* h2d, d2d, d2h through pinned memory on a stream; an event orders a second stream after the first */
@@ -740,6 +916,8 @@ int main(void) {
     CC_RUN(test_data_ops);
     CC_RUN(test_streams);
     CC_RUN(test_adamw);
+    CC_RUN(test_moe_gate);
+    CC_RUN(test_moe_routing);
     cuda_blas_destroy(BL);
     cuda_stream_destroy(S);
     CUDA_TEST_END("test_cuda_basic");

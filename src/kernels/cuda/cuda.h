@@ -161,15 +161,28 @@ cuda_adamw_k cuda_adamw_consts(int64_t step, double beta1, double beta2, double 
 ds4_status cuda_adamw_update(cudaStream_t s, const cuda_adamw_k *k, int64_t n, float *m, float *v, int decay, float *w,
                              const float *g);
 
-/* ================================================================ MoE gate and routing (cuda_moe.cu) */
+/* ================================================================ MoE gate and routing (cuda_moe.cu)
+ * kernels.h's MoE entries. Counts and offsets (eoff, cnt, load) stay on the device. */
 ds4_status cuda_moe_gate_fwd(cudaStream_t s, const moe_gate_args *a);
 ds4_status cuda_moe_gate_bwd(cudaStream_t s, const moe_gate_args *a, const moe_gate_grads *g);
-/* eoff [E + 1], etok, eslot [N·K]: the assignments grouped by expert, tokens ascending (counting sort). */
+ds4_status cuda_moe_balanced_table(cudaStream_t s, int64_t *table, int32_t *ids, int64_t N, int64_t K, int64_t E);
+/* eoff [E + 1], etok, eslot [N·K]: the assignments grouped by expert, (token, slot) ascending within one. */
 ds4_status cuda_moe_group_by_expert(cudaStream_t s, int64_t *eoff, int32_t *etok, int32_t *eslot, const int32_t *idx,
                                     int64_t N, int64_t E, int64_t K);
-ds4_status cuda_rows_gather(cudaStream_t s, float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D);
+ds4_status cuda_moe_expert_counts(cudaStream_t s, int64_t *cnt, const int64_t *eoff, int64_t E, int64_t NK);
+ds4_status cuda_moe_expert_load(cudaStream_t s, int64_t *load, const int64_t *eoff, int64_t E);
 ds4_status cuda_moe_assignment_weights(cudaStream_t s, float *wj, const float *w, const int32_t *etok,
                                        const int32_t *eslot, int64_t NK, int64_t K);
+ds4_status cuda_moe_weight_grads_add(cudaStream_t s, float *dgw, const float *dw, const int32_t *etok,
+                                     const int32_t *eslot, int64_t NK, int64_t K);
+ds4_status cuda_rows_gather(cudaStream_t s, float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D);
+ds4_status cuda_rows_scatter_add(cudaStream_t s, float *dst, const float *src, const int32_t *rows, int64_t n,
+                                 int64_t D);
+ds4_status cuda_rows_pack(cudaStream_t s, float *dst, const float *x, const int32_t *rows, const float *w, int64_t n,
+                          int64_t D);
+ds4_status cuda_rows_unpack(cudaStream_t s, float *x, float *w, const float *src, int64_t n, int64_t D);
+ds4_status cuda_moe_unpack_grads_add(cudaStream_t s, float *dx, float *dgw, const float *src, const int32_t *etok,
+                                     const int32_t *eslot, int64_t NK, int64_t D, int64_t K);
 
 #ifdef __cplusplus
 }
