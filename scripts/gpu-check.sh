@@ -9,7 +9,9 @@
 #   bash DEST/gpu-check.sh            (on the GPU machine) nvidia-smi, every test binary, compute-sanitizer
 #                                     memcheck on each, racecheck and synccheck on a small case; logs and
 #                                     summary.txt under $OUT (default DEST/out). Exit 0 when all passed.
-# Each step has its own time limit (CHECK_TEST_S, CHECK_SAN_S seconds) so the whole run fits a short lease.
+# Each step has its own time limit (CHECK_TEST_S, CHECK_SAN_S seconds) and the whole run a budget
+# (CHECK_BUDGET_S): a step that would not fit is skipped and says so, so the run fits a short lease.
+# Logs are appended as the steps finish, so a run cut short still leaves what it did.
 set -u
 
 if [ "${1:-}" = stage ]; then
@@ -25,20 +27,32 @@ if [ "${1:-}" = stage ]; then
     for t in "$DEST"/tests/test_cuda_*; do ldd "$t"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
         grep -vE '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libstdc\+\+|libgcc_s|libcublas[^/]*|libcudart[^/]*)\.so' |
         while read -r lib; do cp -L "$lib" "$DEST/lib/"; done
-    (cd "$DEST" && git -C .. rev-parse HEAD > commit.txt 2>/dev/null; du -sh . | cut -f1) |
-        sed 's/^/staged: /'
+    echo "$(git rev-parse --short HEAD) $(git rev-parse --abbrev-ref HEAD)$(git status --porcelain --untracked-files=no |
+        grep -q . && echo ' (with uncommitted changes)')" > "$DEST/commit.txt"
+    echo "staged $(du -sh "$DEST" | cut -f1) from $(cat "$DEST/commit.txt")"
     ls "$DEST/tests" "$DEST/lib"
     exit 0
 fi
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-$HERE/out}
-TEST_S=${CHECK_TEST_S:-120}
-SAN_S=${CHECK_SAN_S:-150}
+TEST_S=${CHECK_TEST_S:-90}
+SAN_S=${CHECK_SAN_S:-120}
+DEADLINE=$((SECONDS + ${CHECK_BUDGET_S:-270}))
 mkdir -p "$OUT"
 SUMMARY=$OUT/summary.txt
+TESTS_LOG=$OUT/tests.log
+SAN_LOG=$OUT/sanitizer.log
 : > "$SUMMARY"
+: > "$TESTS_LOG"
+: > "$SAN_LOG"
 say() { echo "$*" | tee -a "$SUMMARY"; }
+# seconds a step may take: its limit, or what is left of the budget (0: skip it)
+limit() {
+    local left=$((DEADLINE - SECONDS - 5))
+    [ "$left" -lt 15 ] && { echo 0; return; }
+    [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
+}
 
 # libraries: the staged ones, then cuBLASLt wherever this machine's toolkit or Python wheels keep it
 LIBS=$HERE/lib
@@ -55,6 +69,10 @@ export LD_LIBRARY_PATH=$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     nvidia-smi
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
     echo "cublasLt: ${lt:-not found}"
+    t=$(ls "$HERE"/tests/test_cuda_* | head -n 1)
+    echo "ldd $(basename "$t"):"
+    ldd "$t"
+    compute-sanitizer --version 2>&1 | tail -n 1
 } > "$OUT/nvidia-smi.txt" 2>&1
 say "gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -n 1)"
 say "commit: $(cat "$HERE/commit.txt" 2>/dev/null)"
@@ -63,13 +81,18 @@ fail=0
 # 1. the tests
 for t in "$HERE"/tests/test_cuda_*; do
     name=$(basename "$t")
+    lim=$(limit "$TEST_S")
+    [ "$lim" = 0 ] && { say "test $name: skipped (out of time)"; fail=1; continue; }
+    echo "==== $name" >> "$TESTS_LOG"
     start=$(date +%s%N)
-    timeout "$TEST_S" "$t" > "$OUT/$name.log" 2>&1
+    timeout "$lim" "$t" > "$OUT/cur.log" 2>&1
     rc=$?
     secs=$(awk -v a="$start" -v b="$(date +%s%N)" 'BEGIN { printf "%.1f", (b - a) / 1e9 }')
-    line=$(grep -E '[0-9]+ passed, [0-9]+ failed' "$OUT/$name.log" | tail -n 1)
+    cat "$OUT/cur.log" >> "$TESTS_LOG"
+    line=$(grep -E '[0-9]+ passed, [0-9]+ failed' "$OUT/cur.log" | tail -n 1)
     say "test $name: rc $rc, ${line:-no result line}, ${secs}s"
     [ "$rc" = 0 ] && [ -n "$line" ] || fail=1
+    grep -q SKIP "$OUT/cur.log" && { say "test $name: SKIPPED on the GPU machine"; fail=1; }
 done
 
 # 2. compute-sanitizer: memcheck on every binary (DS4_CUDA_SMALL=1 asks the tests for their small cases
@@ -79,28 +102,30 @@ if [ -z "$CS" ]; then
     say "compute-sanitizer: not found"
     fail=1
 else
-    for t in "$HERE"/tests/test_cuda_*; do
+    san() { # tool, binary, extra environment...
+        local tool=$1 t=$2 name lim rc
+        shift 2
         name=$(basename "$t")
-        DS4_CUDA_SMALL=1 timeout "$SAN_S" "$CS" --tool memcheck --leak-check full --error-exitcode 9 "$t" \
-            > "$OUT/memcheck_$name.log" 2>&1
+        lim=$(limit "$SAN_S")
+        [ "$lim" = 0 ] && { say "$tool $name: skipped (out of time)"; fail=1; return; }
+        echo "==== $tool $name $*" >> "$SAN_LOG"
+        local extra=()
+        [ "$tool" = memcheck ] && extra=(--leak-check full)
+        env DS4_CUDA_SMALL=1 "$@" timeout "$lim" "$CS" --tool "$tool" "${extra[@]}" --report-api-errors no \
+            --error-exitcode 9 "$t" > "$OUT/cur.log" 2>&1
         rc=$?
-        say "memcheck $name: rc $rc, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck_$name.log" | tail -n 1)"
+        cat "$OUT/cur.log" >> "$SAN_LOG"
+        say "$tool $name: rc $rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/cur.log" | tail -n 1)," \
+            "$(grep -E '[0-9]+ passed, [0-9]+ failed' "$OUT/cur.log" | tail -n 1)"
         [ "$rc" = 0 ] || fail=1
-    done
+    }
+    for t in "$HERE"/tests/test_cuda_*; do san memcheck "$t"; done
     for tool in racecheck synccheck; do
-        t=$HERE/tests/test_cuda_basic
-        [ -x "$t" ] || continue
-        DS4_CUDA_SMALL=1 DS4_CUDA_ONLY=${CHECK_RACE_ONLY:-rmsnorm,cross_entropy,embedding} timeout "$SAN_S" "$CS" \
-            --tool "$tool" --error-exitcode 9 "$t" > "$OUT/${tool}_test_cuda_basic.log" 2>&1
-        rc=$?
-        say "$tool test_cuda_basic: rc $rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/${tool}_test_cuda_basic.log" | tail -n 1)"
-        [ "$rc" = 0 ] || fail=1
+        [ -x "$HERE/tests/test_cuda_basic" ] &&
+            san "$tool" "$HERE/tests/test_cuda_basic" DS4_CUDA_ONLY="${CHECK_RACE_ONLY:-rmsnorm,cross_entropy,embedding}"
     done
 fi
 
-# the logs as one file each kind (the lease returns a few files only)
-cat "$OUT"/test_cuda_*.log > "$OUT/tests.log" 2>/dev/null
-cat "$OUT"/memcheck_*.log "$OUT"/racecheck_*.log "$OUT"/synccheck_*.log > "$OUT/sanitizer.log" 2>/dev/null
-rm -f "$OUT"/test_cuda_*.log "$OUT"/memcheck_*.log "$OUT"/racecheck_*.log "$OUT"/synccheck_*.log
+rm -f "$OUT/cur.log"
 say "gpu-check: $([ $fail = 0 ] && echo PASS || echo FAIL)"
 exit $fail
