@@ -84,6 +84,7 @@ static void test_gemm_fp32(void) {
         gemm_case(ops[o], DS4_MATMUL_FP32, 67, 45, 131, 0, 1, 20 + o);
         gemm_case(ops[o], DS4_MATMUL_FP32, 256, 192, 512, 0, 1, 30 + o);
         gemm_case(ops[o], DS4_MATMUL_FP32, 1, 7, 1, 0, 0, 40 + o);
+        gemm_case(ops[o], DS4_MATMUL_FP32, 5, 6, 0, 2, 0, 45 + o); /* K = 0: C = 0 (padding kept) */
     }
 }
 

@@ -125,7 +125,7 @@ ds4_status cuda_streams_sum(cudaStream_t s, float *dx, const float *dX, int64_t 
 /* ================================================================ the row ops (cuda_ops.cu) */
 ds4_status cuda_embedding_fwd(cudaStream_t s, float *out, const float *table, const int32_t *ids, int64_t N,
                               int64_t D);
-/* Each column's thread walks the tokens in order: the cpu's sums, bit for bit. */
+/* rows_scatter_add of dout into dtable: each column's thread walks the tokens in order (the cpu's sums). */
 ds4_status cuda_embedding_bwd(cudaStream_t s, float *dtable, const float *dout, const int32_t *ids, int64_t N,
                               int64_t D);
 ds4_status cuda_rmsnorm_fwd(cudaStream_t s, float *y, float *rstd, const float *x, const float *w, int64_t N,

@@ -21,37 +21,28 @@ ds4_status cuda_device_describe(int dev, char *buf, size_t cap) {
     return DS4_OK;
 }
 
-ds4_status cuda_alloc(void **p, size_t bytes) {
+/* *p = bytes of device (pinned: page-locked host) memory; out of memory is DS4_ERR_OOM. */
+static ds4_status alloc_mem(void **p, size_t bytes, bool pinned) {
     *p = NULL;
     if (bytes == 0) return DS4_OK;
-    cudaError_t e = cudaMalloc(p, bytes);
+    cudaError_t e = pinned ? cudaMallocHost(p, bytes) : cudaMalloc(p, bytes);
     if (e != cudaSuccess) {
         *p = NULL;
         (void)cudaGetLastError();
         return ds4_fail(e == cudaErrorMemoryAllocation ? DS4_ERR_OOM : DS4_ERR_INTERNAL,
-                        "cuda: allocating %zu bytes of device memory: %s", bytes, cudaGetErrorString(e));
+                        "cuda: allocating %zu bytes of %s memory: %s", bytes, pinned ? "pinned host" : "device",
+                        cudaGetErrorString(e));
     }
     return DS4_OK;
 }
+
+ds4_status cuda_alloc(void **p, size_t bytes) { return alloc_mem(p, bytes, false); }
+ds4_status cuda_alloc_pinned(void **p, size_t bytes) { return alloc_mem(p, bytes, true); }
 
 ds4_status cuda_free(void *p) {
     if (p) CUDA_TRY(cudaFree(p));
     return DS4_OK;
 }
-
-ds4_status cuda_alloc_pinned(void **p, size_t bytes) {
-    *p = NULL;
-    if (bytes == 0) return DS4_OK;
-    cudaError_t e = cudaMallocHost(p, bytes);
-    if (e != cudaSuccess) {
-        *p = NULL;
-        (void)cudaGetLastError();
-        return ds4_fail(e == cudaErrorMemoryAllocation ? DS4_ERR_OOM : DS4_ERR_INTERNAL,
-                        "cuda: allocating %zu bytes of pinned host memory: %s", bytes, cudaGetErrorString(e));
-    }
-    return DS4_OK;
-}
-
 ds4_status cuda_free_pinned(void *p) {
     if (p) CUDA_TRY(cudaFreeHost(p));
     return DS4_OK;

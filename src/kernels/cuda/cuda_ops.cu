@@ -50,34 +50,16 @@ static __device__ float block_max(float v) {
     return v;
 }
 
-/* ---------------------------------------------------------------- embedding */
-/* out [N, D] = table [ids[n]] */
-static __global__ void embedding_fwd_kernel(float *out, const float *table, const int32_t *ids, int64_t N, int64_t D) {
-    CUDA_GRID_STRIDE(i, N * D) out[i] = table[(int64_t)ids[i / D] * D + i % D];
-}
+/* ---------------------------------------------------------------- embedding
+ * The lookup is a row gather and its backward a row scatter-add (cuda_moe.cu): one thread per column
+ * walks the tokens in order, so a row hit by several tokens sums them in token order, the cpu's chain. */
 ds4_status cuda_embedding_fwd(cudaStream_t s, float *out, const float *table, const int32_t *ids, int64_t N,
                               int64_t D) {
-    CUDA_ARG(N >= 0 && D >= 0, "embedding_fwd", "N %lld D %lld", (long long)N, (long long)D);
-    if (N * D == 0) return DS4_OK;
-    embedding_fwd_kernel<<<cuda_blocks(N * D, ROW_THREADS), ROW_THREADS, 0, s>>>(out, table, ids, N, D);
-    CUDA_LAUNCHED("embedding_fwd");
-    return DS4_OK;
-}
-
-/* dtable [ids[n], j] += dout [n, j]: thread j owns column j and walks the tokens in order, so a row hit by
- * several tokens sums them in token order, the cpu's chain for that element. */
-static __global__ void embedding_bwd_kernel(float *dtable, const float *dout, const int32_t *ids, int64_t N, int64_t D) {
-    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= D) return;
-    for (int64_t n = 0; n < N; n++) dtable[(int64_t)ids[n] * D + j] += dout[n * D + j];
+    return cuda_rows_gather(s, out, table, ids, N, D);
 }
 ds4_status cuda_embedding_bwd(cudaStream_t s, float *dtable, const float *dout, const int32_t *ids, int64_t N,
                               int64_t D) {
-    CUDA_ARG(N >= 0 && D >= 0, "embedding_bwd", "N %lld D %lld", (long long)N, (long long)D);
-    if (N * D == 0) return DS4_OK;
-    embedding_bwd_kernel<<<cuda_blocks(D, COL_THREADS), COL_THREADS, 0, s>>>(dtable, dout, ids, N, D);
-    CUDA_LAUNCHED("embedding_bwd");
-    return DS4_OK;
+    return cuda_rows_scatter_add(s, dtable, dout, ids, N, D);
 }
 
 /* ---------------------------------------------------------------- RMSNorm */
