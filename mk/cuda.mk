@@ -1,8 +1,9 @@
 # The CUDA backend (docs/cuda.md), included by the Makefile. With nvcc on PATH (or NVCC=/path/nvcc) and
 # CUDA not 0, `make` compiles src/kernels/cuda/*.cu for Hopper (sm_90a machine code plus compute_90 PTX)
-# into $(BUILD)/libds4cuda.a and links one test binary per tests/cuda/test_cuda_*.cu into
-# $(BUILD)/tests/, which tests/run.sh runs with the others (without a GPU each prints SKIP and
-# "0 passed, 0 failed"). Without nvcc one line says the backend is left out and nothing else changes.
+# into $(BUILD)/libds4cuda.a, links one test binary per tests/cuda/test_cuda_*.cu into $(BUILD)/tests/,
+# which tests/run.sh runs with the others (without a GPU each prints SKIP and its result line), and
+# bench/cuda_*.cu into $(BUILD)/bench/. Without nvcc one line says the backend is left out and nothing
+# else changes.
 # The sanitizer build passes CUDA=0.
 CUDA ?= auto
 NVCC ?= nvcc
@@ -29,8 +30,10 @@ CUDA_SRC  := $(sort $(wildcard src/kernels/cuda/*.cu))
 CUDA_OBJ  := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
 CUDA_TEST_SRC := $(sort $(wildcard tests/cuda/test_cuda_*.cu))
 CUDA_TEST_BIN := $(CUDA_TEST_SRC:tests/cuda/%.cu=$(BUILD)/tests/%)
+CUDA_BENCH_SRC := $(sort $(wildcard bench/cuda_*.cu))
+CUDA_BENCH_BIN := $(CUDA_BENCH_SRC:bench/%.cu=$(BUILD)/bench/%)
 
-all: $(BUILD)/libds4cuda.a $(CUDA_TEST_BIN)
+all: $(BUILD)/libds4cuda.a $(CUDA_TEST_BIN) $(CUDA_BENCH_BIN)
 
 $(CUDA_OBJ): $(BUILD)/%.o: %.cu
 	@mkdir -p $(dir $@)
@@ -44,10 +47,17 @@ $(CUDA_TEST_BIN:%=%.o): $(BUILD)/tests/%.o: tests/cuda/%.cu
 	@mkdir -p $(dir $@)
 	$(CUDA_NVCC) $(NVCCFLAGS) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
+$(CUDA_BENCH_BIN:%=%.o): $(BUILD)/bench/%.o: bench/%.cu
+	@mkdir -p $(dir $@)
+	$(CUDA_NVCC) $(NVCCFLAGS) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
+
+$(CUDA_BENCH_BIN): $(BUILD)/bench/%: $(BUILD)/bench/%.o $(BUILD)/libds4cuda.a $(BUILD)/libds4.a
+	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS) $(CUDA_LIBS)
+
 # Linked by the C compiler: no relocatable device code, so no device link step is needed.
 $(CUDA_TEST_BIN): $(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/libds4cuda.a $(BUILD)/liboracle.a $(BUILD)/libds4.a
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS) $(CUDA_LIBS)
 
--include $(CUDA_OBJ:.o=.d) $(CUDA_TEST_BIN:%=%.d)
+-include $(CUDA_OBJ:.o=.d) $(CUDA_TEST_BIN:%=%.d) $(CUDA_BENCH_BIN:%=%.d)
 endif
 endif

@@ -7,8 +7,9 @@
 #                                     a bare GPU machine may lack them) into DEST/lib, and this script
 #                                     into DEST/gpu-check.sh.
 #   bash DEST/gpu-check.sh            (on the GPU machine) nvidia-smi, every test binary, compute-sanitizer
-#                                     memcheck on each, racecheck and synccheck on a small case; logs and
-#                                     summary.txt under $OUT (default DEST/out). Exit 0 when all passed.
+#                                     memcheck on each, racecheck and synccheck on a small case, then the
+#                                     benches (bench/cuda_*: timings, not checks); logs and summary.txt
+#                                     under $OUT (default DEST/out). Exit 0 when all checks passed.
 # Each step has its own time limit (CHECK_TEST_S, CHECK_SAN_S seconds) and the whole run a budget
 # (CHECK_BUDGET_S): a step that would not fit is skipped and says so, so the run fits a short lease.
 # Logs are appended as the steps finish, so a run cut short still leaves what it did.
@@ -18,13 +19,14 @@ if [ "${1:-}" = stage ]; then
     DEST=${2:?usage: scripts/gpu-check.sh stage DEST}
     BUILD=${BUILD:-build}
     cd "$(dirname "$0")/.." || exit 2
-    rm -rf "$DEST" && mkdir -p "$DEST/tests" "$DEST/lib" || exit 2
+    rm -rf "$DEST" && mkdir -p "$DEST/tests" "$DEST/bench" "$DEST/lib" || exit 2
     cp "$BUILD"/tests/test_cuda_* "$DEST/tests/" || exit 2
-    rm -f "$DEST"/tests/*.o "$DEST"/tests/*.d
+    cp "$BUILD"/bench/cuda_* "$DEST/bench/" 2>/dev/null
+    rm -f "$DEST"/tests/*.o "$DEST"/tests/*.d "$DEST"/bench/*.o "$DEST"/bench/*.d
     cp scripts/gpu-check.sh "$DEST/gpu-check.sh"
     # every library ldd resolves, except the C runtime, the C++ runtime and the CUDA libraries, which the
     # GPU machine's own (newer) system and toolkit provide
-    for t in "$DEST"/tests/test_cuda_*; do ldd "$t"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
+    for t in "$DEST"/tests/test_cuda_* "$DEST"/bench/cuda_*; do [ -x "$t" ] && ldd "$t"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
         grep -vE '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libstdc\+\+|libgcc_s|libcublas[^/]*|libcudart[^/]*)\.so' |
         while read -r lib; do cp -L "$lib" "$DEST/lib/"; done
     echo "$(git rev-parse --short HEAD) $(git rev-parse --abbrev-ref HEAD)$(git status --porcelain --untracked-files=no |
@@ -125,6 +127,16 @@ else
             san "$tool" "$HERE/tests/test_cuda_basic" DS4_CUDA_ONLY="${CHECK_RACE_ONLY:-rmsnorm,cross_entropy,embedding}"
     done
 fi
+
+# 3. the benches: timings for the record, last (they check nothing)
+for b in "$HERE"/bench/cuda_*; do
+    [ -x "$b" ] || continue
+    lim=$(limit "${CHECK_BENCH_S:-60}")
+    [ "$lim" = 0 ] && { say "bench $(basename "$b"): skipped (out of time)"; continue; }
+    echo "==== $(basename "$b")" >> "$OUT/bench.log"
+    timeout "$lim" "$b" >> "$OUT/bench.log" 2>&1
+    say "bench $(basename "$b"): rc $?"
+done
 
 rm -f "$OUT/cur.log"
 say "gpu-check: $([ $fail = 0 ] && echo PASS || echo FAIL)"
