@@ -153,6 +153,28 @@ static inline bool cc_same_bits(const char *what, const void *got, const void *w
     return bad == 0;
 }
 
+/* Floats got == want bit for bit, except that any NaN equals any NaN: the GPU's arithmetic returns the
+ * canonical NaN (0x7fffffff) where the CPU's keeps the input's payload and sign, a difference in NaN
+ * bits only (a NaN stays a NaN). Reports how many NaNs differ in their bits. */
+static inline bool cc_same_floats(const char *what, const float *got, const float *want, int64_t n) {
+    int64_t bad = 0, first = -1, nan_bits = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (memcmp(&got[i], &want[i], 4) == 0) continue;
+        if (got[i] != got[i] && want[i] != want[i]) {
+            nan_bits++;
+            continue;
+        }
+        if (bad++ == 0) first = i;
+    }
+    if (bad)
+        CHECK(bad == 0, "%s: %lld of %lld floats differ; first [%lld] %.9g vs %.9g", what, (long long)bad, (long long)n,
+              (long long)first, got[first], want[first]);
+    else
+        t_note("  %s: bitwise equal (%lld floats; %lld NaNs with other NaN bits)", what, (long long)n,
+               (long long)nan_bits);
+    return bad == 0;
+}
+
 /* |got[i] − want[i]| <= bound[i] for every i (NaN never passes); reports the largest absolute and relative
  * errors and the largest error / bound ratio, so the device log shows how much room the bound left. */
 static inline bool cc_within(const char *what, const float *got, const float *want, const double *bound, int64_t n) {

@@ -537,7 +537,7 @@ static void test_data_ops(void) {
     cpu()->tensor_add(c, b, n);
     CC_OK(cuda_tensor_add(S, da, db, n));
     cc_down(g, da, (size_t)n * 4);
-    cc_same_bits("tensor_add", g, c, (size_t)n * 4);
+    cc_same_floats("tensor_add (NaN payloads aside)", g, c, n);
     /* round_bf16 */
     cc_reload(da, a, (size_t)n * 4);
     memcpy(c, a, (size_t)n * 4);
