@@ -8,7 +8,7 @@
  * Routing: grouping by expert is a counting sort whose placement walks the assignments in (token, slot)
  * order, one thread per expert: the cpu's order, the cpu's output. Sums into rows that several sources
  * hit (rows_scatter_add, moe_unpack_grads_add) give each column to one thread that walks the sources in
- * order: the cpu's sums, bit for bit. */
+ * order (rows_scatter_add a window of sources at a time): the cpu's sums, bit for bit. */
 #include "kernels/cuda/cuda_common.cuh"
 
 #define MOE_THREADS 128
@@ -208,17 +208,60 @@ ds4_status cuda_rows_gather(cudaStream_t s, float *dst, const float *src, const 
     return DS4_OK;
 }
 
-/* dst row rows[i] += src row i, i ascending: thread k owns column k. */
-static __global__ void rows_scatter_add_kernel(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D) {
-    const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (k >= D) return;
-    for (int64_t i = 0; i < n; i++) dst[(int64_t)rows[i] * D + k] += src[i * D + k];
+/* dst row rows[i] += src row i, i ascending, so each element's chain of adds is the cpu's. A warp owns 32
+ * columns and walks the sources in windows of SA_WIN: it loads the window's source values and, for each
+ * row's first source in the window, the destination value, all independent loads in flight at once; then
+ * it adds in source order, carrying a row's running value from its previous source in the window (shared
+ * memory) instead of rereading the destination, and stores a row after its last source in the window. */
+#define SA_WIN 32
+static __global__ void rows_scatter_add_kernel(float *__restrict__ dst, const float *__restrict__ src,
+                                               const int32_t *__restrict__ rows, int64_t n, int64_t D) {
+    __shared__ int64_t wrow[SA_WIN];
+    __shared__ int wprev[SA_WIN];  /* the previous source of the same row in the window, −1 if none */
+    __shared__ bool wlast[SA_WIN]; /* the row's last source in the window */
+    __shared__ float run[SA_WIN][32];
+    const int lane = threadIdx.x; /* blockDim.x == 32 */
+    const int64_t k = (int64_t)blockIdx.x * 32 + lane;
+    for (int64_t i0 = 0; i0 < n; i0 += SA_WIN) {
+        const int w = n - i0 < SA_WIN ? (int)(n - i0) : SA_WIN;
+        if (lane < w) wrow[lane] = rows[i0 + lane];
+        __syncwarp();
+        if (lane < w) {
+            int prev = -1;
+            bool last = true;
+            for (int u = 0; u < w; u++)
+                if (wrow[u] == wrow[lane]) {
+                    if (u < lane) prev = u;
+                    if (u > lane) last = false;
+                }
+            wprev[lane] = prev;
+            wlast[lane] = last;
+        }
+        __syncwarp();
+        if (k < D) {
+            float v[SA_WIN], base[SA_WIN];
+#pragma unroll
+            for (int u = 0; u < SA_WIN; u++)
+                if (u < w) {
+                    v[u] = src[(i0 + u) * D + k];
+                    base[u] = wprev[u] < 0 ? dst[wrow[u] * D + k] : 0.0f;
+                }
+#pragma unroll
+            for (int u = 0; u < SA_WIN; u++)
+                if (u < w) {
+                    const float acc = (wprev[u] < 0 ? base[u] : run[wprev[u]][lane]) + v[u];
+                    run[u][lane] = acc;
+                    if (wlast[u]) dst[wrow[u] * D + k] = acc;
+                }
+        }
+        __syncwarp(); /* every lane is done with the window before the next one overwrites it */
+    }
 }
 ds4_status cuda_rows_scatter_add(cudaStream_t s, float *dst, const float *src, const int32_t *rows, int64_t n,
                                  int64_t D) {
     CUDA_ARG(n >= 0 && D >= 0, "rows_scatter_add", "n %lld D %lld", (long long)n, (long long)D);
     if (n * D == 0) return DS4_OK;
-    rows_scatter_add_kernel<<<cuda_blocks(D, MOE_THREADS), MOE_THREADS, 0, s>>>(dst, src, rows, n, D);
+    rows_scatter_add_kernel<<<cuda_blocks(D, 32), 32, 0, s>>>(dst, src, rows, n, D);
     CUDA_LAUNCHED("rows_scatter_add");
     return DS4_OK;
 }

@@ -9,7 +9,6 @@
 #include "kernels/cuda/cuda_common.cuh"
 
 #define ROW_THREADS 256 /* threads of a block that owns one row */
-#define COL_THREADS 128 /* threads of a block of column owners */
 #define CE_CHUNKS 64    /* the cpu's fixed row ranges of the loss sum (cpu/loss.c) */
 
 /* Sum of one double per thread over a block of ROW_THREADS, in a fixed tree order; every thread gets it. */
@@ -97,15 +96,31 @@ static __global__ void rmsnorm_bwd_dx_kernel(float *dx, const float *dy, const f
     const float c = (float)((double)r * r * r * dot / (double)D);
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x) dxr[j] += r * (w ? gr[j] * w[j] : gr[j]) - c * xr[j];
 }
-/* dw [j] += Σ_n dy·x·r: thread j owns column j and walks n in order with a double accumulator, the cpu's
- * sum for that column. */
+/* dw [j] += Σ_n dy·x·r with a double accumulator, n in order: the cpu's sum for column j. A block owns
+ * DW_COLS columns: all its threads load a tile of DW_ROWS rows of terms (dy·x)·r into shared memory (many
+ * loads in flight), then one warp, a thread per column, adds the tile's terms to its accumulator in row
+ * order. */
+#define DW_COLS 32
+#define DW_ROWS 64
 static __global__ void rmsnorm_bwd_dw_kernel(float *dw, const float *dy, const float *x, const float *rstd, int64_t N,
                                              int64_t D) {
-    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= D) return;
+    __shared__ float term[DW_ROWS][DW_COLS];
+    const int64_t j0 = (int64_t)blockIdx.x * DW_COLS;
+    const int c = threadIdx.x % DW_COLS;
     double acc = 0;
-    for (int64_t n = 0; n < N; n++) acc += (double)(dy[n * D + j] * x[n * D + j] * rstd[n]);
-    dw[j] += (float)acc;
+    for (int64_t n0 = 0; n0 < N; n0 += DW_ROWS) {
+        for (int r = threadIdx.x / DW_COLS; r < DW_ROWS; r += blockDim.x / DW_COLS) {
+            const int64_t n = n0 + r, j = j0 + c;
+            term[r][c] = n < N && j < D ? dy[n * D + j] * x[n * D + j] * rstd[n] : 0.0f;
+        }
+        __syncthreads();
+        if (threadIdx.x < DW_COLS) {
+            const int rows = N - n0 < DW_ROWS ? (int)(N - n0) : DW_ROWS;
+            for (int r = 0; r < rows; r++) acc += (double)term[r][c];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x < DW_COLS && j0 + c < D) dw[j0 + c] += (float)acc;
 }
 ds4_status cuda_rmsnorm_bwd(cudaStream_t s, float *dx, float *dw, const float *dy, const float *x, const float *w,
                             const float *rstd, int64_t N, int64_t D) {
@@ -116,7 +131,7 @@ ds4_status cuda_rmsnorm_bwd(cudaStream_t s, float *dx, float *dw, const float *d
         CUDA_LAUNCHED("rmsnorm_bwd dx");
     }
     if (dw && w) {
-        rmsnorm_bwd_dw_kernel<<<cuda_blocks(D, COL_THREADS), COL_THREADS, 0, s>>>(dw, dy, x, rstd, N, D);
+        rmsnorm_bwd_dw_kernel<<<cuda_blocks(D, DW_COLS), ROW_THREADS, 0, s>>>(dw, dy, x, rstd, N, D);
         CUDA_LAUNCHED("rmsnorm_bwd dw");
     }
     return DS4_OK;
