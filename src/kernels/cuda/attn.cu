@@ -89,6 +89,7 @@ __global__ void __launch_bounds__(AU_THREADS) sa_fwd_kernel(sparse_attn_args a, 
     if (threadIdx.x == 0) bcast = m;
     __syncthreads();
     m = bcast;
+    __syncthreads(); /* every thread has read bcast before thread 0 writes z into it */
     float *o = a.o + bth * c;
     if (!(m > -INFINITY)) { /* no key and a −inf sink: nothing to attend to */
         for (int64_t i = threadIdx.x; i < c; i += AU_THREADS) o[i] = 0.f;
