@@ -12,8 +12,10 @@
  * its top-k must equal the cpu's exactly. Each launcher also runs twice (same bits), and the attention
  * once per batch row (one launch per row instead of one for all: the same bits). */
 #include "cuda_check.h"
-#include "kernels/cpu/cpu.h"
 #include "kernels/cuda/attn.cuh"
+extern "C" { /* a C header without its own extern "C" */
+#include "kernels/cpu/cpu.h"
+}
 
 static const double U = CC_U32;       /* unit roundoff of fp32 */
 static const double E = 4 * CC_U32;   /* relative error of expf (2 ulp on the GPU, 1 in glibc) */

@@ -9,9 +9,9 @@
  * With random logits the exp-dependent results are compared within a bound derived from the logits'
  * sensitivity (see hc_sens_bound). Every launcher runs twice for the same bits. */
 #include "cuda_check.h"
-#include "kernels/cpu/cpu.h"
 #include "kernels/cuda/hc.cuh"
-extern "C" {
+extern "C" { /* C headers without their own extern "C" */
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels_f64.h"
 }
 
