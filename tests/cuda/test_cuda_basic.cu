@@ -823,6 +823,170 @@ static void test_moe_routing(void) {
     cc_free(d_tab), cc_free(d_bid);
 }
 
+/* ---------------------------------------------------------------- routed experts */
+/* The experts chain GEMMs and SwiGLU, so a difference early (an ulp of h1) moves what follows: each
+ * element's bound is the propagated one. With Δ the bound of an input difference and M the sum of
+ * absolute products of a GEMM (operands rounded to bf16 in bf16: factor (1 + 2^-8)²), a GEMM adds
+ * Σ|w|·Δ + cc_dot_bound(K, M); SwiGLU's act moves by at most 1.1·|u|·Δg + |silu(g)|·Δu (+ Δg·Δu) plus its
+ * own 2^-20·|act|; a product by a routing weight adds a rounding (2^-23 relative); an operand the bf16
+ * GEMM rounds may round the other way when it differs at all (+ 2^-8 of it). */
+static double silu_d(double g) { return g / (1 + exp(-g)); }
+static double bf_flip(double delta, double mag, bool bf) { return bf && delta > 0 ? delta + 0x1p-8 * mag : delta; }
+
+static void experts_case(bool bf16w, unsigned seed) {
+    const int64_t nexp = 4, D = 48, I = 40, L = 3 * I * D; /* per expert w1, w3 [I, D], w2 [D, I] */
+    const int64_t off[5] = {0, 5, 5, 17, 30}, R = off[nexp];
+    const float limit = 1.0f;
+    const bool bf = bf16w;
+    const double f = bf ? (1 + 0x1p-8) * (1 + 0x1p-8) : 1.0;
+    float *W = cc_hostf(nexp * L), *x = cc_hostf(R * D), *rw = cc_hostf(R), *dy = cc_hostf(R * D), *G0 = cc_hostf(nexp * L);
+    cc_fill(W, nexp * L, seed, 0.4f);
+    cc_fill(x, R * D, seed + 1, 1.0f);
+    cc_fill(rw, R, seed + 2, 1.0f);
+    cc_fill(dy, R * D, seed + 3, 1.0f);
+    cc_fill(G0, nexp * L, seed + 4, 0.5f);
+    uint16_t *Wh = (uint16_t *)cc_host((size_t)(nexp * L) * 2);
+    for (int64_t i = 0; i < nexp * L; i++) Wh[i] = gemm_bf16_bits(W[i]);
+    /* cpu */
+    moe_expert_w wc[4], gc[4], wg[4], gg[4];
+    float *Gc = cc_hostf(nexp * L);
+    memcpy(Gc, G0, (size_t)(nexp * L) * 4);
+    float *d_W = cc_upf(W, nexp * L), *d_G = cc_upf(G0, nexp * L);
+    uint16_t *d_Wh = (uint16_t *)cc_up(Wh, (size_t)(nexp * L) * 2);
+    for (int e = 0; e < nexp; e++) {
+        wc[e] = (moe_expert_w){W + e * L, W + e * L + 2 * I * D, W + e * L + I * D};
+        gc[e] = (moe_expert_w){Gc + e * L, Gc + e * L + 2 * I * D, Gc + e * L + I * D};
+        wg[e] = (moe_expert_w){d_W + e * L, d_W + e * L + 2 * I * D, d_W + e * L + I * D};
+        gg[e] = (moe_expert_w){d_G + e * L, d_G + e * L + 2 * I * D, d_G + e * L + I * D};
+    }
+    float *h1c = cc_hostf(R * I), *h3c = cc_hostf(R * I), *act = cc_hostf(R * I), *yc = cc_hostf(R * D);
+    float *dxc = cc_hostf(R * D), *dwc = cc_hostf(R), *s1 = cc_hostf(R * I), *s2 = cc_hostf(R * I), *s3 = cc_hostf(R * I);
+    moe_experts_args ac = {nexp, D, I, limit, off, wc, W, bf16w ? Wh : NULL, x, rw, h1c, h3c, act};
+    moe_experts_grads grc = {gc, dy, dxc, dwc, s1, s2, s3};
+    cpu()->moe_experts_fwd(&ac, yc);
+    cpu()->moe_experts_bwd(&ac, &grc);
+    /* cuda: forward, then the backward from the cpu's saved h1, h3 (the same inputs) */
+    float *d_x = cc_upf(x, R * D), *d_rw = cc_upf(rw, R), *d_dy = cc_upf(dy, R * D);
+    float *d_h1 = (float *)cc_dev((size_t)(R * I) * 4), *d_h3 = (float *)cc_dev((size_t)(R * I) * 4),
+          *d_act = (float *)cc_dev((size_t)(R * I) * 4), *d_y = (float *)cc_dev((size_t)(R * D) * 4),
+          *d_dx = (float *)cc_dev((size_t)(R * D) * 4), *d_dw = (float *)cc_dev((size_t)R * 4),
+          *d_s1 = (float *)cc_dev((size_t)(R * I) * 4), *d_s2 = (float *)cc_dev((size_t)(R * I) * 4),
+          *d_s3 = (float *)cc_dev((size_t)(R * I) * 4);
+    moe_experts_args ag = {nexp, D, I, limit, off, wg, d_W, bf16w ? d_Wh : NULL, d_x, d_rw, d_h1, d_h3, d_act};
+    moe_experts_grads grg = {gg, d_dy, d_dx, d_dw, d_s1, d_s2, d_s3};
+    CC_OK(cuda_moe_experts_fwd(BL, S, DS4_MATMUL_FP32, &ag, d_y));
+    float *yg = cc_hostf(R * D), *h1g = cc_hostf(R * I), *h3g = cc_hostf(R * I), *dxg = cc_hostf(R * D),
+          *dwg = cc_hostf(R), *Gg = cc_hostf(nexp * L), *dxg2 = cc_hostf(R * D);
+    cc_down(yg, d_y, (size_t)(R * D) * 4);
+    cc_down(h1g, d_h1, (size_t)(R * I) * 4);
+    cc_down(h3g, d_h3, (size_t)(R * I) * 4);
+    cc_reload(d_h1, h1c, (size_t)(R * I) * 4);
+    cc_reload(d_h3, h3c, (size_t)(R * I) * 4);
+    CC_OK(cuda_moe_experts_bwd(BL, S, DS4_MATMUL_FP32, &ag, &grg));
+    cc_down(dxg, d_dx, (size_t)(R * D) * 4);
+    cc_down(dwg, d_dw, (size_t)R * 4);
+    cc_down(Gg, d_G, (size_t)(nexp * L) * 4);
+    CC_OK(cuda_moe_experts_bwd(BL, S, DS4_MATMUL_FP32, &ag, &grg)); /* dx is overwritten: a rerun gives it again */
+    cc_down(dxg2, d_dx, (size_t)(R * D) * 4);
+    /* bounds, expert by expert */
+    double *bh1 = (double *)calloc((size_t)(R * I), 8), *bh3 = (double *)calloc((size_t)(R * I), 8),
+           *by = (double *)calloc((size_t)(R * D), 8), *bdx = (double *)calloc((size_t)(R * D), 8),
+           *bdw = (double *)calloc((size_t)R, 8), *bG = (double *)calloc((size_t)(nexp * L), 8);
+    double *dwa = (double *)calloc((size_t)I, 8), *dd1 = (double *)calloc((size_t)(R * I), 8),
+           *dd3 = (double *)calloc((size_t)(R * I), 8), *m1 = (double *)calloc((size_t)(R * I), 8),
+           *m3 = (double *)calloc((size_t)(R * I), 8), *dwact = (double *)calloc((size_t)(R * I), 8),
+           *mwact = (double *)calloc((size_t)(R * I), 8);
+    for (int64_t e = 0; e < nexp; e++) {
+        const float *w1 = wc[e].w1, *w2 = wc[e].w2, *w3 = wc[e].w3;
+        const float *g10 = G0 + e * L, *g20 = G0 + e * L + 2 * I * D, *g30 = G0 + e * L + I * D;
+        for (int64_t i = off[e]; i < off[e + 1]; i++) {
+            /* forward: h1, h3, act, wact, y */
+            for (int64_t k = 0; k < I; k++) {
+                double M1 = 0, M3 = 0;
+                for (int64_t d = 0; d < D; d++) M1 += fabs(x[i * D + d] * w1[k * D + d]), M3 += fabs(x[i * D + d] * w3[k * D + d]);
+                bh1[i * I + k] = cc_dot_bound(D, f * M1), bh3[i * I + k] = cc_dot_bound(D, f * M3);
+                const double g = fmin(h1c[i * I + k], limit), u = fmin(fmax(h3c[i * I + k], -limit), limit);
+                const double a = silu_d(g) * u, da = 1.1 * fabs(u) * bh1[i * I + k] + fabs(silu_d(g)) * bh3[i * I + k] +
+                                                    bh1[i * I + k] * bh3[i * I + k] + 0x1p-20 * fabs(a);
+                mwact[i * I + k] = fabs(a * rw[i]);
+                dwact[i * I + k] = bf_flip(fabs(rw[i]) * da + 0x1p-23 * mwact[i * I + k], mwact[i * I + k], bf);
+            }
+            for (int64_t j = 0; j < D; j++) {
+                double M = 0, P = 0;
+                for (int64_t k = 0; k < I; k++) M += fabs(w2[j * I + k]) * mwact[i * I + k], P += fabs(w2[j * I + k]) * dwact[i * I + k];
+                by[i * D + j] = P + cc_dot_bound(I, f * M);
+            }
+            /* backward from identical h1, h3: act within 2^-20, dact0 = dy·w2 a GEMM of identical inputs */
+            for (int64_t k = 0; k < I; k++) {
+                const double g = fmin(h1c[i * I + k], limit), u = fmin(fmax(h3c[i * I + k], -limit), limit);
+                const double a = silu_d(g) * u, da = 0x1p-20 * fabs(a);
+                mwact[i * I + k] = fabs(a * rw[i]);
+                dwact[i * I + k] = bf_flip(fabs(rw[i]) * da + 0x1p-23 * mwact[i * I + k], mwact[i * I + k], bf);
+                double dact0 = 0, M = 0;
+                for (int64_t j = 0; j < D; j++) dact0 += (double)dy[i * D + j] * w2[j * I + k], M += fabs(dy[i * D + j] * w2[j * I + k]);
+                const double ddact0 = cc_dot_bound(D, f * M);
+                dwa[k] = ddact0 * fabs(a) + fabs(dact0) * da + ddact0 * da;
+                const double dact = dact0 * rw[i], ddact = fabs(rw[i]) * ddact0 + 0x1p-23 * fabs(dact);
+                const bool gcl = h1c[i * I + k] > limit, ucl = fabs(h3c[i * I + k]) > limit;
+                const double sg = 1 / (1 + exp(-g)), dh1 = gcl ? 0 : dact * u * sg * (1 + g * (1 - sg)),
+                             dh3 = ucl ? 0 : dact * silu_d(g);
+                m1[i * I + k] = fabs(dh1), m3[i * I + k] = fabs(dh3);
+                dd1[i * I + k] = gcl ? 0 : bf_flip(1.1 * fabs(u) * ddact + 0x1p-20 * fabs(dact * u) * (1 + fabs(g)), fabs(dh1), bf);
+                dd3[i * I + k] = ucl ? 0 : bf_flip(fabs(silu_d(g)) * ddact + 0x1p-20 * fabs(dact * g), fabs(dh3), bf);
+            }
+            double sdw = 0;
+            for (int64_t k = 0; k < I; k++) sdw += dwa[k];
+            bdw[i] = sdw + 0x1p-22 * fabs(dwc[i]);
+            for (int64_t d = 0; d < D; d++) {
+                double M = 0, P = 0;
+                for (int64_t k = 0; k < I; k++) {
+                    M += m1[i * I + k] * fabs(w1[k * D + d]) + m3[i * I + k] * fabs(w3[k * D + d]);
+                    P += dd1[i * I + k] * fabs(w1[k * D + d]) + dd3[i * I + k] * fabs(w3[k * D + d]);
+                }
+                bdx[i * D + d] = P + cc_dot_bound(2 * I + 1, f * M);
+            }
+        }
+        /* weight gradients: sums over the expert's rows */
+        const int64_t ne = off[e + 1] - off[e];
+        for (int64_t j = 0; j < D; j++)
+            for (int64_t k = 0; k < I; k++) {
+                double M = fabs(g20[j * I + k]), P = 0;
+                for (int64_t i = off[e]; i < off[e + 1]; i++) M += f * fabs(dy[i * D + j]) * mwact[i * I + k], P += fabs(dy[i * D + j]) * dwact[i * I + k];
+                bG[e * L + 2 * I * D + j * I + k] = ne ? P + cc_dot_bound(ne + 1, M) : 0;
+            }
+        for (int64_t k = 0; k < I; k++)
+            for (int64_t d = 0; d < D; d++) {
+                double M1 = fabs(g10[k * D + d]), M3 = fabs(g30[k * D + d]), P1 = 0, P3 = 0;
+                for (int64_t i = off[e]; i < off[e + 1]; i++) {
+                    M1 += f * m1[i * I + k] * fabs(x[i * D + d]), P1 += dd1[i * I + k] * fabs(x[i * D + d]);
+                    M3 += f * m3[i * I + k] * fabs(x[i * D + d]), P3 += dd3[i * I + k] * fabs(x[i * D + d]);
+                }
+                bG[e * L + k * D + d] = ne ? P1 + cc_dot_bound(ne + 1, M1) : 0;
+                bG[e * L + I * D + k * D + d] = ne ? P3 + cc_dot_bound(ne + 1, M3) : 0;
+            }
+    }
+    const char *v = bf16w ? "moe_experts bf16w" : "moe_experts fp32";
+    char what[64];
+    snprintf(what, sizeof what, "%s h1", v), cc_within(what, h1g, h1c, bh1, R * I);
+    snprintf(what, sizeof what, "%s h3", v), cc_within(what, h3g, h3c, bh3, R * I);
+    snprintf(what, sizeof what, "%s y", v), cc_within(what, yg, yc, by, R * D);
+    snprintf(what, sizeof what, "%s dx", v), cc_within(what, dxg, dxc, bdx, R * D);
+    snprintf(what, sizeof what, "%s dw", v), cc_within(what, dwg, dwc, bdw, R);
+    snprintf(what, sizeof what, "%s weight grads", v), cc_within(what, Gg, Gc, bG, nexp * L);
+    CHECK(!memcmp(dxg, dxg2, (size_t)(R * D) * 4), "%s: two backward runs give other dx bits", v);
+    free(W), free(x), free(rw), free(dy), free(G0), free(Wh), free(Gc), free(h1c), free(h3c), free(act), free(yc);
+    free(dxc), free(dwc), free(s1), free(s2), free(s3), free(yg), free(h1g), free(h3g), free(dxg), free(dwg), free(Gg);
+    free(dxg2), free(bh1), free(bh3), free(by), free(bdx), free(bdw), free(bG), free(dwa), free(dd1), free(dd3), free(m1);
+    free(m3), free(dwact), free(mwact);
+    cc_free(d_W), cc_free(d_G), cc_free(d_Wh), cc_free(d_x), cc_free(d_rw), cc_free(d_dy), cc_free(d_h1), cc_free(d_h3);
+    cc_free(d_act), cc_free(d_y), cc_free(d_dx), cc_free(d_dw), cc_free(d_s1), cc_free(d_s2), cc_free(d_s3);
+}
+
+static void test_moe_experts(void) {
+    experts_case(false, 1200);
+    experts_case(true, 1210);
+}
+
 /* ---------------------------------------------------------------- memory and streams */
 static void test_memory(void) {
     /* h2d, d2d, d2h through pinned memory on a stream; an event orders a second stream after the first */
@@ -919,6 +1083,7 @@ int main(void) {
     CC_RUN(test_adamw);
     CC_RUN(test_moe_gate);
     CC_RUN(test_moe_routing);
+    CC_RUN(test_moe_experts);
     cuda_blas_destroy(BL);
     cuda_stream_destroy(S);
     CUDA_TEST_END("test_cuda_basic");

@@ -184,6 +184,15 @@ ds4_status cuda_rows_unpack(cudaStream_t s, float *x, float *w, const float *src
 ds4_status cuda_moe_unpack_grads_add(cudaStream_t s, float *dx, float *dgw, const float *src, const int32_t *etok,
                                      const int32_t *eslot, int64_t NK, int64_t D, int64_t K);
 
+/* ================================================================ routed experts (cuda_experts.cu)
+ * kernels.h moe_experts_fwd/bwd, expert by expert on the launchers above (precision p for fp32 weights;
+ * a->hcopy set: the bf16 copy). a->off is a HOST array [nexp + 1]: each expert's GEMMs need its row
+ * count, so the caller copies the grouping's offsets to the host once per MoE layer. */
+ds4_status cuda_moe_experts_fwd(cuda_blas *b, cudaStream_t s, ds4_matmul_precision p, const moe_experts_args *a,
+                                float *y);
+ds4_status cuda_moe_experts_bwd(cuda_blas *b, cudaStream_t s, ds4_matmul_precision p, const moe_experts_args *a,
+                                const moe_experts_grads *g);
+
 #ifdef __cplusplus
 }
 #endif

@@ -55,4 +55,26 @@ __device__ __forceinline__ uint16_t cuda_bf16_bits(float x) {
 }
 __device__ __forceinline__ float cuda_bf16_widen(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 
+/* Threads of a block that owns one row (a row sum, a row's softmax). */
+#define CUDA_ROW_THREADS 256
+
+/* Sum of one double per thread over a block of CUDA_ROW_THREADS threads, in a fixed tree order (warp
+ * shuffles, then the warps' sums by warp 0): deterministic; every thread gets the sum. */
+static __device__ __forceinline__ double cuda_block_sum(double v) {
+    __shared__ double part[CUDA_ROW_THREADS / 32];
+    __shared__ double total;
+    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        v = threadIdx.x < CUDA_ROW_THREADS / 32 ? part[threadIdx.x] : 0.0;
+        for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
+        if (threadIdx.x == 0) total = v;
+    }
+    __syncthreads();
+    v = total;
+    __syncthreads(); /* the next call may overwrite part and total */
+    return v;
+}
+
 #endif

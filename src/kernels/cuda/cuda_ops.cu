@@ -8,26 +8,9 @@
  * of the exact value, so the two differ by at most one ulp, rarely). */
 #include "kernels/cuda/cuda_common.cuh"
 
-#define ROW_THREADS 256 /* threads of a block that owns one row */
+#define ROW_THREADS CUDA_ROW_THREADS
 #define CE_CHUNKS 64    /* the cpu's fixed row ranges of the loss sum (cpu/loss.c) */
 
-/* Sum of one double per thread over a block of ROW_THREADS, in a fixed tree order; every thread gets it. */
-static __device__ double block_sum(double v) {
-    __shared__ double part[ROW_THREADS / 32];
-    __shared__ double total;
-    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
-    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        v = threadIdx.x < ROW_THREADS / 32 ? part[threadIdx.x] : 0.0;
-        for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
-        if (threadIdx.x == 0) total = v;
-    }
-    __syncthreads();
-    v = total;
-    __syncthreads(); /* the next call may overwrite part and total */
-    return v;
-}
 /* The largest of one float per thread over the block (exact: no order matters). */
 static __device__ float block_max(float v) {
     __shared__ float part[ROW_THREADS / 32];
@@ -69,7 +52,7 @@ static __global__ void rmsnorm_fwd_kernel(float *y, float *rstd, const float *x,
     float *yr = y + n * D;
     double ss = 0;
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x) ss += (double)xr[j] * xr[j];
-    ss = block_sum(ss);
+    ss = cuda_block_sum(ss);
     const float r = (float)(1.0 / sqrt(ss / (double)D + (double)eps));
     if (threadIdx.x == 0) rstd[n] = r;
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x) yr[j] = w ? (xr[j] * r) * w[j] : xr[j] * r;
@@ -92,7 +75,7 @@ static __global__ void rmsnorm_bwd_dx_kernel(float *dx, const float *dy, const f
     const float r = rstd[n];
     double dot = 0;
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x) dot += (double)(w ? gr[j] * w[j] : gr[j]) * xr[j];
-    dot = block_sum(dot);
+    dot = cuda_block_sum(dot);
     const float c = (float)((double)r * r * r * dot / (double)D);
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x) dxr[j] += r * (w ? gr[j] * w[j] : gr[j]) - c * xr[j];
 }
@@ -258,7 +241,7 @@ static __global__ void ce_row_kernel(double *row_loss, float *dlogits, const flo
     m = block_max(m);
     double sum = 0;
     for (int64_t v = threadIdx.x; v < V; v += blockDim.x) sum += (double)exp_f(l[v] - m);
-    sum = block_sum(sum);
+    sum = cuda_block_sum(sum);
     if (drow) {
         const float inv = (float)(1.0 / sum);
         for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
