@@ -7,9 +7,10 @@
 #                                     a bare GPU machine may lack them) into DEST/lib, and this script
 #                                     into DEST/gpu-check.sh.
 #   bash DEST/gpu-check.sh            (on the GPU machine) nvidia-smi, every test binary, compute-sanitizer
-#                                     memcheck on each, racecheck and synccheck on a small case, then the
-#                                     benches (bench/cuda_*: timings, not checks); logs and summary.txt
-#                                     under $OUT (default DEST/out). Exit 0 when all checks passed.
+#                                     memcheck, racecheck and synccheck on each (test_cuda_basic: on its
+#                                     ops with shared memory), then the benches (bench/cuda_*: timings,
+#                                     not checks); logs and summary.txt under $OUT (default DEST/out).
+#                                     Exit 0 when all checks passed.
 # Each step has its own time limit (CHECK_TEST_S, CHECK_SAN_S seconds) and the whole run a budget
 # (CHECK_BUDGET_S): a step that would not fit is skipped and says so, so the run fits a short lease.
 # Logs are appended as the steps finish, so a run cut short still leaves what it did.
@@ -123,8 +124,14 @@ else
     }
     for t in "$HERE"/tests/test_cuda_*; do san memcheck "$t"; done
     for tool in racecheck synccheck; do
-        [ -x "$HERE/tests/test_cuda_basic" ] &&
-            san "$tool" "$HERE/tests/test_cuda_basic" DS4_CUDA_ONLY="${CHECK_RACE_ONLY:-rmsnorm,cross_entropy,embedding}"
+        for t in "$HERE"/tests/test_cuda_*; do
+            # test_cuda_basic: the ops with shared memory and barriers (the GEMMs are cuBLASLt's)
+            if [ "$(basename "$t")" = test_cuda_basic ]; then
+                san "$tool" "$t" DS4_CUDA_ONLY="${CHECK_RACE_ONLY:-rmsnorm,cross_entropy,embedding,routing,experts}"
+            else
+                san "$tool" "$t"
+            fi
+        done
     done
 fi
 

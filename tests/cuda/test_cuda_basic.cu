@@ -83,6 +83,7 @@ static void test_gemm_fp32(void) {
         gemm_case(ops[o], DS4_MATMUL_FP32, 67, 45, 131, 3, 0, 10 + o);
         gemm_case(ops[o], DS4_MATMUL_FP32, 67, 45, 131, 0, 1, 20 + o);
         gemm_case(ops[o], DS4_MATMUL_FP32, 256, 192, 512, 0, 1, 30 + o);
+        gemm_case(ops[o], DS4_MATMUL_FP32, 48, 200, 4096, 0, 1, 35 + o); /* V4's hidden width as K */
         gemm_case(ops[o], DS4_MATMUL_FP32, 1, 7, 1, 0, 0, 40 + o);
         gemm_case(ops[o], DS4_MATMUL_FP32, 5, 6, 0, 2, 0, 45 + o); /* K = 0: C = 0 (padding kept) */
     }
@@ -94,6 +95,7 @@ static void test_gemm_bf16(void) {
         gemm_case(ops[o], DS4_MATMUL_BF16, 67, 45, 131, 3, 0, 50 + o);
         gemm_case(ops[o], DS4_MATMUL_BF16, 256, 192, 512, 0, 1, 60 + o);
         gemm_case(ops[o], DS4_MATMUL_BF16, 128, 64, 8, 8, 1, 70 + o);
+        gemm_case(ops[o], DS4_MATMUL_BF16, 48, 200, 4096, 0, 1, 75 + o);
     }
 }
 
@@ -477,14 +479,13 @@ static void test_swiglu(void) {
  * relative, plus double sums in other orders (V·2^-53): the log within 2^-22 absolute; the total within
  * N·2^-22 plus the double sums' 2^-40 relative. dlogits = gs·(e·inv) (− gs at the target): e, inv one ulp
  * each, two roundings: bound 2^-20·(|d| + |gs|). */
-static void test_cross_entropy(void) {
-    const int64_t N = 70, V = 3001;
+static void ce_case(int64_t N, int64_t V, unsigned seed) {
     const float gs = 0.25f;
     float *logits = cc_hostf(N * V);
     int32_t *tg = (int32_t *)cc_host((size_t)N * 4);
-    cc_fill(logits, N * V, 600, 8.0f);
-    cc_fill_ids(tg, N, 601, (int32_t)V);
-    tg[3] = -1, tg[17] = -1, tg[69] = (int32_t)V; /* not scored: −1 and out of range */
+    cc_fill(logits, N * V, seed, 8.0f);
+    cc_fill_ids(tg, N, seed + 1, (int32_t)V);
+    tg[1] = -1, tg[N / 2] = -1, tg[N - 1] = (int32_t)V; /* not scored: −1 and out of range */
     double loss_c = 0;
     int64_t n_c = 0;
     float *dl_c = cc_hostf(N * V), *dl_g = cc_hostf(N * V), *dl_g2 = cc_hostf(N * V);
@@ -519,6 +520,11 @@ static void test_cross_entropy(void) {
     CHECK(memcmp(&loss_g, &loss_g2, 8) == 0, "cross_entropy: loss without dlogits %.17g vs %.17g", loss_g2, loss_g);
     free(b), free(logits), free(tg), free(dl_c), free(dl_g), free(dl_g2);
     cc_free(d_l), cc_free(d_dl), cc_free(d_t), cc_free(d_loss), cc_free(d_rows), cc_free(d_n);
+}
+
+static void test_cross_entropy(void) {
+    ce_case(70, 3001, 600);
+    ce_case(6, 129280, 610); /* V4's vocabulary: rows of 129280 logits */
 }
 
 /* ---------------------------------------------------------------- data ops: the same bits */
