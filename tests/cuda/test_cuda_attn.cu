@@ -11,7 +11,7 @@
  * too, so a bound that is too tight fails on either side. The indexer's scores are the cpu's bits, so
  * its top-k must equal the cpu's exactly. Each launcher also runs twice (same bits), and the attention
  * once per batch row (one launch per row instead of one for all: the same bits). */
-#include "cuda_check.h"
+#include "test_cuda_attn_util.h"
 #include "kernels/cuda/attn.cuh"
 extern "C" { /* a C header without its own extern "C" */
 #include "kernels/cpu/cpu.h"
@@ -40,19 +40,24 @@ static bool ck_near(const char *what, const float *got, const double *want, cons
     return bad == 0;
 }
 
-/* Device copy of n floats / ints / uint16 and back. */
-static float *up_f(const float *h, int64_t n) { return cc_upf(h, n > 0 ? n : 1); }
+/* The checks of one case's results k < nres: the gpu's first run and the cpu's within the oracle's bound,
+ * the gpu's two runs the same bits. */
+static void ck_results(const char *name, int nres, float *const *gpu1, float *const *gpu2, const float *const *cpu_r,
+                       const double *const *want, const double *const *bound, const int64_t *n,
+                       const char *const *names) {
+    char what[192];
+    for (int k = 0; k < nres; k++) {
+        snprintf(what, sizeof what, "%s gpu %s", name, names[k]);
+        ck_near(what, gpu1[k], want[k], bound[k], n[k]);
+        snprintf(what, sizeof what, "%s cpu %s", name, names[k]);
+        ck_near(what, cpu_r[k], want[k], bound[k], n[k]);
+        snprintf(what, sizeof what, "%s %s: two runs", name, names[k]);
+        cc_same_bits(what, gpu1[k], gpu2[k], (size_t)n[k] * 4);
+    }
+}
+
+/* Device copy of `bytes` of host data (ints, bf16 bits); a zeroed host array of n doubles. */
 static void *up_b(const void *h, size_t bytes) { return cc_up(h, bytes ? bytes : 1); }
-static float *down_f(const float *d, int64_t n) {
-    float *h = cc_hostf(n > 0 ? n : 1);
-    cc_down(h, d, (size_t)n * sizeof(float));
-    return h;
-}
-static float *hclone(const float *x, int64_t n) {
-    float *y = cc_hostf(n > 0 ? n : 1);
-    memcpy(y, x, (size_t)n * sizeof(float));
-    return y;
-}
 static double *dalloc(int64_t n) { return (double *)cc_host((size_t)(n > 0 ? n : 1) * sizeof(double)); }
 
 /* Random top-k rows: distinct usable ids in random slots, −1 elsewhere; some rows take fewer than they
@@ -399,14 +404,7 @@ static void attn_case(acase g, unsigned seed) {
     const double *want[6] = {r.o, r.lse, r.dq, r.dkv, r.dkvc, r.dsink}, *bnd[6] = {r.bo, r.blse, r.bdq, r.bdkv, r.bdkvc, r.bdsink};
     const int64_t n[6] = {nq, nl, nq, nkv, nkvc, g.H};
     const char *nm[6] = {"o", "lse", "dq", "dkv", "dkvc", "dsink"};
-    for (int k = 0; k < 6; k++) {
-        snprintf(what, sizeof what, "%s gpu %s", g.name, nm[k]);
-        ck_near(what, res[0][k], want[k], bnd[k], n[k]);
-        snprintf(what, sizeof what, "%s cpu %s", g.name, nm[k]);
-        ck_near(what, cpu_res[k], want[k], bnd[k], n[k]);
-        snprintf(what, sizeof what, "%s %s: two runs", g.name, nm[k]);
-        cc_same_bits(what, res[0][k], res[1][k], (size_t)n[k] * 4);
-    }
+    ck_results(g.name, 6, res[0], res[1], cpu_res, want, bnd, n, nm);
     /* one launch per batch row: the same bits as one launch for all rows */
     if (g.B > 1) {
         cc_poison(d.o, (size_t)nq * 4), cc_poison(d.lse, (size_t)nl * 4), adev_reload_grads(&d, &a);
@@ -719,7 +717,6 @@ static void kref_free(kref *r) {
 static void kl_case(kcase g, unsigned seed) {
     kin a = kin_make(g, seed);
     const int64_t BT = g.B * g.T, Nc = a.Nc, nqi = BT * g.HI * g.dI, nki = g.B * Nc * g.dI, nw = BT * g.HI;
-    char what[160];
     /* cpu */
     float *dqi_c = hclone(a.dqi0, nqi), *dki_c = hclone(a.dki0, nki + 1), *dw_c = hclone(a.dw0, nw);
     double kl_c = 0;
@@ -771,14 +768,7 @@ static void kl_case(kcase g, unsigned seed) {
     const double *want[3] = {r.dqi, r.dki, r.dw}, *bnd[3] = {r.bdqi, r.bdki, r.bdw};
     const int64_t n[3] = {nqi, nki, nw};
     const char *nm[3] = {"dqi", "dki", "dw"};
-    for (int k = 0; k < 3; k++) {
-        snprintf(what, sizeof what, "%s gpu %s", g.name, nm[k]);
-        ck_near(what, res[0][k], want[k], bnd[k], n[k]);
-        snprintf(what, sizeof what, "%s cpu %s", g.name, nm[k]);
-        ck_near(what, cres[k], want[k], bnd[k], n[k]);
-        snprintf(what, sizeof what, "%s %s: two runs", g.name, nm[k]);
-        cc_same_bits(what, res[0][k], res[1][k], (size_t)n[k] * 4);
-    }
+    ck_results(g.name, 3, res[0], res[1], cres, want, bnd, n, nm);
     for (int run = 0; run < 2; run++)
         for (int k = 0; k < 3; k++) free(res[run][k]);
     kref_free(&r);
@@ -882,15 +872,7 @@ static void comp_case(const char *name, int64_t B, int64_t T, int64_t r, int64_t
     const double *want[4] = {o, vda, vdz, vdape}, *bnd[4] = {bo, bda, bdz, bdape};
     const int64_t n[4] = {no, na, na, nape};
     const char *nm[4] = {"out", "da", "dz", "dape"};
-    char what[128];
-    for (int k = 0; k < 4; k++) {
-        snprintf(what, sizeof what, "%s gpu %s", name, nm[k]);
-        ck_near(what, res[0][k], want[k], bnd[k], n[k]);
-        snprintf(what, sizeof what, "%s cpu %s", name, nm[k]);
-        ck_near(what, cres[k], want[k], bnd[k], n[k]);
-        snprintf(what, sizeof what, "%s %s: two runs", name, nm[k]);
-        cc_same_bits(what, res[0][k], res[1][k], (size_t)n[k] * 4);
-    }
+    ck_results(name, 4, res[0], res[1], cres, want, bnd, n, nm);
     for (int run = 0; run < 2; run++)
         for (int k = 0; k < 4; k++) free(res[run][k]);
     free(a), free(z), free(ape), free(dout), free(da0), free(dz0), free(dape0), free(o), free(bo), free(vda), free(bda);

@@ -8,7 +8,7 @@
  * have the same mixes) the whole forward and backward must be the cpu's bits too, Sinkhorn included.
  * With random logits the exp-dependent results are compared within a bound derived from the logits'
  * sensitivity (see hc_sens_bound). Every launcher runs twice for the same bits. */
-#include "cuda_check.h"
+#include "test_cuda_attn_util.h"
 #include "kernels/cuda/hc.cuh"
 extern "C" { /* C headers without their own extern "C" */
 #include "kernels/cpu/cpu.h"
@@ -18,17 +18,6 @@ extern "C" { /* C headers without their own extern "C" */
 static const cudaStream_t S = 0;
 static const double U = CC_U32;
 
-static float *hclone(const float *x, int64_t n) {
-    float *y = cc_hostf(n > 0 ? n : 1);
-    memcpy(y, x, (size_t)n * sizeof(float));
-    return y;
-}
-static float *down_f(const float *d, int64_t n) {
-    float *h = cc_hostf(n > 0 ? n : 1);
-    cc_down(h, d, (size_t)n * sizeof(float));
-    return h;
-}
-static float *up_f(const float *h, int64_t n) { return cc_upf(h, n > 0 ? n : 1); }
 static bool same(const char *what, const float *a, const float *b, int64_t n) {
     return cc_same_bits(what, a, b, (size_t)n * sizeof(float));
 }

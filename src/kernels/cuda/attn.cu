@@ -53,6 +53,16 @@ __device__ __forceinline__ sa_set sa_key_set(const sparse_attn_args &a, int64_t 
     return S;
 }
 
+/* acc [c] += Σ_kk w[kk]·key_kk for the nb keys of a batch, each thread its own elements, keys in order. */
+template <bool BF16>
+__device__ __forceinline__ void sa_add_keys(float *acc, const float *w, const void *const *kp, int nb, int64_t c) {
+    for (int64_t i = threadIdx.x; i < c; i += AU_THREADS) {
+        float v = acc[i];
+        for (int kk = 0; kk < nb; kk++) v += w[kk] * au_key<BF16>(kp[kk], i);
+        acc[i] = v;
+    }
+}
+
 /* ---------------------------------------------------------------- forward */
 
 /* One block per (b, t, h). Pass 1: m = max(sink, scores). Pass 2: e = exp(s − m), z = exp(sink − m) +
@@ -113,11 +123,7 @@ __global__ void __launch_bounds__(AU_THREADS) sa_fwd_kernel(sparse_attn_args a, 
                 z += e;
             }
         __syncthreads();
-        for (int64_t i = threadIdx.x; i < c; i += AU_THREADS) {
-            float v = acc[i];
-            for (int kk = 0; kk < nb; kk++) v += sc[kk] * au_key<BF16>(kp[kk], i);
-            acc[i] = v;
-        }
+        sa_add_keys<BF16>(acc, sc, kp, nb, c);
         __syncthreads();
     }
     if (threadIdx.x == 0) bcast = z, a.lse[bth] = m + logf(z);
@@ -165,11 +171,7 @@ __global__ void __launch_bounds__(AU_THREADS) sa_bwd_query_kernel(sparse_attn_ar
             if (lane == 0) sc[kk] = a.scale * (p * (dp - D)), kp[kk] = k;
         }
         __syncthreads();
-        for (int64_t i = threadIdx.x; i < c; i += AU_THREADS) {
-            float v = acc[i];
-            for (int kk = 0; kk < nb; kk++) v += sc[kk] * au_key<BF16>(kp[kk], i);
-            acc[i] = v;
-        }
+        sa_add_keys<BF16>(acc, sc, kp, nb, c);
         __syncthreads();
     }
     float *dq = g.dq + bth * c;
