@@ -451,6 +451,8 @@ static void test_attn_v4_dims(void) {
     attn_case((acase){"c512 csa", 1, 160, 3, 512, 128, 4, 40, 16, 1, 0}, 300);
     attn_case((acase){"c512 csa bf16", 2, 80, 2, 512, 128, 4, 20, 16, 1, 1}, 310);
     attn_case((acase){"tiny-b csa bf16", 2, 96, 8, 64, 32, 4, 24, 8, 1, 1}, 320);
+    /* more query rows than the inverse lists' 512 chunks: 3 rows per chunk */
+    attn_case((acase){"long csa", 1, 1100, 2, 16, 8, 4, 275, 8, 1, 0}, 330);
 }
 
 /* ================================================================ indexer top-k */
@@ -784,6 +786,8 @@ static void test_indexer_kl(void) {
     kl_case((kcase){"kl tiny-b topk", 1, 96, 4, 32, 4, 8, 8, 64, 1, 0}, 520);
     kl_case((kcase){"kl tiny-b topk bf16", 1, 96, 4, 32, 4, 8, 8, 64, 1, 1}, 530);
     kl_case((kcase){"kl V4 heads", 1, 72, 64, 128, 4, 16, 4, 512, 1, 0}, 540);
+    kl_case((kcase){"kl long topk", 1, 1100, 2, 16, 4, 8, 2, 16, 1, 0}, 550); /* 3 rows per inverse-list chunk */
+    kl_case((kcase){"kl 96 heads", 1, 64, 96, 128, 4, 8, 2, 16, 1, 0}, 560);  /* 49 KiB of shared memory a row */
 }
 
 /* ================================================================ compressor pooling */
