@@ -96,6 +96,14 @@ for t in "$HERE"/tests/test_cuda_*; do
     say "test $name: rc $rc, ${line:-no result line}, ${secs}s"
     [ "$rc" = 0 ] && [ -n "$line" ] || fail=1
     grep -q SKIP "$OUT/cur.log" && { say "test $name: SKIPPED on the GPU machine"; fail=1; }
+    # a second process must copy back the same bytes (the tests hash every result they read)
+    hash1=$(grep -E 'device output hash' "$OUT/cur.log" | tail -n 1)
+    lim=$(limit "$TEST_S")
+    if [ -n "$hash1" ] && [ "$lim" != 0 ]; then
+        hash2=$(timeout "$lim" "$t" 2>/dev/null | grep -E 'device output hash' | tail -n 1)
+        if [ "$hash1" = "$hash2" ]; then say "rerun $name: same bits (${hash1#*: })"
+        else say "rerun $name: DIFFERENT bits (${hash1#*: } vs ${hash2#*: })"; fail=1; fi
+    fi
 done
 
 # 2. compute-sanitizer: memcheck on every binary (DS4_CUDA_SMALL=1 asks the tests for their small cases

@@ -6,7 +6,8 @@
  * same bits (determinism).
  *
  * Without a visible GPU a test binary prints one SKIP line and "0 passed, 0 failed" and exits 0, so CI
- * (no GPU) compiles and runs them. CUDA_TEST_BEGIN / CUDA_TEST_END frame main(). */
+ * (no GPU) compiles and runs them. CUDA_TEST_BEGIN / CUDA_TEST_END frame main(); CUDA_TEST_END also
+ * prints a hash of every result copied back, which two runs must share. */
 #ifndef DS4_TESTS_CUDA_CHECK_H
 #define DS4_TESTS_CUDA_CHECK_H
 
@@ -44,7 +45,20 @@ static inline bool cc_gpu_visible(const char *name) {
             return 0;                                      \
         }                                                  \
     } while (0)
-#define CUDA_TEST_END(name) TEST_MAIN_END(name)
+/* Every byte the tests copy back from the device (cc_down) goes into one FNV-1a hash, printed at the end:
+ * two runs of a test binary (two processes) must print the same hash (scripts/gpu-check.sh compares). */
+static uint64_t cc_out_hash = 1469598103934665603ull, cc_out_bytes = 0;
+static inline void cc_hash_bytes(const void *p, size_t n) {
+    const unsigned char *b = (const unsigned char *)p;
+    for (size_t i = 0; i < n; i++) cc_out_hash = (cc_out_hash ^ b[i]) * 1099511628211ull;
+    cc_out_bytes += n;
+}
+#define CUDA_TEST_END(name)                                                                                 \
+    do {                                                                                                    \
+        printf("%s: device output hash %016llx over %llu bytes\n", name, (unsigned long long)cc_out_hash,     \
+               (unsigned long long)cc_out_bytes);                                                           \
+        TEST_MAIN_END(name);                                                                                \
+    } while (0)
 
 /* Whether test `fn` runs: all of them, unless DS4_CUDA_ONLY lists words (comma separated) of which one
  * is part of its name (scripts/gpu-check.sh runs the slow sanitizers on a few). */
@@ -106,6 +120,7 @@ static inline float *cc_upf(const float *h, int64_t n) { return (float *)cc_up(h
 static inline void cc_down(void *h, const void *d, size_t bytes) {
     CC_CUDA(cudaDeviceSynchronize());
     if (bytes) CC_CUDA(cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost));
+    cc_hash_bytes(h, bytes);
 }
 static inline void cc_poison(void *d, size_t bytes) {
     cudaMemset(d, 0xff, bytes ? bytes : 1);
