@@ -1,11 +1,16 @@
 /* The CUDA backend's ground floor against the cpu backend (tests/cuda/cuda_check.h): GEMMs in fp32 and
  * bf16 (and fp32 is not TF32), linear and grouped layers (fp32, bf16, bf16 weights), embedding, RMSNorm,
- * RoPE, clamped SwiGLU, cross-entropy, the data ops and AdamW; each also run twice for the same bits.
+ * RoPE, clamped SwiGLU, cross-entropy, the data ops, AdamW, the MoE gate, routing and routed experts;
+ * each also run twice for the same bits.
  * The argument checks run without a GPU too. */
 #include "cuda_check.h"
 #include "ds4/train.h"
 
 static const ds4_kernel_backend *cpu(void) { return ds4_kernel_backend_cpu(); }
+/* The cpu backend's entries called as the model's wrappers call them, and the precision its GEMMs use:
+ * the one place to adapt when the entries take a context. */
+#define CPU(op, ...) cpu()->op(__VA_ARGS__)
+static void cpu_precision(ds4_matmul_precision p) { CC_OK(ds4_set_matmul_precision(p)); }
 static cudaStream_t S; /* the stream every launcher here runs on */
 static cuda_blas *BL;
 
@@ -46,11 +51,12 @@ static void gemm_case(const char *op, ds4_matmul_precision p, int64_t M, int64_t
     cc_fill(B, nb, seed + 1, 1.0f);
     cc_fill(C0, nc, seed + 2, 1.0f);
     memcpy(Cc, C0, (size_t)nc * sizeof(float));
-    gemm_signature *cf = op[0] == 't' ? cpu()->gemm_tn : op[1] == 't' ? cpu()->gemm_nt : cpu()->gemm_nn;
     cuda_gemm_fn *gf = op[0] == 't' ? cuda_gemm_tn : op[1] == 't' ? cuda_gemm_nt : cuda_gemm_nn;
-    CC_OK(ds4_set_matmul_precision(p));
-    cf(M, N, K, A, lda, B, ldb, Cc, ldc, beta);
-    CC_OK(ds4_set_matmul_precision(DS4_MATMUL_FP32));
+    cpu_precision(p);
+    if (ta) CPU(gemm_tn, M, N, K, A, lda, B, ldb, Cc, ldc, beta);
+    else if (tb) CPU(gemm_nt, M, N, K, A, lda, B, ldb, Cc, ldc, beta);
+    else CPU(gemm_nn, M, N, K, A, lda, B, ldb, Cc, ldc, beta);
+    cpu_precision(DS4_MATMUL_FP32);
     float *dA = cc_upf(A, na), *dB = cc_upf(B, nb), *dC = cc_upf(C0, nc);
     CC_OK(gf(BL, S, p, M, N, K, dA, lda, dB, ldb, dC, ldc, beta));
     cc_down(Cg, dC, (size_t)nc * sizeof(float));
@@ -136,15 +142,15 @@ static void linear_case(ds4_matmul_precision p, bool bf16w, int64_t N, int64_t I
     float *out_c = cc_hostf(N * OC), *dinp_c = cc_hostf(N * IC), *dw_c = cc_hostf(OC * IC);
     memcpy(dinp_c, dinp0, (size_t)(N * IC) * 4);
     memcpy(dw_c, dw0, (size_t)(OC * IC) * 4);
-    CC_OK(ds4_set_matmul_precision(p));
+    cpu_precision(p);
     if (bf16w) {
-        cpu()->linear_fwd_bf16w(out_c, inp, wh, N, IC, OC);
-        cpu()->linear_bwd_bf16w(dinp_c, dw_c, dout, inp, wh, N, IC, OC);
+        CPU(linear_fwd_bf16w, out_c, inp, wh, N, IC, OC);
+        CPU(linear_bwd_bf16w, dinp_c, dw_c, dout, inp, wh, N, IC, OC);
     } else {
-        cpu()->linear_fwd(out_c, inp, w, N, IC, OC);
-        cpu()->linear_bwd(dinp_c, dw_c, dout, inp, w, N, IC, OC);
+        CPU(linear_fwd, out_c, inp, w, N, IC, OC);
+        CPU(linear_bwd, dinp_c, dw_c, dout, inp, w, N, IC, OC);
     }
-    CC_OK(ds4_set_matmul_precision(DS4_MATMUL_FP32));
+    cpu_precision(DS4_MATMUL_FP32);
     /* cuda, twice */
     float *din = cc_upf(inp, N * IC), *dwt = cc_upf(w, OC * IC), *ddout = cc_upf(dout, N * OC);
     uint16_t *dwh = (uint16_t *)cc_up(wh, (size_t)(OC * IC) * 2);
@@ -213,15 +219,15 @@ static void grouped_case(ds4_matmul_precision p, bool bf16w, int64_t N, int64_t 
     float *z_c = cc_hostf(nz), *do_c = cc_hostf(no), *dw_c = cc_hostf(nw);
     memcpy(do_c, do0, (size_t)no * 4);
     memcpy(dw_c, dw0, (size_t)nw * 4);
-    CC_OK(ds4_set_matmul_precision(p));
+    cpu_precision(p);
     if (bf16w) {
-        cpu()->grouped_linear_fwd_bf16w(z_c, o, wh, N, G, R, Din);
-        cpu()->grouped_linear_bwd_bf16w(do_c, dw_c, dz, o, wh, N, G, R, Din);
+        CPU(grouped_linear_fwd_bf16w, z_c, o, wh, N, G, R, Din);
+        CPU(grouped_linear_bwd_bf16w, do_c, dw_c, dz, o, wh, N, G, R, Din);
     } else {
-        cpu()->grouped_linear_fwd(z_c, o, w, N, G, R, Din);
-        cpu()->grouped_linear_bwd(do_c, dw_c, dz, o, w, N, G, R, Din);
+        CPU(grouped_linear_fwd, z_c, o, w, N, G, R, Din);
+        CPU(grouped_linear_bwd, do_c, dw_c, dz, o, w, N, G, R, Din);
     }
-    CC_OK(ds4_set_matmul_precision(DS4_MATMUL_FP32));
+    cpu_precision(DS4_MATMUL_FP32);
     float *d_o = cc_upf(o, no), *d_w = cc_upf(w, nw), *d_dz = cc_upf(dz, nz), *d_z = (float *)cc_dev((size_t)nz * 4);
     float *d_do = cc_upf(do0, no), *d_dw = cc_upf(dw0, nw);
     uint16_t *d_wh = (uint16_t *)cc_up(wh, (size_t)nw * 2);
@@ -294,8 +300,8 @@ static void test_embedding(void) {
     float *out_c = cc_hostf(N * D), *dt_c = cc_hostf(V * D), *out_g = cc_hostf(N * D), *dt_g = cc_hostf(V * D),
           *dt_g2 = cc_hostf(V * D);
     memcpy(dt_c, dt0, (size_t)(V * D) * 4);
-    cpu()->embedding_fwd(out_c, table, ids, N, D);
-    cpu()->embedding_bwd(dt_c, dout, ids, N, D);
+    CPU(embedding_fwd, out_c, table, ids, N, D);
+    CPU(embedding_bwd, dt_c, dout, ids, N, D);
     float *d_t = cc_upf(table, V * D), *d_out = (float *)cc_dev((size_t)(N * D) * 4), *d_do = cc_upf(dout, N * D),
           *d_dt = cc_upf(dt0, V * D);
     int32_t *d_ids = (int32_t *)cc_up(ids, (size_t)N * 4);
@@ -329,8 +335,8 @@ static void rmsnorm_case(int64_t N, int64_t D, bool weighted, unsigned seed) {
     float *y_c = cc_hostf(N * D), *r_c = cc_hostf(N), *dx_c = cc_hostf(N * D), *dw_c = cc_hostf(D);
     memcpy(dx_c, dx0, (size_t)(N * D) * 4);
     memcpy(dw_c, dw0, (size_t)D * 4);
-    cpu()->rmsnorm_fwd(y_c, r_c, x, wp, N, D, eps);
-    cpu()->rmsnorm_bwd(dx_c, dw_c, dy, x, wp, r_c, N, D);
+    CPU(rmsnorm_fwd, y_c, r_c, x, wp, N, D, eps);
+    CPU(rmsnorm_bwd, dx_c, dw_c, dy, x, wp, r_c, N, D);
     float *d_x = cc_upf(x, N * D), *d_w = weighted ? cc_upf(w, D) : NULL, *d_y = (float *)cc_dev((size_t)(N * D) * 4),
           *d_r = (float *)cc_dev((size_t)N * 4), *d_dy = cc_upf(dy, N * D), *d_dx = cc_upf(dx0, N * D),
           *d_dw = cc_upf(dw0, D), *d_rc = cc_upf(r_c, N);
@@ -394,8 +400,8 @@ static void test_rope(void) {
             rope_args ac = {N, H, hd, period, mult, &host, inv != 0}, ag = ac;
             ag.table = &dev;
             memcpy(xc, x, (size_t)(N * H * hd) * 4);
-            if (bwd) cpu()->rope_bwd(xc, &ac);
-            else cpu()->rope_fwd(xc, &ac);
+            if (bwd) CPU(rope_bwd, xc, &ac);
+            else CPU(rope_fwd, xc, &ac);
             float *d = cc_upf(x, N * H * hd);
             CC_OK(bwd ? cuda_rope_bwd(S, d, &ag) : cuda_rope_fwd(S, d, &ag));
             cc_down(xg, d, (size_t)(N * H * hd) * 4);
@@ -432,8 +438,8 @@ static void test_swiglu(void) {
         float *act_c = cc_hostf(n), *dg_c = cc_hostf(n), *du_c = cc_hostf(n);
         memcpy(dg_c, dg0, (size_t)n * 4);
         memcpy(du_c, du0, (size_t)n * 4);
-        cpu()->swiglu_fwd(act_c, g, u, N, I, L);
-        cpu()->swiglu_bwd(dg_c, du_c, dact, g, u, N, I, L);
+        CPU(swiglu_fwd, act_c, g, u, N, I, L);
+        CPU(swiglu_bwd, dg_c, du_c, dact, g, u, N, I, L);
         float *d_g = cc_upf(g, n), *d_u = cc_upf(u, n), *d_da = cc_upf(dact, n), *d_act = (float *)cc_dev((size_t)n * 4),
               *d_dg = cc_upf(dg0, n), *d_du = cc_upf(du0, n);
         float *act_g = cc_hostf(n), *dg_g = cc_hostf(n), *du_g = cc_hostf(n), *act_g2 = cc_hostf(n), *dg_g2 = cc_hostf(n);
@@ -489,7 +495,7 @@ static void ce_case(int64_t N, int64_t V, unsigned seed) {
     double loss_c = 0;
     int64_t n_c = 0;
     float *dl_c = cc_hostf(N * V), *dl_g = cc_hostf(N * V), *dl_g2 = cc_hostf(N * V);
-    cpu()->cross_entropy_fwd_bwd(&loss_c, &n_c, dl_c, logits, tg, N, V, gs);
+    CPU(cross_entropy_fwd_bwd, &loss_c, &n_c, dl_c, logits, tg, N, V, gs);
     float *d_l = cc_upf(logits, N * V), *d_dl = (float *)cc_dev((size_t)(N * V) * 4);
     int32_t *d_t = (int32_t *)cc_up(tg, (size_t)N * 4);
     double *d_loss = (double *)cc_dev(8), *d_rows = (double *)cc_dev(cuda_cross_entropy_scratch_bytes(N));
@@ -540,14 +546,14 @@ static void test_data_ops(void) {
     float *da = cc_upf(a, n), *db = cc_upf(b, n);
     /* add */
     memcpy(c, a, (size_t)n * 4);
-    cpu()->tensor_add(c, b, n);
+    CPU(tensor_add, c, b, n);
     CC_OK(cuda_tensor_add(S, da, db, n));
     cc_down(g, da, (size_t)n * 4);
     cc_same_floats("tensor_add (NaN payloads aside)", g, c, n);
     /* round_bf16 */
     cc_reload(da, a, (size_t)n * 4);
     memcpy(c, a, (size_t)n * 4);
-    cpu()->tensor_round_bf16(c, n);
+    CPU(tensor_round_bf16, c, n);
     CC_OK(cuda_tensor_round_bf16(S, da, n));
     cc_down(g, da, (size_t)n * 4);
     cc_same_bits("tensor_round_bf16", g, c, (size_t)n * 4);
@@ -555,11 +561,11 @@ static void test_data_ops(void) {
     uint16_t *hc = (uint16_t *)cc_host((size_t)n * 2), *hg = (uint16_t *)cc_host((size_t)n * 2);
     uint16_t *dh = (uint16_t *)cc_dev((size_t)n * 2);
     cc_reload(da, a, (size_t)n * 4);
-    cpu()->tensor_pack_bf16(hc, a, n);
+    CPU(tensor_pack_bf16, hc, a, n);
     CC_OK(cuda_tensor_pack_bf16(S, dh, da, n));
     cc_down(hg, dh, (size_t)n * 2);
     cc_same_bits("tensor_pack_bf16", hg, hc, (size_t)n * 2);
-    cpu()->tensor_unpack_bf16(c, hc, n);
+    CPU(tensor_unpack_bf16, c, hc, n);
     CC_OK(cuda_tensor_unpack_bf16(S, db, dh, n));
     cc_down(g, db, (size_t)n * 4);
     cc_same_bits("tensor_unpack_bf16", g, c, (size_t)n * 4);
@@ -579,7 +585,7 @@ static void test_data_ops(void) {
     cc_fill_ids(ids, B * T, 702, 1000);
     int32_t *dids = (int32_t *)cc_up(ids, (size_t)(B * T) * 4), *dout = (int32_t *)cc_dev((size_t)(B * T) * 4);
     for (int64_t shift = 0; shift <= T; shift += 18) {
-        cpu()->shift_ids(oc, ids, B, T, shift, -7);
+        CPU(shift_ids, oc, ids, B, T, shift, -7);
         CC_OK(cuda_shift_ids(S, dout, dids, B, T, shift, -7));
         cc_down(og, dout, (size_t)(B * T) * 4);
         cc_same_bits("shift_ids", og, oc, (size_t)(B * T) * 4);
@@ -599,19 +605,19 @@ static void test_streams(void) {
         cc_fill(dx, N * D, 820, 1.0f);
         float *dX = cc_upf(X, nX), *dxx = cc_upf(x, N * D), *ddx = cc_upf(dx, N * D);
         memcpy(Xc, X, (size_t)nX * 4);
-        cpu()->streams_expand(Xc, N, ns, D);
+        CPU(streams_expand, Xc, N, ns, D);
         CC_OK(cuda_streams_expand(S, dX, N, ns, D));
         cc_down(Xg, dX, (size_t)nX * 4);
         cc_same_bits("streams_expand", Xg, Xc, (size_t)nX * 4);
         cc_reload(dX, X, (size_t)nX * 4);
         memcpy(Xc, X, (size_t)nX * 4);
-        cpu()->streams_add(Xc, x, N, ns, D);
+        CPU(streams_add, Xc, x, N, ns, D);
         CC_OK(cuda_streams_add(S, dX, dxx, N, ns, D));
         cc_down(Xg, dX, (size_t)nX * 4);
         cc_same_bits("streams_add", Xg, Xc, (size_t)nX * 4);
         cc_reload(dX, X, (size_t)nX * 4);
         memcpy(dxc, dx, (size_t)(N * D) * 4);
-        cpu()->streams_sum(dxc, X, N, ns, D);
+        CPU(streams_sum, dxc, X, N, ns, D);
         CC_OK(cuda_streams_sum(S, ddx, dX, N, ns, D));
         cc_down(dxg, ddx, (size_t)(N * D) * 4);
         cc_same_bits("streams_sum", dxg, dxc, (size_t)(N * D) * 4);
@@ -673,7 +679,7 @@ static void gate_case(bool hashed, bool with_bias, unsigned seed) {
     int32_t *idx_c = (int32_t *)cc_host((size_t)(N * K) * 4), *idx_g = (int32_t *)cc_host((size_t)(N * K) * 4);
     float *w_c = cc_hostf(N * K), *s_c = cc_hostf(N * E), *w_g = cc_hostf(N * K), *s_g = cc_hostf(N * E);
     moe_gate_args ac = {{N, E, K}, rs, logits, with_bias ? bias : NULL, hashed ? tid2eid : NULL, ids, idx_c, w_c, s_c};
-    cpu()->moe_gate_fwd(&ac);
+    CPU(moe_gate_fwd, &ac);
     float *d_l = cc_upf(logits, N * E), *d_b = cc_upf(bias, E), *d_w = (float *)cc_dev((size_t)(N * K) * 4),
           *d_s = (float *)cc_dev((size_t)(N * E) * 4);
     int64_t *d_t2e = (int64_t *)cc_up(tid2eid, (size_t)(V * K) * 8);
@@ -692,7 +698,7 @@ static void gate_case(bool hashed, bool with_bias, unsigned seed) {
     float *dl_c = cc_hostf(N * E), *dl_g = cc_hostf(N * E), *dl_g2 = cc_hostf(N * E);
     memcpy(dl_c, dl0, (size_t)(N * E) * 4);
     moe_gate_grads gc = {dwts, dl_c};
-    cpu()->moe_gate_bwd(&ac, &gc);
+    CPU(moe_gate_bwd, &ac, &gc);
     cc_reload(d_idx, idx_c, (size_t)(N * K) * 4);
     cc_reload(d_s, s_c, (size_t)(N * E) * 4);
     float *d_dw = cc_upf(dwts, N * K), *d_dl = cc_upf(dl0, N * E);
@@ -737,7 +743,7 @@ static void test_moe_routing(void) {
     int64_t *eoff_c = (int64_t *)cc_host((size_t)(E + 1) * 8), *eoff_g = (int64_t *)cc_host((size_t)(E + 1) * 8);
     int32_t *etok_c = (int32_t *)cc_host((size_t)NK * 4), *eslot_c = (int32_t *)cc_host((size_t)NK * 4);
     int32_t *etok_g = (int32_t *)cc_host((size_t)NK * 4), *eslot_g = (int32_t *)cc_host((size_t)NK * 4);
-    cpu()->moe_group_by_expert(eoff_c, etok_c, eslot_c, idx, N, E, K);
+    CPU(moe_group_by_expert, eoff_c, etok_c, eslot_c, idx, N, E, K);
     int32_t *d_idx = (int32_t *)cc_up(idx, (size_t)NK * 4), *d_etok = (int32_t *)cc_dev((size_t)NK * 4),
             *d_eslot = (int32_t *)cc_dev((size_t)NK * 4);
     int64_t *d_eoff = (int64_t *)cc_dev((size_t)(E + 1) * 8);
@@ -751,11 +757,11 @@ static void test_moe_routing(void) {
     /* counts and load */
     int64_t *cnt_c = (int64_t *)cc_host((size_t)E * 8), *cnt_g = (int64_t *)cc_host((size_t)E * 8);
     int64_t *d_cnt = (int64_t *)cc_dev((size_t)E * 8);
-    cpu()->moe_expert_counts(cnt_c, eoff_c, E, NK);
+    CPU(moe_expert_counts, cnt_c, eoff_c, E, NK);
     CC_OK(cuda_moe_expert_counts(S, d_cnt, d_eoff, E, NK));
     cc_down(cnt_g, d_cnt, (size_t)E * 8);
     cc_same_bits("moe_expert_counts", cnt_g, cnt_c, (size_t)E * 8);
-    cpu()->moe_expert_load(cnt_c, eoff_c, E);
+    CPU(moe_expert_load, cnt_c, eoff_c, E);
     CC_OK(cuda_moe_expert_load(S, d_cnt, d_eoff, E));
     cc_down(cnt_g, d_cnt, (size_t)E * 8);
     cc_same_bits("moe_expert_load", cnt_g, cnt_c, (size_t)E * 8);
@@ -764,11 +770,11 @@ static void test_moe_routing(void) {
     cc_fill(w, NK, 1101, 1.0f);
     cc_fill(dgw_c, NK, 1102, 1.0f);
     float *d_w = cc_upf(w, NK), *d_wj = (float *)cc_dev((size_t)NK * 4), *d_dgw = cc_upf(dgw_c, NK);
-    cpu()->moe_assignment_weights(wj_c, w, etok_c, eslot_c, NK, K);
+    CPU(moe_assignment_weights, wj_c, w, etok_c, eslot_c, NK, K);
     CC_OK(cuda_moe_assignment_weights(S, d_wj, d_w, d_etok, d_eslot, NK, K));
     cc_down(wj_g, d_wj, (size_t)NK * 4);
     cc_same_bits("moe_assignment_weights", wj_g, wj_c, (size_t)NK * 4);
-    cpu()->moe_weight_grads_add(dgw_c, wj_c, etok_c, eslot_c, NK, K);
+    CPU(moe_weight_grads_add, dgw_c, wj_c, etok_c, eslot_c, NK, K);
     CC_OK(cuda_moe_weight_grads_add(S, d_dgw, d_wj, d_etok, d_eslot, NK, K));
     cc_down(dgw_g, d_dgw, (size_t)NK * 4);
     cc_same_bits("moe_weight_grads_add", dgw_g, dgw_c, (size_t)NK * 4);
@@ -778,11 +784,11 @@ static void test_moe_routing(void) {
     cc_fill(x, N * D, 1103, 1.0f);
     cc_fill(acc_c, N * D, 1104, 1.0f);
     float *d_x = cc_upf(x, N * D), *d_g = (float *)cc_dev((size_t)(NK * D) * 4), *d_acc = cc_upf(acc_c, N * D);
-    cpu()->rows_gather(g_c, x, etok_c, NK, D);
+    CPU(rows_gather, g_c, x, etok_c, NK, D);
     CC_OK(cuda_rows_gather(S, d_g, d_x, d_etok, NK, D));
     cc_down(g_g, d_g, (size_t)(NK * D) * 4);
     cc_same_bits("rows_gather", g_g, g_c, (size_t)(NK * D) * 4);
-    cpu()->rows_scatter_add(acc_c, g_c, etok_c, NK, D);
+    CPU(rows_scatter_add, acc_c, g_c, etok_c, NK, D);
     CC_OK(cuda_rows_scatter_add(S, d_acc, d_g, d_etok, NK, D));
     cc_down(acc_g, d_acc, (size_t)(N * D) * 4);
     cc_same_bits("rows_scatter_add", acc_g, acc_c, (size_t)(N * D) * 4);
@@ -790,20 +796,20 @@ static void test_moe_routing(void) {
     float *d_p = (float *)cc_dev((size_t)(NK * (D + 1)) * 4);
     for (int with_rows = 0; with_rows < 2; with_rows++) {
         const int64_t n = with_rows ? NK : N;
-        cpu()->rows_pack(p_c, x, with_rows ? etok_c : NULL, w, n, D);
+        CPU(rows_pack, p_c, x, with_rows ? etok_c : NULL, w, n, D);
         CC_OK(cuda_rows_pack(S, d_p, d_x, with_rows ? d_etok : NULL, d_w, n, D));
         cc_down(p_g, d_p, (size_t)(n * (D + 1)) * 4);
         cc_same_bits(with_rows ? "rows_pack (rows)" : "rows_pack", p_g, p_c, (size_t)(n * (D + 1)) * 4);
     }
     float *ux_c = cc_hostf(NK * D), *uw_c = cc_hostf(NK), *ux_g = cc_hostf(NK * D), *uw_g = cc_hostf(NK);
     float *d_ux = (float *)cc_dev((size_t)(NK * D) * 4), *d_uw = (float *)cc_dev((size_t)NK * 4);
-    cpu()->rows_unpack(ux_c, uw_c, p_c, NK, D);
+    CPU(rows_unpack, ux_c, uw_c, p_c, NK, D);
     CC_OK(cuda_rows_unpack(S, d_ux, d_uw, d_p, NK, D));
     cc_down(ux_g, d_ux, (size_t)(NK * D) * 4);
     cc_down(uw_g, d_uw, (size_t)NK * 4);
     cc_same_bits("rows_unpack x", ux_g, ux_c, (size_t)(NK * D) * 4);
     cc_same_bits("rows_unpack w", uw_g, uw_c, (size_t)NK * 4);
-    cpu()->moe_unpack_grads_add(acc_c, dgw_c, p_c, etok_c, eslot_c, NK, D, K);
+    CPU(moe_unpack_grads_add, acc_c, dgw_c, p_c, etok_c, eslot_c, NK, D, K);
     CC_OK(cuda_moe_unpack_grads_add(S, d_acc, d_dgw, d_p, d_etok, d_eslot, NK, D, K));
     cc_down(acc_g, d_acc, (size_t)(N * D) * 4);
     cc_down(dgw_g, d_dgw, (size_t)NK * 4);
@@ -814,7 +820,7 @@ static void test_moe_routing(void) {
     int32_t *bid_c = (int32_t *)cc_host((size_t)N * 4), *bid_g = (int32_t *)cc_host((size_t)N * 4);
     int64_t *d_tab = (int64_t *)cc_dev((size_t)NK * 8);
     int32_t *d_bid = (int32_t *)cc_dev((size_t)N * 4);
-    cpu()->moe_balanced_table(tab_c, bid_c, N, K, E);
+    CPU(moe_balanced_table, tab_c, bid_c, N, K, E);
     CC_OK(cuda_moe_balanced_table(S, d_tab, d_bid, N, K, E));
     cc_down(tab_g, d_tab, (size_t)NK * 8);
     cc_down(bid_g, d_bid, (size_t)N * 4);
@@ -869,8 +875,8 @@ static void experts_case(bool bf16w, unsigned seed) {
     float *dxc = cc_hostf(R * D), *dwc = cc_hostf(R), *s1 = cc_hostf(R * I), *s2 = cc_hostf(R * I), *s3 = cc_hostf(R * I);
     moe_experts_args ac = {nexp, D, I, limit, off, wc, W, bf16w ? Wh : NULL, x, rw, h1c, h3c, act};
     moe_experts_grads grc = {gc, dy, dxc, dwc, s1, s2, s3};
-    cpu()->moe_experts_fwd(&ac, yc);
-    cpu()->moe_experts_bwd(&ac, &grc);
+    CPU(moe_experts_fwd, &ac, yc);
+    CPU(moe_experts_bwd, &ac, &grc);
     /* cuda: forward, then the backward from the cpu's saved h1, h3 (the same inputs) */
     float *d_x = cc_upf(x, R * D), *d_rw = cc_upf(rw, R), *d_dy = cc_upf(dy, R * D);
     float *d_h1 = (float *)cc_dev((size_t)(R * I) * 4), *d_h3 = (float *)cc_dev((size_t)(R * I) * 4),
