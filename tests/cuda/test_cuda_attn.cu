@@ -901,6 +901,14 @@ static void test_bad_sizes(void) {
     memset(&x, 0, sizeof x);
     x.dims = (sparse_attn_dims){1, -2, 1, 4, 1, 0, 0, 0};
     CHECK(cuda_sparse_attn_fwd(S, &x) == DS4_ERR_ARG, "negative T accepted");
+    float one = 0;
+    sparse_attn_grads xg = {&one, &one, NULL, NULL, NULL};
+    CHECK(cuda_sparse_attn_bwd(S, &x, &xg) == DS4_ERR_ARG, "backward: negative T accepted");
+    indexer_kl_args k;
+    memset(&k, 0, sizeof k);
+    k.dims = (indexer_dims){1, 8, 1, 4, 2, 4, -3};
+    k.H = 1, k.c = 4;
+    CHECK(cuda_indexer_kl_fwd_bwd(S, &k) == DS4_ERR_ARG, "KL: negative K accepted");
     indexer_topk_args t;
     memset(&t, 0, sizeof t);
     t.dims = (indexer_dims){1, 4, -1, 4, 1, 4, 1};
@@ -909,6 +917,8 @@ static void test_bad_sizes(void) {
     memset(&c, 0, sizeof c);
     c.dims = (compressor_dims){-1, 4, 4, 4, false};
     CHECK(cuda_compressor_pool_fwd(S, &c) == DS4_ERR_ARG, "negative B accepted");
+    compressor_pool_grads cg = {&one, &one, NULL, &one};
+    CHECK(cuda_compressor_pool_bwd(S, &c, &cg) == DS4_ERR_ARG, "backward: negative B accepted");
 }
 
 int main(void) {

@@ -383,16 +383,18 @@ static ds4_status sa_bwd_launch(cudaStream_t s, const sparse_attn_args *a, const
     return DS4_OK;
 }
 
-ds4_status cuda_sparse_attn_bwd(cudaStream_t s, const sparse_attn_args *a, const sparse_attn_grads *g) {
+ds4_status cuda_sparse_attn_bwd_ws(cudaStream_t s, const sparse_attn_args *a, const sparse_attn_grads *g, void *ws) {
     int64_t ratio;
     float *dkvc;
     DS4_TRY(sa_check_dims(&a->dims, "sparse_attn_bwd"));
     if (!sa_bwd_wants(a, g, &ratio, &dkvc)) return DS4_OK;
     if (a->dims.B * a->dims.T * a->dims.H == 0 || a->dims.c == 0) return DS4_OK;
-    void *ws;
-    CUDA_TRY(au_ws_alloc(&ws, cuda_sparse_attn_bwd_workspace_bytes(a, g), s));
-    ds4_status st = sa_is_bf16(a) ? sa_bwd_launch<true>(s, a, g, ratio, dkvc, (char *)ws)
-                                  : sa_bwd_launch<false>(s, a, g, ratio, dkvc, (char *)ws);
-    au_ws_free(ws, s);
-    return st;
+    return sa_is_bf16(a) ? sa_bwd_launch<true>(s, a, g, ratio, dkvc, (char *)ws)
+                         : sa_bwd_launch<false>(s, a, g, ratio, dkvc, (char *)ws);
+}
+
+ds4_status cuda_sparse_attn_bwd(cudaStream_t s, const sparse_attn_args *a, const sparse_attn_grads *g) {
+    DS4_TRY(sa_check_dims(&a->dims, "sparse_attn_bwd")); /* before sizing the workspace with them */
+    return au_with_ws(s, cuda_sparse_attn_bwd_workspace_bytes(a, g),
+                      [&](void *ws) { return cuda_sparse_attn_bwd_ws(s, a, g, ws); });
 }

@@ -135,6 +135,15 @@ cudaError_t au_inverse_build(au_inverse *inv, void *ws, const int32_t *topk, int
 /* Stream-ordered workspace: cudaMallocAsync / cudaFreeAsync on the launch's stream (0 bytes: NULL). */
 cudaError_t au_ws_alloc(void **p, size_t bytes, cudaStream_t s);
 void au_ws_free(void *p, cudaStream_t s);
+/* A launcher without a caller's workspace: `bytes` taken on s, run(ws), freed on s. */
+template <typename Run>
+static inline ds4_status au_with_ws(cudaStream_t s, size_t bytes, Run run) {
+    void *ws;
+    CUDA_TRY(au_ws_alloc(&ws, bytes, s));
+    ds4_status st = run(ws);
+    au_ws_free(ws, s);
+    return st;
+}
 
 /* Raises a kernel's dynamic shared-memory limit when bytes > 48 KiB; false when the device cannot
  * give that much. */

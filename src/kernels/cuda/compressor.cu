@@ -121,21 +121,26 @@ size_t cuda_compressor_pool_bwd_workspace_bytes(const compressor_pool_args *a, c
     return (size_t)(d->B * (d->T / d->r) * (d->overlap ? 2 * d->r : d->r) * d->d) * sizeof(float);
 }
 
-ds4_status cuda_compressor_pool_bwd(cudaStream_t s, const compressor_pool_args *a, const compressor_pool_grads *g) {
+ds4_status cuda_compressor_pool_bwd_ws(cudaStream_t s, const compressor_pool_args *a, const compressor_pool_grads *g,
+                                       void *ws) {
     DS4_TRY(cp_check(&a->dims, "compressor_pool_bwd"));
     if (a->dims.r <= 0 || (!g->da && !g->dz && !g->dape)) return DS4_OK;
     const int64_t Nc = a->dims.T / a->dims.r, n = a->dims.B * Nc * a->dims.d;
     if (n == 0) return DS4_OK;
-    float *dsc;
-    CUDA_TRY(au_ws_alloc((void **)&dsc, cuda_compressor_pool_bwd_workspace_bytes(a, g), s));
+    float *dsc = g->dape ? (float *)ws : NULL;
     cp_bwd_kernel<<<cuda_blocks(n, 256), 256, 0, s>>>(*a, *g, Nc, dsc);
-    ds4_status st = cuda_status(cudaGetLastError(), "compressor_pool_bwd", __FILE__, __LINE__);
-    const int64_t C = a->dims.overlap ? 2 * a->dims.d : a->dims.d;
-    if (st == DS4_OK && g->dape) {
+    CUDA_LAUNCHED("compressor_pool_bwd");
+    if (g->dape) {
+        const int64_t C = a->dims.overlap ? 2 * a->dims.d : a->dims.d;
         cp_dape_kernel<<<cuda_blocks(a->dims.r * C, 256), 256, 0, s>>>(g->dape, dsc, a->dims.B, Nc, a->dims.r,
                                                                        a->dims.d, a->dims.overlap);
-        st = cuda_status(cudaGetLastError(), "compressor_pool_bwd", __FILE__, __LINE__);
+        CUDA_LAUNCHED("compressor_pool_bwd");
     }
-    au_ws_free(dsc, s);
-    return st;
+    return DS4_OK;
+}
+
+ds4_status cuda_compressor_pool_bwd(cudaStream_t s, const compressor_pool_args *a, const compressor_pool_grads *g) {
+    DS4_TRY(cp_check(&a->dims, "compressor_pool_bwd")); /* before sizing the workspace with them */
+    return au_with_ws(s, cuda_compressor_pool_bwd_workspace_bytes(a, g),
+                      [&](void *ws) { return cuda_compressor_pool_bwd_ws(s, a, g, ws); });
 }

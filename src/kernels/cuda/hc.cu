@@ -10,6 +10,7 @@
  * -fmad=false that is the cpu's bits. Sinkhorn (per token, one thread) runs the cpu's steps; its
  * backward recomputes step s's input from the softmax instead of storing all steps (O(steps²) tiny
  * steps of n² elements). Only expf and logf differ from the cpu's libm. */
+#include "kernels/cuda/attn_util.cuh" /* au_with_ws */
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/hc.cuh"
 
@@ -473,30 +474,34 @@ static ds4_status hc_bwd_params(cudaStream_t s, float *dfn, float *dscale, float
     return DS4_OK;
 }
 
-ds4_status cuda_hc_pre_bwd(cudaStream_t s, const hc_pre_args *a, const hc_pre_grads *g) {
+ds4_status cuda_hc_pre_bwd_ws(cudaStream_t s, const hc_pre_args *a, const hc_pre_grads *g, void *ws) {
     DS4_TRY(hc_check(&a->dims, "hc_pre_bwd"));
     const int64_t N = a->dims.N, n = a->dims.n, M = (2 + n) * n;
     if (N == 0) return DS4_OK;
-    float *ws;
-    CUDA_TRY(cudaMallocAsync((void **)&ws, cuda_hc_bwd_workspace_bytes(N, n, M), s));
-    hc_pre_bwd_token_kernel<<<(unsigned)N, HC_THREADS, 0, s>>>(*a, *g, ws);
-    ds4_status st = cuda_status(cudaGetLastError(), "hc_pre_bwd", __FILE__, __LINE__);
-    if (st == DS4_OK) st = hc_bwd_params(s, g->dfn, g->dscale, g->dbase, a->X, a->rsqrt, ws, N, n, a->dims.D, M, 3);
-    cudaFreeAsync(ws, s);
-    return st;
+    hc_pre_bwd_token_kernel<<<(unsigned)N, HC_THREADS, 0, s>>>(*a, *g, (float *)ws);
+    CUDA_LAUNCHED("hc_pre_bwd");
+    return hc_bwd_params(s, g->dfn, g->dscale, g->dbase, a->X, a->rsqrt, (const float *)ws, N, n, a->dims.D, M, 3);
 }
 
-ds4_status cuda_hc_head_bwd(cudaStream_t s, const hc_head_args *a, const hc_head_grads *g) {
+ds4_status cuda_hc_pre_bwd(cudaStream_t s, const hc_pre_args *a, const hc_pre_grads *g) {
+    const int64_t n = a->dims.n;
+    return au_with_ws(s, a->dims.N > 0 && n > 0 ? cuda_hc_bwd_workspace_bytes(a->dims.N, n, (2 + n) * n) : 0,
+                      [&](void *ws) { return cuda_hc_pre_bwd_ws(s, a, g, ws); });
+}
+
+ds4_status cuda_hc_head_bwd_ws(cudaStream_t s, const hc_head_args *a, const hc_head_grads *g, void *ws) {
     DS4_TRY(hc_check(&a->dims, "hc_head_bwd"));
     const int64_t N = a->dims.N, n = a->dims.n, M = n;
     if (N == 0) return DS4_OK;
-    float *ws;
-    CUDA_TRY(cudaMallocAsync((void **)&ws, cuda_hc_bwd_workspace_bytes(N, n, M), s));
-    hc_head_bwd_token_kernel<<<(unsigned)N, HC_THREADS, 0, s>>>(*a, *g, ws);
-    ds4_status st = cuda_status(cudaGetLastError(), "hc_head_bwd", __FILE__, __LINE__);
-    if (st == DS4_OK) st = hc_bwd_params(s, g->dfn, g->dscale, g->dbase, a->X, a->rsqrt, ws, N, n, a->dims.D, M, 1);
-    cudaFreeAsync(ws, s);
-    return st;
+    hc_head_bwd_token_kernel<<<(unsigned)N, HC_THREADS, 0, s>>>(*a, *g, (float *)ws);
+    CUDA_LAUNCHED("hc_head_bwd");
+    return hc_bwd_params(s, g->dfn, g->dscale, g->dbase, a->X, a->rsqrt, (const float *)ws, N, n, a->dims.D, M, 1);
+}
+
+ds4_status cuda_hc_head_bwd(cudaStream_t s, const hc_head_args *a, const hc_head_grads *g) {
+    const int64_t n = a->dims.n;
+    return au_with_ws(s, a->dims.N > 0 && n > 0 ? cuda_hc_bwd_workspace_bytes(a->dims.N, n, n) : 0,
+                      [&](void *ws) { return cuda_hc_head_bwd_ws(s, a, g, ws); });
 }
 
 ds4_status cuda_hc_post_fwd(cudaStream_t s, const hc_post_args *a) {

@@ -23,8 +23,11 @@ ds4_status cuda_hc_post_fwd(cudaStream_t s, const hc_post_args *a);
 ds4_status cuda_hc_post_bwd(cudaStream_t s, const hc_post_args *a, const hc_post_grads *g);
 ds4_status cuda_hc_head_fwd(cudaStream_t s, const hc_head_args *a);
 ds4_status cuda_hc_head_bwd(cudaStream_t s, const hc_head_args *a, const hc_head_grads *g);
-/* Workspace of hc_pre_bwd / hc_head_bwd: per token pre [n], ∂mixes [M], dbase part [M], dscale part [3]. */
+/* Workspace of hc_pre_bwd / hc_head_bwd (M = (2+n)·n / n): per token pre [n], ∂mixes [M], dbase part
+ * [M], dscale part [3]. The launchers take it with cudaMallocAsync on s; the `_ws` twins use a caller's. */
 size_t cuda_hc_bwd_workspace_bytes(int64_t N, int64_t n, int64_t M);
+ds4_status cuda_hc_pre_bwd_ws(cudaStream_t s, const hc_pre_args *a, const hc_pre_grads *g, void *ws);
+ds4_status cuda_hc_head_bwd_ws(cudaStream_t s, const hc_head_args *a, const hc_head_grads *g, void *ws);
 
 #ifdef __cplusplus
 }

@@ -365,21 +365,28 @@ static ds4_status ix_kl_launch(cudaStream_t s, const indexer_kl_args *a, int64_t
     return DS4_OK;
 }
 
-ds4_status cuda_indexer_kl_fwd_bwd(cudaStream_t s, const indexer_kl_args *a) {
+static ds4_status ix_kl_check(const indexer_kl_args *a) {
     const indexer_dims *d = &a->dims;
-    CUDA_ARG(d->B >= 0 && d->T >= 0 && d->HI >= 0 && d->dI >= 0 && d->Nc >= 0 && a->H >= 0 && a->c >= 0,
-             "indexer_kl_fwd_bwd", "negative size (B %lld, T %lld, HI %lld, dI %lld, Nc %lld, H %lld, c %lld)",
-             (long long)d->B, (long long)d->T, (long long)d->HI, (long long)d->dI, (long long)d->Nc, (long long)a->H,
-             (long long)a->c);
+    CUDA_ARG(d->B >= 0 && d->T >= 0 && d->HI >= 0 && d->dI >= 0 && d->Nc >= 0 && d->K >= 0 && a->H >= 0 && a->c >= 0,
+             "indexer_kl_fwd_bwd", "negative size (B %lld, T %lld, HI %lld, dI %lld, Nc %lld, K %lld, H %lld, c %lld)",
+             (long long)d->B, (long long)d->T, (long long)d->HI, (long long)d->dI, (long long)d->Nc, (long long)d->K,
+             (long long)a->H, (long long)a->c);
+    return DS4_OK;
+}
+
+ds4_status cuda_indexer_kl_fwd_bwd_ws(cudaStream_t s, const indexer_kl_args *a, void *ws) {
+    const indexer_dims *d = &a->dims;
+    DS4_TRY(ix_kl_check(a));
     CUDA_TRY(cudaMemsetAsync(a->kl_sum, 0, sizeof(double), s));
     CUDA_TRY(cudaMemsetAsync(a->n_rows, 0, sizeof(int64_t), s));
     const int64_t nmax = ix_kl_set_max(a);
     if (nmax == 0 || d->B * d->T == 0) return DS4_OK;
     CUDA_ARG(d->B * d->T <= INT32_MAX, "indexer_kl_fwd_bwd", "B·T = %lld rows, more than one launch holds",
              (long long)(d->B * d->T));
-    void *ws;
-    CUDA_TRY(au_ws_alloc(&ws, cuda_indexer_kl_workspace_bytes(a), s));
-    ds4_status st = a->ki16 ? ix_kl_launch<true>(s, a, nmax, (char *)ws) : ix_kl_launch<false>(s, a, nmax, (char *)ws);
-    au_ws_free(ws, s);
-    return st;
+    return a->ki16 ? ix_kl_launch<true>(s, a, nmax, (char *)ws) : ix_kl_launch<false>(s, a, nmax, (char *)ws);
+}
+
+ds4_status cuda_indexer_kl_fwd_bwd(cudaStream_t s, const indexer_kl_args *a) {
+    DS4_TRY(ix_kl_check(a)); /* before sizing the workspace with them */
+    return au_with_ws(s, cuda_indexer_kl_workspace_bytes(a), [&](void *ws) { return cuda_indexer_kl_fwd_bwd_ws(s, a, ws); });
 }
