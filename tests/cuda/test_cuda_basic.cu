@@ -105,6 +105,29 @@ static void test_gemm_bf16(void) {
     }
 }
 
+/* The handle keeps 64 shapes' plans: a shape evicted by 70 others and planned again gives the same bits
+ * (the algorithm is the heuristic's choice for the shape, not an accident of the cache). */
+static void test_gemm_plan_cache(void) {
+    const int64_t M = 96, N = 80, K = 72;
+    float *A = cc_hostf(M * K), *B = cc_hostf(N * K), *C1 = cc_hostf(M * N), *C2 = cc_hostf(M * N);
+    cc_fill(A, M * K, 90, 1.0f);
+    cc_fill(B, N * K, 91, 1.0f);
+    float *dA = cc_upf(A, M * K), *dB = cc_upf(B, N * K), *dC = (float *)cc_dev((size_t)(M * N) * 4);
+    for (int p = 0; p < 2; p++) {
+        const ds4_matmul_precision prec = p ? DS4_MATMUL_BF16 : DS4_MATMUL_FP32;
+        CC_OK(cuda_gemm_nt(BL, S, prec, M, N, K, dA, K, dB, K, dC, N, 0));
+        cc_down(C1, dC, (size_t)(M * N) * 4);
+        for (int64_t i = 1; i <= 70; i++) /* 70 other shapes */
+            CC_OK(cuda_gemm_nt(BL, S, prec, M - i % 7, N - i / 7, K, dA, K, dB, K, dC, N, 0));
+        cc_poison(dC, (size_t)(M * N) * 4);
+        CC_OK(cuda_gemm_nt(BL, S, prec, M, N, K, dA, K, dB, K, dC, N, 0));
+        cc_down(C2, dC, (size_t)(M * N) * 4);
+        CHECK(!memcmp(C1, C2, (size_t)(M * N) * 4), "gemm %s: the shape planned again gives other bits",
+              ds4_matmul_precision_name(prec));
+    }
+    free(A), free(B), free(C1), free(C2), cc_free(dA), cc_free(dB), cc_free(dC);
+}
+
 /* fp32 is true fp32: a = 1 + 2^-13 has 13 fraction bits, TF32 keeps 10 (bf16 7), so Σ_k a·1 over 256 terms
  * is exactly 256 + 2^-5 in fp32 and 256 in TF32 or bf16. The bf16 mode must give 256: it rounds. */
 static void test_gemm_not_tf32(void) {
@@ -1082,6 +1105,7 @@ int main(void) {
     CC_RUN(test_memory);
     CC_RUN(test_gemm_not_tf32);
     CC_RUN(test_gemm_fp32);
+    CC_RUN(test_gemm_plan_cache);
     CC_RUN(test_gemm_bf16);
     CC_RUN(test_linear);
     CC_RUN(test_grouped_linear);

@@ -13,12 +13,32 @@
  * Determinism: cuBLASLt gives the same bits for the same algorithm, shapes and GPU. The algorithm is
  * the first of its heuristic for the shapes, leading dimensions, types, workspace size and the pointers'
  * alignment class (16 bytes or less, passed as the minimum alignment), never timed autotuning, so it
- * depends on nothing that changes between runs. Every split-K reduction scheme cuBLASLt has is ordered. */
+ * depends on nothing that changes between runs; the handle keeps it with the descriptors per shape (a
+ * plan), so a shape seen again skips the heuristic. Every split-K reduction scheme cuBLASLt has is
+ * ordered. */
 #include <cublasLt.h>
 
 #include "kernels/cuda/cuda_common.cuh"
 
 #define BLAS_WORKSPACE_DEFAULT ((size_t)32 << 20) /* cuBLASLt's recommendation for Hopper */
+#define BLAS_PLANS 64                              /* cached GEMM shapes per handle */
+
+/* What fixes a cuBLASLt call's algorithm: types, transposes, sizes, leading dimensions, batch and strides,
+ * alignment classes. Zero-initialised before filling, so its padding compares equal. */
+typedef struct {
+    int32_t type, ta, tb, batch;
+    int64_t M, N, K, lda, ldb, ldc, sa, sb, sc;
+    uint32_t al_a, al_b, al_c, pad;
+} lt_key;
+
+/* One cached call: its descriptors and the algorithm the heuristic chose for them. */
+typedef struct {
+    lt_key key;
+    bool used;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a, b, c;
+    cublasLtMatmulAlgo_t algo;
+} lt_plan;
 
 struct cuda_blas {
     cublasLtHandle_t lt;
@@ -26,6 +46,8 @@ struct cuda_blas {
     size_t work_bytes;
     uint16_t *stage; /* bf16 copies of fp32 operands in bf16 precision */
     size_t stage_bytes;
+    lt_plan plans[BLAS_PLANS]; /* the shapes seen, each with the algorithm chosen for it once */
+    int next_plan;             /* the slot a new shape takes (round robin) */
 };
 
 static ds4_status blas_status(cublasStatus_t st, const char *what) {
@@ -54,8 +76,11 @@ ds4_status cuda_blas_create(cuda_blas **out, size_t workspace_bytes) {
     return DS4_OK;
 }
 
+static void lt_plan_free(lt_plan *d);
+
 void cuda_blas_destroy(cuda_blas *b) {
     if (!b) return;
+    for (int i = 0; i < BLAS_PLANS; i++) lt_plan_free(&b->plans[i]);
     cudaFree(b->work);
     cudaFree(b->stage);
     if (b->lt) cublasLtDestroy(b->lt);
@@ -119,18 +144,79 @@ static ds4_status layout(cublasLtMatrixLayout_t *l, cudaDataType_t t, int64_t ro
     return DS4_OK;
 }
 
-typedef struct {
-    cublasLtMatmulDesc_t op;
-    cublasLtMatrixLayout_t a, b, c;
-    cublasLtMatmulPreference_t pref;
-} lt_descs;
-
-static void lt_descs_free(lt_descs *d) {
-    if (d->pref) cublasLtMatmulPreferenceDestroy(d->pref);
+static void lt_plan_free(lt_plan *d) {
     if (d->c) cublasLtMatrixLayoutDestroy(d->c);
     if (d->b) cublasLtMatrixLayoutDestroy(d->b);
     if (d->a) cublasLtMatrixLayoutDestroy(d->a);
     if (d->op) cublasLtMatmulDescDestroy(d->op);
+    memset(d, 0, sizeof *d);
+}
+
+/* The descriptors and algorithm of key k (cuBLASLt's first operand is ds4's B: op N when B is [K, N],
+ * i.e. column-major [N, K], else T; its second is ds4's A). */
+static ds4_status lt_plan_make(cuda_blas *bl, const lt_key *k, lt_plan *d) {
+    const cudaDataType_t t = (cudaDataType_t)k->type;
+    const cublasOperation_t opa = k->tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = k->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const uint64_t ws = bl->work_bytes;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    ds4_status st = DS4_OK;
+    memset(d, 0, sizeof *d);
+#define LT_STEP(call, what)                                           \
+    do {                                                              \
+        if (st == DS4_OK) st = blas_status((call), what);             \
+    } while (0)
+    LT_STEP(cublasLtMatmulDescCreate(&d->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc");
+    LT_STEP(cublasLtMatmulDescSetAttribute(d->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa), "transa");
+    LT_STEP(cublasLtMatmulDescSetAttribute(d->op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb), "transb");
+    if (st == DS4_OK) st = layout(&d->a, t, k->tb ? k->N : k->K, k->tb ? k->K : k->N, k->ldb, k->batch, k->sb);
+    if (st == DS4_OK) st = layout(&d->b, t, k->ta ? k->K : k->M, k->ta ? k->M : k->K, k->lda, k->batch, k->sa);
+    if (st == DS4_OK) st = layout(&d->c, CUDA_R_32F, k->M, k->N, k->ldc, k->batch, k->sc);
+    LT_STEP(cublasLtMatmulPreferenceCreate(&pref), "preference");
+    LT_STEP(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws),
+            "workspace");
+    LT_STEP(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &k->al_a,
+                                                 sizeof k->al_a),
+            "alignment");
+    LT_STEP(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &k->al_b,
+                                                 sizeof k->al_b),
+            "alignment");
+    LT_STEP(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &k->al_c,
+                                                 sizeof k->al_c),
+            "alignment");
+    LT_STEP(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &k->al_c,
+                                                 sizeof k->al_c),
+            "alignment");
+    LT_STEP(cublasLtMatmulAlgoGetHeuristic(bl->lt, d->op, d->a, d->b, d->c, d->c, pref, 1, &res, &found), "heuristic");
+#undef LT_STEP
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (st == DS4_OK && found < 1)
+        st = ds4_fail(DS4_ERR_UNSUPPORTED, "cuda: cuBLASLt has no algorithm for a %s GEMM M %lld N %lld K %lld",
+                      t == CUDA_R_32F ? "fp32" : "bf16", (long long)k->M, (long long)k->N, (long long)k->K);
+    if (st != DS4_OK) {
+        lt_plan_free(d);
+        return st;
+    }
+    d->key = *k;
+    d->algo = res.algo;
+    d->used = true;
+    return DS4_OK;
+}
+
+/* The cached plan of key k, made on a miss (the oldest plan makes room: a model has a few dozen shapes). */
+static ds4_status lt_plan_get(cuda_blas *bl, const lt_key *k, const lt_plan **out) {
+    for (int i = 0; i < BLAS_PLANS; i++)
+        if (bl->plans[i].used && memcmp(&bl->plans[i].key, k, sizeof *k) == 0) {
+            *out = &bl->plans[i];
+            return DS4_OK;
+        }
+    lt_plan *slot = &bl->plans[bl->next_plan];
+    lt_plan_free(slot);
+    DS4_TRY(lt_plan_make(bl, k, slot));
+    bl->next_plan = (bl->next_plan + 1) % BLAS_PLANS;
+    *out = slot;
+    return DS4_OK;
 }
 
 /* C[M,N] (ldc, batch stride sc) = beta·C + op(A)·op(B), A and B already in the type t (fp32 or bf16).
@@ -138,47 +224,18 @@ static void lt_descs_free(lt_descs *d) {
 static ds4_status lt_matmul(cuda_blas *bl, cudaStream_t s, cudaDataType_t t, bool ta, bool tb, int64_t M, int64_t N,
                             int64_t K, const void *A, int64_t lda, int64_t sa, const void *B, int64_t ldb, int64_t sb,
                             float *C, int64_t ldc, int64_t sc, int64_t batch, float beta) {
-    lt_descs d = {};
-    ds4_status st = DS4_OK;
-    /* cuBLASLt's first operand is ds4's B: op N when B is [K, N] (column-major [N, K]), else T. */
-    const cublasOperation_t opa = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-    const uint64_t ws = bl->work_bytes;
-    const size_t el = t == CUDA_R_32F ? 4 : 2;
-    const uint32_t al_a = align_class(B, sb * (int64_t)el), al_b = align_class(A, sa * (int64_t)el),
-                   al_c = align_class(C, sc * 4);
+    const int64_t el = t == CUDA_R_32F ? 4 : 2;
+    lt_key k;
+    memset(&k, 0, sizeof k);
+    k.type = (int32_t)t, k.ta = ta, k.tb = tb, k.batch = (int32_t)batch;
+    k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc, k.sa = sa, k.sb = sb, k.sc = sc;
+    k.al_a = align_class(B, sb * el), k.al_b = align_class(A, sa * el), k.al_c = align_class(C, sc * 4);
+    const lt_plan *pl = NULL;
+    DS4_TRY(lt_plan_get(bl, &k, &pl));
     const float alpha = 1.0f;
-    cublasLtMatmulHeuristicResult_t res;
-    int found = 0;
-#define LT_STEP(call, what)                                           \
-    do {                                                              \
-        if (st == DS4_OK) st = blas_status((call), what);             \
-    } while (0)
-    LT_STEP(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc");
-    LT_STEP(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa), "transa");
-    LT_STEP(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb), "transb");
-    if (st == DS4_OK) st = layout(&d.a, t, tb ? N : K, tb ? K : N, ldb, batch, sb);
-    if (st == DS4_OK) st = layout(&d.b, t, ta ? K : M, ta ? M : K, lda, batch, sa);
-    if (st == DS4_OK) st = layout(&d.c, CUDA_R_32F, M, N, ldc, batch, sc);
-    LT_STEP(cublasLtMatmulPreferenceCreate(&d.pref), "preference");
-    LT_STEP(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws),
-            "workspace");
-    LT_STEP(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a),
-            "alignment");
-    LT_STEP(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b),
-            "alignment");
-    LT_STEP(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c),
-            "alignment");
-    LT_STEP(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c),
-            "alignment");
-    LT_STEP(cublasLtMatmulAlgoGetHeuristic(bl->lt, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &res, &found), "heuristic");
-    if (st == DS4_OK && found < 1)
-        st = ds4_fail(DS4_ERR_UNSUPPORTED, "cuda: cuBLASLt has no algorithm for a %s GEMM M %lld N %lld K %lld",
-                      t == CUDA_R_32F ? "fp32" : "bf16", (long long)M, (long long)N, (long long)K);
-    LT_STEP(cublasLtMatmul(bl->lt, d.op, &alpha, B, d.a, A, d.b, &beta, C, d.c, C, d.c, &res.algo, bl->work, ws, s),
-            "matmul");
-#undef LT_STEP
-    lt_descs_free(&d);
-    return st;
+    return blas_status(cublasLtMatmul(bl->lt, pl->op, &alpha, B, pl->a, A, pl->b, &beta, C, pl->c, C, pl->c, &pl->algo,
+                                      bl->work, bl->work_bytes, s),
+                       "matmul");
 }
 
 /* The GEMM on operands a (M×K or K×M) and b, in precision p; the sizes checked, empty products handled:
