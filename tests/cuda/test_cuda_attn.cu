@@ -844,8 +844,8 @@ static void comp_case(const char *name, int64_t B, int64_t T, int64_t r, int64_t
                 const double wg = e[k] / se * go, dwg = fabs(wg) * (re[k] + rse + 2 * U);
                 const double am = a[row[k]] - out, t = wg * am;
                 const double dt = dwg * fabs(am) + fabs(wg) * (bout + U * fabs(am)) + U * fabs(t);
-                vda[row[k]] += wg, bda[row[k]] = dwg + U * fabs(vda[row[k]]);
-                vdz[row[k]] += t, bdz[row[k]] = dt + U * fabs(vdz[row[k]]);
+                vda[row[k]] += wg, bda[row[k]] = dwg * (1 + U) + U * fabs(vda[row[k]]); /* |fl(x̂) − x| <= |x̂ − x| + u·|x̂| */
+                vdz[row[k]] += t, bdz[row[k]] = dt * (1 + U) + U * fabs(vdz[row[k]]);
                 vdape[prow[k]] += t, bdape[prow[k]] += dt, adape[prow[k]] += fabs(t), cdape[prow[k]]++;
             }
         }
