@@ -432,6 +432,7 @@ static void random_case(bool head, int64_t N, int64_t n, int64_t D, int64_t iter
 static void test_hc_random(void) {
     random_case(false, 7, 4, 64, 20, 200);
     random_case(false, 2, 4, 1024, 20, 210);
+    random_case(false, 2, 4, 4096, 20, 215); /* V4's width */
     random_case(false, 5, 3, 33, 5, 220);
     random_case(true, 7, 4, 64, 0, 230);
     random_case(true, 3, 4, 512, 0, 240);
