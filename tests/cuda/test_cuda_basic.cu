@@ -858,6 +858,61 @@ static void test_moe_routing(void) {
     cc_free(d_tab), cc_free(d_bid);
 }
 
+/* ---------------------------------------------------------------- gradient norms: the cpu's bits */
+static void test_grad_norm(void) {
+    const int64_t n = 300007; /* four full chunks of 2^16 and a partial one */
+    float *x = cc_hostf(n), *gc = cc_hostf(n), *gg = cc_hostf(n);
+    cc_fill(x, n, 1300, 3.0f);
+    /* the exact sum's corners: subnormals, the largest float, zeros, tiny and huge squares together */
+    const uint32_t special[] = {0x00000001u, 0x80000003u, 0x007fffffu, 0x7f7fffffu, 0xff7fffffu, 0x00000000u,
+                                0x80000000u, 0x1f800000u, 0x5f000000u};
+    for (size_t i = 0; i < sizeof special / 4; i++) memcpy(&x[1000 * i + 7], &special[i], 4);
+    float *dx = cc_upf(x, n);
+    double *d_out = (double *)cc_dev(8), *d_part = (double *)cc_dev(cuda_sumsq_scratch_bytes(n)), got = 0;
+    /* chunked double sum: without the huge elements (their squares overflow to Inf in both) */
+    float *xs = cc_hostf(n);
+    cc_fill(xs, n, 1301, 3.0f);
+    float *dxs = cc_upf(xs, n);
+    const double want = ds4_sumsq(xs, n);
+    CC_OK(cuda_sumsq(S, d_out, dxs, n, d_part));
+    cc_down(&got, d_out, 8);
+    CHECK(memcmp(&got, &want, 8) == 0, "sumsq: gpu %.17g cpu %.17g", got, want);
+    /* exact sum in limbs, its value, and the count of non-finite elements */
+    ds4_sumsq_acc ac, ag;
+    ds4_sumsq_exact(x, n, &ac);
+    ds4_sumsq_acc *d_acc = (ds4_sumsq_acc *)cc_dev(sizeof ag);
+    CC_OK(cuda_sumsq_exact(S, d_acc, dx, n));
+    cc_down(&ag, d_acc, sizeof ag);
+    cc_same_bits("sumsq_exact limbs", &ag, &ac, sizeof ag);
+    const double vc = ds4_sumsq_value(&ac);
+    double vg = 0;
+    CC_OK(cuda_sumsq_value(S, d_out, d_acc));
+    cc_down(&vg, d_out, 8);
+    CHECK(memcmp(&vg, &vc, 8) == 0, "sumsq_value: gpu %.17g cpu %.17g", vg, vc);
+    float inf = INFINITY;
+    cc_reload(dx + 5, &inf, 4);
+    CC_OK(cuda_sumsq_exact(S, d_acc, dx, n));
+    CC_OK(cuda_sumsq_value(S, d_out, d_acc));
+    cc_down(&vg, d_out, 8);
+    cc_down(&ag, d_acc, sizeof ag);
+    CHECK(vg != vg && ag.limb[DS4_SUMSQ_LIMBS] == 1, "sumsq_exact with an Inf: value %g, non-finite count %lld", vg,
+          (long long)ag.limb[DS4_SUMSQ_LIMBS]);
+    /* clipping by the norm on the device: above max_norm scales, below leaves g alone */
+    for (int above = 0; above < 2; above++) {
+        const double norm = sqrt(want), max_norm = above ? norm / 3 : norm * 2;
+        memcpy(gc, xs, (size_t)n * 4);
+        ds4_clip_scale(gc, n, max_norm, norm);
+        CC_OK(cuda_sumsq(S, d_out, dxs, n, d_part));
+        CC_OK(cuda_sqrt(S, d_out, d_out));
+        CC_OK(cuda_clip_scale(S, dxs, n, max_norm, d_out));
+        cc_down(gg, dxs, (size_t)n * 4);
+        cc_same_bits(above ? "clip_scale (norm above max)" : "clip_scale (norm below max)", gg, gc, (size_t)n * 4);
+        cc_reload(dxs, xs, (size_t)n * 4);
+    }
+    free(x), free(gc), free(gg), free(xs);
+    cc_free(dx), cc_free(dxs), cc_free(d_out), cc_free(d_part), cc_free(d_acc);
+}
+
 /* ---------------------------------------------------------------- routed experts */
 /* The experts chain GEMMs and SwiGLU, so a difference early (an ulp of h1) moves what follows: each
  * element's bound is the propagated one. With Δ the bound of an input difference and M the sum of
@@ -1117,6 +1172,7 @@ int main(void) {
     CC_RUN(test_data_ops);
     CC_RUN(test_streams);
     CC_RUN(test_adamw);
+    CC_RUN(test_grad_norm);
     CC_RUN(test_moe_gate);
     CC_RUN(test_moe_routing);
     CC_RUN(test_moe_experts);

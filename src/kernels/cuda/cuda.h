@@ -161,6 +161,18 @@ cuda_adamw_k cuda_adamw_consts(int64_t step, double beta1, double beta2, double 
 ds4_status cuda_adamw_update(cudaStream_t s, const cuda_adamw_k *k, int64_t n, float *m, float *v, int decay, float *w,
                              const float *g);
 
+/* ================================================================ gradient norms (cuda_norm.cu)
+ * src/core/norm.c's rules with the cpu's bits; the results stay in device memory. */
+/* *out = ds4_sumsq(x, n): chunks of 2^16 in order. part: device scratch (cuda_sumsq_scratch_bytes). */
+size_t cuda_sumsq_scratch_bytes(int64_t n);
+ds4_status cuda_sumsq(cudaStream_t s, double *out, const float *x, int64_t n, double *part);
+/* *acc (device) = ds4_sumsq_exact(x, n), normalized; *value = ds4_sumsq_value(acc). */
+ds4_status cuda_sumsq_exact(cudaStream_t s, ds4_sumsq_acc *acc, const float *x, int64_t n);
+ds4_status cuda_sumsq_value(cudaStream_t s, double *value, const ds4_sumsq_acc *acc);
+/* *norm = sqrt(*sumsq); ds4_clip_scale(g, n, max_norm, *norm) with the norm read on the device. */
+ds4_status cuda_sqrt(cudaStream_t s, double *norm, const double *sumsq);
+ds4_status cuda_clip_scale(cudaStream_t s, float *g, int64_t n, double max_norm, const double *norm);
+
 /* ================================================================ MoE gate and routing (cuda_moe.cu)
  * kernels.h's MoE entries. Counts and offsets (eoff, cnt, load) stay on the device. */
 ds4_status cuda_moe_gate_fwd(cudaStream_t s, const moe_gate_args *a);
