@@ -140,6 +140,16 @@ int main(void) {
     const cuda_adamw_k k = cuda_adamw_consts(10, 0.9, 0.95, 1e-8, 0.1, 3e-4);
     TIME_MS(ms, 5, TRY(cuda_adamw_update(S, &k, np, pm, pv, 1, pw, pg)));
     rate_gb("adamw_update 268M parameters", ms, 7.0 * np * 4);
+    double *sq = NULL, *part = NULL;
+    ds4_sumsq_acc *acc = NULL;
+    TRY(cuda_alloc((void **)&sq, 8));
+    TRY(cuda_alloc((void **)&part, cuda_sumsq_scratch_bytes(np)));
+    TRY(cuda_alloc((void **)&acc, sizeof *acc));
+    TIME_MS(ms, 3, TRY(cuda_sumsq(S, sq, pg, np, part)));
+    rate_gb("sumsq (chunked double) 268M", ms, 4.0 * np);
+    TIME_MS(ms, 3, TRY(cuda_sumsq_exact(S, acc, pg, np)));
+    rate_gb("sumsq_exact (limbs) 268M", ms, 4.0 * np);
+    cuda_free(sq), cuda_free(part), cuda_free(acc);
     cuda_free(pw), cuda_free(pg), cuda_free(pm), cuda_free(pv);
     cuda_free(x), cuda_free(y), cuda_free(w), cuda_free(r), cuda_free(dy), cuda_free(dx), cuda_free(dw), cuda_free(tok);
     TRY(cuda_stream_sync(S));
