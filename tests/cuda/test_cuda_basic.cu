@@ -4,6 +4,7 @@
  * each also run twice for the same bits.
  * The argument checks run without a GPU too. */
 #include "cuda_check.h"
+#include "ds4/model.h"
 #include "ds4/train.h"
 
 static const ds4_kernel_backend *cpu(void) { return ds4_kernel_backend_cpu(); }
@@ -1077,6 +1078,129 @@ static void test_moe_experts(void) {
     experts_case(true, 1210);
 }
 
+/* ---------------------------------------------------------------- Newton–Schulz */
+/* out [m, n] = Σ_k P [m, k]·Q [k, n] */
+static void mm_d(double *out, const double *P, const double *Q, int64_t m, int64_t k, int64_t n) {
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < n; j++) {
+            double acc = 0;
+            for (int64_t q = 0; q < k; q++) acc += P[i * k + q] * Q[q * n + j];
+            out[i * n + j] = acc;
+        }
+}
+static void tr_d(double *out, const double *x, int64_t r, int64_t c) {
+    for (int64_t i = 0; i < r; i++)
+        for (int64_t j = 0; j < c; j++) out[j * r + i] = x[i * c + j];
+}
+/* δ of C = P·Q from the operands' values and bounds (m×k, k×n): |δP|·(|P| + δQ... ) products of bounds,
+ * plus the two orders' rounding, cc_dot_bound(k, f·|P|·|Q|), with bf16 operands possibly rounding the
+ * other way where they differ (bf_flip). Magnitudes |value| + δ bound the floats either path holds. */
+static void mm_bound(double *dC, const double *P, const double *dP, const double *Q, const double *dQ, int64_t m,
+                     int64_t k, int64_t n, bool bf) {
+    const double f = bf ? (1 + 0x1p-8) * (1 + 0x1p-8) : 1.0;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < n; j++) {
+            double M = 0, D = 0;
+            for (int64_t q = 0; q < k; q++) {
+                const double p = fabs(P[i * k + q]) + dP[i * k + q], qq = fabs(Q[q * n + j]) + dQ[q * n + j];
+                const double dp = bf_flip(dP[i * k + q], p, bf), dq = bf_flip(dQ[q * n + j], qq, bf);
+                M += p * qq;
+                D += dp * qq + p * dq + dp * dq;
+            }
+            dC[i * n + j] = D + cc_dot_bound(k, f * M);
+        }
+}
+
+/* One Newton–Schulz call (normalisation, then one iteration) on x [rows, cols], GPU vs cpu
+ * ds4_newton_schulz: the normalisation gives both the same bits (cuda_sumsq is ds4_sumsq); the
+ * iteration's GEMMs and combines move the bound as mm_bound and the element-wise roundings say (2^-23 of
+ * each term, their inputs differing). Returns the cpu's result in xc. */
+static void ns_step(const float *x, float *xc, int64_t rows, int64_t cols, const ds4_ns_coef *k,
+                    ds4_matmul_precision p, const char *what) {
+    const float eps = 1e-7f;
+    const bool tall = rows > cols, bf = p == DS4_MATMUL_BF16;
+    const int64_t r = tall ? cols : rows, c = tall ? rows : cols, n = rows * cols;
+    float *xg = cc_hostf(n);
+    memcpy(xc, x, (size_t)n * 4);
+    cpu_precision(p);
+    CC_OK(ds4_newton_schulz(xc, rows, cols, k, 1, eps, false));
+    cpu_precision(DS4_MATMUL_FP32);
+    float *dx = cc_upf(x, n);
+    void *scratch = cc_dev(cuda_newton_schulz_scratch_bytes(rows, cols));
+    CC_OK(cuda_newton_schulz(BL, S, p, dx, rows, cols, &k->a, 1, eps, scratch));
+    cc_down(xg, dx, (size_t)n * 4);
+    /* the bound, on the short side's t [r, c] */
+    double *t = (double *)calloc((size_t)(r * c), 8), *dt = (double *)calloc((size_t)(r * c), 8);
+    double *tT = (double *)calloc((size_t)(r * c), 8), *dtT = (double *)calloc((size_t)(r * c), 8);
+    double *A = (double *)calloc((size_t)(r * r), 8), *dA = (double *)calloc((size_t)(r * r), 8);
+    double *AA = (double *)calloc((size_t)(r * r), 8), *dAA = (double *)calloc((size_t)(r * r), 8);
+    double *B = (double *)calloc((size_t)(r * r), 8), *dB = (double *)calloc((size_t)(r * r), 8);
+    double *Y = (double *)calloc((size_t)(r * c), 8), *dY = (double *)calloc((size_t)(r * c), 8);
+    float *t0 = cc_hostf(n);
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) t0[tall ? j * rows + i : i * cols + j] = x[i * cols + j];
+    const float d = (float)sqrt(ds4_sumsq(t0, n)) + eps; /* both sides' normalisation, the same bits */
+    for (int64_t i = 0; i < n; i++) t[i] = t0[i] / d;
+    const double ka = k->a, kb = k->b, kc = k->c;
+    tr_d(tT, t, r, c);
+    mm_d(A, t, tT, r, c, r);
+    mm_bound(dA, t, dt, tT, dtT, r, c, r, bf);
+    mm_d(AA, A, A, r, r, r);
+    mm_bound(dAA, A, dA, A, dA, r, r, r, bf);
+    for (int64_t i = 0; i < r * r; i++) {
+        B[i] = kb * A[i] + kc * AA[i];
+        dB[i] = fabs(kb) * dA[i] + fabs(kc) * dAA[i] + 0x1p-23 * (fabs(kb * A[i]) + fabs(kc * AA[i]) + fabs(B[i]));
+    }
+    mm_d(Y, B, t, r, r, c);
+    mm_bound(dY, B, dB, t, dt, r, r, c, bf);
+    double *bound = (double *)malloc((size_t)n * 8);
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) {
+            const int64_t q = tall ? j * rows + i : i * cols + j;
+            const double tn = ka * t[q] + Y[q];
+            bound[i * cols + j] = dY[q] + 0x1p-23 * (fabs(ka * t[q]) + fabs(Y[q]) + fabs(tn));
+        }
+    cc_within(what, xg, xc, bound, n);
+    free(xg), free(t), free(dt), free(tT), free(dtT), free(A), free(dA), free(AA), free(dAA), free(B), free(dB), free(Y);
+    free(dY), free(t0), free(bound);
+    cc_free(dx), cc_free(scratch);
+}
+
+/* Five iterations, checked one call at a time from the cpu's previous result (an iteration multiplies
+ * small singular directions' differences by about a = 3.4, so a bound over the five compounded is
+ * useless), and the five-iteration GPU call run twice for the same bits. */
+static void ns_case(int64_t rows, int64_t cols, ds4_matmul_precision p, unsigned seed) {
+    const ds4_ns_coef k[5] = {{3.4445f, -4.7750f, 2.0315f}, {3.4445f, -4.7750f, 2.0315f}, {3.4445f, -4.7750f, 2.0315f},
+                              {3.4445f, -4.7750f, 2.0315f}, {3.4445f, -4.7750f, 2.0315f}};
+    const int64_t n = rows * cols;
+    float *x = cc_hostf(n), *xc = cc_hostf(n), *x0 = cc_hostf(n), *g1 = cc_hostf(n), *g2 = cc_hostf(n);
+    cc_fill(x, n, seed, 1.0f);
+    memcpy(x0, x, (size_t)n * 4);
+    for (int it = 0; it < 5; it++) {
+        char what[80];
+        snprintf(what, sizeof what, "newton_schulz %lldx%lld %s step %d", (long long)rows, (long long)cols,
+                 ds4_matmul_precision_name(p), it + 1);
+        ns_step(x, xc, rows, cols, &k[it], p, what);
+        memcpy(x, xc, (size_t)n * 4);
+    }
+    float *dx = cc_upf(x0, n);
+    void *scratch = cc_dev(cuda_newton_schulz_scratch_bytes(rows, cols));
+    for (int run = 0; run < 2; run++) {
+        cc_reload(dx, x0, (size_t)n * 4);
+        CC_OK(cuda_newton_schulz(BL, S, p, dx, rows, cols, &k[0].a, 5, 1e-7f, scratch));
+        cc_down(run ? g2 : g1, dx, (size_t)n * 4);
+    }
+    CHECK(!memcmp(g1, g2, (size_t)n * 4), "newton_schulz %lldx%lld: two five-iteration runs differ", (long long)rows,
+          (long long)cols);
+    free(x), free(xc), free(x0), free(g1), free(g2), cc_free(dx), cc_free(scratch);
+}
+
+static void test_newton_schulz(void) {
+    ns_case(24, 40, DS4_MATMUL_FP32, 1400);
+    ns_case(40, 24, DS4_MATMUL_FP32, 1410); /* tall: on the transpose */
+    ns_case(32, 48, DS4_MATMUL_BF16, 1420);
+}
+
 /* ---------------------------------------------------------------- memory and streams */
 static void test_memory(void) {
     /* h2d, d2d, d2h through pinned memory on a stream; an event orders a second stream after the first */
@@ -1173,6 +1297,7 @@ int main(void) {
     CC_RUN(test_streams);
     CC_RUN(test_adamw);
     CC_RUN(test_grad_norm);
+    CC_RUN(test_newton_schulz);
     CC_RUN(test_moe_gate);
     CC_RUN(test_moe_routing);
     CC_RUN(test_moe_experts);

@@ -173,6 +173,14 @@ ds4_status cuda_sumsq_value(cudaStream_t s, double *value, const ds4_sumsq_acc *
 ds4_status cuda_sqrt(cudaStream_t s, double *norm, const double *sumsq);
 ds4_status cuda_clip_scale(cudaStream_t s, float *g, int64_t n, double max_norm, const double *norm);
 
+/* ================================================================ Newton–Schulz (cuda_orth.cu)
+ * ds4_newton_schulz (src/model/orth.c) on the device: x [rows, cols] := its approximate orthogonal
+ * factor, iters quintic iterations with coef [iters][3] = (a, b, c) (ds4_ns_coef's layout), GEMMs in
+ * precision p. scratch: device bytes cuda_newton_schulz_scratch_bytes(rows, cols). */
+size_t cuda_newton_schulz_scratch_bytes(int64_t rows, int64_t cols);
+ds4_status cuda_newton_schulz(cuda_blas *b, cudaStream_t s, ds4_matmul_precision p, float *x, int64_t rows,
+                              int64_t cols, const float *coef, int64_t iters, float eps, void *scratch);
+
 /* ================================================================ MoE gate and routing (cuda_moe.cu)
  * kernels.h's MoE entries. Counts and offsets (eoff, cnt, load) stay on the device. */
 ds4_status cuda_moe_gate_fwd(cudaStream_t s, const moe_gate_args *a);
