@@ -150,6 +150,20 @@ int main(void) {
     TIME_MS(ms, 3, TRY(cuda_sumsq_exact(S, acc, pg, np)));
     rate_gb("sumsq_exact (limbs) 268M", ms, 4.0 * np);
     cuda_free(sq), cuda_free(part), cuda_free(acc);
+    /* Muon's matrix step on a 4096 × 1024 weight: 5 quintic iterations */
+    const float coef[15] = {3.4445f, -4.7750f, 2.0315f, 3.4445f, -4.7750f, 2.0315f, 3.4445f, -4.7750f, 2.0315f,
+                            3.4445f, -4.7750f, 2.0315f, 3.4445f, -4.7750f, 2.0315f};
+    void *nss = NULL;
+    TRY(cuda_alloc(&nss, cuda_newton_schulz_scratch_bytes(4096, 1024)));
+    for (int p = 0; p < 2; p++) {
+        const ds4_matmul_precision prec = p ? DS4_MATMUL_BF16 : DS4_MATMUL_FP32;
+        TIME_MS(ms, 3, TRY(cuda_newton_schulz(BL, S, prec, x, 4096, 1024, coef, 5, 1e-7f, nss)));
+        /* per iteration 2·r·r·c + 2·r³ + 2·r·r·c FLOPs, r = 1024, c = 4096 */
+        const double fl = 5.0 * (4.0 * 1024.0 * 1024.0 * 4096.0 + 2.0 * 1024.0 * 1024.0 * 1024.0);
+        printf("%-34s %8.3f ms  %7.1f TFLOP/s\n", p ? "newton_schulz 4096x1024 bf16" : "newton_schulz 4096x1024 fp32",
+               ms, fl / (ms * 1e-3) / 1e12);
+    }
+    cuda_free(nss);
     cuda_free(pw), cuda_free(pg), cuda_free(pm), cuda_free(pv);
     cuda_free(x), cuda_free(y), cuda_free(w), cuda_free(r), cuda_free(dy), cuda_free(dx), cuda_free(dw), cuda_free(tok);
     TRY(cuda_stream_sync(S));
