@@ -1237,6 +1237,15 @@ static void test_memory(void) {
     bad = 0;
     for (size_t i = 0; i < bytes / 4; i++) bad += f[i] != -1.5f;
     CHECK(bad == 0, "cuda_fill_f32: %zu floats not -1.5", bad);
+    /* the device's memory: an allocation of 1 GiB shows in the free bytes */
+    size_t free0 = 0, total = 0, free1 = 0;
+    void *gib = NULL;
+    CC_OK(cuda_device_memory(&free0, &total));
+    CC_OK(cuda_alloc(&gib, (size_t)1 << 30));
+    CC_OK(cuda_device_memory(&free1, &total));
+    CHECK(total > 0 && free0 <= total && free1 + ((size_t)1 << 30) <= free0,
+          "device memory: total %zu, free %zu before and %zu after allocating 1 GiB", total, free0, free1);
+    CC_OK(cuda_free(gib));
     /* an allocation larger than any GPU: DS4_ERR_OOM with a message, nothing allocated */
     void *huge = (void *)1;
     ds4_status st = cuda_alloc(&huge, (size_t)1 << 50);

@@ -37,6 +37,9 @@ ds4_status cuda_device_count(int *n);
 /* One line naming device `dev`: name, compute capability, memory, multiprocessors. */
 ds4_status cuda_device_describe(int dev, char *buf, size_t cap);
 
+/* Free and total bytes of the current device's memory (what a memory plan is checked against). */
+ds4_status cuda_device_memory(size_t *free_bytes, size_t *total_bytes);
+
 /* Device memory: *p = bytes of device memory (NULL for 0 bytes); free of NULL is a no-op. */
 ds4_status cuda_alloc(void **p, size_t bytes);
 ds4_status cuda_free(void *p);

@@ -21,6 +21,11 @@ ds4_status cuda_device_describe(int dev, char *buf, size_t cap) {
     return DS4_OK;
 }
 
+ds4_status cuda_device_memory(size_t *free_bytes, size_t *total_bytes) {
+    CUDA_TRY(cudaMemGetInfo(free_bytes, total_bytes));
+    return DS4_OK;
+}
+
 /* *p = bytes of device (pinned: page-locked host) memory; out of memory is DS4_ERR_OOM. */
 static ds4_status alloc_mem(void **p, size_t bytes, bool pinned) {
     *p = NULL;
