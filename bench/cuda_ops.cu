@@ -108,13 +108,13 @@ int main(void) {
     TIME_MS(ms, 10, TRY(cuda_rmsnorm_bwd(S, dx, NULL, dy, x, w, r, T, D)));
     rate_gb("rmsnorm_bwd dx", ms, 4.0 * T * D * 4);
     TIME_MS(ms, 5, TRY(cuda_rmsnorm_bwd(S, NULL, dw, dy, x, w, r, T, D)));
-    rate_gb("rmsnorm_bwd dw (column owners)", ms, 2.0 * T * D * 4);
+    rate_gb("rmsnorm_bwd dw (row-ordered tiles)", ms, 2.0 * T * D * 4);
     float *table = rnd(V * D, 11, 1.0f);
     int32_t *tok = ids(T, V);
     TIME_MS(ms, 10, TRY(cuda_embedding_fwd(S, y, table, tok, T, D)));
     rate_gb("embedding_fwd", ms, 2.0 * T * D * 4);
     TIME_MS(ms, 3, TRY(cuda_embedding_bwd(S, table, dy, tok, T, D)));
-    rate_gb("embedding_bwd (column owners)", ms, 3.0 * T * D * 4);
+    rate_gb("embedding_bwd (windows of 32)", ms, 3.0 * T * D * 4);
     cuda_free(table);
     TIME_MS(ms, 10, TRY(cuda_swiglu_fwd(S, y, x, dy, T, I, 10.0f)));
     rate_gb("swiglu_fwd T 16384 I 2048", ms, 3.0 * T * I * 4);
