@@ -135,7 +135,7 @@ else
         for t in "$HERE"/tests/test_cuda_*; do
             # test_cuda_basic: the ops with shared memory and barriers (the GEMMs are cuBLASLt's)
             if [ "$(basename "$t")" = test_cuda_basic ]; then
-                san "$tool" "$t" DS4_CUDA_ONLY="${CHECK_RACE_ONLY:-rmsnorm,cross_entropy,embedding,routing,experts}"
+                san "$tool" "$t" DS4_CUDA_ONLY="${CHECK_RACE_ONLY:-rmsnorm,cross_entropy,embedding,routing,experts,grad_norm}"
             else
                 san "$tool" "$t"
             fi
