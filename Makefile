@@ -67,7 +67,7 @@ test-c: all
 	BUILD=$(BUILD) DS4_SKIP_PY=1 bash tests/run.sh
 
 asan:
-	$(MAKE) BUILD=build-asan OPT="-O1" SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test-c
+	$(MAKE) CUDA=0 BUILD=build-asan OPT="-O1" SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test-c
 
 # The suite again on the portable kernels (DS4_ISA=generic: what a CPU without AVX2 or a non-x86 target
 # runs; the golden test is skipped there: it pins DS4_ISA=generic itself and already ran), and the parity test once per ISA level between generic and this CPU's best.
@@ -78,7 +78,7 @@ test-levels: all
 # The library built without any x86 engine (-DDS4_PORTABLE_ONLY, as a non-x86 target builds it) and for
 # the x86-64 baseline; its kernel tests run on the portable engines.
 portable:
-	$(MAKE) BUILD=build-portable OPT="-O2 -march=x86-64 -DDS4_PORTABLE_ONLY" \
+	$(MAKE) CUDA=0 BUILD=build-portable OPT="-O2 -march=x86-64 -DDS4_PORTABLE_ONLY" \
 	    build-portable/tests/test_kernels_basic build-portable/tests/test_kernels_bf16
 	build-portable/tests/test_kernels_basic && build-portable/tests/test_kernels_bf16
 
@@ -108,3 +108,4 @@ FUZZ_SECONDS ?= 60
 fuzz:
 	bash tests/fuzz/run.sh $(FUZZ_SECONDS)
 .PHONY: fuzz
+include mk/cuda.mk

@@ -1,0 +1,44 @@
+/* AdamW's per-element update on the device: src/train/optim.c's adamw_update, operation for operation
+ * (no FMA contraction), so the same bits as the cpu optimizer for the same constants. */
+#include <math.h>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+/* The constants of update number `step` (1-based), computed in double and rounded once, as optim.c's
+ * adamw_consts computes them. */
+cuda_adamw_k cuda_adamw_consts(int64_t step, double beta1, double beta2, double eps, double weight_decay, double lr) {
+    const double bc1 = 1.0 - pow(beta1, (double)step), bc2 = 1.0 - pow(beta2, (double)step);
+    cuda_adamw_k k;
+    k.b1 = (float)beta1;
+    k.b2 = (float)beta2;
+    k.eps = (float)eps;
+    k.step_size = (float)(lr / bc1);
+    k.inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2));
+    k.decay = (float)(lr * weight_decay);
+    return k;
+}
+
+/* m, v, w, g: [n] */
+static __global__ void adamw_kernel(cuda_adamw_k k, int64_t n, float *m, float *v, bool decay, float *w,
+                                    const float *g) {
+    CUDA_GRID_STRIDE(i, n) {
+        const float gi = g[i];
+        const float mi = k.b1 * m[i] + (1.0f - k.b1) * gi;
+        const float vi = k.b2 * v[i] + (1.0f - k.b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        const float denom = sqrtf(vi) * k.inv_sqrt_bc2 + k.eps;
+        float wi = w[i];
+        if (decay) wi -= k.decay * wi;
+        w[i] = wi - k.step_size * mi / denom;
+    }
+}
+
+ds4_status cuda_adamw_update(cudaStream_t s, const cuda_adamw_k *k, int64_t n, float *m, float *v, int decay, float *w,
+                             const float *g) {
+    CUDA_ARG(n >= 0, "adamw_update", "n = %lld", (long long)n);
+    if (n == 0) return DS4_OK;
+    adamw_kernel<<<cuda_blocks(n, 256), 256, 0, s>>>(*k, n, m, v, decay != 0, w, g);
+    CUDA_LAUNCHED("adamw_update");
+    return DS4_OK;
+}
