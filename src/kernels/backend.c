@@ -28,11 +28,16 @@ const char *ds4_kernel_backend_missing(const ds4_kernel_backend *b) {
     return NULL;
 }
 
+/* "cuda" (cuda/backend.cu) is in the programs linked with libds4cuda.a alone: a weak reference, NULL in
+ * the others. */
+extern const ds4_kernel_backend *ds4_kernel_backend_cuda(void) __attribute__((weak));
+
 /* The compute backends built in, by name. */
 static const ds4_kernel_backend *backend_at(int i) {
     switch (i) {
     case 0: return ds4_kernel_backend_cpu();
     case 1: return ds4_kernel_backend_guard();
+    case 2: return ds4_kernel_backend_cuda ? ds4_kernel_backend_cuda() : NULL;
     default: return NULL;
     }
 }

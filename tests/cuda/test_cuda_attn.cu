@@ -23,6 +23,7 @@ static const double UD = 0x1p-52;     /* the double oracle's own roundoff: its e
 static const cudaStream_t S = 0;      /* the legacy stream: ordered with the harness's copies */
 
 static const ds4_kernel_backend *cpu(void) { return ds4_kernel_backend_cpu(); }
+static const ds4_exec k_cpu_exec = {}; /* the cpu entries' context: real, fp32 */
 
 /* got [n] (float) vs the oracle want [n] (double): |got − want| <= bound + the oracle's own error. */
 static bool ck_near(const char *what, const float *got, const double *want, const double *bound, int64_t n) {
@@ -383,9 +384,9 @@ static void attn_case(acase g, unsigned seed) {
         ac.kv16 = a.kv16, ac.kvc16 = a.kvc16;
     else
         ac.kv = a.kv, ac.kvc = a.kvc;
-    cpu()->sparse_attn_fwd(&ac);
+    cpu()->sparse_attn_fwd(&k_cpu_exec, &ac);
     sparse_attn_grads gc = {a.dout, dq_c, dkv_c, dkvc_c, dsink_c};
-    cpu()->sparse_attn_bwd(&ac, &gc);
+    cpu()->sparse_attn_bwd(&k_cpu_exec, &ac, &gc);
     /* gpu, twice */
     adev d = adev_make(&a);
     sparse_attn_args x = adev_args(&d, &a);
@@ -481,7 +482,7 @@ static void topk_case(const char *name, int64_t B, int64_t T, int64_t HI, int64_
         a.ki16 = ki16;
     else
         a.ki = ki;
-    cpu()->indexer_topk_fwd(&a);
+    cpu()->indexer_topk_fwd(&k_cpu_exec, &a);
     float *dqi = up_f(qi, nqi), *dw = up_f(w, nw), *dki = bf16 ? NULL : up_f(ki, nki);
     uint16_t *dki16 = bf16 ? (uint16_t *)up_b(ki16, (size_t)nki * 2) : NULL;
     int32_t *dt = (int32_t *)cc_dev((size_t)nt * 4);
@@ -733,7 +734,7 @@ static void kl_case(kcase g, unsigned seed) {
     else
         x.ki = a.ki, x.kvc = a.kvc;
     x.dqi = dqi_c, x.dki = dki_c, x.dw = dw_c, x.kl_sum = &kl_c, x.n_rows = &rows_c;
-    cpu()->indexer_kl_fwd_bwd(&x);
+    cpu()->indexer_kl_fwd_bwd(&k_cpu_exec, &x);
     /* gpu, twice */
     float *d_qi = up_f(a.qi, nqi), *d_w = up_f(a.w, nw), *d_q = up_f(a.q, BT * g.H * g.c), *d_lse = up_f(a.lse, BT * g.H);
     float *d_ki = g.bf16 ? NULL : up_f(a.ki, nki), *d_kvc = g.bf16 ? NULL : up_f(a.kvc, g.B * Nc * g.c);
@@ -853,9 +854,9 @@ static void comp_case(const char *name, int64_t B, int64_t T, int64_t r, int64_t
     /* cpu */
     float *o_c = cc_hostf(no), *da_c = hclone(da0, na), *dz_c = hclone(dz0, na), *dape_c = hclone(dape0, nape);
     compressor_pool_args x = {{B, T, r, d, ov}, a, z, ape, o_c};
-    cpu()->compressor_pool_fwd(&x);
+    cpu()->compressor_pool_fwd(&k_cpu_exec, &x);
     compressor_pool_grads gx = {dout, da_c, dz_c, dape_c};
-    cpu()->compressor_pool_bwd(&x, &gx);
+    cpu()->compressor_pool_bwd(&k_cpu_exec, &x, &gx);
     /* gpu, twice */
     float *d_a = up_f(a, na), *d_z = up_f(z, na), *d_ape = up_f(ape, nape), *d_dout = up_f(dout, no);
     float *d_o = (float *)cc_dev((size_t)no * 4), *d_da = up_f(da0, na), *d_dz = up_f(dz0, na), *d_dape = up_f(dape0, nape);

@@ -31,6 +31,16 @@ extern "C" { /* kernels.h and backend.h are C headers without their own guard */
 #include "ds4/kernels.h"
 #include "kernels/kernels.h"
 
+/* ================================================================ the backend's table (backend.cu)
+ * "cuda": every entry of ds4_kernel_backend on the launchers below (src/kernels/ops.def), the context's
+ * stream and matmul precision. ds4_cuda_backend_status: the first failure of its ops since the last call
+ * (DS4_OK: none), with its message in ds4_errmsg. */
+const struct ds4_kernel_backend *ds4_kernel_backend_cuda(void);
+ds4_status ds4_cuda_backend_status(void);
+/* Releases what the default queue holds (its cuBLASLt handle and scratch; made again on next use): before
+ * a program ends, so that a leak check sees only real leaks. */
+void ds4_cuda_backend_release(void);
+
 /* ================================================================ memory, copies, ordering (cuda_mem.cu) */
 /* Visible CUDA devices; 0 (and DS4_OK) when there is no driver or no device. */
 ds4_status cuda_device_count(int *n);
