@@ -79,7 +79,7 @@ static void check_band(const ds4_muon_cfg *cfg, double lo, double hi, const char
         for (int i = 0; i < k; i++) fro += in[i] * in[i];
         int small = 0;
         while (small < k && in[small] < 2e-3 * sqrt(fro)) small++;
-        CHECK(ds4_newton_schulz(x, r, c, coef, cfg->ns_steps, 1e-7f, false) == DS4_OK, "%s", ds4_errmsg());
+        CHECK(ds4_newton_schulz(CPU_EXEC, x, r, c, coef, cfg->ns_steps, 1e-7f) == DS4_OK, "%s", ds4_errmsg());
         singular_values(x, r, c, out);
         CHECK(out[k - 1] <= hi, "%s %dx%d: largest singular value %.6f above %.4f", what, r, c, out[k - 1], hi);
         CHECK(out[small] >= lo, "%s %dx%d: singular value %.6f below %.4f (%d inputs under 2e-3 of the norm)", what, r,
@@ -117,16 +117,16 @@ static void test_ns_tall_is_transpose(void) {
     t_fill(x, (long)r * c, 5, 0.3f);
     for (int i = 0; i < r; i++)
         for (int j = 0; j < c; j++) xt[j * r + i] = x[i * c + j];
-    CHECK(ds4_newton_schulz(x, r, c, coef, cfg.ns_steps, 1e-7f, false) == DS4_OK, "%s", ds4_errmsg());
-    CHECK(ds4_newton_schulz(xt, c, r, coef, cfg.ns_steps, 1e-7f, false) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_newton_schulz(CPU_EXEC, x, r, c, coef, cfg.ns_steps, 1e-7f) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_newton_schulz(CPU_EXEC, xt, c, r, coef, cfg.ns_steps, 1e-7f) == DS4_OK, "%s", ds4_errmsg());
     int diff = 0;
     for (int i = 0; i < r; i++)
         for (int j = 0; j < c; j++) diff += memcmp(&x[i * c + j], &xt[j * r + i], sizeof(float)) != 0;
     CHECK(diff == 0, "%d elements of NS(x) differ from NS(xT)T", diff);
     float z[4] = {0};
-    CHECK(ds4_newton_schulz(z, 0, 4, coef, 1, 1e-7f, false) == DS4_ERR_ARG && strstr(ds4_errmsg(), "0 x 4"),
+    CHECK(ds4_newton_schulz(CPU_EXEC, z, 0, 4, coef, 1, 1e-7f) == DS4_ERR_ARG && strstr(ds4_errmsg(), "0 x 4"),
           "a 0 x 4 matrix: %s", ds4_errmsg());
-    CHECK(ds4_newton_schulz(z, 2, 2, coef, 1, 1e-7f, false) == DS4_OK && z[0] == 0 && z[3] == 0,
+    CHECK(ds4_newton_schulz(CPU_EXEC, z, 2, 2, coef, 1, 1e-7f) == DS4_OK && z[0] == 0 && z[3] == 0,
           "a zero matrix stays zero");
     free(x);
     free(xt);

@@ -247,10 +247,11 @@ typedef struct {
 /* x [rows, cols] := its approximate orthogonal factor U·Vᵀ (singular values pushed towards 1): divided
  * by its Frobenius norm + eps, then iters iterations with coef[i] on the short side (xᵀ when rows > cols),
  * every product through the GEMM engines. Its workspace (2·r² + 2·r·c floats, r = min(rows, cols), the
- * transposed copy only when rows > cols) is counted as DS4_MEM_OPTIM. plan: only the workspace is
- * counted, x untouched. Fails on bad sizes or out of memory. */
-ds4_status ds4_newton_schulz(float *x, int64_t rows, int64_t cols, const ds4_ns_coef *coef, int64_t iters, float eps,
-                             bool plan);
+ * transposed copy only when rows > cols) is counted as DS4_MEM_OPTIM. ex: the context (its matmul precision;
+ * a plan: only the workspace is counted, x untouched; NULL: real, fp32). Fails on bad sizes or out of
+ * memory. */
+ds4_status ds4_newton_schulz(const ds4_exec *ex, float *x, int64_t rows, int64_t cols, const ds4_ns_coef *coef,
+                             int64_t iters, float eps);
 
 /* Peak fp32 FLOP/s of this machine with the given threads, measured on the model's GEMM (~0.3 s). */
 double ds4_probe_peak_flops(const ds4_exec *ex);

@@ -31,8 +31,8 @@ static void normalize(float *x, int64_t n, float eps) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] / d;
 }
 
-ds4_status ds4_newton_schulz(float *x, int64_t rows, int64_t cols, const ds4_ns_coef *coef, int64_t iters, float eps,
-                             bool plan) {
+ds4_status ds4_newton_schulz(const ds4_exec *ex, float *x, int64_t rows, int64_t cols, const ds4_ns_coef *coef,
+                             int64_t iters, float eps) {
     if (rows < 1 || cols < 1 || iters < 0)
         return ds4_fail(DS4_ERR_ARG, "newton-schulz: a %lld x %lld matrix, %lld iterations", (long long)rows,
                         (long long)cols, (long long)iters);
@@ -45,14 +45,11 @@ ds4_status ds4_newton_schulz(float *x, int64_t rows, int64_t cols, const ds4_ns_
     ds4_status st = A && B && y && t ? DS4_OK
                                      : ds4_fail(DS4_ERR_OOM, "newton-schulz: out of memory for a %lld x %lld matrix",
                                                 (long long)rows, (long long)cols);
-    /* The optimizer holds no context of its own yet: the one the allocator serves (the train state's, which
-     * the step entered) gives the backend and the matmul precision. */
-    ds4_exec ex = ds4_exec_current();
-    ex.plan = plan;
+    const bool plan = ex && ex->plan;
     if (st == DS4_OK && !plan) {
         if (tall) transpose(x, rows, cols, t);
         normalize(t, r * c, eps);
-        for (int64_t i = 0; i < iters; i++) ns_iteration(&ex, t, r, c, coef[i], A, B, y);
+        for (int64_t i = 0; i < iters; i++) ns_iteration(ex, t, r, c, coef[i], A, B, y);
         if (tall) transpose(t, r, c, x);
     }
     ds4_free(A);

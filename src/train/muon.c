@@ -76,7 +76,10 @@ static ds4_status muon_part_out(void *ctx, ds4_param *p, int64_t k0, int64_t k1,
 /* The whole matrix [A, B] orthogonalized. */
 static ds4_status muon_whole(void *ctx, ds4_param *p, float *x) {
     muon_ctx *m = ctx;
-    return ds4_newton_schulz(x, p->shape[0], p->shape[1], m->coef, m->c->ns_steps, 1e-7f, m->o->plan);
+    /* the step's context (the allocator serves the train state's, with its matmul precision) as a plan or not */
+    ds4_exec ex = ds4_exec_current();
+    ex.plan = m->o->plan;
+    return ds4_newton_schulz(&ex, x, p->shape[0], p->shape[1], m->coef, m->c->ns_steps, 1e-7f);
 }
 
 /* W := W − lr·wd·W − lr·s·O over the part. */

@@ -1128,7 +1128,7 @@ static void ns_step(const float *x, float *xc, int64_t rows, int64_t cols, const
     float *xg = cc_hostf(n);
     memcpy(xc, x, (size_t)n * 4);
     cpu_precision(p);
-    CC_OK(ds4_newton_schulz(xc, rows, cols, k, 1, eps, false));
+    CC_OK(ds4_newton_schulz(&g_cpu_exec, xc, rows, cols, k, 1, eps));
     cpu_precision(DS4_MATMUL_FP32);
     float *dx = cc_upf(x, n);
     void *scratch = cc_dev(cuda_newton_schulz_scratch_bytes(rows, cols));
