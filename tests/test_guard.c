@@ -15,6 +15,7 @@
 #include "ds4/model.h"
 #include "kernels/backend.h"
 #include "test.h"
+#include "test_store.h"
 
 static const ds4_kernel_backend *guard_backend(void) {
     const ds4_kernel_backend *b = NULL;
@@ -29,16 +30,6 @@ static void test_table(void) {
     CHECK(g->plan == ds4_kernel_backend_plan(), "its plan is the cpu's (the same workspace)");
     CHECK(ds4_backend_count() == 2 && !strcmp(ds4_backend_name(1), "cpu-guard"), "ds4 info lists it");
 }
-
-/* A store that recomputes the units csa+mhc recompute releases; nothing is swapped. */
-static ds4_act_policy recompute_some(void *ctx, int64_t layer, int unit) {
-    (void)ctx, (void)layer;
-    return unit == ds4_unit_find("hc_pre_attn") || unit == ds4_unit_find("sparse_attn") ||
-                   unit == ds4_unit_find("compressor")
-               ? DS4_ACT_RECOMPUTE
-               : DS4_ACT_KEEP;
-}
-static void release_nothing(void *ctx, int64_t layer, int unit, int slot) { (void)ctx, (void)layer, (void)unit, (void)slot; }
 
 /* The whole model on cpu-guard against the same model on the cpu: same losses, logits and gradients, bit
  * for bit, with and without recompute. The guard model gets the cpu model's parameters through copies. */
@@ -63,9 +54,8 @@ static void pass_equals_cpu(bool recompute) {
     const int64_t B = 2, T = 64, V = c.vocab_size;
     int32_t ids[2 * 64];
     for (int64_t i = 0; i < B * T; i++) ids[i] = (int32_t)((i * 7 + 3) % V);
-    static const ds4_act_store_ops ops = {.policy = recompute_some, .release = release_nothing};
     ds4_pass_opts o = {.need_backward = true, .keep_logits = true};
-    if (recompute) o.store.ops = &ops;
+    if (recompute) o.store.ops = &test_recompute_store;
     ds4_pass *pc = NULL, *pg = NULL;
     CHECK(ds4_forward(mc, ids, B, T, &o, &pc) == DS4_OK, "cpu: %s", ds4_errmsg());
     CHECK(ds4_forward(mg, ids, B, T, &o, &pg) == DS4_OK, "guard: %s", ds4_errmsg());

@@ -227,6 +227,16 @@ static void test_state_json_values_are_range_checked(void) {
     ds4_ckpt_meta meta;
     CHECK(ds4_checkpoint_load_meta(dir, &meta) == DS4_OK && meta.step == 3 && meta.seed == UINT64_MAX, "%s",
           ds4_errmsg());
+    /* a folder step-N holds step N: a hand-edited step that disagrees is one error naming file, key and folder */
+    path_of(dir, sizeof dir, "state", "/step-00000004");
+    mkdir(dir, 0755);
+    snprintf(p, sizeof p, "%s/state.json", dir);
+    write_text(p, "{\"step\": 1000, \"seed\": \"5\", \"data_state\": \"0 0 5 4\"}");
+    CHECK(ds4_checkpoint_load_meta(dir, &meta) == DS4_ERR_FORMAT && strstr(ds4_errmsg(), "state.json") &&
+              strstr(ds4_errmsg(), "key step = 1000") && strstr(ds4_errmsg(), "step-00000004"),
+          "%s", ds4_errmsg());
+    write_text(p, "{\"step\": 4, \"seed\": \"5\", \"data_state\": \"0 0 5 4\"}");
+    CHECK(ds4_checkpoint_load_meta(dir, &meta) == DS4_OK && meta.step == 4, "%s", ds4_errmsg());
 }
 
 /* One saved step of run `run` (checkpoint step-00000001). */

@@ -258,10 +258,24 @@ static const ds4_optimizer *writer_of(const ds4_st_file *f) {
     return &ds4_optimizer_adamw;
 }
 
+/* A checkpoint folder named step-N holds state.json's step N: a hand-edited step that disagrees with the
+ * folder would resume the data order and the schedule at the wrong place. */
+static ds4_status check_step_matches_folder(const char *path, const char *state, int64_t step) {
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", path);
+    for (size_t n = strlen(dir); n > 1 && dir[n - 1] == '/'; n--) dir[n - 1] = 0;
+    const char *base = strrchr(dir, '/') ? strrchr(dir, '/') + 1 : dir;
+    int64_t named;
+    if (!parse_step_name(base, &named) || named == step) return DS4_OK;
+    return ds4_fail(DS4_ERR_FORMAT, "%s: key step = %lld disagrees with its folder %s (step %lld)", state,
+                    (long long)step, base, (long long)named);
+}
+
 ds4_status ds4_checkpoint_load_meta(const char *path, ds4_ckpt_meta *meta) {
     char p[4200];
     snprintf(p, sizeof p, "%s/state.json", path);
     DS4_TRY(read_state(p, meta));
+    DS4_TRY(check_step_matches_folder(path, p, meta->step));
     /* which optimizer wrote optim.state: its mark says so (a missing file is the optimizer load's error) */
     meta->optimizer = &ds4_optimizer_adamw;
     if (ds4_checkpoint_is_per_rank(path)) { /* the mark is in every rank's file */

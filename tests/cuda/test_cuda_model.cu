@@ -10,6 +10,7 @@
 #include "cuda_check.h"
 
 #include "ds4/model.h"
+#include "../test_store.h"
 
 static const char *const CONFIG = "tests/configs/tiny-a.json";
 enum { B_ROWS = 2, T_SEQ = 64 };
@@ -19,17 +20,6 @@ typedef struct {
     float *logits, *grads; /* host copies */
 } pass_out;
 
-/* A store that recomputes hc_pre_attn, the compressor and sparse attention (their outputs released after
- * their last forward reader, replayed before backward). */
-static ds4_act_policy recompute_some(void *ctx, int64_t layer, int unit) {
-    (void)ctx, (void)layer;
-    return unit == ds4_unit_find("hc_pre_attn") || unit == ds4_unit_find("sparse_attn") ||
-                   unit == ds4_unit_find("compressor")
-               ? DS4_ACT_RECOMPUTE
-               : DS4_ACT_KEEP;
-}
-static void release_nothing(void *ctx, int64_t layer, int unit, int slot) { (void)ctx, (void)layer, (void)unit, (void)slot; }
-
 /* One forward + backward of m on the fixed batch (bf16: mixed precision's activations); results copied to
  * the host. */
 static bool run_pass(ds4_model *m, bool recompute, bool bf16, pass_out *out) {
@@ -37,12 +27,11 @@ static bool run_pass(ds4_model *m, bool recompute, bool bf16, pass_out *out) {
     const int64_t N = B_ROWS * T_SEQ, V = c->vocab_size, n = ds4_model_numel(m);
     int32_t ids[B_ROWS * T_SEQ];
     for (int64_t i = 0; i < N; i++) ids[i] = (int32_t)((i * 7 + 3) % V);
-    static const ds4_act_store_ops ops = {recompute_some, NULL, NULL, release_nothing}; /* no swap: no save, fetch */
     ds4_pass_opts o = {};
     o.need_backward = true;
     o.keep_logits = true;
     o.bf16_acts = bf16;
-    if (recompute) o.store.ops = &ops;
+    if (recompute) o.store.ops = &test_recompute_store;
     ds4_model_zero_grad(m);
     ds4_pass *p = NULL;
     bool ok = ds4_forward(m, ids, B_ROWS, T_SEQ, &o, &p) == DS4_OK;

@@ -262,27 +262,23 @@ static void e_moe_unpack_grads_add(const ds4_exec *ex, float *dx, float *dgw, co
     note(cuda_moe_unpack_grads_add(S(ex), dx, dgw, src, etok, eslot, NK, D, K));
 }
 /* The experts' row offsets reach the host here, once per MoE layer and direction: each expert's GEMMs are
- * launched with its row count (the model passes them in the backend's memory). */
-static bool offsets_to_host(const ds4_exec *ex, const moe_experts_args *a, int64_t *host) {
-    note(cuda_copy_d2h(S(ex), host, a->off, (size_t)(a->nexp + 1) * sizeof(int64_t)));
+ * launched with its row count (the model passes them in the backend's memory). run gets a copy of a whose
+ * offsets are that host copy. */
+template <typename Run> static void with_host_offsets(const ds4_exec *ex, const moe_experts_args *a, Run run) {
+    int64_t *off = (int64_t *)ds4_alloc(DS4_MEM_OTHER, (size_t)(a->nexp + 1) * sizeof(int64_t));
+    if (!off) return note(DS4_ERR_OOM);
+    note(cuda_copy_d2h(S(ex), off, a->off, (size_t)(a->nexp + 1) * sizeof(int64_t)));
     note(cuda_stream_sync(S(ex)));
-    return g_first == DS4_OK;
+    moe_experts_args h = *a;
+    h.off = off;
+    if (g_first == DS4_OK) note(run(&h));
+    ds4_free(off);
 }
 static void e_moe_experts_fwd(const ds4_exec *ex, const moe_experts_args *a, float *y) {
-    int64_t *off = (int64_t *)ds4_alloc(DS4_MEM_OTHER, (size_t)(a->nexp + 1) * sizeof(int64_t));
-    if (!off) return note(DS4_ERR_OOM);
-    moe_experts_args h = *a;
-    h.off = off;
-    if (offsets_to_host(ex, a, off)) note(cuda_moe_experts_fwd(BLAS(ex), P(ex), &h, y));
-    ds4_free(off);
+    with_host_offsets(ex, a, [&](const moe_experts_args *h) { return cuda_moe_experts_fwd(BLAS(ex), P(ex), h, y); });
 }
 static void e_moe_experts_bwd(const ds4_exec *ex, const moe_experts_args *a, const moe_experts_grads *g) {
-    int64_t *off = (int64_t *)ds4_alloc(DS4_MEM_OTHER, (size_t)(a->nexp + 1) * sizeof(int64_t));
-    if (!off) return note(DS4_ERR_OOM);
-    moe_experts_args h = *a;
-    h.off = off;
-    if (offsets_to_host(ex, a, off)) note(cuda_moe_experts_bwd(BLAS(ex), P(ex), &h, g));
-    ds4_free(off);
+    with_host_offsets(ex, a, [&](const moe_experts_args *h) { return cuda_moe_experts_bwd(BLAS(ex), P(ex), h, g); });
 }
 static void e_swiglu_fwd(const ds4_exec *ex, float *act, const float *g, const float *u, int64_t N, int64_t I,
                          float limit) {
