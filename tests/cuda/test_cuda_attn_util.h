@@ -6,6 +6,13 @@
 
 #include "cuda_check.h"
 
+/* False when DS4_CUDA_SMALL is set (not "0"): scripts/gpu-check.sh asks for the small cases under the
+ * sanitizers, which run kernels hundreds of times slower; the large shapes then are skipped. */
+static inline bool ta_full(void) {
+    const char *e = getenv("DS4_CUDA_SMALL");
+    return !(e && *e && strcmp(e, "0") != 0);
+}
+
 /* Device copy of n host floats. */
 static inline float *up_f(const float *h, int64_t n) { return cc_upf(h, n > 0 ? n : 1); }
 /* Host copy of n device floats (after the device finished). */
