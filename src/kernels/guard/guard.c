@@ -53,6 +53,7 @@ static struct sigaction g_prev_segv;
 
 static void on_fault(int sig, siginfo_t *si, void *uctx) {
     const char *addr = si->si_addr;
+    (void)sig, (void)uctx;
     for (int64_t i = 0; i < g_n; i++) {
         const guard_buf *b = &g_bufs[i];
         if (addr < b->base || addr >= b->base + b->span) continue;
@@ -61,13 +62,14 @@ static void on_fault(int sig, siginfo_t *si, void *uctx) {
                          "ds4 cpu-guard: the host touched device memory outside a backend op or copy: byte %zu of a "
                          "%zu-byte %s buffer; the call stack:\n",
                          (size_t)(addr - b->base), b->bytes, ds4_mem_cat_name(b->cat));
-        if (write(2, msg, (size_t)n) < 0) break;
-        void *frames[48];
-        backtrace_symbols_fd(frames, backtrace(frames, 48), 2);
-        break;
+        if (write(2, msg, (size_t)n) >= 0) {
+            void *frames[48];
+            backtrace_symbols_fd(frames, backtrace(frames, 48), 2);
+        }
+        signal(SIGSEGV, SIG_DFL); /* the access faults again and the process dies of it, whatever else is installed */
+        return;
     }
-    sigaction(SIGSEGV, &g_prev_segv, NULL); /* the fault happens again, and kills the process as it would have */
-    (void)sig, (void)uctx;
+    sigaction(SIGSEGV, &g_prev_segv, NULL); /* not ours: the fault goes to the handler that was there before */
 }
 
 static void install_fault_handler(void) {
