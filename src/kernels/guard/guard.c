@@ -60,7 +60,7 @@ static void on_fault(int sig, siginfo_t *si, void *uctx) {
         char msg[256];
         int n = snprintf(msg, sizeof msg,
                          "ds4 cpu-guard: the host touched device memory outside a backend op or copy: byte %zu of a "
-                         "%zu-byte %s buffer; the call stack:\n",
+                         "%zu-byte %s buffer; the call stack (addr2line -f -e PROGRAM +OFFSET names a frame):\n",
                          (size_t)(addr - b->base), b->bytes, ds4_mem_cat_name(b->cat));
         if (write(2, msg, (size_t)n) >= 0) {
             void *frames[48];
