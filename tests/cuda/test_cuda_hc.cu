@@ -7,7 +7,7 @@
  * exactly in both: with every exp argument 0 (base = −mixes·scale, scale 1: tokens with the same streams
  * have the same mixes) the whole forward and backward must be the cpu's bits too, Sinkhorn included.
  * With random logits the exp-dependent results are compared within a bound derived from the logits'
- * sensitivity (see hc_sens_bound). Every launcher runs twice for the same bits. */
+ * sensitivity (see hc_L, hc_sensitivity, hc_magnitudes). Every launcher runs twice for the same bits. */
 #include "test_cuda_attn_util.h"
 #include "kernels/cuda/hc.cuh"
 extern "C" { /* C headers without their own extern "C" */
@@ -395,7 +395,7 @@ static void hc_magnitudes(double **mag, double *ell, const hcase *h, const hres 
 }
 
 /* Random logits: the results without exp (mixes, rsqrt) are the cpu's bits; the others within
- * hc_sens_bound; two runs the same bits. */
+ * the bound of hc_L; two runs the same bits. */
 static void random_case(bool head, int64_t N, int64_t n, int64_t D, int64_t iters, unsigned seed) {
     hcase h = hcase_make(head, N, n, D, iters, seed);
     hres c = hres_alloc(&h), g1, g2;

@@ -176,18 +176,13 @@ static ds4_status lt_plan_make(cuda_blas *bl, const lt_key *k, lt_plan *d) {
     LT_STEP(cublasLtMatmulPreferenceCreate(&pref), "preference");
     LT_STEP(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws),
             "workspace");
-    LT_STEP(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &k->al_a,
-                                                 sizeof k->al_a),
-            "alignment");
-    LT_STEP(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &k->al_b,
-                                                 sizeof k->al_b),
-            "alignment");
-    LT_STEP(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &k->al_c,
-                                                 sizeof k->al_c),
-            "alignment");
-    LT_STEP(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &k->al_c,
-                                                 sizeof k->al_c),
-            "alignment");
+    /* the alignment classes of cuBLASLt's A (ds4's B), B (ds4's A), C and D (both C) */
+    const cublasLtMatmulPreferenceAttributes_t al_attr[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    const uint32_t al[4] = {k->al_a, k->al_b, k->al_c, k->al_c};
+    for (int i = 0; i < 4; i++)
+        LT_STEP(cublasLtMatmulPreferenceSetAttribute(pref, al_attr[i], &al[i], sizeof al[i]), "alignment");
     LT_STEP(cublasLtMatmulAlgoGetHeuristic(bl->lt, d->op, d->a, d->b, d->c, d->c, pref, 1, &res, &found), "heuristic");
 #undef LT_STEP
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
