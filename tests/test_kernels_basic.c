@@ -10,6 +10,7 @@
 #include "kernels/kernels.h"
 #include "kernels/kernels_f64.h"
 #include "test.h"
+#include "test_gemm.h"
 
 #define FD_H 1e-6
 #define FD_TOL 1e-6  /* ‖analytic − FD‖/‖FD‖ on the double twins */
@@ -82,18 +83,6 @@ static void check_grad(const char *what, const double *before, const double *aft
 
 /* ---------------------------------------------------------------- gemm */
 
-typedef void (*gemm_fn)(int64_t, int64_t, int64_t, const float *, int64_t, const float *, int64_t, float *,
-                        int64_t, float);
-
-enum { OP_NT, OP_NN, OP_TN };
-static const char *OP_NAME[] = {"nt", "nn", "tn"};
-/* The GEMM wrapper of op in context ex (the context's backend and matmul precision; a plan's mirrors). */
-static void gemm_op(const ds4_exec *ex, int op, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                    const float *B, int64_t ldb, float *C, int64_t ldc, float beta) {
-    if (op == OP_NT) gemm_nt(ex, M, N, K, A, lda, B, ldb, C, ldc, beta);
-    else if (op == OP_NN) gemm_nn(ex, M, N, K, A, lda, B, ldb, C, ldc, beta);
-    else gemm_tn(ex, M, N, K, A, lda, B, ldb, C, ldc, beta);
-}
 static gemm_fn ref_of(int op) {
     return op == OP_NT ? cpu_gemm_nt_ref : op == OP_NN ? cpu_gemm_nn_ref : cpu_gemm_tn_ref;
 }

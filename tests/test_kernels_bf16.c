@@ -13,6 +13,7 @@
 #include "kernels/dispatch.h"
 #include "kernels/kernels.h"
 #include "test.h"
+#include "test_gemm.h"
 
 static float *falloc(int64_t n) { return calloc((size_t)(n > 0 ? n : 1), sizeof(float)); }
 
@@ -31,17 +32,6 @@ static uint32_t u_of(float f) {
 static const gemm_engine *g_engine;
 static const char *g_engine_name = "";
 
-typedef void (*gemm_fn)(int64_t, int64_t, int64_t, const float *, int64_t, const float *, int64_t, float *,
-                        int64_t, float);
-enum { OP_NT, OP_NN, OP_TN };
-static const char *OP_NAME[] = {"nt", "nn", "tn"};
-/* The GEMM wrapper of op in context ex (the context's backend and matmul precision; a plan's mirrors). */
-static void gemm_op(const ds4_exec *ex, int op, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                    const float *B, int64_t ldb, float *C, int64_t ldc, float beta) {
-    if (op == OP_NT) gemm_nt(ex, M, N, K, A, lda, B, ldb, C, ldc, beta);
-    else if (op == OP_NN) gemm_nn(ex, M, N, K, A, lda, B, ldb, C, ldc, beta);
-    else gemm_tn(ex, M, N, K, A, lda, B, ldb, C, ldc, beta);
-}
 /* The engine tests' context: real, bf16 GEMMs; and its plan. */
 #define BF16_EXEC (&(const ds4_exec){.matmul_precision = DS4_MATMUL_BF16})
 #define BF16_PLAN_EXEC (&(const ds4_exec){.plan = true, .matmul_precision = DS4_MATMUL_BF16})
