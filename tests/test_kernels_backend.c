@@ -28,7 +28,7 @@ static void test_tables(void) {
     /* the names and the table come from one list: one name per entry after the name and plan fields */
     const size_t entries = (sizeof(ds4_kernel_backend) - offsetof(ds4_kernel_backend, buf_alloc)) / sizeof(void (*)(void));
     CHECK((size_t)ds4_kernel_op_count == entries && !strcmp(ds4_kernel_op_names[0], "buf_alloc") &&
-              !strcmp(ds4_kernel_op_names[ds4_kernel_op_count - 1], "streams_sum"),
+              !strcmp(ds4_kernel_op_names[ds4_kernel_op_count - 1], "newton_schulz"),
           "%d ops listed for %zu entries, first %s", ds4_kernel_op_count, entries, ds4_kernel_op_names[0]);
     CHECK(ds4_exec_kernels(NULL) == cpu && ds4_exec_kernels(CPU_EXEC) == cpu, "no backend named: the cpu runs");
     CHECK(ds4_exec_kernels(&k_plan_ctx) == plan, "a plan context runs the plan of its backend");

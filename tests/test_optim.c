@@ -175,8 +175,8 @@ static void test_slice_equals_reference(void) {
     memcpy(w0, ds4_model_params_flat(m), (size_t)n * sizeof(float));
     memcpy(w1, w0, (size_t)n * sizeof(float));
     ds4_optim res, sw;
-    CHECK(ds4_optim_init_runs(&res, NULL, b - a, rg, nr, NULL, 0) == DS4_OK, "%s", ds4_errmsg());
-    CHECK(ds4_optim_init_runs(&sw, NULL, b - a, rg, nr, store, 4096) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_optim_init_runs(&res, NULL, NULL, b - a, rg, nr, NULL, 0) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_optim_init_runs(&sw, NULL, NULL, b - a, rg, nr, store, 4096) == DS4_OK, "%s", ds4_errmsg());
     for (int s = 0; s < STEPS; s++) {
         fill_grads(m, s);
         const float *g = ds4_model_grads_flat(m);
@@ -267,7 +267,7 @@ static void test_swapped_bytes(void) {
 /* ------------------------------------------------------------------ errors */
 static void expect_bad(const ds4_opt_run *r, int64_t nr, const char *want) {
     ds4_optim o;
-    CHECK(ds4_optim_init_runs(&o, NULL, 100, r, nr, NULL, 0) == DS4_ERR_ARG, "accepted ranges that should fail with \"%s\"",
+    CHECK(ds4_optim_init_runs(&o, NULL, NULL, 100, r, nr, NULL, 0) == DS4_ERR_ARG, "accepted ranges that should fail with \"%s\"",
           want);
     CHECK(strstr(ds4_errmsg(), want) != NULL, "message \"%s\" lacks \"%s\"", ds4_errmsg(), want);
     CHECK(o.runs == NULL && o.g[0].mem[0] == NULL, "a failed init left something behind");
@@ -281,7 +281,7 @@ static void test_bad_ranges(void) {
     expect_bad((ds4_opt_run[]){{.off = 0, .n = 1}}, -1, "-1 ranges");
     /* empty ranges are ignored; neighbours of one rule merge; gaps train without decay */
     ds4_optim o;
-    CHECK(ds4_optim_init_runs(&o, NULL, 100,
+    CHECK(ds4_optim_init_runs(&o, NULL, NULL, 100,
                               (ds4_opt_run[]){{.off = 10, .n = 10, .decay = true}, {.off = 20, .n = 0},
                                               {.off = 20, .n = 5, .decay = true}, {.off = 40, .n = 60, .frozen = true}},
                               4, NULL, 0) == DS4_OK, "%s", ds4_errmsg());

@@ -75,7 +75,7 @@ static bool run_steps(const ds4_config *c, const uint32_t *masks, int64_t B, int
         out->loss[s] = ds4_pass_losses(p)->loss;
         out->total[s] = ds4_pass_losses(p)->total_loss;
         ds4_pass_free(p);
-        out->gnorm[s] = ds4_clip_grad_norm(m, 1.0);
+        CHECK(ds4_clip_grad_norm(m, 1.0, &out->gnorm[s]) == DS4_OK, "%s", ds4_errmsg());
         out->grads[s] = malloc((size_t)out->n * sizeof(float));
         memcpy(out->grads[s], ds4_model_grads_flat(m), (size_t)out->n * sizeof(float));
         ds4_adamw_step(&opt, m, &ac, 1e-3);

@@ -99,8 +99,8 @@ int cmd_init(int argc, char **argv) {
         ds4_model_free(m);
         return cli_fail();
     }
-    ds4_model_init_random(m, (uint64_t)seed);
-    ds4_status st = ds4_model_save(m, out, dt);
+    ds4_status st = ds4_model_init_random(m, (uint64_t)seed);
+    if (st == DS4_OK) st = ds4_model_save(m, out, dt);
     if (st == DS4_OK)
         printf("wrote %s: %lld tensors, %lld parameters\n", out, (long long)ds4_model_nparams(m),
                (long long)ds4_model_numel(m));
@@ -186,11 +186,11 @@ static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64
     float *mtp = c->n_mtp_layers ? own(o, ds4_alloc(DS4_MEM_OTHER, (size_t)(N * V) * sizeof(float))) : NULL;
     if (st == DS4_OK && (!logits || (c->n_mtp_layers && !mtp))) st = DS4_ERR_OOM;
     if (st == DS4_OK) {
-        memcpy(logits, ds4_pass_logits(p), (size_t)(N * V) * sizeof(float));
+        ds4_model_to_host(m, logits, ds4_pass_logits(p), (size_t)(N * V) * sizeof(float));
         st = ds4_st_writer_add(w, "logits", DS4_F32, 3, lshape, logits);
     }
     if (st == DS4_OK && mtp) {
-        memcpy(mtp, ds4_pass_mtp_logits(p), (size_t)(N * V) * sizeof(float));
+        ds4_model_to_host(m, mtp, ds4_pass_mtp_logits(p), (size_t)(N * V) * sizeof(float));
         st = ds4_st_writer_add(w, "mtp_logits", DS4_F32, 3, lshape, mtp);
     }
     static char names[DS4_MAX_LAYERS][48];
@@ -205,7 +205,7 @@ static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64
             st = DS4_ERR_OOM;
             break;
         }
-        memcpy(tk, ds4_pass_topk(p, l), (size_t)(N * K) * sizeof(int32_t));
+        ds4_model_to_host(m, tk, ds4_pass_topk(p, l), (size_t)(N * K) * sizeof(int32_t));
         snprintf(names[l], sizeof names[l], "indexer_topk.%lld", (long long)l);
         st = ds4_st_writer_add(w, names[l], DS4_I32, 3, kshape, tk);
     }
@@ -224,15 +224,18 @@ static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64
         if (report) print_memory_report(p, c);
     }
     char (*gnames)[120] = NULL;
+    float *grads = NULL; /* the host's copy of the flat gradients */
     if (st == DS4_OK) {
         gnames = own(o, ds4_alloc(DS4_MEM_OTHER, (size_t)ds4_model_nparams(m) * 120));
-        if (!gnames) st = DS4_ERR_OOM;
+        grads = own(o, ds4_alloc(DS4_MEM_OTHER, (size_t)ds4_model_numel(m) * sizeof(float)));
+        if (!gnames || !grads) st = DS4_ERR_OOM;
+        else ds4_model_to_host(m, grads, ds4_model_grads_flat(m), (size_t)ds4_model_numel(m) * sizeof(float));
     }
     for (int64_t i = 0; st == DS4_OK && i < ds4_model_nparams(m); i++) {
         ds4_param *pr = ds4_model_param(m, i);
         if (!ds4_param_in_flat(pr)) continue;
         snprintf(gnames[i], 120, "grad.%s", pr->name);
-        st = ds4_st_writer_add(w, gnames[i], DS4_F32, pr->ndim, pr->shape, pr->grad);
+        st = ds4_st_writer_add(w, gnames[i], DS4_F32, pr->ndim, pr->shape, grads + (pr->grad - ds4_model_grads_flat(m)));
     }
     if (st == DS4_OK) st = ds4_st_writer_write(w, out);
     ds4_st_writer_free(w);

@@ -256,6 +256,8 @@ void ds4_sumsq_normalize(ds4_sumsq_acc *a);      /* carries: one form per number
 double ds4_sumsq_value(const ds4_sumsq_acc *a);  /* normalized a as a double; NaN if an element was not finite */
 /* Gradient clipping: g [n] *= max_norm / (norm + 1e-6) when max_norm > 0 and norm exceeds it. */
 void ds4_clip_scale(float *g, int64_t n, double max_norm, double norm);
+/* The rule of it: true and *s = the factor when the gradients are to be scaled. */
+bool ds4_clip_factor(double max_norm, double norm, float *s);
 
 /* ---------------------------------------------------------------- per-element ops of the step (src/core/norm.c)
  * Plain pointers and explicit sizes, no struct walked inside: what a backend would run. Each element's
@@ -274,6 +276,10 @@ typedef struct {
 /* AdamW on n elements: w, g, m, v [n]; m := β1·m + (1−β1)·g, v := β2·v + (1−β2)·g², then w −= decay·w
  * (when decay) and w −= step_size·m / (sqrt(v)·inv_sqrt_bc2 + eps). */
 void ds4_adamw_update(int64_t n, float *w, const float *g, float *m, float *v, ds4_adamw_consts k, bool decay);
+/* One Newton–Schulz iteration's quintic (Muon): x := a·x + b·(x·xᵀ)·x + c·(x·xᵀ)²·x. */
+typedef struct {
+    float a, b, c;
+} ds4_ns_coef;
 /* Muon's momentum on n elements: g, mom, u [n]; mom := μ·mom + g, u := g + μ·mom (nesterov) or mom. */
 void ds4_muon_momentum(int64_t n, const float *g, float *mom, float *u, float mu, bool nesterov);
 /* Muon's update on n elements: w, o [n]; w −= decay·w, then w −= step·o (o: the orthogonalized u). */

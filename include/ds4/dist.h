@@ -136,6 +136,7 @@ typedef struct {
 } ds4_fsdp_yielding;
 void ds4_fsdp_yielding_init(ds4_fsdp *f, void (*yield)(void *ctx), void *ctx, ds4_fsdp_yielding *y);
 int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f);
+const ds4_exec *ds4_fsdp_exec(const ds4_fsdp *f); /* the context of its model (ds4_model_exec) */
 float *ds4_fsdp_shard_params(ds4_fsdp *f); /* [shard_numel] DS4_MEM_PARAM */
 float *ds4_fsdp_shard_grads(ds4_fsdp *f);  /* [shard_numel] DS4_MEM_GRAD, accumulated by grad_end */
 void ds4_fsdp_zero_grads(ds4_fsdp *f);

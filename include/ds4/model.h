@@ -80,6 +80,32 @@ float *ds4_model_grads_flat(ds4_model *m);                               /* [num
 void ds4_model_to_host(const ds4_model *m, void *dst, const void *src, size_t bytes);
 void ds4_model_to_device(const ds4_model *m, void *dst, const void *src, size_t bytes);
 void ds4_model_zero_grad(ds4_model *m);
+/* The context the model was made for (its backend, plan or real, matmul precision). */
+const ds4_exec *ds4_model_exec(const ds4_model *m);
+
+/* ------------------------------------------------------------------ flat arrays on a context's backend
+ * What the layers above the model (the optimizers, the trainer's step) do with the bytes of a backend:
+ * buffers, the copies across the host/device boundary, and the step's ops (src/kernels/ops.def, "the step
+ * around the passes"), each run on ex's backend with the cpu's bits. A plan allocates (counted, no memory)
+ * and computes nothing. */
+void *ds4_dev_alloc(const ds4_exec *ex, ds4_mem_cat cat, size_t bytes);  /* NULL + message on failure */
+void *ds4_dev_zalloc(const ds4_exec *ex, ds4_mem_cat cat, size_t bytes); /* the same, zeroed */
+void ds4_dev_free(const ds4_exec *ex, void *p);                          /* NULL: nothing */
+/* dst [bytes] on the host = src [bytes] on the device, and the reverse; both return once the bytes crossed. */
+void ds4_dev_to_host(const ds4_exec *ex, void *dst, const void *src, size_t bytes);
+void ds4_dev_to_device(const ds4_exec *ex, void *dst, const void *src, size_t bytes);
+/* *out = Σ x² over x [n] (ds4_sumsq's rule) and *out = the non-finite elements of x [n], computed on the
+ * device and read back: the one wait of each. Fail only out of memory (a plan: 0). */
+ds4_status ds4_dev_sumsq(const ds4_exec *ex, const float *x, int64_t n, double *out);
+ds4_status ds4_dev_count_nonfinite(const ds4_exec *ex, const float *x, int64_t n, int64_t *out);
+/* x [n] *= s (ds4_scale_f32). */
+void ds4_dev_scale(const ds4_exec *ex, float *x, int64_t n, float s);
+/* ds4_adamw_update, ds4_muon_momentum and ds4_muon_apply (ds4/core.h) on device arrays. */
+void ds4_dev_adamw_update(const ds4_exec *ex, int64_t n, float *w, const float *g, float *m, float *v,
+                          ds4_adamw_consts k, bool decay);
+void ds4_dev_muon_momentum(const ds4_exec *ex, int64_t n, const float *g, float *mom, float *u, float mu,
+                           bool nesterov);
+void ds4_dev_muon_apply(const ds4_exec *ex, int64_t n, float *w, const float *o, float decay, float step);
 
 /* The router bias of block b ("layers.L.ffn.gate.bias": L, "mtp.K.ffn.gate.bias": n_layers + K), -1 for
  * any other tensor (hash-routed blocks have none). */
@@ -89,8 +115,9 @@ int64_t ds4_param_router_block(const ds4_config *c, const ds4_param *p);
 void ds4_router_bias_rule(const int64_t *loads, int64_t E, double gamma, int64_t e0, int64_t e1, float *bias);
 
 /* docs/contract.md init rules, every value a function of (seed, tensor name, index). */
-void ds4_model_init_random(ds4_model *m, uint64_t seed);
-void ds4_model_init_param(ds4_model *m, int64_t i, uint64_t seed); /* one tensor of the table */
+/* The values are made on the host and copied to the model's device in chunks; a plan does nothing. */
+ds4_status ds4_model_init_random(ds4_model *m, uint64_t seed);
+ds4_status ds4_model_init_param(ds4_model *m, int64_t i, uint64_t seed); /* one tensor of the table */
 /* Elements [k0, k1) of float parameter p under the init rules, into out [k1 - k0]. */
 void ds4_param_init_values(const ds4_param *p, uint64_t seed, int64_t k0, int64_t k1, float *out);
 /* Reads tensor i of the table from a model directory (checks shape and, for tid2eid, the ids). */
@@ -240,10 +267,7 @@ const int64_t *ds4_pass_expert_load(const ds4_pass *p, int64_t layer);
 void ds4_pass_free(ds4_pass *p);
 
 /* ------------------------------------------------------------------ Newton–Schulz (the Muon optimizer)
- * One iteration's quintic: x := a·x + b·(x·xᵀ)·x + c·(x·xᵀ)²·x. */
-typedef struct {
-    float a, b, c;
-} ds4_ns_coef;
+ * The newton_schulz op (ds4_ns_coef: ds4/core.h) with its arguments checked. */
 /* x [rows, cols] := its approximate orthogonal factor U·Vᵀ (singular values pushed towards 1): divided
  * by its Frobenius norm + eps, then iters iterations with coef[i] on the short side (xᵀ when rows > cols),
  * every product through the GEMM engines. Its workspace (2·r² + 2·r·c floats, r = min(rows, cols), the

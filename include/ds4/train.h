@@ -90,17 +90,19 @@ struct ds4_optim {
     ds4_offload *store;
     bool swapped;
     int64_t chunk;            /* AdamW elements per update chunk while swapped */
-    bool plan;                /* the state of a plan step (ds4_exec): buffers counted, updates touch no values;
-                               * set by its owner after init (init clears it) */
+    ds4_exec exec;            /* the context the state lives in (the model's): its arrays are that backend's
+                               * buffers, its updates that backend's ops; a plan's are counted, not computed */
 };
 
-/* The state of entry opt (NULL: AdamW) for a whole model: zero, resident, or in `store` (never resident)
- * with update chunks of chunk_bytes (0: DS4_ADAMW_SWAP_CHUNK). The store must stay open until free. */
+/* The state of entry opt (NULL: AdamW) for a whole model, in the model's context: zero, resident, or in
+ * `store` (never resident) with update chunks of chunk_bytes (0: DS4_ADAMW_SWAP_CHUNK). The store must stay
+ * open until free. */
 ds4_status ds4_optim_init(ds4_optim *o, const ds4_optimizer *opt, ds4_model *m, ds4_offload *store, size_t chunk_bytes);
 /* The same for n elements under the rules r [nr] (any order, disjoint, inside [0, n); copied, soff
- * ignored); elements in no range are trained by AdamW without weight decay. Fails naming a bad range. */
-ds4_status ds4_optim_init_runs(ds4_optim *o, const ds4_optimizer *opt, int64_t n, const ds4_opt_run *r, int64_t nr,
-                               ds4_offload *store, size_t chunk_bytes);
+ * ignored), in context ex (NULL: real, on the cpu); elements in no range are trained by AdamW without
+ * weight decay. Fails naming a bad range. */
+ds4_status ds4_optim_init_runs(ds4_optim *o, const ds4_exec *ex, const ds4_optimizer *opt, int64_t n,
+                               const ds4_opt_run *r, int64_t nr, ds4_offload *store, size_t chunk_bytes);
 /* The same for an FSDP rank's shard: one run per piece of a float parameter the shard holds, cut at the
  * shard's boundaries, with that parameter's rules. */
 ds4_status ds4_optim_init_shard(ds4_optim *o, const ds4_optimizer *opt, const ds4_fsdp *f, ds4_offload *store,
@@ -172,13 +174,14 @@ ds4_status ds4_muon_step(ds4_optim *o, ds4_model *m, const ds4_muon_cfg *c, doub
  * ds4_muon_step on the whole model. */
 ds4_status ds4_fsdp_muon_step(ds4_fsdp *f, ds4_optim *o, const ds4_muon_cfg *c, double weight_decay, double lr);
 
-/* Global L2 norm of the gradients (fp64 accumulation, fixed order); if max_norm > 0 and the norm
- * exceeds it, scales gradients by max_norm / norm. Returns the norm before clipping. */
-double ds4_clip_grad_norm(ds4_model *m, double max_norm);
+/* Global L2 norm of the gradients (fp64 accumulation, fixed order), computed on the model's backend; if
+ * max_norm > 0 and the norm exceeds it, scales gradients by max_norm / norm. *norm: the norm before
+ * clipping. Fails only out of memory. */
+ds4_status ds4_clip_grad_norm(ds4_model *m, double max_norm, double *norm);
 
 /* Aux-loss-free balancing (noaux_tc): for each score-routed layer, b_e += γ·sign(mean_load − load_e).
  * loads: [n_blocks, E] token counts of the step (all micro-batches). */
-void ds4_router_bias_update(ds4_model *m, const int64_t *loads, double gamma);
+ds4_status ds4_router_bias_update(ds4_model *m, const int64_t *loads, double gamma);
 
 /* ------------------------------------------------------------------ LR schedule */
 typedef enum { DS4_DECAY_COSINE = 0, DS4_DECAY_LINEAR, DS4_DECAY_NONE } ds4_decay_kind;

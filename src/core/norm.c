@@ -92,9 +92,15 @@ void ds4_scale_f32(float *x, int64_t n, float s) {
     for (int64_t i = 0; i < n; i++) x[i] *= s;
 }
 
+bool ds4_clip_factor(double max_norm, double norm, float *s) {
+    if (!(max_norm > 0 && norm > max_norm)) return false;
+    *s = (float)(max_norm / (norm + 1e-6));
+    return true;
+}
+
 void ds4_clip_scale(float *g, int64_t n, double max_norm, double norm) {
-    if (!(max_norm > 0 && norm > max_norm)) return;
-    ds4_scale_f32(g, n, (float)(max_norm / (norm + 1e-6)));
+    float s;
+    if (ds4_clip_factor(max_norm, norm, &s)) ds4_scale_f32(g, n, s);
 }
 
 int64_t ds4_count_nonfinite(const float *x, int64_t n) {

@@ -97,6 +97,7 @@ void ds4_fsdp_free(ds4_fsdp *f) {
 
 const ds4_param_hooks *ds4_fsdp_hooks(ds4_fsdp *f) { return &f->hooks; }
 int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f) { return f->ns; }
+const ds4_exec *ds4_fsdp_exec(const ds4_fsdp *f) { return ds4_model_exec(f->m); }
 float *ds4_fsdp_shard_params(ds4_fsdp *f) { return f->sp; }
 float *ds4_fsdp_shard_grads(ds4_fsdp *f) { return f->sg; }
 void ds4_fsdp_refresh_bf16(ds4_fsdp *f) {

@@ -21,7 +21,7 @@ ds4_status ds4_fsdp_init_random(ds4_fsdp *f, uint64_t seed) {
     init_ctx c = {f, seed};
     ds4_fsdp_for_each_piece(f, init_overlap, &c);
     for (int64_t i = 0; i < ds4_model_nparams(f->m); i++) /* the tables and carried tensors: whole on every rank */
-        if (!ds4_param_in_flat(ds4_model_param(f->m, i))) ds4_model_init_param(f->m, i, seed);
+        if (!ds4_param_in_flat(ds4_model_param(f->m, i))) DS4_TRY(ds4_model_init_param(f->m, i, seed));
     return DS4_OK;
 }
 

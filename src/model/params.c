@@ -256,6 +256,8 @@ void ds4_model_pack_bf16(uint16_t *dst, const float *src, int64_t n) {
     tensor_pack_bf16(&ex, dst, src, n);
 }
 
+const ds4_exec *ds4_model_exec(const ds4_model *m) { return &m->exec; }
+
 void ds4_model_to_host(const ds4_model *m, void *dst, const void *src, size_t bytes) {
     copy_to_host(&m->exec, dst, src, bytes);
     synchronize(&m->exec);
@@ -361,22 +363,70 @@ static float init_value(const ds4_param *p, uint64_t seed, uint64_t stream, int6
     }
 }
 
+/* ------------------------------------------------------------------ host staging
+ * Parameter bytes cross the host/device boundary in chunks of at most STAGE_BYTES through one host buffer:
+ * init, load and save never read or write the model's buffers from the host. */
+enum { STAGE_BYTES = 1 << 20 };
+
+/* Fills host elements [k0, k1) of a tensor into out [k1 - k0] (elements of elt bytes). */
+typedef ds4_status (*stage_fill_fn)(void *ctx, int64_t k0, int64_t k1, void *out);
+
+/* dst [n] on the model's device = fill(...) chunk by chunk; a chunk is a multiple of `unit` elements (a
+ * row of the file), at least one unit. A plan allocates the buffer and fills nothing, so it counts what the
+ * real run holds. */
+static ds4_status stage_in(const ds4_model *m, void *dst, int64_t n, size_t elt, int64_t unit, stage_fill_fn fill,
+                           void *ctx) {
+    if (n == 0) return DS4_OK;
+    int64_t chunk = (int64_t)(STAGE_BYTES / elt) / unit * unit;
+    if (chunk < unit) chunk = unit;
+    if (chunk > n) chunk = n;
+    char *buf = ds4_alloc(DS4_MEM_OTHER, (size_t)chunk * elt);
+    if (!buf) return ds4_fail(DS4_ERR_OOM, "out of memory for a %lld-element parameter staging buffer", (long long)chunk);
+    ds4_status st = DS4_OK;
+    for (int64_t k0 = 0; k0 < (m->exec.plan ? 0 : n) && st == DS4_OK; k0 += chunk) {
+        const int64_t k1 = k0 + chunk < n ? k0 + chunk : n;
+        st = fill(ctx, k0, k1, buf);
+        if (st != DS4_OK) break;
+        copy_to_device(&m->exec, (char *)dst + (size_t)k0 * elt, buf, (size_t)(k1 - k0) * elt);
+        synchronize(&m->exec); /* the buffer is refilled next */
+    }
+    ds4_free(buf);
+    return st;
+}
+
 /* tid2eid row: K distinct expert ids, drawn by a partial Fisher-Yates shuffle from the seed. */
-static void init_tid2eid(ds4_param *p, uint64_t seed, uint64_t stream, int64_t E) {
-    int64_t V = p->shape[0], K = p->shape[1];
-    int64_t *perm = ds4_alloc(DS4_MEM_WORK, (size_t)E * sizeof(int64_t));
-    if (!perm) return;
-    for (int64_t v = 0; v < V; v++) {
-        for (int64_t e = 0; e < E; e++) perm[e] = e;
+typedef struct {
+    const ds4_param *p;
+    uint64_t seed, stream;
+    int64_t E;
+    int64_t *perm; /* [E] */
+} tid2eid_init;
+
+/* Rows [v0, v1) of tid2eid into out [(v1 - v0)·K] (the stage's units are rows: k0, k1 are multiples of K). */
+static ds4_status fill_tid2eid(void *ctx, int64_t k0, int64_t k1, void *out) {
+    const tid2eid_init *c = ctx;
+    const int64_t K = c->p->shape[1], E = c->E;
+    int64_t *ids = out;
+    for (int64_t v = k0 / K; v < k1 / K; v++) {
+        for (int64_t e = 0; e < E; e++) c->perm[e] = e;
         for (int64_t k = 0; k < K; k++) {
-            int64_t j = k + (int64_t)(ds4_rng_u64(seed, stream, (uint64_t)(v * K + k)) % (uint64_t)(E - k));
-            int64_t t = perm[k];
-            perm[k] = perm[j];
-            perm[j] = t;
-            p->idata[v * K + k] = perm[k];
+            int64_t j = k + (int64_t)(ds4_rng_u64(c->seed, c->stream, (uint64_t)(v * K + k)) % (uint64_t)(E - k));
+            int64_t t = c->perm[k];
+            c->perm[k] = c->perm[j];
+            c->perm[j] = t;
+            ids[v * K + k - k0] = c->perm[k];
         }
     }
-    ds4_free(perm);
+    return DS4_OK;
+}
+
+static ds4_status init_tid2eid(const ds4_model *m, const ds4_param *p, uint64_t seed, uint64_t stream) {
+    tid2eid_init c = {.p = p, .seed = seed, .stream = stream, .E = m->cfg.n_routed_experts};
+    if (!(c.perm = ds4_alloc(DS4_MEM_OTHER, (size_t)c.E * sizeof(int64_t))))
+        return ds4_fail(DS4_ERR_OOM, "out of memory initialising %s", p->name);
+    ds4_status st = stage_in(m, p->idata, p->numel, sizeof(int64_t), p->shape[1], fill_tid2eid, &c);
+    ds4_free(c.perm);
+    return st;
 }
 
 void ds4_param_init_values(const ds4_param *p, uint64_t seed, int64_t k0, int64_t k1, float *out) {
@@ -385,37 +435,126 @@ void ds4_param_init_values(const ds4_param *p, uint64_t seed, int64_t k0, int64_
     for (int64_t k = k0; k < k1; k++) out[k - k0] = init_value(p, seed, stream, k);
 }
 
-void ds4_model_init_param(ds4_model *m, int64_t i, uint64_t seed) {
-    if (!ds4_mem_backed(DS4_MEM_PARAM)) return; /* a plan: the parameters have no memory behind them */
-    ds4_param *p = &m->params[i];
-    uint64_t stream = ds4_hash_str(p->name);
-    if (p->is_int) {
-        init_tid2eid(p, seed, stream, m->cfg.n_routed_experts);
-        return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t k = 0; k < p->numel; k++) p->data[k] = init_value(p, seed, stream, k);
+typedef struct {
+    const ds4_param *p;
+    uint64_t seed;
+} float_init;
+static ds4_status fill_init(void *ctx, int64_t k0, int64_t k1, void *out) {
+    const float_init *c = ctx;
+    ds4_param_init_values(c->p, c->seed, k0, k1, out);
+    return DS4_OK;
 }
 
-void ds4_model_init_random(ds4_model *m, uint64_t seed) {
-    for (int64_t i = 0; i < m->nparams; i++) ds4_model_init_param(m, i, seed);
+ds4_status ds4_model_init_param(ds4_model *m, int64_t i, uint64_t seed) {
+    ds4_param *p = &m->params[i];
+    if (p->is_int) return init_tid2eid(m, p, seed, ds4_hash_str(p->name));
+    float_init c = {.p = p, .seed = seed};
+    return stage_in(m, p->data, p->numel, sizeof(float), 1, fill_init, &c);
+}
+
+ds4_status ds4_model_init_random(ds4_model *m, uint64_t seed) {
+    for (int64_t i = 0; i < m->nparams; i++) DS4_TRY(ds4_model_init_param(m, i, seed));
+    return DS4_OK;
 }
 
 /* ------------------------------------------------------------------ load / save */
+typedef struct {
+    const ds4_tensor_loc *loc;
+} rows_read;
+/* Elements [k0, k1) of a float tensor of the file: whole rows, decoded (dequantized) into out. */
+static ds4_status fill_rows(void *ctx, int64_t k0, int64_t k1, void *out) {
+    const ds4_tensor_loc *loc = ((const rows_read *)ctx)->loc;
+    return ds4_tensor_loc_read_rows(loc, k0 / loc->cols, k1 / loc->cols, out);
+}
+
+typedef struct {
+    const ds4_model *m;
+    const ds4_model_dir *d;
+    const ds4_param *p;
+    int64_t *ids; /* the whole table, checked on the host */
+} ids_read;
+static ds4_status fill_ids(void *ctx, int64_t k0, int64_t k1, void *out) {
+    const ids_read *c = ctx;
+    memcpy(out, c->ids + k0, (size_t)(k1 - k0) * sizeof(int64_t));
+    return DS4_OK;
+}
+
+static ds4_status load_ids(ds4_model *m, const ds4_model_dir *d, const ds4_param *p) {
+    ids_read c = {.m = m, .d = d, .p = p, .ids = ds4_alloc(DS4_MEM_OTHER, (size_t)p->numel * sizeof(int64_t))};
+    if (!c.ids) return ds4_fail(DS4_ERR_OOM, "%s: out of memory reading %s", ds4_model_dir_path(d), p->name);
+    ds4_status st = ds4_model_dir_read_i64(d, p->name, p->ndim, p->shape, c.ids);
+    for (int64_t k = 0; k < p->numel && st == DS4_OK; k++)
+        if (c.ids[k] < 0 || c.ids[k] >= m->cfg.n_routed_experts)
+            st = ds4_fail(DS4_ERR_FORMAT, "%s: tensor %s: expert id %lld out of range [0, %lld)", ds4_model_dir_path(d),
+                          p->name, (long long)c.ids[k], (long long)m->cfg.n_routed_experts);
+    if (st == DS4_OK) st = stage_in(m, p->idata, p->numel, sizeof(int64_t), 1, fill_ids, &c);
+    ds4_free(c.ids);
+    return st;
+}
+
 ds4_status ds4_model_load_param(ds4_model *m, const ds4_model_dir *d, int64_t i) {
     ds4_param *p = &m->params[i];
-    if (!p->is_int) return ds4_model_dir_read_f32(d, p->name, p->ndim, p->shape, p->data);
-    DS4_TRY(ds4_model_dir_read_i64(d, p->name, p->ndim, p->shape, p->idata));
-    for (int64_t k = 0; k < p->numel; k++)
-        if (p->idata[k] < 0 || p->idata[k] >= m->cfg.n_routed_experts)
-            return ds4_fail(DS4_ERR_FORMAT, "%s: tensor %s: expert id %lld out of range [0, %lld)",
-                            ds4_model_dir_path(d), p->name, (long long)p->idata[k], (long long)m->cfg.n_routed_experts);
-    return DS4_OK;
+    if (p->is_int) return load_ids(m, d, p);
+    ds4_tensor_loc loc;
+    DS4_TRY(ds4_model_dir_locate(d, p->name, &loc));
+    if (!ds4_tensor_loc_is_float(&loc)) return ds4_tensor_loc_read_rows(&loc, 0, 0, NULL); /* its dtype error */
+    DS4_TRY(ds4_tensor_loc_check_shape(&loc, p->ndim, p->shape));
+    if (m->exec.plan) return DS4_OK;
+    rows_read c = {.loc = &loc};
+    return stage_in(m, p->data, p->numel, sizeof(float), loc.cols > 0 ? loc.cols : 1, fill_rows, &c);
 }
 
 ds4_status ds4_model_load(ds4_model *m, const ds4_model_dir *d) {
     for (int64_t i = 0; i < m->nparams; i++) DS4_TRY(ds4_model_load_param(m, d, i));
     return DS4_OK;
+}
+
+/* Streams n elements of src (fp32 on the device) into the writer as fp32 or bf16, through buf (STAGE_BYTES
+ * of fp32, then room for as many bf16). */
+static ds4_status stage_out(const ds4_model *m, ds4_st_writer *w, const float *src, int64_t n, bool bf16, float *buf) {
+    const int64_t chunk = STAGE_BYTES / sizeof(float);
+    for (int64_t k0 = 0; k0 < n; k0 += chunk) {
+        const int64_t k1 = k0 + chunk < n ? k0 + chunk : n;
+        copy_to_host(&m->exec, buf, src + k0, (size_t)(k1 - k0) * sizeof(float));
+        synchronize(&m->exec);
+        uint16_t *h = (uint16_t *)(buf + chunk);
+        for (int64_t k = 0; bf16 && k < k1 - k0; k++) h[k] = ds4_f32_to_bf16(buf[k]);
+        DS4_TRY(ds4_st_writer_put(w, bf16 ? (const void *)h : buf, (size_t)(k1 - k0) * (bf16 ? 2 : sizeof(float))));
+    }
+    return DS4_OK;
+}
+
+/* model.safetensors streamed in ds4_st_writer_write's layout (8-byte integer tables first, then the floats
+ * in table order), one staging buffer at a time. */
+static ds4_status save_tensors(ds4_model *m, const char *path, bool bf16, float *buf) {
+    ds4_st_writer *w = NULL;
+    ds4_status st = ds4_st_writer_new(&w);
+    for (int pass = 0; pass < 2 && st == DS4_OK; pass++)
+        for (int64_t i = 0; i < m->nparams && st == DS4_OK; i++) {
+            const ds4_param *p = &m->params[i];
+            if (p->is_int == (pass == 0))
+                st = ds4_st_writer_declare(w, p->name, p->is_int ? DS4_I64 : bf16 ? DS4_BF16 : DS4_F32, p->ndim, p->shape);
+        }
+    if (st == DS4_OK) st = ds4_st_writer_begin(w, path);
+    for (int pass = 0; pass < 2 && st == DS4_OK; pass++)
+        for (int64_t i = 0; i < m->nparams && st == DS4_OK; i++) {
+            const ds4_param *p = &m->params[i];
+            if (p->is_int != (pass == 0)) continue;
+            if (!p->is_int) {
+                st = stage_out(m, w, p->data, p->numel, bf16, buf);
+                continue;
+            }
+            int64_t *ids = ds4_alloc(DS4_MEM_OTHER, (size_t)p->numel * sizeof(int64_t));
+            if (!ids) st = ds4_fail(DS4_ERR_OOM, "%s: out of memory for %s", path, p->name);
+            if (ids) {
+                ds4_model_to_host(m, ids, p->idata, (size_t)p->numel * sizeof(int64_t));
+                st = ds4_st_writer_put(w, ids, (size_t)p->numel * sizeof(int64_t));
+            }
+            ds4_free(ids);
+        }
+    if (st == DS4_OK) st = ds4_st_writer_finish(w);
+    ds4_st_writer_free(w); /* removes the temp file of an unfinished stream */
+    return st;
 }
 
 ds4_status ds4_model_save(ds4_model *m, const char *dir, ds4_dtype float_dtype) {
@@ -426,34 +565,10 @@ ds4_status ds4_model_save(ds4_model *m, const char *dir, ds4_dtype float_dtype) 
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
     DS4_TRY(ds4_config_save(&m->cfg, path));
-    uint16_t *bf = NULL, *cbf = NULL; /* the flat layout and the carried tensors in bf16 */
-    int64_t ncarried = 0;
-    for (int64_t i = 0; i < m->nparams; i++) ncarried += m->params[i].carried ? m->params[i].numel : 0;
-    if (float_dtype == DS4_BF16) {
-        bf = ds4_alloc(DS4_MEM_OTHER, (size_t)m->numel * 2);
-        cbf = ncarried ? ds4_alloc(DS4_MEM_OTHER, (size_t)ncarried * 2) : NULL;
-        if (!bf || (ncarried && !cbf)) {
-            ds4_free(bf);
-            return DS4_ERR_OOM;
-        }
-        for (int64_t i = 0; i < m->numel; i++) bf[i] = ds4_f32_to_bf16(m->flat[i]);
-    }
-    ds4_st_writer *w = NULL;
-    ds4_status st = ds4_st_writer_new(&w);
-    for (int64_t i = 0, c = 0; st == DS4_OK && i < m->nparams; i++) {
-        ds4_param *p = &m->params[i];
-        if (p->is_int) st = ds4_st_writer_add(w, p->name, DS4_I64, p->ndim, p->shape, p->idata);
-        else if (bf && p->carried) {
-            for (int64_t k = 0; k < p->numel; k++) cbf[c + k] = ds4_f32_to_bf16(p->data[k]);
-            st = ds4_st_writer_add(w, p->name, DS4_BF16, p->ndim, p->shape, cbf + c);
-            c += p->numel;
-        } else if (bf) st = ds4_st_writer_add(w, p->name, DS4_BF16, p->ndim, p->shape, bf + (p->data - m->flat));
-        else st = ds4_st_writer_add(w, p->name, DS4_F32, p->ndim, p->shape, p->data);
-    }
+    float *buf = ds4_alloc(DS4_MEM_OTHER, STAGE_BYTES + STAGE_BYTES / 2);
+    if (!buf) return ds4_fail(DS4_ERR_OOM, "%s: out of memory for the save buffer", dir);
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    if (st == DS4_OK) st = ds4_st_writer_write(w, path);
-    ds4_st_writer_free(w);
-    ds4_free(bf);
-    ds4_free(cbf);
+    ds4_status st = save_tensors(m, path, float_dtype == DS4_BF16, buf);
+    ds4_free(buf);
     return st;
 }

@@ -481,7 +481,8 @@ static ds4_status src_read(optim_src *x, int g, int a, int64_t i, int64_t k0, in
 }
 
 /* One piece of the state: elements [k0, k1) of p at flat offset s0 of o. Read when the writer trained p by
- * the rule o trains it by, else zero; straight into memory, or a chunk at a time into the store. */
+ * the rule o trains it by, else zero; a chunk at a time through the host buffer, into the state's memory
+ * (on its backend) or into the store. */
 static void src_piece(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
     optim_src *x = ctx;
     if (x->st != DS4_OK || k1 == k0) return;
@@ -491,10 +492,7 @@ static void src_piece(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s
     const int64_t i = p - ds4_model_param(x->m, 0);
     if (!same) x->switched += k1 - k0;
     for (int a = 0; a < x->o->g[gr].k && x->st == DS4_OK; a++) {
-        float *mem = x->o->swapped ? NULL : x->o->g[gr].mem[a];
-        if (mem && same) x->st = src_read(x, gr, a, i, k0, k1 - k0, mem + j);
-        else if (mem) memset(mem + j, 0, (size_t)(k1 - k0) * sizeof(float));
-        for (int64_t c0 = k0; !mem && c0 < k1 && x->st == DS4_OK; c0 += x->C) {
+        for (int64_t c0 = k0; c0 < k1 && x->st == DS4_OK; c0 += x->C) {
             const int64_t n = k1 - c0 < x->C ? k1 - c0 : x->C;
             if (same) x->st = src_read(x, gr, a, i, c0, n, x->buf);
             else memset(x->buf, 0, (size_t)n * sizeof(float));
@@ -507,7 +505,7 @@ static void src_piece(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s
 static ds4_status src_load(optim_src *x, const ds4_fsdp *f) {
     DS4_TRY(src_open(x));
     x->C = x->o->chunk > 0 ? x->o->chunk : (int64_t)(DS4_ADAMW_SWAP_CHUNK / (2 * sizeof(float)));
-    if (x->o->swapped && !(x->buf = ds4_alloc(DS4_MEM_OPTIM, (size_t)x->C * sizeof(float))))
+    if (!(x->buf = ds4_alloc(x->o->swapped ? DS4_MEM_OPTIM : DS4_MEM_OTHER, (size_t)x->C * sizeof(float))))
         return ds4_fail(DS4_ERR_OOM, "%s: out of memory loading the optimizer state", x->what);
     if (f) ds4_fsdp_for_each_piece(f, src_piece, x);
     const float *flat = ds4_model_params_flat(x->m);

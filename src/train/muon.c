@@ -58,15 +58,16 @@ static ds4_status muon_part_out(void *ctx, ds4_param *p, int64_t k0, int64_t k1,
     if (ds4_optim_locate(x->o, s0, &j) != DS4_OPT_OWN)
         return ds4_fail(DS4_ERR_INTERNAL, "%s: not in the Muon group of the optimizer state", p->name);
     ds4_opt_group *G = &x->o->g[DS4_OPT_OWN];
+    const ds4_exec *ex = &x->o->exec;
     if (!x->o->swapped) {
-        if (!x->o->plan) ds4_muon_momentum(n, x->g + s0, G->mem[0] + j, part, (float)x->c->momentum, x->c->nesterov);
+        ds4_dev_muon_momentum(ex, n, x->g + s0, G->mem[0] + j, part, (float)x->c->momentum, x->c->nesterov);
         return DS4_OK;
     }
     float *mom = ds4_alloc(DS4_MEM_OPTIM, (size_t)n * sizeof(float)); /* [n], counted in a plan too */
     if (!mom) return ds4_fail(DS4_ERR_OOM, "%s: out of memory for the Muon momentum", p->name);
     ds4_status st = ds4_optim_read(x->o, DS4_OPT_OWN, 0, j, n, mom);
-    if (st == DS4_OK && !x->o->plan) {
-        ds4_muon_momentum(n, x->g + s0, mom, part, (float)x->c->momentum, x->c->nesterov);
+    if (st == DS4_OK && !ex->plan) {
+        ds4_dev_muon_momentum(ex, n, x->g + s0, mom, part, (float)x->c->momentum, x->c->nesterov);
         st = ds4_optim_write(x->o, DS4_OPT_OWN, 0, j, n, mom);
     }
     ds4_free(mom);
@@ -76,18 +77,14 @@ static ds4_status muon_part_out(void *ctx, ds4_param *p, int64_t k0, int64_t k1,
 /* The whole matrix [A, B] orthogonalized. */
 static ds4_status muon_whole(void *ctx, ds4_param *p, float *x) {
     muon_ctx *m = ctx;
-    /* the step's context (the allocator serves the train state's, with its matmul precision) as a plan or not */
-    ds4_exec ex = ds4_exec_current();
-    ex.plan = m->o->plan;
-    return ds4_newton_schulz(&ex, x, p->shape[0], p->shape[1], m->coef, m->c->ns_steps, 1e-7f);
+    return ds4_newton_schulz(&m->o->exec, x, p->shape[0], p->shape[1], m->coef, m->c->ns_steps, 1e-7f);
 }
 
 /* W := W − lr·wd·W − lr·s·O over the part. */
 static ds4_status muon_part_in(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0, const float *part) {
     muon_ctx *x = ctx;
-    if (x->o->plan) return DS4_OK;
     const float step = (float)(x->lr * ds4_muon_scale(x->c, p->shape[0], p->shape[1]));
-    ds4_muon_apply(k1 - k0, x->w + s0, part, x->decay, step);
+    ds4_dev_muon_apply(&x->o->exec, k1 - k0, x->w + s0, part, x->decay, step);
     return DS4_OK;
 }
 
@@ -107,6 +104,8 @@ static ds4_status check_cfg(const ds4_optim *o, const ds4_muon_cfg *c) {
 }
 
 /* ------------------------------------------------------------------ the whole model */
+/* A matrix's update buffer [n] on the state's backend (not zeroed: the momentum step writes all of it). */
+static float *buf_of(ds4_optim *o, int64_t n) { return ds4_dev_alloc(&o->exec, DS4_MEM_OPTIM, (size_t)n * sizeof(float)); }
 ds4_status ds4_muon_step(ds4_optim *o, ds4_model *m, const ds4_muon_cfg *c, double weight_decay, double lr) {
     DS4_TRY(check_cfg(o, c));
     float *w = ds4_model_params_flat(m);
@@ -115,12 +114,12 @@ ds4_status ds4_muon_step(ds4_optim *o, ds4_model *m, const ds4_muon_cfg *c, doub
         ds4_param *p = ds4_model_param(m, i);
         if (!ds4_optimizer_takes(o->opt, p)) continue;
         const int64_t s0 = p->data - w;
-        float *buf = ds4_alloc(DS4_MEM_OPTIM, (size_t)p->numel * sizeof(float)); /* the matrix [A, B] */
+        float *buf = buf_of(o, p->numel); /* the matrix [A, B] */
         ds4_status st = buf ? DS4_OK : ds4_fail(DS4_ERR_OOM, "%s: out of memory for the Muon update", p->name);
         if (st == DS4_OK) st = muon_part_out(&x, p, 0, p->numel, s0, buf);
         if (st == DS4_OK) st = muon_whole(&x, p, buf);
         if (st == DS4_OK) st = muon_part_in(&x, p, 0, p->numel, s0, buf);
-        ds4_free(buf);
+        ds4_dev_free(&o->exec, buf);
         DS4_TRY(st);
     }
     return DS4_OK;

@@ -185,7 +185,7 @@ static ds4_status make_arrays(ds4_optim *o) {
             const size_t bytes = (size_t)G->n * sizeof(float);
             if (G->n == 0) continue;
             if (o->store) DS4_TRY(ds4_offload_alloc(o->store, DS4_MEM_OPTIM, bytes, &G->h[a]));
-            else if (!(G->mem[a] = ds4_calloc(DS4_MEM_OPTIM, bytes)))
+            else if (!(G->mem[a] = ds4_dev_zalloc(&o->exec, DS4_MEM_OPTIM, bytes)))
                 return ds4_fail(DS4_ERR_OOM, "out of memory for the optimizer state (%lld elements of %s)",
                                 (long long)G->n, G->names[a]);
         }
@@ -193,9 +193,10 @@ static ds4_status make_arrays(ds4_optim *o) {
     return DS4_OK;
 }
 
-ds4_status ds4_optim_init_runs(ds4_optim *o, const ds4_optimizer *opt, int64_t n, const ds4_opt_run *r, int64_t nr,
-                               ds4_offload *store, size_t chunk_bytes) {
+ds4_status ds4_optim_init_runs(ds4_optim *o, const ds4_exec *ex, const ds4_optimizer *opt, int64_t n,
+                               const ds4_opt_run *r, int64_t nr, ds4_offload *store, size_t chunk_bytes) {
     memset(o, 0, sizeof *o);
+    o->exec = ex ? *ex : (ds4_exec){0};
     o->opt = entry_or_adamw(opt);
     o->n = n;
     o->store = store;
@@ -225,7 +226,7 @@ ds4_status ds4_optim_init(ds4_optim *o, const ds4_optimizer *opt, ds4_model *m, 
             r[nr++] = (ds4_opt_run){.off = p->data - base, .n = p->numel, .decay = !p->no_decay, .frozen = p->no_grad,
                                     .own = ds4_optimizer_takes(entry_or_adamw(opt), p)};
     }
-    ds4_status st = ds4_optim_init_runs(o, opt, ds4_model_numel(m), r, nr, store, chunk_bytes);
+    ds4_status st = ds4_optim_init_runs(o, ds4_model_exec(m), opt, ds4_model_numel(m), r, nr, store, chunk_bytes);
     ds4_free(r);
     return st;
 }
@@ -252,7 +253,7 @@ ds4_status ds4_optim_init_shard(ds4_optim *o, const ds4_optimizer *opt, const ds
     if (!c.r) return ds4_fail(DS4_ERR_OOM, "fsdp: out of memory for %lld optimizer ranges", (long long)c.n);
     c.n = 0;
     ds4_fsdp_for_each_piece(f, piece_run, &c);
-    ds4_status st = ds4_optim_init_runs(o, opt, ds4_fsdp_shard_numel(f), c.r, c.n, store, chunk_bytes);
+    ds4_status st = ds4_optim_init_runs(o, ds4_fsdp_exec(f), opt, ds4_fsdp_shard_numel(f), c.r, c.n, store, chunk_bytes);
     ds4_free(c.r);
     return st;
 }
@@ -260,7 +261,7 @@ ds4_status ds4_optim_init_shard(ds4_optim *o, const ds4_optimizer *opt, const ds
 void ds4_optim_free(ds4_optim *o) {
     for (int g = 0; g < DS4_OPT_NGROUPS; g++) {
         for (int a = 0; a < o->g[g].k; a++) {
-            ds4_free(o->g[g].mem[a]);
+            ds4_dev_free(&o->exec, o->g[g].mem[a]);
             if (o->store) ds4_offload_drop(o->store, o->g[g].h[a]); /* -1 (never made): no-op */
         }
         ds4_free(o->grun[g]);
@@ -281,10 +282,10 @@ static ds4_status span_check(const ds4_optim *o, int g, int a, int64_t i0, int64
 
 ds4_status ds4_optim_read(const ds4_optim *o, int g, int a, int64_t i0, int64_t n, float *dst) {
     DS4_TRY(span_check(o, g, a, i0, n));
-    if (o->plan || n == 0) return DS4_OK;
+    if (o->exec.plan || n == 0) return DS4_OK;
     const ds4_opt_group *G = &o->g[g];
     if (!o->swapped) {
-        memcpy(dst, G->mem[a] + i0, (size_t)n * sizeof(float));
+        ds4_dev_to_host(&o->exec, dst, G->mem[a] + i0, (size_t)n * sizeof(float));
         return DS4_OK;
     }
     return ds4_offload_read(o->store, G->h[a], (size_t)i0 * sizeof(float), dst, (size_t)n * sizeof(float));
@@ -292,10 +293,10 @@ ds4_status ds4_optim_read(const ds4_optim *o, int g, int a, int64_t i0, int64_t 
 
 ds4_status ds4_optim_write(ds4_optim *o, int g, int a, int64_t i0, int64_t n, const float *src) {
     DS4_TRY(span_check(o, g, a, i0, n));
-    if (o->plan || n == 0) return DS4_OK;
+    if (o->exec.plan || n == 0) return DS4_OK;
     ds4_opt_group *G = &o->g[g];
     if (!o->swapped) {
-        memcpy(G->mem[a] + i0, src, (size_t)n * sizeof(float));
+        ds4_dev_to_device(&o->exec, G->mem[a] + i0, src, (size_t)n * sizeof(float));
         return DS4_OK;
     }
     return ds4_offload_write(o->store, G->h[a], (size_t)i0 * sizeof(float), src, (size_t)n * sizeof(float));
@@ -328,19 +329,15 @@ static void update_part(const ds4_optim *o, ds4_adamw_consts k, int64_t j0, int6
         const int64_t s0 = run_soff(o, grun(o, G, i));
         const int64_t x = s0 > a ? s0 : a, y = s0 + q->n < b ? s0 + q->n : b;
         const int64_t at = q->off + (x - s0); /* the flat element of state element x */
-        if (!q->frozen) ds4_adamw_update(y - x, w + at, g + at, m + (x - j0), v + (x - j0), k, q->decay);
+        if (!q->frozen) ds4_dev_adamw_update(&o->exec, y - x, w + at, g + at, m + (x - j0), v + (x - j0), k, q->decay);
     }
 }
 
-/* State elements [j0, j0 + n): one parallel region, each thread an equal share walking the runs it meets
- * (small spans on one thread: a parallel region per few KiB costs more than it saves). */
+/* State elements [j0, j0 + n): one update op per piece of a run (each op shares its elements among the
+ * backend's threads; every element's arithmetic is fixed, so the split changes no bit). */
 static void update_span(const ds4_optim *o, ds4_adamw_consts k, int64_t j0, int64_t n, float *m, float *v, float *w,
                         const float *g) {
-#pragma omp parallel if (n >= 1 << 15)
-    {
-        const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
-        update_part(o, k, j0, j0 + n * t / T, j0 + n * (t + 1) / T, m, v, w, g);
-    }
+    update_part(o, k, j0, j0, j0 + n, m, v, w, g);
 }
 
 /* Swapped state: chunk by chunk, read m and v, update, write them back. The two buffers (o->chunk
@@ -353,7 +350,7 @@ static ds4_status step_swapped(ds4_optim *o, float *w, const float *g, ds4_adamw
     for (int a = 0; a < 2; a++)
         if (!(buf[a] = ds4_alloc(DS4_MEM_OPTIM, (size_t)C * sizeof(float))))
             st = ds4_fail(DS4_ERR_OOM, "swap-optimizer: out of memory for %lld-element update buffers", (long long)C);
-    for (int64_t j0 = 0; j0 < (o->plan ? 0 : N) && st == DS4_OK; j0 += C) {
+    for (int64_t j0 = 0; j0 < (o->exec.plan ? 0 : N) && st == DS4_OK; j0 += C) {
         const int64_t n = N - j0 < C ? N - j0 : C;
         for (int a = 0; a < 2 && st == DS4_OK; a++) st = ds4_optim_read(o, G, a, j0, n, buf[a]);
         if (st != DS4_OK) break;
@@ -369,12 +366,12 @@ ds4_status ds4_adamw_step(ds4_optim *o, ds4_model *m, const ds4_adamw_cfg *c, do
 }
 
 ds4_status ds4_adamw_step_flat(ds4_optim *o, float *w, const float *g, const ds4_adamw_cfg *c, double lr) {
-    if (o->plan && !o->swapped) return DS4_OK;
+    if (o->exec.plan && !o->swapped) return DS4_OK;
     const ds4_adamw_consts k = adamw_consts(o->step + 1, c, lr);
     ds4_opt_group *G = &o->g[DS4_OPT_ADAMW];
     ds4_status st = o->swapped ? step_swapped(o, w, g, k) : DS4_OK;
     if (!o->swapped) update_span(o, k, 0, G->n, G->mem[0], G->mem[1], w, g);
-    if (st == DS4_OK && !o->plan) o->step++;
+    if (st == DS4_OK && !o->exec.plan) o->step++;
     return st;
 }
 
@@ -448,10 +445,10 @@ ds4_status ds4_optim_swap_in(ds4_optim *o) {
 }
 
 /* ------------------------------------------------------------------ optim.state */
-/* Streams array a of group g into the writer: straight from memory, or through buf [C] from the store. */
+/* Streams array a of group g into the writer through buf [C] on the host, from memory (the state's
+ * backend) or from the store. */
 static ds4_status array_put(const ds4_optim *o, int g, int a, ds4_st_writer *w, float *buf, int64_t C) {
     const ds4_opt_group *G = &o->g[g];
-    if (!o->swapped) return ds4_st_writer_put(w, G->mem[a], (size_t)G->n * sizeof(float));
     for (int64_t i0 = 0; i0 < G->n; i0 += C) {
         const int64_t n = G->n - i0 < C ? G->n - i0 : C;
         DS4_TRY(ds4_optim_read(o, g, a, i0, n, buf));
@@ -462,9 +459,9 @@ static ds4_status array_put(const ds4_optim *o, int g, int a, ds4_st_writer *w, 
 
 ds4_status ds4_optim_state_save(const ds4_optim *o, const char *path) {
     const int64_t C = o->chunk > 0 ? o->chunk : chunk_elems(0);
-    float *buf = o->swapped ? ds4_alloc(DS4_MEM_OPTIM, (size_t)C * sizeof(float)) : NULL;
+    float *buf = ds4_alloc(o->swapped ? DS4_MEM_OPTIM : DS4_MEM_OTHER, (size_t)C * sizeof(float));
     ds4_st_writer *w = NULL;
-    if (o->swapped && !buf) return ds4_fail(DS4_ERR_OOM, "%s: out of memory for the optimizer save buffer", path);
+    if (!buf) return ds4_fail(DS4_ERR_OOM, "%s: out of memory for the optimizer save buffer", path);
     ds4_status st = ds4_st_writer_new(&w);
     int64_t one = 1;
     /* the order ds4_st_writer_write lays tensors out in (8-byte elements first): an AdamW file has the
@@ -485,22 +482,33 @@ ds4_status ds4_optim_state_save(const ds4_optim *o, const char *path) {
     return st;
 }
 
-double ds4_clip_grad_norm(ds4_model *m, double max_norm) {
-    float *g = ds4_model_grads_flat(m);
+ds4_status ds4_clip_grad_norm(ds4_model *m, double max_norm, double *norm) {
+    const ds4_exec *ex = ds4_model_exec(m);
+    float *g = ds4_model_grads_flat(m), s;
     const int64_t n = ds4_model_numel(m);
-    double norm = sqrt(ds4_sumsq(g, n));
-    ds4_clip_scale(g, n, max_norm, norm);
-    return norm;
+    double sumsq;
+    DS4_TRY(ds4_dev_sumsq(ex, g, n, &sumsq));
+    *norm = sqrt(sumsq);
+    if (ds4_clip_factor(max_norm, *norm, &s)) ds4_dev_scale(ex, g, n, s);
+    return DS4_OK;
 }
 
-void ds4_router_bias_update(ds4_model *m, const int64_t *loads, double gamma) {
+/* The rule on the host, the bias [E] of each block brought over and back (E floats a block). */
+ds4_status ds4_router_bias_update(ds4_model *m, const int64_t *loads, double gamma) {
     const ds4_config *c = ds4_model_config(m);
     const int64_t E = c->n_routed_experts;
+    float *bias = ds4_alloc(DS4_MEM_OTHER, (size_t)(E > 0 ? E : 1) * sizeof(float));
+    if (!bias) return ds4_fail(DS4_ERR_OOM, "out of memory for the router bias update");
     for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
         ds4_param *p = ds4_model_param(m, i);
         int64_t b = ds4_param_router_block(c, p);
-        if (b >= 0) ds4_router_bias_rule(loads + b * E, E, gamma, 0, E, p->data);
+        if (b < 0) continue;
+        ds4_model_to_host(m, bias, p->data, (size_t)E * sizeof(float));
+        ds4_router_bias_rule(loads + b * E, E, gamma, 0, E, bias);
+        ds4_model_to_device(m, p->data, bias, (size_t)E * sizeof(float));
     }
+    ds4_free(bias);
+    return DS4_OK;
 }
 
 double ds4_lr_at(const ds4_lr_schedule *s, int64_t step) {

@@ -81,7 +81,7 @@ static ds4_status open_offload(ds4_train_state *s, const ds4_train_state_opts *o
 
 static ds4_status open_whole(ds4_train_state *s, const ds4_model_dir *d, uint64_t seed, const ds4_train_state_opts *o) {
     if (d) DS4_TRY(ds4_model_load(s->m, d));
-    else ds4_model_init_random(s->m, seed);
+    else DS4_TRY(ds4_model_init_random(s->m, seed));
     return ds4_optim_init(&s->opt, o->optimizer, s->m, o->swap_optimizer ? s->store : NULL, o->swap_chunk_bytes);
 }
 
@@ -123,7 +123,6 @@ ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const
     if (st == DS4_OK) st = open_offload(s, opts);
     if (st == DS4_OK) st = s->sharded ? open_sharded(s, d, seed, opts->ep, opts) : open_whole(s, d, seed, opts);
     if (st == DS4_OK) ds4_train_state_refresh_bf16(s);
-    s->opt.plan = s->exec.plan; /* after the optimizer's init, which clears it */
     ds4_exec_leave(prev);
     return st;
 }
@@ -191,7 +190,7 @@ void ds4_train_state_zero_grads(ds4_train_state *s) {
 void ds4_train_state_scale_grads(ds4_train_state *s, int64_t micro_batches) {
     if (micro_batches <= 1 || s->exec.plan) return;
     float *g = s->f ? ds4_fsdp_shard_grads(s->f) : ds4_model_grads_flat(s->m);
-    ds4_scale_f32(g, s->f ? ds4_fsdp_shard_numel(s->f) : ds4_model_numel(s->m), 1.0f / (float)micro_batches);
+    ds4_dev_scale(&s->exec, g, s->f ? ds4_fsdp_shard_numel(s->f) : ds4_model_numel(s->m), 1.0f / (float)micro_batches);
 }
 
 ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n) {
@@ -204,8 +203,8 @@ ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n) {
 
 ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *norm) {
     if (s->f) return ds4_fsdp_clip_grad_norm(s->f, max_norm, norm); /* FSDP plans by itself */
-    *norm = s->exec.plan ? 0 : ds4_clip_grad_norm(s->m, max_norm);
-    return DS4_OK;
+    *norm = 0;
+    return s->exec.plan ? DS4_OK : ds4_clip_grad_norm(s->m, max_norm, norm);
 }
 
 ds4_status ds4_train_state_own_step(ds4_train_state *s, const void *cfg, double weight_decay, double lr) {
@@ -229,8 +228,7 @@ void ds4_train_state_refresh_bf16(ds4_train_state *s) {
 
 ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, double gamma) {
     if (!s->f) {
-        if (!s->exec.plan) ds4_router_bias_update(s->m, loads, gamma);
-        return DS4_OK;
+        return s->exec.plan ? DS4_OK : ds4_router_bias_update(s->m, loads, gamma);
     }
     const ds4_config *c = ds4_model_config(s->m);
     DS4_TRY(ds4_comm_sum_i64(s->world, loads, (c->n_layers + c->n_mtp_layers) * c->n_routed_experts));
@@ -508,7 +506,9 @@ static ds4_status state_nonfinite(const ds4_optim *o, int64_t *bad) {
     for (int g = 0; g < DS4_OPT_NGROUPS; g++)
         for (int a = 0; a < o->g[g].k && st == DS4_OK; a++) {
             const int64_t N = o->g[g].n;
-            if (!o->swapped) *bad += ds4_count_nonfinite(o->g[g].mem[a], N);
+            int64_t k = 0;
+            if (!o->swapped) st = ds4_dev_count_nonfinite(&o->exec, o->g[g].mem[a], N, &k);
+            *bad += k;
             for (int64_t i0 = 0; o->swapped && i0 < N && st == DS4_OK; i0 += C) {
                 const int64_t n = N - i0 < C ? N - i0 : C;
                 st = ds4_optim_read(o, g, a, i0, n, buf);
@@ -523,7 +523,10 @@ static ds4_status state_nonfinite(const ds4_optim *o, int64_t *bad) {
 static const char *first_nonfinite_param(ds4_model *m) {
     for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
         const ds4_param *p = ds4_model_param(m, i);
-        if (ds4_param_in_flat(p) && ds4_count_nonfinite(p->data, p->numel) > 0) return p->name;
+        int64_t bad = 0;
+        if (ds4_param_in_flat(p) && ds4_dev_count_nonfinite(ds4_model_exec(m), p->data, p->numel, &bad) == DS4_OK &&
+            bad > 0)
+            return p->name;
     }
     return NULL;
 }
@@ -536,9 +539,10 @@ static ds4_status needs_values(const ds4_train_state *s, const char *what) {
 ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step) {
     DS4_TRY(needs_values(s, "finite check"));
     int64_t bad[2] = {0, 0}; /* weights, optimizer state */
-    bad[0] = s->f ? ds4_count_nonfinite(ds4_fsdp_shard_params(s->f), ds4_fsdp_shard_numel(s->f))
-                  : ds4_count_nonfinite(ds4_model_params_flat(s->m), ds4_model_numel(s->m));
-    ds4_status st = ds4_train_agree(s->world, state_nonfinite(&s->opt, &bad[1]));
+    ds4_status st = s->f ? ds4_dev_count_nonfinite(&s->exec, ds4_fsdp_shard_params(s->f), ds4_fsdp_shard_numel(s->f), &bad[0])
+                         : ds4_dev_count_nonfinite(&s->exec, ds4_model_params_flat(s->m), ds4_model_numel(s->m), &bad[0]);
+    if (st == DS4_OK) st = state_nonfinite(&s->opt, &bad[1]);
+    st = ds4_train_agree(s->world, st);
     if (st == DS4_OK && ds4_comm_size(s->world) > 1) st = ds4_comm_sum_i64(s->world, bad, 2);
     if (st != DS4_OK || bad[0] + bad[1] == 0) return st;
     const char *where = s->f ? NULL : first_nonfinite_param(s->m);

@@ -117,6 +117,16 @@ void cpu_streams_expand(float *X, int64_t N, int64_t n, int64_t D);
 void cpu_streams_add(float *X, const float *x, int64_t N, int64_t n, int64_t D);
 void cpu_streams_sum(float *dx, const float *dX, int64_t N, int64_t n, int64_t D);
 
+/* ---- the step around the passes (cpu/step.c) ---- */
+void cpu_sumsq(double *out, const float *x, int64_t n);
+void cpu_scale_f32(float *x, int64_t n, float s);
+void cpu_count_nonfinite(int64_t *out, const float *x, int64_t n);
+void cpu_adamw_update(int64_t n, float *w, const float *g, float *m, float *v, ds4_adamw_consts k, bool decay);
+void cpu_muon_momentum(int64_t n, const float *g, float *mom, float *u, float mu, bool nesterov);
+void cpu_muon_apply(int64_t n, float *w, const float *o, float decay, float step);
+void cpu_newton_schulz(ds4_matmul_precision prec, float *x, int64_t rows, int64_t cols, const ds4_ns_coef *coef,
+                       int64_t iters, float eps);
+
 /* ---- workspace mirrors (the plan backend's entries) ----
  * Same signature as the entry they mirror; they allocate and free exactly the workspace that entry
  * would (sizes from the same code), write the outputs that entry writes before it computes anything
@@ -142,6 +152,8 @@ void cpu_sparse_attn_fwd_plan(const sparse_attn_args *a);
 void cpu_sparse_attn_bwd_plan(const sparse_attn_args *a, const sparse_attn_grads *g);
 void cpu_indexer_topk_fwd_plan(const indexer_topk_args *a);
 void cpu_indexer_kl_fwd_bwd_plan(const indexer_kl_args *a);
+void cpu_newton_schulz_plan(ds4_matmul_precision prec, float *x, int64_t rows, int64_t cols, const ds4_ns_coef *coef,
+                            int64_t iters, float eps);
 /* Not a workspace mirror: a plan's routing is balanced (kernels.h: moe_expert_counts). */
 void cpu_moe_expert_counts_plan(int64_t *cnt, const int64_t *eoff, int64_t E, int64_t NK);
 

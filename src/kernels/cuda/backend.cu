@@ -26,6 +26,8 @@ struct ds4_stream {
     cuda_blas *blas;
     double *ce_rows; /* the cross-entropy's per-row losses [ce_cap] */
     int64_t ce_cap;
+    void *scratch; /* the step ops' scratch (sumsq's chunk sums, Newton–Schulz's matrices) [scratch_cap] */
+    size_t scratch_cap;
 };
 
 /* ------------------------------------------------------------------ errors */
@@ -335,6 +337,49 @@ static void e_streams_sum(const ds4_exec *ex, float *dx, const float *dX, int64_
     note(cuda_streams_sum(S(ex), dx, dX, N, n, D));
 }
 
+/* ------------------------------------------------------------------ the step around the passes */
+/* The queue's scratch, grown to at least `bytes` (the ops queued before finish first); NULL on failure. */
+static void *queue_scratch(ds4_stream *q, size_t bytes) {
+    if (q->scratch_cap >= bytes) return q->scratch;
+    note(cuda_stream_sync(q->s));
+    note(cuda_free(q->scratch));
+    q->scratch = NULL;
+    q->scratch_cap = 0;
+    const ds4_status st = cuda_alloc(&q->scratch, bytes);
+    if (st != DS4_OK) {
+        note(st);
+        q->scratch = NULL;
+        return NULL;
+    }
+    q->scratch_cap = bytes;
+    return q->scratch;
+}
+static void e_sumsq(const ds4_exec *ex, double *out, const float *x, int64_t n) {
+    double *part = (double *)queue_scratch(queue_of(ex), cuda_sumsq_scratch_bytes(n));
+    if (part) note(cuda_sumsq(S(ex), out, x, n, part));
+}
+static void e_scale_f32(const ds4_exec *ex, float *x, int64_t n, float s) { note(cuda_scale_f32(S(ex), x, n, s)); }
+static void e_count_nonfinite(const ds4_exec *ex, int64_t *out, const float *x, int64_t n) {
+    note(cuda_count_nonfinite(S(ex), out, x, n));
+}
+static void e_adamw_update(const ds4_exec *ex, int64_t n, float *w, const float *g, float *m, float *v,
+                           ds4_adamw_consts k, bool decay) {
+    const cuda_adamw_k ck = {k.b1, k.b2, k.eps, k.step_size, k.inv_sqrt_bc2, k.decay};
+    note(cuda_adamw_update(S(ex), &ck, n, m, v, decay, w, g));
+}
+static void e_muon_momentum(const ds4_exec *ex, int64_t n, const float *g, float *mom, float *u, float mu,
+                            bool nesterov) {
+    note(cuda_muon_momentum(S(ex), n, g, mom, u, mu, nesterov));
+}
+static void e_muon_apply(const ds4_exec *ex, int64_t n, float *w, const float *o, float decay, float step) {
+    note(cuda_muon_apply(S(ex), n, w, o, decay, step));
+}
+static void e_newton_schulz(const ds4_exec *ex, float *x, int64_t rows, int64_t cols, const ds4_ns_coef *coef,
+                            int64_t iters, float eps) {
+    void *scratch = queue_scratch(queue_of(ex), cuda_newton_schulz_scratch_bytes(rows, cols));
+    if (scratch) note(cuda_newton_schulz(BLAS(ex), P(ex), x, rows, cols, &coef->a, iters, eps, scratch));
+}
+
 /* ------------------------------------------------------------------ the table */
 static ds4_kernel_backend g_table;
 
@@ -352,6 +397,7 @@ extern "C" void ds4_cuda_backend_release(void) {
         cuda_blas_destroy(g_default.blas);
     }
     note(cuda_free(g_default.ce_rows));
+    note(cuda_free(g_default.scratch));
     g_default = ds4_stream{};
 }
 

@@ -173,6 +173,9 @@ typedef struct {
 cuda_adamw_k cuda_adamw_consts(int64_t step, double beta1, double beta2, double eps, double weight_decay, double lr);
 ds4_status cuda_adamw_update(cudaStream_t s, const cuda_adamw_k *k, int64_t n, float *m, float *v, int decay, float *w,
                              const float *g);
+/* Muon's per-element steps (ds4_muon_momentum, ds4_muon_apply), the same bits. g, mom, u, w, o: [n]. */
+ds4_status cuda_muon_momentum(cudaStream_t s, int64_t n, const float *g, float *mom, float *u, float mu, int nesterov);
+ds4_status cuda_muon_apply(cudaStream_t s, int64_t n, float *w, const float *o, float decay, float step);
 
 /* ================================================================ gradient norms (cuda_norm.cu)
  * src/core/norm.c's rules with the cpu's bits; the results stay in device memory. */
@@ -185,6 +188,10 @@ ds4_status cuda_sumsq_value(cudaStream_t s, double *value, const ds4_sumsq_acc *
 /* *norm = sqrt(*sumsq); ds4_clip_scale(g, n, max_norm, *norm) with the norm read on the device. */
 ds4_status cuda_sqrt(cudaStream_t s, double *norm, const double *sumsq);
 ds4_status cuda_clip_scale(cudaStream_t s, float *g, int64_t n, double max_norm, const double *norm);
+/* x [n] *= sc (ds4_scale_f32). */
+ds4_status cuda_scale_f32(cudaStream_t s, float *x, int64_t n, float sc);
+/* *out (device) = how many of x [n] are not finite. */
+ds4_status cuda_count_nonfinite(cudaStream_t s, int64_t *out, const float *x, int64_t n);
 
 /* ================================================================ Newton–Schulz (cuda_orth.cu)
  * ds4_newton_schulz (src/model/orth.c) on the device: x [rows, cols] := its approximate orthogonal

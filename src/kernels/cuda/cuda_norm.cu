@@ -141,3 +141,29 @@ ds4_status cuda_sqrt(cudaStream_t s, double *norm, const double *sumsq) {
     CUDA_LAUNCHED("sqrt");
     return DS4_OK;
 }
+
+/* ---------------------------------------------------------------- scaling, the finite check */
+/* x [n] *= sc (ds4_scale_f32: one product per element) */
+static __global__ void scale_kernel(float *x, int64_t n, float sc) { CUDA_GRID_STRIDE(i, n) x[i] *= sc; }
+ds4_status cuda_scale_f32(cudaStream_t s, float *x, int64_t n, float sc) {
+    CUDA_ARG(n >= 0, "scale_f32", "n = %lld", (long long)n);
+    if (n == 0) return DS4_OK;
+    scale_kernel<<<cuda_blocks(n, 256), 256, 0, s>>>(x, n, sc);
+    CUDA_LAUNCHED("scale_f32");
+    return DS4_OK;
+}
+
+/* *out += the non-finite elements of x [n]: an integer count, the same in any order */
+static __global__ void nonfinite_kernel(unsigned long long *out, const float *x, int64_t n) {
+    unsigned long long bad = 0;
+    CUDA_GRID_STRIDE(i, n) bad += !isfinite(x[i]);
+    if (bad) atomicAdd(out, bad);
+}
+ds4_status cuda_count_nonfinite(cudaStream_t s, int64_t *out, const float *x, int64_t n) {
+    CUDA_ARG(n >= 0, "count_nonfinite", "n = %lld", (long long)n);
+    CUDA_TRY(cudaMemsetAsync(out, 0, sizeof *out, s));
+    if (n == 0) return DS4_OK;
+    nonfinite_kernel<<<cuda_blocks(n, 256), 256, 0, s>>>((unsigned long long *)out, x, n);
+    CUDA_LAUNCHED("count_nonfinite");
+    return DS4_OK;
+}

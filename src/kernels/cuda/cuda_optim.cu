@@ -42,3 +42,35 @@ ds4_status cuda_adamw_update(cudaStream_t s, const cuda_adamw_k *k, int64_t n, f
     CUDA_LAUNCHED("adamw_update");
     return DS4_OK;
 }
+
+/* ---------------------------------------------------------------- Muon's per-element steps
+ * ds4_muon_momentum and ds4_muon_apply (src/core/norm.c), operation for operation. */
+static __global__ void muon_momentum_kernel(int64_t n, const float *g, float *mom, float *u, float mu, bool nesterov) {
+    CUDA_GRID_STRIDE(i, n) {
+        const float mi = mu * mom[i] + g[i];
+        mom[i] = mi;
+        u[i] = nesterov ? g[i] + mu * mi : mi;
+    }
+}
+ds4_status cuda_muon_momentum(cudaStream_t s, int64_t n, const float *g, float *mom, float *u, float mu, int nesterov) {
+    CUDA_ARG(n >= 0, "muon_momentum", "n = %lld", (long long)n);
+    if (n == 0) return DS4_OK;
+    muon_momentum_kernel<<<cuda_blocks(n, 256), 256, 0, s>>>(n, g, mom, u, mu, nesterov != 0);
+    CUDA_LAUNCHED("muon_momentum");
+    return DS4_OK;
+}
+
+static __global__ void muon_apply_kernel(int64_t n, float *w, const float *o, float decay, float step) {
+    CUDA_GRID_STRIDE(i, n) {
+        float wi = w[i];
+        wi -= decay * wi;
+        w[i] = wi - step * o[i];
+    }
+}
+ds4_status cuda_muon_apply(cudaStream_t s, int64_t n, float *w, const float *o, float decay, float step) {
+    CUDA_ARG(n >= 0, "muon_apply", "n = %lld", (long long)n);
+    if (n == 0) return DS4_OK;
+    muon_apply_kernel<<<cuda_blocks(n, 256), 256, 0, s>>>(n, w, o, decay, step);
+    CUDA_LAUNCHED("muon_apply");
+    return DS4_OK;
+}
