@@ -27,8 +27,15 @@ Re-recording (`python3 tests/test_golden.py --build build --record`) rewrites te
 current code. It is legitimate ONLY for an intended change of numerics (a new kernel, a changed formula, a
 changed default), made in its own commit that says so; never to make a refactoring pass.
 
-Usage: python3 tests/test_golden.py [--build DIR] [--record] [--only TEXT] [--keep] [-v]
-  --only TEXT: just the cases whose name contains TEXT (not with --record); --keep: leave the temp folder;
+A backend gives the cpu's bits (docs/DESIGN.md), so `--device NAME` runs the same cases on backend NAME
+(`--device`, `training.device`) against the same recorded hashes: `--device cpu-guard` is the proof that
+everything above the kernels reaches tensor bytes only through the backend's ops and copies (its buffers
+are unreachable from the host otherwise: a stray access kills the run naming the buffer). The cases whose
+layers do not go through the backend yet are listed in NOT_ON_DEVICE with the reason, and print SKIP.
+
+Usage: python3 tests/test_golden.py [--build DIR] [--record] [--only TEXT] [--device NAME] [--keep] [-v]
+  --only TEXT: just the cases whose name contains TEXT (repeatable: any of them; not with --record); --keep:
+  leave the temp folder;
   -v: each case's entry count and time."""
 import hashlib
 import json
@@ -54,7 +61,18 @@ build = args[args.index("--build") + 1] if "--build" in args else "build"
 DS4 = os.path.abspath(os.path.join(ROOT, build, "ds4") if not os.path.isabs(build) else os.path.join(build, "ds4"))
 RECORD = "--record" in args
 KEEP = "--keep" in args
-ONLY = args[args.index("--only") + 1] if "--only" in args else ""
+ONLY = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--only"]  # any of them
+
+
+def selected(name):
+    return not ONLY or any(o in name for o in ONLY)
+
+DEVICE = args[args.index("--device") + 1] if "--device" in args else ""
+# Cases not run on a device backend yet (what keeps them on the host's memory), by name fragment.
+NOT_ON_DEVICE = {
+    "mpi/": "FSDP's shards, gathers and sums are host memory (not on the backend yet)",
+    "memplan/": "a plan touches no tensor memory: the plan of a backend is its workspace, checked on the cpu",
+}
 
 
 
@@ -197,7 +215,7 @@ def debug_cases(tmp):
                 out = os.path.join(tmp, f"out-{key}.safetensors")
                 extra = ["--offload-dir", tmp] if "--swap-layer-input" in flags else []
                 ds4(["debug-state", "--model", model, "--batch", batch, "--out", out, "--threads", str(THREADS),
-                     *flags, *extra])
+                     *flags, *extra, *(["--device", DEVICE] if DEVICE else [])])
                 entries = safetensors_entries(out)
                 os.remove(out)
                 return entries
@@ -245,7 +263,7 @@ def train_run(tmp, name, flags, mpi):
     threads = 1 if mpi else THREADS
     folder, jsonl = os.path.join(tmp, f"ckpt-{name}"), os.path.join(tmp, f"metrics-{name}.jsonl")
     argv = [DS4, "train", "--config", os.path.join(tmp, f"train-{threads}.toml"), "--checkpoint.folder", folder,
-            "--metrics.jsonl", jsonl, *flags]
+            "--metrics.jsonl", jsonl, *flags, *(["--training.device", DEVICE] if DEVICE else [])]
     if any(f.startswith("--swap") for f in flags):
         argv += ["--offload-dir", tmp]
     e = env(threads)
@@ -292,9 +310,9 @@ def memplan_cases():
             yield (f"memplan/{cfg}/{pol}",
                    lambda cfg=cfg, flags=flags: memplan_entries(ds4(
                        ["memplan", "--model", f"bench/configs/{cfg}.json", "--seq", "1024", "--micro-batch", "2",
-                        *base, *flags])))
+                        *base, *flags, *(["--device", DEVICE] if DEVICE else [])])))
     flash = ["memplan", "--model", "configs/deepseek-v4-flash.json", "--seq", "4096", "--micro-batch", "1",
-             "--world", "128", "--ep", "128", *base]
+             "--world", "128", "--ep", "128", *base, *(["--device", DEVICE] if DEVICE else [])]
     flash_pols = {"none": [], "fine": pols["fine"], "full-block-norm": FULL + [
         "--recompute-method", "block", "--recompute-num-layers", "10", "--recompute-norm"], "swap": pols["swap"],
         "rank-77": ["--rank", "77", "--mhc-recompute"], "bf16": ["--mixed-precision-param", "bfloat16"],
@@ -360,6 +378,9 @@ def main():
     if not os.access(DS4, os.X_OK):
         check("ds4 binary", False, f"{DS4} not found (make first)")
         return
+    if RECORD and DEVICE:
+        check("--record", False, "records the cpu's bits: drop --device")
+        return
     if RECORD and (ONLY or shutil.which("mpirun") is None):
         check("--record", False, "records every case: drop --only" if ONLY else "records every case: needs mpirun")
         return
@@ -369,9 +390,14 @@ def main():
     want, listings = ({}, {}) if RECORD else read_golden()
     try:
         for name, run in [*debug_cases(tmp), *train_cases(tmp), *memplan_cases()]:
-            if ONLY not in name:
+            if not selected(name):
                 continue
             attempted.add(name)
+            why = next((w for k, w in NOT_ON_DEVICE.items() if k in name), None) if DEVICE else None
+            if why:
+                print(f"SKIP {name} on {DEVICE}: {why}")
+                check(name, True)
+                continue
             if run is None:
                 print(f"SKIP {name}: mpirun not found")
                 check(name, True)
@@ -394,7 +420,7 @@ def main():
             else:
                 check(name, got == want[name], explain(name, entries, want[name], listings))
         if not RECORD:
-            for name in (n for n in want if ONLY in n):
+            for name in (n for n in want if selected(n)):
                 check(f"{name} still runs", name in attempted, "recorded case no longer produced")
         elif failed() == 0:
             write_golden(results)

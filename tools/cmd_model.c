@@ -310,7 +310,7 @@ int cmd_debug_state(int argc, char **argv) {
     ds4_offload *store = NULL;
     ds4_act_swap *swap = NULL;
     if (st == DS4_OK && cli_get(f, NFLAGS(f), "swap-layer-input")) {
-        st = ds4_offload_open(NULL, cli_get(f, NFLAGS(f), "offload-dir"), &store);
+        st = ds4_offload_open(&ex, cli_get(f, NFLAGS(f), "offload-dir"), &store);
         if (st == DS4_OK) st = ds4_act_swap_new(store, &swap);
     }
     if (st == DS4_OK) {

@@ -39,6 +39,11 @@ ds4_status ds4_offload_get(ds4_offload *s, int64_t handle, void *dst);
 /* Byte range [off, off + len) of a handle: read into dst / overwrite from src (streaming users). */
 ds4_status ds4_offload_read(ds4_offload *s, int64_t handle, size_t off, void *dst, size_t len);
 ds4_status ds4_offload_write(ds4_offload *s, int64_t handle, size_t off, const void *src, size_t len);
+/* put and get for a buffer of the backend of the store's context (`exec` at open), staged through a host
+ * buffer of at most 1 MiB: the host never touches the device buffer. */
+ds4_status ds4_offload_put_dev(ds4_offload *s, ds4_mem_cat cat, const void *src, size_t bytes, int64_t *handle);
+ds4_status ds4_offload_get_dev(ds4_offload *s, int64_t handle, void *dst);
+const ds4_exec *ds4_offload_exec(const ds4_offload *s);
 /* Forgets a handle; its bytes leave the offload tier and its file space is reused (the file shrinks when
  * its tail is free). Negative or unknown handles: no-op. */
 void ds4_offload_drop(ds4_offload *s, int64_t handle);

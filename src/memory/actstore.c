@@ -53,8 +53,8 @@ static ds4_status save(void *ctx, int64_t layer, int unit, int slot, void **buf,
         return ds4_fail(DS4_ERR_INTERNAL, "swap-layer-input: layer %lld's input cannot be saved (already out, or not "
                         "a layer input; one pass at a time per store)", (long long)layer);
     if (!*buf) return DS4_OK;
-    DS4_TRY(ds4_offload_put(s->offload, DS4_MEM_ACT, *buf, bytes, &s->held[layer]));
-    ds4_free(*buf);
+    DS4_TRY(ds4_offload_put_dev(s->offload, DS4_MEM_ACT, *buf, bytes, &s->held[layer]));
+    ds4_dev_free(ds4_offload_exec(s->offload), *buf);
     *buf = NULL;
     s->moved.saves++;
     s->moved.bytes_out += (int64_t)bytes;
@@ -66,11 +66,11 @@ static ds4_status fetch(void *ctx, int64_t layer, int unit, int slot, void **buf
     if (!s || unit != DS4_UNIT_INPUT || slot != 0 || layer < 0 || layer >= DS4_MAX_LAYERS || s->held[layer] < 0 ||
         *buf)
         return DS4_OK;
-    void *x = ds4_alloc(DS4_MEM_ACT, bytes);
+    void *x = ds4_dev_alloc(ds4_offload_exec(s->offload), DS4_MEM_ACT, bytes);
     if (!x) return ds4_fail_prefix(DS4_ERR_OOM, "swap-layer-input: restoring layer %lld's input", (long long)layer);
-    ds4_status st = ds4_offload_read(s->offload, s->held[layer], 0, x, bytes);
+    ds4_status st = ds4_offload_get_dev(s->offload, s->held[layer], x);
     if (st != DS4_OK) {
-        ds4_free(x);
+        ds4_dev_free(ds4_offload_exec(s->offload), x);
         return ds4_fail_prefix(st, "swap-layer-input: restoring layer %lld's input", (long long)layer);
     }
     swap_drop(s, layer);

@@ -4,6 +4,7 @@
 #include "ds4/offload.h"
 
 #include "ds4/config.h"
+#include "ds4/model.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -26,6 +27,7 @@ typedef struct {
 } extent;
 
 struct ds4_offload {
+    ds4_exec exec;        /* the steps' context: the backend whose buffers put_dev / get_dev move */
     int fd;               /* -1: a plan store (no file, no I/O) */
     char dir[1024];
     char path[1100];      /* the file's name before it was unlinked, for messages */
@@ -49,6 +51,7 @@ ds4_status ds4_offload_open(const ds4_exec *exec, const char *dir, ds4_offload *
     ds4_offload *s = ds4_calloc(DS4_MEM_OTHER, sizeof *s);
     if (!s) return ds4_fail(DS4_ERR_OOM, "offload store in %s: out of memory", dir);
     s->fd = -1;
+    s->exec = exec ? *exec : (ds4_exec){0};
     snprintf(s->dir, sizeof s->dir, "%s", dir);
     if (!(exec && exec->plan)) {
         snprintf(s->path, sizeof s->path, "%s/ds4-offload-XXXXXX", dir);
@@ -264,3 +267,46 @@ ds4_status ds4_offload_put(ds4_offload *s, ds4_mem_cat cat, const void *src, siz
 ds4_status ds4_offload_get(ds4_offload *s, int64_t h, void *dst) {
     return ds4_offload_read(s, h, 0, dst, ds4_offload_size(s, h));
 }
+
+/* ------------------------------------------------------------------ device buffers
+ * The file takes host bytes: a buffer of the backend crosses through a host buffer of STAGE_BYTES, a
+ * chunk at a time. A plan allocates that buffer too (it is what the real run holds) and moves nothing. */
+enum { STAGE_BYTES = 1 << 20 };
+
+static ds4_status stage_new(const ds4_offload *s, size_t bytes, char **out) {
+    *out = ds4_alloc(DS4_MEM_OTHER, bytes < STAGE_BYTES ? (bytes ? bytes : 1) : STAGE_BYTES);
+    return *out ? DS4_OK : ds4_fail(DS4_ERR_OOM, "offload store in %s: out of memory for its staging buffer", s->dir);
+}
+
+ds4_status ds4_offload_put_dev(ds4_offload *s, ds4_mem_cat cat, const void *src, size_t bytes, int64_t *handle) {
+    char *buf;
+    DS4_TRY(stage_new(s, bytes, &buf));
+    ds4_status st = handle_new(s, cat, bytes, false, handle);
+    for (size_t off = 0; off < bytes && st == DS4_OK && s->fd >= 0; off += STAGE_BYTES) {
+        const size_t n = bytes - off < STAGE_BYTES ? bytes - off : STAGE_BYTES;
+        ds4_dev_to_host(&s->exec, buf, (const char *)src + off, n);
+        st = ds4_offload_write(s, *handle, off, buf, n);
+    }
+    if (st != DS4_OK && *handle >= 0) {
+        ds4_offload_drop(s, *handle);
+        *handle = -1;
+    }
+    ds4_free(buf);
+    return st;
+}
+
+ds4_status ds4_offload_get_dev(ds4_offload *s, int64_t h, void *dst) {
+    const size_t bytes = ds4_offload_size(s, h);
+    char *buf;
+    DS4_TRY(stage_new(s, bytes, &buf));
+    ds4_status st = DS4_OK;
+    for (size_t off = 0; off < bytes && st == DS4_OK && s->fd >= 0; off += STAGE_BYTES) {
+        const size_t n = bytes - off < STAGE_BYTES ? bytes - off : STAGE_BYTES;
+        st = ds4_offload_read(s, h, off, buf, n);
+        if (st == DS4_OK) ds4_dev_to_device(&s->exec, (char *)dst + off, buf, n);
+    }
+    ds4_free(buf);
+    return st;
+}
+
+const ds4_exec *ds4_offload_exec(const ds4_offload *s) { return &s->exec; }

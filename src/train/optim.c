@@ -402,7 +402,7 @@ ds4_status ds4_optim_swap_out(ds4_optim *o, ds4_offload *store, size_t chunk_byt
     if (o->swapped) { /* a swap-in that failed half way left copies of what the store holds */
         for (int g = 0; g < DS4_OPT_NGROUPS; g++)
             for (int a = 0; a < o->g[g].k; a++) {
-                ds4_free(o->g[g].mem[a]);
+                ds4_dev_free(&o->exec, o->g[g].mem[a]);
                 o->g[g].mem[a] = NULL;
             }
         return DS4_OK;
@@ -411,8 +411,8 @@ ds4_status ds4_optim_swap_out(ds4_optim *o, ds4_offload *store, size_t chunk_byt
         for (int a = 0; a < o->g[g].k; a++) {
             ds4_opt_group *G = &o->g[g];
             if (G->n == 0) continue;
-            DS4_TRY(ds4_offload_put(o->store, DS4_MEM_OPTIM, G->mem[a], (size_t)G->n * sizeof(float), &G->h[a]));
-            ds4_free(G->mem[a]);
+            DS4_TRY(ds4_offload_put_dev(o->store, DS4_MEM_OPTIM, G->mem[a], (size_t)G->n * sizeof(float), &G->h[a]));
+            ds4_dev_free(&o->exec, G->mem[a]);
             G->mem[a] = NULL;
         }
     o->swapped = true;
@@ -425,12 +425,12 @@ ds4_status ds4_optim_swap_in(ds4_optim *o) {
         for (int a = 0; a < o->g[g].k; a++) {
             ds4_opt_group *G = &o->g[g];
             if (G->n == 0 || G->mem[a]) continue;
-            float *p = ds4_alloc(DS4_MEM_OPTIM, (size_t)G->n * sizeof(float));
+            float *p = ds4_dev_alloc(&o->exec, DS4_MEM_OPTIM, (size_t)G->n * sizeof(float));
             if (!p) return ds4_fail(DS4_ERR_OOM, "swap-optimizer: out of memory bringing back %lld values of %s",
                                     (long long)G->n, G->names[a]);
-            ds4_status st = ds4_offload_get(o->store, G->h[a], p);
+            ds4_status st = ds4_offload_get_dev(o->store, G->h[a], p);
             if (st != DS4_OK) {
-                ds4_free(p);
+                ds4_dev_free(&o->exec, p);
                 return st;
             }
             G->mem[a] = p;
