@@ -2,7 +2,7 @@
  * attention kind, the indexer and its KL, routed experts and MTP lists the ops it ran with their calls, its
  * ops' times add up to no more than the step's wall time, and the step's losses, gradients and updated
  * weights are the bits of the same step unprofiled. FLOP estimates of a GEMM, a linear layer and the
- * sparse attention against their definitions; a plan's calls are not counted; DS4_PROFILE is checked. */
+ * sparse attention against their definitions; a plan's calls are not counted. */
 #include <stdlib.h>
 
 #include "ds4/profile.h"
@@ -148,22 +148,9 @@ static void test_flops_and_plan(void) {
           4.0 * C * B * H * 49);
 }
 
-static void test_env(void) {
-    ds4_profile_enable(false);
-    setenv("DS4_PROFILE", "yes", 1);
-    CHECK(ds4_profile_from_env() != DS4_OK && strstr(ds4_errmsg(), "DS4_PROFILE"), "bad value accepted: %s",
-          ds4_errmsg());
-    CHECK(!ds4_profile_enabled(), "a bad value turned the profile on");
-    setenv("DS4_PROFILE", "1", 1);
-    CHECK(ds4_profile_from_env() == DS4_OK && ds4_profile_enabled(), "DS4_PROFILE=1: %s", ds4_errmsg());
-    ds4_profile_enable(false);
-    unsetenv("DS4_PROFILE");
-}
-
 int main(void) {
     ds4_set_threads(1);
     RUN(test_step_profile);
     RUN(test_flops_and_plan);
-    RUN(test_env);
     TEST_MAIN_END("test_profile");
 }

@@ -18,8 +18,6 @@ extern "C" {
 /* On or off from now on. Counters are kept while off: ds4_profile_reset clears them. */
 void ds4_profile_enable(bool on);
 bool ds4_profile_enabled(void);
-/* DS4_PROFILE=1 turns it on, 0 or unset leaves it off; any other value is an error naming the variable. */
-ds4_status ds4_profile_from_env(void);
 void ds4_profile_reset(void);
 
 /* One op's totals since the last reset. flops: the op's arithmetic estimated from its arguments (2 per

@@ -1,8 +1,6 @@
 /* The kernel profile (ds4/profile.h): per op of ops.def, the calls, time and estimated FLOPs of the
  * wrappers' calls (kernels.h) while it is on. */
 #include <stdarg.h>
-#include <stdlib.h>
-#include <string.h>
 #include <time.h>
 
 #include "kernels/kernels.h"
@@ -13,14 +11,6 @@ static int64_t g_calls[DS4_OPID_COUNT], g_ns[DS4_OPID_COUNT], g_flops[DS4_OPID_C
 
 void ds4_profile_enable(bool on) { ds4_profile_on = on; }
 bool ds4_profile_enabled(void) { return ds4_profile_on; }
-
-ds4_status ds4_profile_from_env(void) {
-    const char *v = getenv("DS4_PROFILE");
-    if (!v || !*v || !strcmp(v, "0")) return DS4_OK;
-    if (strcmp(v, "1")) return ds4_fail(DS4_ERR_ARG, "DS4_PROFILE='%s': expected 1 (profile the kernels) or 0", v);
-    ds4_profile_enable(true);
-    return DS4_OK;
-}
 
 void ds4_profile_reset(void) {
     for (int i = 0; i < DS4_OPID_COUNT; i++)
