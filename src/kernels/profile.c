@@ -86,40 +86,34 @@ static double op_flops(int op, const ds4_exec *ex, va_list ap) {
         return 2.0 * (double)M * (double)N * (double)K;
     }
     case DS4_OPID_linear_fwd:
-    case DS4_OPID_linear_fwd_bf16w: {
-        (void)va_arg(ap, float *), (void)va_arg(ap, const float *);
-        if (op == DS4_OPID_linear_fwd) (void)va_arg(ap, const float *);
-        else (void)va_arg(ap, const uint16_t *);
-        const int64_t N = va_arg(ap, int64_t), IC = va_arg(ap, int64_t), OC = va_arg(ap, int64_t);
-        return 2.0 * (double)N * (double)IC * (double)OC;
-    }
+    case DS4_OPID_linear_fwd_bf16w:
     case DS4_OPID_linear_bwd:
-    case DS4_OPID_linear_bwd_bf16w: {
-        const float *dinp = va_arg(ap, float *), *dw = va_arg(ap, float *);
-        (void)va_arg(ap, const float *), (void)va_arg(ap, const float *);
-        if (op == DS4_OPID_linear_bwd) (void)va_arg(ap, const float *);
-        else (void)va_arg(ap, const uint16_t *);
-        const int64_t N = va_arg(ap, int64_t), IC = va_arg(ap, int64_t), OC = va_arg(ap, int64_t);
-        return 2.0 * (double)N * (double)IC * (double)OC * ((dinp != NULL) + (dw != NULL));
-    }
+    case DS4_OPID_linear_bwd_bf16w:
     case DS4_OPID_grouped_linear_fwd:
-    case DS4_OPID_grouped_linear_fwd_bf16w: {
-        (void)va_arg(ap, float *), (void)va_arg(ap, const float *);
-        if (op == DS4_OPID_grouped_linear_fwd) (void)va_arg(ap, const float *);
-        else (void)va_arg(ap, const uint16_t *);
-        const int64_t N = va_arg(ap, int64_t), G = va_arg(ap, int64_t), R = va_arg(ap, int64_t);
-        const int64_t Din = va_arg(ap, int64_t);
-        return 2.0 * (double)N * (double)G * (double)R * (double)Din;
-    }
+    case DS4_OPID_grouped_linear_fwd_bf16w:
     case DS4_OPID_grouped_linear_bwd:
     case DS4_OPID_grouped_linear_bwd_bf16w: {
-        const float *dout = va_arg(ap, float *), *dw = va_arg(ap, float *);
-        (void)va_arg(ap, const float *), (void)va_arg(ap, const float *);
-        if (op == DS4_OPID_grouped_linear_bwd) (void)va_arg(ap, const float *);
-        else (void)va_arg(ap, const uint16_t *);
-        const int64_t N = va_arg(ap, int64_t), G = va_arg(ap, int64_t), R = va_arg(ap, int64_t);
-        const int64_t Din = va_arg(ap, int64_t);
-        return 2.0 * (double)N * (double)G * (double)R * (double)Din * ((dout != NULL) + (dw != NULL));
+        /* forward (out, inp, w, sizes...), backward (dinp, dw, dout, inp, w, sizes...); the FLOPs are
+         * 2 × the product of the sizes (N·IC·OC, or N·G·R·Din grouped) per product computed */
+        const bool bwd = op == DS4_OPID_linear_bwd || op == DS4_OPID_linear_bwd_bf16w ||
+                         op == DS4_OPID_grouped_linear_bwd || op == DS4_OPID_grouped_linear_bwd_bf16w;
+        const bool bf16w = op == DS4_OPID_linear_fwd_bf16w || op == DS4_OPID_linear_bwd_bf16w ||
+                           op == DS4_OPID_grouped_linear_fwd_bf16w || op == DS4_OPID_grouped_linear_bwd_bf16w;
+        const bool grouped = op == DS4_OPID_grouped_linear_fwd || op == DS4_OPID_grouped_linear_fwd_bf16w ||
+                             op == DS4_OPID_grouped_linear_bwd || op == DS4_OPID_grouped_linear_bwd_bf16w;
+        double flops = 2.0;
+        if (bwd) {
+            const float *dinp = va_arg(ap, float *), *dw = va_arg(ap, float *);
+            flops *= (dinp != NULL) + (dw != NULL);
+            (void)va_arg(ap, const float *);
+        } else {
+            (void)va_arg(ap, float *);
+        }
+        (void)va_arg(ap, const float *);
+        if (bf16w) (void)va_arg(ap, const uint16_t *);
+        else (void)va_arg(ap, const float *);
+        for (int i = 0; i < (grouped ? 4 : 3); i++) flops *= (double)va_arg(ap, int64_t);
+        return flops;
     }
     case DS4_OPID_moe_experts_fwd: { /* h1 = w1 x, h3 = w3 x, y = w2 act */
         const moe_experts_args *a = va_arg(ap, const moe_experts_args *);
