@@ -31,7 +31,7 @@ unit_of() {
     case "$1" in
         ds4/core.h | src/core/* | core/*) U=core ;;
         ds4/config.h | ds4/io.h | ds4/tensors.h | ds4/toml.h | ds4/tokenizer.h | ds4/shard.h | src/io/* | io/*) U=io ;;
-        ds4/kernels.h | src/kernels/* | kernels/*) U=kernels ;;
+        ds4/kernels.h | ds4/profile.h | src/kernels/* | kernels/*) U=kernels ;;
         ds4/model.h | ds4/decode.h | src/model/* | model/*) U=model ;;
         ds4/offload.h | ds4/recompute.h | ds4/actstore.h | src/memory/* | memory/*) U=memory ;;
         ds4/dist.h | src/dist/* | dist/*) U=dist ;;

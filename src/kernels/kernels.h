@@ -31,6 +31,7 @@
 #include "ds4/core.h"
 #include "ds4/kernels.h"
 #include "kernels/backend.h"
+#include "kernels/profile.h"
 
 /* ================================================================ gemm (gemm.c, cpu/gemm.c, x86/)
  * beta is 0 (overwrite C) or 1 (accumulate into C). Leading dimensions in elements.
@@ -308,16 +309,29 @@ struct moe_experts_grads {
 
 /* ================================================================ the wrappers
  * One per op of ops.def: runs the op on the table of context ex (ds4_exec_kernels); with no entry (a
- * plan's SKIP ops) it does nothing, and a query returns its absent value. */
-#define DS4_OP(name, plan, cpu, params, args)                             \
-    static inline void name params {                                   \
-        const ds4_kernel_backend *k_ = ds4_exec_kernels(ex);            \
-        if (k_->name) k_->name args;                                   \
+ * plan's SKIP ops) it does nothing, and a query returns its absent value. With the kernel profile on
+ * (ds4/profile.h) the call is timed and counted under its op (profile.c); off, that is one branch. */
+#define DS4_OP(name, plan, cpu, params, args)                                   \
+    static inline void name params {                                         \
+        const ds4_kernel_backend *k_ = ds4_exec_kernels(ex);                  \
+        if (!k_->name) return;                                               \
+        if (__builtin_expect(ds4_profile_on, 0)) {                           \
+            const int64_t t0_ = ds4_profile_begin();                          \
+            k_->name args;                                                   \
+            ds4_profile_end(DS4_OPID_##name, t0_, DS4_SPREAD args);          \
+        } else {                                                             \
+            k_->name args;                                                   \
+        }                                                                    \
     }
-#define DS4_QUERY(name, plan, cpu, type, absent, params, args)              \
-    static inline type name params {                                   \
-        const ds4_kernel_backend *k_ = ds4_exec_kernels(ex);            \
-        return k_->name ? k_->name args : (absent);                    \
+#define DS4_QUERY(name, plan, cpu, type, absent, params, args)                    \
+    static inline type name params {                                         \
+        const ds4_kernel_backend *k_ = ds4_exec_kernels(ex);                  \
+        if (!k_->name) return (absent);                                      \
+        if (!__builtin_expect(ds4_profile_on, 0)) return k_->name args;      \
+        const int64_t t0_ = ds4_profile_begin();                              \
+        type r_ = k_->name args;                                              \
+        ds4_profile_end(DS4_OPID_##name, t0_, DS4_SPREAD args);              \
+        return r_;                                                           \
     }
 #include "kernels/ops.def"
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# ds4 against Hugging Face transformers' DeepSeek-V4 (eager fp32, eager bf16 weights, torch.compile) on the
+# same config, tokens, weights and cores: bench/torch_compare.py does the work, this script prepares it.
+# Not part of CI: the first run installs PyPI's torch (gigabytes) and transformers into the repository's
+# own venv .venv-bench (git-ignored): the CPU-only wheels when their index is reachable, else PyPI's torch.
+# Usage: bench/torch_compare.sh [torch_compare.py options]  (--help lists them; e.g. --seq 1024 --threads 1 --quick)
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+VENV="$ROOT/.venv-bench"
+PY="${DS4_BENCH_PYTHON:-python3}"
+TRANSFORMERS="transformers==5.23.0"          # the version tests/test_hf_roundtrip.py checks ds4's files with
+TORCH="${DS4_BENCH_TORCH:-torch}"           # e.g. DS4_BENCH_TORCH=torch==2.15.0 to pin
+CPU_INDEX="${DS4_BENCH_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+
+if ! "$VENV/bin/python" -c "import torch, transformers, safetensors" 2>/dev/null; then
+    rm -rf "$VENV"
+    "$PY" -m venv "$VENV"
+    if "$VENV/bin/pip" install -q --timeout 20 --retries 0 --index-url "$CPU_INDEX" "$TORCH"; then
+        echo "CPU-only wheel ($CPU_INDEX)" > "$VENV/torch-source"
+    else
+        echo "torch_compare: the CPU-only wheel index is not reachable; installing PyPI's torch (with its CUDA libraries, large)" >&2
+        "$VENV/bin/pip" install -q "$TORCH"
+        echo "PyPI wheel (CUDA build, run on the CPU)" > "$VENV/torch-source"
+    fi
+    "$VENV/bin/pip" install -q "$TRANSFORMERS" safetensors
+fi
+BUILD="${BUILD:-build}"
+make -C "$ROOT" -s BUILD="$BUILD" "$BUILD/ds4" "$BUILD/bench/train_step" >&2
+export DS4_BENCH_ARGS="$(printf '%q ' "$@")"
+exec "$VENV/bin/python" "$ROOT/bench/torch_compare.py" --build "$ROOT/$BUILD" \
+    --torch-source "$(cat "$VENV/torch-source" 2>/dev/null || echo "installed by hand")" "$@"
