@@ -20,14 +20,27 @@
 #define NFLAGS(f) ((int)(sizeof(f) / sizeof((f)[0])))
 
 /* ------------------------------------------------------------------ shared: loading a model */
-/* A weight that is NaN or infinite makes every loss and logit NaN: named here, the first one in table order. */
+/* The first non-finite element of tensor p (one that has one), read on the host for the message. */
+static ds4_status name_nonfinite(const char *cmd, const char *path, ds4_model *m, const ds4_param *p) {
+    float *h = ds4_alloc(DS4_MEM_OTHER, (size_t)p->numel * sizeof(float));
+    if (!h) return ds4_fail(DS4_ERR_OOM, "ds4 %s: %s: tensor '%s' holds a non-finite value", cmd, path, p->name);
+    ds4_model_to_host(m, h, p->data, (size_t)p->numel * sizeof(float));
+    int64_t k = 0;
+    while (k < p->numel - 1 && isfinite(h[k])) k++;
+    ds4_status st = ds4_fail(DS4_ERR_FORMAT, "ds4 %s: %s: tensor '%s' holds a non-finite value (%g at element %lld): "
+                             "the weights are broken", cmd, path, p->name, (double)h[k], (long long)k);
+    ds4_free(h);
+    return st;
+}
+
+/* A weight that is NaN or infinite makes every loss and logit NaN: named here, the first one in table order
+ * (counted on the model's backend, tensor by tensor). */
 static ds4_status check_finite(const char *cmd, const char *path, ds4_model *m) {
     for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
         const ds4_param *p = ds4_model_param(m, i);
-        for (int64_t k = 0; p->data && k < p->numel; k++)
-            if (!isfinite(p->data[k]))
-                return ds4_fail(DS4_ERR_FORMAT, "ds4 %s: %s: tensor '%s' holds a non-finite value (%g at element %lld): "
-                                "the weights are broken", cmd, path, p->name, (double)p->data[k], (long long)k);
+        int64_t bad = 0;
+        if (p->data) DS4_TRY(ds4_dev_count_nonfinite(ds4_model_exec(m), p->data, p->numel, &bad));
+        if (bad) return name_nonfinite(cmd, path, m, p);
     }
     return DS4_OK;
 }

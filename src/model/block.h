@@ -162,7 +162,9 @@ typedef struct {
     cmp_cache cmp;        /* main compressor (ratio > 0); cmp.out points into keys */
     cmp_cache icmp;       /* indexer compressor (ratio == 4) */
     float *pool, *rstd;   /* [2·max(hd, dI)], [1] */
-    int32_t *keylist;     /* [window + max compressed keys] the keys one query attends */
+    int32_t *keylist;     /* [window + max compressed keys] the keys one query attends (on the backend) */
+    int32_t *keylist_host; /* the same list, built on the host before it is copied over */
+    int32_t *sel_host;     /* [index_topk] the indexer's selection, read back to build it */
 } unit_cache;
 
 /* Gradient buffers of one block backward (workspace, zeroed), then what the block's backward was given. */

@@ -29,32 +29,43 @@ struct ds4_decoder {
     float *X, *Xnext;     /* [n, D] streams */
     float *hmix, *hrsqrt; /* [n], [1] head */
     float *hy, *hyn, *hrstd; /* [D], [D], [1] */
+    int32_t *token;       /* [1] the step's token, on the backend (the embedding and hash routing read it) */
+    float *logits;        /* [V] the step's logits, copied to the caller's host buffer */
+    int32_t *keylist_host, *sel_host; /* host halves of the layers' shared key list (model/block.h) */
+    int64_t dev_bytes;    /* of the buffers on the backend */
 };
 
 /* ------------------------------------------------------------------ allocation */
+/* A zeroed buffer of the model's backend (the caches, the one-row scratch), freed with the decoder. */
 static void *dec_alloc(ds4_decoder *d, int64_t n, size_t elt) {
     if (d->nbufs >= d->cap) {
         ds4_fail(DS4_ERR_INTERNAL, "decoder: more than %lld buffers", (long long)d->cap);
         return NULL;
     }
-    void *p = ds4_calloc(DS4_MEM_ACT, (size_t)(n > 0 ? n : 1) * elt);
-    if (p) d->bufs[d->nbufs++] = p;
+    const size_t bytes = (size_t)(n > 0 ? n : 1) * elt;
+    void *p = dev_zalloc(d->m, DS4_MEM_ACT, bytes);
+    if (p) {
+        d->bufs[d->nbufs++] = p;
+        d->dev_bytes += (int64_t)bytes;
+    }
     return p;
 }
 #define DF(n) ((float *)dec_alloc(dec, (n), sizeof(float)))
 
 void ds4_decoder_free(ds4_decoder *dec) {
     if (!dec) return;
-    for (int64_t i = 0; i < dec->nbufs; i++) ds4_free(dec->bufs[i]);
+    for (int64_t i = 0; i < dec->nbufs; i++) dev_free(dec->m, dec->bufs[i]);
+    ds4_free(dec->keylist_host);
+    ds4_free(dec->sel_host);
     ds4_free(dec->bufs);
     ds4_free(dec->layers);
     ds4_free(dec);
 }
 
 int64_t ds4_decoder_bytes(const ds4_decoder *dec) {
-    int64_t b = (int64_t)(ds4_alloc_size(dec) + ds4_alloc_size(dec->layers) + ds4_alloc_size(dec->bufs));
-    for (int64_t i = 0; i < dec->nbufs; i++) b += (int64_t)ds4_alloc_size(dec->bufs[i]);
-    return b;
+    int64_t b = (int64_t)(ds4_alloc_size(dec) + ds4_alloc_size(dec->layers) + ds4_alloc_size(dec->bufs) +
+                          ds4_alloc_size(dec->keylist_host) + ds4_alloc_size(dec->sel_host));
+    return b + dec->dev_bytes;
 }
 
 int64_t ds4_decoder_pos(const ds4_decoder *dec) { return dec->pos; }
@@ -114,6 +125,9 @@ ds4_status ds4_decoder_new(ds4_model *m, int64_t max_len, ds4_decoder **out) {
     ok = ok && (dec->X = DF(n * D)) && (dec->Xnext = DF(n * D));
     ok = ok && (rstd = DF(1)) && (pool = DF(2 * (hd > dI ? hd : dI)));
     ok = ok && (keylist = dec_alloc(dec, W + max_ck, sizeof(int32_t)));
+    ok = ok && (dec->keylist_host = ds4_alloc(DS4_MEM_ACT, (size_t)(W + max_ck) * sizeof(int32_t)));
+    ok = ok && (dec->sel_host = ds4_alloc(DS4_MEM_ACT, (size_t)(c->index_topk > 0 ? c->index_topk : 1) * sizeof(int32_t)));
+    ok = ok && (dec->token = dec_alloc(dec, 1, sizeof(int32_t))) && (dec->logits = DF(c->vocab_size));
     ok = ok && (dec->hmix = DF(n)) && (dec->hrsqrt = DF(1)) && (dec->hy = DF(D)) && (dec->hyn = DF(D)) &&
          (dec->hrstd = DF(1));
     if (!ok) {
@@ -125,6 +139,8 @@ ds4_status ds4_decoder_new(ds4_model *m, int64_t max_len, ds4_decoder **out) {
         lc->pool = pool;
         lc->rstd = rstd;
         lc->keylist = keylist;
+        lc->keylist_host = dec->keylist_host;
+        lc->sel_host = dec->sel_host;
     }
     *out = dec;
     return DS4_OK;
@@ -133,11 +149,11 @@ ds4_status ds4_decoder_new(ds4_model *m, int64_t max_len, ds4_decoder **out) {
 /* ------------------------------------------------------------------ one layer, one token */
 /* Xnext: [n, D] from X: [n, D] at position p: the block's units on one token, the cache-backed ones
  * through their decode variants; the step's unit outputs are freed once the block is done. */
-static ds4_status layer_step(ds4_decoder *dec, int64_t l, int32_t token, int64_t p) {
+static ds4_status layer_step(ds4_decoder *dec, int64_t l, int64_t p) {
     ds4_model *m = dec->m;
     unit_cache *lc = &dec->layers[l];
     const ds4_rope rope_main = rope_view(&m->rope_main, p), rope_cmp = rope_view(&m->rope_cmp, p);
-    const block_ctx bc = {.m = m, .layer = l, .B = 1, .T = 1, .ids = &token, .dense_csa = m->cfg.csa_dense,
+    const block_ctx bc = {.m = m, .layer = l, .B = 1, .T = 1, .ids = dec->token, .dense_csa = m->cfg.csa_dense,
                           .rope_main = &rope_main, .rope_cmp = &rope_cmp};
     block_acts a = {.X_in = dec->X, .X_out = dec->Xnext, .ratio = lc->ratio};
     lc->pos = p;
@@ -162,11 +178,12 @@ ds4_status ds4_decoder_step(ds4_decoder *dec, int32_t token, float *logits_out) 
     const int threads = ds4_get_threads();
     if (dec->serial) ds4_set_threads(1);
     /* embedding into n identical streams: X [n, D] */
-    embedding_fwd(&m->exec, dec->X, m->w.embed, &token, 1, D);
-    for (int64_t k = 1; k < n; k++) memcpy(dec->X + k * D, dec->X, (size_t)D * sizeof(float));
+    ds4_model_to_device(m, dec->token, &token, sizeof token);
+    embedding_fwd(&m->exec, dec->X, m->w.embed, dec->token, 1, D);
+    streams_expand(&m->exec, dec->X, 1, n, D);
     ds4_status st = DS4_OK;
     for (int64_t l = 0; l < c->n_layers && st == DS4_OK; l++) {
-        st = layer_step(dec, l, token, p);
+        st = layer_step(dec, l, p);
         float *t = dec->X;
         dec->X = dec->Xnext;
         dec->Xnext = t;
@@ -177,7 +194,8 @@ ds4_status ds4_decoder_step(ds4_decoder *dec, int32_t token, float *logits_out) 
             .norm_eps = (float)c->norm_eps, .X = dec->X, .fn = m->w.hc_head_fn, .scale = m->w.hc_head_scale,
             .base = m->w.hc_head_base, .y = dec->hy, .mixes = dec->hmix, .rsqrt = dec->hrsqrt});
         rmsnorm_fwd(&m->exec, dec->hyn, dec->hrstd, dec->hy, m->w.norm, 1, D, (float)c->norm_eps);
-        model_linear_fwd(m, logits_out, dec->hyn, m->w.head, 1, D, c->vocab_size); // [V]
+        model_linear_fwd(m, dec->logits, dec->hyn, m->w.head, 1, D, c->vocab_size); // [V]
+        ds4_model_to_host(m, logits_out, dec->logits, (size_t)c->vocab_size * sizeof(float));
     }
     if (dec->serial) ds4_set_threads(threads);
     if (st != DS4_OK) return st;

@@ -146,7 +146,8 @@ static ds4_status kv_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
 static ds4_status kv_decode(const block_ctx *bc, block_acts *a, unit_cache *kc) {
     const int64_t hd = bc->m->cfg.head_dim;
     DS4_TRY(kv_fwd(bc, a));
-    memcpy(kc->keys + (kc->ncap + kc->pos % bc->m->cfg.window) * hd, F32(U_KV, KV_KV), (size_t)hd * sizeof(float));
+    tensor_copy(&bc->m->exec, kc->keys + (kc->ncap + kc->pos % bc->m->cfg.window) * hd, F32(U_KV, KV_KV),
+                (size_t)hd * sizeof(float));
     return DS4_OK;
 }
 
@@ -226,8 +227,8 @@ static void compress_decode(const block_ctx *bc, unit_cache *kc, cmp_cache *cs, 
         pooled = kc->pool + d;
     }
     if (cs->overlap) { /* the current block becomes the previous one */
-        memcpy(cs->a, cs->a + r * C, (size_t)(r * C) * sizeof(float));
-        memcpy(cs->z, cs->z + r * C, (size_t)(r * C) * sizeof(float));
+        tensor_copy(&bc->m->exec, cs->a, cs->a + r * C, (size_t)(r * C) * sizeof(float));
+        tensor_copy(&bc->m->exec, cs->z, cs->z + r * C, (size_t)(r * C) * sizeof(float));
     }
     float *e = cs->out + i * d; // [d]
     const ds4_rope at = rope_view(&bc->m->rope_cmp, i * r); /* the entry's position */
@@ -427,21 +428,25 @@ static ds4_status sparse_attn_bwd_unit(const block_ctx *bc, block_acts *a, block
 /* Decoding: the query at p over the window and the compressed entries (selected by the top-k on sparse
  * CSA layers, all emitted otherwise) with the sink: a T = 1, window 0 call whose "compressed entries" are
  * the layer's key buffer and whose top-k list names the keys in the pass's order (window rows by
- * position, then the compressed entries), so the kernel runs the same row math. */
+ * position, then the compressed entries), so the kernel runs the same row math. The list is built on the
+ * host (the selection read back: a wait per CSA layer and token) and copied over. */
 static ds4_status sparse_attn_decode(const block_ctx *bc, block_acts *a, unit_cache *kc) {
     const ds4_config *c = &bc->m->cfg;
     const int64_t win = c->window, H = c->n_heads, hd = c->head_dim, p = kc->pos;
     const int32_t *sel = attn_selection(bc, a);
+    int32_t *list = kc->keylist_host;
     int64_t nk = 0;
-    for (int64_t j = p - win + 1 > 0 ? p - win + 1 : 0; j <= p; j++) kc->keylist[nk++] = (int32_t)(kc->ncap + j % win);
+    for (int64_t j = p - win + 1 > 0 ? p - win + 1 : 0; j <= p; j++) list[nk++] = (int32_t)(kc->ncap + j % win);
     if (kc->ratio > 0) {
         if (sel) {
+            ds4_model_to_host(bc->m, kc->sel_host, sel, (size_t)c->index_topk * sizeof(int32_t));
             for (int64_t k = 0; k < c->index_topk; k++)
-                if (sel[k] >= 0) kc->keylist[nk++] = sel[k];
+                if (kc->sel_host[k] >= 0) list[nk++] = kc->sel_host[k];
         } else {
-            for (int64_t i = 0; i < kc->cmp.n; i++) kc->keylist[nk++] = (int32_t)i;
+            for (int64_t i = 0; i < kc->cmp.n; i++) list[nk++] = (int32_t)i;
         }
     }
+    ds4_model_to_device(bc->m, kc->keylist, list, (size_t)nk * sizeof(int32_t));
     sparse_attn_fwd(&bc->m->exec, &(sparse_attn_args){.dims = {.B = 1, .T = 1, .H = H, .c = hd, .window = 0, .ratio = 1,
         .Nc = kc->ncap + win, .K = nk}, .scale = attn_scale(c), .q = F32(U_Q_UP, QU_Q), .kv = kc->keys,
         .kvc = kc->keys, .sink = bc->m->w.blocks[bc->layer].attn_sink, .topk = kc->keylist,
