@@ -29,6 +29,24 @@ endif
 ORACLE_SRC := $(filter src/kernels/ref/%,$(LIB_SRC))
 LIB_SRC   := $(filter-out src/kernels/ref/%,$(LIB_SRC))
 LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/%.o)
+
+# The cpu kernels (src/kernels/cpu/*.c) once more per ISA level above generic, with the level's -m flags
+# (those the dispatch checks the CPU for) and -fvisibility=hidden: the level's files are linked into one
+# object (ld -r) whose hidden symbols are then made local (objcopy --localize-hidden), so the only global
+# it keeps is its table, ds4_cpu_kernels_<level> (cpu/backend.c); the plain objects are the generic level.
+# Same sources, same -ffp-contract=off: the dispatch (dispatch.c) picks the table of the ISA level.
+# Only for an x86-64 target and not in the portable-only library (-DDS4_PORTABLE_ONLY).
+CPU_LEVEL_SRC := $(sort $(wildcard src/kernels/cpu/*.c))
+CPU_LEVELS    := $(if $(filter 1,$(X86_64)),$(if $(filter -DDS4_PORTABLE_ONLY,$(OPT) $(SAN)),,avx2 avx512))
+CPU_FLAGS_avx2   := -mavx2 -mfma
+CPU_FLAGS_avx512 := -mavx2 -mfma -mavx512f -mavx512vl -mavx512bw -mavx512dq
+CPU_LEVEL_OBJ := $(CPU_LEVELS:%=$(BUILD)/kernels-cpu-%.o)
+LD      ?= ld
+OBJCOPY ?= objcopy
+NM      ?= nm
+ifneq ($(CPU_LEVELS),)
+CFLAGS    += -DDS4_CPU_LEVELS
+endif
 ORACLE_OBJ := $(ORACLE_SRC:%.c=$(BUILD)/%.o)
 TEST_SRC  := $(sort $(wildcard tests/test_*.c))
 TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
@@ -43,7 +61,23 @@ $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
 
-$(BUILD)/libds4.a: $(LIB_OBJ)
+# $(call cpu_level,LEVEL): its objects under $(BUILD)/levels/LEVEL/ and the one object they make.
+define cpu_level
+$(BUILD)/levels/$(1)/%.o: %.c
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(CFLAGS) $$(CPU_FLAGS_$(1)) -fvisibility=hidden -DDS4_CPU_LEVEL=$(1) -MMD -MP -c $$< -o $$@
+
+$(BUILD)/kernels-cpu-$(1).o: $(CPU_LEVEL_SRC:%.c=$(BUILD)/levels/$(1)/%.o)
+	$$(LD) -r -o $$@.tmp $$^
+	$$(OBJCOPY) --localize-hidden $$@.tmp $$@.tmp
+	@globals=$$$$($$(NM) -g --defined-only $$@.tmp | awk '{print $$$$3}'); \
+	 if [ "$$$$globals" != ds4_cpu_kernels_$(1) ]; then \
+	     echo "$$@: expected one global symbol, ds4_cpu_kernels_$(1); found: $$$$globals" >&2; exit 1; fi
+	mv $$@.tmp $$@
+endef
+$(foreach l,$(CPU_LEVELS),$(eval $(call cpu_level,$(l))))
+
+$(BUILD)/libds4.a: $(LIB_OBJ) $(CPU_LEVEL_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
@@ -101,7 +135,7 @@ clean:
 
 .PHONY: all test test-c test-levels portable asan check layers clean
 .SECONDARY:
--include $(LIB_OBJ:.o=.d) $(ORACLE_OBJ:.o=.d) $(TOOL_OBJ:.o=.d) $(TEST_BIN:%=%.d) $(BENCH_BIN:%=%.d)
+-include $(LIB_OBJ:.o=.d) $(foreach l,$(CPU_LEVELS),$(CPU_LEVEL_SRC:%.c=$(BUILD)/levels/$(l)/%.d)) $(ORACLE_OBJ:.o=.d) $(TOOL_OBJ:.o=.d) $(TEST_BIN:%=%.d) $(BENCH_BIN:%=%.d)
 
 # libFuzzer targets (clang): replays tests/fuzz/regressions, then fuzzes FUZZ_SECONDS in total (<= 60).
 FUZZ_SECONDS ?= 60
