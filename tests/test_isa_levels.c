@@ -167,23 +167,15 @@ static void direct_ops(const ds4_kernel_backend *lv, const char *name) {
     direct_out *o = malloc(2 * sizeof *o);
     direct_run(&ds4_cpu_kernels_generic, &o[0]);
     direct_run(lv, &o[1]);
-    CHECK(!memcmp(o[0].nt, o[1].nt, sizeof o->nt) && !memcmp(o[0].nn, o[1].nn, sizeof o->nn) &&
-              !memcmp(o[0].tn, o[1].tn, sizeof o->tn),
-          "%s: gemm_nt / nn / tn", name);
-    CHECK(!memcmp(o[0].pre, o[1].pre, sizeof o->pre) && !memcmp(o[0].post, o[1].post, sizeof o->post) &&
-              !memcmp(o[0].comb, o[1].comb, sizeof o->comb),
-          "%s: hc_split_sinkhorn_fwd", name);
-    CHECK(!memcmp(o[0].dmixes, o[1].dmixes, sizeof o->dmixes) && !memcmp(o[0].dscale, o[1].dscale, sizeof o->dscale) &&
-              !memcmp(o[0].dbase, o[1].dbase, sizeof o->dbase),
-          "%s: hc_split_sinkhorn_bwd", name);
-    CHECK(!memcmp(o[0].packed, o[1].packed, sizeof o->packed) && !memcmp(o[0].x, o[1].x, sizeof o->x) &&
-              !memcmp(o[0].w, o[1].w, sizeof o->w),
-          "%s: rows_pack / rows_unpack", name);
-    CHECK(!memcmp(o[0].dx, o[1].dx, sizeof o->dx) && !memcmp(o[0].dgw, o[1].dgw, sizeof o->dgw),
-          "%s: moe_unpack_grads_add", name);
-    CHECK(!memcmp(o[0].cnt, o[1].cnt, sizeof o->cnt), "%s: moe_expert_counts", name);
-    CHECK(!memcmp(o[0].table, o[1].table, sizeof o->table) && !memcmp(o[0].ids, o[1].ids, sizeof o->ids),
-          "%s: moe_balanced_table", name);
+#define SAME(f) (!memcmp(o[0].f, o[1].f, sizeof o->f))
+    CHECK(SAME(nt) && SAME(nn) && SAME(tn), "%s: gemm_nt / nn / tn", name);
+    CHECK(SAME(pre) && SAME(post) && SAME(comb), "%s: hc_split_sinkhorn_fwd", name);
+    CHECK(SAME(dmixes) && SAME(dscale) && SAME(dbase), "%s: hc_split_sinkhorn_bwd", name);
+    CHECK(SAME(packed) && SAME(x) && SAME(w), "%s: rows_pack / rows_unpack", name);
+    CHECK(SAME(dx) && SAME(dgw), "%s: moe_unpack_grads_add", name);
+    CHECK(SAME(cnt), "%s: moe_expert_counts", name);
+    CHECK(SAME(table) && SAME(ids), "%s: moe_balanced_table", name);
+#undef SAME
     free(o);
 }
 
