@@ -29,6 +29,13 @@ endif
 ORACLE_SRC := $(filter src/kernels/ref/%,$(LIB_SRC))
 LIB_SRC   := $(filter-out src/kernels/ref/%,$(LIB_SRC))
 LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/%.o)
+ORACLE_OBJ := $(ORACLE_SRC:%.c=$(BUILD)/%.o)
+TEST_SRC  := $(sort $(wildcard tests/test_*.c))
+TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
+TOOL_SRC  := $(sort $(wildcard tools/*.c))
+TOOL_OBJ  := $(TOOL_SRC:%.c=$(BUILD)/%.o)
+BENCH_SRC := $(sort $(wildcard bench/*.c))
+BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
 # The cpu kernels (src/kernels/cpu/*.c) once more per ISA level above generic, with the level's -m flags
 # (those the dispatch checks the CPU for) and -fvisibility=hidden: the level's files are linked into one
@@ -48,13 +55,6 @@ NM      ?= nm
 ifneq ($(CPU_LEVELS),)
 CFLAGS    += -DDS4_CPU_LEVELS
 endif
-ORACLE_OBJ := $(ORACLE_SRC:%.c=$(BUILD)/%.o)
-TEST_SRC  := $(sort $(wildcard tests/test_*.c))
-TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
-TOOL_SRC  := $(sort $(wildcard tools/*.c))
-TOOL_OBJ  := $(TOOL_SRC:%.c=$(BUILD)/%.o)
-BENCH_SRC := $(sort $(wildcard bench/*.c))
-BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
 all: $(BUILD)/ds4 $(TEST_BIN) $(BENCH_BIN)
 
