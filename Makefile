@@ -37,13 +37,52 @@ TOOL_OBJ  := $(TOOL_SRC:%.c=$(BUILD)/%.o)
 BENCH_SRC := $(sort $(wildcard bench/*.c))
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
+# The cpu kernels (src/kernels/cpu/*.c) once more per ISA level above generic, with the level's -m flags
+# (those the dispatch checks the CPU for) and -fvisibility=hidden: the level's files are linked into one
+# object (ld -r) whose hidden symbols are then made local (objcopy --localize-hidden), so the only global
+# it keeps is its table, ds4_cpu_kernels_<level> (cpu/backend.c); the plain objects are the generic level.
+# Same sources, same -ffp-contract=off: the dispatch (dispatch.c) picks the table of the ISA level. The
+# folder keeps no static variables (a level would have its own copy of each): the build checks that too.
+# (AddressSanitizer adds the table's ODR indicator, __odr_asan.ds4_cpu_kernels_<level>.)
+# Only for an x86-64 target and not in the portable-only library (-DDS4_PORTABLE_ONLY).
+CPU_LEVEL_SRC := $(sort $(wildcard src/kernels/cpu/*.c))
+CPU_LEVELS    := $(if $(filter 1,$(X86_64)),$(if $(filter -DDS4_PORTABLE_ONLY,$(OPT) $(SAN)),,avx2 avx512))
+CPU_FLAGS_avx2   := -mavx2 -mfma
+CPU_FLAGS_avx512 := -mavx2 -mfma -mavx512f -mavx512vl -mavx512bw -mavx512dq
+CPU_LEVEL_OBJ := $(CPU_LEVELS:%=$(BUILD)/kernels-cpu-%.o)
+LD      ?= ld
+OBJCOPY ?= objcopy
+NM      ?= nm
+ifneq ($(CPU_LEVELS),)
+CFLAGS    += -DDS4_CPU_LEVELS
+endif
+
 all: $(BUILD)/ds4 $(TEST_BIN) $(BENCH_BIN)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
 
-$(BUILD)/libds4.a: $(LIB_OBJ)
+# $(call cpu_level,LEVEL): its objects under $(BUILD)/levels/LEVEL/ and the one object they make.
+define cpu_level
+$(BUILD)/levels/$(1)/%.o: %.c
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(CFLAGS) $$(CPU_FLAGS_$(1)) -fvisibility=hidden -DDS4_CPU_LEVEL=$(1) -MMD -MP -c $$< -o $$@
+
+$(BUILD)/kernels-cpu-$(1).o: $(CPU_LEVEL_SRC:%.c=$(BUILD)/levels/$(1)/%.o)
+	$$(LD) -r -o $$@.tmp $$^
+	$$(OBJCOPY) --localize-hidden $$@.tmp $$@.tmp
+	@globals=$$$$($$(NM) -g --defined-only $$@.tmp | awk '$$$$3 != "__odr_asan.ds4_cpu_kernels_$(1)" {print $$$$3}'); \
+	 if [ "$$$$globals" != ds4_cpu_kernels_$(1) ]; then \
+	     echo "$$@: expected one global symbol, ds4_cpu_kernels_$(1); found: $$$$globals" >&2; exit 1; fi
+	@state=$$$$($$(NM) $$@.tmp | awk '$$$$2 ~ /^[bBdD]$$$$/ && $$$$3 !~ /^(__odr_asan[.])?ds4_cpu_kernels_$(1)$$$$/ {print $$$$3}'); \
+	 if [ -n "$$$$state" ]; then echo "$$@: src/kernels/cpu/ must hold no static variables (each level would" \
+	     "have its own copy); found: $$$$state" >&2; exit 1; fi
+	mv $$@.tmp $$@
+endef
+$(foreach l,$(CPU_LEVELS),$(eval $(call cpu_level,$(l))))
+
+$(BUILD)/libds4.a: $(LIB_OBJ) $(CPU_LEVEL_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
@@ -101,7 +140,7 @@ clean:
 
 .PHONY: all test test-c test-levels portable asan check layers clean
 .SECONDARY:
--include $(LIB_OBJ:.o=.d) $(ORACLE_OBJ:.o=.d) $(TOOL_OBJ:.o=.d) $(TEST_BIN:%=%.d) $(BENCH_BIN:%=%.d)
+-include $(LIB_OBJ:.o=.d) $(foreach l,$(CPU_LEVELS),$(CPU_LEVEL_SRC:%.c=$(BUILD)/levels/$(l)/%.d)) $(ORACLE_OBJ:.o=.d) $(TOOL_OBJ:.o=.d) $(TEST_BIN:%=%.d) $(BENCH_BIN:%=%.d)
 
 # libFuzzer targets (clang): replays tests/fuzz/regressions, then fuzzes FUZZ_SECONDS in total (<= 60).
 FUZZ_SECONDS ?= 60

@@ -257,6 +257,48 @@ static int ds4_train_output(const char *run, const char *flags, char *out, size_
     return pclose(p);
 }
 
+/* The "mfu" of every step of a JSONL file, in order; returns how many (at most n). */
+static int jsonl_mfus(const char *path, double *mfu, int n) {
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    char line[2048];
+    int k = 0;
+    while (k < n && fgets(line, sizeof line, f)) {
+        const char *at = strstr(line, "\"mfu\": ");
+        if (at && sscanf(at + 7, "%lf", &mfu[k]) == 1) k++;
+    }
+    fclose(f);
+    return k;
+}
+
+/* MFU is never above 100%. With the probe's peak the header line says how the peak was measured and every
+ * step's mfu is in (0, 100]; with a configured peak far below what the run does (1 MFLOP/s), the log says
+ * once that the peak was too low, and no step's mfu exceeds 100 (the first one's is 100). */
+static void test_mfu_is_honest(void) {
+    static char out[1 << 16];
+    const char *runs[] = {"mfu_probe", "mfu_low"}, *flags[] = {"--metrics.peak_tflops 0", "--metrics.peak_tflops 1e-6"};
+    for (int r = 0; r < 2; r++) {
+        CHECK(ds4_train_output(runs[r], flags[r], out, sizeof out) == 0, "%s: %s", runs[r], out);
+        char path[512];
+        snprintf(path, sizeof path, "%s/%s.jsonl", g_dir, runs[r]);
+        double mfu[8];
+        const int k = jsonl_mfus(path, mfu, 8);
+        CHECK(k == 4, "%s: %d steps logged", runs[r], k);
+        for (int i = 0; i < k; i++) CHECK(mfu[i] > 0 && mfu[i] <= 100, "%s: step %d: mfu %g", runs[r], i + 1, mfu[i]);
+        const char *note = strstr(out, "note: step 1 ran at");
+        if (r == 0) {
+            CHECK(strstr(out, "(GEMM probe: ") && strstr(out, "best of") && strstr(out, "CPU time") &&
+                      strstr(out, "x 2 threads)"),
+                  "the header says how the peak was measured: %s", out);
+        } else {
+            CHECK(strstr(out, "(metrics.peak_tflops = 1e-06)"), "the header names the configured peak: %s", out);
+            CHECK(note && strstr(note, "that peak was too low") && !strstr(note + 1, "note: step"),
+                  "one note says the peak was too low: %s", out);
+            CHECK(k > 0 && mfu[0] == 100, "the first step ran at the raised peak: %g", k ? mfu[0] : -1);
+        }
+    }
+}
+
 /* A run can change optimizer at a resume: the other optimizer's state of the Muon group starts at zero
  * and the message says which state is new and which is kept; the next checkpoint is the new optimizer's. */
 static void test_switch_optimizer_at_resume(void) {
@@ -553,6 +595,7 @@ int main(int argc, char **argv) {
     RUN(test_kill9_during_saves_keeps_a_loadable_checkpoint);
     RUN(test_loss_falls);
     RUN(test_dspark_carried);
+    RUN(test_mfu_is_honest);
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf %s", g_dir);
     if (!t_failed && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);

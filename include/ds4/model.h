@@ -277,8 +277,17 @@ void ds4_pass_free(ds4_pass *p);
 ds4_status ds4_newton_schulz(const ds4_exec *ex, float *x, int64_t rows, int64_t cols, const ds4_ns_coef *coef,
                              int64_t iters, float eps);
 
-/* Peak fp32 FLOP/s of this machine with the given threads, measured on the model's GEMM (~0.3 s). */
-double ds4_probe_peak_flops(const ds4_exec *ex);
+/* The peak FLOP/s of this machine with the run's threads (ds4_get_threads), measured on the model's GEMM in
+ * context ex (its matmul precision): one core's rate on a 512³ product in the probing thread's CPU time
+ * (time other processes hold the core is not counted), the best of 3 to 9 repeats (~0.3 s), times the
+ * threads. how: the same in words, for a log's header line. */
+typedef struct {
+    double flops;      /* core_flops · threads */
+    double core_flops; /* one core's GEMM rate */
+    int threads;
+    char how[192];
+} ds4_peak;
+ds4_peak ds4_probe_peak(const ds4_exec *ex);
 
 /* ------------------------------------------------------------------ units (for policies and reports) */
 const char *ds4_unit_name(int unit);  /* "hc_pre_attn", "attn_norm", ..., "hc_post_ffn" */

@@ -19,8 +19,17 @@
 #include <unistd.h>
 #endif
 
+#include "kernels/cpu/cpu.h"
 #include "kernels/dispatch.h"
 #include "kernels/kernels.h"
+
+/* The cpu kernel tables of the levels above generic exist where the Makefile built them
+ * (-DDS4_CPU_LEVELS) and a level above generic can be chosen at all. */
+#if DS4_X86_ENGINES && defined(DS4_CPU_LEVELS)
+#define CPU_LEVEL_TABLES 1
+#else
+#define CPU_LEVEL_TABLES 0
+#endif
 
 /* The Makefile compiles x86/ only for an x86-64 target: elsewhere its engines are absent. */
 #ifdef DS4_NO_X86_DIR
@@ -161,10 +170,22 @@ static const gemm_engine *as_bf16(gemm_engine *slot, const gemm_engine *f32, con
     return slot;
 }
 
+const ds4_kernel_backend *cpu_kernels_for(ds4_isa isa, ds4_isa *built) {
+#if CPU_LEVEL_TABLES
+    if (isa >= DS4_ISA_AVX512) return *built = DS4_ISA_AVX512, &ds4_cpu_kernels_avx512;
+    if (isa >= DS4_ISA_AVX2) return *built = DS4_ISA_AVX2, &ds4_cpu_kernels_avx2;
+#else
+    (void)isa;
+#endif
+    *built = DS4_ISA_GENERIC;
+    return &ds4_cpu_kernels_generic;
+}
+
 /* The engine of each family at level `isa`: the best one this build has at or below it. */
 static void fill_table(ds4_isa isa) {
     cpu_engines *t = &g.table;
     t->isa = isa;
+    t->kernels = cpu_kernels_for(isa, &t->kernels_isa);
     t->gemm_f32 = NULL;
     if (isa >= DS4_ISA_AVX512) t->gemm_f32 = gemm_engine_avx512_f32();
     if (!t->gemm_f32 && isa >= DS4_ISA_AVX2) t->gemm_f32 = gemm_engine_avx2_f32();
@@ -199,6 +220,11 @@ static void ensure_init(void) { pthread_once(&g.once, init_once); }
 const cpu_engines *cpu_engines_active(void) {
     ensure_init();
     return &g.table;
+}
+
+const ds4_kernel_backend *ds4_kernel_backend_cpu(void) {
+    ensure_init();
+    return g.table.kernels;
 }
 
 ds4_isa ds4_isa_best(void) {
@@ -293,5 +319,11 @@ void ds4_isa_describe(char *buf, size_t n) {
     append(buf, n, &at, "kernel backend: %s\n", ds4_kernel_backend_cpu()->name);
     append(buf, n, &at, "gemm fp32: %s\n", g.table.gemm_f32 ? g.table.gemm_f32->name : "portable C reference (one fp32 sum per element, k ascending)");
     append(buf, n, &at, "gemm bf16: %s\n", g.table.gemm_bf16 ? g.table.gemm_bf16->name : "portable C bf16 reference (double accumulation)");
-    append(buf, n, &at, "other kernels: portable C (OpenMP, compiler-vectorized for the build's baseline)\n");
+    static const char *const level_flags[DS4_ISA_COUNT] = {
+        [DS4_ISA_GENERIC] = "the build's baseline",
+        [DS4_ISA_AVX2] = "AVX2 + FMA units",
+        [DS4_ISA_AVX512] = "AVX-512 F/VL/BW/DQ",
+    };
+    append(buf, n, &at, "other kernels: %s: portable C compiled for %s (OpenMP; no FMA contraction: the bits of generic)\n",
+           ds4_isa_name(g.table.kernels_isa), level_flags[g.table.kernels_isa]);
 }

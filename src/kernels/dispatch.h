@@ -5,7 +5,9 @@
  * A family is one kernel entry point with several engines: today the GEMM in fp32 and the GEMM in bf16
  * (matmul precision bf16). Each engine is compiled in its own file with the target attributes it needs
  * (x86/), so the library is built for the baseline of its target and runs the best engine the CPU has.
- * The other kernels are portable C (compiler-vectorized at the baseline): they have one engine. */
+ * The other kernels (cpu/) are portable C, compiled by the Makefile once per ISA level (generic, avx2,
+ * avx512) into one table each (ds4_cpu_kernels_<level>, cpu/cpu.h); the level picks the table too. With
+ * no FMA contraction and no reassociation every table gives the same bits (tests/test_isa_levels.c). */
 #ifndef DS4_KERNELS_DISPATCH_H
 #define DS4_KERNELS_DISPATCH_H
 
@@ -14,6 +16,7 @@
 
 #include "ds4/core.h"
 #include "ds4/kernels.h"
+#include "kernels/backend.h"
 
 /* Whether this build compiles the x86 engines: GCC on x86-64 (per-file target pragmas), unless the
  * build asks for the portable library only (-DDS4_PORTABLE_ONLY, what a non-x86 target gets) or leaves
@@ -81,8 +84,15 @@ typedef struct {
     ds4_isa isa;
     const gemm_engine *gemm_f32;
     const gemm_engine *gemm_bf16;
+    const ds4_kernel_backend *kernels; /* the cpu backend's table (ds4_kernel_backend_cpu) */
+    ds4_isa kernels_isa;               /* the level that table was compiled for (at most isa) */
 } cpu_engines;
 const cpu_engines *cpu_engines_active(void);
+
+/* The cpu kernel table the dispatch runs at level isa: the one compiled for the highest level at or
+ * below isa that this build has (*built: that level). Whether the CPU can run it is not asked here
+ * (ds4_isa_best says): tests run each table the CPU allows against the generic one. */
+const ds4_kernel_backend *cpu_kernels_for(ds4_isa isa, ds4_isa *built);
 
 /* Tests only: run the bf16 GEMM family on this engine (NULL: back to the dispatch's choice). */
 void kernels_override_gemm_bf16(const gemm_engine *e);

@@ -419,7 +419,9 @@ typedef struct {
     FILE *jsonl;      /* rank 0: the metrics file, appended */
     ds4_tfevents *tb; /* rank 0: the TensorBoard event file (metrics.enable_tensorboard) */
     int lock_fd;      /* rank 0: the flock on the checkpoint folder, -1 when none */
-    double peak_flops, flops_per_token;
+    double peak_flops, flops_per_token; /* the MFU's denominator (FLOP/s per rank) and numerator per token */
+    char peak_how[224];                 /* how peak_flops was obtained, for the header line */
+    bool peak_raised;                   /* a step ran faster than the peak, which was raised to its rate */
     bool report_pending; /* --memory-report: print it for the run's first step */
     bool stopped;        /* a stop signal reached some rank: every rank stops after the same step */
     int64_t step;        /* the step running (for the reports) */
@@ -553,7 +555,18 @@ static ds4_status log_step(trainer *tr, int64_t step, const ds4_step_result *r, 
     ds4_mem_get(&ms);
     double tokens = (double)(c->global_batch * c->seq_len) / (double)tr->W; /* per rank, as TorchTitan */
     double tps = tokens / dt, tflops = tps * tr->flops_per_token / 1e12;
-    double mfu = tr->peak_flops > 0 ? 100.0 * tps * tr->flops_per_token / tr->peak_flops : 0;
+    /* MFU never exceeds 100%: a step that ran faster than the peak shows the peak was too low, so the peak
+     * becomes that step's rate (said once in the log) and later steps are measured against it. */
+    const double rate = tps * tr->flops_per_token;
+    if (tr->peak_flops > 0 && rate > tr->peak_flops) {
+        if (tr->lead && !tr->peak_raised)
+            printf("note: step %lld ran at %.1f GFLOP/s, above the peak of %.1f GFLOP/s (%s): that peak was too low; "
+                   "mfu is measured against the fastest step's rate from now on\n",
+                   (long long)step, rate / 1e9, tr->peak_flops / 1e9, tr->peak_how);
+        tr->peak_raised = true;
+        tr->peak_flops = rate;
+    }
+    double mfu = tr->peak_flops > 0 ? 100.0 * rate / tr->peak_flops : 0;
     double gib = (double)ms.peak_total / (1024.0 * 1024.0 * 1024.0);
     if (tr->lead && (step == 1 || step % c->log_freq == 0 || step == c->steps)) {
         printf("step %5lld  loss %7.4f  grad_norm %7.4f  memory %6.3fGiB  tps %8.0f  tflops %6.3f  mfu %5.2f%%",
@@ -726,9 +739,9 @@ static void print_model_line(trainer *tr) {
     const ds4_config *mc = ds4_model_config(tr->m);
     char rc[64];
     printf("model: %lld parameters, %lld layers + %lld MTP; %.3f MFLOPs/token (train, sparse-aware); "
-           "peak %.1f GFLOP/s (%s, %s matmul); recompute %s; %d threads\n",
+           "peak %.1f GFLOP/s (%s), %s matmul; recompute %s; %d threads\n",
            (long long)ds4_train_state_numel(tr->s), (long long)mc->n_layers, (long long)mc->n_mtp_layers,
-           tr->flops_per_token / 1e6, tr->peak_flops / 1e9, c->peak_tflops > 0 ? "config" : "GEMM probe",
+           tr->flops_per_token / 1e6, tr->peak_flops / 1e9, tr->peak_how,
            ds4_matmul_precision_name(ds4_train_state_exec(tr->s)->matmul_precision),
            ds4_recompute_describe(&c->recompute, rc, sizeof rc), ds4_get_threads());
     if (c->optimizer == &ds4_optimizer_muon) {
@@ -807,7 +820,14 @@ static ds4_status train_loop(trainer *tr, bool *agreed) {
     ds4_status st = ds4_train_agree(tr->world, resume_and_trim(tr, &start));
     if (st != DS4_OK) return st;
     tr->flops_per_token = ds4_train_flops_per_token(ds4_model_config(tr->m), c->seq_len);
-    tr->peak_flops = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : ds4_probe_peak_flops(ds4_train_state_exec(tr->s));
+    if (c->peak_tflops > 0) {
+        tr->peak_flops = c->peak_tflops * 1e12;
+        snprintf(tr->peak_how, sizeof tr->peak_how, "metrics.peak_tflops = %g", c->peak_tflops);
+    } else {
+        const ds4_peak pk = ds4_probe_peak(ds4_train_state_exec(tr->s));
+        tr->peak_flops = pk.flops;
+        snprintf(tr->peak_how, sizeof tr->peak_how, "%s", pk.how);
+    }
     if (tr->lead) print_model_line(tr);
     st = check_stop(tr); /* a stop signal during start-up: no step at all */
     if (st == DS4_OK) st = ds4_comm_set_link(c->sim_link_gbps, c->sim_link_latency_us);

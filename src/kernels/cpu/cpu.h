@@ -10,6 +10,11 @@
 /* The cpu backend's plan twin (../plan.c): what memplan runs in its place. */
 extern const ds4_kernel_backend ds4_kernel_backend_plan_table;
 
+/* The cpu backend's table per ISA level (backend.c, compiled once per level by the Makefile): generic
+ * always; avx2 and avx512 where the build defines DS4_CPU_LEVELS (x86-64, not portable-only). The
+ * dispatch (../dispatch.c) picks one: ds4_kernel_backend_cpu(). */
+extern const ds4_kernel_backend ds4_cpu_kernels_generic, ds4_cpu_kernels_avx2, ds4_cpu_kernels_avx512;
+
 /* How a cpu table entry calls its function (ops.def's `cpu` column): fn(operands) for PLAIN, fn(the
  * context's matmul precision, operands) for PREC. args is the entry's argument list, context first. */
 static inline ds4_matmul_precision cpu_precision_of(const ds4_exec *ex) {
