@@ -10,6 +10,7 @@
  * the test fails naming the entry. Levels the CPU lacks print SKIP. */
 #include <stdint.h>
 #include <stdio.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -120,15 +121,20 @@ static bool same_losses(const ds4_losses *a, const ds4_losses *b) {
 /* ------------------------------------------------------------------ the ops no pass above calls */
 /* The entries the passes leave out: the bare GEMMs (the model calls them through linear_* and the
  * experts), one token's Sinkhorn (hc_pre runs its own), expert parallelism's row packing, the expert counts
- * and balanced routing's table. Random inputs, each on both tables (the calls are counted like the passes'); the outputs
- * byte for byte equal. */
-enum { DM = 13, DN = 11, DK = 17, SN = 4, SM = (2 + SN) * SN, RN = 23, RD = 9, RK = 3, RE = 5 };
+ * and balanced routing's table, and the step's ops around the passes (norms, the finite count, the optimizers'
+ * updates, Newton–Schulz on a tall matrix). Random inputs, each on both tables (the calls are counted like the
+ * passes'); the outputs byte for byte equal. */
+enum { DM = 13, DN = 11, DK = 17, SN = 4, SM = (2 + SN) * SN, RN = 23, RD = 9, RK = 3, RE = 5, ON = 4099, NR = 24,
+       NC = 10 };
 typedef struct { /* the outputs of one table */
     float nt[DM * DN], nn[DM * DN], tn[DM * DN];
     float pre[SN], post[SN], comb[SN * SN], dmixes[SM], dscale[3], dbase[SM];
     float packed[RN * (RD + 1)], x[RN * RD], w[RN], dx[RN * RD], dgw[RN * RK];
     int64_t cnt[RE], table[RN * RK];
     int32_t ids[RN];
+    double sumsq;
+    int64_t nonfinite;
+    float scaled[ON], aw[ON], am[ON], av[ON], mw[ON], mmom[ON], mu[ON], ns[NR * NC];
 } direct_out;
 
 static void direct_run(const ds4_kernel_backend *kb, direct_out *o) {
@@ -161,6 +167,22 @@ static void direct_run(const ds4_kernel_backend *kb, direct_out *o) {
     const int64_t eoff[RE + 1] = {0, 4, 4, 11, 19, RN};
     moe_expert_counts(&ex, o->cnt, eoff, RE, RN);
     moe_balanced_table(&ex, o->table, o->ids, RN, RK, RE);
+
+    float g[ON], bad[ON];
+    t_fill(g, ON, 15, 1.0f), t_fill(o->scaled, ON, 16, 1.0f), t_fill(o->aw, ON, 17, 1.0f);
+    t_fill(o->am, ON, 18, 0.1f), t_fill(o->av, ON, 19, 0.1f), t_fill(o->mw, ON, 20, 1.0f), t_fill(o->mmom, ON, 21, 1.0f);
+    for (int i = 0; i < ON; i++) o->av[i] *= o->av[i], bad[i] = i % 97 ? g[i] : NAN;
+    sumsq(&ex, &o->sumsq, g, ON);
+    count_nonfinite(&ex, &o->nonfinite, bad, ON);
+    scale_f32(&ex, o->scaled, ON, 0.37f);
+    const ds4_adamw_consts k = {.b1 = 0.9f, .b2 = 0.95f, .eps = 1e-8f, .step_size = 3e-3f, .inv_sqrt_bc2 = 1.3f,
+                                .decay = 3e-4f};
+    adamw_update(&ex, ON, o->aw, g, o->am, o->av, k, true);
+    muon_momentum(&ex, ON, g, o->mmom, o->mu, 0.95f, true);
+    muon_apply(&ex, ON, o->mw, o->mu, 3e-4f, 0.02f);
+    const ds4_ns_coef coef[3] = {{3.4445f, -4.775f, 2.0315f}, {3.4445f, -4.775f, 2.0315f}, {2.0f, -1.5f, 0.5f}};
+    t_fill(o->ns, NR * NC, 22, 1.0f);
+    newton_schulz(&ex, o->ns, NR, NC, coef, 3, 1e-7f);
 }
 
 static void direct_ops(const ds4_kernel_backend *lv, const char *name) {
@@ -175,6 +197,10 @@ static void direct_ops(const ds4_kernel_backend *lv, const char *name) {
     CHECK(SAME(dx) && SAME(dgw), "%s: moe_unpack_grads_add", name);
     CHECK(SAME(cnt), "%s: moe_expert_counts", name);
     CHECK(SAME(table) && SAME(ids), "%s: moe_balanced_table", name);
+    CHECK(!memcmp(&o[0].sumsq, &o[1].sumsq, sizeof o->sumsq) && o[0].nonfinite == o[1].nonfinite &&
+          o[0].nonfinite == (ON + 96) / 97, "%s: sumsq, count_nonfinite (%lld)", name, (long long)o[1].nonfinite);
+    CHECK(SAME(scaled) && SAME(aw) && SAME(am) && SAME(av), "%s: scale_f32, adamw_update", name);
+    CHECK(SAME(mw) && SAME(mmom) && SAME(mu) && SAME(ns), "%s: muon_momentum, muon_apply, newton_schulz", name);
 #undef SAME
     free(o);
 }
