@@ -94,6 +94,9 @@ void ds4_dev_free(const ds4_exec *ex, void *p);                          /* NULL
 /* dst [bytes] on the host = src [bytes] on the device, and the reverse; both return once the bytes crossed. */
 void ds4_dev_to_host(const ds4_exec *ex, void *dst, const void *src, size_t bytes);
 void ds4_dev_to_device(const ds4_exec *ex, void *dst, const void *src, size_t bytes);
+/* Waits for ex's backend, then its ops' first failure since the last call (DS4_OK: none; the cpu's ops
+ * report through the allocator instead): what a step checks at its end. */
+ds4_status ds4_dev_status(const ds4_exec *ex);
 /* *out = Σ x² over x [n] (ds4_sumsq's rule) and *out = the non-finite elements of x [n], computed on the
  * device and read back: the one wait of each. Fail only out of memory (a plan: 0). */
 ds4_status ds4_dev_sumsq(const ds4_exec *ex, const float *x, int64_t n, double *out);

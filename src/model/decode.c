@@ -196,6 +196,7 @@ ds4_status ds4_decoder_step(ds4_decoder *dec, int32_t token, float *logits_out) 
         rmsnorm_fwd(&m->exec, dec->hyn, dec->hrstd, dec->hy, m->w.norm, 1, D, (float)c->norm_eps);
         model_linear_fwd(m, dec->logits, dec->hyn, m->w.head, 1, D, c->vocab_size); // [V]
         ds4_model_to_host(m, logits_out, dec->logits, (size_t)c->vocab_size * sizeof(float));
+        st = ds4_dev_status(&m->exec);
     }
     if (dec->serial) ds4_set_threads(threads);
     if (st != DS4_OK) return st;

@@ -23,6 +23,11 @@ void ds4_dev_to_device(const ds4_exec *ex, void *dst, const void *src, size_t by
     synchronize(ex);
 }
 
+ds4_status ds4_dev_status(const ds4_exec *ex) {
+    synchronize(ex);
+    return ops_status(ex);
+}
+
 /* An 8-byte device scalar for one result: a plan's is counted and reads back 0. */
 static ds4_status scalar_new(const ds4_exec *ex, const char *what, void **out) {
     if (!(*out = buf_alloc(ex, DS4_MEM_WORK, 8))) return ds4_fail(DS4_ERR_OOM, "out of memory for the %s", what);

@@ -67,14 +67,16 @@ static void head_free(const ds4_pass *p, head_acts *h) {
 }
 
 /* The one point where the pass's scalars reach the host: after the forward (with the expert loads), and
- * after the backward. */
-static void read_scalars(ds4_pass *p, bool loads) {
+ * after the backward. The host waits for the backend here, so here its ops' first failure, if any, comes
+ * back as the pass's status. */
+static ds4_status read_scalars(ds4_pass *p, bool loads) {
     const ds4_config *c = &p->m->cfg;
     copy_to_host(&p->m->exec, &p->got, p->scal, sizeof p->got);
     if (loads)
         copy_to_host(&p->m->exec, p->expert_load_got, p->expert_load,
                      (size_t)(n_blocks(c) * c->n_routed_experts) * sizeof(int64_t));
     synchronize(&p->m->exec);
+    return ops_status(&p->m->exec);
 }
 
 void ds4_pass_free(ds4_pass *p) {
@@ -610,8 +612,8 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     if (st == DS4_OK && c->n_mtp_layers > 0) st = mtp_fwd(p);
     drop(p, group_head(c));
     if (st == DS4_OK) st = hooks_sync(p);
+    if (st == DS4_OK) st = read_scalars(p, true);
     if (st != DS4_OK) goto fail;
-    read_scalars(p, true);
     finish_losses(p);
     *out = p;
     return DS4_OK;
@@ -675,7 +677,7 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
     dev_free(m, dX);
     ds4_status sy = hooks_sync(p); /* the last reduce-scatters land in the shard gradients */
     if (st == DS4_OK) st = sy;
-    if (st == DS4_OK) read_scalars(p, false);
+    if (st == DS4_OK) st = read_scalars(p, false);
     if (st == DS4_OK) st = check_kl_rows(p);
     if (st == DS4_OK) finish_losses(p);
     return st;

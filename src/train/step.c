@@ -198,7 +198,8 @@ static ds4_status update(ds4_train_state *s, const ds4_step_args *a, ds4_step_re
     DS4_TRY(ds4_train_state_adamw_step(s, a->adamw, a->lr));
     if (a->own_cfg) DS4_TRY(ds4_train_state_own_step(s, a->own_cfg, a->adamw->weight_decay, a->lr));
     ds4_train_state_refresh_bf16(s); /* the next passes read the updated weights' bf16 copy */
-    return ds4_train_state_router_bias(s, a->loads, a->router_bias_gamma);
+    DS4_TRY(ds4_train_state_router_bias(s, a->loads, a->router_bias_gamma));
+    return ds4_dev_status(ds4_train_state_exec(s)); /* the update's ops, checked before the step counts */
 }
 
 ds4_status ds4_train_step(ds4_train_state *s, const ds4_step_args *a, ds4_step_result *out) {

@@ -29,6 +29,7 @@ void cpu_buf_free(void *p);
 void cpu_copy_to_device(void *dst, const void *src, size_t bytes);
 void cpu_copy_to_host(void *dst, const void *src, size_t bytes);
 void cpu_synchronize(void);
+ds4_status cpu_ops_status(void);
 void *cpu_buf_alloc_plan(ds4_mem_cat cat, size_t bytes);
 void cpu_buf_free_plan(void *p);
 

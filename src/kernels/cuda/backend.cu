@@ -101,6 +101,10 @@ static void e_copy_to_host(const ds4_exec *ex, void *dst, const void *src, size_
     if (bytes) note(cuda_copy_d2h(S(ex), dst, src, bytes));
 }
 static void e_synchronize(const ds4_exec *ex) { note(cuda_stream_sync(S(ex))); }
+static ds4_status e_ops_status(const ds4_exec *ex) {
+    (void)ex;
+    return ds4_cuda_backend_status();
+}
 
 /* ------------------------------------------------------------------ GEMMs and the layers on them */
 #define BLAS(ex) queue_of(ex)->blas, S(ex)
