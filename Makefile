@@ -90,8 +90,10 @@ $(BUILD)/liboracle.a: $(ORACLE_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
+# The whole library, its symbols exported: a backend plugin the program opens (mk/cuda.mk's libds4cuda.so)
+# calls into it.
 $(BUILD)/ds4: $(TOOL_OBJ) $(BUILD)/libds4.a
-	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
+	$(CC) $(CFLAGS) -rdynamic $(TOOL_OBJ) -Wl,--whole-archive $(BUILD)/libds4.a -Wl,--no-whole-archive -o $@ $(LDLIBS)
 
 $(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/liboracle.a $(BUILD)/libds4.a
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)

@@ -24,7 +24,7 @@ CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_90,code
 # -fmad=false: no contraction of a·b + c into an FMA, as the cpu build's -ffp-contract=off, so elementwise
 # kernels give the cpu's bits.
 NVCCFLAGS := -std=c++17 -O2 $(CUDA_ARCH) -fmad=false -Iinclude -Isrc -Werror all-warnings \
-             -Xcompiler -Wall,-Wextra,-Werror,-fno-fast-math,-ffp-contract=off
+             -Xcompiler -Wall,-Wextra,-Werror,-fno-fast-math,-ffp-contract=off,-fPIC
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcublasLt -lcudart_static -ldl -lrt -lpthread -lstdc++
 CUDA_SRC  := $(sort $(wildcard src/kernels/cuda/*.cu))
 CUDA_OBJ  := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
@@ -33,15 +33,22 @@ CUDA_TEST_BIN := $(CUDA_TEST_SRC:tests/cuda/%.cu=$(BUILD)/tests/%)
 CUDA_BENCH_SRC := $(sort $(wildcard bench/cuda_*.cu))
 CUDA_BENCH_BIN := $(CUDA_BENCH_SRC:bench/%.cu=$(BUILD)/bench/%)
 
-all: $(BUILD)/libds4cuda.a $(CUDA_TEST_BIN) $(CUDA_BENCH_BIN)
+all: $(BUILD)/libds4cuda.a $(BUILD)/libds4cuda.so $(CUDA_TEST_BIN) $(CUDA_BENCH_BIN)
 
-$(CUDA_OBJ): $(BUILD)/%.o: %.cu
+$(CUDA_OBJ): $(BUILD)/%.o: %.cu mk/cuda.mk
 	@mkdir -p $(dir $@)
 	$(CUDA_NVCC) $(NVCCFLAGS) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
 $(BUILD)/libds4cuda.a: $(CUDA_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
+
+# The plugin the ds4 program opens when a command asks for --device cuda (src/kernels/backend.c): the
+# backend and the CUDA runtime, its ds4_* symbols left to the program (linked with -rdynamic), so a run on
+# the cpu never loads a CUDA library.
+$(BUILD)/libds4cuda.so: $(CUDA_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) -shared $^ -o $@ $(CUDA_LIBS)
 
 $(CUDA_TEST_BIN:%=%.o): $(BUILD)/tests/%.o: tests/cuda/%.cu
 	@mkdir -p $(dir $@)

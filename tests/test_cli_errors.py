@@ -136,6 +136,23 @@ with tempfile.TemporaryDirectory() as tmp:
     expect_error("train --training.device nope",
                  ["train", "--config", "configs/train/demo.toml", "--training.device", "nope"], "training.device",
                  "'nope'", "built in: cpu")
+    # --device cuda where no GPU is visible (or in a ds4 built without it): one line saying which, before any
+    # work, in every command that runs on it; memplan plans it without a device
+    if not os.path.exists("/dev/nvidia0"):
+        plugin = os.path.exists(os.path.join(os.path.dirname(ds4), "libds4cuda.so"))
+        why = "no CUDA device is visible here" if plugin else "built without the CUDA backend"
+        for cmd in ("debug-state", "generate", "eval"):
+            expect_error(f"{cmd} --device cuda", threads_cmds[cmd] + ["--device", "cuda"], f"ds4 {cmd}",
+                         "--device 'cuda'", why)
+        expect_error("train --training.device cuda",
+                     ["train", "--config", "configs/train/demo.toml", "--training.device", "cuda"],
+                     "training.device 'cuda'", why)
+        if plugin:
+            r = run("memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--device", "cuda")
+            ok = r.returncode == 0 and "peak total" in r.stdout
+            passed, failed = passed + ok, failed + (not ok)
+            if not ok:
+                print(f"FAIL memplan --device cuda without a GPU: rc={r.returncode} {r.stderr.strip()[:300]!r}")
     # a model whose weights hold a NaN: eval and generate name the first non-finite tensor (not `loss nan`)
     import shutil
     import struct

@@ -58,9 +58,11 @@ bool cli_int(const char *cmd, const char *flag, const char *s, int64_t *out) {
     return true;
 }
 
-bool cli_device(const char *cmd, const char *s, ds4_exec *ex) {
+bool cli_device(const char *cmd, const char *s, bool run, ds4_exec *ex) {
     if (!s) return true;
-    if (ds4_backend_find("--device", s, &ex->backend) == DS4_OK) return true;
+    if (ds4_backend_find("--device", s, &ex->backend) == DS4_OK &&
+        (!run || ds4_backend_ready("--device", ex->backend) == DS4_OK))
+        return true;
     fprintf(stderr, "error: ds4 %s: %s\n", cmd, ds4_errmsg());
     return false;
 }

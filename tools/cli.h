@@ -24,9 +24,10 @@ bool cli_int(const char *cmd, const char *flag, const char *s, int64_t *out);
 /* --threads s (NULL: not given, nothing to do): an integer in [0, DS4_MAX_THREADS] (0: every core),
  * then the thread count; false after a one-line error. */
 bool cli_threads(const char *cmd, const char *s);
-/* --device s (NULL: not given: the cpu): the backend ex runs on, by name (ds4_backend_find); false after a
- * one-line error naming the flag and the backends built in. */
-bool cli_device(const char *cmd, const char *s, ds4_exec *ex);
+/* --device s (NULL: not given: the cpu): the backend ex runs on, by name (ds4_backend_find), and, for a
+ * command that runs on it (run), present here (ds4_backend_ready); false after a one-line error naming the
+ * flag and the backends built in, or what the backend lacks. */
+bool cli_device(const char *cmd, const char *s, bool run, ds4_exec *ex);
 void cli_usage(const char *cmd, const char *synopsis, const cli_flag *flags, int nflags);
 /* True when --help or -h is among the arguments. */
 bool cli_want_help(int argc, char **argv);

@@ -212,7 +212,7 @@ int cmd_generate(int argc, char **argv) {
     }
     if (!cli_threads("generate", cli_get(f, NFLAGS(f), "threads"))) return 2;
     ds4_exec ex = {.plan = false};
-    if (!cli_device("generate", cli_get(f, NFLAGS(f), "device"), &ex)) return 2;
+    if (!cli_device("generate", cli_get(f, NFLAGS(f), "device"), true, &ex)) return 2;
 
     ds4_tokenizer *tk = NULL;
     ds4_model *m = NULL;
@@ -329,7 +329,7 @@ int cmd_eval(int argc, char **argv) {
     }
     if (!cli_threads("eval", cli_get(f, NFLAGS(f), "threads"))) return 2;
     ds4_exec ex = {.plan = false};
-    if (!cli_device("eval", cli_get(f, NFLAGS(f), "device"), &ex)) return 2;
+    if (!cli_device("eval", cli_get(f, NFLAGS(f), "device"), true, &ex)) return 2;
     ds4_model *m = NULL;
     ds4_dataloader *dl = NULL;
     ds4_status st = open_eval_data(data, &e, &dl);

@@ -127,7 +127,7 @@ static int parse_args(int argc, char **argv, memplan_args *a) {
             a->so.prefetch_depth = (int)d;
         } else if (!strcmp(f, "--device")) {
             ds4_exec ex = {.plan = true};
-            if (!cli_device("memplan", v, &ex)) return 2;
+            if (!cli_device("memplan", v, false, &ex)) return 2;
             a->so.backend = ex.backend;
         } else if (!strcmp(f, "--matmul-precision")) {
             if (strcmp(v, "fp32") && strcmp(v, "bf16")) {

@@ -302,7 +302,7 @@ int cmd_debug_state(int argc, char **argv) {
     int64_t B = 0, T = 0;
     /* bf16 activations imply bf16 GEMMs: the model runs in that precision, on the backend asked for */
     ds4_exec ex = {.matmul_precision = bf16 ? DS4_MATMUL_BF16 : DS4_MATMUL_FP32};
-    if (!cli_device("debug-state", cli_get(f, NFLAGS(f), "device"), &ex)) return 2;
+    if (!cli_device("debug-state", cli_get(f, NFLAGS(f), "device"), true, &ex)) return 2;
     ds4_status st = ds4_model_create(&ex, ds4_model_dir_config(d), false, &m);
     if (st == DS4_OK) st = ds4_model_load(m, d);
     ds4_model_dir_close(d);

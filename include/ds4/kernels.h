@@ -23,6 +23,10 @@ const char *ds4_backend_name(int i); /* i < ds4_backend_count() */
 /* *out = the backend called `name`. An unknown name is an error naming `what` (the key or flag the name
  * came from) and listing the backends built in. */
 ds4_status ds4_backend_find(const char *what, const char *name, const struct ds4_kernel_backend **out);
+/* Whether backend b (NULL: the cpu) can run here: its device present and its runtime up, else an error
+ * naming `what` and what is missing. A command that computes asks before any work; a plan (memplan) needs
+ * no device. */
+ds4_status ds4_backend_ready(const char *what, const struct ds4_kernel_backend *b);
 
 /* ---------------------------------------------------------------- kernel engines (ISA levels) */
 /* The kernels are built for the target's baseline; engines for richer instruction sets are compiled

@@ -56,6 +56,9 @@ typedef struct ds4_kernel_backend ds4_kernel_backend;
 struct ds4_kernel_backend {
     const char *name;
     const ds4_kernel_backend *plan; /* the plan of this backend; NULL in a plan backend itself */
+    /* Whether it can run here (its device present, its runtime up): DS4_OK, or an error saying what is
+     * missing. Asked when a command picks the backend by name. NULL: always (the cpu's). */
+    ds4_status (*ready)(void);
 #define DS4_OP(name, plan, cpu, params, args) void(*name) params;
 #define DS4_QUERY(name, plan, cpu, type, absent, params, args) type(*name) params;
 #include "kernels/ops.def"

@@ -465,6 +465,7 @@ static ds4_status open_model(ds4_train_cfg *c, trainer *tr) {
      * in the configured precision */
     ds4_exec real = {.plan = false, .matmul_precision = c->matmul_precision};
     if (st == DS4_OK) st = ds4_backend_find("key training.device", c->device[0] ? c->device : "cpu", &real.backend);
+    if (st == DS4_OK) st = ds4_backend_ready("key training.device", real.backend);
     ds4_train_state_opts so = {.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
                                .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir, .exec = &real,
                                .optimizer = c->optimizer, .bf16 = c->bf16_params, .per_rank_ckpt = c->ckpt_per_rank,

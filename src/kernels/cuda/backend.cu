@@ -387,9 +387,18 @@ static void e_newton_schulz(const ds4_exec *ex, float *x, int64_t rows, int64_t 
 /* ------------------------------------------------------------------ the table */
 static ds4_kernel_backend g_table;
 
+/* A GPU the runtime sees: the backend is built into every ds4 where nvcc was, the device is not. */
+static ds4_status e_ready(void) {
+    int n = 0;
+    DS4_TRY(cuda_device_count(&n));
+    if (n < 1) return ds4_fail(DS4_ERR_UNSUPPORTED, "no CUDA device is visible here (no GPU, or no driver)");
+    return DS4_OK;
+}
+
 static void make_table(void) {
     g_table.name = "cuda";
     g_table.plan = &ds4_kernel_backend_plan_table;
+    g_table.ready = e_ready;
 #define DS4_OP(name, plan, cpu, params, args) g_table.name = e_##name;
 #define DS4_QUERY(name, plan, cpu, type, absent, params, args) g_table.name = e_##name;
 #include "kernels/ops.def"
