@@ -6,11 +6,15 @@
 #                                     libraries they need beyond the C runtime (MPI, cJSON, libgomp, ...:
 #                                     a bare GPU machine may lack them) into DEST/lib, and this script
 #                                     into DEST/gpu-check.sh.
-#   bash DEST/gpu-check.sh            (on the GPU machine) nvidia-smi, every test binary, compute-sanitizer
-#                                     memcheck, racecheck and synccheck on each (test_cuda_basic: on its
-#                                     ops with shared memory), then the benches (bench/cuda_*: timings,
-#                                     not checks); logs and summary.txt under $OUT (default DEST/out).
-#                                     Exit 0 when all checks passed.
+#                                     Also the ds4 program with its CUDA plugin (libds4cuda.so), tiny-a's
+#                                     config and a token shard, for the trainer's check.
+#   bash DEST/gpu-check.sh            (on the GPU machine) nvidia-smi, every test binary, `ds4 train
+#                                     --training.device cuda` (twice: the same checkpoint bytes; against
+#                                     the cpu: the losses), compute-sanitizer memcheck, racecheck and
+#                                     synccheck on each test (test_cuda_basic: on its ops with shared
+#                                     memory), then the benches (bench/cuda_*: timings, not checks); logs
+#                                     and summary.txt under $OUT (default DEST/out). Exit 0 when all
+#                                     checks passed.
 # Each step has its own time limit (CHECK_TEST_S, CHECK_SAN_S seconds) and the whole run a budget
 # (CHECK_BUDGET_S): a step that would not fit is skipped and says so, so the run fits a short lease.
 # Logs are appended as the steps finish, so a run cut short still leaves what it did.
@@ -22,12 +26,16 @@ if [ "${1:-}" = stage ]; then
     cd "$(dirname "$0")/.." || exit 2
     rm -rf "$DEST" && mkdir -p "$DEST/tests" "$DEST/bench" "$DEST/lib" || exit 2
     cp "$BUILD"/tests/test_cuda_* "$DEST/tests/" || exit 2
+    mkdir -p "$DEST/train" && cp "$BUILD/ds4" "$BUILD/libds4cuda.so" tests/configs/tiny-a.json "$DEST/train/" || exit 2
+    python3 -c "import sys; sys.path.insert(0, 'tests'); from fixed_inputs import write_shard; \
+write_shard('$DEST/train/train.bin', 256, 6, 700, seed=31)" || exit 2
     cp "$BUILD"/bench/cuda_* "$DEST/bench/" 2>/dev/null
     rm -f "$DEST"/tests/*.o "$DEST"/tests/*.d "$DEST"/bench/*.o "$DEST"/bench/*.d
     cp scripts/gpu-check.sh "$DEST/gpu-check.sh"
     # every library ldd resolves, except the C runtime, the C++ runtime and the CUDA libraries, which the
     # GPU machine's own (newer) system and toolkit provide
-    for t in "$DEST"/tests/test_cuda_* "$DEST"/bench/cuda_*; do [ -x "$t" ] && ldd "$t"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
+    for t in "$DEST"/tests/test_cuda_* "$DEST"/bench/cuda_* "$DEST"/train/ds4 "$DEST"/train/libds4cuda.so; do
+        [ -x "$t" ] && ldd "$t"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
         grep -vE '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libstdc\+\+|libgcc_s|libcublas[^/]*|libcudart[^/]*)\.so' |
         while read -r lib; do cp -L "$lib" "$DEST/lib/"; done
     echo "$(git rev-parse --short HEAD) $(git rev-parse --abbrev-ref HEAD)$(git status --porcelain --untracked-files=no |
@@ -106,7 +114,35 @@ for t in "$HERE"/tests/test_cuda_*; do
     fi
 done
 
-# 2. compute-sanitizer: memcheck on every binary (DS4_CUDA_SMALL=1 asks the tests for their small cases
+# 2. the trainer on the GPU: tiny-a, 4 steps of AdamW with a checkpoint, twice on cuda (the same bytes: the
+#    backend is deterministic) and once on the cpu (the losses within 1e-3 relative: cuBLASLt's fp32 GEMMs
+#    sum in another order than the cpu's engines)
+T=$HERE/train
+if [ -x "$T/ds4" ]; then
+    printf '[model]\nconfig = "%s/tiny-a.json"\nseed = 11\n[training]\nsteps = 4\nseq_len = 64\nglobal_batch_size = 4\nmicro_batch_size = 2\nseed = 2\n[optimizer]\nlr = 3e-3\n[lr_scheduler]\nwarmup_steps = 1\n[data]\ntrain = "%s/train.bin"\n[checkpoint]\ninterval = 4\n[metrics]\npeak_tflops = 1.0\n' "$T" "$T" > "$T/train.toml"
+    for run in cuda-1 cuda-2 cpu; do
+        lim=$(limit "$TEST_S")
+        [ "$lim" = 0 ] && { say "train $run: skipped (out of time)"; fail=1; continue; }
+        rm -rf "$T/ckpt-$run"
+        timeout "$lim" "$T/ds4" train --config "$T/train.toml" --training.device "${run%-*}" \
+            --checkpoint.folder "$T/ckpt-$run" --metrics.jsonl "$T/$run.jsonl" > "$OUT/train-$run.log" 2>&1
+        rc=$?
+        say "train $run: rc $rc, $(grep -E '^step +4 ' "$OUT/train-$run.log" | head -c 120)"
+        [ "$rc" = 0 ] || fail=1
+    done
+    if cmp -s "$T/ckpt-cuda-1/step-00000004/model.safetensors" "$T/ckpt-cuda-2/step-00000004/model.safetensors" &&
+        cmp -s "$T/ckpt-cuda-1/step-00000004/optim.state" "$T/ckpt-cuda-2/step-00000004/optim.state"; then
+        say "train cuda twice: the same checkpoint bytes"
+    else say "train cuda twice: DIFFERENT checkpoints"; fail=1; fi
+    if paste -d' ' "$T/cuda-1.jsonl" "$T/cpu.jsonl" 2>/dev/null | awk '{ if (match($0, /"loss": [-0-9.e+]+/)) { a = substr($0, RSTART + 8, RLENGTH - 8); rest = substr($0, RSTART + RLENGTH); if (match(rest, /"loss": [-0-9.e+]+/)) { b = substr(rest, RSTART + 8, RLENGTH - 8); d = a - b; if (d < 0) d = -d; if (d > 1e-3 * (b < 0 ? -b : b)) bad = 1; n++ } } } END { exit !(n == 4 && !bad) }'; then
+        say "train cuda vs cpu: the 4 losses within 1e-3 relative"
+    else say "train cuda vs cpu: losses differ (see $T/cuda-1.jsonl, $T/cpu.jsonl)"; fail=1; fi
+else
+    say "train: not staged"
+    fail=1
+fi
+
+# 3. compute-sanitizer: memcheck on every binary (DS4_CUDA_SMALL=1 asks the tests for their small cases
 #    where they have a choice), racecheck and synccheck on the small row ops
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -n 1)
 if [ -z "$CS" ]; then
@@ -149,7 +185,7 @@ else
     done
 fi
 
-# 3. the benches: timings for the record, last (they check nothing)
+# 4. the benches: timings for the record, last (they check nothing)
 for b in "$HERE"/bench/cuda_*; do
     [ -x "$b" ] || continue
     lim=$(limit "${CHECK_BENCH_S:-60}")
