@@ -372,18 +372,23 @@ enum { STAGE_BYTES = 1 << 20 };
 typedef ds4_status (*stage_fill_fn)(void *ctx, int64_t k0, int64_t k1, void *out);
 
 /* dst [n] on the model's device = fill(...) chunk by chunk; a chunk is a multiple of `unit` elements (a
- * row of the file), at least one unit. A plan allocates the buffer and fills nothing, so it counts what the
- * real run holds. */
+ * row of the file), at least one unit. A plan counts the buffer the real run holds and fills nothing (it
+ * does not allocate it: a plan of V4-Pro stages ~10^5 tensors, and host pages per tensor cost seconds). */
 static ds4_status stage_in(const ds4_model *m, void *dst, int64_t n, size_t elt, int64_t unit, stage_fill_fn fill,
                            void *ctx) {
     if (n == 0) return DS4_OK;
     int64_t chunk = (int64_t)(STAGE_BYTES / elt) / unit * unit;
     if (chunk < unit) chunk = unit;
     if (chunk > n) chunk = n;
+    if (m->exec.plan) {
+        ds4_mem_track(DS4_MEM_OTHER, (int64_t)((size_t)chunk * elt));
+        ds4_mem_track(DS4_MEM_OTHER, -(int64_t)((size_t)chunk * elt));
+        return DS4_OK;
+    }
     char *buf = ds4_alloc(DS4_MEM_OTHER, (size_t)chunk * elt);
     if (!buf) return ds4_fail(DS4_ERR_OOM, "out of memory for a %lld-element parameter staging buffer", (long long)chunk);
     ds4_status st = DS4_OK;
-    for (int64_t k0 = 0; k0 < (m->exec.plan ? 0 : n) && st == DS4_OK; k0 += chunk) {
+    for (int64_t k0 = 0; k0 < n && st == DS4_OK; k0 += chunk) {
         const int64_t k1 = k0 + chunk < n ? k0 + chunk : n;
         st = fill(ctx, k0, k1, buf);
         if (st != DS4_OK) break;
