@@ -91,6 +91,11 @@ void *ds4_calloc(ds4_mem_cat cat, size_t bytes);
 /* The allocation a plan makes, whatever the current context: counted exactly as ds4_alloc counts it, with
  * memory behind the pointer only for DS4_MEM_OTHER (a plan backend's buffers; ds4_free releases it). */
 void *ds4_alloc_plan(ds4_mem_cat cat, size_t bytes);
+/* ds4_alloc_plan when plan, else ds4_alloc: for code that runs both in a plan and for real and is told
+ * which (its context's ds4_exec.plan, or the plan backend's mirror of a kernel). calloc: zeroed where
+ * backed. */
+void *ds4_alloc_for(bool plan, ds4_mem_cat cat, size_t bytes);
+void *ds4_calloc_for(bool plan, ds4_mem_cat cat, size_t bytes);
 void ds4_free(void *p);             /* NULL is a no-op */
 /* Grows *arr (elements of `elem` bytes, counted as DS4_MEM_OTHER) to hold at least `need`,
  * doubling from 16; keeps the contents. False on allocation failure (*arr unchanged). */
@@ -104,18 +109,15 @@ void ds4_mem_track(ds4_mem_cat cat, int64_t delta);
 /* The offload tier (docs/DESIGN.md idea 3): bytes of `cat` that live outside memory, in an offload store
  * (ds4/offload.h). Counted on their own: they never enter live/peak/live_total/peak_total above. */
 void ds4_mem_track_offload(ds4_mem_cat cat, int64_t delta);
-/* Whether an allocation of `cat` has memory behind it in the current context (false in a plan, but for
- * DS4_MEM_OTHER): code that writes a buffer it did not get from a kernel asks this. */
-bool ds4_mem_backed(ds4_mem_cat cat);
 
 /* Reserved address ranges: `bytes` of address space with no memory behind it (NULL on failure), whose
  * pieces are made resident and counted one at a time (an FSDP wrapper's view of a model). map makes
  * [p, p + bytes) resident and zero, counted under `cat` (false: out of memory); unmap returns its pages
- * (the contents are lost; a later read faults until it is mapped again). In a plan both only count. */
+ * (the contents are lost; a later read faults until it is mapped again). In a plan (plan) both only count. */
 void *ds4_range_reserve(size_t bytes);
 void ds4_range_release(void *p, size_t bytes);
-bool ds4_range_map(void *p, size_t bytes, ds4_mem_cat cat);
-void ds4_range_unmap(void *p, size_t bytes, ds4_mem_cat cat);
+bool ds4_range_map(bool plan, void *p, size_t bytes, ds4_mem_cat cat);
+void ds4_range_unmap(bool plan, void *p, size_t bytes, ds4_mem_cat cat);
 
 typedef struct {
     int64_t live[DS4_MEM_NCAT];

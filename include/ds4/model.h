@@ -62,9 +62,9 @@ uint16_t *ds4_model_bf16_flat(ds4_model *m);
 /* A whole model: the copy of every bf16 region becomes the rounding (gemm_bf16_bits) of its fp32 values.
  * Call after the fp32 values change (init, load, an optimizer step). A no-op without a copy. */
 void ds4_model_refresh_bf16(ds4_model *m);
-/* dst [n] = the bf16 bits of src [n] as the copy holds them (the GEMMs' operand rounding); a kernel op,
- * so a plan skips it. For the owners of a sharded copy. */
-void ds4_model_pack_bf16(uint16_t *dst, const float *src, int64_t n);
+/* dst [n] = the bf16 bits of src [n] as the copy holds them (the GEMMs' operand rounding), on m's backend;
+ * a kernel op, so a plan skips it. For the owners of a sharded copy. */
+void ds4_model_pack_bf16(const ds4_model *m, uint16_t *dst, const float *src, int64_t n);
 void ds4_model_free(ds4_model *m);
 const ds4_config *ds4_model_config(const ds4_model *m);
 int64_t ds4_model_nparams(const ds4_model *m);                          /* number of named tensors */
@@ -94,6 +94,7 @@ void ds4_dev_free(const ds4_exec *ex, void *p);                          /* NULL
 /* dst [bytes] on the host = src [bytes] on the device, and the reverse; both return once the bytes crossed. */
 void ds4_dev_to_host(const ds4_exec *ex, void *dst, const void *src, size_t bytes);
 void ds4_dev_to_device(const ds4_exec *ex, void *dst, const void *src, size_t bytes);
+void ds4_dev_copy(const ds4_exec *ex, void *dst, const void *src, size_t bytes); /* device to device */
 /* Waits for ex's backend, then its ops' first failure since the last call (DS4_OK: none; the cpu's ops
  * report through the allocator instead): what a step checks at its end. */
 ds4_status ds4_dev_status(const ds4_exec *ex);

@@ -43,6 +43,9 @@ ds4_status ds4_offload_write(ds4_offload *s, int64_t handle, size_t off, const v
  * buffer of at most 1 MiB: the host never touches the device buffer. */
 ds4_status ds4_offload_put_dev(ds4_offload *s, ds4_mem_cat cat, const void *src, size_t bytes, int64_t *handle);
 ds4_status ds4_offload_get_dev(ds4_offload *s, int64_t handle, void *dst);
+/* read and write of a byte range, for a buffer of that backend, staged the same way. */
+ds4_status ds4_offload_read_dev(ds4_offload *s, int64_t handle, size_t off, void *dst, size_t len);
+ds4_status ds4_offload_write_dev(ds4_offload *s, int64_t handle, size_t off, const void *src, size_t len);
 const ds4_exec *ds4_offload_exec(const ds4_offload *s);
 /* Forgets a handle; its bytes leave the offload tier and its file space is reused (the file shrinks when
  * its tail is free). Negative or unknown handles: no-op. */

@@ -128,6 +128,9 @@ ds4_status ds4_optim_swap_in(ds4_optim *o);
 /* Elements [i0, i0 + n) of array a of group grp, resident or swapped. */
 ds4_status ds4_optim_read(const ds4_optim *o, int grp, int a, int64_t i0, int64_t n, float *dst);
 ds4_status ds4_optim_write(ds4_optim *o, int grp, int a, int64_t i0, int64_t n, const float *src);
+/* The same into / from a buffer of the optimizer's backend (its exec): what an update step works on. */
+ds4_status ds4_optim_read_dev(const ds4_optim *o, int grp, int a, int64_t i0, int64_t n, float *dst);
+ds4_status ds4_optim_write_dev(ds4_optim *o, int grp, int a, int64_t i0, int64_t n, const float *src);
 /* The group of flat element i (the run holding it) and its offset in that group's arrays. */
 int ds4_optim_locate(const ds4_optim *o, int64_t i, int64_t *j);
 /* Array a of group grp in the flat layout: out [o->n], the group's values at their flat offsets and 0

@@ -135,6 +135,16 @@ void *ds4_alloc(ds4_mem_cat cat, size_t bytes) { return alloc_block(cat, bytes, 
 
 void *ds4_alloc_plan(ds4_mem_cat cat, size_t bytes) { return alloc_block(cat, bytes, cat == DS4_MEM_OTHER); }
 
+void *ds4_alloc_for(bool plan, ds4_mem_cat cat, size_t bytes) {
+    return plan ? ds4_alloc_plan(cat, bytes) : ds4_alloc(cat, bytes);
+}
+
+void *ds4_calloc_for(bool plan, ds4_mem_cat cat, size_t bytes) {
+    void *p = ds4_alloc_for(plan, cat, bytes);
+    if (p && (!plan || cat == DS4_MEM_OTHER)) memset(p, 0, bytes);
+    return p;
+}
+
 void *ds4_calloc(ds4_mem_cat cat, size_t bytes) {
     void *p = ds4_alloc(cat, bytes);
     if (p && !unbacked(cat)) memset(p, 0, bytes);
@@ -202,8 +212,6 @@ char *ds4_strndup(const char *s, size_t n) {
 }
 
 /* ------------------------------------------------------------------ reserved address ranges */
-bool ds4_mem_backed(ds4_mem_cat cat) { return !unbacked(cat); }
-
 void *ds4_range_reserve(size_t bytes) {
     void *p = mmap(NULL, bytes ? bytes : 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     return p == MAP_FAILED ? NULL : p;
@@ -213,14 +221,14 @@ void ds4_range_release(void *p, size_t bytes) {
     if (p) munmap(p, bytes ? bytes : 4096);
 }
 
-bool ds4_range_map(void *p, size_t bytes, ds4_mem_cat cat) {
-    if (!unbacked(cat) && mprotect(p, bytes, PROT_READ | PROT_WRITE) != 0) return false;
+bool ds4_range_map(bool plan, void *p, size_t bytes, ds4_mem_cat cat) {
+    if (!plan && mprotect(p, bytes, PROT_READ | PROT_WRITE) != 0) return false;
     ds4_mem_track(cat, (int64_t)bytes);
     return true;
 }
 
-void ds4_range_unmap(void *p, size_t bytes, ds4_mem_cat cat) {
-    if (!unbacked(cat)) { /* a plan's pages were never made resident */
+void ds4_range_unmap(bool plan, void *p, size_t bytes, ds4_mem_cat cat) {
+    if (!plan) { /* a plan's pages were never made resident */
         madvise(p, bytes, MADV_DONTNEED); /* the pages go back; the next map reads zeros */
         mprotect(p, bytes, PROT_NONE);     /* a read after unmap faults instead of seeing stale data */
     }

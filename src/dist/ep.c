@@ -102,7 +102,7 @@ static int64_t *ep_layout(const ds4_ep_route *r, int64_t **sc, int64_t **sd, int
 static ds4_status ep_exchange(ds4_fsdp *f, const ds4_fsdp_yielding *y, const ds4_ep_route *r, const float *in,
                               float *out, int64_t width, bool dispatch) {
     int64_t *sc = NULL, *sd = NULL, *rc = NULL, *rd = NULL, *v = ep_layout(r, &sc, &sd, &rc, &rd);
-    float *wire = ds4_alloc(DS4_MEM_COMM, (size_t)(r->rows * width) * sizeof(float));
+    float *wire = ds4_alloc_for(fsdp_planning(f), DS4_MEM_COMM, (size_t)(r->rows * width) * sizeof(float));
     ds4_status st = v && wire ? DS4_OK
                               : ds4_fail(DS4_ERR_OOM, "out of memory %s tokens", dispatch ? "dispatching" : "combining");
     for (int q = 0; st == DS4_OK && q < r->nsrc; q++) {

@@ -36,8 +36,8 @@ static ds4_status build_pieces(ds4_fsdp *f) {
         f->piece_of_region[i] = f->npieces++;
     }
     const size_t copy = ds4_model_bf16_flat(m) ? (size_t)f->ns * sizeof(uint16_t) : 0; /* the shard's bf16 copy */
-    f->sp = ds4_calloc(DS4_MEM_PARAM, (size_t)f->ns * sizeof(float) + copy);
-    f->sg = ds4_calloc(DS4_MEM_GRAD, (size_t)f->ns * sizeof(float));
+    f->sp = ds4_calloc_for(fsdp_planning(f), DS4_MEM_PARAM, (size_t)f->ns * sizeof(float) + copy);
+    f->sg = ds4_calloc_for(fsdp_planning(f), DS4_MEM_GRAD, (size_t)f->ns * sizeof(float));
     return f->sp && f->sg ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory for a shard of %lld parameters", (long long)f->ns);
 }
 
@@ -104,7 +104,7 @@ void ds4_fsdp_refresh_bf16(ds4_fsdp *f) {
     uint16_t *sh = fsdp_shard_bf16(f);
     for (int64_t i = 0; sh && i < f->npieces; i++) {
         const piece *p = &f->pieces[i];
-        if (p->bf16) ds4_model_pack_bf16(sh + p->shard_off, f->sp + p->shard_off, p->len);
+        if (p->bf16) ds4_model_pack_bf16(f->m, sh + p->shard_off, f->sp + p->shard_off, p->len);
     }
 }
 

@@ -123,7 +123,7 @@ static ds4_status reduce_piece_start(ds4_fsdp *f, const piece *p, float **recv, 
     ds4_comm *c = piece_comm(f, p);
     int n = ds4_comm_size(c);
     int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 4 * (size_t)n);
-    *recv = ds4_alloc(DS4_MEM_COMM, (size_t)(n * p->len) * sizeof(float));
+    *recv = ds4_alloc_for(fsdp_planning(f), DS4_MEM_COMM, (size_t)(n * p->len) * sizeof(float));
     ds4_status st = v && *recv ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory reducing gradients");
     if (st == DS4_OK) {
         piece_layout(p, n, v, v + n);

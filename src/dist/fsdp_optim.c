@@ -59,12 +59,14 @@ static void matrix_layout(const ds4_fsdp *f, const piece *q, int64_t a, int64_t 
     h->s0 = h->counts[h->me] ? q->shard_off + (a + h->k0 - (q->start + q->off)) : q->shard_off; /* none: unused */
 }
 
-/* One matrix: parts out, gathered on owner, whole there, scattered back, parts in. v: [4n] scratch. */
-static ds4_status one_matrix(const ds4_matrix_ops *ops, ds4_param *p, matrix_home *h, int owner, int64_t *v) {
+/* One matrix: parts out, gathered on owner, whole there, scattered back, parts in. v: [4n] scratch;
+ * plan: a plan's step (the buffers are counted, not backed). */
+static ds4_status one_matrix(const ds4_matrix_ops *ops, ds4_param *p, matrix_home *h, int owner, int64_t *v,
+                             bool plan) {
     const int64_t mine = h->counts[h->me], k0 = h->k0;
     const bool own = h->me == owner, alone = h->n == 1;
-    float *part = alone ? NULL : ds4_alloc(DS4_MEM_OPTIM, (size_t)mine * sizeof(float));
-    float *x = own ? ds4_alloc(DS4_MEM_OPTIM, (size_t)p->numel * sizeof(float)) : NULL;
+    float *part = alone ? NULL : ds4_alloc_for(plan, DS4_MEM_OPTIM, (size_t)mine * sizeof(float));
+    float *x = own ? ds4_alloc_for(plan, DS4_MEM_OPTIM, (size_t)p->numel * sizeof(float)) : NULL;
     if (alone) part = x;
     ds4_status st = part && (x || !own) ? DS4_OK
                                         : ds4_fail(DS4_ERR_OOM, "%s: out of memory gathering the matrix", p->name);
@@ -105,7 +107,7 @@ ds4_status ds4_fsdp_for_each_matrix(ds4_fsdp *f, const ds4_matrix_ops *ops) {
         const piece *q = &f->pieces[j];
         matrix_layout(f, q, a, p->numel, &h);
         const int owner = (int)(turn[q->expert]++ % h.n);
-        ds4_status ms = one_matrix(ops, p, &h, owner, v + 2 * f->W);
+        ds4_status ms = one_matrix(ops, p, &h, owner, v + 2 * f->W, fsdp_planning(f));
         if (st == DS4_OK) st = ms;
     }
     ds4_free(v);

@@ -101,8 +101,8 @@ static void workspace_reserve(bool plan) {
     if (g_ws.refs++ > 0) return;
     g_ws.threads = omp_get_max_threads();
     g_ws.plan = plan;
-    g_ws.bp = ds4_alloc(DS4_MEM_WORK, POOL_B_BYTES);
-    g_ws.ap = ds4_alloc(DS4_MEM_WORK, (size_t)g_ws.threads * POOL_A_BYTES);
+    g_ws.bp = ds4_alloc_for(plan, DS4_MEM_WORK, POOL_B_BYTES);
+    g_ws.ap = ds4_alloc_for(plan, DS4_MEM_WORK, (size_t)g_ws.threads * POOL_A_BYTES);
 }
 
 void cpu_gemm_workspace_reserve(void) { workspace_reserve(false); }
@@ -146,8 +146,8 @@ static bool buffers_take(gemm_buffers *w, bool plan, const gemm_engine *e, int64
         w->a_bytes = POOL_A_BYTES; /* the pool's per-thread stride */
         return true;
     }
-    w->bp = ds4_alloc(DS4_MEM_WORK, b_bytes);
-    w->ap = ds4_alloc(DS4_MEM_WORK, (size_t)nth * a_bytes);
+    w->bp = ds4_alloc_for(plan, DS4_MEM_WORK, b_bytes);
+    w->ap = ds4_alloc_for(plan, DS4_MEM_WORK, (size_t)nth * a_bytes);
     w->a_bytes = a_bytes;
     if (w->bp && w->ap) return true;
     ds4_free(w->bp);

@@ -278,35 +278,48 @@ static ds4_status stage_new(const ds4_offload *s, size_t bytes, char **out) {
     return *out ? DS4_OK : ds4_fail(DS4_ERR_OOM, "offload store in %s: out of memory for its staging buffer", s->dir);
 }
 
-ds4_status ds4_offload_put_dev(ds4_offload *s, ds4_mem_cat cat, const void *src, size_t bytes, int64_t *handle) {
+ds4_status ds4_offload_write_dev(ds4_offload *s, int64_t h, size_t off, const void *src, size_t len) {
+    const slot *sl = NULL;
+    DS4_TRY(range_slot(s, h, off, len, &sl));
     char *buf;
-    DS4_TRY(stage_new(s, bytes, &buf));
-    ds4_status st = handle_new(s, cat, bytes, false, handle);
-    for (size_t off = 0; off < bytes && st == DS4_OK && s->fd >= 0; off += STAGE_BYTES) {
-        const size_t n = bytes - off < STAGE_BYTES ? bytes - off : STAGE_BYTES;
-        ds4_dev_to_host(&s->exec, buf, (const char *)src + off, n);
-        st = ds4_offload_write(s, *handle, off, buf, n);
-    }
-    if (st != DS4_OK && *handle >= 0) {
-        ds4_offload_drop(s, *handle);
-        *handle = -1;
+    DS4_TRY(stage_new(s, len, &buf));
+    ds4_status st = DS4_OK;
+    for (size_t k = 0; k < len && st == DS4_OK && s->fd >= 0; k += STAGE_BYTES) {
+        const size_t n = len - k < STAGE_BYTES ? len - k : STAGE_BYTES;
+        ds4_dev_to_host(&s->exec, buf, (const char *)src + k, n);
+        st = ds4_offload_write(s, h, off + k, buf, n);
     }
     ds4_free(buf);
     return st;
 }
 
-ds4_status ds4_offload_get_dev(ds4_offload *s, int64_t h, void *dst) {
-    const size_t bytes = ds4_offload_size(s, h);
+ds4_status ds4_offload_read_dev(ds4_offload *s, int64_t h, size_t off, void *dst, size_t len) {
+    const slot *sl = NULL;
+    DS4_TRY(range_slot(s, h, off, len, &sl));
     char *buf;
-    DS4_TRY(stage_new(s, bytes, &buf));
+    DS4_TRY(stage_new(s, len, &buf));
     ds4_status st = DS4_OK;
-    for (size_t off = 0; off < bytes && st == DS4_OK && s->fd >= 0; off += STAGE_BYTES) {
-        const size_t n = bytes - off < STAGE_BYTES ? bytes - off : STAGE_BYTES;
-        st = ds4_offload_read(s, h, off, buf, n);
-        if (st == DS4_OK) ds4_dev_to_device(&s->exec, (char *)dst + off, buf, n);
+    for (size_t k = 0; k < len && st == DS4_OK && s->fd >= 0; k += STAGE_BYTES) {
+        const size_t n = len - k < STAGE_BYTES ? len - k : STAGE_BYTES;
+        st = ds4_offload_read(s, h, off + k, buf, n);
+        if (st == DS4_OK) ds4_dev_to_device(&s->exec, (char *)dst + k, buf, n);
     }
     ds4_free(buf);
     return st;
+}
+
+ds4_status ds4_offload_put_dev(ds4_offload *s, ds4_mem_cat cat, const void *src, size_t bytes, int64_t *handle) {
+    DS4_TRY(handle_new(s, cat, bytes, false, handle));
+    ds4_status st = ds4_offload_write_dev(s, *handle, 0, src, bytes);
+    if (st != DS4_OK) {
+        ds4_offload_drop(s, *handle);
+        *handle = -1;
+    }
+    return st;
+}
+
+ds4_status ds4_offload_get_dev(ds4_offload *s, int64_t h, void *dst) {
+    return ds4_offload_read_dev(s, h, 0, dst, ds4_offload_size(s, h));
 }
 
 const ds4_exec *ds4_offload_exec(const ds4_offload *s) { return &s->exec; }

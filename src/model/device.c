@@ -18,6 +18,8 @@ void ds4_dev_to_host(const ds4_exec *ex, void *dst, const void *src, size_t byte
     synchronize(ex);
 }
 
+void ds4_dev_copy(const ds4_exec *ex, void *dst, const void *src, size_t bytes) { tensor_copy(ex, dst, src, bytes); }
+
 void ds4_dev_to_device(const ds4_exec *ex, void *dst, const void *src, size_t bytes) {
     copy_to_device(ex, dst, src, bytes);
     synchronize(ex);

@@ -250,10 +250,8 @@ float *ds4_model_params_flat(ds4_model *m) { return m->flat; }
 float *ds4_model_grads_flat(ds4_model *m) { return m->gflat; }
 uint16_t *ds4_model_bf16_flat(ds4_model *m) { return m->hflat; }
 
-/* Called by FSDP, which holds no context of its own yet: the allocator's current one says plan or real. */
-void ds4_model_pack_bf16(uint16_t *dst, const float *src, int64_t n) {
-    const ds4_exec ex = ds4_exec_current();
-    tensor_pack_bf16(&ex, dst, src, n);
+void ds4_model_pack_bf16(const ds4_model *m, uint16_t *dst, const float *src, int64_t n) {
+    tensor_pack_bf16(&m->exec, dst, src, n);
 }
 
 const ds4_exec *ds4_model_exec(const ds4_model *m) { return &m->exec; }
@@ -295,7 +293,7 @@ ds4_status ds4_model_map(ds4_model *m, int64_t start, int64_t end, bool grad) {
     DS4_TRY(check_range(m, start, end));
     size_t bytes = (size_t)(end - start) * sizeof(float);
     if (bytes == 0) return DS4_OK;
-    if (!ds4_range_map((grad ? m->gflat : m->flat) + start, bytes, grad ? DS4_MEM_GRAD : DS4_MEM_PARAM))
+    if (!ds4_range_map(m->exec.plan, (grad ? m->gflat : m->flat) + start, bytes, grad ? DS4_MEM_GRAD : DS4_MEM_PARAM))
         return ds4_fail(DS4_ERR_OOM, "out of memory mapping %zu bytes of %s", bytes, grad ? "gradients" : "parameters");
     return DS4_OK;
 }
@@ -304,7 +302,7 @@ void ds4_model_unmap(ds4_model *m, int64_t start, int64_t end, bool grad) {
     if (check_range(m, start, end) != DS4_OK) return;
     size_t bytes = (size_t)(end - start) * sizeof(float);
     if (bytes == 0) return;
-    ds4_range_unmap((grad ? m->gflat : m->flat) + start, bytes, grad ? DS4_MEM_GRAD : DS4_MEM_PARAM);
+    ds4_range_unmap(m->exec.plan, (grad ? m->gflat : m->flat) + start, bytes, grad ? DS4_MEM_GRAD : DS4_MEM_PARAM);
 }
 
 ds4_status ds4_model_map_bf16(ds4_model *m, int64_t start, int64_t end) {
@@ -312,7 +310,7 @@ ds4_status ds4_model_map_bf16(ds4_model *m, int64_t start, int64_t end) {
     size_t bytes = (size_t)(end - start) * sizeof(uint16_t);
     if (!m->hflat) return ds4_fail(DS4_ERR_INTERNAL, "model map: the model has no bf16 copy");
     if (bytes == 0) return DS4_OK;
-    if (!ds4_range_map(m->hflat + start, bytes, DS4_MEM_PARAM))
+    if (!ds4_range_map(m->exec.plan, m->hflat + start, bytes, DS4_MEM_PARAM))
         return ds4_fail(DS4_ERR_OOM, "out of memory mapping %zu bytes of the bf16 parameter copy", bytes);
     return DS4_OK;
 }
@@ -320,7 +318,7 @@ ds4_status ds4_model_map_bf16(ds4_model *m, int64_t start, int64_t end) {
 void ds4_model_unmap_bf16(ds4_model *m, int64_t start, int64_t end) {
     if (!m->hflat || check_range(m, start, end) != DS4_OK) return;
     size_t bytes = (size_t)(end - start) * sizeof(uint16_t);
-    if (bytes) ds4_range_unmap(m->hflat + start, bytes, DS4_MEM_PARAM);
+    if (bytes) ds4_range_unmap(m->exec.plan, m->hflat + start, bytes, DS4_MEM_PARAM);
 }
 
 ds4_param *ds4_model_find(ds4_model *m, const char *name) {

@@ -63,14 +63,14 @@ static ds4_status muon_part_out(void *ctx, ds4_param *p, int64_t k0, int64_t k1,
         ds4_dev_muon_momentum(ex, n, x->g + s0, G->mem[0] + j, part, (float)x->c->momentum, x->c->nesterov);
         return DS4_OK;
     }
-    float *mom = ds4_alloc(DS4_MEM_OPTIM, (size_t)n * sizeof(float)); /* [n], counted in a plan too */
+    float *mom = ds4_dev_alloc(ex, DS4_MEM_OPTIM, (size_t)n * sizeof(float)); /* [n], counted in a plan too */
     if (!mom) return ds4_fail(DS4_ERR_OOM, "%s: out of memory for the Muon momentum", p->name);
-    ds4_status st = ds4_optim_read(x->o, DS4_OPT_OWN, 0, j, n, mom);
+    ds4_status st = ds4_optim_read_dev(x->o, DS4_OPT_OWN, 0, j, n, mom);
     if (st == DS4_OK && !ex->plan) {
         ds4_dev_muon_momentum(ex, n, x->g + s0, mom, part, (float)x->c->momentum, x->c->nesterov);
-        st = ds4_optim_write(x->o, DS4_OPT_OWN, 0, j, n, mom);
+        st = ds4_optim_write_dev(x->o, DS4_OPT_OWN, 0, j, n, mom);
     }
-    ds4_free(mom);
+    ds4_dev_free(ex, mom);
     return st;
 }
 

@@ -302,6 +302,29 @@ ds4_status ds4_optim_write(ds4_optim *o, int g, int a, int64_t i0, int64_t n, co
     return ds4_offload_write(o->store, G->h[a], (size_t)i0 * sizeof(float), src, (size_t)n * sizeof(float));
 }
 
+/* A plan goes through too: its store counts the staging buffer a real read holds, and moves nothing. */
+ds4_status ds4_optim_read_dev(const ds4_optim *o, int g, int a, int64_t i0, int64_t n, float *dst) {
+    DS4_TRY(span_check(o, g, a, i0, n));
+    if (n == 0) return DS4_OK;
+    const ds4_opt_group *G = &o->g[g];
+    if (!o->swapped) {
+        ds4_dev_copy(&o->exec, dst, G->mem[a] + i0, (size_t)n * sizeof(float));
+        return DS4_OK;
+    }
+    return ds4_offload_read_dev(o->store, G->h[a], (size_t)i0 * sizeof(float), dst, (size_t)n * sizeof(float));
+}
+
+ds4_status ds4_optim_write_dev(ds4_optim *o, int g, int a, int64_t i0, int64_t n, const float *src) {
+    DS4_TRY(span_check(o, g, a, i0, n));
+    if (n == 0) return DS4_OK;
+    ds4_opt_group *G = &o->g[g];
+    if (!o->swapped) {
+        ds4_dev_copy(&o->exec, G->mem[a] + i0, src, (size_t)n * sizeof(float));
+        return DS4_OK;
+    }
+    return ds4_offload_write_dev(o->store, G->h[a], (size_t)i0 * sizeof(float), src, (size_t)n * sizeof(float));
+}
+
 ds4_status ds4_optim_expand(const ds4_optim *o, int g, int a, float *out) {
     memset(out, 0, (size_t)o->n * sizeof(float));
     for (int64_t i = 0; i < o->ngrun[g]; i++) {
@@ -340,24 +363,25 @@ static void update_span(const ds4_optim *o, ds4_adamw_consts k, int64_t j0, int6
     update_part(o, k, j0, j0, j0 + n, m, v, w, g);
 }
 
-/* Swapped state: chunk by chunk, read m and v, update, write them back. The two buffers (o->chunk
- * elements each, 8 bytes per element) are all the optimizer holds in memory. */
+/* Swapped state: chunk by chunk, read m and v, update, write them back. The two buffers on the backend
+ * (o->chunk elements each, 8 bytes per element) are all the optimizer holds in its memory. A plan runs
+ * the first chunk only (the largest: what it holds, every chunk holds) and computes nothing. */
 static ds4_status step_swapped(ds4_optim *o, float *w, const float *g, ds4_adamw_consts k) {
     const int G = DS4_OPT_ADAMW;
     const int64_t N = o->g[G].n, C = N < o->chunk ? N : o->chunk;
     float *buf[2];
     ds4_status st = DS4_OK;
     for (int a = 0; a < 2; a++)
-        if (!(buf[a] = ds4_alloc(DS4_MEM_OPTIM, (size_t)C * sizeof(float))))
+        if (!(buf[a] = ds4_dev_alloc(&o->exec, DS4_MEM_OPTIM, (size_t)C * sizeof(float))))
             st = ds4_fail(DS4_ERR_OOM, "swap-optimizer: out of memory for %lld-element update buffers", (long long)C);
-    for (int64_t j0 = 0; j0 < (o->exec.plan ? 0 : N) && st == DS4_OK; j0 += C) {
+    for (int64_t j0 = 0; j0 < (o->exec.plan ? (N > 0) : N) && st == DS4_OK; j0 += C) {
         const int64_t n = N - j0 < C ? N - j0 : C;
-        for (int a = 0; a < 2 && st == DS4_OK; a++) st = ds4_optim_read(o, G, a, j0, n, buf[a]);
+        for (int a = 0; a < 2 && st == DS4_OK; a++) st = ds4_optim_read_dev(o, G, a, j0, n, buf[a]);
         if (st != DS4_OK) break;
         update_span(o, k, j0, n, buf[0], buf[1], w, g);
-        for (int a = 0; a < 2 && st == DS4_OK; a++) st = ds4_optim_write(o, G, a, j0, n, buf[a]);
+        for (int a = 0; a < 2 && st == DS4_OK; a++) st = ds4_optim_write_dev(o, G, a, j0, n, buf[a]);
     }
-    for (int a = 0; a < 2; a++) ds4_free(buf[a]);
+    for (int a = 0; a < 2; a++) ds4_dev_free(&o->exec, buf[a]);
     return st == DS4_OK ? DS4_OK : ds4_fail_prefix(st, "swap-optimizer step %lld", (long long)o->step);
 }
 

@@ -78,11 +78,11 @@ static void normalize(float *x, int64_t n, float eps) {
 typedef struct {
     float *A, *B, *y, *t;
 } ns_work;
-static bool ns_work_alloc(ns_work *w, float *x, int64_t r, int64_t c, bool tall) {
-    w->A = ds4_alloc(DS4_MEM_OPTIM, (size_t)(r * r) * sizeof(float));
-    w->B = ds4_alloc(DS4_MEM_OPTIM, (size_t)(r * r) * sizeof(float));
-    w->y = ds4_alloc(DS4_MEM_OPTIM, (size_t)(r * c) * sizeof(float));
-    w->t = tall ? ds4_alloc(DS4_MEM_OPTIM, (size_t)(r * c) * sizeof(float)) : x;
+static bool ns_work_alloc(ns_work *w, bool plan, float *x, int64_t r, int64_t c, bool tall) {
+    w->A = ds4_alloc_for(plan, DS4_MEM_OPTIM, (size_t)(r * r) * sizeof(float));
+    w->B = ds4_alloc_for(plan, DS4_MEM_OPTIM, (size_t)(r * r) * sizeof(float));
+    w->y = ds4_alloc_for(plan, DS4_MEM_OPTIM, (size_t)(r * c) * sizeof(float));
+    w->t = tall ? ds4_alloc_for(plan, DS4_MEM_OPTIM, (size_t)(r * c) * sizeof(float)) : x;
     return w->A && w->B && w->y && w->t;
 }
 static void ns_work_free(ns_work *w, bool tall) {
@@ -97,7 +97,7 @@ void cpu_newton_schulz(ds4_matmul_precision prec, float *x, int64_t rows, int64_
     const bool tall = rows > cols; /* work on xᵀ: the Gram matrix is then the small one */
     const int64_t r = tall ? cols : rows, c = tall ? rows : cols;
     ns_work w;
-    if (ns_work_alloc(&w, x, r, c, tall)) {
+    if (ns_work_alloc(&w, false, x, r, c, tall)) {
         if (tall) transpose(x, rows, cols, w.t);
         normalize(w.t, r * c, eps);
         for (int64_t i = 0; i < iters; i++) ns_iteration(prec, w.t, r, c, coef[i], w.A, w.B, w.y);
@@ -111,6 +111,6 @@ void cpu_newton_schulz_plan(ds4_matmul_precision prec, float *x, int64_t rows, i
     (void)prec, (void)coef, (void)iters, (void)eps;
     const bool tall = rows > cols;
     ns_work w;
-    ns_work_alloc(&w, x, tall ? cols : rows, tall ? rows : cols, tall);
+    ns_work_alloc(&w, true, x, tall ? cols : rows, tall ? rows : cols, tall);
     ns_work_free(&w, tall);
 }
