@@ -77,6 +77,7 @@ int main(int argc, char **argv) {
     const char *cfg_path = "bench/configs/recompute-flash-shape.json";
     int64_t T = 1024, B = 1;
     int steps = 5, threads = 1;
+    ds4_host_memory_keep(); /* as the ds4 command runs */
     for (int i = 1; i < argc; i++) {
         bool has = i + 1 < argc;
         if (!strcmp(argv[i], "--config") && has) cfg_path = argv[++i];

@@ -343,6 +343,7 @@ int main(int argc, char **argv) {
     int steps = 5, threads = 1;
     double budget = 170;
     bool plan_only = false;
+    ds4_host_memory_keep(); /* as the ds4 command runs */
     plan_args plan = {"configs/deepseek-v4-flash.json", 4096, 128, 128, (int64_t)64 << 30};
     for (int i = 1; i < argc; i++) {
         bool has = i + 1 < argc;

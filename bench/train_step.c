@@ -97,6 +97,7 @@ int main(int argc, char **argv) {
     int threads = 1;
     bool bf16 = false;
     setvbuf(stdout, NULL, _IOLBF, 0);
+    ds4_host_memory_keep(); /* as the ds4 command runs */
     for (int i = 1; i < argc; i++) {
         const bool has = i + 1 < argc;
         if (!strcmp(argv[i], "--model") && has) model = argv[++i];

@@ -67,6 +67,7 @@ static int run_command(int argc, char **argv) {
 /* DS4_ISA is checked before any command runs; MPI starts here when mpirun launched us (a no-op
  * otherwise) and ends after the command, whatever it returned. */
 int main(int argc, char **argv) {
+    ds4_host_memory_keep();
     if (ds4_isa_from_env() != DS4_OK) {
         fprintf(stderr, "error: %s\n", ds4_errmsg());
         return 2;

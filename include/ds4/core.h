@@ -134,6 +134,13 @@ typedef struct {
 
 void ds4_mem_get(ds4_mem_stats *out);
 void ds4_mem_reset_peak(void);    /* peaks := current live (both tiers) */
+/* A program's choice, made once at its start (the ds4 command and the benchmarks make it): the C
+ * library keeps the memory of freed blocks for the next ones instead of handing every large block back
+ * to the OS. A step frees and remakes the same activation and workspace blocks; handed back, each would
+ * page-fault in again (the kernel zeroes every page), a cost that grows with the threads (a T = 1024 step
+ * of the Flash-shaped bench config: 13% of its time on 1 thread, 25% on 2). The process keeps its peak.
+ * Changes no result; a no-op outside glibc. */
+void ds4_host_memory_keep(void);
 
 /* ---------------------------------------------------------------- execution context */
 /* What a step runs as: real (data and arithmetic) or a plan (memplan): in a plan every allocation is

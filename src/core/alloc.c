@@ -3,6 +3,8 @@
 #include "ds4/core.h"
 
 #include <cjson/cJSON.h>
+#include <limits.h>
+#include <malloc.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -209,6 +211,13 @@ char *ds4_strndup(const char *s, size_t n) {
     memcpy(d, s, n);
     d[n] = 0;
     return d;
+}
+
+void ds4_host_memory_keep(void) {
+#ifdef __GLIBC__
+    mallopt(M_MMAP_MAX, 0);             /* large blocks from the heap, not one mapping each */
+    mallopt(M_TRIM_THRESHOLD, INT_MAX); /* freed heap memory stays for the next step's blocks */
+#endif
 }
 
 /* ------------------------------------------------------------------ reserved address ranges */
