@@ -9,7 +9,8 @@
 
 enum {
     HC_LANES = 16,          /* accumulator lanes of a dot product */
-    HC_COLS = 64,           /* dfn columns per work item in the backward */
+    HC_COLS = 16,           /* dfn tile of the backward: columns (one AVX-512 vector) */
+    HC_ROWS = 8,            /* and rows */
     HC_CHUNK_REALS = 16384, /* per-chunk stack scratch of the backward, in reals */
 };
 
