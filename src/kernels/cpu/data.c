@@ -9,15 +9,20 @@ void cpu_tensor_copy(void *dst, const void *src, size_t bytes) { memcpy(dst, src
 
 void cpu_tensor_zero(void *dst, size_t bytes) { memset(dst, 0, bytes); }
 
-/* bf16 activations: element by element, so the bits do not depend on the thread count. */
+/* bf16 activations: element by element (simd lanes included), so the bits do not depend on the thread
+ * count or the vector width. */
 void cpu_tensor_round_bf16(float *x, int64_t n) {
-    const int64_t chunk = 16384; /* element-wise: the bits do not depend on how the chunks are shared */
-#pragma omp parallel for schedule(static) if (n > 4 * chunk)
-    for (int64_t i = 0; i < n; i += chunk) bf16_round_array(x + i, n - i < chunk ? n - i : chunk);
+#pragma omp parallel for simd schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        u = bf16_round_u32(u);
+        memcpy(x + i, &u, sizeof u);
+    }
 }
 
 void cpu_tensor_pack_bf16(uint16_t *dst, const float *src, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > 65536)
+#pragma omp parallel for simd schedule(static) if (n > 65536)
     for (int64_t i = 0; i < n; i++) {
         uint32_t u;
         memcpy(&u, src + i, sizeof u);
@@ -26,7 +31,7 @@ void cpu_tensor_pack_bf16(uint16_t *dst, const float *src, int64_t n) {
 }
 
 void cpu_tensor_unpack_bf16(float *dst, const uint16_t *src, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > 65536)
+#pragma omp parallel for simd schedule(static) if (n > 65536)
     for (int64_t i = 0; i < n; i++) dst[i] = bf16_widen(src[i]);
 }
 
