@@ -157,6 +157,60 @@ static void test_packer_rounding(void) {
         }
 }
 
+/* The AVX512-BF16 engine's AVX-512 packers make the portable packers' panels word for word: both layouts
+ * they take (lanes adjacent, runs along k contiguous) and a strided one they hand on, every tile edge (rows
+ * or columns 1..width, K odd and even, past 32), values at rounding ties, ±0, denormals, Inf and NaN. */
+static void test_avx512bf16_packers(void) {
+    const gemm_engine *fast = gemm_engine_avx512bf16(), *ref = gemm_engine_dpbf16_portable();
+    if (!fast || ds4_isa_best() < DS4_ISA_AVX512BF16) {
+        t_note("test_kernels_bf16: SKIP the AVX-512 packers: this CPU or build has no AVX512-BF16");
+        return;
+    }
+    enum { L = 40, KMAX = 70, S = 3 }; /* up to 40 lanes (32-column panels + a partial), K up to 70 */
+    float *v = falloc((int64_t)L * KMAX * S);
+    uint16_t *h = calloc((size_t)L * KMAX * S, sizeof *h);
+    for (int i = 0; i < L * KMAX * S; i++) {
+        uint32_t u = (uint32_t)ds4_rng_u64(9, 4, (uint64_t)i);
+        if (i % 3 == 0) u = (u & 0xffff0000u) | 0x8000u; /* ties */
+        if (i % 13 == 0) u &= 0x807fffffu;               /* denormals and zeros */
+        v[i] = f_of(u);
+        h[i] = (uint16_t)u;
+    }
+    v[7] = INFINITY, v[8] = -INFINITY, v[9] = NAN, v[10] = -0.0f, v[11] = f_of(0x7f7fffffu), v[12] = f_of(0x7fa00001u);
+    const int64_t words = (KMAX / 2 + 1) * 32;
+    uint32_t *pf = calloc((size_t)words, 4), *pr = calloc((size_t)words, 4);
+    int bad = 0, cases = 0;
+    /* layouts: 0 lanes adjacent, 1 runs along k contiguous, 2 both strided */
+    for (int layout = 0; layout < 3; layout++)
+        for (int64_t kc = 1; kc <= KMAX; kc += kc < 36 ? 1 : 17)
+            for (int64_t nl = 1; nl <= 32; nl += nl < 16 ? 1 : 5) {
+                const int64_t ls = layout == 0 ? 1 : layout == 1 ? KMAX : S * KMAX, ks = layout == 0 ? L : layout == 1 ? 1 : S;
+                for (int side = 0; side < 3; side++) { /* A, B, B from bf16 bits */
+                    if (side == 0 && nl > fast->mr) continue;
+                    const int64_t width = side == 0 ? fast->mr : fast->nr;
+                    memset(pf, 0xab, (size_t)words * 4);
+                    memset(pr, 0xcd, (size_t)words * 4);
+                    if (side == 0) {
+                        const gemm_view A = {.p = v, .rs = ls, .cs = ks};
+                        fast->pack_a(pf, A, 1, nl, 2, kc), ref->pack_a(pr, A, 1, nl, 2, kc);
+                    } else if (side == 1) {
+                        const gemm_view B = {.p = v, .rs = ks, .cs = ls};
+                        fast->pack_b(pf, B, 2, kc, 1, nl), ref->pack_b(pr, B, 2, kc, 1, nl);
+                    } else {
+                        const gemm_view B = {.h = h, .rs = ks, .cs = ls};
+                        fast->pack_b_bf16(pf, B, 2, kc, 1, nl), ref->pack_b_bf16(pr, B, 2, kc, 1, nl);
+                    }
+                    cases++;
+                    const int64_t n = (kc + 1) / 2 * width;
+                    if (memcmp(pf, pr, (size_t)n * 4) != 0 && bad++ < 3)
+                        t_note("  layout %d side %d kc %lld lanes %lld: panels differ", layout, side, (long long)kc,
+                               (long long)nl);
+                }
+            }
+    CHECK(bad == 0, "AVX-512 packers: %d of %d panels differ from the portable packers'", bad, cases);
+    free(v), free(h), free(pf), free(pr);
+}
+
 /* ---------------------------------------------------------------- accuracy against the reference */
 
 /* The engine vs the bf16 reference on one shape, padded leading dimensions, beta 0 (C preset to NaN:
@@ -563,6 +617,7 @@ int main(void) {
     RUN(test_bf16_rounding_values);
     RUN(test_precision_switch);
     RUN(test_isa_switch);
+    RUN(test_avx512bf16_packers);
     ds4_isa was = ds4_isa_current();
     /* every level: its bf16 engine (amx: tiles; avx512bf16: VDPBF16PS; avx512, avx2: fp32 FMAs of rounded
      * operands; generic: the reference itself); levels above this CPU's are skipped, never failed */

@@ -11,9 +11,10 @@
  * Accuracy: as the AMX engine (gemm_amx.c): exact products summed in fp32, denormals flushed by the
  * instruction (the packer already turns fp32 denormals into zeros).
  *
- * The packers are portable C, compiled outside the AVX-512 region, and so is a tile kernel of the same
- * arithmetic (gemm_engine_dpbf16_portable): tests check the panel layouts on every CPU; the VDPBF16PS
- * kernel runs where the dispatch finds AVX512-BF16. */
+ * The portable packers are C compiled outside the AVX-512 region, and so is a tile kernel of the same
+ * arithmetic (gemm_engine_dpbf16_portable): tests check the panel layouts on every CPU. Where the dispatch
+ * finds AVX512-BF16, the VDPBF16PS kernel runs with AVX-512 packers that make the same panels word for
+ * word (tests/test_kernels_bf16.c compares them). */
 #include <string.h>
 
 #include "ds4/core.h"
@@ -140,9 +141,124 @@ static void dp_tile_14x32(int64_t kc, const void *ap, const void *bp, float *C, 
     DP_ROWS(DP_STORE)
 }
 
+/* ---------------------------------------------------------------- AVX-512 packers
+ * The panels of the portable packers above, word for word, 16 lanes at a time, for the two layouts the
+ * model's GEMMs pass: a panel's lanes (rows of A, columns of B) adjacent in memory for each k, or each
+ * lane's run along k contiguous. Other strides take the portable packers. */
+
+/* bf16_round_u32 on 16 lanes: the rounded bits, the bf16 in the top half and zeros below. */
+static inline __m512i dp_round16(__m512i u) {
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u), expo = _mm512_set1_epi32(0x7f800000);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), top);
+    const __m512i quiet_nan = _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), top);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), expo);
+    const __mmask16 tiny = _mm512_testn_epi32_mask(u, expo); /* ±0 and denormals */
+    const __m512i r = _mm512_mask_blend_epi32(nan, rounded, quiet_nan);
+    return _mm512_mask_blend_epi32(tiny, r, _mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000u)));
+}
+
+/* Words of 16 lanes whose element 2p is lo and 2p+1 is hi (float bits). */
+static inline __m512i dp_words(__m512i lo, __m512i hi) {
+    return _mm512_or_si512(_mm512_srli_epi32(dp_round16(lo), 16), dp_round16(hi));
+}
+
+/* Panel [pair][width] of nl valid lanes (the rest zero), lane l of element k at base[k·ks + l]. */
+static void dp_pack_lanes(uint32_t *d, int64_t width, const float *base, int64_t ks, int64_t nl, int64_t kc) {
+    const int64_t np = (kc + 1) / 2;
+    for (int64_t p = 0; p < np; p++) {
+        const float *e0 = base + 2 * p * ks, *e1 = e0 + ks;
+        for (int64_t l0 = 0; l0 < width; l0 += 16) {
+            const __mmask16 m = lanes(nl - l0);
+            const __m512i lo = _mm512_maskz_loadu_epi32(m, e0 + l0);
+            const __m512i hi = 2 * p + 1 < kc ? _mm512_maskz_loadu_epi32(m, e1 + l0) : _mm512_setzero_si512();
+            _mm512_mask_storeu_epi32(d + p * width + l0, lanes(width - l0), dp_words(lo, hi));
+        }
+    }
+}
+
+/* The lane offsets of 16 consecutive pairs in a panel of `width` lanes. */
+static inline __m512i dp_pair_rows(int64_t width) {
+    return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                              _mm512_set1_epi32((int)width));
+}
+
+/* The same panel, lane l's elements contiguous: element k at base[l·ls + k]. */
+static void dp_pack_runs(uint32_t *d, int64_t width, const float *base, int64_t ls, int64_t nl, int64_t kc) {
+    const int64_t np = (kc + 1) / 2;
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1)), rows = dp_pair_rows(width);
+    for (int64_t l = 0; l < width; l++) {
+        if (l >= nl) {
+            for (int64_t p = 0; p < np; p++) d[p * width + l] = 0;
+            continue;
+        }
+        const float *run = base + l * ls;
+        for (int64_t p0 = 0; p0 < np; p0 += 16) {
+            const int64_t k = 2 * p0;
+            const __m512i r0 = dp_round16(_mm512_maskz_loadu_epi32(lanes(kc - k), run + k));
+            const __m512i r1 = dp_round16(_mm512_maskz_loadu_epi32(lanes(kc - k - 16), run + k + 16));
+            const __m512i w = _mm512_or_si512(_mm512_srli_epi32(_mm512_permutex2var_epi32(r0, even, r1), 16),
+                                              _mm512_permutex2var_epi32(r0, odd, r1));
+            _mm512_mask_i32scatter_epi32(d + p0 * width + l, lanes(np - p0), rows, w, 4);
+        }
+    }
+}
+
+static void dp_pack_a_avx512(void *dst, gemm_view A, int64_t i0, int64_t mr, int64_t k0, int64_t kc) {
+    const float *base = A.p + i0 * A.rs + k0 * A.cs;
+    if (A.rs == 1) dp_pack_lanes(dst, DP_MR, base, A.cs, mr, kc);
+    else if (A.cs == 1) dp_pack_runs(dst, DP_MR, base, A.rs, mr, kc);
+    else dp_pack_a(dst, A, i0, mr, k0, kc);
+}
+
+static void dp_pack_b_avx512(void *dst, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr) {
+    const float *base = B.p + k0 * B.rs + j0 * B.cs;
+    if (B.cs == 1) dp_pack_lanes(dst, DP_NR, base, B.rs, nr, kc);
+    else if (B.rs == 1) dp_pack_runs(dst, DP_NR, base, B.cs, nr, kc);
+    else dp_pack_b(dst, B, k0, kc, j0, nr);
+}
+
+/* From bf16 bits: a column's run along k is already its words (element 2p low, 2p+1 high); adjacent
+ * columns are widened and paired. */
+static void dp_pack_b_bf16_avx512(void *dst, gemm_view B, int64_t k0, int64_t kc, int64_t j0, int64_t nr) {
+    uint32_t *d = dst;
+    const uint16_t *base = B.h + k0 * B.rs + j0 * B.cs;
+    const int64_t np = (kc + 1) / 2;
+    if (B.cs == 1) {
+        for (int64_t p = 0; p < np; p++)
+            for (int64_t l0 = 0; l0 < DP_NR; l0 += 16) {
+                const __mmask16 m = lanes(nr - l0);
+                const uint16_t *e0 = base + 2 * p * B.rs + l0, *e1 = e0 + B.rs;
+                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, e0));
+                const __m512i hi = 2 * p + 1 < kc ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, e1))
+                                                  : _mm512_setzero_si512();
+                _mm512_storeu_si512(d + p * DP_NR + l0, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+    } else if (B.rs == 1) {
+        const __m512i rows = dp_pair_rows(DP_NR);
+        for (int64_t l = 0; l < DP_NR; l++) {
+            if (l >= nr) {
+                for (int64_t p = 0; p < np; p++) d[p * DP_NR + l] = 0;
+                continue;
+            }
+            const uint16_t *run = base + l * B.cs;
+            for (int64_t p0 = 0; p0 < np; p0 += 16) {
+                const int64_t k = 2 * p0, left = kc - k;
+                const __mmask32 m = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1);
+                const __m512i w = _mm512_maskz_loadu_epi16(m, run + k);
+                _mm512_mask_i32scatter_epi32(d + p0 * DP_NR + l, lanes(np - p0), rows, w, 4);
+            }
+        }
+    } else {
+        dp_pack_b_bf16(dst, B, k0, kc, j0, nr);
+    }
+}
+
 static const gemm_engine k_dp_engine = {
     .name = "avx512bf16 VDPBF16PS 14x32", .mr = DP_MR, .nr = DP_NR, .kc = DP_KC, .mc = DP_MC, .nt = DP_NT,
-    .nc = DP_NC, .kalign = 2, .elem = 2, .pack_a = dp_pack_a, .pack_b = dp_pack_b, .pack_b_bf16 = dp_pack_b_bf16, .tile = dp_tile_14x32,
+    .nc = DP_NC, .kalign = 2, .elem = 2, .pack_a = dp_pack_a_avx512, .pack_b = dp_pack_b_avx512,
+    .pack_b_bf16 = dp_pack_b_bf16_avx512, .tile = dp_tile_14x32,
 };
 
 #pragma GCC pop_options
