@@ -6,6 +6,7 @@
 #define DS4_MEMPLAN_H
 
 #include "ds4/config.h"
+#include "ds4/trainer.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -63,6 +64,13 @@ ds4_status ds4_step_memory_run_dist(const ds4_config *c, int64_t B, int64_t T, c
                                     ds4_comm *comm, int ep, bool force_balance, ds4_step_memory *out);
 ds4_status ds4_step_memory_run_dist_opts(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *opts,
                                          bool plan, ds4_comm *comm, int ep, bool force_balance, ds4_step_memory *out);
+
+/* The first step of the run `run` describes (`ds4 train --config`'s description: model, batch, sequence,
+ * precision, device, optimizer, recompute, offload, parallel settings, training.csa_dense_steps), on one
+ * rank of comm: the world (every rank calls it) or a plan communicator (ds4_comm_plan: plan must be true;
+ * routing balanced). run is resolved and checked for comm's world and the model as `ds4 train` does it
+ * (ds4_run_model), and planned through the same builders the trainer runs its steps with. */
+ds4_status ds4_step_memory_of_run(ds4_train_cfg *run, ds4_comm *comm, bool plan, ds4_step_memory *out);
 
 /* ------------------------------------------------------------------ a device budget
  * Whether a planned step fits a device of device_bytes: what the device holds is the memory tier (the

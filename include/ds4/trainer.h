@@ -204,6 +204,21 @@ typedef struct {
     void (*on_pass)(void *ctx, int64_t micro, const ds4_pass *p);
 } ds4_step_args;
 
+/* ------------------------------------------------------------------ a run description's parts
+ * ds4_train_cfg is the one description of a run: `ds4 train` runs it, `ds4 memplan --config` plans it
+ * (ds4_step_memory_of_run), both through these. ds4_run_model: the model's config (model.dir's or
+ * model.config, its loss weights as the run overrides them), the settings that need the world (W ranks)
+ * or the model resolved into c, and c checked against both; *d: model.dir opened (NULL for model.config),
+ * the caller closes it. ds4_run_exec: the steps' context, real or a plan, on training.device with the
+ * GEMMs in the run's precision (a real one also needs the backend usable here). ds4_run_state_opts: the
+ * train state's options (exec is kept by pointer). ds4_run_step_args: step `step`'s settings at lr; the
+ * caller adds ids, next_ids, ctx, loads and on_pass. masks: ds4_recompute_masks of c->recompute, NULL
+ * when it recomputes nothing. */
+ds4_status ds4_run_model(ds4_train_cfg *c, int W, ds4_config *mc, ds4_model_dir **d);
+ds4_status ds4_run_exec(const ds4_train_cfg *c, bool plan, ds4_exec *out);
+ds4_train_state_opts ds4_run_state_opts(const ds4_train_cfg *c, const ds4_exec *exec);
+ds4_step_args ds4_run_step_args(const ds4_train_cfg *c, int W, int64_t step, double lr, const uint32_t *masks);
+
 typedef struct {
     double loss, mtp_loss, indexer_loss, total_loss; /* means over the global batch (none in a plan) */
     double grad_norm;          /* before clipping (0 in a plan) */

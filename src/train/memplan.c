@@ -6,9 +6,10 @@
 #include "ds4/recompute.h"
 #include "ds4/trainer.h"
 
+#include <stdio.h>
 #include <string.h>
 
-/* The optimizer settings of the step (the allocations do not depend on them). */
+/* The optimizer settings of a step planned from ds4_step_opts (the allocations do not depend on them). */
 static const ds4_adamw_cfg k_adamw = {.lr = 1e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
 
 /* Where the step runs: the whole model on this process alone, or one rank of FSDP + EP on comm. */
@@ -18,35 +19,26 @@ typedef struct {
     bool force_balance;
 } step_world;
 
-/* Sets the state up, runs one step of so->micro_batches micro-batches ids [B, T] (loads: [n_blocks, E] scratch); *end: the
- * counters after the step, with what stays between steps (parameters, gradients, optimizer state) live. */
-static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *so,
-                           const step_world *w, int32_t *ids, int64_t *loads, ds4_mem_stats *end, int64_t *held) {
-    const ds4_train_state_opts o = {.ep = w->comm ? w->ep : 1,
-                                    .shard = w->comm != NULL,
-                                    .swap_optimizer = so->swap_optimizer,
-                                    .swap_layer_input = so->swap_layer_input,
-                                    .offload_dir = so->offload_dir,
-                                    .swap_chunk_bytes = so->swap_chunk_bytes,
-                                    .optimizer = so->muon ? &ds4_optimizer_muon : NULL,
-                                    .bf16 = so->bf16,
-                                    .prefetch_depth = so->prefetch_depth};
-    const ds4_muon_cfg muon = ds4_muon_defaults();
+/* What one step runs: its context, the state's options and the step's settings (ids and loads are added
+ * here), made from a run description. */
+typedef struct {
+    ds4_exec exec;
+    ds4_train_state_opts state;
+    ds4_step_args args;
+} step_setup;
+
+/* Sets the state up, runs the step (ids [B, T], loads [n_blocks, E] scratch); *end: the counters after the
+ * step, with what stays between steps (parameters, gradients, optimizer state) live. */
+static ds4_status one_step(ds4_train_state *s, const ds4_config *c, const step_setup *u, const step_world *w,
+                           int32_t *ids, int64_t *loads, ds4_mem_stats *end, int64_t *held) {
+    ds4_train_state_opts o = u->state;
+    o.ep = w->comm ? w->ep : 1;
+    o.shard = w->comm != NULL;
     ds4_status st = ds4_train_state_setup(s, c, NULL, 1, w->comm ? w->comm : ds4_comm_self(), &o);
-    const ds4_step_args a = {.step = 1,
-                             .micro_batches = so->micro_batches > 1 ? so->micro_batches : 1,
-                             .B = B,
-                             .T = T,
-                             .ids = ids,
-                             .loads = loads,
-                             .release_mask = so->masks,
-                             .moe_force_balance = w->force_balance,
-                             .adamw = &k_adamw,
-                             .own_cfg = so->muon ? &muon : NULL,
-                             .lr = k_adamw.lr,
-                             .max_norm = 1.0,
-                             .router_bias_gamma = 1e-3,
-                             .moe_fb_overlap = so->moe_fb_overlap};
+    ds4_step_args a = u->args;
+    a.ids = ids;
+    a.loads = loads;
+    a.moe_force_balance = w->force_balance;
     ds4_step_result r;
     if (st == DS4_OK) st = ds4_train_step(s, &a, &r);
     ds4_mem_get(end);
@@ -54,12 +46,12 @@ static ds4_status one_step(ds4_train_state *s, const ds4_config *c, int64_t B, i
     return st;
 }
 
-static ds4_status measure(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *so, bool plan,
-                          const step_world *w, ds4_step_memory *out) {
+static ds4_status measure(const ds4_config *c, const step_setup *u, const step_world *w, ds4_step_memory *out) {
     memset(out, 0, sizeof *out);
     /* token ids [B, T] and the router loads [n_blocks, E] are metadata-sized and real in both modes (the
      * forward validates the ids), made before the counting starts, as the trainer makes them before its
      * steps; B and T come from flags, so their product is checked before it sizes anything */
+    const int64_t B = u->args.B, T = u->args.T;
     int64_t n, nl;
     if (B < 1 || T < 1 || !ds4_shape_fits(2, (const int64_t[]){B, T}, sizeof(int32_t), &n))
         return ds4_fail(DS4_ERR_ARG, "memplan: batch %lld x sequence %lld tokens: need both >= 1 and a product that fits",
@@ -67,11 +59,10 @@ static ds4_status measure(const ds4_config *c, int64_t B, int64_t T, const ds4_s
     if (!ds4_shape_fits(2, (const int64_t[]){c->n_layers + c->n_mtp_layers, c->n_routed_experts}, sizeof(int64_t), &nl))
         return ds4_fail(DS4_ERR_ARG, "memplan: %lld x %lld router loads do not fit",
                         (long long)(c->n_layers + c->n_mtp_layers), (long long)c->n_routed_experts);
-    const ds4_exec x = {.plan = plan, .backend = so->backend, .matmul_precision = so->matmul_precision};
     int32_t *ids = ds4_calloc(DS4_MEM_OTHER, (size_t)n * sizeof(int32_t));
     int64_t *loads = ds4_calloc(DS4_MEM_OTHER, (size_t)nl * sizeof(int64_t));
     ds4_train_state *s = NULL; /* made before the counting too: the handle the step runs through */
-    ds4_status st = ids && loads ? ds4_train_state_new(&x, &s)
+    ds4_status st = ids && loads ? ds4_train_state_new(&u->exec, &s)
                                  : ds4_fail(DS4_ERR_OOM, "memplan: out of memory for %lld token ids", (long long)n);
     if (st != DS4_OK) {
         ds4_free(ids);
@@ -82,7 +73,7 @@ static ds4_status measure(const ds4_config *c, int64_t B, int64_t T, const ds4_s
     ds4_mem_stats s0, s1, end = {0};
     ds4_mem_reset_peak();
     ds4_mem_get(&s0);
-    st = one_step(s, c, B, T, so, w, ids, loads, &end, &out->params_held);
+    st = one_step(s, c, u, w, ids, loads, &end, &out->params_held);
     ds4_train_state_free(s);
     ds4_mem_get(&s1);
     for (int k = 0; k < DS4_MEM_NCAT; k++) {
@@ -100,10 +91,59 @@ static ds4_status measure(const ds4_config *c, int64_t B, int64_t T, const ds4_s
     return st;
 }
 
+/* The run a ds4_step_opts stands for: one step of micro-batches [B, T] on W ranks with the settings whose
+ * allocations differ (the optimizer's numbers change no byte), made into a setup by the trainer's own
+ * builders. */
+static void setup_of_opts(int64_t B, int64_t T, const ds4_step_opts *so, bool plan, int W,
+                          ds4_train_cfg *run, step_setup *u) {
+    memset(run, 0, sizeof *run);
+    ds4_recompute_defaults(&run->recompute);
+    run->seq_len = T;
+    run->micro_batch = B;
+    run->global_batch = B * W * (so->micro_batches > 1 ? so->micro_batches : 1);
+    run->ep = 1;
+    run->swap_optimizer = so->swap_optimizer;
+    run->swap_layer_input = so->swap_layer_input;
+    snprintf(run->offload_dir, sizeof run->offload_dir, "%s", so->offload_dir ? so->offload_dir : "");
+    run->optimizer = so->muon ? &ds4_optimizer_muon : &ds4_optimizer_adamw;
+    run->muon = ds4_muon_defaults();
+    run->adamw = k_adamw;
+    run->max_norm = 1.0;
+    run->router_bias_gamma = 1e-3;
+    run->bf16_params = so->bf16;
+    run->matmul_precision = so->matmul_precision;
+    run->prefetch_depth = so->prefetch_depth;
+    run->moe_fb_overlap = so->moe_fb_overlap;
+    u->exec = (ds4_exec){.plan = plan, .backend = so->backend, .matmul_precision = run->matmul_precision};
+    u->state = ds4_run_state_opts(run, &u->exec);
+    u->state.swap_chunk_bytes = so->swap_chunk_bytes;
+    u->args = ds4_run_step_args(run, W, 1, k_adamw.lr, so->masks);
+}
+
+ds4_status ds4_step_memory_of_run(ds4_train_cfg *run, ds4_comm *comm, bool plan, ds4_step_memory *out) {
+    const int W = ds4_comm_size(comm);
+    ds4_config c;
+    ds4_model_dir *d = NULL;
+    DS4_TRY(ds4_run_model(run, W, &c, &d));
+    ds4_model_dir_close(d); /* a step's bytes do not depend on where the weights came from */
+    uint32_t masks[DS4_MAX_LAYERS];
+    ds4_recompute_masks(&run->recompute, &c, masks);
+    step_setup u;
+    DS4_TRY(ds4_run_exec(run, plan, &u.exec));
+    u.state = ds4_run_state_opts(run, &u.exec);
+    u.args = ds4_run_step_args(run, W, 1, run->adamw.lr, ds4_recompute_any(&run->recompute) ? masks : NULL);
+    const step_world w = {W > 1 || run->ep > 1 ? comm : NULL, (int)run->ep, ds4_comm_is_plan(comm)};
+    if (ds4_comm_is_plan(comm) && !plan) return ds4_fail(DS4_ERR_ARG, "memplan: a simulated world can only plan");
+    return measure(&c, &u, &w, out);
+}
+
 ds4_status ds4_step_memory_run_opts(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *opts, bool plan,
                                     ds4_step_memory *out) {
     const step_world whole = {0};
-    return measure(c, B, T, opts, plan, &whole, out);
+    ds4_train_cfg run;
+    step_setup u;
+    setup_of_opts(B, T, opts, plan, 1, &run, &u);
+    return measure(c, &u, &whole, out);
 }
 
 ds4_status ds4_step_memory_run(const ds4_config *c, int64_t B, int64_t T, const uint32_t *masks, bool plan,
@@ -117,7 +157,10 @@ ds4_status ds4_step_memory_run_dist_opts(const ds4_config *c, int64_t B, int64_t
     if (ds4_comm_is_plan(comm) && !plan)
         return ds4_fail(DS4_ERR_ARG, "memplan: a simulated world can only plan");
     const step_world w = {comm, ep, force_balance};
-    return measure(c, B, T, opts, plan, &w, out);
+    ds4_train_cfg run;
+    step_setup u;
+    setup_of_opts(B, T, opts, plan, ds4_comm_size(comm), &run, &u);
+    return measure(c, &u, &w, out);
 }
 
 ds4_status ds4_step_memory_run_dist(const ds4_config *c, int64_t B, int64_t T, const uint32_t *masks, bool plan,

@@ -444,32 +444,68 @@ static ds4_status resolve_for_run(ds4_train_cfg *c, const ds4_config *mc, int W)
     return DS4_OK;
 }
 
+/* ------------------------------------------------------------------ what a run description makes
+ * The trainer and memplan (ds4_step_memory_of_run) read a run only through these four, so a setting of
+ * ds4_train_cfg reaches both once it is here. */
+ds4_status ds4_run_model(ds4_train_cfg *c, int W, ds4_config *mc, ds4_model_dir **d) {
+    *d = NULL;
+    if (c->model_dir[0]) {
+        DS4_TRY(ds4_model_dir_open(c->model_dir, d));
+        *mc = *ds4_model_dir_config(*d);
+    } else {
+        DS4_TRY(ds4_config_load(c->model_config, mc));
+    }
+    if (c->mtp_loss_weight >= 0) mc->mtp_loss_weight = c->mtp_loss_weight;
+    if (c->indexer_loss_coeff >= 0) mc->indexer_loss_coeff = c->indexer_loss_coeff;
+    ds4_status st = resolve_for_run(c, mc, W);
+    if (st == DS4_OK) st = check_cfg(c, mc);
+    if (st == DS4_OK) st = check_parallel(c, mc, W);
+    if (st != DS4_OK) {
+        ds4_model_dir_close(*d);
+        *d = NULL;
+    }
+    return st;
+}
+
+ds4_status ds4_run_exec(const ds4_train_cfg *c, bool plan, ds4_exec *out) {
+    *out = (ds4_exec){.plan = plan, .matmul_precision = c->matmul_precision};
+    DS4_TRY(ds4_backend_find("key training.device", c->device[0] ? c->device : "cpu", &out->backend));
+    return plan ? DS4_OK : ds4_backend_ready("key training.device", out->backend);
+}
+
+ds4_train_state_opts ds4_run_state_opts(const ds4_train_cfg *c, const ds4_exec *exec) {
+    return (ds4_train_state_opts){.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
+                                  .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir,
+                                  .exec = exec, .optimizer = c->optimizer, .bf16 = c->bf16_params,
+                                  .per_rank_ckpt = c->ckpt_per_rank, .prefetch_depth = (int)c->prefetch_depth};
+}
+
+ds4_step_args ds4_run_step_args(const ds4_train_cfg *c, int W, int64_t step, double lr, const uint32_t *masks) {
+    return (ds4_step_args){.step = step,
+                           .micro_batches = c->global_batch / (c->micro_batch * W),
+                           .B = c->micro_batch,
+                           .T = c->seq_len,
+                           .csa_dense = step <= c->csa_dense_steps,
+                           .release_mask = masks,
+                           .adamw = &c->adamw,
+                           .own_cfg = c->optimizer == &ds4_optimizer_muon ? &c->muon : NULL,
+                           .lr = lr,
+                           .max_norm = c->max_norm,
+                           .router_bias_gamma = c->router_bias_gamma,
+                           .moe_fb_overlap = c->moe_fb_overlap};
+}
+
 static ds4_status open_model(ds4_train_cfg *c, trainer *tr) {
     ds4_config mc;
     ds4_model_dir *d = NULL;
-    if (c->model_dir[0]) {
-        DS4_TRY(ds4_model_dir_open(c->model_dir, &d));
-        mc = *ds4_model_dir_config(d);
-        if (ds4_model_dir_mtp_absent(d) && tr->lead)
-            printf("note: model.dir %s stores no MTP block (transformers' save_pretrained drops it): training without MTP\n",
-                   c->model_dir);
-    } else {
-        DS4_TRY(ds4_config_load(c->model_config, &mc));
-    }
-    if (c->mtp_loss_weight >= 0) mc.mtp_loss_weight = c->mtp_loss_weight;
-    if (c->indexer_loss_coeff >= 0) mc.indexer_loss_coeff = c->indexer_loss_coeff;
-    ds4_status st = resolve_for_run(c, &mc, tr->W);
-    if (st == DS4_OK) st = check_cfg(c, &mc);
-    if (st == DS4_OK) st = check_parallel(c, &mc, tr->W);
-    /* training runs real steps (memplan opens the same state as a plan) on the configured backend, its GEMMs
-     * in the configured precision */
-    ds4_exec real = {.plan = false, .matmul_precision = c->matmul_precision};
-    if (st == DS4_OK) st = ds4_backend_find("key training.device", c->device[0] ? c->device : "cpu", &real.backend);
-    if (st == DS4_OK) st = ds4_backend_ready("key training.device", real.backend);
-    ds4_train_state_opts so = {.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
-                               .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir, .exec = &real,
-                               .optimizer = c->optimizer, .bf16 = c->bf16_params, .per_rank_ckpt = c->ckpt_per_rank,
-                               .prefetch_depth = (int)c->prefetch_depth};
+    ds4_status st = ds4_run_model(c, tr->W, &mc, &d);
+    if (st == DS4_OK && d && ds4_model_dir_mtp_absent(d) && tr->lead)
+        printf("note: model.dir %s stores no MTP block (transformers' save_pretrained drops it): training without MTP\n",
+               c->model_dir);
+    /* training runs real steps (memplan opens the same state as a plan) */
+    ds4_exec real;
+    if (st == DS4_OK) st = ds4_run_exec(c, false, &real);
+    const ds4_train_state_opts so = ds4_run_state_opts(c, &real);
     if (st == DS4_OK) st = ds4_train_state_open(&mc, d, (uint64_t)c->init_seed, tr->world, &so, &tr->s);
     if (st == DS4_OK) tr->m = ds4_train_state_model(tr->s);
     ds4_model_dir_close(d);
@@ -501,24 +537,13 @@ static void report_units(void *ctx, int64_t micro, const ds4_pass *p) {
 
 /* The arguments of step `step` of this run. */
 static ds4_step_args step_args(trainer *tr, int64_t step, double lr) {
-    const ds4_train_cfg *c = tr->cfg;
-    return (ds4_step_args){.step = step,
-                           .micro_batches = c->global_batch / (c->micro_batch * tr->W),
-                           .B = c->micro_batch,
-                           .T = c->seq_len,
-                           .ids = tr->ids,
-                           .next_ids = next_micro_batch,
-                           .ctx = tr,
-                           .loads = tr->loads,
-                           .csa_dense = step <= c->csa_dense_steps,
-                           .release_mask = ds4_recompute_any(&c->recompute) ? tr->masks : NULL,
-                           .adamw = &c->adamw,
-                           .own_cfg = c->optimizer == &ds4_optimizer_muon ? &c->muon : NULL,
-                           .lr = lr,
-                           .max_norm = c->max_norm,
-                           .router_bias_gamma = c->router_bias_gamma,
-                           .moe_fb_overlap = c->moe_fb_overlap,
-                           .on_pass = report_units};
+    ds4_step_args a = ds4_run_step_args(tr->cfg, tr->W, step, lr, ds4_recompute_any(&tr->cfg->recompute) ? tr->masks : NULL);
+    a.ids = tr->ids;
+    a.next_ids = next_micro_batch;
+    a.ctx = tr;
+    a.loads = tr->loads;
+    a.on_pass = report_units;
+    return a;
 }
 
 /* Seconds since the epoch: TensorBoard's wall_time. */
