@@ -189,6 +189,33 @@ static void test_swap_plan_equals_measured_dist(void) {
           real.offload_peak[DS4_MEM_OPTIM] > 0 && real.offload_peak[DS4_MEM_ACT] > 0);
 }
 
+/* A run description as ds4 train reads it (2 micro-batches, dense CSA on step 1, Muon, swapped optimizer,
+ * CSA recompute, bf16 mixed precision): planned == measured, byte for byte, through the trainer's builders. */
+static void test_run_description_plan_equals_measured(void) {
+    static const char text[] = "[model]\nconfig = \"tests/configs/tiny-a.json\"\n[training]\nsteps = 1\nseq_len = 64\n"
+                               "micro_batch_size = 2\nglobal_batch_size = 4\ncsa_dense_steps = 1\n"
+                               "mixed_precision_param = \"bfloat16\"\n[optimizer]\nname = \"Muon\"\n"
+                               "[data]\ntrain = \"unused\"\n";
+    ds4_toml *t = NULL;
+    ds4_train_cfg run;
+    CHECK(ds4_toml_parse(text, sizeof text - 1, "run.toml", &t) == DS4_OK && ds4_train_cfg_from_toml(t, &run) == DS4_OK,
+          "%s", ds4_errmsg());
+    ds4_toml_free(t);
+    run.swap_optimizer = true;
+    run.recompute.csa_attention = true;
+    ds4_train_cfg a = run, b = run; /* each is resolved for its world in place */
+    ds4_step_memory plan, real;
+    CHECK(ds4_step_memory_of_run(&a, ds4_comm_self(), true, &plan) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_step_memory_of_run(&b, ds4_comm_self(), false, &real) == DS4_OK, "%s", ds4_errmsg());
+    for (int k = 0; k < DS4_MEM_NCAT; k++)
+        CHECK(plan.peak[k] == real.peak[k] && plan.offload_peak[k] == real.offload_peak[k],
+              "run %s: planned %lld + %lld offloaded, measured %lld + %lld", ds4_mem_cat_name((ds4_mem_cat)k),
+              (long long)plan.peak[k], (long long)plan.offload_peak[k], (long long)real.peak[k],
+              (long long)real.offload_peak[k]);
+    CHECK(plan.peak_total == real.peak_total && real.offload_peak[DS4_MEM_OPTIM] > 0, "peak %lld vs %lld",
+          (long long)plan.peak_total, (long long)real.peak_total);
+}
+
 /* The real configurations plan in seconds; activations grow with T, parameters do not. */
 static void test_plans_flash_and_pro(void) {
     const char *cfgs[] = {"configs/deepseek-v4-flash.json", "configs/deepseek-v4-pro.json"};
@@ -308,6 +335,7 @@ int main(void) {
     RUN(test_matmul_precision_plan_equals_measured);
     RUN(test_swap_plan_equals_measured_dist);
     RUN(test_muon_plan_equals_measured);
+    RUN(test_run_description_plan_equals_measured);
     RUN(test_plans_flash_and_pro);
     RUN(test_device_budget);
     RUN(test_resident_per_parameter);

@@ -124,4 +124,62 @@ check("--matmul-precision bf16 says so and keeps fp32 parameters", r.returncode 
       r.stdout)
 r = memplan("--device-memory", "1.5")
 check("1.5 bytes is a size, rounded down to one byte", fit(r.stdout) == (1, 1 - peak), r.stdout)
+
+# --config: the run a training TOML describes, read as ds4 train reads it, planned through the trainer's
+# builders: the same bytes as the flags that say the same, and settings the flags cannot say
+import tempfile  # noqa: E402
+
+tmp = tempfile.mkdtemp(prefix="ds4-memplan-")
+toml = os.path.join(tmp, "run.toml")
+with open(toml, "w") as f:
+    f.write('[model]\nconfig = "tests/configs/tiny-a.json"\n[training]\nsteps = 1\nseq_len = 64\n'
+            'micro_batch_size = 2\nthreads = 1\n[data]\ntrain = "unused_*.bin"\n')
+
+
+def run_plan(*args):
+    return subprocess.run([ds4, "memplan", "--config", toml, *args], capture_output=True, text=True, timeout=60)
+
+
+def categories(out):
+    out = out.split("offload tier")[0]  # the memory tier's table
+    return re.findall(r"^  (params|grads|optim|activations|workspace|comm|other|peak total|resident) +(\d+) ", out, re.M)
+
+
+for name, run_args, flag_args in [
+        ("plain", [], []),
+        ("recompute and swap flags", ["--recompute-csa-attention", "--swap-optimizer"],
+         ["--recompute-csa-attention", "--swap-optimizer"]),
+        ("bf16 mixed precision", ["--training.mixed_precision_param", "bfloat16"], ["--mixed-precision-param", "bfloat16"]),
+        ("Muon", ["--optimizer.name", "Muon"], ["--muon"]),
+        ("two ranks, EP 2", ["--training.global_batch_size", "4", "--parallel.ep", "2", "--world", "2"],
+         ["--world", "2", "--ep", "2"]),
+        ("MoE FB overlap, two micro-batches", ["--training.global_batch_size", "4", "--moe-fb-overlap"],
+         ["--moe-fb-overlap"])]:
+    a, b = run_plan(*run_args), memplan(*flag_args)
+    ca = categories(a.stdout)
+    check(f"--config {name}: the flags' bytes", a.returncode == 0 and len(ca) == 9 and ca == categories(b.stdout),
+          a.stdout + a.stderr + b.stdout)
+r = run_plan("--device-memory", str(peak))
+check("--config --device-memory: the fit line", r.returncode == 0 and fit(r.stdout) == (peak, 0), r.stdout + r.stderr)
+r = run_plan("--training.global_batch_size", "4")
+check("--config: two micro-batches per rank, said in the header",
+      r.returncode == 0 and "micro-batch 2 x 2 per rank" in r.stdout, r.stdout + r.stderr)
+
+
+def run_error(name, code, args, *needles):
+    r = run_plan(*args)
+    err = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    check(name, r.returncode == code and len(err) == 1 and all(n in err[0] for n in needles) and r.stdout == "",
+          f"rc={r.returncode} stdout={r.stdout!r} stderr={r.stderr!r}")
+
+
+run_error("--config with --policies", 2, ["--policies"], "--policies")
+run_error("--config with --model", 2, ["--model", "x"], "--model")
+run_error("--config: an unknown key", 1, ["--training.nope", "1"], "training.nope")
+run_error("--config: a batch two ranks cannot split", 1, ["--world", "2"], "global_batch_size", "2 ranks")
+run_error("--config: an unknown flag", 2, ["--bogus"], "--bogus")
+run_error("--config: a rank outside the world", 2, ["--world", "2", "--rank", "2"], "--rank")
+r = subprocess.run([ds4, "memplan", "--config", os.path.join(tmp, "none.toml")], capture_output=True, text=True,
+                   timeout=60)
+check("--config: a missing file", r.returncode == 1 and "none.toml" in r.stderr and r.stdout == "", r.stderr)
 finish("test_memplan_cli")

@@ -54,7 +54,15 @@ static void usage(void) {
                     "--policies: plan every recompute setting (off, csa, mhc, norm, csa+mhc, csa+mhc+norm, full),\n"
                     "each alone, with --swap-optimizer, with --swap-layer-input and with both, one line each\n"
                     "(instead of recompute and swap flags).\n"
-                    "The exit code is 0 whether or not the step fits: memplan reports, it does not judge.\n");
+                    "The exit code is 0 whether or not the step fits: memplan reports, it does not judge.\n"
+                    "\n"
+                    "usage: ds4 memplan --config FILE.toml [--section.key value ...] [ds4 train's flags]\n"
+                    "       [--world N [--rank R]] [--device-memory SIZE]\n"
+                    "The first step of the run `ds4 train --config FILE.toml ...` describes, read as ds4 train reads\n"
+                    "it (TorchTitan keys, overrides, recompute and swap flags) and planned through the trainer's own\n"
+                    "builders: every setting of the run counts (batch and micro-batches, training.device, matmul\n"
+                    "precision, optimizer, training.csa_dense_steps, parallel.ep, prefetch depth, MoE overlap).\n"
+                    "--world N: as rank R (default 0) of mpirun -np N.\n");
 }
 
 /* The command line. */
@@ -207,6 +215,8 @@ static void print_fit(int64_t device, const ds4_step_memory *r) {
            f.fits ? "free at its peak" : "over");
 }
 
+static void print_step(const ds4_step_memory *r, bool bf16, ds4_matmul_precision prec, bool swap, int64_t device);
+
 static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so) {
     uint32_t masks[DS4_MAX_LAYERS];
     ds4_recompute_masks(&a->rc, c, masks);
@@ -220,16 +230,23 @@ static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so
            so.swap_optimizer ? (so.swap_layer_input ? "optimizer+layer-input" : "optimizer")
                              : (so.swap_layer_input ? "layer-input" : "off"),
            ds4_get_threads(), where);
-    if (so.bf16)
+    print_step(&r, so.bf16, so.matmul_precision, so.swap_optimizer || so.swap_layer_input, a->device);
+    return 0;
+}
+
+/* The categories of one planned step, its offload tier when it has one, and the fit of a device. */
+static void print_step(const ds4_step_memory *rp, bool bf16, ds4_matmul_precision prec, bool swap, int64_t device) {
+    const ds4_step_memory r = *rp;
+    if (bf16)
         printf("  mixed precision: bfloat16 compute (bf16 GEMM operands and activations), float32 weights and state\n");
-    else if (so.matmul_precision == DS4_MATMUL_BF16)
+    else if (prec == DS4_MATMUL_BF16)
         printf("  matmul precision: bf16 GEMM operands on float32 weights and activations\n");
     printf("  %-12s %20s %12s\n", "category", "peak bytes", "GiB");
     for (int k = 0; k < DS4_MEM_NCAT; k++)
         printf("  %-12s %20lld %12.3f\n", ds4_mem_cat_name((ds4_mem_cat)k), (long long)r.peak[k], gib(r.peak[k]));
     printf("  %-12s %20lld %12.3f\n", "peak total", (long long)r.peak_total, gib(r.peak_total));
     printf("  %-12s %20lld %12.3f\n", "resident", (long long)r.after_step, gib(r.after_step));
-    if (so.swap_optimizer || so.swap_layer_input) {
+    if (swap) {
         printf("  offload tier (outside memory)\n");
         for (int k = 0; k < DS4_MEM_NCAT; k++)
             if (r.offload_peak[k])
@@ -238,9 +255,8 @@ static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so
         printf("  %-12s %20lld %12.3f\n", "peak total", (long long)r.offload_peak_total, gib(r.offload_peak_total));
         printf("  %-12s %20lld %12.3f\n", "resident", (long long)r.offload_after_step, gib(r.offload_after_step));
     }
-    if (a->device) print_fit(a->device, &r);
+    if (device) print_fit(device, &r);
     printf("(planned in %.2f s)\n", r.seconds);
-    return 0;
 }
 
 /* --policies: one line per policy of ds4_memplan_policy_at, with fits and margin under --device-memory. */
@@ -276,11 +292,74 @@ static int plan_policies(const memplan_args *a, const ds4_config *c) {
     return 0;
 }
 
+/* --config: memplan's own flags (--world, --rank, --device-memory) taken out of argv; the rest is the run
+ * description, as ds4 train reads it. */
+static int plan_run(int argc, char **argv) {
+    int64_t world = 1, rank = 0, device = 0;
+    int out = 1;
+    for (int i = 1; i < argc; i++) {
+        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        const bool ours = !strcmp(f, "--world") || !strcmp(f, "--rank") || !strcmp(f, "--device-memory");
+        if (!strcmp(f, "--policies") || !strcmp(f, "--model")) {
+            fprintf(stderr, "error: ds4 memplan: %s is a flag of the other form; with --config the run is the file's\n", f);
+            return 2;
+        }
+        if (!ours) {
+            argv[out++] = argv[i];
+            continue;
+        }
+        if (!v) {
+            fprintf(stderr, "error: ds4 memplan: '%s' needs a value\n", f);
+            return 2;
+        }
+        i++;
+        if (!strcmp(f, "--device-memory")) {
+            if (ds4_parse_bytes("--device-memory", v, &device) != DS4_OK || device < 1) {
+                fprintf(stderr, "error: ds4 memplan: --device-memory %s: expected a size of at least one byte\n", v);
+                return 2;
+            }
+        } else if (!cli_int("memplan", f + 2, v, !strcmp(f, "--world") ? &world : &rank)) {
+            return 2;
+        }
+    }
+    if (world < 1 || world > 1 << 20 || rank < 0 || rank >= world) {
+        fprintf(stderr, "error: ds4 memplan: --world %lld --rank %lld: need world >= 1 and 0 <= rank < world\n",
+                (long long)world, (long long)rank);
+        return 2;
+    }
+    ds4_train_cfg run;
+    const int rc = cli_run_description("memplan", out, argv, false, &run);
+    if (rc) {
+        fprintf(stderr, "error: %s\n", ds4_errmsg());
+        return rc;
+    }
+    if (run.threads > 0) ds4_set_threads((int)run.threads);
+    ds4_comm *comm = NULL;
+    ds4_status st = world > 1 ? ds4_comm_plan((int)world, (int)rank, &comm) : DS4_OK;
+    ds4_step_memory r;
+    if (st == DS4_OK) st = ds4_step_memory_of_run(&run, world > 1 ? comm : ds4_comm_self(), true, &r);
+    ds4_comm_free(comm);
+    if (st != DS4_OK) return cli_fail();
+    char desc[64];
+    printf("memplan: %s, seq %lld, micro-batch %lld x %lld per rank, recompute %s, swap %s, %s, %d threads "
+           "(rank %lld of %lld, EP %lld)\n",
+           run.model_dir[0] ? run.model_dir : run.model_config, (long long)run.seq_len, (long long)run.micro_batch,
+           (long long)(run.global_batch / (run.micro_batch * world)), ds4_recompute_describe(&run.recompute, desc, sizeof desc),
+           run.swap_optimizer ? (run.swap_layer_input ? "optimizer+layer-input" : "optimizer")
+                              : (run.swap_layer_input ? "layer-input" : "off"),
+           run.optimizer ? run.optimizer->name : "AdamW", ds4_get_threads(), (long long)rank, (long long)world,
+           (long long)run.ep);
+    print_step(&r, run.bf16_params, run.matmul_precision, run.swap_optimizer || run.swap_layer_input, device);
+    return 0;
+}
+
 int cmd_memplan(int argc, char **argv) {
     if (cli_want_help(argc, argv)) {
         usage();
         return 0;
     }
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--config") || !strcmp(argv[i], "--job.config_file")) return plan_run(argc, argv);
     memplan_args a;
     const int rc = parse_args(argc, argv, &a);
     if (rc) return rc;

@@ -46,7 +46,7 @@ static const char *const k_aliases[][2] = {{"--prefetch-depth", "parallel.prefet
                                            {"--trace", "metrics.trace_file"}};
 
 /* Sets the key of every alias flag in t and removes the flag and its value from argv. */
-static ds4_status apply_aliases(ds4_toml *t, int *argc, char **argv) {
+static ds4_status apply_aliases(const char *cmd, ds4_toml *t, int *argc, char **argv) {
     int out = 1;
     for (int i = 1; i < *argc; i++) {
         const char *key = NULL;
@@ -56,7 +56,7 @@ static ds4_status apply_aliases(ds4_toml *t, int *argc, char **argv) {
             argv[out++] = argv[i];
             continue;
         }
-        if (i + 1 >= *argc) return ds4_fail(DS4_ERR_ARG, "ds4 train: %s needs a value", argv[i]);
+        if (i + 1 >= *argc) return ds4_fail(DS4_ERR_ARG, "ds4 %s: %s needs a value", cmd, argv[i]);
         DS4_TRY(ds4_toml_set(t, key, argv[++i]));
     }
     *argc = out;
@@ -64,7 +64,7 @@ static ds4_status apply_aliases(ds4_toml *t, int *argc, char **argv) {
 }
 
 /* --config FILE or TorchTitan's --job.config_file FILE (the same file if both are given), taken out of argv. */
-static ds4_status take_config_path(int *argc, char **argv, const char **path) {
+static ds4_status take_config_path(const char *cmd, int *argc, char **argv, const char **path) {
     int out = 1;
     *path = NULL;
     for (int i = 1; i < *argc; i++) {
@@ -72,10 +72,10 @@ static ds4_status take_config_path(int *argc, char **argv, const char **path) {
             argv[out++] = argv[i];
             continue;
         }
-        if (i + 1 >= *argc) return ds4_fail(DS4_ERR_ARG, "ds4 train: %s needs a file", argv[i]);
+        if (i + 1 >= *argc) return ds4_fail(DS4_ERR_ARG, "ds4 %s: %s needs a file", cmd, argv[i]);
         if (*path && strcmp(*path, argv[i + 1]))
-            return ds4_fail(DS4_ERR_ARG, "ds4 train: --config / --job.config_file given twice, as %s and %s: give one",
-                            *path, argv[i + 1]);
+            return ds4_fail(DS4_ERR_ARG, "ds4 %s: --config / --job.config_file given twice, as %s and %s: give one",
+                            cmd, *path, argv[i + 1]);
         *path = argv[++i];
     }
     *argc = out;
@@ -108,63 +108,67 @@ static void train_usage(void) {
             "  --trace FILE                    Chrome trace JSON of the steps: compute, fsdp, ep lanes per rank\n");
 }
 
+int cli_run_description(const char *cmd, int argc, char **argv, bool notes, ds4_train_cfg *cfg) {
+    const char *cfg_path = NULL;
+    if (take_config_path(cmd, &argc, argv, &cfg_path) != DS4_OK) return 2;
+    if (!cfg_path) {
+        ds4_fail(DS4_ERR_ARG, "ds4 %s: --config FILE.toml (TorchTitan's --job.config_file FILE.toml) is required", cmd);
+        return 2;
+    }
+    ds4_toml *t;
+    if (ds4_toml_load(cfg_path, &t) != DS4_OK) return 1;
+    ds4_status st = apply_aliases(cmd, t, &argc, argv);
+    if (st == DS4_OK) st = ds4_toml_apply_overrides(t, &argc, argv);
+    if (st == DS4_OK) st = ds4_train_cfg_from_toml(t, cfg);
+    if (st == DS4_OK && notes) {
+        ds4_train_toml_notes(t, print_note, NULL);
+        fflush(stdout);
+    }
+    ds4_toml_free(t);
+    if (st != DS4_OK) return 1;
+    for (int i = 1; i < argc; i++) {
+        bool used = false;
+        if (!strcmp(argv[i], "--memory-report")) {
+            cfg->memory_report = true;
+            continue;
+        }
+        if (!strcmp(argv[i], "--swap-optimizer")) {
+            cfg->swap_optimizer = true;
+            continue;
+        }
+        if (!strcmp(argv[i], "--swap-layer-input")) {
+            cfg->swap_layer_input = true;
+            continue;
+        }
+        if (!strcmp(argv[i], "--moe-fb-overlap")) {
+            cfg->moe_fb_overlap = true;
+            continue;
+        }
+        if (!strcmp(argv[i], "--offload-dir")) {
+            if (i + 1 >= argc) {
+                ds4_fail(DS4_ERR_ARG, "ds4 %s: --offload-dir needs a directory", cmd);
+                return 2;
+            }
+            snprintf(cfg->offload_dir, sizeof cfg->offload_dir, "%s", argv[++i]);
+            continue;
+        }
+        if (ds4_recompute_parse_arg(&cfg->recompute, argc, argv, &i, &used) != DS4_OK) return 1;
+        if (!used) {
+            ds4_fail(DS4_ERR_ARG, "ds4 %s: unknown argument '%s' (see ds4 %s --help)", cmd, argv[i], cmd);
+            return 2;
+        }
+    }
+    return 0;
+}
+
 int cmd_train(int argc, char **argv) {
     if (cli_want_help(argc, argv)) {
         train_usage();
         return 0;
     }
-    const char *cfg_path = NULL;
-    if (take_config_path(&argc, argv, &cfg_path) != DS4_OK) return fail_all(2);
-    if (!cfg_path) {
-        ds4_fail(DS4_ERR_ARG, "ds4 train: --config FILE.toml (TorchTitan's --job.config_file FILE.toml) is required");
-        return fail_all(2);
-    }
-    ds4_toml *t;
-    if (ds4_toml_load(cfg_path, &t) != DS4_OK) return fail_all(1);
-    if (apply_aliases(t, &argc, argv) != DS4_OK || ds4_toml_apply_overrides(t, &argc, argv) != DS4_OK) {
-        ds4_toml_free(t);
-        return fail_all(1);
-    }
     ds4_train_cfg cfg;
-    ds4_status st = ds4_train_cfg_from_toml(t, &cfg);
-    if (st == DS4_OK && ds4_comm_rank(ds4_comm_world()) == 0) {
-        ds4_train_toml_notes(t, print_note, NULL);
-        fflush(stdout);
-    }
-    ds4_toml_free(t);
-    if (st != DS4_OK) return fail_all(1);
-    for (int i = 1; i < argc; i++) {
-        bool used = false;
-        if (!strcmp(argv[i], "--memory-report")) {
-            cfg.memory_report = true;
-            continue;
-        }
-        if (!strcmp(argv[i], "--swap-optimizer")) {
-            cfg.swap_optimizer = true;
-            continue;
-        }
-        if (!strcmp(argv[i], "--swap-layer-input")) {
-            cfg.swap_layer_input = true;
-            continue;
-        }
-        if (!strcmp(argv[i], "--moe-fb-overlap")) {
-            cfg.moe_fb_overlap = true;
-            continue;
-        }
-        if (!strcmp(argv[i], "--offload-dir")) {
-            if (i + 1 >= argc) {
-                ds4_fail(DS4_ERR_ARG, "ds4 train: --offload-dir needs a directory");
-                return fail_all(2);
-            }
-            snprintf(cfg.offload_dir, sizeof cfg.offload_dir, "%s", argv[++i]);
-            continue;
-        }
-        if (ds4_recompute_parse_arg(&cfg.recompute, argc, argv, &i, &used) != DS4_OK) return fail_all(1);
-        if (!used) {
-            ds4_fail(DS4_ERR_ARG, "ds4 train: unknown argument '%s' (see ds4 train --help)", argv[i]);
-            return fail_all(2);
-        }
-    }
+    const int rc = cli_run_description("train", argc, argv, ds4_comm_rank(ds4_comm_world()) == 0, &cfg);
+    if (rc) return fail_all(rc);
     bool agreed = true;
     if (ds4_train_run_world(&cfg, &agreed) != DS4_OK) return agreed ? fail_all(1) : fail_alone();
     return 0;
