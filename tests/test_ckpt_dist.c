@@ -120,6 +120,42 @@ static void rank_rotation_and_failure(void) {
     ds4_train_state_free(s);
 }
 
+/* (d) the one-writer format: rank 0 cannot write more than 4 KiB, so its model file fails half way while
+ * every rank still gathers: each returns the failure (rank 0 naming the file), no rank crashes or hangs,
+ * nothing is left behind and the last checkpoint still loads. */
+static void rank_writer_failure(void) {
+    ds4_comm *world = g_world;
+    ds4_train_state *s;
+    char src[512], root[512], p[1400];
+    snprintf(src, sizeof src, "%s/base/step-00000001", g_dir);
+    snprintf(root, sizeof root, "%s/wfail", g_dir);
+    CHECK(open_state(false, &s) == DS4_OK, "%s", ds4_errmsg());
+    if (!s) return;
+    ds4_ckpt_meta meta;
+    CHECK(ds4_train_state_load(s, src, &meta) == DS4_OK, "%s", ds4_errmsg());
+    meta.step = 1;
+    CHECK(ds4_train_state_save(s, root, 2, &meta) == DS4_OK, "%s", ds4_errmsg());
+    const bool lead = ds4_comm_rank(world) == 0;
+    struct rlimit old, small = {.rlim_cur = 4096};
+    getrlimit(RLIMIT_FSIZE, &old);
+    small.rlim_max = old.rlim_max;
+    signal(SIGXFSZ, SIG_IGN);
+    if (lead) setrlimit(RLIMIT_FSIZE, &small);
+    meta.step = 2;
+    ds4_status st = ds4_train_state_save(s, root, 2, &meta);
+    if (lead) setrlimit(RLIMIT_FSIZE, &old);
+    CHECK(st != DS4_OK, "a save whose writer failed succeeded on rank %d", ds4_comm_rank(world));
+    if (lead) {
+        CHECK(strstr(ds4_errmsg(), "model.safetensors") != NULL, "the writer's error does not name its file: %s",
+              ds4_errmsg());
+        CHECK(!exists("%s/step-%08lld", root, 2) && !exists("%s/.tmp-step-%08lld", root, 2),
+              "a failed save left a step folder or its hidden folder");
+    }
+    snprintf(p, sizeof p, "%s/step-00000001", root);
+    CHECK(ds4_train_state_load(s, p, &meta) == DS4_OK && meta.step == 1, "%s", ds4_errmsg());
+    ds4_train_state_free(s);
+}
+
 /* "save": 2 ranks, EP 1, resident moments; "reshard": 4 ranks, EP 2, swapped moments. */
 static int child_main(const char *mode) {
     CHECK(ds4_dist_init() == DS4_OK, "%s", ds4_errmsg());
@@ -129,6 +165,7 @@ static int child_main(const char *mode) {
     g_swap = !save;
     RUN(rank_save_both);
     if (save) RUN(rank_rotation_and_failure);
+    if (save) RUN(rank_writer_failure);
     fprintf(stderr, "rank %d: %d ok, %d not ok\n", ds4_comm_rank(g_world), t_passed, t_failed);
     ds4_dist_finalize();
     return t_failed ? 1 : 0;

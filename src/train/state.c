@@ -245,17 +245,13 @@ static ds4_status moments_out(ds4_train_state *s, ds4_status st) {
     return st != DS4_OK ? st : out;
 }
 
-/* Array a of group g of the resident state in the shard's layout: the array itself when the group holds
- * every element (AdamW alone), else expanded into *tmp [shard_numel] (0 outside the group). */
+/* Array a of group g of the resident state in the shard's layout, copied to the host into *tmp
+ * [shard_numel] (0 outside the group), where the gathers read it: the state lives on the backend. */
 static ds4_status shard_array(const ds4_train_state *s, int g, int a, float **out, float **tmp) {
-    *tmp = NULL;
-    if (s->opt.g[g].n == s->opt.n) {
-        *out = s->opt.g[g].mem[a];
-        return DS4_OK;
-    }
     if (!(*tmp = ds4_alloc(DS4_MEM_OPTIM, (size_t)(s->opt.n > 0 ? s->opt.n : 1) * sizeof(float))))
         return ds4_fail(DS4_ERR_OOM, "out of memory laying out %s for a checkpoint", s->opt.g[g].names[a]);
     *out = *tmp;
+    if (s->opt.g[g].n == s->opt.n) return ds4_optim_read(&s->opt, g, a, 0, s->opt.n, *tmp); /* the group is all */
     return ds4_optim_expand(&s->opt, g, a, *tmp);
 }
 
@@ -269,9 +265,20 @@ typedef struct {
 } sink_ctx;
 static ds4_status put_values(void *ctx, int64_t param, const float *values, int64_t n) {
     const sink_ctx *c = ctx;
+    if (!c->w) return DS4_OK; /* rank 0 after a failed write: it gathers with the others, writes nothing */
     const int g = ds4_optimizer_takes(c->opt, ds4_model_param(c->m, param)) ? DS4_OPT_OWN : DS4_OPT_ADAMW;
     if (c->group >= 0 && g != c->group) return DS4_OK;
     return ds4_st_writer_put(c->w, values, (size_t)n * sizeof(float));
+}
+
+/* bytes of the model's backend into the file, through a host copy. */
+static ds4_status put_from_device(ds4_model *m, ds4_st_writer *w, const void *src, size_t bytes) {
+    void *h = ds4_alloc(DS4_MEM_OTHER, bytes);
+    if (!h) return ds4_fail(DS4_ERR_OOM, "out of memory for a %zu-byte checkpoint tensor", bytes);
+    ds4_model_to_host(m, h, src, bytes);
+    ds4_status st = ds4_st_writer_put(w, h, bytes);
+    ds4_free(h);
+    return st;
 }
 
 /* dir/model.safetensors as ds4_model_save lays it out (8-byte integer tables first, then the floats in
@@ -288,7 +295,7 @@ static ds4_status begin_model_file(ds4_model *m, const char *dir, ds4_st_writer 
     DS4_TRY(ds4_st_writer_begin(w, path));
     for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
         const ds4_param *p = ds4_model_param(m, i);
-        if (p->is_int) DS4_TRY(ds4_st_writer_put(w, p->idata, (size_t)p->numel * sizeof(int64_t)));
+        if (p->is_int) DS4_TRY(put_from_device(m, w, p->idata, (size_t)p->numel * sizeof(int64_t)));
     }
     return DS4_OK;
 }
@@ -318,7 +325,7 @@ static ds4_status begin_optim_file(const ds4_train_state *s, const char *dir, ds
 static ds4_status put_carried(ds4_model *m, ds4_st_writer *w) {
     for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
         const ds4_param *p = ds4_model_param(m, i);
-        if (p->carried) DS4_TRY(ds4_st_writer_put(w, p->data, (size_t)p->numel * sizeof(float)));
+        if (p->carried) DS4_TRY(put_from_device(m, w, p->data, (size_t)p->numel * sizeof(float)));
     }
     return DS4_OK;
 }
@@ -330,7 +337,7 @@ static ds4_status stream_file(ds4_train_state *s, const char *dir, bool optim) {
     ds4_st_writer *w = NULL;
     ds4_status st = dir ? ds4_st_writer_new(&w) : DS4_OK;
     if (st == DS4_OK && dir) st = optim ? begin_optim_file(s, dir, w) : begin_model_file(s->m, dir, w);
-    sink_ctx c = {.w = w, .m = s->m, .opt = s->opt.opt, .group = -1};
+    sink_ctx c = {.w = st == DS4_OK ? w : NULL, .m = s->m, .opt = s->opt.opt, .group = -1}; /* NULL: gather only */
     if (!optim) {
         ds4_status gs = ds4_fsdp_stream_packed(s->f, ds4_fsdp_shard_params(s->f), 0, put_values, &c);
         if (st == DS4_OK) st = gs;
