@@ -70,7 +70,6 @@ def selected(name):
 DEVICE = args[args.index("--device") + 1] if "--device" in args else ""
 # Cases not run on a device backend yet (what keeps them on the host's memory), by name fragment.
 NOT_ON_DEVICE = {
-    "mpi/": "FSDP's shards, gathers and sums are host memory (not on the backend yet)",
     "memplan/": "a plan touches no tensor memory: the plan of a backend is its workspace, checked on the cpu",
 }
 

@@ -27,6 +27,10 @@ ds4_status ds4_backend_find(const char *what, const char *name, const struct ds4
  * naming `what` and what is missing. A command that computes asks before any work; a plan (memplan) needs
  * no device. */
 ds4_status ds4_backend_ready(const char *what, const struct ds4_kernel_backend *b);
+/* Whether the buffers of x's backend (in a plan: of the backend planned for) are ordinary host memory that
+ * the host's libraries may read and write directly (the cpu's), or device memory that crosses to the host
+ * only through the backend's copies (a GPU's, cpu-guard's): the communicator stages such buffers. */
+bool ds4_exec_host_memory(const ds4_exec *x);
 
 /* ---------------------------------------------------------------- kernel engines (ISA levels) */
 /* The kernels are built for the target's baseline; engines for richer instruction sets are compiled

@@ -5,6 +5,7 @@
  * permutes between the wire and the experts' layout are dist_kernels.c's. */
 #include "dist/dist_kernels.h"
 #include "dist/fsdp_impl.h"
+#include "ds4/kernels.h"
 
 /* ------------------------------------------------------------------ the route */
 /* One allocation (the struct, then its three count arrays), so whoever holds it frees it with ds4_free. */
@@ -98,29 +99,49 @@ static int64_t *ep_layout(const ds4_ep_route *r, int64_t **sc, int64_t **sd, int
 }
 
 /* Dispatch: rows in assignment order (in) → the owners, expert-major (out). Combine: the reverse, the
- * owners' results (in) → assignment order (out). */
+ * owners' results (in) → assignment order (out). in and out are the model's buffers: on a backend whose
+ * memory is not the host's (ds4_exec_host_memory) they cross through host copies (hin, hout), which the
+ * communicator and the permutes work on. */
 static ds4_status ep_exchange(ds4_fsdp *f, const ds4_fsdp_yielding *y, const ds4_ep_route *r, const float *in,
                               float *out, int64_t width, bool dispatch) {
+    const bool plan = fsdp_planning(f), data = !plan;
+    const ds4_exec *ex = ds4_fsdp_exec(f);
+    const bool staged = !ds4_exec_host_memory(ex);
     int64_t *sc = NULL, *sd = NULL, *rc = NULL, *rd = NULL, *v = ep_layout(r, &sc, &sd, &rc, &rd);
-    float *wire = ds4_alloc_for(fsdp_planning(f), DS4_MEM_COMM, (size_t)(r->rows * width) * sizeof(float));
-    ds4_status st = v && wire ? DS4_OK
-                              : ds4_fail(DS4_ERR_OOM, "out of memory %s tokens", dispatch ? "dispatching" : "combining");
+    int64_t sent = 0; /* rows in assignment order */
+    for (int q = 0; v && q < r->nsrc; q++) sent += sc[q];
+    const size_t wire_bytes = (size_t)(r->rows * width) * sizeof(float), sent_bytes = (size_t)(sent * width) * sizeof(float);
+    const size_t in_bytes = dispatch ? sent_bytes : wire_bytes, out_bytes = dispatch ? wire_bytes : sent_bytes;
+    float *wire = ds4_alloc_for(plan, DS4_MEM_COMM, wire_bytes);
+    float *hin = staged ? ds4_alloc_for(plan, DS4_MEM_COMM, in_bytes) : NULL;
+    float *hout = staged ? ds4_alloc_for(plan, DS4_MEM_COMM, out_bytes) : NULL;
+    ds4_status st = v && wire && (!staged || (hin && hout))
+                        ? DS4_OK
+                        : ds4_fail(DS4_ERR_OOM, "out of memory %s tokens", dispatch ? "dispatching" : "combining");
     for (int q = 0; st == DS4_OK && q < r->nsrc; q++) {
         sc[q] *= width, sd[q] *= width, rc[q] *= width, rd[q] *= width;
     }
-    const bool data = !fsdp_planning(f);
+    const float *src = in;
+    float *dst = staged ? hout : out;
+    if (st == DS4_OK && staged) {
+        ds4_dev_to_host(ex, hin, in, in_bytes);
+        src = hin;
+    }
     const int64_t L = r->e1 - r->e0;
-    if (st == DS4_OK && !dispatch && data) ep_rows_experts_to_wire(r->recv_cnt, r->nsrc, L, in, wire, width);
+    if (st == DS4_OK && !dispatch && data) ep_rows_experts_to_wire(r->recv_cnt, r->nsrc, L, src, wire, width);
     ds4_comm_req *q = NULL;
     if (st == DS4_OK)
-        st = dispatch ? ds4_comm_ialltoallv(f->ep, in, sc, sd, wire, rc, rd, sizeof(float), &q)
-                      : ds4_comm_ialltoallv(f->ep, wire, rc, rd, out, sc, sd, sizeof(float), &q);
+        st = dispatch ? ds4_comm_ialltoallv(f->ep, src, sc, sd, wire, rc, rd, sizeof(float), &q)
+                      : ds4_comm_ialltoallv(f->ep, wire, rc, rd, dst, sc, sd, sizeof(float), &q);
     ds4_comm_req_label(q, dispatch ? "dispatch" : "combine");
     if (st == DS4_OK) ep_yield(y);
     if (st == DS4_OK) st = ds4_comm_wait(q);
-    if (st == DS4_OK && dispatch && data) ep_rows_wire_to_experts(r->recv_cnt, r->nsrc, L, wire, out, width);
+    if (st == DS4_OK && dispatch && data) ep_rows_wire_to_experts(r->recv_cnt, r->nsrc, L, wire, dst, width);
+    if (st == DS4_OK && staged) ds4_dev_to_device(ex, out, hout, out_bytes);
     ds4_free(v);
     ds4_free(wire);
+    ds4_free(hin);
+    ds4_free(hout);
     return st;
 }
 

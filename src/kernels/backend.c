@@ -14,6 +14,10 @@ const ds4_kernel_backend *ds4_exec_kernels(const ds4_exec *x) {
     return x && x->plan ? b->plan : b;
 }
 
+bool ds4_exec_host_memory(const ds4_exec *x) {
+    return (x && x->backend ? x->backend : ds4_kernel_backend_cpu())->host_memory;
+}
+
 const char *const ds4_kernel_op_names[] = {
 #define DS4_OP(name, plan, cpu, params, args) #name,
 #define DS4_QUERY(name, plan, cpu, type, absent, params, args) #name,

@@ -59,6 +59,9 @@ struct ds4_kernel_backend {
     /* Whether it can run here (its device present, its runtime up): DS4_OK, or an error saying what is
      * missing. Asked when a command picks the backend by name. NULL: always (the cpu's). */
     ds4_status (*ready)(void);
+    /* Its buffers are host memory others (MPI) may touch directly; false: device memory (ds4/kernels.h,
+     * ds4_exec_host_memory). */
+    bool host_memory;
 #define DS4_OP(name, plan, cpu, params, args) void(*name) params;
 #define DS4_QUERY(name, plan, cpu, type, absent, params, args) type(*name) params;
 #include "kernels/ops.def"

@@ -24,6 +24,7 @@
 __attribute__((visibility("default"))) const ds4_kernel_backend CPU_TABLE(DS4_CPU_LEVEL) = {
     .name = "cpu",
     .plan = &ds4_kernel_backend_plan_table,
+    .host_memory = true,
 #define DS4_OP(name, plan, cpu, params, args) .name = cpu_entry_##name,
 #define DS4_QUERY(name, plan, cpu, type, absent, params, args) .name = cpu_entry_##name,
 #include "kernels/ops.def"
