@@ -23,7 +23,7 @@ void cpu_indexer_topk_fwd_plan(const indexer_topk_args *a) {
     int64_t nmax;
     size_t per;
     int P;
-    ds4_free(cpu_ix_topk_workspace(&a->dims, a->t0, &nmax, &per, &P));
+    ds4_free(cpu_ix_topk_workspace(&a->dims, true, a->t0, &nmax, &per, &P));
 }
 
 void cpu_indexer_kl_fwd_bwd_plan(const indexer_kl_args *a) {
@@ -32,7 +32,7 @@ void cpu_indexer_kl_fwd_bwd_plan(const indexer_kl_args *a) {
     int64_t nmax = cpu_ix_kl_set_max(a);
     if (nmax == 0) return;
     ix_kl_layout L;
-    ds4_free(cpu_ix_kl_workspace(a, nmax, &L));
+    ds4_free(cpu_ix_kl_workspace(a, true, nmax, &L));
 }
 
 int64_t cpu_indexer_kl_rows(int64_t B, int64_t T, int64_t ratio) { return T >= ratio ? B * (T - ratio + 1) : 0; }

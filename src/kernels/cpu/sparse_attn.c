@@ -21,7 +21,7 @@ void cpu_sparse_attn_fwd_plan(const sparse_attn_args *a) {
     int64_t maxk;
     size_t per;
     int P;
-    ds4_free(cpu_sa_fwd_workspace(a, &maxk, &per, &P));
+    ds4_free(cpu_sa_fwd_workspace(a, true, &maxk, &per, &P));
 }
 
 void cpu_sparse_attn_bwd_plan(const sparse_attn_args *a, const sparse_attn_grads *g) {
@@ -30,5 +30,5 @@ void cpu_sparse_attn_bwd_plan(const sparse_attn_args *a, const sparse_attn_grads
     bool want_key;
     if (!cpu_sa_bwd_wants(a, g, &ratio, &dkvc, &want_key)) return;
     sa_bwd_layout L;
-    ds4_free(cpu_sa_bwd_workspace(a, ratio, want_key, &L));
+    ds4_free(cpu_sa_bwd_workspace(a, true, ratio, want_key, &L));
 }
