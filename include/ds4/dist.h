@@ -140,11 +140,11 @@ const ds4_exec *ds4_fsdp_exec(const ds4_fsdp *f); /* the context of its model (d
 float *ds4_fsdp_shard_params(ds4_fsdp *f); /* [shard_numel] DS4_MEM_PARAM */
 float *ds4_fsdp_shard_grads(ds4_fsdp *f);  /* [shard_numel] DS4_MEM_GRAD, accumulated by grad_end */
 void ds4_fsdp_zero_grads(ds4_fsdp *f);
-/* Mixed precision (a model with the bf16 copy, ds4_model_create_bf16): the shard also holds the bf16
- * copy of its bf16 pieces ([shard_numel] uint16, DS4_MEM_PARAM), and gather all-gathers a bf16 region
- * from it, 2 bytes per element, into the model's bf16 copy, leaving the fp32 range of that region
- * unmapped (fp32 regions as before). refresh rounds the shard's fp32 values into the copy: call it after
- * they change (init, load, an optimizer step). A no-op without the copy. */
+/* Mixed precision (a model with the bf16 copy, ds4_model_create_bf16): the shard keeps fp32 values only;
+ * gather casts each bf16 piece from them (into a DS4_MEM_COMM buffer [piece], freed once the all-gather
+ * completes) and all-gathers it, 2 bytes per element, into the model's bf16 copy, leaving the fp32 range
+ * of that region unmapped (fp32 regions as before). refresh has nothing to keep current (a no-op, kept
+ * for the train state's one call for both layouts). */
 void ds4_fsdp_refresh_bf16(ds4_fsdp *f);
 
 /* Fills this rank's shard: the init rules of docs/contract.md (the same values as a single process)

@@ -150,8 +150,8 @@ ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c
 /* The optimizer's own rule on its group (Muon: cfg a ds4_muon_cfg; a no-op for AdamW), AdamW's weight decay;
  * a collective when sharded. */
 ds4_status ds4_train_state_own_step(ds4_train_state *s, const void *cfg, double weight_decay, double lr);
-/* Mixed precision: the bf16 compute copy of the GEMM weights (the whole model's or the shard's) rounded
- * again from the fp32 master weights. The state does it after setup and load, ds4_train_step after its
+/* Mixed precision: the bf16 compute copy of the GEMM weights (a whole model's; a shard has none, its
+ * gathers cast) rounded again from the fp32 master weights. The state does it after setup and load, ds4_train_step after its
  * optimizer update; call it after changing the weights any other way. A no-op in fp32. */
 void ds4_train_state_refresh_bf16(ds4_train_state *s);
 /* The router bias rule with loads [n_blocks, E] of this rank (summed over ranks in place first). */

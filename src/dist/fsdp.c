@@ -6,10 +6,6 @@
 
 #include <string.h>
 
-uint16_t *fsdp_shard_bf16(const ds4_fsdp *f) {
-    return ds4_model_bf16_flat(f->m) ? (uint16_t *)(f->sp + f->ns) : NULL;
-}
-
 /* ------------------------------------------------------------------ create */
 static ds4_status build_pieces(ds4_fsdp *f) {
     ds4_model *m = f->m;
@@ -35,8 +31,7 @@ static ds4_status build_pieces(ds4_fsdp *f) {
         f->ns += p->len;
         f->piece_of_region[i] = f->npieces++;
     }
-    const size_t copy = ds4_model_bf16_flat(m) ? (size_t)f->ns * sizeof(uint16_t) : 0; /* the shard's bf16 copy */
-    f->sp = ds4_calloc_for(fsdp_planning(f), DS4_MEM_PARAM, (size_t)f->ns * sizeof(float) + copy);
+    f->sp = ds4_calloc_for(fsdp_planning(f), DS4_MEM_PARAM, (size_t)f->ns * sizeof(float)); /* no bf16 copy: each gather casts its pieces */
     f->sg = ds4_calloc_for(fsdp_planning(f), DS4_MEM_GRAD, (size_t)f->ns * sizeof(float));
     return f->sp && f->sg ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory for a shard of %lld parameters", (long long)f->ns);
 }
@@ -100,13 +95,10 @@ int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f) { return f->ns; }
 const ds4_exec *ds4_fsdp_exec(const ds4_fsdp *f) { return ds4_model_exec(f->m); }
 float *ds4_fsdp_shard_params(ds4_fsdp *f) { return f->sp; }
 float *ds4_fsdp_shard_grads(ds4_fsdp *f) { return f->sg; }
-void ds4_fsdp_refresh_bf16(ds4_fsdp *f) {
-    uint16_t *sh = fsdp_shard_bf16(f);
-    for (int64_t i = 0; sh && i < f->npieces; i++) {
-        const piece *p = &f->pieces[i];
-        if (p->bf16) ds4_model_pack_bf16(f->m, sh + p->shard_off, f->sp + p->shard_off, p->len);
-    }
-}
+/* Nothing to refresh: the shard keeps no bf16 copy (as FSDP2's mixed precision); every gather of a bf16
+ * piece casts it from the fp32 shard, the same bits the copy held. The gathered groups are dropped before
+ * the optimizer writes the shard, so none holds stale bits. */
+void ds4_fsdp_refresh_bf16(ds4_fsdp *f) { (void)f; }
 
 void ds4_fsdp_zero_grads(ds4_fsdp *f) {
     if (!fsdp_planning(f)) memset(f->sg, 0, (size_t)f->ns * sizeof(float));

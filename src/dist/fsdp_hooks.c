@@ -15,23 +15,37 @@ static void piece_layout(const piece *p, int n, int64_t *counts, int64_t *displs
     }
 }
 
-/* Maps piece p's range and all-gathers the ranks' parts of it there: blocking (req NULL) or started (*req).
- * A bf16 piece travels from the shard's bf16 copy into the model's, 2 bytes per element. */
-static ds4_status gather_piece(ds4_fsdp *f, const piece *p, ds4_comm_req **req) {
+/* Maps piece p's range and all-gathers the ranks' parts of it there: blocking (req NULL) or started (*req,
+ * with *cast the buffer to free once it completes). A bf16 piece is cast from the fp32 shard into a buffer
+ * of its own [len] just before, and travels 2 bytes per element into the model's bf16 copy. */
+static ds4_status gather_piece(ds4_fsdp *f, const piece *p, ds4_comm_req **req, uint16_t **cast) {
     ds4_comm *c = piece_comm(f, p);
     int n = ds4_comm_size(c);
-    int64_t *cd = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)n);
-    if (!cd) return DS4_ERR_OOM;
-    piece_layout(p, n, cd, cd + n);
     const bool h = p->bf16;
+    if (h && n == 1) { /* a piece nobody else holds (an expert without replicas): cast straight into place */
+        DS4_TRY(ds4_model_map_bf16(f->m, p->start, p->map_end));
+        if (!fsdp_planning(f)) ds4_model_pack_bf16(f->m, ds4_model_bf16_flat(f->m) + p->start, f->sp + p->shard_off, p->len);
+        return DS4_OK;
+    }
+    int64_t *cd = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)n);
+    uint16_t *hs = h ? ds4_alloc_for(fsdp_planning(f), DS4_MEM_COMM, (size_t)(p->len > 0 ? p->len : 1) * sizeof(uint16_t)) : NULL;
+    if (!cd || (h && !hs)) {
+        ds4_free(cd);
+        ds4_free(hs);
+        return ds4_fail(DS4_ERR_OOM, "out of memory gathering parameters");
+    }
+    piece_layout(p, n, cd, cd + n);
+    if (h && !fsdp_planning(f)) ds4_model_pack_bf16(f->m, hs, f->sp + p->shard_off, p->len);
     const size_t elem = h ? sizeof(uint16_t) : sizeof(float);
-    const void *src = h ? (const void *)(fsdp_shard_bf16(f) + p->shard_off) : (const void *)(f->sp + p->shard_off);
+    const void *src = h ? (const void *)hs : (const void *)(f->sp + p->shard_off);
     void *dst = h ? (void *)(ds4_model_bf16_flat(f->m) + p->start) : (void *)(ds4_model_params_flat(f->m) + p->start);
     ds4_status st = h ? ds4_model_map_bf16(f->m, p->start, p->map_end) : ds4_model_map(f->m, p->start, p->map_end, false);
     if (st == DS4_OK)
         st = req ? ds4_comm_iallgatherv(c, src, p->len, dst, cd, cd + n, elem, req)
                  : ds4_comm_allgatherv(c, src, p->len, dst, cd, cd + n, elem);
     ds4_free(cd);
+    if (req && st == DS4_OK) *cast = hs;
+    else ds4_free(hs);
     return st;
 }
 
@@ -48,7 +62,7 @@ static ds4_status gather_start(ds4_fsdp *f, int64_t group) {
     ds4_status st = DS4_OK;
     o->w_flight[group] = true;
     for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++)
-        if (f->pieces[i].group == group) st = gather_piece(f, &f->pieces[i], &o->wreq[i]);
+        if (f->pieces[i].group == group) st = gather_piece(f, &f->pieces[i], &o->wreq[i], &o->wsrc[i]);
     return st;
 }
 
@@ -59,6 +73,8 @@ static ds4_status gather_finish(ds4_fsdp *f, int64_t group) {
         if (f->pieces[i].group != group) continue;
         ds4_status w = ds4_comm_wait(o->wreq[i]);
         o->wreq[i] = NULL;
+        ds4_free(o->wsrc[i]);
+        o->wsrc[i] = NULL;
         if (st == DS4_OK) st = w;
     }
     o->w_flight[group] = false;
@@ -87,7 +103,7 @@ static ds4_status hook_gather(void *ctx, int64_t group) {
     }
     ds4_status st = DS4_OK;
     for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++)
-        if (f->pieces[i].group == group) st = gather_piece(f, &f->pieces[i], NULL);
+        if (f->pieces[i].group == group) st = gather_piece(f, &f->pieces[i], NULL, NULL);
     f->w_mapped[group] = true;
     return st;
 }
@@ -240,6 +256,7 @@ static void overlap_free(overlap *o) {
     ds4_free(o->g_flight);
     ds4_free(o->gq);
     ds4_free(o->wreq);
+    ds4_free(o->wsrc);
     ds4_free(o->greq);
     ds4_free(o->grecv);
     ds4_free(o);
@@ -260,9 +277,10 @@ ds4_status ds4_fsdp_set_prefetch(ds4_fsdp *f, int depth) {
     o->g_flight = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
     o->gq = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(int64_t));
     o->wreq = ds4_calloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(ds4_comm_req *));
+    o->wsrc = ds4_calloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(uint16_t *));
     o->greq = ds4_calloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(ds4_comm_req *));
     o->grecv = ds4_calloc(DS4_MEM_OTHER, (size_t)(np + 1) * sizeof(float *));
-    if (!o->w_flight || !o->g_flight || !o->gq || !o->wreq || !o->greq || !o->grecv) {
+    if (!o->w_flight || !o->g_flight || !o->gq || !o->wreq || !o->wsrc || !o->greq || !o->grecv) {
         overlap_free(o);
         return ds4_fail(DS4_ERR_OOM, "out of memory for --prefetch-depth %d", depth);
     }

@@ -38,6 +38,7 @@ typedef struct {
     bool *w_flight, *g_flight;   /* [ngroups] all-gather / reduce-scatter started, not completed */
     int64_t *gq, gq_head, gq_n;  /* [ngroups] ring: the groups whose reduce-scatter is in flight, oldest first */
     ds4_comm_req **wreq, **greq; /* [npieces] each piece's all-gather and reduce-scatter in flight */
+    uint16_t **wsrc;             /* [npieces] a bf16 piece's all-gather source [len] (its cast) while in flight */
     float **grecv;               /* [npieces] the reduce-scatter's receive buffer [n · len] while in flight */
 } overlap;
 
@@ -51,7 +52,7 @@ struct ds4_fsdp {
     int64_t *piece_of_region;          /* [nregions] piece index or -1 */
     bool *w_mapped, *g_mapped;         /* [ngroups] */
     overlap *ov;                       /* NULL: blocking collectives (prefetch depth 0) */
-    float *sp, *sg;                    /* [ns]; a model with the bf16 copy: sp is followed by the shard's copy */
+    float *sp, *sg;                    /* [ns]; the bf16 copy exists only gathered, cast from sp at each gather */
     int64_t ns;
     ds4_param_hooks hooks;
     ds4_ep_ops ops;
@@ -68,9 +69,6 @@ static inline int64_t piece_len(int64_t len, int64_t chunk, int r) {
     int64_t a = (int64_t)r * chunk, b = a + chunk < len ? a + chunk : len;
     return b > a ? b - a : 0;
 }
-
-/* [ns] the bf16 copy of the shard's bf16 pieces, in the allocation of sp (a model with the copy), or NULL. */
-uint16_t *fsdp_shard_bf16(const ds4_fsdp *f);
 
 /* fsdp_hooks.c: f's parameter hooks (ctx f; ep: the EP ops when ep > 1), and everything they hold let go
  * (in-flight collectives completed, gathered ranges dropped, the overlap state freed). */

@@ -423,30 +423,28 @@ static ds4_status mtp_input_fwd(ds4_pass *p) {
     return DS4_OK;
 }
 
-/* dXL += ∂/∂X_L from the MTP input's gradient dX0; embed/enorm/e_proj/hnorm/h_proj grads accumulate. */
-static ds4_status mtp_input_bwd(ds4_pass *p, const float *dX0, float *dXL) {
+/* dXL += ∂/∂X_L from the MTP input's gradient dX0; enorm/e_proj/hnorm/h_proj grads accumulate; de [N, D]:
+ * the gradient of the embedded rows embed[ids_next], scattered into the embedding's gradient by the caller. */
+static ds4_status mtp_input_bwd(ds4_pass *p, const float *dX0, float *dXL, float *de) {
     ds4_model *m = p->m;
     const ds4_config *c = &m->cfg;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult;
     float *dep = pass_work(p, N * D);
     float *den = pass_work(p, N * D);
-    float *de = pass_work(p, N * D);
     float *dhn = pass_work(p, N * n * D);
     ds4_status st = DS4_OK;
-    if (!dep || !den || !de || !dhn) {
+    if (!dep || !den || !dhn) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory in the MTP input backward");
         goto done;
     }
     streams_sum(&p->m->exec, dep, dX0, N, n, D);
     model_linear_bwd(m, den, m->g.e_proj, dep, p->m_en, m->w.e_proj, N, D, D);
     rmsnorm_bwd(&p->m->exec, de, m->g.enorm, den, p->m_e, m->w.enorm, p->m_en_rstd, N, D);
-    embedding_bwd(&p->m->exec, m->g.embed, de, p->ids_next, N, D);
     model_linear_bwd(m, dhn, m->g.h_proj, dX0, p->m_hn, m->w.h_proj, N * n, D, D);
     rmsnorm_bwd(&p->m->exec, dXL, m->g.hnorm, dhn, p->X[c->n_layers], m->w.hnorm, p->m_hn_rstd, N * n, D);
 done:
     dev_free(m, dep);
     dev_free(m, den);
-    dev_free(m, de);
     dev_free(m, dhn);
     return st;
 }
@@ -471,8 +469,11 @@ static ds4_status mtp_fwd(ds4_pass *p) {
     return st;
 }
 
-/* MTP backward: dXL += ∂(weighted mtp loss)/∂X_L. The head group's gradients are open (caller). */
-static ds4_status mtp_bwd(ds4_pass *p, float *dXL) {
+/* MTP backward: dXL += ∂(weighted mtp loss)/∂X_L. In an unmapped model *de [N, D] (allocated here)
+ * is the gradient of the rows embed[ids_next], which the caller scatters into the embedding's gradient at
+ * the end of the backward; else they are scattered here (*de stays NULL). The head group's gradients are
+ * open (caller). */
+static ds4_status mtp_bwd(ds4_pass *p, float *dXL, float **de) {
     ds4_model *m = p->m;
     const ds4_config *c = &m->cfg;
     const size_t sbytes = (size_t)(p->N * c->hc_mult * c->dim) * sizeof(float);
@@ -487,8 +488,17 @@ static ds4_status mtp_bwd(ds4_pass *p, float *dXL) {
     block_ctx bc = make_ctx(p, c->n_layers, p->ids_next);
     if (st == DS4_OK)
         st = block_bwd(&bc, &p->ba[c->n_layers], dm1, dm0, &p->scal->kl_sum[c->n_layers], &p->scal->kl_rows[c->n_layers]);
-    if (st == DS4_OK) st = grad_begin(p, 0); /* the MTP input embeds the next tokens */
-    if (st == DS4_OK) st = mtp_input_bwd(p, dm0, dXL);
+    /* An unmapped model (FSDP: grad_begin maps a group's gradients): the rows' gradient waits [N, D]
+     * instead of the embedding's whole gradient [vocab, D] being mapped over every layer's backward;
+     * scattered first at the end, the sums are those of scattering it here, which a model holding all
+     * its gradients still does. */
+    const bool wait = m->unmapped;
+    float *rows = dev_zalloc(m, wait ? DS4_MEM_GRAD : DS4_MEM_WORK, (size_t)(p->N * c->dim) * sizeof(float));
+    if (st == DS4_OK && !rows) st = ds4_fail(DS4_ERR_OOM, "out of memory in MTP backward");
+    if (st == DS4_OK) st = mtp_input_bwd(p, dm0, dXL, rows);
+    if (st == DS4_OK && !wait) embedding_bwd(&m->exec, m->g.embed, rows, p->ids_next, p->N, c->dim);
+    if (wait) *de = rows;
+    else dev_free(m, rows);
     if (st == DS4_OK) st = finish_backward(p, group_mtp(c));
     dev_free(m, dm1);
     dev_free(m, dm0);
@@ -643,8 +653,8 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
         st = head_bwd(p, &p->head, p->X[L], dX, 1.0, m->g.hc_head_fn, m->g.hc_head_scale, m->g.hc_head_base,
                       m->g.norm, m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base, m->w.norm);
     head_free(p, &p->head);
-    if (st == DS4_OK && c->n_mtp_layers > 0) st = mtp_bwd(p, dX);
-    else if (st == DS4_OK) st = grad_begin(p, 0);
+    float *de_mtp = NULL; /* [N, D] the MTP input's embedded rows' gradient, scattered with the embedding's */
+    if (st == DS4_OK && c->n_mtp_layers > 0) st = mtp_bwd(p, dX, &de_mtp);
     if (st == DS4_OK) st = finish_backward(p, group_head(c));
     for (int64_t l = L - 1; l >= 0 && st == DS4_OK; l--) {
         dprev = dev_zalloc(m, DS4_MEM_WORK, sbytes);
@@ -664,16 +674,20 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
         dprev = NULL;
     }
     if (st == DS4_OK) {
-        /* embedding: the n streams all started as the same row */
+        /* embedding: the n streams all started as the same row; its gradient opens only now (the MTP's
+         * rows first, then the main input's) */
         float *de = pass_work(p, N * D);
         if (!de) st = ds4_fail(DS4_ERR_OOM, "out of memory in embedding backward");
-        else {
+        else st = grad_begin(p, 0);
+        if (st == DS4_OK) {
+            if (de_mtp) embedding_bwd(&m->exec, m->g.embed, de_mtp, p->ids_next, N, D);
             streams_sum(&m->exec, de, dX, N, n, D);
             embedding_bwd(&m->exec, m->g.embed, de, p->ids, N, D);
-            dev_free(m, de);
             st = grad_end(p, 0);
         }
+        dev_free(m, de);
     }
+    dev_free(m, de_mtp);
     dev_free(m, dX);
     ds4_status sy = hooks_sync(p); /* the last reduce-scatters land in the shard gradients */
     if (st == DS4_OK) st = sy;
