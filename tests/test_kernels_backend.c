@@ -73,11 +73,9 @@ static void check_same_workspace(const char *what, void (*fn)(const ds4_exec *, 
     ws_use b = measure_begin();
     fn(CPU_EXEC, ctx);
     ws_use real = measure_end(b);
-    const ds4_exec prev = ds4_exec_enter(&k_plan_ctx);
     b = measure_begin();
     fn(&k_plan_ctx, ctx);
     ws_use plan = measure_end(b);
-    ds4_exec_leave(prev);
     CHECK(real.peak == plan.peak && real.allocs == plan.allocs,
           "%s: real %lld bytes in %lld allocations, plan %lld in %lld", what, (long long)real.peak,
           (long long)real.allocs, (long long)plan.peak, (long long)plan.allocs);
@@ -165,7 +163,6 @@ static void test_plan_counts_the_cpu_workspace(void) {
 
 /* The plan entries never read or write a tensor: every data pointer NULL, no crash, no output. */
 static void test_plan_touches_no_data(void) {
-    const ds4_exec prev = ds4_exec_enter(&k_plan_ctx);
     double kl = -1;
     int64_t rows = -1;
     sparse_attn_args a = {.dims = {.B = B, .T = T, .H = H, .c = C, .window = 8, .ratio = 4, .Nc = NC, .K = KSEL}};
@@ -188,7 +185,6 @@ static void test_plan_touches_no_data(void) {
     moe_experts_fwd(&k_plan_ctx, &(moe_experts_args){.nexp = 16, .D = 16, .I = 8}, NULL);
     rows_scatter_add(&k_plan_ctx, NULL, NULL, NULL, 8, 16);
     tensor_add(&k_plan_ctx, NULL, NULL, 64);
-    ds4_exec_leave(prev);
     CHECK(kl == 0 && rows == 0, "the plan KL loss writes 0 rows and loss 0, as the kernel does before computing");
 }
 
@@ -205,9 +201,7 @@ static void test_routing_ops(void) {
     CHECK(!memcmp(etok, want_tok, sizeof etok) && !memcmp(eslot, want_slot, sizeof eslot), "assignments");
     moe_expert_counts(CPU_EXEC, cnt, eoff, 4, 6);
     CHECK(cnt[0] == 2 && cnt[1] == 0 && cnt[2] == 2 && cnt[3] == 2, "counts of the routing");
-    const ds4_exec prev = ds4_exec_enter(&k_plan_ctx);
     moe_expert_counts(&k_plan_ctx, cnt, NULL, 4, 10);
-    ds4_exec_leave(prev);
     CHECK(cnt[0] == 3 && cnt[1] == 3 && cnt[2] == 2 && cnt[3] == 2, "a plan's counts are balanced routing's");
     CHECK(indexer_kl_rows(CPU_EXEC, 2, 8, 4) == 10 && indexer_kl_rows(CPU_EXEC, 2, 3, 4) == 0, "KL rows: those that see an entry");
 }

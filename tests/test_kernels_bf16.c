@@ -445,7 +445,6 @@ static void test_isa_switch(void) {
 static int64_t work_peak_of(int op, bool plan, bool reserve, const float *A, const float *B, float *C,
                             int64_t M, int64_t N, int64_t K) {
     ds4_mem_stats s0, s1;
-    const ds4_exec prev = ds4_exec_enter(&(ds4_exec){.plan = plan});
     if (reserve) gemm_workspace_reserve(plan ? BF16_PLAN_EXEC : BF16_EXEC);
     ds4_mem_reset_peak();
     ds4_mem_get(&s0);
@@ -453,7 +452,6 @@ static int64_t work_peak_of(int op, bool plan, bool reserve, const float *A, con
     gemm_op(plan ? BF16_PLAN_EXEC : BF16_EXEC, op, M, N, K, A, lda, B, ldb, C, N, 0.0f);
     ds4_mem_get(&s1);
     if (reserve) gemm_workspace_release(plan ? BF16_PLAN_EXEC : BF16_EXEC);
-    ds4_exec_leave(prev);
     return s1.peak[DS4_MEM_WORK] - s0.live[DS4_MEM_WORK];
 }
 

@@ -181,30 +181,6 @@ static void test_activation_bytes_linear_in_T(void) {
     ds4_model_free(m);
 }
 
-/* A pass runs in the context its model was made for; anything else fails at entry, naming both. */
-static void test_pass_checks_its_context(void) {
-    if (!g_have_cfg) return;
-    const ds4_exec plan = {.plan = true};
-    int32_t ids[8] = {1, 2, 3, 4, 5, 6, 7, 8};
-    ds4_pass_opts o = {.need_backward = true};
-    ds4_pass *p = NULL;
-    ds4_model *m = NULL;
-    CHECK(ds4_model_create(&plan, &g_cfg, false, &m) == DS4_OK, "%s", ds4_errmsg());
-    if (m) {
-        CHECK(ds4_forward(m, ids, 1, 8, &o, &p) == DS4_ERR_ARG && !p, "a plan model in a real context");
-        CHECK(strstr(ds4_errmsg(), "made for a plan step but runs in a real context"), "%s", ds4_errmsg());
-        ds4_model_free(m);
-    }
-    m = tiny_model(3);
-    if (!m) return;
-    const ds4_exec prev = ds4_exec_enter(&plan);
-    ds4_status st = ds4_forward(m, ids, 1, 8, &o, &p);
-    ds4_exec_leave(prev);
-    CHECK(st == DS4_ERR_ARG && !p && strstr(ds4_errmsg(), "made for a real step but runs in a plan context"), "%s",
-          ds4_errmsg());
-    ds4_model_free(m);
-}
-
 int main(void) {
     ds4_set_threads(2);
     g_have_cfg = ds4_config_load("tests/configs/tiny-a.json", &g_cfg) == DS4_OK;
@@ -214,6 +190,5 @@ int main(void) {
     RUN(test_whole_model_directional_derivative);
     RUN(test_bad_token_ids);
     RUN(test_activation_bytes_linear_in_T);
-    RUN(test_pass_checks_its_context);
     TEST_MAIN_END("test_model");
 }

@@ -84,8 +84,8 @@ typedef enum {
 const char *ds4_mem_cat_name(ds4_mem_cat c);
 
 /* 64-byte aligned, counted under `cat`. Returns NULL on failure (and sets the message).
- * bytes == 0 returns a valid unique pointer counted as 0 bytes. In a plan context (ds4_exec below) only
- * DS4_MEM_OTHER gets memory behind the pointer. */
+ * bytes == 0 returns a valid unique pointer counted as 0 bytes. Always memory behind the pointer; code
+ * that also runs in a plan (ds4_exec below) allocates with ds4_alloc_for. */
 void *ds4_alloc(ds4_mem_cat cat, size_t bytes);
 void *ds4_calloc(ds4_mem_cat cat, size_t bytes);
 /* The allocation a plan makes, whatever the current context: counted exactly as ds4_alloc counts it, with
@@ -165,15 +165,6 @@ typedef struct {
     ds4_matmul_precision matmul_precision; /* of every GEMM run in this context (training.matmul_precision) */
 } ds4_exec;
 
-/* The allocator serves one context at a time (plan: counted, not backed). ds4_exec_enter makes x the
- * current one (NULL: real) and returns the one it replaced, which ds4_exec_leave restores. Not while
- * other threads allocate. */
-ds4_exec ds4_exec_enter(const ds4_exec *x);
-void ds4_exec_leave(ds4_exec prev);
-/* The context the allocator serves now. Everything else is handed its context by whoever made it (the
- * model and the offload store when created, FSDP by its communicator); the kernel layer alone reads this
- * one, to pick the backend table for the allocations it makes. */
-ds4_exec ds4_exec_current(void);
 
 /* Allocation-failure injection (tests only, SQLite's discipline): the n-th allocation from now fails as
  * if memory ran out (NULL and the usual out-of-memory message), once; n <= 0 disables. Counted: ds4_alloc,

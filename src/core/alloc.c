@@ -29,7 +29,6 @@ static _Atomic int64_t g_off_live[DS4_MEM_NCAT];
 static _Atomic int64_t g_off_peak[DS4_MEM_NCAT];
 static _Atomic int64_t g_off_live_total;
 static _Atomic int64_t g_off_peak_total;
-static ds4_exec g_exec; /* the current execution context: real unless a plan step runs */
 
 /* allocation-failure injection: allocations left until the one that fails (0: off); failures so far */
 static _Atomic int64_t g_fail_countdown;
@@ -64,17 +63,6 @@ void *ds4_alloc_hooked_malloc(size_t bytes) {
     }
     return p;
 }
-
-ds4_exec ds4_exec_enter(const ds4_exec *x) {
-    ds4_exec prev = g_exec;
-    g_exec = x ? *x : (ds4_exec){0};
-    return prev;
-}
-void ds4_exec_leave(ds4_exec prev) { g_exec = prev; }
-ds4_exec ds4_exec_current(void) { return g_exec; }
-
-/* A plan allocation of `cat` has only its header behind it. */
-static bool unbacked(ds4_mem_cat cat) { return g_exec.plan && cat != DS4_MEM_OTHER; }
 
 static void atomic_max(_Atomic int64_t *p, int64_t v) {
     int64_t cur = atomic_load(p);
@@ -133,7 +121,7 @@ static void *alloc_block(ds4_mem_cat cat, size_t bytes, bool backed) {
     return (char *)base + HDR;
 }
 
-void *ds4_alloc(ds4_mem_cat cat, size_t bytes) { return alloc_block(cat, bytes, !unbacked(cat)); }
+void *ds4_alloc(ds4_mem_cat cat, size_t bytes) { return alloc_block(cat, bytes, true); }
 
 void *ds4_alloc_plan(ds4_mem_cat cat, size_t bytes) { return alloc_block(cat, bytes, cat == DS4_MEM_OTHER); }
 
@@ -149,7 +137,7 @@ void *ds4_calloc_for(bool plan, ds4_mem_cat cat, size_t bytes) {
 
 void *ds4_calloc(ds4_mem_cat cat, size_t bytes) {
     void *p = ds4_alloc(cat, bytes);
-    if (p && !unbacked(cat)) memset(p, 0, bytes);
+    if (p) memset(p, 0, bytes);
     return p;
 }
 

@@ -167,7 +167,6 @@ ds4_status ds4_decoder_step(ds4_decoder *dec, int32_t token, float *logits_out) 
     ds4_model *m = dec->m;
     const ds4_config *c = &m->cfg;
     const int64_t D = c->dim, n = c->hc_mult, p = dec->pos;
-    DS4_TRY(model_check_exec(m, "decoder"));
     if (token < 0 || token >= c->vocab_size)
         return ds4_fail(DS4_ERR_ARG, "decoder: token %d at position %lld is outside the vocabulary [0, %lld)", token,
                         (long long)p, (long long)c->vocab_size);

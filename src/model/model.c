@@ -506,15 +506,6 @@ static ds4_status mtp_bwd(ds4_pass *p, float *dXL, float **de) {
 }
 
 /* ------------------------------------------------------------------ pass */
-/* A pass runs in the context the model was made for: the allocator and the kernels serve the current
- * context (ds4_exec_current), and the model's own buffers were made in its context. */
-ds4_status model_check_exec(const ds4_model *m, const char *what) {
-    const bool now = ds4_exec_current().plan;
-    if (now == m->exec.plan) return DS4_OK;
-    return ds4_fail(DS4_ERR_ARG, "%s: the model was made for a %s step but runs in a %s context", what,
-                    m->exec.plan ? "plan" : "real", now ? "plan" : "real");
-}
-
 static ds4_status check_ids(const ds4_config *c, const int32_t *ids, int64_t B, int64_t T) {
     for (int64_t i = 0; i < B * T; i++)
         if (ids[i] < 0 || ids[i] >= c->vocab_size)
@@ -553,7 +544,6 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     const ds4_config *c = &m->cfg;
     if (B <= 0 || T < 2) return ds4_fail(DS4_ERR_ARG, "forward: need B >= 1 and T >= 2 (got B=%lld, T=%lld)",
                                          (long long)B, (long long)T);
-    DS4_TRY(model_check_exec(m, "forward"));
     DS4_TRY(check_ids(c, ids, B, T));
     DS4_TRY(ensure_rope(m, T));
     ds4_pass *p = ds4_calloc(DS4_MEM_OTHER, sizeof *p);
@@ -637,7 +627,6 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
     const ds4_config *c = &m->cfg;
     if (!p->opts.need_backward || p->backward_done)
         return ds4_fail(DS4_ERR_ARG, "backward: the pass was not made for backward or was already used");
-    DS4_TRY(model_check_exec(m, "backward"));
     p->backward_done = true;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult, L = c->n_layers;
     const size_t sbytes = (size_t)(N * n * D) * sizeof(float);

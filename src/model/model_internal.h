@@ -105,8 +105,6 @@ static inline void model_grouped_linear_bwd(const ds4_model *m, float *do_, floa
 /* Parameter groups (ds4/model.h): embed, layers, head, MTP. */
 static inline int64_t group_of_layer(int64_t l) { return 1 + l; }
 
-/* DS4_ERR_ARG unless the current context (ds4_exec_current) is the one m was made for (model.c). */
-ds4_status model_check_exec(const ds4_model *m, const char *what);
 /* Frees a rope table the model moved to its backend (model.c). */
 void model_rope_free(ds4_model *m, ds4_rope *r);
 /* Rope tables for positions [0, T) (model.c; grows only). For model/decode.c. */

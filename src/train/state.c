@@ -112,7 +112,6 @@ ds4_status ds4_train_state_new(const ds4_exec *exec, ds4_train_state **out) {
 ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const ds4_model_dir *d, uint64_t seed,
                                  ds4_comm *world, const ds4_train_state_opts *opts) {
     if (s->m) return ds4_fail(DS4_ERR_INTERNAL, "train state: set up twice");
-    const ds4_exec prev = ds4_exec_enter(&s->exec);
     s->world = world;
     s->sharded = ds4_comm_size(world) > 1 || opts->ep > 1 || opts->shard;
     s->bf16 = opts->bf16;
@@ -123,7 +122,6 @@ ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const
     if (st == DS4_OK) st = open_offload(s, opts);
     if (st == DS4_OK) st = s->sharded ? open_sharded(s, d, seed, opts->ep, opts) : open_whole(s, d, seed, opts);
     if (st == DS4_OK) ds4_train_state_refresh_bf16(s);
-    ds4_exec_leave(prev);
     return st;
 }
 
@@ -143,14 +141,12 @@ ds4_status ds4_train_state_open(const ds4_config *mc, const ds4_model_dir *d, ui
 
 void ds4_train_state_free(ds4_train_state *s) {
     if (!s) return;
-    const ds4_exec prev = ds4_exec_enter(&s->exec);
     ds4_act_swap_free(s->swap);
     ds4_act_swap_free(s->swap2);
     ds4_optim_free(&s->opt);
     ds4_offload_close(s->store); /* after everything it holds */
     ds4_fsdp_free(s->f);
     ds4_model_free(s->m);
-    ds4_exec_leave(prev);
     ds4_free(s);
 }
 

@@ -211,11 +211,9 @@ ds4_status ds4_train_step(ds4_train_state *s, const ds4_step_args *a, ds4_step_r
         return ds4_fail(DS4_ERR_ARG, "--moe-fb-overlap (parallel.moe_fb_overlap) needs 2 or more micro-batches per "
                         "rank (training.global_batch_size / (training.micro_batch_size x ranks)), got %lld",
                         (long long)a->micro_batches);
-    const ds4_exec prev = ds4_exec_enter(ds4_train_state_exec(s)); /* the allocator serves the state's context */
     /* the GEMMs run in the state's matmul precision (bf16 under mixed precision, a plan too: the engines'
      * buffers differ): its model was made in the state's context */
     ds4_status st = gradients(s, a, out);
     if (st == DS4_OK) st = update(s, a, out);
-    ds4_exec_leave(prev);
     return st;
 }
