@@ -977,6 +977,42 @@ static void test_cross_entropy_deterministic(void) {
     free(l), free(d1), free(d2), free(t);
 }
 
+/* The serial GEMMs (what sparse attention's query blocks run): the driver's bits in fp32, in a buffer of
+ * exactly cpu_gemm_serial_bytes (a canary after it stays intact), from inside a parallel region where
+ * each thread computes its own product. */
+static void test_gemm_serial(void) {
+    static const int64_t SH[][3] = {{16, 64, 128}, {64, 128, 16}, {256, 143, 128}, {143, 128, 256}, {1, 1, 1},
+                                    {15, 33, 257}, {225, 513, 520}, {2, 8200, 7}};
+    static gemm_serial_signature *const SER[] = {cpu_gemm_serial_nt, cpu_gemm_serial_nn, cpu_gemm_serial_tn};
+    const int64_t nsh = (int64_t)(sizeof SH / sizeof *SH);
+    int bad[3 * 8] = {0};
+#pragma omp parallel for schedule(dynamic, 1) num_threads(2)
+    for (int64_t x = 0; x < 3 * nsh; x++) {
+        int op = (int)(x % 3);
+        int64_t M = SH[x / 3][0], N = SH[x / 3][1], K = SH[x / 3][2], ar, ac, br, bc;
+        ab_shape(op, M, N, K, &ar, &ac, &br, &bc);
+        float *A = falloc(ar * ac), *B = falloc(br * bc), *c1 = falloc(M * N), *c2 = falloc(M * N);
+        t_fill(A, ar * ac, (unsigned)(x + 3), 1.0f);
+        t_fill(B, br * bc, (unsigned)(x + 4), 1.0f);
+        t_fill(c1, M * N, 5, 1.0f);
+        memcpy(c2, c1, (size_t)(M * N) * sizeof(float));
+        size_t wb = cpu_gemm_serial_bytes(M, N, K);
+        unsigned char *ws = malloc(wb + 64);
+        memset(ws + wb, 0xA5, 64);
+        SER[op](ws, M, N, K, A, ac, B, bc, c1, N, x % 2 ? 1.0f : 0.0f);
+#pragma omp critical
+        gemm_op(CPU_EXEC, op, M, N, K, A, ac, B, bc, c2, N, x % 2 ? 1.0f : 0.0f);
+        int canary = 0;
+        for (int i = 0; i < 64; i++) canary += ws[wb + i] != 0xA5;
+        bad[x] = (memcmp(c1, c2, (size_t)(M * N) * sizeof(float)) != 0) | (canary ? 2 : 0);
+        free(ws), free(A), free(B), free(c1), free(c2);
+    }
+    for (int64_t x = 0; x < 3 * nsh; x++)
+        CHECK(!bad[x], "%s serial gemm_%s %lldx%lldx%lld: %s", ds4_isa_name(ds4_isa_current()), OP_NAME[x % 3],
+              (long long)SH[x / 3][0], (long long)SH[x / 3][1], (long long)SH[x / 3][2],
+              bad[x] & 1 ? "bits differ from the driver" : "wrote past its buffer");
+}
+
 /* The fp32 GEMM tests on every ISA level this CPU runs (each level's engine: avx512 14×32, avx2 6×16,
  * generic = the reference); levels the CPU lacks are reported as skipped. */
 static void test_gemm_every_engine(void) {
@@ -992,6 +1028,7 @@ static void test_gemm_every_engine(void) {
         RUN(test_gemm_degenerate);
         RUN(test_gemm_deterministic_threads);
         RUN(test_gemm_ops_agree);
+        RUN(test_gemm_serial);
     }
     if (ds4_isa_select(was) != DS4_OK) t_failed++, t_note("  FAIL restoring the ISA level: %s", ds4_errmsg());
 }

@@ -161,27 +161,17 @@ static void buffers_give_back(const gemm_buffers *w) {
     ds4_free(w->ap);
 }
 
-/* C[M,N] = beta·C + A·B with A viewed M×K and B viewed K×N. Returns false (nothing written) when
- * the packing buffers cannot be allocated. */
-static bool gemm_fast(const gemm_engine *e, int64_t M, int64_t N, int64_t K, gemm_view A, gemm_view B, float *C,
-                      int64_t ldc, float beta) {
-    if (M <= 0 || N <= 0) return true;
-    if (K <= 0) { /* empty sum: C = beta·C */
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta == 0 ? 0 : beta * C[i * ldc + j];
-        return true;
-    }
+/* C[M,N] = beta·C + A·B with A viewed M×K and B viewed K×N (M, N, K > 0), packed in the buffers w. */
+static void gemm_run(const gemm_engine *e, const gemm_buffers *w, int64_t M, int64_t N, int64_t K, gemm_view A,
+                     gemm_view B, float *C, int64_t ldc, float beta) {
     /* B given as bf16 bits: its panels are bf16 values already, rounding them again would change nothing */
     void (*pack_b)(void *, gemm_view, int64_t, int64_t, int64_t, int64_t) = B.h ? e->pack_b_bf16 : e->pack_b;
     const bool round_b = e->round_bf16 && !B.h;
-    if (!pack_b) return false;
-    gemm_buffers w;
-    if (!buffers_take(&w, false, e, M, N, K)) return false;
-    char *bp = w.bp, *ap = w.ap;
-    size_t a_bytes = w.a_bytes;
-    int nth = w.nth;
-    int64_t mc = w.mc, nt = w.nt;
-#pragma omp parallel num_threads(nth)
+    char *bp = w->bp, *ap = w->ap;
+    size_t a_bytes = w->a_bytes;
+    int nth = w->nth;
+    int64_t mc = w->mc, nt = w->nt;
+#pragma omp parallel num_threads(nth) if (nth > 1)
     {
         char *apt = ap + (size_t)omp_get_thread_num() * a_bytes;
         if (e->thread_begin) e->thread_begin();
@@ -226,10 +216,86 @@ static bool gemm_fast(const gemm_engine *e, int64_t M, int64_t N, int64_t K, gem
         }
         if (e->thread_end) e->thread_end();
     }
+}
+
+/* C = beta·C for an empty sum (K = 0). */
+static void gemm_scale_only(int64_t M, int64_t N, float *C, int64_t ldc, float beta) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta == 0 ? 0 : beta * C[i * ldc + j];
+}
+
+/* C[M,N] = beta·C + A·B with A viewed M×K and B viewed K×N. Returns false (nothing written) when
+ * the packing buffers cannot be allocated. */
+static bool gemm_fast(const gemm_engine *e, int64_t M, int64_t N, int64_t K, gemm_view A, gemm_view B, float *C,
+                      int64_t ldc, float beta) {
+    if (M <= 0 || N <= 0) return true;
+    if (K <= 0) {
+        gemm_scale_only(M, N, C, ldc, beta);
+        return true;
+    }
+    if (!(B.h ? e->pack_b_bf16 : e->pack_b)) return false;
+    gemm_buffers w;
+    if (!buffers_take(&w, false, e, M, N, K)) return false;
+    gemm_run(e, &w, M, N, K, A, B, C, ldc, beta);
     buffers_give_back(&w);
     return true;
 }
 
+/* ---------------------------------------------------------------- one thread, the caller's buffer */
+
+/* The serial GEMMs' buffer bound, whatever the engine (a plan must not depend on the CPU that makes it):
+ * fp32 panels KC deep; B's columns and A's rows rounded up to any multiple of at most SERIAL_ROUND (every
+ * fp32 engine's nr, mr) fit in the count + SERIAL_ROUND. */
+#define SERIAL_ROUND 32
+size_t cpu_gemm_serial_bytes(int64_t M, int64_t N, int64_t K) {
+    if (M <= 0 || N <= 0 || K <= 0) return 0;
+    int64_t kc = min64(K, POOL_KC);
+    return (size_t)(kc * (min64(N, POOL_NC) + min64(M, POOL_MC) + 2 * SERIAL_ROUND)) * sizeof(float) + 128;
+}
+
+/* The fp32 engine's product on one thread with ws (cpu_gemm_serial_bytes(M, N, K) bytes, any alignment:
+ * the bound holds 64 bytes to align the panels); false when
+ * there is no engine or its panels would not fit (the caller then runs the reference). */
+static bool gemm_serial(void *ws, int64_t M, int64_t N, int64_t K, gemm_view A, gemm_view B, float *C, int64_t ldc,
+                        float beta) {
+    const gemm_engine *e = cpu_engines_active()->gemm_f32;
+    if (!e) return false;
+    if (M <= 0 || N <= 0) return true;
+    if (K <= 0) {
+        gemm_scale_only(M, N, C, ldc, beta);
+        return true;
+    }
+    int64_t kcp = round_up(min64(K, e->kc), e->kalign);
+    size_t b_bytes = (size_t)(kcp * round_up(min64(N, e->nc), e->nr)) * e->elem, b_room = (b_bytes + 63) & ~(size_t)63;
+    size_t a_bytes = (size_t)(kcp * round_up(min64(M, e->mc), e->mr)) * e->elem;
+    if (b_room + a_bytes + 64 > cpu_gemm_serial_bytes(M, N, K)) return false;
+    char *bp = (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63); /* panels are loaded aligned */
+    gemm_buffers w = {.bp = bp, .ap = bp + b_room, .a_bytes = a_bytes, .nth = 1, .mc = e->mc, .nt = e->nt,
+                      .pooled = true};
+    gemm_run(e, &w, M, N, K, A, B, C, ldc, beta);
+    return true;
+}
+
+/* C[M,N] = beta*C + A[M,K] · B[N,K]^T, on this thread */
+void cpu_gemm_serial_nt(void *ws, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, float *C, int64_t ldc, float beta) {
+    if (!gemm_serial(ws, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){B, 1, ldb, NULL}, C, ldc, beta))
+        cpu_gemm_nt_ref(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
+
+/* C[M,N] = beta*C + A[M,K] · B[K,N], on this thread */
+void cpu_gemm_serial_nn(void *ws, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, float *C, int64_t ldc, float beta) {
+    if (!gemm_serial(ws, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){B, ldb, 1, NULL}, C, ldc, beta))
+        cpu_gemm_nn_ref(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
+
+/* C[M,N] = beta*C + A[K,M]^T · B[K,N], on this thread */
+void cpu_gemm_serial_tn(void *ws, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, float *C, int64_t ldc, float beta) {
+    if (!gemm_serial(ws, M, N, K, (gemm_view){A, 1, lda, NULL}, (gemm_view){B, ldb, 1, NULL}, C, ldc, beta))
+        cpu_gemm_tn_ref(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
 
 /* The engine of matmul precision prec; NULL: the reference of that precision computes. */
 static const gemm_engine *engine_of(ds4_matmul_precision prec, bool *bf16) {

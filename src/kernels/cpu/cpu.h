@@ -39,6 +39,13 @@ typedef void gemm_driver_signature(ds4_matmul_precision prec, int64_t M, int64_t
                                    int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, float beta);
 gemm_driver_signature cpu_gemm_nt, cpu_gemm_nn, cpu_gemm_tn;
 void cpu_gemm_workspace_reserve(void);
+/* The fp32 GEMMs on the calling thread with the caller's packing buffer ws (at least
+ * cpu_gemm_serial_bytes(M, N, K) bytes, a bound that does not depend on the CPU), for kernels that share
+ * work among their own threads (sparse attention's query blocks). The same bits as cpu_gemm_* in fp32. */
+size_t cpu_gemm_serial_bytes(int64_t M, int64_t N, int64_t K);
+typedef void gemm_serial_signature(void *ws, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                                   const float *B, int64_t ldb, float *C, int64_t ldc, float beta);
+gemm_serial_signature cpu_gemm_serial_nt, cpu_gemm_serial_nn, cpu_gemm_serial_tn;
 void cpu_gemm_workspace_release(void);
 
 /* The portable reference GEMMs (cpu/gemm.c): one fp32 sum per element, k ascending. What the driver

@@ -18,10 +18,8 @@
 
 /* The plan backend's attention: the workspace of the float kernels, allocated and freed, nothing else. */
 void cpu_sparse_attn_fwd_plan(const sparse_attn_args *a) {
-    int64_t maxk;
-    size_t per;
-    int P;
-    ds4_free(cpu_sa_fwd_workspace(a, true, &maxk, &per, &P));
+    sa_layout L;
+    ds4_free(cpu_sa_workspace(a, true, false, false, &L));
 }
 
 void cpu_sparse_attn_bwd_plan(const sparse_attn_args *a, const sparse_attn_grads *g) {
@@ -29,6 +27,6 @@ void cpu_sparse_attn_bwd_plan(const sparse_attn_args *a, const sparse_attn_grads
     float *dkvc;
     bool want_key;
     if (!cpu_sa_bwd_wants(a, g, &ratio, &dkvc, &want_key)) return;
-    sa_bwd_layout L;
-    ds4_free(cpu_sa_bwd_workspace(a, true, ratio, want_key, &L));
+    sa_layout L;
+    ds4_free(cpu_sa_workspace(a, true, true, want_key, &L));
 }
