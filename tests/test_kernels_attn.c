@@ -3,6 +3,7 @@
  * _f64 twins), the KL value and the top-k selection against naive computations, float against
  * double, and the same bits at any thread count. */
 #include "ds4/core.h"
+#include "kernels/cpu/vmath.h"
 #include "kernels/kernels.h"
 #include "kernels/kernels_f64.h"
 #include "test.h"
@@ -888,7 +889,42 @@ static void test_no_workspace_leak(void) {
     ain_free(&a), iin_free(&x);
 }
 
+/* The vector exp of the softmaxes (vmath.h): within 2 ulp of double exp over the normal range (every
+ * 97th float bit pattern from −87.3 to 88.3, and the integers and half-integers of the range), exactly 1
+ * at 0, 0 below the range and at −inf, +inf above it, NaN for NaN. */
+static void test_vector_exp(void) {
+    double worst = 0;
+    float at_worst = 0;
+    int64_t n = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        uint32_t b0 = pass ? 0u : 0x80000000u, b1 = pass ? 0x42b0c000u : 0xc2aeac4fu; /* +0..88.38, −0..−87.3 */
+        for (uint32_t b = b0; b < b1; b += 97) {
+            float x;
+            memcpy(&x, &b, sizeof x);
+            vm_f8 v = (vm_f8){0} + x, y = vm_exp8(v);
+            double e = exp((double)x), ulp = ldexp(1.0, ilogb(e) - 23);
+            double err = fabs((double)y[0] - e) / ulp;
+            if (err > worst) worst = err, at_worst = x;
+            n++;
+        }
+    }
+    for (int i = -174; i <= 176; i++) {
+        float x = 0.5f * (float)i;
+        vm_f8 y = vm_exp8((vm_f8){0} + x);
+        double e = exp((double)x), err = fabs((double)y[0] - e) / ldexp(1.0, ilogb(e) - 23);
+        if (err > worst) worst = err, at_worst = x;
+    }
+    CHECK(worst <= 2.0, "vector exp: %.2f ulp at x = %.9g (%lld points)", worst, (double)at_worst, (long long)n);
+    vm_f8 sp = vm_exp8((vm_f8){0.0f, -0.0f, -100.0f, -INFINITY, 100.0f, INFINITY, NAN, -87.0f});
+    CHECK(sp[0] == 1 && sp[1] == 1 && sp[2] == 0 && sp[3] == 0, "exp(0), exp(-0), exp(-100), exp(-inf): %g %g %g %g",
+          sp[0], sp[1], sp[2], sp[3]);
+    CHECK(isinf(sp[4]) && sp[4] > 0 && isinf(sp[5]) && isnan(sp[6]) && sp[7] > 0, "exp(100), exp(inf), exp(NaN), exp(-87): %g %g %g %g",
+          sp[4], sp[5], sp[6], sp[7]);
+    t_note("test_kernels_attn: vector exp worst %.2f ulp at %.9g over %lld points", worst, (double)at_worst, (long long)n);
+}
+
 int main(void) {
+    RUN(test_vector_exp);
     RUN(test_attn_fwd_matches_dense_oracle);
     RUN(test_attn_fwd_edge_cases);
     RUN(test_attn_bwd_finite_differences);

@@ -3,6 +3,7 @@
  * the finite-difference tests). */
 #include "ds4/core.h"
 #include "kernels/cpu/cpu.h"
+#include "kernels/cpu/vmath.h"
 #include "kernels/kernels_f64.h"
 
 #include <math.h>
