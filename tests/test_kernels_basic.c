@@ -999,7 +999,7 @@ static void test_gemm_serial(void) {
         size_t wb = cpu_gemm_serial_bytes(M, N, K);
         unsigned char *ws = malloc(wb + 64);
         memset(ws + wb, 0xA5, 64);
-        SER[op](ws, M, N, K, A, ac, B, bc, c1, N, x % 2 ? 1.0f : 0.0f);
+        SER[op](DS4_MATMUL_FP32, ws, M, N, K, A, ac, B, bc, c1, N, x % 2 ? 1.0f : 0.0f);
 #pragma omp critical
         gemm_op(CPU_EXEC, op, M, N, K, A, ac, B, bc, c2, N, x % 2 ? 1.0f : 0.0f);
         int canary = 0;

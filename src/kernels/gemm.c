@@ -249,17 +249,16 @@ static bool gemm_fast(const gemm_engine *e, int64_t M, int64_t N, int64_t K, gem
 #define SERIAL_ROUND 32
 size_t cpu_gemm_serial_bytes(int64_t M, int64_t N, int64_t K) {
     if (M <= 0 || N <= 0 || K <= 0) return 0;
-    int64_t kc = min64(K, POOL_KC);
+    int64_t kc = min64(K < 16 ? 16 : K, POOL_KC); /* the bf16 engines pad K up to 32 at 2 bytes */
     return (size_t)(kc * (min64(N, POOL_NC) + min64(M, POOL_MC) + 2 * SERIAL_ROUND)) * sizeof(float) + 128;
 }
 
-/* The fp32 engine's product on one thread with ws (cpu_gemm_serial_bytes(M, N, K) bytes, any alignment:
- * the bound holds 64 bytes to align the panels); false when
- * there is no engine or its panels would not fit (the caller then runs the reference). */
-static bool gemm_serial(void *ws, int64_t M, int64_t N, int64_t K, gemm_view A, gemm_view B, float *C, int64_t ldc,
-                        float beta) {
-    const gemm_engine *e = cpu_engines_active()->gemm_f32;
-    if (!e) return false;
+/* Engine e's product on one thread with ws (cpu_gemm_serial_bytes(M, N, K) bytes, any alignment: the
+ * bound holds 64 bytes to align the panels); false when there is no engine, it cannot read B as given, or
+ * its panels would not fit (the caller then runs the reference the driver would run). */
+static bool gemm_serial(const gemm_engine *e, void *ws, int64_t M, int64_t N, int64_t K, gemm_view A, gemm_view B,
+                        float *C, int64_t ldc, float beta) {
+    if (!e || !(B.h ? e->pack_b_bf16 : e->pack_b)) return false;
     if (M <= 0 || N <= 0) return true;
     if (K <= 0) {
         gemm_scale_only(M, N, C, ldc, beta);
@@ -276,33 +275,60 @@ static bool gemm_serial(void *ws, int64_t M, int64_t N, int64_t K, gemm_view A, 
     return true;
 }
 
-/* C[M,N] = beta*C + A[M,K] · B[N,K]^T, on this thread */
-void cpu_gemm_serial_nt(void *ws, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
-                        int64_t ldb, float *C, int64_t ldc, float beta) {
-    if (!gemm_serial(ws, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){B, 1, ldb, NULL}, C, ldc, beta))
-        cpu_gemm_nt_ref(M, N, K, A, lda, B, ldb, C, ldc, beta);
-}
-
-/* C[M,N] = beta*C + A[M,K] · B[K,N], on this thread */
-void cpu_gemm_serial_nn(void *ws, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
-                        int64_t ldb, float *C, int64_t ldc, float beta) {
-    if (!gemm_serial(ws, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){B, ldb, 1, NULL}, C, ldc, beta))
-        cpu_gemm_nn_ref(M, N, K, A, lda, B, ldb, C, ldc, beta);
-}
-
-/* C[M,N] = beta*C + A[K,M]^T · B[K,N], on this thread */
-void cpu_gemm_serial_tn(void *ws, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
-                        int64_t ldb, float *C, int64_t ldc, float beta) {
-    if (!gemm_serial(ws, M, N, K, (gemm_view){A, 1, lda, NULL}, (gemm_view){B, ldb, 1, NULL}, C, ldc, beta))
-        cpu_gemm_tn_ref(M, N, K, A, lda, B, ldb, C, ldc, beta);
-}
-
 /* The engine of matmul precision prec; NULL: the reference of that precision computes. */
 static const gemm_engine *engine_of(ds4_matmul_precision prec, bool *bf16) {
     const cpu_engines *t = cpu_engines_active();
     *bf16 = prec == DS4_MATMUL_BF16;
     return *bf16 ? t->gemm_bf16 : t->gemm_f32;
 }
+
+/* The bf16 GEMM with B given as bf16 bits (a weight's compute copy), whatever the matmul precision:
+ * the same bits as cpu_gemm_nt/nn in bf16 precision on the fp32 values the bits were rounded from. */
+static const gemm_engine *bf16_engine(void) { return cpu_engines_active()->gemm_bf16; }
+
+/* C[M,N] = beta*C + A[M,K] · B[N,K]^T, on this thread */
+void cpu_gemm_serial_nt(ds4_matmul_precision prec, void *ws, int64_t M, int64_t N, int64_t K, const float *A,
+                        int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, float beta) {
+    bool bf16;
+    const gemm_engine *e = engine_of(prec, &bf16);
+    if (!gemm_serial(e, ws, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){B, 1, ldb, NULL}, C, ldc, beta))
+        (bf16 ? cpu_gemm_nt_bf16_ref : cpu_gemm_nt_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
+
+/* C[M,N] = beta*C + A[M,K] · B[K,N], on this thread */
+void cpu_gemm_serial_nn(ds4_matmul_precision prec, void *ws, int64_t M, int64_t N, int64_t K, const float *A,
+                        int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, float beta) {
+    bool bf16;
+    const gemm_engine *e = engine_of(prec, &bf16);
+    if (!gemm_serial(e, ws, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){B, ldb, 1, NULL}, C, ldc, beta))
+        (bf16 ? cpu_gemm_nn_bf16_ref : cpu_gemm_nn_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
+
+/* C[M,N] = beta*C + A[K,M]^T · B[K,N], on this thread */
+void cpu_gemm_serial_tn(ds4_matmul_precision prec, void *ws, int64_t M, int64_t N, int64_t K, const float *A,
+                        int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, float beta) {
+    bool bf16;
+    const gemm_engine *e = engine_of(prec, &bf16);
+    if (!gemm_serial(e, ws, M, N, K, (gemm_view){A, 1, lda, NULL}, (gemm_view){B, ldb, 1, NULL}, C, ldc, beta))
+        (bf16 ? cpu_gemm_tn_bf16_ref : cpu_gemm_tn_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
+
+/* C[M,N] = beta*C + A[M,K] · B[N,K]^T, B: bf16 bits, on this thread (cpu_gemm_nt_hb's bits) */
+void cpu_gemm_serial_nt_hb(void *ws, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const uint16_t *B,
+                           int64_t ldb, float *C, int64_t ldc, float beta) {
+    if (!gemm_serial(bf16_engine(), ws, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){NULL, 1, ldb, B}, C, ldc,
+                     beta))
+        cpu_gemm_nt_hb_ref(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
+
+/* C[M,N] = beta*C + A[M,K] · B[K,N], B: bf16 bits, on this thread (cpu_gemm_nn_hb's bits) */
+void cpu_gemm_serial_nn_hb(void *ws, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const uint16_t *B,
+                           int64_t ldb, float *C, int64_t ldc, float beta) {
+    if (!gemm_serial(bf16_engine(), ws, M, N, K, (gemm_view){A, lda, 1, NULL}, (gemm_view){NULL, ldb, 1, B}, C, ldc,
+                     beta))
+        cpu_gemm_nn_hb_ref(M, N, K, A, lda, B, ldb, C, ldc, beta);
+}
+
 
 /* C[M,N] = beta*C + A[M,K] · B[N,K]^T */
 void cpu_gemm_nt(ds4_matmul_precision prec, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
@@ -322,9 +348,6 @@ void cpu_gemm_nn(ds4_matmul_precision prec, int64_t M, int64_t N, int64_t K, con
         (bf16 ? cpu_gemm_nn_bf16_ref : cpu_gemm_nn_ref)(M, N, K, A, lda, B, ldb, C, ldc, beta);
 }
 
-/* The bf16 GEMM with B given as bf16 bits (a weight's compute copy), whatever the matmul precision:
- * the same bits as cpu_gemm_nt/nn in bf16 precision on the fp32 values the bits were rounded from. */
-static const gemm_engine *bf16_engine(void) { return cpu_engines_active()->gemm_bf16; }
 
 /* C[M,N] = beta*C + A[M,K] · B[N,K]^T, B: bf16 bits */
 void cpu_gemm_nt_hb(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const uint16_t *B, int64_t ldb,

@@ -291,10 +291,10 @@ struct moe_experts_args {
     const uint16_t *hcopy;
     const float *x, *rw;     /* [R, D], [R] */
     float *h1, *h3;          /* [R, I]: written by the forward, read by the backward */
-    float *act;              /* [rows of the largest expert, I] scratch */
+    float *act;              /* [R, I] scratch, R = off[nexp] (expert e's rows at off[e]: experts may run side by side) */
 };
 /* Backward given dy [R, D]: dx [R, D] and dw [R] (d routing weight) are overwritten; weight gradients
- * accumulate into g [nexp]. Scratch dact, dh1, dh3: [rows of the largest expert, I]. */
+ * accumulate into g [nexp]. Scratch dact, dh1, dh3: [R, I], as act. */
 struct moe_experts_grads {
     moe_expert_w *g;
     const float *dy;

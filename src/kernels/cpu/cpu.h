@@ -39,13 +39,18 @@ typedef void gemm_driver_signature(ds4_matmul_precision prec, int64_t M, int64_t
                                    int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, float beta);
 gemm_driver_signature cpu_gemm_nt, cpu_gemm_nn, cpu_gemm_tn;
 void cpu_gemm_workspace_reserve(void);
-/* The fp32 GEMMs on the calling thread with the caller's packing buffer ws (at least
- * cpu_gemm_serial_bytes(M, N, K) bytes, a bound that does not depend on the CPU), for kernels that share
- * work among their own threads (sparse attention's query blocks). The same bits as cpu_gemm_* in fp32. */
+/* The GEMMs on the calling thread with the caller's packing buffer ws (at least cpu_gemm_serial_bytes(M, N,
+ * K) bytes, a bound that does not depend on the CPU), for kernels that share work among their own threads
+ * (sparse attention's query blocks, the routed experts): the driver's bits (cpu_gemm_*) in that precision. */
 size_t cpu_gemm_serial_bytes(int64_t M, int64_t N, int64_t K);
-typedef void gemm_serial_signature(void *ws, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                                   const float *B, int64_t ldb, float *C, int64_t ldc, float beta);
+typedef void gemm_serial_signature(ds4_matmul_precision prec, void *ws, int64_t M, int64_t N, int64_t K,
+                                   const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
+                                   float beta);
 gemm_serial_signature cpu_gemm_serial_nt, cpu_gemm_serial_nn, cpu_gemm_serial_tn;
+/* ... and with B as bf16 bits (cpu_gemm_nt_hb / _nn_hb's bits) */
+typedef void gemm_serial_signature_hb(void *ws, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                                      const uint16_t *B, int64_t ldb, float *C, int64_t ldc, float beta);
+gemm_serial_signature_hb cpu_gemm_serial_nt_hb, cpu_gemm_serial_nn_hb;
 void cpu_gemm_workspace_release(void);
 
 /* The portable reference GEMMs (cpu/gemm.c): one fp32 sum per element, k ascending. What the driver
@@ -165,6 +170,8 @@ void cpu_sparse_attn_fwd_plan(const sparse_attn_args *a);
 void cpu_sparse_attn_bwd_plan(const sparse_attn_args *a, const sparse_attn_grads *g);
 void cpu_indexer_topk_fwd_plan(const indexer_topk_args *a);
 void cpu_indexer_kl_fwd_bwd_plan(const indexer_kl_args *a);
+void cpu_moe_experts_fwd_plan(ds4_matmul_precision prec, const moe_experts_args *a, float *y);
+void cpu_moe_experts_bwd_plan(ds4_matmul_precision prec, const moe_experts_args *a, const moe_experts_grads *g);
 void cpu_newton_schulz_plan(ds4_matmul_precision prec, float *x, int64_t rows, int64_t cols, const ds4_ns_coef *coef,
                             int64_t iters, float eps);
 /* Not a workspace mirror: a plan's routing is balanced (kernels.h: moe_expert_counts). */
