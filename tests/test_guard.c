@@ -2,6 +2,7 @@
  * ops. A model made on it runs its passes with the cpu's bits (so everything the model layer does with
  * tensor bytes goes through ops and copies), and a host read of one of its buffers kills the process with a
  * message that names the buffer and the call stack. */
+#include <omp.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -98,6 +99,7 @@ static void test_host_touch_is_named(void) {
     if (pid == 0) {
         close(fds[0]);
         dup2(fds[1], 2);
+        omp_set_num_threads(1); /* the parent's OpenMP threads do not exist here: no team may start */
         ds4_config c;
         ds4_model *m = NULL;
         const ds4_exec on_guard = {.backend = gb};

@@ -52,7 +52,10 @@ void cpu_moe_weight_grads_add(float *dgw, const float *dw, const int32_t *etok, 
     for (int64_t j = 0; j < NK; j++) dgw[(int64_t)etok[j] * K + eslot[j]] += dw[j];
 }
 
+#define ROWS_PAR_MIN 65536 /* elements below which one thread beats starting a team */
+
 void cpu_rows_gather(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t D) {
+#pragma omp parallel for schedule(static) if (n * D > ROWS_PAR_MIN)
     for (int64_t i = 0; i < n; i++) memcpy(dst + i * D, src + (int64_t)rows[i] * D, (size_t)D * sizeof(float));
 }
 
