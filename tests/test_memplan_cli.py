@@ -188,7 +188,7 @@ check("--config: a missing file", r.returncode == 1 and "none.toml" in r.stderr 
 # --saved-activations: one table per kind of block, its rows from the units' declarations
 ROW = re.compile(r"^  (\S+) +(\S+) +\[([\d, ]+)\] +(fp32|bf16|i32|i64) +(\d+)  (kept|recomputed|swapped)$")
 KIND = re.compile(r"^(.+): (\d+) blocks?, the first (\d+)$")
-ONE = re.compile(r"^  one block: (\d+) bytes kept \([\d.]+ GiB\), (\d+) recomputed, (\d+) swapped; (\d+) blocks: "
+ONE = re.compile(r"^  one block: (\d+) bytes kept \([\d.]+ GiB\), (\d+) recomputed, (\d+) swapped; (\d+) blocks?: "
                  r"(\d+) bytes kept$")
 ALL = re.compile(r"^all (\d+) blocks: (\d+) bytes kept in memory \([\d.]+ GiB\), (\d+) recomputed, (\d+) swapped to "
                  r"the offload tier$", re.M)

@@ -307,9 +307,9 @@ static void print_saved(const ds4_config *c, const saved_step *s, const ds4_step
         kind_name(c, l, kind, sizeof kind);
         printf("%s: %lld block%s, the first %lld\n", kind, (long long)count, count > 1 ? "s" : "", (long long)l);
         print_block_rows(c, s, l, one);
-        printf("  one block: %lld bytes kept (%.3f GiB), %lld recomputed, %lld swapped; %lld blocks: %lld bytes kept\n",
+        printf("  one block: %lld bytes kept (%.3f GiB), %lld recomputed, %lld swapped; %lld block%s: %lld bytes kept\n",
                (long long)one[DS4_ACT_KEEP], gib(one[DS4_ACT_KEEP]), (long long)one[DS4_ACT_RECOMPUTE],
-               (long long)one[DS4_ACT_SWAP], (long long)count, (long long)(count * one[DS4_ACT_KEEP]));
+               (long long)one[DS4_ACT_SWAP], (long long)count, count > 1 ? "s" : "", (long long)(count * one[DS4_ACT_KEEP]));
         for (int p = 0; p < 3; p++) all[p] += count * one[p];
     }
     printf("all %lld blocks: %lld bytes kept in memory (%.3f GiB), %lld recomputed, %lld swapped to the offload tier\n",
