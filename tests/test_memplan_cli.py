@@ -187,7 +187,7 @@ r = subprocess.run([ds4, "memplan", "--config", os.path.join(tmp, "none.toml")],
 check("--config: a missing file", r.returncode == 1 and "none.toml" in r.stderr and r.stdout == "", r.stderr)
 # --saved-activations: one table per kind of block, its rows from the units' declarations
 ROW = re.compile(r"^  (\S+) +(\S+) +\[([\d, ]+)\] +(fp32|bf16|i32|i64) +(\d+)  (kept|recomputed|swapped)$")
-KIND = re.compile(r"^(.+): (\d+) blocks?, the first (\d+)$")
+KIND = re.compile(r"^(.+): (\d+) blocks? \(the first is block (\d+)\)$")
 ONE = re.compile(r"^  one block: (\d+) bytes kept \([\d.]+ GiB\), (\d+) recomputed, (\d+) swapped; (\d+) blocks?: "
                  r"(\d+) bytes kept$")
 ALL = re.compile(r"^all (\d+) blocks: (\d+) bytes kept in memory \([\d.]+ GiB\), (\d+) recomputed, (\d+) swapped to "
@@ -200,7 +200,7 @@ def saved_tables(out):
     for line in out.split("saved activations:", 1)[-1].splitlines():
         if KIND.match(line):
             k = KIND.match(line)
-            kind = k.group(1)
+            kind = f"{k.group(1)} #{k.group(3)}"  # a kind split by per-layer recompute masks prints twice
             tables[kind] = (int(k.group(2)), [], None)
         elif ROW.match(line) and kind:
             m = ROW.match(line)
@@ -246,7 +246,7 @@ check("saved: CSA's tensors, shapes and bytes for 128 tokens",
       all(r[4] == 4 * eval(r[2].replace(", ", "*")) for r in csa if r[3] in ("fp32", "i32")), str(csa))
 
 
-def sums_agree(name, out, tables, transient=False):
+def sums_agree(name, out, tables, transient=False, N=128):
     """Per block and over the blocks the totals are the rows' sums; kept + outside the blocks = the act peak."""
     one_ok = all(t[2] and t[2][0] == sum(r[4] for r in t[1] if r[5] == "kept") and
                  t[2][1] == sum(r[4] for r in t[1] if r[5] == "recomputed") and
@@ -258,9 +258,9 @@ def sums_agree(name, out, tables, transient=False):
     check(f"saved {name}: per-block and all-block totals", one_ok and a and int(a.group(2)) == kept and
           int(a.group(1)) == 5, out)
     rest = act - kept
-    check(f"saved {name}: act peak {act} = kept {kept} + {outside_blocks(128)} outside the blocks" +
+    check(f"saved {name}: act peak {act} = kept {kept} + {outside_blocks(N)} outside the blocks" +
           (" + the backward's transients" if transient else ""),
-          rest >= outside_blocks(128) if transient else rest == outside_blocks(128), f"rest {rest}")
+          rest >= outside_blocks(N) if transient else rest == outside_blocks(N), f"rest {rest}")
     check(f"saved {name}: the last line says the difference", f"act peak {act} bytes = the blocks' kept {kept} + "
           f"{rest}:" in out, out)
 
@@ -283,6 +283,15 @@ def flips(name, flag, want):
 
 flips("--recompute-csa-attention", "--recompute-csa-attention", ATTN)
 flips("--mhc-recompute", "--mhc-recompute", MHC)
+
+r = memplan("--recompute-norm", "--recompute-norm-num-layers", "2", "--saved-activations")
+t = saved_tables(r.stdout)
+normed = [k.split(" #")[1] for k in t if any(row[5] == "recomputed" for row in t[k][1])]
+check("saved --recompute-norm-num-layers 2: the CSA kind split, only blocks 0 and 1 recompute their norms",
+      r.returncode == 0 and [k.split(" ")[0] for k in t] == ["sliding", "CSA", "HCA", "CSA", "MTP"] and
+      normed == ["0", "1"] and all({row[0] for row in t[k][1] if row[5] == "recomputed"} == {"attn_norm", "ffn_norm"}
+                                   for k in t if k.split(" #")[1] in normed), r.stdout)
+sums_agree("--recompute-norm-num-layers 2", r.stdout, t)
 
 r = memplan("--mixed-precision-param", "bfloat16", "--saved-activations")
 t_bf = saved_tables(r.stdout)
@@ -313,6 +322,16 @@ moe = [row for row in saved_tables(r.stdout).get(kinds[1], (0, []))[1] if row[0]
 check("saved under EP 2: the received rows (balanced: 256 of them) saved too", r.returncode == 0 and
       ("moe", "xr", "256, 64", "fp32", 65536, "kept") in moe and ("moe", "h1", "256, 32", "fp32", 32768, "kept") in moe,
       str(moe))
+# 63 tokens, K 2, 8 experts: 126 assignments, experts 0-5 get 16 and 6-7 get 15; each rank's two sources
+# send what it sends, so rank 0 (experts 0-3) computes 2 x 64 rows, rank 1 (experts 4-7) 2 x 62
+for rank, rows in [(0, 128), (1, 124)]:
+    r = memplan("--seq", "63", "--micro-batch", "1", "--world", "2", "--ep", "2", "--rank", str(rank),
+                "--saved-activations")
+    t = saved_tables(r.stdout)
+    xr = [row for row in t.get(kinds[1], (0, []))[1] if row[1] == "xr"]
+    check(f"saved under EP 2, rank {rank} of uneven routing: {rows} received rows", r.returncode == 0 and
+          xr == [("moe", "xr", f"{rows}, 64", "fp32", rows * 64 * 4, "kept")], str(xr))
+    sums_agree(f"EP 2 rank {rank}", r.stdout, t, N=63)
 expect_error("saved activations with --policies", ["--policies", "--saved-activations"], "--saved-activations",
              "--policies")
 

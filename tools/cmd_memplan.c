@@ -260,6 +260,17 @@ static bool same_kind(const ds4_config *c, const saved_step *s, int64_t a, int64
            x.release_mask == y.release_mask;
 }
 
+/* How many blocks are of block l's kind; 0 when an earlier block is (the kind's table is printed there). */
+static int64_t kind_count(const ds4_config *c, const saved_step *s, int64_t l) {
+    int64_t count = 0;
+    for (int64_t k = 0; k < c->n_layers + c->n_mtp_layers; k++) {
+        if (!same_kind(c, s, l, k)) continue;
+        if (k < l) return 0;
+        count++;
+    }
+    return count;
+}
+
 static void kind_name(const ds4_config *c, int64_t l, char *buf, size_t n) {
     const int64_t r = ds4_layer_ratio(c, l);
     const char *what = r == 0 ? "sliding window" : r == 4 ? "CSA" : "HCA";
@@ -275,7 +286,7 @@ static const char *saved_status(ds4_act_policy p) {
     return p == DS4_ACT_RECOMPUTE ? "recomputed" : p == DS4_ACT_SWAP ? "swapped" : "kept";
 }
 
-/* The rows of block l; bytes[policy] += each row's bytes. */
+/* The rows of block l; bytes[policy] += each row's bytes (indexed by ds4_act_policy: keep, recompute, swap). */
 static void print_block_rows(const ds4_config *c, const saved_step *s, int64_t l, int64_t bytes[3]) {
     ds4_saved_tensor t[DS4_SAVED_MAX];
     const ds4_saved_opts o = saved_opts(c, s, l);
@@ -299,13 +310,12 @@ static void print_saved(const ds4_config *c, const saved_step *s, const ds4_step
     printf("saved activations: the tensors each block keeps from its forward for its backward (%lld tokens)\n",
            (long long)(s->B * s->T));
     for (int64_t l = 0; l < nb; l++) {
-        int64_t count = 0, first = -1, one[3] = {0};
-        for (int64_t k = 0; k < nb; k++)
-            if (same_kind(c, s, l, k)) first = first < 0 ? k : first, count++;
-        if (first != l) continue;
+        const int64_t count = kind_count(c, s, l);
+        int64_t one[3] = {0};
+        if (!count) continue;
         char kind[64];
         kind_name(c, l, kind, sizeof kind);
-        printf("%s: %lld block%s, the first %lld\n", kind, (long long)count, count > 1 ? "s" : "", (long long)l);
+        printf("%s: %lld block%s (the first is block %lld)\n", kind, (long long)count, count > 1 ? "s" : "", (long long)l);
         print_block_rows(c, s, l, one);
         printf("  one block: %lld bytes kept (%.3f GiB), %lld recomputed, %lld swapped; %lld block%s: %lld bytes kept\n",
                (long long)one[DS4_ACT_KEEP], gib(one[DS4_ACT_KEEP]), (long long)one[DS4_ACT_RECOMPUTE],
