@@ -317,8 +317,9 @@ typedef struct {
     const char *name;      /* the slot's name in its unit's declaration; "X_in" for the input stream */
     int ndim;
     int64_t shape[3];      /* for the pass's B·T tokens */
-    ds4_saved_dtype dtype; /* as held between its last forward reader and its backward */
-    int64_t bytes;         /* as held */
+    ds4_saved_dtype dtype; /* as held between its last forward reader and its backward (recomputed: as it
+                            * would be, were it kept) */
+    int64_t bytes;         /* as held (recomputed: as it would be) */
     ds4_act_policy policy; /* KEEP: in memory; RECOMPUTE: freed, replayed in backward; SWAP: offload tier */
 } ds4_saved_tensor;
 typedef struct {

@@ -290,8 +290,8 @@ static ds4_saved_tensor input_row(const ds4_config *c, bool mtp, const ds4_saved
 int ds4_block_saved(const ds4_config *c, int64_t layer, const ds4_saved_opts *o, ds4_saved_tensor *out) {
     const bool mtp = layer >= c->n_layers;
     const block_acts a = {.ratio = ds4_layer_ratio(c, layer)};
-    const dim_env e = {c, o->B, o->T, a.ratio, a.ratio > 0 ? o->T / a.ratio : 0, o->ep ? &o->routed_rows : NULL};
-    const uint32_t mask = mtp ? 0 : o->release_mask & ~UNIT_BIT(U_HC_POST_FFN); /* as block_fwd masks */
+    const dim_env e = {c, o->B, o->T, a.ratio, block_nc(o->T, a.ratio), o->ep ? &o->routed_rows : NULL};
+    const uint32_t mask = mtp ? 0 : block_release_mask(o->release_mask);
     int n = 0;
     for (int u = 0; u < U_COUNT; u++) {
         if (!unit_runs_here((unit_id)u, &a)) continue;
