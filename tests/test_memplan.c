@@ -1,6 +1,7 @@
 /* memplan: the plan run of one training step predicts the measured peak of a real step byte
  * for byte, per category, on the small configs and under recompute policies; and it plans the real
  * DeepSeek-V4-Flash and -Pro configurations at 4K and 64K quickly. */
+#include "ds4/actstore.h"
 #include "ds4/dist.h"
 #include "ds4/io.h"
 #include "ds4/memplan.h"
@@ -327,6 +328,91 @@ static void test_policies(void) {
     }
 }
 
+/* ------------------------------------------------------------------ the saved activations' table */
+/* Bytes the activation category holds at the end of a training forward outside the blocks (model.c:
+ * ds4_forward, head_fwd, mtp_input_fwd): the token ids and their shift [N] int32 each, the last block's
+ * output stream X[L] [N, n, D] (fp32: the heads read it), each head's mixes [N, n], rsqrt [N], y [N, D],
+ * rstd [N], yn [N, D], logits [N, V] and targets [N] int32, and the MTP input's e, en [N, D], en_rstd [N],
+ * hn [N, n, D], hn_rstd [N, n] and output stream [N, n, D] (its input stream is the MTP block's row). */
+static int64_t outside_blocks(const ds4_config *c, int64_t N) {
+    const int64_t n = c->hc_mult, D = c->dim, heads = 1 + (c->n_mtp_layers > 0);
+    const int64_t head = N * n + N + N * D + N + N * D + N * c->vocab_size + N;
+    const int64_t mtp = c->n_mtp_layers > 0 ? 2 * N * D + N + N * n * D + N * n + N * n * D : 0;
+    return 4 * (2 * N + N * n * D + heads * head + mtp);
+}
+
+/* The table's rows of every block of a pass, against the pass a plan forward made: each kept unit's rows
+ * sum to the bytes the block holds for it; summed over the blocks, the kept rows plus what lies outside
+ * the blocks are the activation category at the end of the forward, the swapped rows the offload tier.
+ * The category's peak over the step may pass the end of the forward only by the backward's transients. */
+static void saved_table_matches_pass(const char *cfg, int64_t B, int64_t T, const char *const *flags, int nflags,
+                                     bool bf16, bool swap) {
+    ds4_config c;
+    CHECK(ds4_config_load(cfg, &c) == DS4_OK, "%s", ds4_errmsg());
+    uint32_t masks[DS4_MAX_LAYERS];
+    masks_for(&c, flags, nflags, masks);
+    const ds4_exec plan = {.plan = true};
+    ds4_model *m = NULL;
+    ds4_offload *off = NULL;
+    ds4_act_swap *sw = NULL;
+    int32_t *ids = calloc((size_t)(B * T), sizeof *ids);
+    CHECK(ds4_model_create(&plan, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
+    if (swap) CHECK(ds4_offload_open(&plan, "/nonexistent-ds4-dir", &off) == DS4_OK && ds4_act_swap_new(off, &sw) == DS4_OK);
+    const ds4_act_policies pol = {.recompute = nflags ? masks : NULL, .swap = sw};
+    const ds4_pass_opts o = {.need_backward = true, .store = ds4_act_store_of(&pol), .bf16_acts = bf16};
+    ds4_mem_stats s0, s1, s2;
+    ds4_pass *p = NULL;
+    ds4_mem_reset_peak();
+    ds4_mem_get(&s0);
+    CHECK(m && ids && ds4_forward(m, ids, B, T, &o, &p) == DS4_OK, "%s", ds4_errmsg());
+    ds4_mem_get(&s1);
+    int64_t kept = 0, swapped = 0;
+    for (int64_t l = 0; p && l < c.n_layers + c.n_mtp_layers; l++) {
+        const ds4_saved_opts so = {.B = B, .T = T, .release_mask = nflags && l < c.n_layers ? masks[l] : 0,
+                                   .swap_input = swap, .bf16 = bf16};
+        ds4_saved_tensor t[DS4_SAVED_MAX];
+        int64_t unit_rows[DS4_NUM_UNITS + 1] = {0};
+        const int n = ds4_block_saved(&c, l, &so, t);
+        for (int i = 0; i < n; i++) {
+            kept += t[i].policy == DS4_ACT_KEEP ? t[i].bytes : 0;
+            swapped += t[i].policy == DS4_ACT_SWAP ? t[i].bytes : 0;
+            unit_rows[t[i].unit] += t[i].policy == DS4_ACT_KEEP ? t[i].bytes : 0;
+        }
+        for (int u = 0; u < DS4_NUM_UNITS; u++) {
+            const ds4_unit_report r = ds4_pass_unit_report(p, l, u);
+            CHECK(r.released || r.bytes == unit_rows[u], "%s block %lld %s: the table says %lld bytes, the block "
+                  "holds %lld", cfg, (long long)l, ds4_unit_name(u), (long long)unit_rows[u], (long long)r.bytes);
+        }
+    }
+    const int64_t act = s1.live[DS4_MEM_ACT] - s0.live[DS4_MEM_ACT];
+    CHECK(act == kept + outside_blocks(&c, B * T), "%s%s%s %s: after the forward %lld act bytes, the table's kept "
+          "rows %lld + %lld outside the blocks", cfg, bf16 ? " bf16" : "", swap ? " swap" : "", nflags ? flags[0] : "off",
+          (long long)act, (long long)kept, (long long)outside_blocks(&c, B * T));
+    CHECK(s1.offload_live_total - s0.offload_live_total == swapped && (swapped > 0) == swap, "%s: swapped %lld, "
+          "the table %lld", cfg, (long long)(s1.offload_live_total - s0.offload_live_total), (long long)swapped);
+    CHECK(p && ds4_backward(m, p) == DS4_OK, "%s", ds4_errmsg());
+    ds4_mem_get(&s2);
+    CHECK(s2.peak[DS4_MEM_ACT] - s0.live[DS4_MEM_ACT] >= act);
+    ds4_pass_free(p);
+    ds4_act_swap_free(sw);
+    if (off) ds4_offload_close(off);
+    ds4_model_free(m);
+    free(ids);
+}
+
+static void test_saved_table_matches_pass(void) {
+    const char *csa_mhc[] = {"--recompute-csa-attention", "--mhc-recompute"};
+    const char *norm[] = {"--recompute-norm", "--recompute-norm-num-layers", "2", "--recompute-csa-attention"};
+    const char *full[] = {"--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"};
+    for (int v = 0; v < 4; v++) {
+        const bool bf16 = v & 1, swap = v & 2;
+        saved_table_matches_pass("tests/configs/tiny-a.json", 2, 64, NULL, 0, bf16, swap);
+        saved_table_matches_pass("tests/configs/tiny-a.json", 2, 64, csa_mhc, 2, bf16, swap);
+        saved_table_matches_pass("tests/configs/tiny-a.json", 1, 100, norm, 4, bf16, swap);
+        saved_table_matches_pass("tests/configs/tiny-b.json", 2, 150, full, 6, bf16, swap);
+    }
+}
+
 int main(void) {
     ds4_set_threads(2);
     RUN(test_plan_equals_measured_tiny_a);
@@ -340,5 +426,6 @@ int main(void) {
     RUN(test_device_budget);
     RUN(test_resident_per_parameter);
     RUN(test_policies);
+    RUN(test_saved_table_matches_pass);
     TEST_MAIN_END("test_memplan");
 }

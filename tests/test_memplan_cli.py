@@ -1,7 +1,10 @@
 """ds4 memplan --device-memory and --policies on a small config: a budget below the planned peak says
 "does not fit" and by how many bytes, one above it says "fits" and how many bytes are free, the boundary
 (exactly the peak) fits with 0 free; --policies prints every policy with fits and margin = budget - peak;
-the exit code is 0 either way (a report); bad sizes and conflicting flags are one `error:` line."""
+the exit code is 0 either way (a report); bad sizes and conflicting flags are one `error:` line.
+--saved-activations: one table per kind of block after the unchanged plan; a recompute flag flips exactly its
+units' rows to recomputed, bf16 mixed precision halves exactly the rows it holds in bf16, the blocks' kept bytes
+plus the pass's tensors outside the blocks are the act peak (the backward's transients on top under bf16)."""
 import os
 import re
 import subprocess
@@ -182,4 +185,154 @@ run_error("--config: a rank outside the world", 2, ["--world", "2", "--rank", "2
 r = subprocess.run([ds4, "memplan", "--config", os.path.join(tmp, "none.toml")], capture_output=True, text=True,
                    timeout=60)
 check("--config: a missing file", r.returncode == 1 and "none.toml" in r.stderr and r.stdout == "", r.stderr)
+# --saved-activations: one table per kind of block, its rows from the units' declarations
+ROW = re.compile(r"^  (\S+) +(\S+) +\[([\d, ]+)\] +(fp32|bf16|i32|i64) +(\d+)  (kept|recomputed|swapped)$")
+KIND = re.compile(r"^(.+): (\d+) blocks? \(the first is block (\d+)\)$")
+ONE = re.compile(r"^  one block: (\d+) bytes kept \([\d.]+ GiB\), (\d+) recomputed, (\d+) swapped; (\d+) blocks?: "
+                 r"(\d+) bytes kept$")
+ALL = re.compile(r"^all (\d+) blocks: (\d+) bytes kept in memory \([\d.]+ GiB\), (\d+) recomputed, (\d+) swapped to "
+                 r"the offload tier$", re.M)
+
+
+def saved_tables(out):
+    """{kind: (count, [(unit, tensor, shape, dtype, bytes, status)], one-block line)} in print order."""
+    tables, kind = {}, None
+    for line in out.split("saved activations:", 1)[-1].splitlines():
+        if KIND.match(line):
+            k = KIND.match(line)
+            kind = f"{k.group(1)} #{k.group(3)}"  # a kind split by per-layer recompute masks prints twice
+            tables[kind] = (int(k.group(2)), [], None)
+        elif ROW.match(line) and kind:
+            m = ROW.match(line)
+            tables[kind][1].append((m.group(1), m.group(2), m.group(3), m.group(4), int(m.group(5)), m.group(6)))
+        elif ONE.match(line) and kind:
+            tables[kind] = (tables[kind][0], tables[kind][1], tuple(int(x) for x in ONE.match(line).groups()))
+    return tables
+
+
+def outside_blocks(N):
+    """The act bytes of tiny-a's pass outside its blocks (D 64, n 4, V 256, MTP): token ids, the last stream,
+    two heads (mixes, rsqrt, y, rstd, yn, logits, targets), the MTP input (e, en, en_rstd, hn, hn_rstd, out)."""
+    n, D, V = 4, 64, 256
+    head = N * n + N + N * D + N + N * D + N * V + N
+    return 4 * (2 * N + N * n * D + 2 * head + 2 * N * D + N + N * n * D + N * n + N * n * D)
+
+
+def without_time(out):
+    return re.sub(r"\(planned in [\d.]+ s\)", "", out)
+
+
+ATTN = {"q_up", "compressor", "indexer", "sparse_attn", "o_proj"}
+MHC = {"hc_pre_attn", "hc_pre_ffn", "hc_post_attn"}
+off = memplan("--saved-activations")
+t_off = saved_tables(off.stdout)
+kinds = list(t_off)
+check("saved: exit 0, the plan's lines first and unchanged", off.returncode == 0 and
+      without_time(off.stdout).startswith(without_time(plain.stdout)), off.stdout + off.stderr)
+check("saved: nothing without the flag", "saved activations" not in plain.stdout, plain.stdout)
+check("saved: a table per kind (SWA, CSA, HCA, MTP), blocks counted", [(k.split(" ")[0], t[0]) for k, t in
+      t_off.items()] == [("sliding", 1), ("CSA", 2), ("HCA", 1), ("MTP", 1)], str(list(t_off.items())[:1]))
+units = [set(r[0] for r in t[1]) for t in t_off.values()]
+every = {"hc_pre_attn", "attn_norm", "q_down", "q_up", "kv", "sparse_attn", "o_proj", "hc_post_attn", "hc_pre_ffn",
+         "ffn_norm", "router", "moe", "input"}
+check("saved: the units of each kind", units == [every, every | {"compressor", "indexer", "indexer_topk"},
+      every | {"compressor"}, every], str(units))
+csa = t_off[kinds[1]][1]
+check("saved: CSA's tensors, shapes and bytes for 128 tokens",
+      ("indexer_topk", "topk", "128, 4", "i32", 2048, "kept") in csa and
+      ("compressor", "kvc", "2, 16, 32", "fp32", 4096, "kept") in csa and
+      ("hc_post_attn", "X_mid", "128, 4, 64", "fp32", 131072, "kept") in csa and
+      ("input", "X_in", "128, 4, 64", "fp32", 131072, "kept") in csa and
+      all(r[4] == 4 * eval(r[2].replace(", ", "*")) for r in csa if r[3] in ("fp32", "i32")), str(csa))
+
+
+def sums_agree(name, out, tables, transient=False, N=128):
+    """Per block and over the blocks the totals are the rows' sums; kept + outside the blocks = the act peak."""
+    one_ok = all(t[2] and t[2][0] == sum(r[4] for r in t[1] if r[5] == "kept") and
+                 t[2][1] == sum(r[4] for r in t[1] if r[5] == "recomputed") and
+                 t[2][2] == sum(r[4] for r in t[1] if r[5] == "swapped") and t[2][3] == t[0] and
+                 t[2][4] == t[0] * t[2][0] for t in tables.values())
+    a = ALL.search(out)
+    kept = sum(t[2][4] for t in tables.values()) if one_ok else -1
+    act = category_bytes(out, "activations")
+    check(f"saved {name}: per-block and all-block totals", one_ok and a and int(a.group(2)) == kept and
+          int(a.group(1)) == 5, out)
+    rest = act - kept
+    check(f"saved {name}: act peak {act} = kept {kept} + {outside_blocks(N)} outside the blocks" +
+          (" + the backward's transients" if transient else ""),
+          rest >= outside_blocks(N) if transient else rest == outside_blocks(N), f"rest {rest}")
+    check(f"saved {name}: the last line says the difference", f"act peak {act} bytes = the blocks' kept {kept} + "
+          f"{rest}:" in out, out)
+
+
+sums_agree("off", off.stdout, t_off)
+
+
+def flips(name, flag, want):
+    """The rows whose status differs from off are exactly those of the flag's units on the main layers."""
+    r = memplan(flag, "--saved-activations")
+    t = saved_tables(r.stdout)
+    changed = {(k, a[0]) for k in kinds for a, b in zip(t_off[k][1], t[k][1]) if a != b}
+    same_rows = all([x[:5] for x in t[k][1]] == [x[:5] for x in t_off[k][1]] for k in kinds)
+    expect = {(k, row[0]) for k in kinds if not k.startswith("MTP") for row in t_off[k][1] if row[0] in want}
+    check(f"saved {name}: exactly its units' tensors recomputed, MTP's kept", r.returncode == 0 and list(t) == kinds
+          and same_rows and changed == expect and all(row[5] == "recomputed" for k in kinds if not k.startswith("MTP")
+          for row in t[k][1] if row[0] in want), f"changed {sorted(changed ^ expect)}")
+    sums_agree(name, r.stdout, t)
+
+
+flips("--recompute-csa-attention", "--recompute-csa-attention", ATTN)
+flips("--mhc-recompute", "--mhc-recompute", MHC)
+
+r = memplan("--recompute-norm", "--recompute-norm-num-layers", "2", "--saved-activations")
+t = saved_tables(r.stdout)
+normed = [k.split(" #")[1] for k in t if any(row[5] == "recomputed" for row in t[k][1])]
+check("saved --recompute-norm-num-layers 2: the CSA kind split, only blocks 0 and 1 recompute their norms",
+      r.returncode == 0 and [k.split(" ")[0] for k in t] == ["sliding", "CSA", "HCA", "CSA", "MTP"] and
+      normed == ["0", "1"] and all({row[0] for row in t[k][1] if row[5] == "recomputed"} == {"attn_norm", "ffn_norm"}
+                                   for k in t if k.split(" #")[1] in normed), r.stdout)
+sums_agree("--recompute-norm-num-layers 2", r.stdout, t)
+
+r = memplan("--mixed-precision-param", "bfloat16", "--saved-activations")
+t_bf = saved_tables(r.stdout)
+halved = [(a, b) for k in kinds for a, b in zip(t_off[k][1], t_bf[k][1]) if b[3] == "bf16"]
+check("saved bf16: bf16 rows are half their fp32 bytes, the others unchanged", r.returncode == 0 and
+      list(t_bf) == kinds and all(a[3] == "fp32" and b[4] * 2 == a[4] for a, b in halved) and
+      all(a == b for k in kinds for a, b in zip(t_off[k][1], t_bf[k][1]) if b[3] != "bf16"), r.stdout)
+held = {(k.split(" ")[0], b[0], b[1]) for k in kinds for a, b in zip(t_off[k][1], t_bf[k][1]) if b[3] == "bf16"}
+check("saved bf16: the streams and projections bf16; statistics, softmax and router fp32",
+      ("CSA", "input", "X_in") in held and ("MTP", "input", "X_in") not in held and ("CSA", "moe", "h1") in held and
+      ("CSA", "kv", "kv") in held and not any(x[2] in ("mixes", "comb", "rstd", "lse", "logits", "scores", "w")
+                                                for x in held), str(sorted(held)))
+sums_agree("bf16", r.stdout, t_bf, transient=True)
+
+r = memplan("--swap-layer-input", "--saved-activations")
+t_sw = saved_tables(r.stdout)
+sw = ALL.search(r.stdout)
+off_act = re.search(r"offload tier \(outside memory\)\n  activations +(\d+) ", r.stdout)
+check("saved --swap-layer-input: main layers' inputs swapped, MTP's kept, the offload tier's act is theirs",
+      r.returncode == 0 and sw and off_act and int(sw.group(4)) == 4 * 131072 == int(off_act.group(1)) and
+      all(row[5] == ("kept" if k.startswith("MTP") else "swapped") for k in kinds for row in t_sw[k][1]
+          if row[0] == "input"), r.stdout)
+r = run_plan("--mhc-recompute", "--saved-activations")
+check("saved with --config: the flags' tables", r.returncode == 0 and saved_tables(r.stdout) ==
+      saved_tables(memplan("--mhc-recompute", "--saved-activations").stdout), r.stdout + r.stderr)
+r = memplan("--world", "2", "--ep", "2", "--saved-activations")
+moe = [row for row in saved_tables(r.stdout).get(kinds[1], (0, []))[1] if row[0] == "moe"]
+check("saved under EP 2: the received rows (balanced: 256 of them) saved too", r.returncode == 0 and
+      ("moe", "xr", "256, 64", "fp32", 65536, "kept") in moe and ("moe", "h1", "256, 32", "fp32", 32768, "kept") in moe,
+      str(moe))
+# 63 tokens, K 2, 8 experts: 126 assignments, experts 0-5 get 16 and 6-7 get 15; each rank's two sources
+# send what it sends, so rank 0 (experts 0-3) computes 2 x 64 rows, rank 1 (experts 4-7) 2 x 62
+for rank, rows in [(0, 128), (1, 124)]:
+    r = memplan("--seq", "63", "--micro-batch", "1", "--world", "2", "--ep", "2", "--rank", str(rank),
+                "--saved-activations")
+    t = saved_tables(r.stdout)
+    xr = [row for row in t.get(kinds[1], (0, []))[1] if row[1] == "xr"]
+    check(f"saved under EP 2, rank {rank} of uneven routing: {rows} received rows", r.returncode == 0 and
+          xr == [("moe", "xr", f"{rows}, 64", "fp32", rows * 64 * 4, "kept")], str(xr))
+    sums_agree(f"EP 2 rank {rank}", r.stdout, t, N=63)
+expect_error("saved activations with --policies", ["--policies", "--saved-activations"], "--saved-activations",
+             "--policies")
+
 finish("test_memplan_cli")

@@ -2,7 +2,8 @@
  *              [recompute flags] [--swap-optimizer] [--swap-layer-input] [--muon]
  *              [--mixed-precision-param bfloat16|float32] [--matmul-precision fp32|bf16] [--prefetch-depth D] [--moe-fb-overlap] [--threads N]
  *              [--device-memory SIZE] [--device NAME]
- *              [--policies] */
+ *              [--policies] [--saved-activations]
+ * ds4 memplan --config FILE.toml [overrides] [--world N [--rank R]] [--device-memory SIZE] [--saved-activations] */
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/dist.h"
@@ -30,7 +31,7 @@ static void usage(void) {
                     "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
                     "       [--swap-optimizer] [--swap-layer-input] [--muon] [--mixed-precision-param bfloat16]\n"
                     "       [--matmul-precision fp32|bf16] [--device NAME]\n"
-                    "       [--prefetch-depth D] [--moe-fb-overlap]\n"
+                    "       [--prefetch-depth D] [--moe-fb-overlap] [--saved-activations]\n"
                     "Peak memory of one training step by category: the trainer's own step run as a plan\n"
                     "(every allocation counted, no data touched).\n"
                     "--swap-optimizer: AdamW state in the offload tier between updates; --swap-layer-input: each\n"
@@ -54,10 +55,13 @@ static void usage(void) {
                     "--policies: plan every recompute setting (off, csa, mhc, norm, csa+mhc, csa+mhc+norm, full),\n"
                     "each alone, with --swap-optimizer, with --swap-layer-input and with both, one line each\n"
                     "(instead of recompute and swap flags).\n"
+                    "--saved-activations: after the plan, every tensor one block of each kind (compress ratio, recompute\n"
+                    "mask, MTP) keeps from its forward for its backward: its unit, shape, dtype as held, bytes, and\n"
+                    "whether it is kept, recomputed or swapped; per block and over all blocks, against the act peak.\n"
                     "The exit code is 0 whether or not the step fits: memplan reports, it does not judge.\n"
                     "\n"
                     "usage: ds4 memplan --config FILE.toml [--section.key value ...] [ds4 train's flags]\n"
-                    "       [--world N [--rank R]] [--device-memory SIZE]\n"
+                    "       [--world N [--rank R]] [--device-memory SIZE] [--saved-activations]\n"
                     "The first step of the run `ds4 train --config FILE.toml ...` describes, read as ds4 train reads\n"
                     "it (TorchTitan keys, overrides, recompute and swap flags) and planned through the trainer's own\n"
                     "builders: every setting of the run counts (batch and micro-batches, training.device, matmul\n"
@@ -71,6 +75,7 @@ typedef struct {
     int64_t T, B, world, ep, rank;
     int64_t device; /* --device-memory bytes; 0: none */
     bool policies;
+    bool saved;      /* --saved-activations */
     bool matmul_set; /* --matmul-precision given */
     ds4_recompute_cfg rc;
     ds4_step_opts so; /* swap and muon flags (masks filled later) */
@@ -104,6 +109,10 @@ static int parse_args(int argc, char **argv, memplan_args *a) {
         }
         if (!strcmp(f, "--policies")) {
             a->policies = true;
+            continue;
+        }
+        if (!strcmp(f, "--saved-activations")) {
+            a->saved = true;
             continue;
         }
         if (!v) {
@@ -184,6 +193,11 @@ static int parse_args(int argc, char **argv, memplan_args *a) {
                         "recompute and --swap-* flags\n");
         return 2;
     }
+    if (a->policies && a->saved) {
+        fprintf(stderr, "error: ds4 memplan: --saved-activations lists the tensors of one policy; --policies plans "
+                        "them all: drop one\n");
+        return 2;
+    }
     return 0;
 }
 
@@ -215,6 +229,108 @@ static void print_fit(int64_t device, const ds4_step_memory *r) {
            f.fits ? "free at its peak" : "over");
 }
 
+/* ------------------------------------------------------------------ --saved-activations */
+/* The step whose blocks' saved tensors are listed. */
+typedef struct {
+    int64_t B, T, ep, rank;
+    const uint32_t *masks; /* per main layer; NULL: no recompute */
+    bool swap_input, bf16;
+} saved_step;
+
+/* Under expert parallelism, the routed rows this rank's experts compute: balanced routing as a plan counts
+ * it (cpu_moe_expert_counts_plan: expert e gets N·K / E assignments, one more for e < N·K mod E) with every
+ * rank routing as this one (the plan communicator); the rank's experts are [(rank mod ep)·E/ep, +E/ep). */
+static int64_t balanced_rows(const ds4_config *c, const saved_step *s) {
+    const int64_t E = c->n_routed_experts, NK = s->B * s->T * c->n_activated_experts, L = E / s->ep;
+    int64_t rows = 0;
+    for (int64_t e = (s->rank % s->ep) * L; e < (s->rank % s->ep + 1) * L; e++) rows += NK / E + (e < NK % E);
+    return rows * s->ep;
+}
+
+static ds4_saved_opts saved_opts(const ds4_config *c, const saved_step *s, int64_t l) {
+    return (ds4_saved_opts){.B = s->B, .T = s->T, .release_mask = s->masks && l < c->n_layers ? s->masks[l] : 0,
+                            .swap_input = s->swap_input, .bf16 = s->bf16, .ep = s->ep > 1,
+                            .routed_rows = s->ep > 1 ? balanced_rows(c, s) : 0};
+}
+
+/* Blocks with the same rows: the same compress ratio and recompute mask, both main or both MTP. */
+static bool same_kind(const ds4_config *c, const saved_step *s, int64_t a, int64_t b) {
+    const ds4_saved_opts x = saved_opts(c, s, a), y = saved_opts(c, s, b);
+    return (a >= c->n_layers) == (b >= c->n_layers) && ds4_layer_ratio(c, a) == ds4_layer_ratio(c, b) &&
+           x.release_mask == y.release_mask;
+}
+
+/* How many blocks are of block l's kind; 0 when an earlier block is (the kind's table is printed there). */
+static int64_t kind_count(const ds4_config *c, const saved_step *s, int64_t l) {
+    int64_t count = 0;
+    for (int64_t k = 0; k < c->n_layers + c->n_mtp_layers; k++) {
+        if (!same_kind(c, s, l, k)) continue;
+        if (k < l) return 0;
+        count++;
+    }
+    return count;
+}
+
+static void kind_name(const ds4_config *c, int64_t l, char *buf, size_t n) {
+    const int64_t r = ds4_layer_ratio(c, l);
+    const char *what = r == 0 ? "sliding window" : r == 4 ? "CSA" : "HCA";
+    if (l >= c->n_layers) snprintf(buf, n, "MTP block (%s, compress ratio %lld)", what, (long long)r);
+    else snprintf(buf, n, "%s layer (compress ratio %lld)", what, (long long)r);
+}
+
+static const char *saved_dtype_name(ds4_saved_dtype t) {
+    return t == DS4_SAVED_BF16 ? "bf16" : t == DS4_SAVED_I32 ? "i32" : t == DS4_SAVED_I64 ? "i64" : "fp32";
+}
+
+static const char *saved_status(ds4_act_policy p) {
+    return p == DS4_ACT_RECOMPUTE ? "recomputed" : p == DS4_ACT_SWAP ? "swapped" : "kept";
+}
+
+/* The rows of block l; bytes[policy] += each row's bytes (indexed by ds4_act_policy: keep, recompute, swap). */
+static void print_block_rows(const ds4_config *c, const saved_step *s, int64_t l, int64_t bytes[3]) {
+    ds4_saved_tensor t[DS4_SAVED_MAX];
+    const ds4_saved_opts o = saved_opts(c, s, l);
+    const int n = ds4_block_saved(c, l, &o, t);
+    printf("  %-13s %-8s %-20s %-5s %14s  %s\n", "unit", "tensor", "shape", "dtype", "bytes", "status");
+    for (int i = 0; i < n; i++) {
+        char shape[64];
+        int k = snprintf(shape, sizeof shape, "[%lld", (long long)t[i].shape[0]);
+        for (int d = 1; d < t[i].ndim; d++) k += snprintf(shape + k, sizeof shape - (size_t)k, ", %lld", (long long)t[i].shape[d]);
+        snprintf(shape + k, sizeof shape - (size_t)k, "]");
+        printf("  %-13s %-8s %-20s %-5s %14lld  %s\n", t[i].unit == DS4_UNIT_INPUT ? "input" : ds4_unit_name(t[i].unit),
+               t[i].name, shape, saved_dtype_name(t[i].dtype), (long long)t[i].bytes, saved_status(t[i].policy));
+        bytes[t[i].policy] += t[i].bytes;
+    }
+}
+
+/* One table per kind of block, then the blocks' sum against the step's activation peak. */
+static void print_saved(const ds4_config *c, const saved_step *s, const ds4_step_memory *r) {
+    const int64_t nb = c->n_layers + c->n_mtp_layers;
+    int64_t all[3] = {0};
+    printf("saved activations: the tensors each block keeps from its forward for its backward (%lld tokens)\n",
+           (long long)(s->B * s->T));
+    for (int64_t l = 0; l < nb; l++) {
+        const int64_t count = kind_count(c, s, l);
+        int64_t one[3] = {0};
+        if (!count) continue;
+        char kind[64];
+        kind_name(c, l, kind, sizeof kind);
+        printf("%s: %lld block%s (the first is block %lld)\n", kind, (long long)count, count > 1 ? "s" : "", (long long)l);
+        print_block_rows(c, s, l, one);
+        printf("  one block: %lld bytes kept (%.3f GiB), %lld recomputed, %lld swapped; %lld block%s: %lld bytes kept\n",
+               (long long)one[DS4_ACT_KEEP], gib(one[DS4_ACT_KEEP]), (long long)one[DS4_ACT_RECOMPUTE],
+               (long long)one[DS4_ACT_SWAP], (long long)count, count > 1 ? "s" : "", (long long)(count * one[DS4_ACT_KEEP]));
+        for (int p = 0; p < 3; p++) all[p] += count * one[p];
+    }
+    printf("all %lld blocks: %lld bytes kept in memory (%.3f GiB), %lld recomputed, %lld swapped to the offload tier\n",
+           (long long)nb, (long long)all[DS4_ACT_KEEP], gib(all[DS4_ACT_KEEP]), (long long)all[DS4_ACT_RECOMPUTE],
+           (long long)all[DS4_ACT_SWAP]);
+    printf("act peak %lld bytes = the blocks' kept %lld + %lld: the pass's tensors outside the blocks (token ids, the "
+           "last stream, the heads and their logits, the MTP input) and the backward's transients (tensors widened "
+           "from bf16, replays)\n", (long long)r->peak[DS4_MEM_ACT], (long long)all[DS4_ACT_KEEP],
+           (long long)(r->peak[DS4_MEM_ACT] - all[DS4_ACT_KEEP]));
+}
+
 static void print_step(const ds4_step_memory *r, bool bf16, ds4_matmul_precision prec, bool swap, int64_t device);
 
 static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so) {
@@ -231,6 +347,10 @@ static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so
                              : (so.swap_layer_input ? "layer-input" : "off"),
            ds4_get_threads(), where);
     print_step(&r, so.bf16, so.matmul_precision, so.swap_optimizer || so.swap_layer_input, a->device);
+    if (a->saved) {
+        const saved_step ss = {a->B, a->T, a->ep, a->rank, so.masks, so.swap_layer_input, so.bf16};
+        print_saved(c, &ss, &r);
+    }
     return 0;
 }
 
@@ -292,13 +412,32 @@ static int plan_policies(const memplan_args *a, const ds4_config *c) {
     return 0;
 }
 
+/* --saved-activations of a run description (resolved by the plan already: its model is read again). */
+static int print_run_saved(ds4_train_cfg *run, int world, int64_t rank, const ds4_step_memory *r) {
+    ds4_config c;
+    ds4_model_dir *d = NULL;
+    if (ds4_run_model(run, world, &c, &d) != DS4_OK) return cli_fail();
+    ds4_model_dir_close(d);
+    uint32_t masks[DS4_MAX_LAYERS];
+    ds4_recompute_masks(&run->recompute, &c, masks);
+    const saved_step ss = {run->micro_batch, run->seq_len, run->ep, rank,
+                           ds4_recompute_any(&run->recompute) ? masks : NULL, run->swap_layer_input, run->bf16_params};
+    print_saved(&c, &ss, r);
+    return 0;
+}
+
 /* --config: memplan's own flags (--world, --rank, --device-memory) taken out of argv; the rest is the run
  * description, as ds4 train reads it. */
 static int plan_run(int argc, char **argv) {
     int64_t world = 1, rank = 0, device = 0;
     int out = 1;
+    bool saved = false;
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(f, "--saved-activations")) {
+            saved = true;
+            continue;
+        }
         const bool ours = !strcmp(f, "--world") || !strcmp(f, "--rank") || !strcmp(f, "--device-memory");
         if (!strcmp(f, "--policies") || !strcmp(f, "--model")) {
             fprintf(stderr, "error: ds4 memplan: %s is a flag of the other form; with --config the run is the file's\n", f);
@@ -350,7 +489,7 @@ static int plan_run(int argc, char **argv) {
            run.optimizer ? run.optimizer->name : "AdamW", ds4_get_threads(), (long long)rank, (long long)world,
            (long long)run.ep);
     print_step(&r, run.bf16_params, run.matmul_precision, run.swap_optimizer || run.swap_layer_input, device);
-    return 0;
+    return saved ? print_run_saved(&run, (int)world, rank, &r) : 0;
 }
 
 int cmd_memplan(int argc, char **argv) {

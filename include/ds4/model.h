@@ -305,6 +305,35 @@ typedef struct {
 /* Per (block, unit) figures of a pass; valid after forward (released) and after backward (replays). */
 ds4_unit_report ds4_pass_unit_report(const ds4_pass *p, int64_t layer, int unit);
 
+/* ------------------------------------------------------------------ what a block saves for its backward
+ * One row per tensor block `layer` (n_layers: the MTP block) keeps from its forward for its backward,
+ * derived from the units' declarations (their output slots, in forward order, on the layers where the
+ * unit runs; the sizes the store allocates), then the block's input stream: what the activation
+ * category of a training pass holds for that block between forward and backward (ds4 memplan
+ * --saved-activations; docs/mixed-precision.md). Nothing is allocated. */
+typedef enum { DS4_SAVED_F32, DS4_SAVED_BF16, DS4_SAVED_I32, DS4_SAVED_I64 } ds4_saved_dtype;
+typedef struct {
+    int unit;              /* ds4_unit_name's index, or DS4_UNIT_INPUT (the block's input stream) */
+    const char *name;      /* the slot's name in its unit's declaration; "X_in" for the input stream */
+    int ndim;
+    int64_t shape[3];      /* for the pass's B·T tokens */
+    ds4_saved_dtype dtype; /* as held between its last forward reader and its backward (recomputed: as it
+                            * would be, were it kept) */
+    int64_t bytes;         /* as held (recomputed: as it would be) */
+    ds4_act_policy policy; /* KEEP: in memory; RECOMPUTE: freed, replayed in backward; SWAP: offload tier */
+} ds4_saved_tensor;
+typedef struct {
+    int64_t B, T;
+    uint32_t release_mask; /* the layer's recompute mask (ds4/recompute.h); the MTP block never recomputes */
+    bool swap_input;       /* --swap-layer-input: a main layer's input stream goes to the offload tier */
+    bool bf16;             /* mixed precision (ds4_pass_opts.bf16_acts) */
+    bool ep;               /* expert parallelism (degree > 1): the received rows are saved too */
+    int64_t routed_rows;   /* under ep, the routed rows this rank computes (its experts' share) */
+} ds4_saved_opts;
+#define DS4_SAVED_MAX (DS4_NUM_UNITS * 8 + 1)
+/* Fills out[DS4_SAVED_MAX]; returns the number of rows. */
+int ds4_block_saved(const ds4_config *c, int64_t layer, const ds4_saved_opts *o, ds4_saved_tensor *out);
+
 /* ---------------------------------------------------------------- expected tensors of a config */
 /* Calls fn for every tensor a model of `cfg` has, in the order and with the names and shapes of the
  * parameter table of ds4_model_create, without allocating the model. Stops at the first non-OK. */

@@ -90,8 +90,8 @@ ds4_status block_fwd(const block_ctx *bc, block_acts *a, const float *X_in, floa
     a->X_in = X_in;
     a->X_out = X_out;
     a->ratio = ds4_layer_ratio(&bc->m->cfg, bc->layer);
-    a->Nc = a->ratio > 0 ? bc->T / a->ratio : 0;
-    a->release_mask = bc->keep ? release_mask & ~UNIT_BIT(U_HC_POST_FFN) : 0;
+    a->Nc = block_nc(bc->T, a->ratio);
+    a->release_mask = bc->keep ? block_release_mask(release_mask) : 0;
     a->stats = stats;
     a->ep = bc->ep;
     a->bf16 = bc->bf16_acts;

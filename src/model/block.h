@@ -221,6 +221,10 @@ static inline bool act_held_bf16(const block_acts *a, unit_id u, int s) {
 
 const char *unit_name(unit_id u);
 bool unit_runs_here(unit_id u, const block_acts *a);
+/* Compressed entries per sequence of a layer of compress ratio `ratio` (0: none). */
+static inline int64_t block_nc(int64_t T, int64_t ratio) { return ratio > 0 ? T / ratio : 0; }
+/* The units a training block releases of a recompute mask: never hc_post_ffn, whose output is the pass's. */
+static inline uint32_t block_release_mask(uint32_t mask) { return mask & ~UNIT_BIT(U_HC_POST_FFN); }
 
 /* ------------------------------------------------------------------ saved unit outputs (unit_acts.c) */
 /* Runs unit u's forward: prepare, allocate its outputs from the declaration, fwd (or, given the cache

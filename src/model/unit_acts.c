@@ -42,21 +42,29 @@ static int last_backward_reader(unit_id u) {
     return last;
 }
 
-static int64_t act_dim_value(const block_ctx *bc, const block_acts *a, act_dim d) {
-    const ds4_config *c = &bc->m->cfg;
-    const int64_t N = bc->B * bc->T, K = c->n_activated_experts;
+/* What the symbolic dimensions are worth in one block of one pass; rows: the routed rows under expert
+ * parallelism (NULL: N·K, every expert local). */
+typedef struct {
+    const ds4_config *c;
+    int64_t B, T, ratio, Nc;
+    const int64_t *rows;
+} dim_env;
+
+static int64_t act_dim_value(const dim_env *e, act_dim d) {
+    const ds4_config *c = e->c;
+    const int64_t N = e->B * e->T, K = c->n_activated_experts;
     switch (d) {
     case X_1: return 1;
     case X_N: return N;
-    case X_B: return bc->B;
+    case X_B: return e->B;
     case X_D: return c->dim;
     case X_HC: return c->hc_mult;
     case X_MIX: return mix_hc(c);
     case X_QR: return c->q_lora_rank;
     case X_H: return c->n_heads;
     case X_HD: return c->head_dim;
-    case X_NC: return a->Nc;
-    case X_CMP_C: return (a->ratio == 4 ? 2 : 1) * c->head_dim;
+    case X_NC: return e->Nc;
+    case X_CMP_C: return (e->ratio == 4 ? 2 : 1) * c->head_dim;
     case X_HI: return c->index_n_heads;
     case X_DI: return c->index_head_dim;
     case X_IDX_C: return 2 * c->index_head_dim;
@@ -65,11 +73,17 @@ static int64_t act_dim_value(const block_ctx *bc, const block_acts *a, act_dim d
     case X_E: return c->n_routed_experts;
     case X_E1: return c->n_routed_experts + 1;
     case X_K: return K;
-    case X_ROWS: return bc->ep ? a->route->rows : N * K;
+    case X_ROWS: return e->rows ? *e->rows : N * K;
     case X_I: return c->moe_inter_dim;
     case X_IS: return c->moe_inter_dim * c->n_shared_experts;
     }
     return 0;
+}
+
+static int64_t slot_numel(const dim_env *e, const act_slot *sl) {
+    int64_t numel = 1;
+    for (int k = 0; k < 3; k++) numel *= act_dim_value(e, sl->dim[k]);
+    return numel;
 }
 
 static size_t act_dtype_size(act_dtype t) { return t == ACT_I64 ? sizeof(int64_t) : t == ACT_I32 ? 4 : sizeof(float); }
@@ -142,10 +156,9 @@ static ds4_status alloc_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
     for (int s = 0; s < ud->nouts; s++) {
         const act_slot *sl = &ud->outs[s];
         if (sl->ep_only && !bc->ep) continue;
-        int64_t numel = 1;
-        for (int k = 0; k < 3; k++) numel *= act_dim_value(bc, a, sl->dim[k]);
+        const dim_env e = {&bc->m->cfg, bc->B, bc->T, a->ratio, a->Nc, bc->ep && a->route ? &a->route->rows : NULL};
         a->m = bc->m;
-        a->bytes[u][s] = (size_t)numel * act_dtype_size(sl->dtype);
+        a->bytes[u][s] = (size_t)slot_numel(&e, sl) * act_dtype_size(sl->dtype);
         a->out[u][s] = dev_alloc(bc->m, DS4_MEM_ACT, a->bytes[u][s]);
         if (!a->out[u][s]) return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer);
     }
@@ -232,4 +245,60 @@ int64_t act_unit_bytes(const block_acts *a, unit_id u) {
     for (int s = 0; s < UNIT_MAX_OUTS; s++)
         if (a->out[u][s]) b += (int64_t)a->bytes[u][s];
     return b;
+}
+
+/* ================================================================== the saved tensors, as a table */
+_Static_assert(DS4_SAVED_MAX >= U_COUNT * UNIT_MAX_OUTS + 1, "DS4_SAVED_MAX holds every slot and the input");
+_Static_assert(DS4_NUM_UNITS == U_COUNT, "ds4/model.h's unit count is the block's");
+
+/* A slot's dtype between its last forward reader and its backward: what round_outputs and pack_outputs
+ * leave it as when its unit is kept. */
+static ds4_saved_dtype held_dtype(act_dtype t, bool bf16) {
+    switch (t) {
+    case ACT_I32: return DS4_SAVED_I32;
+    case ACT_I64: return DS4_SAVED_I64;
+    case ACT_F32: return DS4_SAVED_F32;
+    default: return bf16 ? DS4_SAVED_BF16 : DS4_SAVED_F32;
+    }
+}
+
+static int64_t saved_dtype_size(ds4_saved_dtype t) {
+    return t == DS4_SAVED_I64 ? 8 : t == DS4_SAVED_BF16 ? 2 : 4;
+}
+
+/* The row of slot sl of unit u, its shape the declared dimensions (trailing X_1 dropped). */
+static ds4_saved_tensor slot_row(const dim_env *e, unit_id u, const act_slot *sl, const ds4_saved_opts *o,
+                                 uint32_t mask) {
+    ds4_saved_tensor r = {.unit = (int)u, .name = sl->name, .dtype = held_dtype(sl->dtype, o->bf16)};
+    for (int k = 0; k < 3 && sl->dim[k] != X_1; k++) r.shape[r.ndim++] = act_dim_value(e, sl->dim[k]);
+    r.bytes = slot_numel(e, sl) * saved_dtype_size(r.dtype);
+    r.policy = mask & UNIT_BIT(u) ? DS4_ACT_RECOMPUTE : DS4_ACT_KEEP;
+    return r;
+}
+
+/* The block's input stream [N, n, D]: a main layer's X[l] is held bf16 under mixed precision and may go
+ * to the offload tier (model.c: act_offload); the MTP block's input stays fp32 in memory. */
+static ds4_saved_tensor input_row(const ds4_config *c, bool mtp, const ds4_saved_opts *o) {
+    ds4_saved_tensor r = {.unit = DS4_UNIT_INPUT, .name = "X_in", .ndim = 3,
+                          .shape = {o->B * o->T, c->hc_mult, c->dim},
+                          .dtype = o->bf16 && !mtp ? DS4_SAVED_BF16 : DS4_SAVED_F32,
+                          .policy = o->swap_input && !mtp ? DS4_ACT_SWAP : DS4_ACT_KEEP};
+    r.bytes = r.shape[0] * r.shape[1] * r.shape[2] * saved_dtype_size(r.dtype);
+    return r;
+}
+
+int ds4_block_saved(const ds4_config *c, int64_t layer, const ds4_saved_opts *o, ds4_saved_tensor *out) {
+    const bool mtp = layer >= c->n_layers;
+    const block_acts a = {.ratio = ds4_layer_ratio(c, layer)};
+    const dim_env e = {c, o->B, o->T, a.ratio, block_nc(o->T, a.ratio), o->ep ? &o->routed_rows : NULL};
+    const uint32_t mask = mtp ? 0 : block_release_mask(o->release_mask);
+    int n = 0;
+    for (int u = 0; u < U_COUNT; u++) {
+        if (!unit_runs_here((unit_id)u, &a)) continue;
+        const unit_decl *ud = k_block_units[u];
+        for (int s = 0; s < ud->nouts; s++)
+            if (!ud->outs[s].ep_only || o->ep) out[n++] = slot_row(&e, (unit_id)u, &ud->outs[s], o, mask);
+    }
+    out[n++] = input_row(c, mtp, o);
+    return n;
 }
