@@ -572,7 +572,7 @@ static void test_bf16_weight_layers(void) {
           "%s: grouped_linear_bwd_bf16w differs", g_engine_name);
     /* two routed experts on ne rows each */
     float *ew = falloc(6 * I * D), *xr = falloc(2 * ne * D), *rw = falloc(2 * ne), *y1 = falloc(2 * ne * D),
-          *y2 = falloc(2 * ne * D), *h[4], *act = falloc(ne * I);
+          *y2 = falloc(2 * ne * D), *h[4], *act = falloc(2 * ne * I); /* [R, I]: the experts may run side by side */
     for (int k = 0; k < 4; k++) h[k] = falloc(2 * ne * I);
     t_fill(ew, 6 * I * D, 4, 0.3f), t_fill(xr, 2 * ne * D, 5, 1.0f), t_fill(rw, 2 * ne, 6, 1.0f);
     uint16_t *eh = bits_of(ew, 6 * I * D);

@@ -161,61 +161,107 @@ static void buffers_give_back(const gemm_buffers *w) {
     ds4_free(w->ap);
 }
 
-/* C[M,N] = beta·C + A·B with A viewed M×K and B viewed K×N (M, N, K > 0), packed in the buffers w. */
+/* One K slice [pc, pc + kc) of one column block [jc, jc + nc) of a product: what its packers and tiles
+ * need. The threaded and the serial loops below run the same three steps on it. */
+typedef struct {
+    const gemm_engine *e;
+    void (*pack_b)(void *, gemm_view, int64_t, int64_t, int64_t, int64_t);
+    bool round_b; /* round B's packed fp32 panels to bf16 (an fp32 engine run as a bf16 one) */
+    gemm_view A, B;
+    float *C;
+    int64_t ldc, M, mc, nt, jc, nc, pc, kc;
+    size_t a_pan, b_pan; /* bytes of one packed A, B panel */
+    float cscale;        /* beta on the first slice, then 1 */
+    char *bp;            /* the slice's packed B */
+} gemm_slice;
+
+static gemm_slice slice_of(const gemm_engine *e, const gemm_buffers *w, int64_t M, gemm_view A, gemm_view B,
+                           float *C, int64_t ldc, float beta, int64_t N, int64_t K, int64_t jc, int64_t pc) {
+    /* B given as bf16 bits: its panels are bf16 values already, rounding them again would change nothing */
+    gemm_slice s = {.e = e, .pack_b = B.h ? e->pack_b_bf16 : e->pack_b, .round_b = e->round_bf16 && !B.h, .A = A,
+                    .B = B, .C = C, .ldc = ldc, .M = M, .mc = w->mc, .nt = w->nt, .jc = jc,
+                    .nc = min64(e->nc, N - jc), .pc = pc, .kc = min64(e->kc, K - pc), .cscale = pc == 0 ? beta : 1,
+                    .bp = w->bp};
+    int64_t kcp = round_up(s.kc, e->kalign);
+    s.a_pan = (size_t)(kcp * e->mr) * e->elem;
+    s.b_pan = (size_t)(kcp * e->nr) * e->elem;
+    return s;
+}
+
+/* Panel p of the slice's B (cdiv(nc, nr) panels). */
+static void slice_pack_b(const gemm_slice *s, int64_t p) {
+    const gemm_engine *e = s->e;
+    char *pan = s->bp + (size_t)p * s->b_pan;
+    s->pack_b(pan, s->B, s->pc, s->kc, s->jc + p * e->nr, min64(e->nr, s->nc - p * e->nr));
+    if (s->round_b) round_panel_bf16(pan, s->b_pan);
+}
+
+/* Row block ib of A (rows [ib·mc, +mc)) into apt: cdiv(rows, mr) panels. */
+static void slice_pack_a(const gemm_slice *s, char *apt, int64_t ib) {
+    const gemm_engine *e = s->e;
+    const int64_t i0 = ib * s->mc, mcur = min64(s->mc, s->M - i0);
+    for (int64_t ir = 0; ir < mcur; ir += e->mr) {
+        char *pan = apt + (size_t)(ir / e->mr) * s->a_pan;
+        e->pack_a(pan, s->A, i0 + ir, min64(e->mr, mcur - ir), s->pc, s->kc);
+        if (e->round_bf16) round_panel_bf16(pan, s->a_pan);
+    }
+}
+
+/* Task (ib, jt): the tiles of row block ib (packed at apt) × columns [jt·nt, +nt) of the block. */
+static void slice_task(const gemm_slice *s, const char *apt, int64_t ib, int64_t jt) {
+    const gemm_engine *e = s->e;
+    const int64_t i0 = ib * s->mc, mcur = min64(s->mc, s->M - i0), j_end = min64(s->nc, (jt + 1) * s->nt);
+    for (int64_t jr = jt * s->nt; jr < j_end; jr += e->nr) {
+        const char *b = s->bp + (size_t)(jr / e->nr) * s->b_pan;
+        for (int64_t ir = 0; ir < mcur; ir += e->mr)
+            e->tile(s->kc, apt + (size_t)(ir / e->mr) * s->a_pan, b, s->C + (i0 + ir) * s->ldc + s->jc + jr, s->ldc,
+                    min64(e->mr, mcur - ir), min64(e->nr, j_end - jr), s->cscale);
+    }
+}
+
+/* C[M,N] = beta·C + A·B with A viewed M×K and B viewed K×N (M, N, K > 0), packed in the buffers w, on
+ * w->nth threads. */
 static void gemm_run(const gemm_engine *e, const gemm_buffers *w, int64_t M, int64_t N, int64_t K, gemm_view A,
                      gemm_view B, float *C, int64_t ldc, float beta) {
-    /* B given as bf16 bits: its panels are bf16 values already, rounding them again would change nothing */
-    void (*pack_b)(void *, gemm_view, int64_t, int64_t, int64_t, int64_t) = B.h ? e->pack_b_bf16 : e->pack_b;
-    const bool round_b = e->round_bf16 && !B.h;
-    char *bp = w->bp, *ap = w->ap;
-    size_t a_bytes = w->a_bytes;
-    int nth = w->nth;
-    int64_t mc = w->mc, nt = w->nt;
-#pragma omp parallel num_threads(nth) if (nth > 1)
+#pragma omp parallel num_threads(w->nth)
     {
-        char *apt = ap + (size_t)omp_get_thread_num() * a_bytes;
+        char *apt = w->ap + (size_t)omp_get_thread_num() * w->a_bytes;
         if (e->thread_begin) e->thread_begin();
-        for (int64_t jc = 0; jc < N; jc += e->nc) {
-            int64_t nc = min64(e->nc, N - jc), npan = cdiv(nc, e->nr), ntn = cdiv(nc, nt), ntasks = cdiv(M, mc) * ntn;
+        for (int64_t jc = 0; jc < N; jc += e->nc)
             for (int64_t pc = 0; pc < K; pc += e->kc) {
-                int64_t kc = min64(e->kc, K - pc), kcp = round_up(kc, e->kalign);
-                size_t a_pan = (size_t)(kcp * e->mr) * e->elem, b_pan = (size_t)(kcp * e->nr) * e->elem;
-                float cscale = pc == 0 ? beta : 1;
-                /* B slice: npan panels of b_pan bytes */
+                const gemm_slice s = slice_of(e, w, M, A, B, C, ldc, beta, N, K, jc, pc);
+                const int64_t ntn = cdiv(s.nc, s.nt), ntasks = cdiv(M, s.mc) * ntn;
 #pragma omp for schedule(static)
-                for (int64_t p = 0; p < npan; p++)
-                {
-                    pack_b(bp + (size_t)p * b_pan, B, pc, kc, jc + p * e->nr, min64(e->nr, nc - p * e->nr));
-                    if (round_b) round_panel_bf16(bp + (size_t)p * b_pan, b_pan);
-                }
+                for (int64_t p = 0; p < cdiv(s.nc, e->nr); p++) slice_pack_b(&s, p);
                 /* tasks in row-block-major order; a thread keeps its packed A block while it
                  * takes tasks of the same row block. Dynamic: a descheduled thread does not hold
                  * the others back (results do not depend on who computes a task). */
                 int64_t packed_ib = -1;
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t t = 0; t < ntasks; t++) {
-                    int64_t ib = t / ntn, jt = t % ntn;
-                    int64_t i0 = ib * mc, mcur = min64(mc, M - i0);
-                    if (ib != packed_ib) { /* A block: cdiv(mcur, mr) panels of a_pan bytes */
-                        for (int64_t ir = 0; ir < mcur; ir += e->mr) {
-                            char *pan = apt + (size_t)(ir / e->mr) * a_pan;
-                            e->pack_a(pan, A, i0 + ir, min64(e->mr, mcur - ir), pc, kc);
-                            if (e->round_bf16) round_panel_bf16(pan, a_pan);
-                        }
-                        packed_ib = ib;
-                    }
-                    int64_t j_end = min64(nc, (jt + 1) * nt);
-                    for (int64_t jr = jt * nt; jr < j_end; jr += e->nr) {
-                        const char *b = bp + (size_t)(jr / e->nr) * b_pan;
-                        for (int64_t ir = 0; ir < mcur; ir += e->mr)
-                            e->tile(kc, apt + (size_t)(ir / e->mr) * a_pan, b, C + (i0 + ir) * ldc + jc + jr, ldc,
-                                    min64(e->mr, mcur - ir), min64(e->nr, j_end - jr), cscale);
-                    }
+                    if (t / ntn != packed_ib) slice_pack_a(&s, apt, packed_ib = t / ntn);
+                    slice_task(&s, apt, t / ntn, t % ntn);
                 }
             }
-        }
         if (e->thread_end) e->thread_end();
     }
+}
+
+/* The same product on the calling thread, without OpenMP (kernels that run it per block call it
+ * thousands of times a step: no team to start). */
+static void gemm_run_here(const gemm_engine *e, const gemm_buffers *w, int64_t M, int64_t N, int64_t K, gemm_view A,
+                          gemm_view B, float *C, int64_t ldc, float beta) {
+    if (e->thread_begin) e->thread_begin();
+    for (int64_t jc = 0; jc < N; jc += e->nc)
+        for (int64_t pc = 0; pc < K; pc += e->kc) {
+            const gemm_slice s = slice_of(e, w, M, A, B, C, ldc, beta, N, K, jc, pc);
+            for (int64_t p = 0; p < cdiv(s.nc, e->nr); p++) slice_pack_b(&s, p);
+            for (int64_t ib = 0; ib < cdiv(M, s.mc); ib++) {
+                slice_pack_a(&s, w->ap, ib);
+                for (int64_t jt = 0; jt < cdiv(s.nc, s.nt); jt++) slice_task(&s, w->ap, ib, jt);
+            }
+        }
+    if (e->thread_end) e->thread_end();
 }
 
 /* C = beta·C for an empty sum (K = 0). */
@@ -271,7 +317,7 @@ static bool gemm_serial(const gemm_engine *e, void *ws, int64_t M, int64_t N, in
     char *bp = (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63); /* panels are loaded aligned */
     gemm_buffers w = {.bp = bp, .ap = bp + b_room, .a_bytes = a_bytes, .nth = 1, .mc = e->mc, .nt = e->nt,
                       .pooled = true};
-    gemm_run(e, &w, M, N, K, A, B, C, ldc, beta);
+    gemm_run_here(e, &w, M, N, K, A, B, C, ldc, beta);
     return true;
 }
 
