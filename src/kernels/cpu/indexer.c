@@ -3,14 +3,15 @@
  * the finite-difference tests). */
 #include "ds4/core.h"
 #include "kernels/cpu/cpu.h"
+#include "kernels/cpu/vmath.h"
 #include "kernels/kernels_f64.h"
 
 #include <math.h>
 #include <omp.h>
 #include <string.h>
 
-/* The vector helpers of the .inc pass GCC vector types by value; they are all static, so the
- * note that this ABI changes without -mavx does not apply. */
+/* vmath.h passes GCC vector types by value; its functions are all static inline, so the note that this
+ * ABI changes without -mavx does not apply. */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 #define KERNEL_TEMPLATE "indexer.inc"
@@ -23,7 +24,7 @@ void cpu_indexer_topk_fwd_plan(const indexer_topk_args *a) {
     int64_t nmax;
     size_t per;
     int P;
-    ds4_free(cpu_ix_topk_workspace(&a->dims, true, a->t0, &nmax, &per, &P));
+    ds4_free(cpu_ix_topk_workspace(&a->dims, true, a->t0, a->ki16 != NULL, &nmax, &per, &P));
 }
 
 void cpu_indexer_kl_fwd_bwd_plan(const indexer_kl_args *a) {
