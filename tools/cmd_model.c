@@ -247,6 +247,93 @@ static ds4_status debug_state(ds4_model *m, const int32_t *ids, int64_t B, int64
     return st;
 }
 
+/* What one debug-state run computes with: the model (from a directory, or initialised from a config with a
+ * seed), the context (backend, GEMM precision), the batch and output files and the pass's policies. */
+typedef struct {
+    ds4_model_dir *dir;      /* weights from here; NULL: ds4_model_init_random(config, seed) */
+    ds4_config config;       /* the model's config when dir is NULL */
+    uint64_t seed;
+    ds4_exec ex;
+    const char *batch, *out;
+    ds4_recompute_cfg rc;
+    bool report, swap_input, bf16;
+    const char *offload_dir; /* NULL or "": $TMPDIR, else /tmp */
+} debug_run;
+
+/* Runs r and closes its model directory. */
+static int run_debug_state(debug_run *r) {
+    ds4_model *m = NULL;
+    int32_t *ids = NULL;
+    int64_t B = 0, T = 0;
+    ds4_status st = ds4_model_create(&r->ex, r->dir ? ds4_model_dir_config(r->dir) : &r->config, false, &m);
+    if (st == DS4_OK) st = r->dir ? ds4_model_load(m, r->dir) : ds4_model_init_random(m, r->seed);
+    ds4_model_dir_close(r->dir);
+    r->dir = NULL;
+    if (st == DS4_OK) st = read_batch(r->batch, &ids, &B, &T);
+    ds4_offload *store = NULL;
+    ds4_act_swap *swap = NULL;
+    if (st == DS4_OK && r->swap_input) {
+        st = ds4_offload_open(&r->ex, r->offload_dir, &store);
+        if (st == DS4_OK) st = ds4_act_swap_new(store, &swap);
+    }
+    if (st == DS4_OK) {
+        st = debug_state(m, ids, B, T, r->out, &r->rc, r->report, swap, r->bf16);
+        if (st == DS4_ERR_ARG && strstr(ds4_errmsg(), "input_ids")) ds4_fail_prefix(st, "%s", r->batch);
+    }
+    ds4_act_swap_free(swap);
+    ds4_offload_close(store);
+    ds4_free(ids);
+    ds4_model_free(m);
+    return st == DS4_OK ? 0 : cli_fail();
+}
+
+/* Removes `--name VALUE` from argv and returns VALUE (NULL: absent; *bad: given without a value). */
+static const char *take_flag(const char *name, int *argc, char **argv, bool *bad) {
+    const char *v = NULL;
+    int out = 1;
+    for (int i = 1; i < *argc; i++) {
+        if (strcmp(argv[i], name)) {
+            argv[out++] = argv[i];
+            continue;
+        }
+        if (i + 1 >= *argc) *bad = true;
+        else v = argv[++i];
+    }
+    *argc = out;
+    return v;
+}
+
+/* debug-state --config FILE.toml: the pass of the run's first micro-batch as `ds4 train` would compute it
+ * (model.dir's weights or model.config initialised with model.seed; training.device, mixed precision and
+ * matmul precision; the recompute and swap settings), on the tokens of --batch. */
+static int debug_state_of_run(int argc, char **argv) {
+    bool bad = false;
+    debug_run r = {.batch = take_flag("--batch", &argc, argv, &bad)};
+    r.out = take_flag("--out", &argc, argv, &bad);
+    if (bad || !r.batch || !r.out) {
+        fprintf(stderr, "error: ds4 debug-state: --batch BATCH.safetensors and --out OUT.safetensors are required\n");
+        return 2;
+    }
+    ds4_train_cfg run;
+    const int rc = cli_run_description("debug-state", argc, argv, false, &run);
+    if (rc) {
+        fprintf(stderr, "error: %s\n", ds4_errmsg());
+        return rc;
+    }
+    if (run.threads > 0) ds4_set_threads((int)run.threads);
+    if (ds4_run_model(&run, 1, &r.config, &r.dir) != DS4_OK || ds4_run_exec(&run, false, &r.ex) != DS4_OK) {
+        ds4_model_dir_close(r.dir);
+        return cli_fail();
+    }
+    r.seed = (uint64_t)run.init_seed;
+    r.rc = run.recompute;
+    r.report = run.memory_report;
+    r.swap_input = run.swap_layer_input;
+    r.offload_dir = run.offload_dir;
+    r.bf16 = run.bf16_params;
+    return run_debug_state(&r);
+}
+
 int cmd_debug_state(int argc, char **argv) {
     cli_flag f[] = {{"model", false, NULL, "model directory (config.json + *.safetensors)"},
                     {"batch", false, NULL, "BATCH.safetensors with input_ids I32 [B, T]"},
@@ -262,29 +349,34 @@ int cmd_debug_state(int argc, char **argv) {
     if (cli_want_help(argc, argv)) {
         cli_usage("debug-state",
                   "--model DIR --batch BATCH.safetensors --out OUT.safetensors [recompute flags] [--memory-report]\n"
-                  "       [--swap-layer-input [--offload-dir DIR]] [--mixed-precision-param bfloat16]", f,
+                  "       [--swap-layer-input [--offload-dir DIR]] [--mixed-precision-param bfloat16]\n"
+                  "   or: ds4 debug-state --config FILE.toml --batch BATCH.safetensors --out OUT.safetensors\n"
+                  "       [--section.key value ...] [ds4 train's flags]: the pass of that run (its model, device,\n"
+                  "       precision, recompute and swap settings), as ds4 train reads it", f,
                   NFLAGS(f));
         return 0;
     }
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--config") || !strcmp(argv[i], "--job.config_file")) return debug_state_of_run(argc, argv);
     /* the recompute flags first (MindSpeed names), then the plain ones */
-    ds4_recompute_cfg rc;
-    ds4_recompute_defaults(&rc);
-    bool report = false;
+    debug_run r = {0};
+    ds4_recompute_defaults(&r.rc);
     int kept = 1;
     for (int i = 1; i < argc; i++) {
         bool used = false;
         if (!strcmp(argv[i], "--memory-report")) {
-            report = true;
+            r.report = true;
             continue;
         }
-        if (ds4_recompute_parse_arg(&rc, argc, argv, &i, &used) != DS4_OK) return cli_fail();
+        if (ds4_recompute_parse_arg(&r.rc, argc, argv, &i, &used) != DS4_OK) return cli_fail();
         if (!used) argv[kept++] = argv[i];
     }
     argc = kept;
     if (!cli_parse("debug-state", argc, argv, f, NFLAGS(f), pos, 0, &npos)) return 2;
-    const char *md = cli_get(f, NFLAGS(f), "model"), *bp = cli_get(f, NFLAGS(f), "batch");
-    const char *out = cli_get(f, NFLAGS(f), "out"), *th = cli_get(f, NFLAGS(f), "threads");
-    if (!md || !bp || !out) {
+    const char *md = cli_get(f, NFLAGS(f), "model"), *th = cli_get(f, NFLAGS(f), "threads");
+    r.batch = cli_get(f, NFLAGS(f), "batch");
+    r.out = cli_get(f, NFLAGS(f), "out");
+    if (!md || !r.batch || !r.out) {
         fprintf(stderr, "error: ds4 debug-state: --model, --batch and --out are required\n");
         return 2;
     }
@@ -294,32 +386,12 @@ int cmd_debug_state(int argc, char **argv) {
         fprintf(stderr, "error: ds4 debug-state: --mixed-precision-param '%s': expected bfloat16 or float32\n", mp);
         return 2;
     }
-    const bool bf16 = mp && !strcmp(mp, "bfloat16");
-    ds4_model_dir *d;
-    if (ds4_model_dir_open(md, &d) != DS4_OK) return cli_fail();
-    ds4_model *m = NULL;
-    int32_t *ids = NULL;
-    int64_t B = 0, T = 0;
+    r.bf16 = mp && !strcmp(mp, "bfloat16");
     /* bf16 activations imply bf16 GEMMs: the model runs in that precision, on the backend asked for */
-    ds4_exec ex = {.matmul_precision = bf16 ? DS4_MATMUL_BF16 : DS4_MATMUL_FP32};
-    if (!cli_device("debug-state", cli_get(f, NFLAGS(f), "device"), true, &ex)) return 2;
-    ds4_status st = ds4_model_create(&ex, ds4_model_dir_config(d), false, &m);
-    if (st == DS4_OK) st = ds4_model_load(m, d);
-    ds4_model_dir_close(d);
-    if (st == DS4_OK) st = read_batch(bp, &ids, &B, &T);
-    ds4_offload *store = NULL;
-    ds4_act_swap *swap = NULL;
-    if (st == DS4_OK && cli_get(f, NFLAGS(f), "swap-layer-input")) {
-        st = ds4_offload_open(&ex, cli_get(f, NFLAGS(f), "offload-dir"), &store);
-        if (st == DS4_OK) st = ds4_act_swap_new(store, &swap);
-    }
-    if (st == DS4_OK) {
-        st = debug_state(m, ids, B, T, out, &rc, report, swap, bf16);
-        if (st == DS4_ERR_ARG && strstr(ds4_errmsg(), "input_ids")) ds4_fail_prefix(st, "%s", bp);
-    }
-    ds4_act_swap_free(swap);
-    ds4_offload_close(store);
-    ds4_free(ids);
-    ds4_model_free(m);
-    return st == DS4_OK ? 0 : cli_fail();
+    r.ex = (ds4_exec){.matmul_precision = r.bf16 ? DS4_MATMUL_BF16 : DS4_MATMUL_FP32};
+    if (!cli_device("debug-state", cli_get(f, NFLAGS(f), "device"), true, &r.ex)) return 2;
+    r.swap_input = cli_get(f, NFLAGS(f), "swap-layer-input") != NULL;
+    r.offload_dir = cli_get(f, NFLAGS(f), "offload-dir");
+    if (ds4_model_dir_open(md, &r.dir) != DS4_OK) return cli_fail();
+    return run_debug_state(&r);
 }
