@@ -175,7 +175,7 @@ static void direct_run(const ds4_kernel_backend *kb, direct_out *o) {
     sumsq(&ex, &o->sumsq, g, ON);
     count_nonfinite(&ex, &o->nonfinite, bad, ON);
     scale_f32(&ex, o->scaled, ON, 0.37f);
-    const ds4_adamw_consts k = {.b1 = 0.9f, .b2 = 0.95f, .eps = 1e-8f, .step_size = 3e-3f, .inv_sqrt_bc2 = 1.3f,
+    const ds4_adamw_consts k = {.b1 = 0.9f, .b2 = 0.95f, .eps = 1e-8f, .omb1 = 0.1f, .omb2 = 0.05f, .step_size = 3e-3f, .inv_sqrt_bc2 = 1.3f,
                                 .decay = 3e-4f};
     adamw_update(&ex, ON, o->aw, g, o->am, o->av, k, true);
     muon_momentum(&ex, ON, g, o->mmom, o->mu, 0.95f, true);

@@ -52,13 +52,14 @@ static void ref_free(ref_state *r) {
 static void ref_step(ref_state *r, int64_t step, double lr, float *w, const float *g, int64_t a, int64_t b) {
     const double bc1 = 1.0 - pow(k_cfg.beta1, (double)step), bc2 = 1.0 - pow(k_cfg.beta2, (double)step);
     const float b1 = (float)k_cfg.beta1, b2 = (float)k_cfg.beta2, eps = (float)k_cfg.eps;
+    const float omb1 = (float)(1.0 - k_cfg.beta1), omb2 = (float)(1.0 - k_cfg.beta2); /* rounded once */
     const float step_size = (float)(lr / bc1), inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2));
     const float decay = (float)(lr * k_cfg.weight_decay);
     for (int64_t i = a; i < b; i++) {
         if (r->frozen[i]) continue;
         float gi = g[i];
-        r->m[i] = b1 * r->m[i] + (1.0f - b1) * gi;
-        r->v[i] = b2 * r->v[i] + (1.0f - b2) * gi * gi;
+        r->m[i] = b1 * r->m[i] + omb1 * gi;
+        r->v[i] = b2 * r->v[i] + omb2 * gi * gi;
         float denom = sqrtf(r->v[i]) * inv_sqrt_bc2 + eps;
         if (r->decay[i]) w[i] -= decay * w[i];
         w[i] -= step_size * r->m[i] / denom;

@@ -269,11 +269,12 @@ int64_t ds4_count_nonfinite(const float *x, int64_t n);
 /* AdamW's per-step constants, the same for every element (ds4/train.h derives them from its settings). */
 typedef struct {
     float b1, b2, eps;
+    float omb1, omb2;   /* 1 − β1, 1 − β2, computed in double and rounded once (as PyTorch's AdamW does) */
     float step_size;    /* lr / (1 − β1^t) */
     float inv_sqrt_bc2; /* 1 / sqrt(1 − β2^t) */
     float decay;        /* lr · weight_decay */
 } ds4_adamw_consts;
-/* AdamW on n elements: w, g, m, v [n]; m := β1·m + (1−β1)·g, v := β2·v + (1−β2)·g², then w −= decay·w
+/* AdamW on n elements: w, g, m, v [n]; m := β1·m + omb1·g, v := β2·v + omb2·g², then w −= decay·w
  * (when decay) and w −= step_size·m / (sqrt(v)·inv_sqrt_bc2 + eps). */
 void ds4_adamw_update(int64_t n, float *w, const float *g, float *m, float *v, ds4_adamw_consts k, bool decay);
 /* One Newton–Schulz iteration's quintic (Muon): x := a·x + b·(x·xᵀ)·x + c·(x·xᵀ)²·x. */

@@ -113,8 +113,8 @@ int64_t ds4_count_nonfinite(const float *x, int64_t n) {
 void ds4_adamw_update(int64_t n, float *w, const float *g, float *m, float *v, ds4_adamw_consts k, bool decay) {
     for (int64_t i = 0; i < n; i++) {
         float gi = g[i];
-        m[i] = k.b1 * m[i] + (1.0f - k.b1) * gi;
-        v[i] = k.b2 * v[i] + (1.0f - k.b2) * gi * gi;
+        m[i] = k.b1 * m[i] + k.omb1 * gi;
+        v[i] = k.b2 * v[i] + k.omb2 * gi * gi;
         float denom = sqrtf(v[i]) * k.inv_sqrt_bc2 + k.eps;
         if (decay) w[i] -= k.decay * w[i];
         w[i] -= k.step_size * m[i] / denom;

@@ -338,7 +338,7 @@ ds4_status ds4_optim_expand(const ds4_optim *o, int g, int a, float *out) {
 static ds4_adamw_consts adamw_consts(int64_t step, const ds4_adamw_cfg *c, double lr) {
     const double bc1 = 1.0 - pow(c->beta1, (double)step), bc2 = 1.0 - pow(c->beta2, (double)step);
     return (ds4_adamw_consts){.b1 = (float)c->beta1, .b2 = (float)c->beta2, .eps = (float)c->eps,
-                              .step_size = (float)(lr / bc1), .inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2)),
+                              .omb1 = (float)(1.0 - c->beta1), .omb2 = (float)(1.0 - c->beta2), .step_size = (float)(lr / bc1), .inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2)),
                               .decay = (float)(lr * c->weight_decay)};
 }
 

@@ -670,7 +670,7 @@ static void test_adamw(void) {
         cc_fill(g, n, 910 + (unsigned)step, 0.1f);
         const double lr = cfg.lr * step / 3;
         const cuda_adamw_k k = cuda_adamw_consts(step, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, lr);
-        const ds4_adamw_consts kc = {.b1 = k.b1, .b2 = k.b2, .eps = k.eps, .step_size = k.step_size,
+        const ds4_adamw_consts kc = {.b1 = k.b1, .b2 = k.b2, .eps = k.eps, .omb1 = k.omb1, .omb2 = k.omb2, .step_size = k.step_size,
                                      .inv_sqrt_bc2 = k.inv_sqrt_bc2, .decay = k.decay};
         ds4_adamw_update(half, w, g, m, v, kc, true);
         ds4_adamw_update(n - half, w + half, g + half, m + half, v + half, kc, false);

@@ -368,7 +368,7 @@ static void e_count_nonfinite(const ds4_exec *ex, int64_t *out, const float *x, 
 }
 static void e_adamw_update(const ds4_exec *ex, int64_t n, float *w, const float *g, float *m, float *v,
                            ds4_adamw_consts k, bool decay) {
-    const cuda_adamw_k ck = {k.b1, k.b2, k.eps, k.step_size, k.inv_sqrt_bc2, k.decay};
+    const cuda_adamw_k ck = {k.b1, k.b2, k.eps, k.omb1, k.omb2, k.step_size, k.inv_sqrt_bc2, k.decay};
     note(cuda_adamw_update(S(ex), &ck, n, m, v, decay, w, g));
 }
 static void e_muon_momentum(const ds4_exec *ex, int64_t n, const float *g, float *mom, float *u, float mu,

@@ -168,7 +168,7 @@ ds4_status cuda_cross_entropy_fwd_bwd(cudaStream_t s, double *loss_sum, int64_t 
  * the same bits. The constants of step `step` (1-based) come from cuda_adamw_consts, as the cpu
  * optimizer computes them. decay: whether decoupled weight decay applies to these n elements. */
 typedef struct {
-    float b1, b2, eps, step_size, inv_sqrt_bc2, decay;
+    float b1, b2, eps, omb1, omb2, step_size, inv_sqrt_bc2, decay;
 } cuda_adamw_k;
 cuda_adamw_k cuda_adamw_consts(int64_t step, double beta1, double beta2, double eps, double weight_decay, double lr);
 ds4_status cuda_adamw_update(cudaStream_t s, const cuda_adamw_k *k, int64_t n, float *m, float *v, int decay, float *w,

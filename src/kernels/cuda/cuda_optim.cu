@@ -12,6 +12,8 @@ cuda_adamw_k cuda_adamw_consts(int64_t step, double beta1, double beta2, double 
     k.b1 = (float)beta1;
     k.b2 = (float)beta2;
     k.eps = (float)eps;
+    k.omb1 = (float)(1.0 - beta1);
+    k.omb2 = (float)(1.0 - beta2);
     k.step_size = (float)(lr / bc1);
     k.inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2));
     k.decay = (float)(lr * weight_decay);
@@ -23,8 +25,8 @@ static __global__ void adamw_kernel(cuda_adamw_k k, int64_t n, float *m, float *
                                     const float *g) {
     CUDA_GRID_STRIDE(i, n) {
         const float gi = g[i];
-        const float mi = k.b1 * m[i] + (1.0f - k.b1) * gi;
-        const float vi = k.b2 * v[i] + (1.0f - k.b2) * gi * gi;
+        const float mi = k.b1 * m[i] + k.omb1 * gi;
+        const float vi = k.b2 * v[i] + k.omb2 * gi * gi;
         m[i] = mi;
         v[i] = vi;
         const float denom = sqrtf(vi) * k.inv_sqrt_bc2 + k.eps;
