@@ -112,33 +112,32 @@ static weights_at experts_at(const moe_experts_args *a, ds4_matmul_precision pre
     return (weights_at){a->wbase, a->hcopy, prec, ws ? ws + (size_t)omp_get_thread_num() * experts_ws_bytes(a) : NULL};
 }
 
-void cpu_moe_experts_fwd(ds4_matmul_precision prec, const moe_experts_args *a, float *y) {
+/* Every expert with rows: forward into y (g NULL) or backward (g), side by side when experts_threads says. */
+static void experts_each(ds4_matmul_precision prec, const moe_experts_args *a, const moe_experts_grads *g, float *y) {
     const int64_t D = a->D, I = a->I;
     int P;
     char *ws = experts_ws(a, false, &P);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(P) if (P > 1)
     for (int64_t e = 0; e < a->nexp; e++) {
         const int64_t o = a->off[e], ne = a->off[e + 1] - o;
-        if (ne > 0)
-            expert_fwd(experts_at(a, prec, ws), &a->w[e], a->x + o * D, a->rw + o, ne, D, I, a->limit, a->h1 + o * I,
-                       a->h3 + o * I, a->act + o * I, y + o * D);
+        const weights_at at = experts_at(a, prec, ws);
+        if (ne > 0 && !g)
+            expert_fwd(at, &a->w[e], a->x + o * D, a->rw + o, ne, D, I, a->limit, a->h1 + o * I, a->h3 + o * I,
+                       a->act + o * I, y + o * D);
+        else if (ne > 0)
+            expert_bwd(at, &a->w[e], &g->g[e], a->x + o * D, g->dy + o * D, a->rw + o, a->h1 + o * I, a->h3 + o * I,
+                       ne, D, I, a->limit, g->dx + o * D, g->dw + o, a->act + o * I, g->dact + o * I, g->dh1 + o * I,
+                       g->dh3 + o * I);
     }
     ds4_free(ws);
 }
 
+void cpu_moe_experts_fwd(ds4_matmul_precision prec, const moe_experts_args *a, float *y) {
+    experts_each(prec, a, NULL, y);
+}
+
 void cpu_moe_experts_bwd(ds4_matmul_precision prec, const moe_experts_args *a, const moe_experts_grads *g) {
-    const int64_t D = a->D, I = a->I;
-    int P;
-    char *ws = experts_ws(a, false, &P);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(P) if (P > 1)
-    for (int64_t e = 0; e < a->nexp; e++) {
-        const int64_t o = a->off[e], ne = a->off[e + 1] - o;
-        if (ne > 0)
-            expert_bwd(experts_at(a, prec, ws), &a->w[e], &g->g[e], a->x + o * D, g->dy + o * D, a->rw + o,
-                       a->h1 + o * I, a->h3 + o * I, ne, D, I, a->limit, g->dx + o * D, g->dw + o, a->act + o * I,
-                       g->dact + o * I, g->dh1 + o * I, g->dh3 + o * I);
-    }
-    ds4_free(ws);
+    experts_each(prec, a, g, NULL);
 }
 
 /* The plan mirrors: the packing buffers of the experts side by side, allocated and freed. */
