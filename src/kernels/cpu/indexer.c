@@ -24,7 +24,7 @@ void cpu_indexer_topk_fwd_plan(const indexer_topk_args *a) {
     int64_t nmax;
     size_t per;
     int P;
-    ds4_free(cpu_ix_topk_workspace(&a->dims, true, a->t0, a->ki16 != NULL, &nmax, &per, &P));
+    ds4_free(cpu_ix_topk_workspace(&a->dims, true, a->t0, &nmax, &per, &P));
 }
 
 void cpu_indexer_kl_fwd_bwd_plan(const indexer_kl_args *a) {
