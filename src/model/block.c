@@ -21,6 +21,20 @@ const unit_decl *const k_block_units[U_COUNT] = {
     [U_MOE] = &unit_moe,                   [U_HC_POST_FFN] = &unit_hc_post_ffn,
 };
 
+/* Who holds a unit's own buffers (its work() and outputs; memplan --memory-report): the unit by name. */
+static const char *const k_unit_owner[U_COUNT] = {
+    [U_HC_PRE_ATTN] = "unit hc_pre_attn",   [U_ATTN_NORM] = "unit attn_norm",
+    [U_Q_DOWN] = "unit q_down",             [U_Q_UP] = "unit q_up",
+    [U_KV] = "unit kv",                     [U_COMPRESSOR] = "unit compressor",
+    [U_INDEXER] = "unit indexer",           [U_INDEXER_TOPK] = "unit indexer_topk",
+    [U_SPARSE_ATTN] = "unit sparse_attn",   [U_O_PROJ] = "unit o_proj",
+    [U_HC_POST_ATTN] = "unit hc_post_attn", [U_HC_PRE_FFN] = "unit hc_pre_ffn",
+    [U_FFN_NORM] = "unit ffn_norm",         [U_ROUTER] = "unit router",
+    [U_MOE] = "unit moe",                   [U_HC_POST_FFN] = "unit hc_post_ffn",
+};
+
+const char *unit_owner(unit_id u) { return (unsigned)u < U_COUNT ? k_unit_owner[u] : NULL; }
+
 /* Backward: the forward order reversed, except that the indexer's KL (it reads the attention's
  * log-sum-exp and inputs) runs before sparse attention's backward; the router (inside moe's) and the
  * top-k selection have no backward of their own. */
@@ -152,7 +166,9 @@ static ds4_status grads_alloc(const block_ctx *bc, const block_acts *a, block_gr
 ds4_status block_bwd(const block_ctx *bc, block_acts *a, const float *dX_out, float *dX_in, double *kl_sum,
                      int64_t *kl_rows) {
     block_grads g;
+    const char *prev = ds4_mem_owner_enter("block backward: gradient buffers");
     ds4_status st = grads_alloc(bc, a, &g);
+    ds4_mem_owner_leave(prev);
     g.dX_out = dX_out;
     g.dX_in = dX_in;
     g.kl_sum = kl_sum;
@@ -161,7 +177,11 @@ ds4_status block_bwd(const block_ctx *bc, block_acts *a, const float *dX_out, fl
         const unit_id u = k_block_bwd_order[s];
         const unit_decl *ud = k_block_units[u];
         st = act_need(bc, a, ud->bwd_reads);
-        if (st == DS4_OK && unit_runs_here(u, a)) st = ud->bwd(bc, a, &g);
+        if (st == DS4_OK && unit_runs_here(u, a)) {
+            prev = ds4_mem_owner_enter(unit_owner(u));
+            st = ud->bwd(bc, a, &g);
+            ds4_mem_owner_leave(prev);
+        }
         act_free_after_bwd(a, s);
     }
     grads_free(bc, &g);
