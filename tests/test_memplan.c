@@ -512,7 +512,7 @@ static void test_workspace_users(void) {
     ds4_config c;
     CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
     static const char *const grow[] = {"block backward: gradient buffers", "backward: stream gradients",
-                                       "op sparse_attn_bwd", "head backward", "unit moe"};
+                                       "op sparse_attn_bwd", "head backward", "moe"};
     int64_t most[2][5], gemm[2];
     for (int t = 0; t < 2; t++) {
         ds4_step_memory r;

@@ -346,6 +346,13 @@ static void print_saved(const ds4_config *c, const saved_step *s, const ds4_step
 /* ------------------------------------------------------------------ --memory-report */
 static const char *owner_name(const ds4_mem_owner_stat *o) { return o->name ? o->name : "(no owner)"; }
 
+/* An owner as printed: a unit's buffers are counted under the unit's name, shown as "unit NAME". */
+static const char *owner_label(const ds4_mem_owner_stat *o, char *buf, size_t n) {
+    if (!o->name || ds4_unit_find(o->name) < 0) return owner_name(o);
+    snprintf(buf, n, "unit %s", o->name);
+    return buf;
+}
+
 /* The gradients at their peak by owner (the allocator's count at that moment): the owners' bytes sum to
  * the grads peak. */
 static void print_grads_split(const ds4_step_memory *r) {
@@ -379,8 +386,9 @@ static void print_workspace_users(const ds4_step_memory *r) {
     printf("workspace users (op: a kernel's workspace; unit, block, head, MTP, backward: the model's own buffers):\n");
     printf("  %-38s %20s %12s %20s\n", "user", "most bytes at once", "GiB", "at the peak");
     for (int i = 0; i < n; i++) {
-        printf("  %-38s %20lld %12.3f %20lld\n", owner_name(&o[i]), (long long)o[i].max, gib(o[i].max),
-               (long long)o[i].at_peak);
+        char label[64];
+        printf("  %-38s %20lld %12.3f %20lld\n", owner_label(&o[i], label, sizeof label), (long long)o[i].max,
+               gib(o[i].max), (long long)o[i].at_peak);
         sum += o[i].at_peak;
     }
     printf("  %-38s %20s %12s %20lld  (workspace peak %lld)\n", "sum", "", "", (long long)sum,

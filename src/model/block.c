@@ -21,19 +21,9 @@ const unit_decl *const k_block_units[U_COUNT] = {
     [U_MOE] = &unit_moe,                   [U_HC_POST_FFN] = &unit_hc_post_ffn,
 };
 
-/* Who holds a unit's own buffers (its work() and outputs; memplan --memory-report): the unit by name. */
-static const char *const k_unit_owner[U_COUNT] = {
-    [U_HC_PRE_ATTN] = "unit hc_pre_attn",   [U_ATTN_NORM] = "unit attn_norm",
-    [U_Q_DOWN] = "unit q_down",             [U_Q_UP] = "unit q_up",
-    [U_KV] = "unit kv",                     [U_COMPRESSOR] = "unit compressor",
-    [U_INDEXER] = "unit indexer",           [U_INDEXER_TOPK] = "unit indexer_topk",
-    [U_SPARSE_ATTN] = "unit sparse_attn",   [U_O_PROJ] = "unit o_proj",
-    [U_HC_POST_ATTN] = "unit hc_post_attn", [U_HC_PRE_FFN] = "unit hc_pre_ffn",
-    [U_FFN_NORM] = "unit ffn_norm",         [U_ROUTER] = "unit router",
-    [U_MOE] = "unit moe",                   [U_HC_POST_FFN] = "unit hc_post_ffn",
-};
-
-const char *unit_owner(unit_id u) { return (unsigned)u < U_COUNT ? k_unit_owner[u] : NULL; }
+/* Who holds a unit's own buffers (its work() and outputs; memplan --memory-report): the unit, by its
+ * declaration's name (memplan tells units from the other owners with ds4_unit_find). */
+const char *unit_owner(unit_id u) { return (unsigned)u < U_COUNT ? k_block_units[u]->name : NULL; }
 
 /* Backward: the forward order reversed, except that the indexer's KL (it reads the attention's
  * log-sum-exp and inputs) runs before sparse attention's backward; the router (inside moe's) and the
