@@ -9,6 +9,8 @@
 #include "ds4/recompute.h"
 #include "test.h"
 
+#include <string.h>
+
 static void masks_for(const ds4_config *c, const char *const *flags, int n, uint32_t *masks) {
     ds4_recompute_cfg r;
     ds4_recompute_defaults(&r);
@@ -413,6 +415,128 @@ static void test_saved_table_matches_pass(void) {
     }
 }
 
+/* ------------------------------------------------------------------ --memory-report */
+/* What owner name held of cat at its peak (its groups in *items, may be NULL), from the last step measured. */
+static int64_t at_peak(ds4_mem_cat cat, const char *name, int64_t *items) {
+    ds4_mem_owner_stat o[DS4_MEM_OWNERS_MAX];
+    const int n = ds4_mem_owners_get(cat, o, DS4_MEM_OWNERS_MAX);
+    for (int i = 0; i < n; i++)
+        if (o[i].name && !strcmp(o[i].name, name)) {
+            if (items) *items = o[i].items_at_peak;
+            return o[i].at_peak;
+        }
+    if (items) *items = 0;
+    return 0;
+}
+
+/* The owners' bytes at cat's peak, summed; *unowned: those counted under no owner. */
+static int64_t owners_sum(ds4_mem_cat cat, int64_t *unowned) {
+    ds4_mem_owner_stat o[DS4_MEM_OWNERS_MAX];
+    const int n = ds4_mem_owners_get(cat, o, DS4_MEM_OWNERS_MAX);
+    int64_t sum = 0;
+    *unowned = 0;
+    for (int i = 0; i < n && i < DS4_MEM_OWNERS_MAX; i++) {
+        sum += o[i].at_peak;
+        if (!o[i].name) *unowned += o[i].max;
+    }
+    return sum;
+}
+
+/* The gradients at their peak: resident, open, in flight, MTP rows (groups open and in flight). */
+typedef struct {
+    int64_t resident, open, flight, rows, open_groups, flight_groups;
+} grads_split;
+
+static grads_split grads_split_now(const ds4_step_memory *r, const char *what) {
+    grads_split g;
+    g.resident = at_peak(DS4_MEM_GRAD, DS4_OWNER_GRAD_RESIDENT, NULL);
+    g.open = at_peak(DS4_MEM_GRAD, DS4_OWNER_GRAD_OPEN, &g.open_groups);
+    g.flight = at_peak(DS4_MEM_GRAD, DS4_OWNER_GRAD_FLIGHT, &g.flight_groups);
+    g.rows = at_peak(DS4_MEM_GRAD, DS4_OWNER_GRAD_ROWS, NULL);
+    int64_t unowned;
+    const int64_t sum = owners_sum(DS4_MEM_GRAD, &unowned);
+    CHECK(sum == r->peak[DS4_MEM_GRAD] && g.resident + g.open + g.flight + g.rows == sum && !unowned,
+          "%s: grads peak %lld, owners %lld = resident %lld + open %lld + in flight %lld + rows %lld, %lld unowned",
+          what, (long long)r->peak[DS4_MEM_GRAD], (long long)sum, (long long)g.resident, (long long)g.open,
+          (long long)g.flight, (long long)g.rows, (long long)unowned);
+    /* the resident gradients are exactly what stays after the step */
+    CHECK(g.resident == r->resident[DS4_MEM_GRAD] && g.resident > 0, "%s: resident %lld, after the step %lld", what,
+          (long long)g.resident, (long long)r->resident[DS4_MEM_GRAD]);
+    return g;
+}
+
+/* One process holds its gradients resident, planned and measured; FSDP on tiny-a (2 ranks, EP 2) holds its
+ * shard resident and unsharded groups, at most prefetch-depth of them in flight at the peak, none when
+ * blocking; a plan splits them as the real step of one FSDP rank does. */
+static void test_grads_split(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_step_memory r;
+    for (int plan = 0; plan < 2; plan++) {
+        CHECK(ds4_step_memory_run(&c, 2, 64, NULL, plan, &r) == DS4_OK, "%s", ds4_errmsg());
+        const grads_split g = grads_split_now(&r, plan ? "one process, planned" : "one process, measured");
+        CHECK(g.resident == r.peak[DS4_MEM_GRAD], "one process: all resident");
+    }
+    for (int depth = 0; depth <= 2; depth++) {
+        ds4_comm *sim = NULL;
+        CHECK(ds4_comm_plan(2, 0, &sim) == DS4_OK, "%s", ds4_errmsg());
+        const ds4_step_opts so = {.prefetch_depth = depth};
+        CHECK(ds4_step_memory_run_dist_opts(&c, 2, 64, &so, true, sim, 2, true, &r) == DS4_OK, "%s", ds4_errmsg());
+        ds4_comm_free(sim);
+        const grads_split g = grads_split_now(&r, "2 ranks");
+        CHECK(g.open > 0 && g.open_groups > 0 && g.rows == 64 * 2 * c.dim * (int64_t)sizeof(float),
+              "depth %d: open %lld (%lld groups), rows %lld", depth, (long long)g.open, (long long)g.open_groups,
+              (long long)g.rows);
+        CHECK(g.flight_groups <= depth && (g.flight > 0) == (depth > 0) && (g.flight > 0) == (g.flight_groups > 0),
+              "depth %d: %lld bytes in flight, %lld groups", depth, (long long)g.flight, (long long)g.flight_groups);
+    }
+    /* one FSDP rank (self), planned and measured: the same split */
+    ds4_comm *sim = NULL;
+    CHECK(ds4_comm_plan(1, 0, &sim) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_step_opts so = {.prefetch_depth = 1};
+    CHECK(ds4_step_memory_run_dist_opts(&c, 2, 64, &so, true, sim, 1, true, &r) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm_free(sim);
+    const grads_split p = grads_split_now(&r, "one FSDP rank, planned");
+    CHECK(ds4_step_memory_run_dist_opts(&c, 2, 64, &so, false, ds4_comm_self(), 1, true, &r) == DS4_OK, "%s",
+          ds4_errmsg());
+    const grads_split m = grads_split_now(&r, "one FSDP rank, measured");
+    CHECK(!memcmp(&p, &m, sizeof p) && p.flight_groups == 1, "one FSDP rank: planned open %lld in flight %lld, "
+          "measured open %lld in flight %lld", (long long)p.open, (long long)p.flight, (long long)m.open,
+          (long long)m.flight);
+}
+
+/* Every workspace byte of a plan has an owner, and the owners at the peak sum to it; at twice the tokens
+ * the block's gradient buffers, the stream gradients and sparse attention's workspace grow, the GEMM's
+ * packing reservation does not. */
+static void test_workspace_users(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    static const char *const grow[] = {"block backward: gradient buffers", "backward: stream gradients",
+                                       "op sparse_attn_bwd", "head backward", "moe"};
+    int64_t most[2][5], gemm[2];
+    for (int t = 0; t < 2; t++) {
+        ds4_step_memory r;
+        CHECK(ds4_step_memory_run(&c, 1, 64 << t, NULL, true, &r) == DS4_OK, "%s", ds4_errmsg());
+        int64_t unowned;
+        const int64_t sum = owners_sum(DS4_MEM_WORK, &unowned);
+        CHECK(sum == r.peak[DS4_MEM_WORK] && !unowned, "T=%d: workspace peak %lld, owners %lld, %lld unowned",
+              64 << t, (long long)r.peak[DS4_MEM_WORK], (long long)sum, (long long)unowned);
+        ds4_mem_owner_stat o[DS4_MEM_OWNERS_MAX];
+        const int n = ds4_mem_owners_get(DS4_MEM_WORK, o, DS4_MEM_OWNERS_MAX);
+        for (int k = 0; k < 5; k++) most[t][k] = 0;
+        gemm[t] = 0;
+        for (int i = 0; i < n && i < DS4_MEM_OWNERS_MAX; i++) {
+            for (int k = 0; k < 5; k++)
+                if (o[i].name && !strcmp(o[i].name, grow[k])) most[t][k] = o[i].max;
+            if (o[i].name && !strcmp(o[i].name, "op gemm_workspace_reserve")) gemm[t] = o[i].max;
+        }
+    }
+    for (int k = 0; k < 5; k++)
+        CHECK(most[0][k] > 0 && most[1][k] > most[0][k], "%s: %lld at T=64, %lld at T=128", grow[k],
+              (long long)most[0][k], (long long)most[1][k]);
+    CHECK(gemm[0] > 0 && gemm[1] == gemm[0], "GEMM packing: %lld, %lld", (long long)gemm[0], (long long)gemm[1]);
+}
+
 int main(void) {
     ds4_set_threads(2);
     RUN(test_plan_equals_measured_tiny_a);
@@ -427,5 +551,7 @@ int main(void) {
     RUN(test_resident_per_parameter);
     RUN(test_policies);
     RUN(test_saved_table_matches_pass);
+    RUN(test_grads_split);
+    RUN(test_workspace_users);
     TEST_MAIN_END("test_memplan");
 }

@@ -2,6 +2,9 @@
 "does not fit" and by how many bytes, one above it says "fits" and how many bytes are free, the boundary
 (exactly the peak) fits with 0 free; --policies prints every policy with fits and margin = budget - peak;
 the exit code is 0 either way (a report); bad sizes and conflicting flags are one `error:` line.
+--memory-report: the grads peak split by what held it (all resident on one process; FSDP's shard, open groups
+and reduce-scatters in flight on 2 ranks) and the workspace users, their at-peak bytes summing to the workspace
+peak; which of them grow with T.
 --saved-activations: one table per kind of block after the unchanged plan; a recompute flag flips exactly its
 units' rows to recomputed, bf16 mixed precision halves exactly the rows it holds in bf16, the blocks' kept bytes
 plus the pass's tensors outside the blocks are the act peak (the backward's transients on top under bf16)."""
@@ -334,5 +337,73 @@ for rank, rows in [(0, 128), (1, 124)]:
     sums_agree(f"EP 2 rank {rank}", r.stdout, t, N=63)
 expect_error("saved activations with --policies", ["--policies", "--saved-activations"], "--saved-activations",
              "--policies")
+
+# --memory-report: the grads and workspace peaks by what held them, after the unchanged plan
+GRAD_ROW = re.compile(r"^  (\S.*?) +(\d+) +[\d.]+(?:  (\d+) groups?)?$")
+WORK_ROW = re.compile(r"^  (\S.*?) +(\d+) +[\d.]+ +(\d+)$")
+
+
+def report(out):
+    """({grads owner: (bytes, groups)}, grads sum, [(workspace user, most, at peak)], workspace sum)."""
+    g = out.split("grads at their peak, by what held them:\n", 1)[-1].split("workspace users", 1)
+    grads, gsum = {}, None
+    for line in g[0].splitlines():
+        m, t = GRAD_ROW.match(line), re.match(r"^  sum +(\d+) +[\d.]+  \(grads peak \d+\)$", line)
+        if t:
+            gsum = int(t.group(1))
+        elif m:
+            grads[m.group(1)] = (int(m.group(2)), int(m.group(3) or 0))
+    users, wsum = [], None
+    for line in (g[1] if len(g) > 1 else "").splitlines():
+        m = WORK_ROW.match(line)
+        if m:
+            users.append((m.group(1), int(m.group(2)), int(m.group(3))))
+        w = re.match(r"^  sum +(\d+)  \(workspace peak (\d+)\)$", line)
+        if w:
+            wsum = int(w.group(1))
+    return grads, gsum, users, wsum
+
+
+def report_agrees(name, r):
+    grads, gsum, users, wsum = report(r.stdout)
+    gpeak, wpeak = category_bytes(r.stdout, "grads"), category_bytes(r.stdout, "workspace")
+    check(f"report {name}: exit 0, owners sum to the grads peak {gpeak}", r.returncode == 0 and grads and
+          sum(b for b, _ in grads.values()) == gsum == gpeak, r.stdout + r.stderr)
+    check(f"report {name}: users largest first, at-peak bytes sum to the workspace peak {wpeak}", users and
+          [u[1] for u in users] == sorted((u[1] for u in users), reverse=True) and
+          sum(u[2] for u in users) == wsum == wpeak and all(u[2] <= u[1] for u in users), r.stdout)
+    return grads, users
+
+
+check("report: nothing without the flag", "grads at their peak" not in plain.stdout and
+      "workspace users" not in plain.stdout, plain.stdout)
+r = memplan("--memory-report")
+check("report: the plan's lines first and unchanged", without_time(r.stdout).startswith(without_time(plain.stdout)),
+      r.stdout)
+grads, users = report_agrees("one process", r)
+check("report one process: all gradients resident", list(grads) == ["resident fp32 gradients"], grads)
+r2 = memplan("--world", "2", "--ep", "2", "--memory-report")
+grads, _ = report_agrees("2 ranks", r2)
+check("report 2 ranks: resident shard, a group open, one in flight (prefetch depth 1)",
+      grads.get("resident fp32 gradients", (0, 0))[0] > 0 and grads.get("unsharded, group in its backward",
+      (0, 0))[1] >= 1 and grads.get("unsharded, reduce-scatter in flight", (0, 0))[1] == 1, r2.stdout)
+r0 = memplan("--world", "2", "--ep", "2", "--prefetch-depth", "0", "--memory-report")
+grads0, _ = report_agrees("2 ranks, blocking", r0)
+check("report 2 ranks, blocking: nothing in flight", "unsharded, reduce-scatter in flight" not in grads0, r0.stdout)
+# which workspace grows with the tokens: twice T, the model's buffers of [N, ...] and attention's workspace grow
+# with it, the GEMM's packing reservation does not
+r128 = subprocess.run([ds4, *BASE[:4], "128", *BASE[5:], "--memory-report"], capture_output=True, text=True,
+                      timeout=60)
+_, users128 = report_agrees("seq 128", r128)
+most64, most128 = {u[0]: u[1] for u in users}, {u[0]: u[1] for u in users128}
+check("report: block gradient buffers, stream gradients, sparse attention backward grow with T",
+      all(most128.get(k, 0) > most64.get(k, 0) > 0 for k in
+          ["block backward: gradient buffers", "backward: stream gradients", "op sparse_attn_bwd"]), (most64, most128))
+check("report: the GEMM packing reservation does not grow with T",
+      most128.get("op gemm_workspace_reserve") == most64.get("op gemm_workspace_reserve") > 0, (most64, most128))
+r = run_plan("--training.global_batch_size", "4", "--parallel.ep", "2", "--world", "2", "--memory-report")
+check("report with --config: the flags' report", r.returncode == 0 and
+      report(r.stdout) == report(r2.stdout), r.stdout + r.stderr)
+expect_error("report with --policies", ["--policies", "--memory-report"], "--memory-report", "--policies")
 
 finish("test_memplan_cli")

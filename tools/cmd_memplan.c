@@ -2,8 +2,9 @@
  *              [recompute flags] [--swap-optimizer] [--swap-layer-input] [--muon]
  *              [--mixed-precision-param bfloat16|float32] [--matmul-precision fp32|bf16] [--prefetch-depth D] [--moe-fb-overlap] [--threads N]
  *              [--device-memory SIZE] [--device NAME]
- *              [--policies] [--saved-activations]
- * ds4 memplan --config FILE.toml [overrides] [--world N [--rank R]] [--device-memory SIZE] [--saved-activations] */
+ *              [--policies] [--saved-activations] [--memory-report]
+ * ds4 memplan --config FILE.toml [overrides] [--world N [--rank R]] [--device-memory SIZE] [--saved-activations]
+ *              [--memory-report] */
 #include "cli.h"
 #include "cmds.h"
 #include "ds4/dist.h"
@@ -12,6 +13,7 @@
 #include "ds4/recompute.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static double gib(int64_t b) { return (double)b / (1024.0 * 1024.0 * 1024.0); }
@@ -31,7 +33,7 @@ static void usage(void) {
                     "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
                     "       [--swap-optimizer] [--swap-layer-input] [--muon] [--mixed-precision-param bfloat16]\n"
                     "       [--matmul-precision fp32|bf16] [--device NAME]\n"
-                    "       [--prefetch-depth D] [--moe-fb-overlap] [--saved-activations]\n"
+                    "       [--prefetch-depth D] [--moe-fb-overlap] [--saved-activations] [--memory-report]\n"
                     "Peak memory of one training step by category: the trainer's own step run as a plan\n"
                     "(every allocation counted, no data touched).\n"
                     "--swap-optimizer: AdamW state in the offload tier between updates; --swap-layer-input: each\n"
@@ -58,10 +60,15 @@ static void usage(void) {
                     "--saved-activations: after the plan, every tensor one block of each kind (compress ratio, recompute\n"
                     "mask, MTP) keeps from its forward for its backward: its unit, shape, dtype as held, bytes, and\n"
                     "whether it is kept, recomputed or swapped; per block and over all blocks, against the act peak.\n"
+                    "--memory-report: after the plan, the grads and workspace peaks by what held them then, as counted\n"
+                    "at the allocations: the gradients resident (fp32, FSDP's shard) and unsharded (FSDP groups open in\n"
+                    "their backward or waiting for their reduce-scatter, with their number), and every workspace user\n"
+                    "(an op's workspace, a unit's or the pass's own buffers) with the most bytes it held at once and what\n"
+                    "it held at the workspace peak, largest first.\n"
                     "The exit code is 0 whether or not the step fits: memplan reports, it does not judge.\n"
                     "\n"
                     "usage: ds4 memplan --config FILE.toml [--section.key value ...] [ds4 train's flags]\n"
-                    "       [--world N [--rank R]] [--device-memory SIZE] [--saved-activations]\n"
+                    "       [--world N [--rank R]] [--device-memory SIZE] [--saved-activations] [--memory-report]\n"
                     "The first step of the run `ds4 train --config FILE.toml ...` describes, read as ds4 train reads\n"
                     "it (TorchTitan keys, overrides, recompute and swap flags) and planned through the trainer's own\n"
                     "builders: every setting of the run counts (batch and micro-batches, training.device, matmul\n"
@@ -76,6 +83,7 @@ typedef struct {
     int64_t device; /* --device-memory bytes; 0: none */
     bool policies;
     bool saved;      /* --saved-activations */
+    bool report;     /* --memory-report */
     bool matmul_set; /* --matmul-precision given */
     ds4_recompute_cfg rc;
     ds4_step_opts so; /* swap and muon flags (masks filled later) */
@@ -113,6 +121,10 @@ static int parse_args(int argc, char **argv, memplan_args *a) {
         }
         if (!strcmp(f, "--saved-activations")) {
             a->saved = true;
+            continue;
+        }
+        if (!strcmp(f, "--memory-report")) {
+            a->report = true;
             continue;
         }
         if (!v) {
@@ -193,9 +205,9 @@ static int parse_args(int argc, char **argv, memplan_args *a) {
                         "recompute and --swap-* flags\n");
         return 2;
     }
-    if (a->policies && a->saved) {
-        fprintf(stderr, "error: ds4 memplan: --saved-activations lists the tensors of one policy; --policies plans "
-                        "them all: drop one\n");
+    if (a->policies && (a->saved || a->report)) {
+        fprintf(stderr, "error: ds4 memplan: %s explains the plan of one policy; --policies plans them all: drop "
+                        "one\n", a->saved ? "--saved-activations" : "--memory-report");
         return 2;
     }
     return 0;
@@ -331,6 +343,63 @@ static void print_saved(const ds4_config *c, const saved_step *s, const ds4_step
            (long long)(r->peak[DS4_MEM_ACT] - all[DS4_ACT_KEEP]));
 }
 
+/* ------------------------------------------------------------------ --memory-report */
+static const char *owner_name(const ds4_mem_owner_stat *o) { return o->name ? o->name : "(no owner)"; }
+
+/* An owner as printed: a unit's buffers are counted under the unit's name, shown as "unit NAME". */
+static const char *owner_label(const ds4_mem_owner_stat *o, char *buf, size_t n) {
+    if (!o->name || ds4_unit_find(o->name) < 0) return owner_name(o);
+    snprintf(buf, n, "unit %s", o->name);
+    return buf;
+}
+
+/* The gradients at their peak by owner (the allocator's count at that moment): the owners' bytes sum to
+ * the grads peak. */
+static void print_grads_split(const ds4_step_memory *r) {
+    ds4_mem_owner_stat o[DS4_MEM_OWNERS_MAX];
+    const int n = ds4_mem_owners_get(DS4_MEM_GRAD, o, DS4_MEM_OWNERS_MAX);
+    int64_t sum = 0;
+    printf("grads at their peak, by what held them:\n");
+    for (int i = 0; i < n && i < DS4_MEM_OWNERS_MAX; i++) {
+        char items[32] = "";
+        if (o[i].items_at_peak) snprintf(items, sizeof items, "  %lld group%s", (long long)o[i].items_at_peak,
+                                          o[i].items_at_peak == 1 ? "" : "s");
+        printf("  %-38s %20lld %12.3f%s\n", owner_name(&o[i]), (long long)o[i].at_peak, gib(o[i].at_peak), items);
+        sum += o[i].at_peak;
+    }
+    printf("  %-38s %20lld %12.3f  (grads peak %lld)\n", "sum", (long long)sum, gib(sum), (long long)r->peak[DS4_MEM_GRAD]);
+}
+
+static int by_max_desc(const void *a, const void *b) {
+    const ds4_mem_owner_stat *x = a, *y = b;
+    if (x->max != y->max) return x->max < y->max ? 1 : -1;
+    return strcmp(owner_name(x), owner_name(y));
+}
+
+/* Every workspace user, the most bytes it held at once first, and what it held at the workspace peak. */
+static void print_workspace_users(const ds4_step_memory *r) {
+    ds4_mem_owner_stat o[DS4_MEM_OWNERS_MAX];
+    int n = ds4_mem_owners_get(DS4_MEM_WORK, o, DS4_MEM_OWNERS_MAX);
+    if (n > DS4_MEM_OWNERS_MAX) n = DS4_MEM_OWNERS_MAX;
+    qsort(o, (size_t)n, sizeof o[0], by_max_desc);
+    int64_t sum = 0;
+    printf("workspace users (op: a kernel's workspace; unit, block, head, MTP, backward: the model's own buffers):\n");
+    printf("  %-38s %20s %12s %20s\n", "user", "most bytes at once", "GiB", "at the peak");
+    for (int i = 0; i < n; i++) {
+        char label[64];
+        printf("  %-38s %20lld %12.3f %20lld\n", owner_label(&o[i], label, sizeof label), (long long)o[i].max,
+               gib(o[i].max), (long long)o[i].at_peak);
+        sum += o[i].at_peak;
+    }
+    printf("  %-38s %20s %12s %20lld  (workspace peak %lld)\n", "sum", "", "", (long long)sum,
+           (long long)r->peak[DS4_MEM_WORK]);
+}
+
+static void print_report(const ds4_step_memory *r) {
+    print_grads_split(r);
+    print_workspace_users(r);
+}
+
 static void print_step(const ds4_step_memory *r, bool bf16, ds4_matmul_precision prec, bool swap, int64_t device);
 
 static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so) {
@@ -351,6 +420,7 @@ static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so
         const saved_step ss = {a->B, a->T, a->ep, a->rank, so.masks, so.swap_layer_input, so.bf16};
         print_saved(c, &ss, &r);
     }
+    if (a->report) print_report(&r);
     return 0;
 }
 
@@ -431,11 +501,15 @@ static int print_run_saved(ds4_train_cfg *run, int world, int64_t rank, const ds
 static int plan_run(int argc, char **argv) {
     int64_t world = 1, rank = 0, device = 0;
     int out = 1;
-    bool saved = false;
+    bool saved = false, report = false;
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(f, "--saved-activations")) {
             saved = true;
+            continue;
+        }
+        if (!strcmp(f, "--memory-report")) {
+            report = true;
             continue;
         }
         const bool ours = !strcmp(f, "--world") || !strcmp(f, "--rank") || !strcmp(f, "--device-memory");
@@ -489,7 +563,10 @@ static int plan_run(int argc, char **argv) {
            run.optimizer ? run.optimizer->name : "AdamW", ds4_get_threads(), (long long)rank, (long long)world,
            (long long)run.ep);
     print_step(&r, run.bf16_params, run.matmul_precision, run.swap_optimizer || run.swap_layer_input, device);
-    return saved ? print_run_saved(&run, (int)world, rank, &r) : 0;
+    const int rs = saved ? print_run_saved(&run, (int)world, rank, &r) : 0;
+    if (rs) return rs;
+    if (report) print_report(&r);
+    return 0;
 }
 
 int cmd_memplan(int argc, char **argv) {

@@ -119,6 +119,39 @@ void ds4_range_release(void *p, size_t bytes);
 bool ds4_range_map(bool plan, void *p, size_t bytes, ds4_mem_cat cat);
 void ds4_range_unmap(bool plan, void *p, size_t bytes, ds4_mem_cat cat);
 
+/* Owners (memplan's breakdowns, --memory-report): who holds a category's bytes. An owner is a name (a
+ * string that lives as long as the program) this thread works under (enter / leave, around the code
+ * that allocates); a block remembers the owner it was allocated under, a range mapped or unmapped
+ * (ds4_mem_track) counts under the current one. Only while started (ds4_mem_owners_start; memplan's
+ * measured step) does a count also go to its owner, and each new peak of a category copies what every
+ * owner holds then: the peak explained by the allocations that made it, not by a second formula. */
+const char *ds4_mem_owner_enter(const char *name); /* returns the owner to leave back to */
+void ds4_mem_owner_leave(const char *prev);
+/* bytes of cat go from owner `from` to `to` without being freed (a range changing hands); the totals and
+ * peaks do not move. items: a count an owner keeps beside its bytes (FSDP groups), changed by delta. */
+void ds4_mem_owner_move(ds4_mem_cat cat, const char *from, const char *to, int64_t bytes);
+void ds4_mem_owner_items(ds4_mem_cat cat, const char *owner, int64_t delta);
+#define DS4_MEM_OWNERS_MAX 96 /* distinct owners counted; later ones count as no owner (NULL) */
+typedef struct {
+    const char *name;        /* NULL: allocated under no owner */
+    int64_t max;             /* the most bytes of the category it held at once */
+    int64_t at_peak;         /* what it held when the category reached its peak */
+    int64_t items_at_peak;   /* its items then */
+} ds4_mem_owner_stat;
+/* Counting per owner from zero on (the category peaks being reset with ds4_mem_reset_peak just before),
+ * and off again; what was counted is read until the next start. */
+void ds4_mem_owners_start(void);
+void ds4_mem_owners_stop(void);
+/* The owners that held bytes of cat, in the order they first did; their number (at most cap written). */
+int ds4_mem_owners_get(ds4_mem_cat cat, ds4_mem_owner_stat *out, int cap);
+/* Names of the gradients' owners: the resident fp32 gradients (a process's whole model, or FSDP's shard)
+ * and FSDP's unsharded group gradients, open in the backward or waiting for their reduce-scatter, and the
+ * MTP input's embedding rows, waiting for the embedding's group (src/dist/fsdp_hooks.c, src/model). */
+#define DS4_OWNER_GRAD_RESIDENT "resident fp32 gradients"
+#define DS4_OWNER_GRAD_OPEN "unsharded, group in its backward"
+#define DS4_OWNER_GRAD_FLIGHT "unsharded, reduce-scatter in flight"
+#define DS4_OWNER_GRAD_ROWS "MTP embedding rows, waiting"
+
 typedef struct {
     int64_t live[DS4_MEM_NCAT];
     int64_t peak[DS4_MEM_NCAT];   /* peak of each category on its own */

@@ -48,7 +48,8 @@ typedef struct {
 /* One training step — the state opened (model, AdamW state, offload store), ds4_train_step on one [B, T]
  * micro-batch under the release masks (NULL: no recompute): forward + backward, gradient scaling, clipping,
  * the AdamW update, the router bias rule — measured with the allocator's counters (memory and offload
- * tiers). plan = true: memplan; false: a real step on random weights. */
+ * tiers). plan = true: memplan; false: a real step on random weights. Who held each category at its
+ * peak is read after it with ds4_mem_owners_get (ds4/core.h), until the next step measured. */
 ds4_status ds4_step_memory_run(const ds4_config *c, int64_t B, int64_t T, const uint32_t *masks, bool plan,
                                ds4_step_memory *out);
 /* The same under recompute and offload options. */

@@ -152,6 +152,9 @@ const ds4_region *ds4_model_region(const ds4_model *m, int64_t i);
  * cover whole regions. A no-op count-only in a plan (memplan). */
 ds4_status ds4_model_map(ds4_model *m, int64_t start, int64_t end, bool grad);
 void ds4_model_unmap(ds4_model *m, int64_t start, int64_t end, bool grad);
+/* The bytes ds4_model_map(.., grad = true) counted for [start, end), handed from owner `from` to `to`
+ * (ds4_mem_owner_move: a group's gradients leaving its backward for its reduce-scatter). */
+void ds4_model_grads_hand_over(ds4_model *m, int64_t start, int64_t end, const char *from, const char *to);
 /* The same for the bf16 compute copy [start, end) (DS4_MEM_PARAM, 2 bytes per element). */
 ds4_status ds4_model_map_bf16(ds4_model *m, int64_t start, int64_t end);
 void ds4_model_unmap_bf16(ds4_model *m, int64_t start, int64_t end);

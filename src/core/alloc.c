@@ -5,6 +5,7 @@
 #include <cjson/cJSON.h>
 #include <limits.h>
 #include <malloc.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -17,6 +18,8 @@ typedef struct {
     uint64_t magic;
     uint64_t bytes;
     uint32_t cat;
+    uint32_t owner_gen; /* the owners' generation it was counted in (0: none) */
+    int32_t owner;      /* its owner's slot in that generation */
 } hdr_t;
 
 static _Atomic int64_t g_live[DS4_MEM_NCAT];
@@ -76,15 +79,141 @@ const char *ds4_mem_cat_name(ds4_mem_cat c) {
     return (unsigned)c < DS4_MEM_NCAT ? names[c] : "?";
 }
 
-static void count(ds4_mem_cat cat, int64_t delta) {
+static void count_plain(ds4_mem_cat cat, int64_t delta) {
     int64_t l = atomic_fetch_add(&g_live[cat], delta) + delta;
     atomic_max(&g_peak[cat], l);
     int64_t t = atomic_fetch_add(&g_live_total, delta) + delta;
     atomic_max(&g_peak_total, t);
 }
 
+/* ------------------------------------------------------------------ owners (ds4/core.h) */
+/* Slot 0 is no owner. While started, every count takes the lock, so a category's peak and the owners'
+ * bytes copied at it are one moment; stopped, counting is the atomics above alone. */
+typedef struct {
+    const char *name;
+    int64_t live[DS4_MEM_NCAT], max[DS4_MEM_NCAT], at_peak[DS4_MEM_NCAT];
+    int64_t items[DS4_MEM_NCAT], items_at_peak[DS4_MEM_NCAT];
+    bool seen[DS4_MEM_NCAT]; /* held bytes of the category at some point */
+} owner_t;
+
+static pthread_mutex_t g_own_mu = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic bool g_own_on;
+static uint32_t g_own_gen; /* bumped by each start, so a block counted before it is not uncounted after */
+static owner_t g_own[DS4_MEM_OWNERS_MAX];
+static int g_nown = 1;
+static _Thread_local const char *t_owner;
+
+const char *ds4_mem_owner_enter(const char *name) {
+    const char *prev = t_owner;
+    t_owner = name;
+    return prev;
+}
+
+void ds4_mem_owner_leave(const char *prev) { t_owner = prev; }
+
+/* The slot of name (lock held), made on first use; 0 when none or the table is full. */
+static int owner_slot(const char *name) {
+    if (!name) return 0;
+    for (int i = 1; i < g_nown; i++)
+        if (g_own[i].name == name || !strcmp(g_own[i].name, name)) return i;
+    if (g_nown == DS4_MEM_OWNERS_MAX) return 0;
+    g_own[g_nown].name = name;
+    return g_nown++;
+}
+
+static void owner_add(int slot, ds4_mem_cat cat, int64_t delta) {
+    owner_t *o = &g_own[slot];
+    o->live[cat] += delta;
+    if (o->live[cat] > o->max[cat]) o->max[cat] = o->live[cat];
+    o->seen[cat] |= delta > 0;
+}
+
+/* A count while owners are on (lock held): to slot's owner, then the totals; a new peak of the category
+ * copies every owner's bytes. */
+static void count_owned(ds4_mem_cat cat, int64_t delta, int slot) {
+    owner_add(slot, cat, delta);
+    const int64_t l = atomic_fetch_add(&g_live[cat], delta) + delta;
+    if (l > atomic_load(&g_peak[cat])) {
+        atomic_store(&g_peak[cat], l);
+        for (int i = 0; i < g_nown; i++) {
+            g_own[i].at_peak[cat] = g_own[i].live[cat];
+            g_own[i].items_at_peak[cat] = g_own[i].items[cat];
+        }
+    }
+    atomic_max(&g_peak_total, atomic_fetch_add(&g_live_total, delta) + delta);
+}
+
+/* Counts delta under cat for the current owner; *gen, *slot (may be NULL): where it went (gen 0: nowhere). */
+static void count(ds4_mem_cat cat, int64_t delta, uint32_t *gen, int32_t *slot) {
+    if (gen) *gen = 0;
+    if (!atomic_load(&g_own_on)) {
+        count_plain(cat, delta);
+        return;
+    }
+    pthread_mutex_lock(&g_own_mu);
+    const int s = owner_slot(t_owner);
+    count_owned(cat, delta, s);
+    if (gen) *gen = g_own_gen, *slot = s;
+    pthread_mutex_unlock(&g_own_mu);
+}
+
+/* A block's bytes going back: to its owner when it was counted in this generation. */
+static void uncount(const hdr_t *h) {
+    const int64_t b = (int64_t)h->bytes;
+    if (atomic_load(&g_own_on)) {
+        pthread_mutex_lock(&g_own_mu);
+        if (h->owner_gen == g_own_gen) owner_add(h->owner, (ds4_mem_cat)h->cat, -b);
+        atomic_fetch_sub(&g_live[h->cat], b);
+        atomic_fetch_sub(&g_live_total, b);
+        pthread_mutex_unlock(&g_own_mu);
+        return;
+    }
+    atomic_fetch_sub(&g_live[h->cat], b);
+    atomic_fetch_sub(&g_live_total, b);
+}
+
+void ds4_mem_owner_move(ds4_mem_cat cat, const char *from, const char *to, int64_t bytes) {
+    if ((unsigned)cat >= DS4_MEM_NCAT || !atomic_load(&g_own_on)) return;
+    pthread_mutex_lock(&g_own_mu);
+    owner_add(owner_slot(from), cat, -bytes);
+    owner_add(owner_slot(to), cat, bytes);
+    pthread_mutex_unlock(&g_own_mu);
+}
+
+void ds4_mem_owner_items(ds4_mem_cat cat, const char *owner, int64_t delta) {
+    if ((unsigned)cat >= DS4_MEM_NCAT || !atomic_load(&g_own_on)) return;
+    pthread_mutex_lock(&g_own_mu);
+    g_own[owner_slot(owner)].items[cat] += delta;
+    pthread_mutex_unlock(&g_own_mu);
+}
+
+void ds4_mem_owners_start(void) {
+    pthread_mutex_lock(&g_own_mu);
+    memset(g_own, 0, sizeof g_own);
+    g_nown = 1;
+    if (++g_own_gen == 0) g_own_gen = 1; /* 0 marks a block counted under no generation */
+    atomic_store(&g_own_on, true);
+    pthread_mutex_unlock(&g_own_mu);
+}
+
+void ds4_mem_owners_stop(void) { atomic_store(&g_own_on, false); }
+
+int ds4_mem_owners_get(ds4_mem_cat cat, ds4_mem_owner_stat *out, int cap) {
+    int n = 0;
+    if ((unsigned)cat >= DS4_MEM_NCAT) return 0;
+    pthread_mutex_lock(&g_own_mu);
+    for (int i = 0; i < g_nown; i++) {
+        const owner_t *o = &g_own[i];
+        if (!o->seen[cat] && !o->items_at_peak[cat]) continue;
+        if (n < cap) out[n] = (ds4_mem_owner_stat){o->name, o->max[cat], o->at_peak[cat], o->items_at_peak[cat]};
+        n++;
+    }
+    pthread_mutex_unlock(&g_own_mu);
+    return n;
+}
+
 void ds4_mem_track(ds4_mem_cat cat, int64_t delta) {
-    if ((unsigned)cat < DS4_MEM_NCAT) count(cat, delta);
+    if ((unsigned)cat < DS4_MEM_NCAT) count(cat, delta, NULL, NULL);
 }
 
 void ds4_mem_track_offload(ds4_mem_cat cat, int64_t delta) {
@@ -116,7 +245,7 @@ static void *alloc_block(ds4_mem_cat cat, size_t bytes, bool backed) {
     h->magic = MAGIC;
     h->bytes = bytes;
     h->cat = (uint32_t)cat;
-    count(cat, (int64_t)bytes);
+    count(cat, (int64_t)bytes, &h->owner_gen, &h->owner);
     atomic_fetch_add(&g_n_allocs, 1);
     return (char *)base + HDR;
 }
@@ -146,8 +275,7 @@ void ds4_free(void *p) {
     hdr_t *h = (hdr_t *)((char *)p - HDR);
     if (h->magic != MAGIC) abort(); /* double free or foreign pointer: an internal bug, not input */
     h->magic = 0;
-    atomic_fetch_sub(&g_live[h->cat], (int64_t)h->bytes);
-    atomic_fetch_sub(&g_live_total, (int64_t)h->bytes);
+    uncount(h);
     free(h);
 }
 

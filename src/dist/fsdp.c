@@ -32,7 +32,9 @@ static ds4_status build_pieces(ds4_fsdp *f) {
         f->piece_of_region[i] = f->npieces++;
     }
     f->sp = ds4_calloc_for(fsdp_planning(f), DS4_MEM_PARAM, (size_t)f->ns * sizeof(float)); /* no bf16 copy: each gather casts its pieces */
+    const char *prev = ds4_mem_owner_enter(DS4_OWNER_GRAD_RESIDENT); /* memplan's split of the gradients */
     f->sg = ds4_calloc_for(fsdp_planning(f), DS4_MEM_GRAD, (size_t)f->ns * sizeof(float));
+    ds4_mem_owner_leave(prev);
     return f->sp && f->sg ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory for a shard of %lld parameters", (long long)f->ns);
 }
 

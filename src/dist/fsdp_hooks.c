@@ -120,12 +120,29 @@ static void hook_drop(void *ctx, int64_t group) {
 /* ------------------------------------------------------------------ gradients: reduce-scatter */
 static ds4_status reduce_finish(ds4_fsdp *f, int64_t group);
 
+/* A group's full gradient range, mapped (map) or given back, counted under owner: open in the backward
+ * (DS4_OWNER_GRAD_OPEN) or in flight, so memplan splits the gradients at their peak by what holds them;
+ * the owner's items are its groups. */
+static ds4_status group_grads(ds4_fsdp *f, int64_t group, bool map, const char *owner) {
+    const char *prev = ds4_mem_owner_enter(owner);
+    ds4_status st = DS4_OK;
+    if (map) ds4_mem_owner_items(DS4_MEM_GRAD, owner, 1); /* counted before its bytes, which may be a peak */
+    for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++) {
+        const piece *p = &f->pieces[i];
+        if (p->group != group) continue;
+        if (map) st = ds4_model_map(f->m, p->start, p->map_end, true);
+        else ds4_model_unmap(f->m, p->start, p->map_end, true);
+    }
+    ds4_mem_owner_leave(prev);
+    if (!map || st != DS4_OK) ds4_mem_owner_items(DS4_MEM_GRAD, owner, -1);
+    return st;
+}
+
 static ds4_status hook_grad_begin(void *ctx, int64_t group) {
     ds4_fsdp *f = ctx;
     if (f->ov && f->ov->g_flight[group]) DS4_TRY(reduce_finish(f, group)); /* its last reduce-scatter still runs */
     if (f->g_mapped[group]) return DS4_OK;
-    for (int64_t i = 0; i < f->npieces; i++)
-        if (f->pieces[i].group == group) DS4_TRY(ds4_model_map(f->m, f->pieces[i].start, f->pieces[i].map_end, true));
+    DS4_TRY(group_grads(f, group, true, DS4_OWNER_GRAD_OPEN));
     f->g_mapped[group] = true;
     return DS4_OK;
 }
@@ -184,6 +201,12 @@ static ds4_status reduce_start(ds4_fsdp *f, int64_t group) {
     ds4_status st = DS4_OK;
     o->g_flight[group] = true;
     o->gq[(o->gq_head + o->gq_n++) % ds4_model_ngroups(f->m)] = group;
+    for (int64_t i = 0; i < f->npieces; i++)
+        if (f->pieces[i].group == group)
+            ds4_model_grads_hand_over(f->m, f->pieces[i].start, f->pieces[i].map_end, DS4_OWNER_GRAD_OPEN,
+                                      DS4_OWNER_GRAD_FLIGHT);
+    ds4_mem_owner_items(DS4_MEM_GRAD, DS4_OWNER_GRAD_OPEN, -1);
+    ds4_mem_owner_items(DS4_MEM_GRAD, DS4_OWNER_GRAD_FLIGHT, 1);
     for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++)
         if (f->pieces[i].group == group) st = reduce_piece_start(f, &f->pieces[i], &o->grecv[i], &o->greq[i]);
     return st;
@@ -199,8 +222,7 @@ static ds4_status reduce_finish(ds4_fsdp *f, int64_t group) {
         o->grecv[i] = NULL;
         if (st == DS4_OK) st = w;
     }
-    for (int64_t i = 0; i < f->npieces; i++)
-        if (f->pieces[i].group == group) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, true);
+    (void)group_grads(f, group, false, DS4_OWNER_GRAD_FLIGHT);
     f->g_mapped[group] = false;
     o->g_flight[group] = false;
     /* out of the ring: the oldest, except after a grad_begin that could not wait (then anywhere) */
@@ -243,8 +265,7 @@ static ds4_status hook_grad_end(void *ctx, int64_t group) {
     ds4_status st = DS4_OK;
     for (int64_t i = 0; st == DS4_OK && i < f->npieces; i++)
         if (f->pieces[i].group == group) st = reduce_piece(f, &f->pieces[i]);
-    for (int64_t i = 0; i < f->npieces; i++)
-        if (f->pieces[i].group == group) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, true);
+    (void)group_grads(f, group, false, DS4_OWNER_GRAD_OPEN);
     f->g_mapped[group] = false;
     return st;
 }
@@ -300,8 +321,7 @@ void fsdp_hooks_release(ds4_fsdp *f) {
     for (int64_t g = 0; f->w_mapped && g < ng; g++) {
         hook_drop(f, g);
         if (f->g_mapped[g]) {
-            for (int64_t i = 0; i < f->npieces; i++)
-                if (f->pieces[i].group == g) ds4_model_unmap(f->m, f->pieces[i].start, f->pieces[i].map_end, true);
+            (void)group_grads(f, g, false, DS4_OWNER_GRAD_OPEN);
             f->g_mapped[g] = false;
         }
     }

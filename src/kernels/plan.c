@@ -10,8 +10,14 @@
 /* Releasing the GEMM workspace is the same in a plan: it frees what the mirror reserved. */
 static void cpu_gemm_workspace_release_plan(void) { cpu_gemm_workspace_release(); }
 
-#define PLAN_ENTRY_MIRROR(name, cpu, params, args) \
-    static void plan_entry_##name params { CPU_CALL_##cpu(cpu_##name##_plan, args); }
+/* Each op's workspace counted under the op (memplan --memory-report); buf_alloc, a query, allocates for
+ * its caller and keeps the caller's owner. */
+#define PLAN_ENTRY_MIRROR(name, cpu, params, args)                          \
+    static void plan_entry_##name params {                                  \
+        const char *owner_ = ds4_mem_owner_enter("op " #name);              \
+        CPU_CALL_##cpu(cpu_##name##_plan, args);                            \
+        ds4_mem_owner_leave(owner_);                                        \
+    }
 #define PLAN_ENTRY_SKIP(name, cpu, params, args)
 #define PLAN_QUERY_MIRROR(name, cpu, type, params, args) \
     static type plan_entry_##name params { return CPU_CALL_##cpu(cpu_##name##_plan, args); }

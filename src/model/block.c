@@ -21,6 +21,10 @@ const unit_decl *const k_block_units[U_COUNT] = {
     [U_MOE] = &unit_moe,                   [U_HC_POST_FFN] = &unit_hc_post_ffn,
 };
 
+/* Who holds a unit's own buffers (its work() and outputs; memplan --memory-report): the unit, by its
+ * declaration's name (memplan tells units from the other owners with ds4_unit_find). */
+const char *unit_owner(unit_id u) { return (unsigned)u < U_COUNT ? k_block_units[u]->name : NULL; }
+
 /* Backward: the forward order reversed, except that the indexer's KL (it reads the attention's
  * log-sum-exp and inputs) runs before sparse attention's backward; the router (inside moe's) and the
  * top-k selection have no backward of their own. */
@@ -152,7 +156,9 @@ static ds4_status grads_alloc(const block_ctx *bc, const block_acts *a, block_gr
 ds4_status block_bwd(const block_ctx *bc, block_acts *a, const float *dX_out, float *dX_in, double *kl_sum,
                      int64_t *kl_rows) {
     block_grads g;
+    const char *prev = ds4_mem_owner_enter("block backward: gradient buffers");
     ds4_status st = grads_alloc(bc, a, &g);
+    ds4_mem_owner_leave(prev);
     g.dX_out = dX_out;
     g.dX_in = dX_in;
     g.kl_sum = kl_sum;
@@ -161,7 +167,11 @@ ds4_status block_bwd(const block_ctx *bc, block_acts *a, const float *dX_out, fl
         const unit_id u = k_block_bwd_order[s];
         const unit_decl *ud = k_block_units[u];
         st = act_need(bc, a, ud->bwd_reads);
-        if (st == DS4_OK && unit_runs_here(u, a)) st = ud->bwd(bc, a, &g);
+        if (st == DS4_OK && unit_runs_here(u, a)) {
+            prev = ds4_mem_owner_enter(unit_owner(u));
+            st = ud->bwd(bc, a, &g);
+            ds4_mem_owner_leave(prev);
+        }
         act_free_after_bwd(a, s);
     }
     grads_free(bc, &g);

@@ -220,6 +220,7 @@ static inline bool act_held_bf16(const block_acts *a, unit_id u, int s) {
 }
 
 const char *unit_name(unit_id u);
+const char *unit_owner(unit_id u); /* the owner its buffers are counted under (ds4/core.h): its name */
 bool unit_runs_here(unit_id u, const block_acts *a);
 /* Compressed entries per sequence of a layer of compress ratio `ratio` (0: none). */
 static inline int64_t block_nc(int64_t T, int64_t ratio) { return ratio > 0 ? T / ratio : 0; }

@@ -55,6 +55,12 @@ static float *pass_alloc(const ds4_pass *p, int64_t n) {
 }
 static float *pass_work(const ds4_pass *p, int64_t n) { return dev_zalloc(p->m, DS4_MEM_WORK, (size_t)n * sizeof(float)); }
 
+/* Owners of the pass's own buffers outside the blocks (memplan --memory-report). */
+#define OWNER_STREAM_GRADS "backward: stream gradients"
+#define OWNER_HEAD "head backward"
+#define OWNER_MTP_INPUT "MTP input"
+#define OWNER_EMBED "embedding backward"
+
 static void head_free(const ds4_pass *p, head_acts *h) {
     dev_free(p->m, h->mixes);
     dev_free(p->m, h->rsqrt);
@@ -371,6 +377,7 @@ static ds4_status head_bwd(ds4_pass *p, head_acts *h, const float *X, float *dX,
     ds4_model *m = p->m;
     const ds4_config *c = &m->cfg;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult, V = c->vocab_size;
+    const char *prev = ds4_mem_owner_enter(OWNER_HEAD);
     float *dlogits = dev_alloc(m, DS4_MEM_WORK, (size_t)(N * V) * sizeof(float));
     float *dyn = pass_work(p, N * D);
     float *dy = pass_work(p, N * D);
@@ -392,6 +399,7 @@ done:
     dev_free(m, dlogits);
     dev_free(m, dyn);
     dev_free(m, dy);
+    ds4_mem_owner_leave(prev);
     return st;
 }
 
@@ -456,7 +464,9 @@ static ds4_status mtp_fwd(ds4_pass *p) {
     int64_t l = c->n_layers;
     DS4_TRY(gather_fwd(p, group_mtp(c), l + 2));
     ds4_status st = gather_fwd(p, 0, l + 3);
+    const char *prev = ds4_mem_owner_enter(OWNER_MTP_INPUT);
     if (st == DS4_OK) st = mtp_input_fwd(p);
+    ds4_mem_owner_leave(prev);
     drop(p, 0);
     block_ctx bc = make_ctx(p, l, p->ids_next);
     if (st == DS4_OK)
@@ -477,7 +487,9 @@ static ds4_status mtp_bwd(ds4_pass *p, float *dXL, float **de) {
     ds4_model *m = p->m;
     const ds4_config *c = &m->cfg;
     const size_t sbytes = (size_t)(p->N * c->hc_mult * c->dim) * sizeof(float);
+    const char *prev = ds4_mem_owner_enter(OWNER_STREAM_GRADS);
     float *dm1 = dev_zalloc(m, DS4_MEM_WORK, sbytes), *dm0 = dev_zalloc(m, DS4_MEM_WORK, sbytes);
+    ds4_mem_owner_leave(prev);
     ds4_status st = dm1 && dm0 ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MTP backward");
     if (st == DS4_OK) st = gather_for_backward(p, group_mtp(c), 1);
     if (st == DS4_OK)
@@ -493,9 +505,13 @@ static ds4_status mtp_bwd(ds4_pass *p, float *dXL, float **de) {
      * scattered first at the end, the sums are those of scattering it here, which a model holding all
      * its gradients still does. */
     const bool wait = m->unmapped;
+    prev = ds4_mem_owner_enter(wait ? DS4_OWNER_GRAD_ROWS : OWNER_MTP_INPUT);
     float *rows = dev_zalloc(m, wait ? DS4_MEM_GRAD : DS4_MEM_WORK, (size_t)(p->N * c->dim) * sizeof(float));
+    ds4_mem_owner_leave(prev);
+    prev = ds4_mem_owner_enter(OWNER_MTP_INPUT);
     if (st == DS4_OK && !rows) st = ds4_fail(DS4_ERR_OOM, "out of memory in MTP backward");
     if (st == DS4_OK) st = mtp_input_bwd(p, dm0, dXL, rows);
+    ds4_mem_owner_leave(prev);
     if (st == DS4_OK && !wait) embedding_bwd(&m->exec, m->g.embed, rows, p->ids_next, p->N, c->dim);
     if (wait) *de = rows;
     else dev_free(m, rows);
@@ -631,7 +647,9 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
     const int64_t N = p->N, D = c->dim, n = c->hc_mult, L = c->n_layers;
     const size_t sbytes = (size_t)(N * n * D) * sizeof(float);
     ds4_status st = DS4_OK;
+    const char *prev = ds4_mem_owner_enter(OWNER_STREAM_GRADS);
     float *dX = dev_zalloc(m, DS4_MEM_WORK, sbytes), *dprev = NULL;
+    ds4_mem_owner_leave(prev);
     if (!dX) return ds4_fail(DS4_ERR_OOM, "out of memory in backward");
     /* the backward writes each layer's KL again */
     tensor_zero(&m->exec, p->scal->kl_sum, sizeof p->scal->kl_sum);
@@ -646,7 +664,9 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
     if (st == DS4_OK && c->n_mtp_layers > 0) st = mtp_bwd(p, dX, &de_mtp);
     if (st == DS4_OK) st = finish_backward(p, group_head(c));
     for (int64_t l = L - 1; l >= 0 && st == DS4_OK; l--) {
+        prev = ds4_mem_owner_enter(OWNER_STREAM_GRADS);
         dprev = dev_zalloc(m, DS4_MEM_WORK, sbytes);
+        ds4_mem_owner_leave(prev);
         if (!dprev) {
             st = ds4_fail(DS4_ERR_OOM, "out of memory in backward of layer %lld", (long long)l);
             break;
@@ -665,7 +685,9 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
     if (st == DS4_OK) {
         /* embedding: the n streams all started as the same row; its gradient opens only now (the MTP's
          * rows first, then the main input's) */
+        prev = ds4_mem_owner_enter(OWNER_EMBED);
         float *de = pass_work(p, N * D);
+        ds4_mem_owner_leave(prev);
         if (!de) st = ds4_fail(DS4_ERR_OOM, "out of memory in embedding backward");
         else st = grad_begin(p, 0);
         if (st == DS4_OK) {

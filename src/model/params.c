@@ -173,7 +173,9 @@ static ds4_status model_create(const ds4_exec *exec, const ds4_config *cfg, bool
         if (bf16) m->hflat = ds4_range_reserve(reserved_bytes(m) / 2);
     } else {
         m->flat = dev_zalloc(m, DS4_MEM_PARAM, (size_t)m->numel * sizeof(float)); /* on the model's backend */
+        const char *prev = ds4_mem_owner_enter(DS4_OWNER_GRAD_RESIDENT); /* memplan's split of the gradients */
         m->gflat = dev_zalloc(m, DS4_MEM_GRAD, (size_t)m->numel * sizeof(float));
+        ds4_mem_owner_leave(prev);
         if (bf16) m->hflat = dev_zalloc(m, DS4_MEM_PARAM, (size_t)m->numel * sizeof(uint16_t));
     }
     if (!m->flat || !m->gflat || (bf16 && !m->hflat)) {
@@ -289,9 +291,12 @@ static ds4_status check_range(const ds4_model *m, int64_t start, int64_t end) {
     return DS4_OK;
 }
 
+/* Bytes of [start, end) of the fp32 values or gradients: what map and unmap count. */
+static size_t range_bytes(int64_t start, int64_t end) { return (size_t)(end - start) * sizeof(float); }
+
 ds4_status ds4_model_map(ds4_model *m, int64_t start, int64_t end, bool grad) {
     DS4_TRY(check_range(m, start, end));
-    size_t bytes = (size_t)(end - start) * sizeof(float);
+    size_t bytes = range_bytes(start, end);
     if (bytes == 0) return DS4_OK;
     if (!ds4_range_map(m->exec.plan, (grad ? m->gflat : m->flat) + start, bytes, grad ? DS4_MEM_GRAD : DS4_MEM_PARAM))
         return ds4_fail(DS4_ERR_OOM, "out of memory mapping %zu bytes of %s", bytes, grad ? "gradients" : "parameters");
@@ -300,9 +305,13 @@ ds4_status ds4_model_map(ds4_model *m, int64_t start, int64_t end, bool grad) {
 
 void ds4_model_unmap(ds4_model *m, int64_t start, int64_t end, bool grad) {
     if (check_range(m, start, end) != DS4_OK) return;
-    size_t bytes = (size_t)(end - start) * sizeof(float);
+    size_t bytes = range_bytes(start, end);
     if (bytes == 0) return;
     ds4_range_unmap(m->exec.plan, (grad ? m->gflat : m->flat) + start, bytes, grad ? DS4_MEM_GRAD : DS4_MEM_PARAM);
+}
+
+void ds4_model_grads_hand_over(ds4_model *m, int64_t start, int64_t end, const char *from, const char *to) {
+    if (check_range(m, start, end) == DS4_OK) ds4_mem_owner_move(DS4_MEM_GRAD, from, to, (int64_t)range_bytes(start, end));
 }
 
 ds4_status ds4_model_map_bf16(ds4_model *m, int64_t start, int64_t end) {

@@ -165,13 +165,20 @@ static ds4_status alloc_outputs(const block_ctx *bc, block_acts *a, unit_id u) {
     return DS4_OK;
 }
 
-ds4_status act_run_cached(const block_ctx *bc, block_acts *a, unit_id u, unit_cache *kc) {
+static ds4_status run_unit(const block_ctx *bc, block_acts *a, unit_id u, unit_cache *kc) {
     const unit_decl *ud = k_block_units[u];
-    if (!unit_runs_here(u, a)) return DS4_OK;
     if (ud->prepare) DS4_TRY(ud->prepare(bc, a));
     DS4_TRY(alloc_outputs(bc, a, u));
     DS4_TRY(kc && ud->decode ? ud->decode(bc, a, kc) : ud->fwd(bc, a));
     return round_outputs(bc, a, u);
+}
+
+ds4_status act_run_cached(const block_ctx *bc, block_acts *a, unit_id u, unit_cache *kc) {
+    if (!unit_runs_here(u, a)) return DS4_OK;
+    const char *prev = ds4_mem_owner_enter(unit_owner(u));
+    const ds4_status st = run_unit(bc, a, u, kc);
+    ds4_mem_owner_leave(prev);
+    return st;
 }
 
 ds4_status act_run(const block_ctx *bc, block_acts *a, unit_id u) { return act_run_cached(bc, a, u, NULL); }

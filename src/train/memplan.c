@@ -72,10 +72,12 @@ static ds4_status measure(const ds4_config *c, const step_setup *u, const step_w
     double t0 = ds4_now();
     ds4_mem_stats s0, s1, end = {0};
     ds4_mem_reset_peak();
+    ds4_mem_owners_start(); /* who holds each category at its peak (ds4_mem_owners_get, --memory-report) */
     ds4_mem_get(&s0);
     st = one_step(s, c, u, w, ids, loads, &end, &out->params_held);
     ds4_train_state_free(s);
     ds4_mem_get(&s1);
+    ds4_mem_owners_stop();
     for (int k = 0; k < DS4_MEM_NCAT; k++) {
         out->peak[k] = s1.peak[k] - s0.live[k];
         out->offload_peak[k] = s1.offload_peak[k] - s0.offload_live[k];
