@@ -11,6 +11,9 @@
 #define KFN(n) cpu_##n
 #define KTYPE(n) n
 #define KGEMM(op) cpu_gemm_##op
+/* the fp32 GEMMs on the calling thread with the buffer ws (cpu_gemm_serial_*), and that buffer's bound */
+#define KGEMM_SERIAL(op, ws, ...) cpu_gemm_serial_##op(DS4_MATMUL_FP32, ws, __VA_ARGS__)
+#define KGEMM_SERIAL_BYTES(M, N, K) cpu_gemm_serial_bytes(M, N, K)
 #define KPREC_PARAM ds4_matmul_precision prec,
 #define KPREC_ARG prec,
 #define EXP expf
@@ -22,6 +25,8 @@
 #undef KFN
 #undef KTYPE
 #undef KGEMM
+#undef KGEMM_SERIAL
+#undef KGEMM_SERIAL_BYTES
 #undef KPREC_PARAM
 #undef KPREC_ARG
 #undef EXP
@@ -33,6 +38,8 @@
 #define KFN(n) n##_f64
 #define KTYPE(n) n##_f64
 #define KGEMM(op) gemm_##op##_ref_f64
+#define KGEMM_SERIAL(op, ws, ...) ((void)(ws), gemm_##op##_ref_f64(__VA_ARGS__))
+#define KGEMM_SERIAL_BYTES(M, N, K) ((void)(M), (void)(N), (void)(K), (size_t)0)
 #define KPREC_PARAM
 #define KPREC_ARG
 #define EXP exp
@@ -44,6 +51,8 @@
 #undef KFN
 #undef KTYPE
 #undef KGEMM
+#undef KGEMM_SERIAL
+#undef KGEMM_SERIAL_BYTES
 #undef EXP
 #undef LOG
 #undef SQRT
