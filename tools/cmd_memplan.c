@@ -541,12 +541,8 @@ static int plan_run(int argc, char **argv) {
         return 2;
     }
     ds4_train_cfg run;
-    const int rc = cli_run_description("memplan", out, argv, false, &run);
-    if (rc) {
-        fprintf(stderr, "error: %s\n", ds4_errmsg());
-        return rc;
-    }
-    if (run.threads > 0) ds4_set_threads((int)run.threads);
+    const int rc = cli_run_here("memplan", out, argv, &run);
+    if (rc) return rc;
     ds4_comm *comm = NULL;
     ds4_status st = world > 1 ? ds4_comm_plan((int)world, (int)rank, &comm) : DS4_OK;
     ds4_step_memory r;

@@ -315,12 +315,8 @@ static int debug_state_of_run(int argc, char **argv) {
         return 2;
     }
     ds4_train_cfg run;
-    const int rc = cli_run_description("debug-state", argc, argv, false, &run);
-    if (rc) {
-        fprintf(stderr, "error: %s\n", ds4_errmsg());
-        return rc;
-    }
-    if (run.threads > 0) ds4_set_threads((int)run.threads);
+    const int rc = cli_run_here("debug-state", argc, argv, &run);
+    if (rc) return rc;
     if (ds4_run_model(&run, 1, &r.config, &r.dir) != DS4_OK || ds4_run_exec(&run, false, &r.ex) != DS4_OK) {
         ds4_model_dir_close(r.dir);
         return cli_fail();

@@ -161,6 +161,16 @@ int cli_run_description(const char *cmd, int argc, char **argv, bool notes, ds4_
     return 0;
 }
 
+int cli_run_here(const char *cmd, int argc, char **argv, ds4_train_cfg *cfg) {
+    const int rc = cli_run_description(cmd, argc, argv, false, cfg);
+    if (rc) {
+        fprintf(stderr, "error: %s\n", ds4_errmsg());
+        return rc;
+    }
+    if (cfg->threads > 0) ds4_set_threads((int)cfg->threads);
+    return 0;
+}
+
 int cmd_train(int argc, char **argv) {
     if (cli_want_help(argc, argv)) {
         train_usage();

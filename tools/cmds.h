@@ -18,6 +18,9 @@ int cmd_memplan(int argc, char **argv);
  * the command line, 1: the config). */
 #include "ds4/trainer.h"
 int cli_run_description(const char *cmd, int argc, char **argv, bool notes, ds4_train_cfg *cfg);
+/* The same for a command that runs the description here, in one process (memplan, debug-state): a bad one
+ * gets its one-line error, the run's thread count is applied. 0, or the exit code. */
+int cli_run_here(const char *cmd, int argc, char **argv, ds4_train_cfg *cfg);
 /* ds4 init --dry-run / ds4 inspect --config: validates CONFIG.json and prints its census. */
 int cmd_config_census(const char *path);
 #endif
