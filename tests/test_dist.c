@@ -452,7 +452,7 @@ static void test_memplan_fbo_ep(void) { memplan_matches_fbo("tests/configs/tiny-
 /* Every table fills every entry; a table with one entry NULL is refused by the check and by comm_init,
  * with an error naming the table and the entry (each entry in turn). */
 static void test_comm_tables_complete(void) {
-    const ds4_comm_ops *tables[] = {&ds4_comm_ops_self, &ds4_comm_ops_plan,
+    const ds4_comm_ops *tables[] = {&ds4_comm_ops_self, &ds4_comm_ops_plan, &ds4_comm_ops_staged,
 #ifdef DS4_HAVE_MPI
                                     &ds4_comm_ops_mpi,
 #endif

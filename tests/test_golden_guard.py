@@ -4,8 +4,9 @@ mixed precision, --swap-optimizer, --swap-layer-input, checkpoints) and the `mpi
 + EP 2, in fp32 and bf16, with their sharded checkpoints). cpu-guard's buffers are unreachable from the host
 outside its ops and copies (src/kernels/guard/guard.c), so these runs prove that the model, the optimizers,
 the trainer, the offload store, the checkpoints and EP's all-to-alls (staged through host copies, as a
-device's are) reach tensor bytes only through the backend, and with the cpu's bits. FSDP's shards and the
-gathered weights are not the backend's yet (host memory the guard does not cover). The larger bench configs
+device's are) reach tensor bytes only through the backend, and with the cpu's bits; under mpirun FSDP's
+shards, the gathered weights and gradients (mapped pieces of the model's reserved ranges) and the buffers of
+their collectives are the backend's too, the collectives staged through host copies. The larger bench configs
 and the plans stay with tests/test_golden.py: under the guard every op pays for its page protections, and a
 plan touches no tensor memory."""
 import os

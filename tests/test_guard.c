@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "ds4/core.h"
+#include "ds4/dist.h"
 #include "ds4/kernels.h"
 #include "ds4/model.h"
 #include "kernels/backend.h"
@@ -88,8 +89,10 @@ static void test_pass_equals_cpu(void) { pass_equals_cpu(false); }
 static void test_recompute_pass_equals_cpu(void) { pass_equals_cpu(true); }
 
 /* A host read of a guard buffer outside an op: the process dies of SIGSEGV, its message naming the buffer
- * (category, size) and the call stack. Run in a child, whose stderr the test reads. */
-static void test_host_touch_is_named(void) {
+ * (category, size, offset) and the call stack. touch runs in a child, whose stderr the test reads; want:
+ * the words the message must hold. */
+typedef void touch_fn(const ds4_exec *on_guard, const ds4_config *c);
+static void expect_named_fault(const char *what, touch_fn *touch, const char *want) {
     const ds4_kernel_backend *gb = guard_backend();
     if (!gb) return;
     int fds[2];
@@ -101,12 +104,9 @@ static void test_host_touch_is_named(void) {
         dup2(fds[1], 2);
         omp_set_num_threads(1); /* the parent's OpenMP threads do not exist here: no team may start */
         ds4_config c;
-        ds4_model *m = NULL;
         const ds4_exec on_guard = {.backend = gb};
-        if (ds4_config_load("tests/configs/tiny-a.json", &c) != DS4_OK || ds4_model_create(&on_guard, &c, false, &m))
-            _exit(3);
-        volatile float x = ds4_model_params_flat(m)[5]; /* the host reaching into device memory */
-        (void)x;
+        if (ds4_config_load("tests/configs/tiny-a.json", &c) != DS4_OK) _exit(3);
+        touch(&on_guard, &c);
         _exit(0);
     }
     close(fds[1]);
@@ -118,11 +118,48 @@ static void test_host_touch_is_named(void) {
     close(fds[0]);
     int status = 0;
     waitpid(pid, &status, 0);
-    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV, "the child was not killed by SIGSEGV (status %d)",
-          status);
-    CHECK(strstr(buf, "cpu-guard") && strstr(buf, "byte 20 of a") && strstr(buf, "params buffer") &&
-              strstr(buf, "call stack"),
-          "the message names the place: %s", buf);
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV, "%s: the child was not killed by SIGSEGV (status %d): %s",
+          what, status, buf);
+    CHECK(strstr(buf, "cpu-guard") && strstr(buf, want) && strstr(buf, "call stack"), "%s: the message names the place: %s",
+          what, buf);
+}
+
+/* The host reaching into a model's parameters. */
+static void touch_params(const ds4_exec *on_guard, const ds4_config *c) {
+    ds4_model *m = NULL;
+    if (ds4_model_create(on_guard, c, false, &m)) _exit(3);
+    volatile float x = ds4_model_params_flat(m)[5];
+    (void)x;
+}
+
+/* The host reaching into an FSDP shard (one process: the world of one rank, staged). */
+static void touch_shard(const ds4_exec *on_guard, const ds4_config *c) {
+    ds4_model *m = NULL;
+    ds4_fsdp *f = NULL;
+    if (ds4_model_create(on_guard, c, true, &m) || ds4_fsdp_create(m, ds4_comm_world(), 1, &f) ||
+        ds4_fsdp_init_random(f, 3))
+        _exit(3);
+    volatile float x = ds4_fsdp_shard_grads(f)[7];
+    (void)x;
+}
+
+/* The host reaching into a gathered group's weights (a mapped piece of the model's reserved range). */
+static void touch_gathered(const ds4_exec *on_guard, const ds4_config *c) {
+    ds4_model *m = NULL;
+    ds4_fsdp *f = NULL;
+    if (ds4_model_create(on_guard, c, true, &m) || ds4_fsdp_create(m, ds4_comm_world(), 1, &f) ||
+        ds4_fsdp_init_random(f, 3))
+        _exit(3);
+    const ds4_param_hooks *h = ds4_fsdp_hooks(f);
+    if (h->gather(h->ctx, 0) != DS4_OK) _exit(4);
+    volatile float x = ds4_model_params_flat(m)[ds4_model_region(m, 0)->start + 2];
+    (void)x;
+}
+
+static void test_host_touch_is_named(void) { expect_named_fault("params", touch_params, "byte 20 of a"); }
+static void test_shard_touch_is_named(void) { expect_named_fault("shard", touch_shard, "byte 28 of a"); }
+static void test_gathered_touch_is_named(void) {
+    expect_named_fault("gathered", touch_gathered, "byte 8 of a");
 }
 
 int main(void) {
@@ -130,5 +167,7 @@ int main(void) {
     RUN(test_pass_equals_cpu);
     RUN(test_recompute_pass_equals_cpu);
     RUN(test_host_touch_is_named);
+    RUN(test_shard_touch_is_named);
+    RUN(test_gathered_touch_is_named);
     TEST_MAIN_END("test_guard");
 }

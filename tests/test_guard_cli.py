@@ -1,6 +1,7 @@
 """The commands that are not golden cases, on the cpu-guard backend against the cpu: `ds4 eval` (the same
 loss line), `ds4 generate` (the same text and tokens, sampled), and `ds4 train` with Muon, stopped at step 2
-and resumed to step 3 (the same checkpoint bytes as the cpu's uninterrupted run). cpu-guard's buffers are
+and resumed to step 3 (the same checkpoint bytes as the cpu's uninterrupted run), in one process and under
+`mpirun -np 2` with FSDP + EP 2. cpu-guard's buffers are
 unreachable from the host outside its ops and copies, so a layer that still touched tensor bytes itself
 would kill its run (naming the buffer) instead of passing; a run that passes gives the cpu's bits.
 
@@ -46,10 +47,15 @@ keep_latest_k = 2
 """
 
 
-def ds4(argv, device):
+MPI = ["timeout", "240", "mpirun", "-np", "2", "--bind-to", "none", "-x", "DS4_ISA", "-x", "OMP_NUM_THREADS"]
+MPI_ENV = dict(ENV, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", ASAN_OPTIONS="detect_leaks=0")
+
+
+def ds4(argv, device, mpi=False):
     flag = ["--training.device", device] if argv[0] == "train" else ["--device", device]
-    return subprocess.run([DS4, *argv, *flag], capture_output=True, text=True, errors="replace", timeout=300, env=ENV,
-                          cwd=ROOT)
+    return subprocess.run([*(MPI if mpi else []), DS4, *argv, *flag], capture_output=True, text=True,
+                          errors="replace", timeout=300, env=MPI_ENV if mpi else ENV, cwd=ROOT)
 
 
 def same_output(name, argv, keep):
@@ -73,6 +79,27 @@ def files_of(folder):
     return got
 
 
+def muon_runs(tmp, mpi):
+    """Muon on cpu, and on cpu-guard stopped after the step-2 checkpoint and resumed: the same checkpoint bytes.
+    mpi: under `mpirun -np 2` with FSDP + EP 2 (the shards, gathered weights and Muon's whole matrices on the
+    backend, their collectives host-staged)."""
+    what = "FSDP + EP 2 Muon" if mpi else "Muon"
+    extra = ["--parallel.ep", "2", "--training.threads", "1"] if mpi else []
+    runs = {}
+    for dev in ("cpu", "cpu-guard"):
+        folder = os.path.join(tmp, f"ckpt-{dev}-{int(mpi)}")
+        base = ["train", "--config", os.path.join(tmp, "train.toml"), "--checkpoint.folder", folder, *extra]
+        if dev == "cpu-guard":  # stopped after the step-2 checkpoint, resumed to the end
+            r = ds4(base + ["--training.steps", "2"], dev, mpi)
+            check(f"{what} train to step 2 on cpu-guard", r.returncode == 0, (r.stdout + r.stderr)[-600:])
+        r = ds4(base, dev, mpi)
+        check(f"{what} train on {dev}", r.returncode == 0, (r.stdout + r.stderr)[-600:])
+        runs[dev] = files_of(folder)
+    check(f"{what} train: checkpoints written", len(runs["cpu"]) >= 2, sorted(runs["cpu"]))
+    check(f"{what} train resumed on cpu-guard: the cpu's checkpoint bytes", runs["cpu"] == runs["cpu-guard"],
+          f"differ: {sorted(k for k in runs['cpu'] if runs['cpu'][k] != runs['cpu-guard'].get(k))}")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="ds4-guard-cli-")
     try:
@@ -88,19 +115,11 @@ def main():
                     lambda line: not re.search(r"tokens/s|parameters", line))
         with open(os.path.join(tmp, "train.toml"), "w") as f:
             f.write(TOML.format(root=ROOT, tmp=tmp))
-        runs = {}
-        for dev in ("cpu", "cpu-guard"):
-            folder = os.path.join(tmp, f"ckpt-{dev}")
-            base = ["train", "--config", os.path.join(tmp, "train.toml"), "--checkpoint.folder", folder]
-            if dev == "cpu-guard":  # stopped after the step-2 checkpoint, resumed to the end
-                r = ds4(base + ["--training.steps", "2"], dev)
-                check("Muon train to step 2 on cpu-guard", r.returncode == 0, (r.stdout + r.stderr)[-600:])
-            r = ds4(base, dev)
-            check(f"Muon train on {dev}", r.returncode == 0, (r.stdout + r.stderr)[-600:])
-            runs[dev] = files_of(folder)
-        check("Muon train: checkpoints written", len(runs["cpu"]) >= 2, sorted(runs["cpu"]))
-        check("Muon train resumed on cpu-guard: the cpu's checkpoint bytes", runs["cpu"] == runs["cpu-guard"],
-              f"differ: {sorted(k for k in runs['cpu'] if runs['cpu'][k] != runs['cpu-guard'].get(k))}")
+        muon_runs(tmp, mpi=False)
+        if shutil.which("mpirun"):
+            muon_runs(tmp, mpi=True)
+        else:
+            print("SKIP Muon under mpirun: no mpirun")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -122,7 +122,8 @@ static bool same_losses(const ds4_losses *a, const ds4_losses *b) {
 /* The entries the passes leave out: the bare GEMMs (the model calls them through linear_* and the
  * experts), one token's Sinkhorn (hc_pre runs its own), expert parallelism's row packing, the expert counts
  * and balanced routing's table, and the step's ops around the passes (norms, the finite count, the optimizers'
- * updates, Newton–Schulz on a tall matrix). Random inputs, each on both tables (the calls are counted like the
+ * updates, Newton–Schulz on a tall matrix), FSDP's exact norm and rank-ordered sum, and the reserved ranges
+ * of an FSDP model. Random inputs, each on both tables (the calls are counted like the
  * passes'); the outputs byte for byte equal. */
 enum { DM = 13, DN = 11, DK = 17, SN = 4, SM = (2 + SN) * SN, RN = 23, RD = 9, RK = 3, RE = 5, ON = 4099, NR = 24,
        NC = 10 };
@@ -135,6 +136,9 @@ typedef struct { /* the outputs of one table */
     double sumsq;
     int64_t nonfinite;
     float scaled[ON], aw[ON], am[ON], av[ON], mw[ON], mmom[ON], mu[ON], ns[NR * NC];
+    ds4_sumsq_acc exact;
+    float rsum[ON];
+    bool mapped_zero; /* a mapped piece of a reserved range read zeros */
 } direct_out;
 
 static void direct_run(const ds4_kernel_backend *kb, direct_out *o) {
@@ -183,6 +187,22 @@ static void direct_run(const ds4_kernel_backend *kb, direct_out *o) {
     const ds4_ns_coef coef[3] = {{3.4445f, -4.775f, 2.0315f}, {3.4445f, -4.775f, 2.0315f}, {2.0f, -1.5f, 0.5f}};
     t_fill(o->ns, NR * NC, 22, 1.0f);
     newton_schulz(&ex, o->ns, NR, NC, coef, 3, 1e-7f);
+    sumsq_exact(&ex, &o->exact, g, ON);
+    t_fill(o->rsum, ON, 23, 1.0f);
+    float *parts = malloc(3 * ON * sizeof(float));
+    if (parts) {
+        t_fill(parts, 3 * ON, 24, 1.0f);
+        rank_sum_add(&ex, o->rsum, parts, 3, ON);
+        free(parts);
+    }
+    const size_t pg = 4096;
+    unsigned char *r = range_reserve(&ex, 3 * pg);
+    if (r && range_map(&ex, r + pg, pg, DS4_MEM_PARAM)) {
+        o->mapped_zero = true;
+        for (size_t i = 0; i < pg; i++) o->mapped_zero = o->mapped_zero && r[pg + i] == 0;
+        range_unmap(&ex, r + pg, pg, DS4_MEM_PARAM);
+    }
+    range_release(&ex, r, 3 * pg);
 }
 
 static void direct_ops(const ds4_kernel_backend *lv, const char *name) {
@@ -201,6 +221,8 @@ static void direct_ops(const ds4_kernel_backend *lv, const char *name) {
           o[0].nonfinite == (ON + 96) / 97, "%s: sumsq, count_nonfinite (%lld)", name, (long long)o[1].nonfinite);
     CHECK(SAME(scaled) && SAME(aw) && SAME(am) && SAME(av), "%s: scale_f32, adamw_update", name);
     CHECK(SAME(mw) && SAME(mmom) && SAME(mu) && SAME(ns), "%s: muon_momentum, muon_apply, newton_schulz", name);
+    CHECK(!memcmp(&o[0].exact, &o[1].exact, sizeof o->exact) && SAME(rsum), "%s: sumsq_exact, rank_sum_add", name);
+    CHECK(o[0].mapped_zero && o[1].mapped_zero, "%s: range_reserve / map: a mapped piece reads zeros", name);
 #undef SAME
     free(o);
 }

@@ -32,6 +32,10 @@ ds4_status ds4_comm_plan(int size, int rank, ds4_comm **out);
  * exactly that (it knows no other rank's color), a real one fails when it is not. */
 ds4_status ds4_comm_split(ds4_comm *c, int color, int key, int size, int rank, ds4_comm **out);
 void ds4_comm_free(ds4_comm *c); /* not the world or self */
+/* A communicator over the same ranks as inner whose collectives take buffers of ex's backend (device
+ * memory) and move them through host copies (src/dist/comm_staged.c); its splits are staged too. inner
+ * stays the caller's (freed after this one). Sums, barriers and count exchanges carry host values. */
+ds4_status ds4_comm_staged(ds4_comm *inner, const ds4_exec *ex, ds4_comm **out);
 int ds4_comm_rank(const ds4_comm *c);
 int ds4_comm_size(const ds4_comm *c);
 bool ds4_comm_is_plan(const ds4_comm *c);
@@ -158,18 +162,19 @@ void ds4_fsdp_for_each_piece(const ds4_fsdp *f, ds4_fsdp_piece_fn fn, void *ctx)
 /* The full flat parameters (grads = false) or gradients on rank `root` (out: [ds4_model_numel] there,
  * ignored elsewhere); a collective. */
 ds4_status ds4_fsdp_collect(ds4_fsdp *f, bool grads, float *out, int root);
-/* The same for any shard buffer [shard_numel] laid out like the parameters (e.g. AdamW moments). */
+/* The same for any shard buffer [shard_numel] laid out like the parameters (e.g. AdamW moments), in host
+ * memory (a shard on a device backend: through ds4_dev_host_view). */
 ds4_status ds4_fsdp_collect_buf(ds4_fsdp *f, const float *shard, float *out, int root);
 /* The packed layout: the float parameters back to back in table order, without region padding (the
  * flat layout of a whole model made by ds4_model_create, and of checkpoints). */
 int64_t ds4_fsdp_packed_numel(const ds4_fsdp *f);
-/* A shard buffer streamed to root in the packed layout, one region gathered at a time (a collective):
+/* A shard buffer (host memory, as for ds4_fsdp_collect_buf) streamed to root in the packed layout, one region gathered at a time (a collective):
  * on root, sink(ctx, i, values, n) for every float parameter i of the table, in table order. After a
  * sink error the gathers go on (no rank is left waiting) and root returns the first error. */
 typedef ds4_status (*ds4_packed_sink_fn)(void *ctx, int64_t param, const float *values, int64_t n);
 ds4_status ds4_fsdp_stream_packed(ds4_fsdp *f, const float *shard, int root, ds4_packed_sink_fn sink, void *ctx);
-/* The inverse, on this rank alone: its elements of a packed source into shard [shard_numel];
- * read(ctx, off, n, dst) copies packed elements [off, off + n) into dst. */
+/* The inverse, on this rank alone: its elements of a packed source into shard [shard_numel] on the model's
+ * backend; read(ctx, off, n, dst) copies packed elements [off, off + n) into dst (host memory). */
 typedef ds4_status (*ds4_packed_read_fn)(void *ctx, int64_t off, int64_t n, float *dst);
 ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, ds4_packed_read_fn read, void *ctx, float *shard);
 /* Whole matrices for an optimizer that needs them (Muon). For every float parameter ops->pick selects,
@@ -192,8 +197,8 @@ ds4_status ds4_fsdp_for_each_matrix(ds4_fsdp *f, const ds4_matrix_ops *ops);
  * the ranks): the same bits for any EP degree, any split of the shards and any thread count; NaN when a
  * gradient is not finite. Clips like ds4_clip_grad_norm when max_norm > 0. */
 ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm);
-/* ds4_router_bias_update on the shards; loads: [n_blocks, E] summed over all ranks. */
-void ds4_fsdp_router_bias_update(ds4_fsdp *f, const int64_t *loads, double gamma);
+/* ds4_router_bias_update on the shards; loads: [n_blocks, E] summed over all ranks. Fails out of memory. */
+ds4_status ds4_fsdp_router_bias_update(ds4_fsdp *f, const int64_t *loads, double gamma);
 
 #ifdef __cplusplus
 }

@@ -95,6 +95,10 @@ void ds4_dev_free(const ds4_exec *ex, void *p);                          /* NULL
 void ds4_dev_to_host(const ds4_exec *ex, void *dst, const void *src, size_t bytes);
 void ds4_dev_to_device(const ds4_exec *ex, void *dst, const void *src, size_t bytes);
 void ds4_dev_copy(const ds4_exec *ex, void *dst, const void *src, size_t bytes); /* device to device */
+/* A host view of device buffer src [bytes]: src itself where the backend's memory is the host's, else a
+ * host copy (NULL and the message when out of memory). Given back with ds4_dev_host_view_free. */
+const void *ds4_dev_host_view(const ds4_exec *ex, const void *src, size_t bytes);
+void ds4_dev_host_view_free(const ds4_exec *ex, const void *view, const void *src);
 /* Waits for ex's backend, then its ops' first failure since the last call (DS4_OK: none; the cpu's ops
  * report through the allocator instead): what a step checks at its end. */
 ds4_status ds4_dev_status(const ds4_exec *ex);
@@ -102,6 +106,12 @@ ds4_status ds4_dev_status(const ds4_exec *ex);
  * device and read back: the one wait of each. Fail only out of memory (a plan: 0). */
 ds4_status ds4_dev_sumsq(const ds4_exec *ex, const float *x, int64_t n, double *out);
 ds4_status ds4_dev_count_nonfinite(const ds4_exec *ex, const float *x, int64_t n, int64_t *out);
+/* *acc = ds4_sumsq_exact(x [n]) computed on the device and read back (a plan: zero). */
+ds4_status ds4_dev_sumsq_exact(const ds4_exec *ex, const float *x, int64_t n, ds4_sumsq_acc *acc);
+/* g [len] += Σ_r recv [n][len] in rank order (ops.def rank_sum_add), g and recv on the device. */
+void ds4_dev_rank_sum_add(const ds4_exec *ex, float *g, const float *recv, int n, int64_t len);
+/* dst [bytes] = 0 on the device. */
+void ds4_dev_zero(const ds4_exec *ex, void *dst, size_t bytes);
 /* x [n] *= s (ds4_scale_f32). */
 void ds4_dev_scale(const ds4_exec *ex, float *x, int64_t n, float s);
 /* ds4_adamw_update, ds4_muon_momentum and ds4_muon_apply (ds4/core.h) on device arrays. */

@@ -5,8 +5,9 @@
  * for every implementation stays there: the simulated link, exposed time per lane, the all-gather bytes,
  * the list of requests in flight and the trace (comm_trace.c). The tables: comm_self.c (one process),
  * comm_mpi.c (Open MPI; only with DS4_HAVE_MPI), comm_plan.c (memplan's simulated world: moves no data,
- * gives EP the counts of balanced routing). A device communicator (NCCL, or host-staged copies) is one
- * more file with one more table: docs/DESIGN.md, "Adding a communicator". */
+ * gives EP the counts of balanced routing), comm_staged.c (a device backend's buffers over any of them,
+ * through host copies). A device communicator (NCCL) is one more file with one more table:
+ * docs/DESIGN.md, "Adding a communicator". */
 #ifndef DS4_DIST_COMM_IMPL_H
 #define DS4_DIST_COMM_IMPL_H
 
@@ -70,8 +71,9 @@ struct ds4_comm_ops {
     X(split) X(free) X(iallgatherv) X(igatherv) X(ialltoallv) X(ialltoall_counts) X(sum_f64) X(sum_i64)      \
     X(barrier) X(test) X(wait) X(req_free)
 
-/* The tables. */
-extern const ds4_comm_ops ds4_comm_ops_self, ds4_comm_ops_plan;
+/* The tables. staged: another communicator's collectives on a device backend's buffers, through host
+ * copies (comm_staged.c, made by ds4_comm_staged). */
+extern const ds4_comm_ops ds4_comm_ops_self, ds4_comm_ops_plan, ds4_comm_ops_staged;
 #ifdef DS4_HAVE_MPI
 extern const ds4_comm_ops ds4_comm_ops_mpi;
 #endif

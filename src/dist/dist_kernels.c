@@ -5,14 +5,6 @@
 #include <stddef.h>
 #include <string.h>
 
-void rank_sum_add_f32(float *g, const float *recv, int n, int64_t len) {
-    for (int64_t i = 0; i < len; i++) {
-        float t = recv[i];
-        for (int r = 1; r < n; r++) t += recv[(int64_t)r * len + i];
-        g[i] += t;
-    }
-}
-
 void rank_sum_f64(double *x, const double *all, int n, int64_t len) {
     for (int64_t i = 0; i < len; i++) {
         double s = 0;

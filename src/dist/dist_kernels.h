@@ -8,11 +8,6 @@
 
 #include <stdint.h>
 
-/* g [len] += Σ_r recv [n][len]: each element's n values added in rank order first (r = 0, 1, ..., n-1,
- * starting from recv[0]), then added to g. FSDP's reduce-scatter: recv holds every rank's version of
- * this rank's piece of a gradient; summing the pass first keeps micro-batch accumulation the same bits
- * for every EP degree. */
-void rank_sum_add_f32(float *g, const float *recv, int n, int64_t len);
 /* x [len] := Σ_r all [n][len], from zero, in rank order: ds4_comm_sum_f64 / _i64 after the gather. */
 void rank_sum_f64(double *x, const double *all, int n, int64_t len);
 void rank_sum_i64(int64_t *x, const int64_t *all, int n, int64_t len);

@@ -31,9 +31,9 @@ static void ep_yield(const ds4_fsdp_yielding *y) {
 }
 
 /* got [n][L] := the rows every source s of the EP group sends to each of this rank's L experts, from
- * this rank's cnt [n·L] (rows per expert of the whole model, in expert order). The one place a count
- * crosses to the host mid-step: dispatch and combine size their buffers and all-to-alls from it, so on a
- * device the counts the MoE kernel made are copied back here (a synchronization, once per MoE pass). */
+ * this rank's cnt [n·L] (rows per expert of the whole model, in expert order; host memory: the MoE's
+ * moe_expert_counts op brought them over, its one wait per MoE pass). Dispatch and combine size their
+ * buffers and all-to-alls from these. */
 static ds4_status ep_recv_counts(ds4_fsdp *f, const ds4_fsdp_yielding *y, const int64_t *cnt, int64_t *got) {
     ds4_comm_req *req = NULL;
     ds4_status st = ds4_comm_ialltoall_counts(f->ep, cnt, f->eloc, got, &req);

@@ -3,6 +3,7 @@
  * and answers what lives where; the hooks, EP, shard I/O and the optimizer's needs are the other
  * fsdp_*.c files and ep.c (fsdp_impl.h lists them). */
 #include "dist/fsdp_impl.h"
+#include "ds4/kernels.h"
 
 #include <string.h>
 
@@ -31,9 +32,10 @@ static ds4_status build_pieces(ds4_fsdp *f) {
         f->ns += p->len;
         f->piece_of_region[i] = f->npieces++;
     }
-    f->sp = ds4_calloc_for(fsdp_planning(f), DS4_MEM_PARAM, (size_t)f->ns * sizeof(float)); /* no bf16 copy: each gather casts its pieces */
+    /* on the model's backend; no bf16 copy: each gather casts its pieces */
+    f->sp = ds4_dev_zalloc(fsdp_ex(f), DS4_MEM_PARAM, (size_t)f->ns * sizeof(float));
     const char *prev = ds4_mem_owner_enter(DS4_OWNER_GRAD_RESIDENT); /* memplan's split of the gradients */
-    f->sg = ds4_calloc_for(fsdp_planning(f), DS4_MEM_GRAD, (size_t)f->ns * sizeof(float));
+    f->sg = ds4_dev_zalloc(fsdp_ex(f), DS4_MEM_GRAD, (size_t)f->ns * sizeof(float));
     ds4_mem_owner_leave(prev);
     return f->sp && f->sg ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory for a shard of %lld parameters", (long long)f->ns);
 }
@@ -58,10 +60,15 @@ ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out
     f->w_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
     f->g_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
     ds4_status st = f->w_mapped && f->g_mapped ? DS4_OK : DS4_ERR_OOM;
-    /* three communicators of their own: FSDP (all ranks), EP groups, expert replicas */
-    if (st == DS4_OK) st = ds4_comm_split(world, 0, rank, W, rank, &f->fsdp);
+    /* three communicators of their own: FSDP (all ranks), EP groups, expert replicas. The shards live on the
+     * model's backend: on a device, FSDP's and the replicas' collectives stage through host copies (EP
+     * stages its rows itself, ep.c). */
+    const bool device = !fsdp_planning(f) && !ds4_exec_host_memory(fsdp_ex(f));
+    if (st == DS4_OK && device) st = ds4_comm_staged(world, fsdp_ex(f), &f->staged);
+    ds4_comm *shards = f->staged ? f->staged : world;
+    if (st == DS4_OK) st = ds4_comm_split(shards, 0, rank, W, rank, &f->fsdp);
     if (st == DS4_OK) st = ds4_comm_split(world, rank / ep, rank, ep, rank % ep, &f->ep);
-    if (st == DS4_OK) st = ds4_comm_split(world, rank % ep, rank, W / ep, rank / ep, &f->rep);
+    if (st == DS4_OK) st = ds4_comm_split(shards, rank % ep, rank, W / ep, rank / ep, &f->rep);
     if (st == DS4_OK) {
         ds4_comm_set_lane(f->fsdp, DS4_LANE_FSDP);
         ds4_comm_set_lane(f->rep, DS4_LANE_FSDP);
@@ -83,12 +90,13 @@ void ds4_fsdp_free(ds4_fsdp *f) {
     ds4_comm_free(f->fsdp);
     ds4_comm_free(f->ep);
     ds4_comm_free(f->rep);
+    ds4_comm_free(f->staged);
     ds4_free(f->pieces);
     ds4_free(f->piece_of_region);
     ds4_free(f->w_mapped);
     ds4_free(f->g_mapped);
-    ds4_free(f->sp);
-    ds4_free(f->sg);
+    ds4_dev_free(fsdp_ex(f), f->sp);
+    ds4_dev_free(fsdp_ex(f), f->sg);
     ds4_free(f);
 }
 
@@ -103,7 +111,7 @@ float *ds4_fsdp_shard_grads(ds4_fsdp *f) { return f->sg; }
 void ds4_fsdp_refresh_bf16(ds4_fsdp *f) { (void)f; }
 
 void ds4_fsdp_zero_grads(ds4_fsdp *f) {
-    if (!fsdp_planning(f)) memset(f->sg, 0, (size_t)f->ns * sizeof(float));
+    if (!fsdp_planning(f)) ds4_dev_zero(fsdp_ex(f), f->sg, (size_t)f->ns * sizeof(float));
 }
 
 /* fn for every (float parameter, piece) overlap: elements [k0, k1) of the parameter are shard

@@ -1,9 +1,8 @@
 /* FSDP's parameter hooks (ds4_param_hooks, ds4/model.h): gather = all-gather of a group's pieces into the
  * model's (mapped) flat range, drop gives the range back; grad_end = reduce-scatter by all-to-all of the
- * group's full gradients, each rank adding what it receives in rank order (rank_sum_add_f32), so the sum
+ * group's full gradients, each rank adding what it receives in rank order (the backend's rank_sum_add), so the sum
  * is the same bits whatever the transport does. With a prefetch depth d > 0 the next groups' all-gathers
  * start early and up to d reduce-scatters stay in flight (docs/overlap.md); this file owns that state. */
-#include "dist/dist_kernels.h"
 #include "dist/fsdp_impl.h"
 
 /* ------------------------------------------------------------------ weights: gather, prefetch, drop */
@@ -28,10 +27,10 @@ static ds4_status gather_piece(ds4_fsdp *f, const piece *p, ds4_comm_req **req, 
         return DS4_OK;
     }
     int64_t *cd = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)n);
-    uint16_t *hs = h ? ds4_alloc_for(fsdp_planning(f), DS4_MEM_COMM, (size_t)(p->len > 0 ? p->len : 1) * sizeof(uint16_t)) : NULL;
+    uint16_t *hs = h ? ds4_dev_alloc(fsdp_ex(f), DS4_MEM_COMM, (size_t)(p->len > 0 ? p->len : 1) * sizeof(uint16_t)) : NULL;
     if (!cd || (h && !hs)) {
         ds4_free(cd);
-        ds4_free(hs);
+        ds4_dev_free(fsdp_ex(f), hs);
         return ds4_fail(DS4_ERR_OOM, "out of memory gathering parameters");
     }
     piece_layout(p, n, cd, cd + n);
@@ -45,7 +44,7 @@ static ds4_status gather_piece(ds4_fsdp *f, const piece *p, ds4_comm_req **req, 
                  : ds4_comm_allgatherv(c, src, p->len, dst, cd, cd + n, elem);
     ds4_free(cd);
     if (req && st == DS4_OK) *cast = hs;
-    else ds4_free(hs);
+    else ds4_dev_free(fsdp_ex(f), hs);
     return st;
 }
 
@@ -73,7 +72,7 @@ static ds4_status gather_finish(ds4_fsdp *f, int64_t group) {
         if (f->pieces[i].group != group) continue;
         ds4_status w = ds4_comm_wait(o->wreq[i]);
         o->wreq[i] = NULL;
-        ds4_free(o->wsrc[i]);
+        ds4_dev_free(fsdp_ex(f), o->wsrc[i]);
         o->wsrc[i] = NULL;
         if (st == DS4_OK) st = w;
     }
@@ -156,7 +155,7 @@ static ds4_status reduce_piece_start(ds4_fsdp *f, const piece *p, float **recv, 
     ds4_comm *c = piece_comm(f, p);
     int n = ds4_comm_size(c);
     int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 4 * (size_t)n);
-    *recv = ds4_alloc_for(fsdp_planning(f), DS4_MEM_COMM, (size_t)(n * p->len) * sizeof(float));
+    *recv = ds4_dev_alloc(fsdp_ex(f), DS4_MEM_COMM, (size_t)(n * p->len) * sizeof(float));
     ds4_status st = v && *recv ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory reducing gradients");
     if (st == DS4_OK) {
         piece_layout(p, n, v, v + n);
@@ -177,8 +176,8 @@ static ds4_status reduce_piece_start(ds4_fsdp *f, const piece *p, float **recv, 
 static ds4_status reduce_piece_finish(ds4_fsdp *f, const piece *p, float *recv, ds4_comm_req *req, bool add) {
     ds4_status st = ds4_comm_wait(req);
     if (st == DS4_OK && add && !fsdp_planning(f) && recv)
-        rank_sum_add_f32(f->sg + p->shard_off, recv, ds4_comm_size(piece_comm(f, p)), p->len);
-    ds4_free(recv);
+        ds4_dev_rank_sum_add(fsdp_ex(f), f->sg + p->shard_off, recv, ds4_comm_size(piece_comm(f, p)), p->len);
+    ds4_dev_free(fsdp_ex(f), recv);
     return st;
 }
 
@@ -188,7 +187,7 @@ static ds4_status reduce_piece(ds4_fsdp *f, const piece *p) {
     ds4_comm_req *q = NULL;
     ds4_status st = reduce_piece_start(f, p, &recv, &q);
     if (st != DS4_OK) {
-        ds4_free(recv);
+        ds4_dev_free(fsdp_ex(f), recv);
         return st;
     }
     return reduce_piece_finish(f, p, recv, q, true);

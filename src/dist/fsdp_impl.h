@@ -45,6 +45,8 @@ typedef struct {
 struct ds4_fsdp {
     ds4_model *m;
     ds4_comm *world, *fsdp, *ep, *rep; /* rep: ranks holding the same experts (one per EP group) */
+    ds4_comm *staged;                  /* on a device backend: the world, host-staged (fsdp and rep are its
+                                        * splits, so the shards' collectives take device buffers); else NULL */
     int W, ep_size;
     int64_t eloc;                      /* experts per EP rank; this rank's are [ops.e0, ops.e1) */
     piece *pieces;
@@ -52,7 +54,8 @@ struct ds4_fsdp {
     int64_t *piece_of_region;          /* [nregions] piece index or -1 */
     bool *w_mapped, *g_mapped;         /* [ngroups] */
     overlap *ov;                       /* NULL: blocking collectives (prefetch depth 0) */
-    float *sp, *sg;                    /* [ns]; the bf16 copy exists only gathered, cast from sp at each gather */
+    float *sp, *sg;                    /* [ns] on the model's backend; the bf16 copy exists only gathered, cast
+                                        * from sp at each gather */
     int64_t ns;
     ds4_param_hooks hooks;
     ds4_ep_ops ops;
@@ -60,6 +63,9 @@ struct ds4_fsdp {
 
 /* On a plan communicator FSDP plans: shards and buffers are counted, no value is read, written or sent. */
 static inline bool fsdp_planning(const ds4_fsdp *f) { return ds4_comm_is_plan(f->world); }
+
+/* The context the shards live in: the model's backend (its buffers, copies and ops). */
+static inline const ds4_exec *fsdp_ex(const ds4_fsdp *f) { return ds4_model_exec(f->m); }
 
 /* The communicator piece p is sharded over. */
 static inline ds4_comm *piece_comm(const ds4_fsdp *f, const piece *p) { return p->expert ? f->rep : f->fsdp; }

@@ -3,23 +3,43 @@
  * checkpoints use: a shard streamed to root region by region, and this rank's elements read back from any
  * packed source. */
 #include "dist/fsdp_impl.h"
+#include "ds4/kernels.h"
 
 #include <string.h>
 
 /* ------------------------------------------------------------------ init, load */
+/* The shard's elements are written on the host and copied to the backend a piece overlap at a time
+ * (host: a buffer of the largest one). */
 typedef struct {
     ds4_fsdp *f;
     uint64_t seed;
+    float *host;
 } init_ctx;
 static void init_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
     init_ctx *c = ctx;
-    ds4_param_init_values(p, c->seed, k0, k1, c->f->sp + s0);
+    ds4_param_init_values(p, c->seed, k0, k1, c->host);
+    ds4_dev_to_device(fsdp_ex(c->f), c->f->sp + s0, c->host, (size_t)(k1 - k0) * sizeof(float));
+}
+
+static void longest_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
+    (void)p, (void)s0;
+    int64_t *n = ctx;
+    if (k1 - k0 > *n) *n = k1 - k0;
+}
+
+/* A host buffer for the longest (parameter, piece) overlap of f. */
+static float *overlap_buffer(const ds4_fsdp *f) {
+    int64_t n = 1;
+    ds4_fsdp_for_each_piece(f, longest_overlap, &n);
+    return ds4_alloc(DS4_MEM_OTHER, (size_t)n * sizeof(float));
 }
 
 ds4_status ds4_fsdp_init_random(ds4_fsdp *f, uint64_t seed) {
     if (fsdp_planning(f)) return DS4_OK;
-    init_ctx c = {f, seed};
+    init_ctx c = {f, seed, overlap_buffer(f)};
+    if (!c.host) return ds4_fail(DS4_ERR_OOM, "out of memory initialising a shard");
     ds4_fsdp_for_each_piece(f, init_overlap, &c);
+    ds4_free(c.host);
     for (int64_t i = 0; i < ds4_model_nparams(f->m); i++) /* the tables and carried tensors: whole on every rank */
         if (!ds4_param_in_flat(ds4_model_param(f->m, i))) DS4_TRY(ds4_model_init_param(f->m, i, seed));
     return DS4_OK;
@@ -38,7 +58,7 @@ ds4_status ds4_fsdp_load(ds4_fsdp *f, const ds4_model_dir *d) {
             if (a >= q->start && a < q->end) st = ds4_model_load_param(m, d, i);
         }
         if (st == DS4_OK && !fsdp_planning(f))
-            memcpy(f->sp + q->shard_off, flat + q->start + q->off, (size_t)q->len * sizeof(float));
+            ds4_dev_copy(fsdp_ex(f), f->sp + q->shard_off, flat + q->start + q->off, (size_t)q->len * sizeof(float));
         ds4_model_unmap(m, q->start, q->map_end, false);
         DS4_TRY(st);
     }
@@ -51,8 +71,9 @@ ds4_status ds4_fsdp_load(ds4_fsdp *f, const ds4_model_dir *d) {
 /* EP rank owning expert e. */
 static int expert_owner(const ds4_fsdp *f, int64_t e) { return (int)(e / f->eloc); }
 
-/* Gathers region i of a shard buffer on root into dst [end - start of the region] (root only). Who
- * holds which piece: dense regions over all ranks; expert e over the ranks of its EP rank. v: [2W]. */
+/* Gathers region i of a shard buffer (host memory) on root into dst [end - start of the region] (root
+ * only). Who holds which piece: dense regions over all ranks; expert e over the ranks of its EP rank.
+ * v: [2W]. */
 static ds4_status gather_region(ds4_fsdp *f, int64_t i, const float *shard, float *dst, int root, int64_t *v) {
     const ds4_region *g = ds4_model_region(f->m, i);
     const int W = f->W;
@@ -81,7 +102,12 @@ ds4_status ds4_fsdp_collect_buf(ds4_fsdp *f, const float *shard, float *out, int
 }
 
 ds4_status ds4_fsdp_collect(ds4_fsdp *f, bool grads, float *out, int root) {
-    return ds4_fsdp_collect_buf(f, grads ? f->sg : f->sp, out, root);
+    const float *shard = grads ? f->sg : f->sp;
+    const float *host = fsdp_planning(f) ? shard : ds4_dev_host_view(fsdp_ex(f), shard, (size_t)f->ns * sizeof(float));
+    if (!host) return DS4_ERR_OOM;
+    ds4_status st = ds4_fsdp_collect_buf(f, host, out, root);
+    ds4_dev_host_view_free(fsdp_ex(f), host, shard);
+    return st;
 }
 
 /* ------------------------------------------------------------------ the packed layout (checkpoints) */
@@ -138,25 +164,28 @@ ds4_status ds4_fsdp_stream_packed(ds4_fsdp *f, const float *shard, int root, ds4
 }
 
 typedef struct {
-    ds4_model *m;
+    const ds4_fsdp *f;
     const int64_t *poff;
     ds4_packed_read_fn read;
     void *ctx;
-    float *shard;
+    float *shard, *host; /* host: a buffer of the longest overlap, read into and copied to the shard */
     ds4_status st;
 } scatter_ctx;
 static void scatter_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
     scatter_ctx *c = ctx;
-    int64_t i = p - ds4_model_param(c->m, 0);
-    if (c->st == DS4_OK) c->st = c->read(c->ctx, c->poff[i] + k0, k1 - k0, c->shard + s0);
+    int64_t i = p - ds4_model_param(c->f->m, 0);
+    if (c->st == DS4_OK) c->st = c->read(c->ctx, c->poff[i] + k0, k1 - k0, c->host);
+    if (c->st == DS4_OK) ds4_dev_to_device(fsdp_ex(c->f), c->shard + s0, c->host, (size_t)(k1 - k0) * sizeof(float));
 }
 
 ds4_status ds4_fsdp_scatter_packed(const ds4_fsdp *f, ds4_packed_read_fn read, void *ctx, float *shard) {
     if (fsdp_planning(f)) return DS4_OK;
     int64_t *poff = packed_offsets(f->m);
-    if (!poff) return ds4_fail(DS4_ERR_OOM, "out of memory scattering into a shard");
-    scatter_ctx c = {f->m, poff, read, ctx, shard, DS4_OK};
-    ds4_fsdp_for_each_piece(f, scatter_overlap, &c);
+    float *host = overlap_buffer(f);
+    scatter_ctx c = {f, poff, read, ctx, shard, host, DS4_OK};
+    if (poff && host) ds4_fsdp_for_each_piece(f, scatter_overlap, &c);
+    else c.st = ds4_fail(DS4_ERR_OOM, "out of memory scattering into a shard");
     ds4_free(poff);
+    ds4_free(host);
     return c.st;
 }

@@ -6,33 +6,45 @@
 #include <math.h>
 
 /* ------------------------------------------------------------------ clipping, router bias */
+/* The shard's squares summed exactly on the backend (limbs read back once), the limbs summed over ranks as
+ * integers, so the norm is the same bits for any layout; the scale, when it clips, on the backend. */
 ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm) {
-    const int64_t n = fsdp_planning(f) ? 0 : f->ns;
     ds4_sumsq_acc a;
-    ds4_sumsq_exact(f->sg, n, &a);
+    DS4_TRY(ds4_dev_sumsq_exact(fsdp_ex(f), f->sg, f->ns, &a)); /* a plan: zero */
     DS4_TRY(ds4_comm_sum_i64(f->world, a.limb, DS4_SUMSQ_LIMBS + 1));
     ds4_sumsq_normalize(&a);
     *norm = sqrt(ds4_sumsq_value(&a));
-    ds4_clip_scale(f->sg, n, max_norm, *norm);
+    float s;
+    if (!fsdp_planning(f) && ds4_clip_factor(max_norm, *norm, &s)) ds4_dev_scale(fsdp_ex(f), f->sg, f->ns, s);
     return DS4_OK;
 }
 
+/* The rule on the host: each bias piece [k1 - k0] (at most E floats) brought over and back. */
 typedef struct {
     ds4_fsdp *f;
     const int64_t *loads;
     double gamma;
+    float *host; /* [E] */
 } bias_ctx;
 static void bias_overlap(void *ctx, ds4_param *p, int64_t k0, int64_t k1, int64_t s0) {
     bias_ctx *c = ctx;
     const ds4_config *cfg = ds4_model_config(c->f->m);
     const int64_t E = cfg->n_routed_experts, b = ds4_param_router_block(cfg, p);
-    if (b >= 0) ds4_router_bias_rule(c->loads + b * E, E, c->gamma, k0, k1, c->f->sp + s0);
+    if (b < 0) return;
+    const size_t bytes = (size_t)(k1 - k0) * sizeof(float);
+    ds4_dev_to_host(fsdp_ex(c->f), c->host, c->f->sp + s0, bytes);
+    ds4_router_bias_rule(c->loads + b * E, E, c->gamma, k0, k1, c->host);
+    ds4_dev_to_device(fsdp_ex(c->f), c->f->sp + s0, c->host, bytes);
 }
 
-void ds4_fsdp_router_bias_update(ds4_fsdp *f, const int64_t *loads, double gamma) {
-    if (fsdp_planning(f)) return;
-    bias_ctx c = {f, loads, gamma};
+ds4_status ds4_fsdp_router_bias_update(ds4_fsdp *f, const int64_t *loads, double gamma) {
+    if (fsdp_planning(f)) return DS4_OK;
+    const int64_t E = ds4_model_config(f->m)->n_routed_experts;
+    bias_ctx c = {f, loads, gamma, ds4_alloc(DS4_MEM_OTHER, (size_t)(E > 0 ? E : 1) * sizeof(float))};
+    if (!c.host) return ds4_fail(DS4_ERR_OOM, "out of memory for the router bias update");
     ds4_fsdp_for_each_piece(f, bias_overlap, &c);
+    ds4_free(c.host);
+    return DS4_OK;
 }
 
 /* ------------------------------------------------------------------ whole matrices (Muon) */
@@ -59,14 +71,14 @@ static void matrix_layout(const ds4_fsdp *f, const piece *q, int64_t a, int64_t 
     h->s0 = h->counts[h->me] ? q->shard_off + (a + h->k0 - (q->start + q->off)) : q->shard_off; /* none: unused */
 }
 
-/* One matrix: parts out, gathered on owner, whole there, scattered back, parts in. v: [4n] scratch;
- * plan: a plan's step (the buffers are counted, not backed). */
-static ds4_status one_matrix(const ds4_matrix_ops *ops, ds4_param *p, matrix_home *h, int owner, int64_t *v,
-                             bool plan) {
+/* One matrix: parts out, gathered on owner, whole there, scattered back, parts in; the parts and the
+ * matrix are buffers of ex's backend (a plan's are counted, not backed). v: [4n] scratch. */
+static ds4_status one_matrix(const ds4_exec *ex, const ds4_matrix_ops *ops, ds4_param *p, matrix_home *h, int owner,
+                             int64_t *v) {
     const int64_t mine = h->counts[h->me], k0 = h->k0;
     const bool own = h->me == owner, alone = h->n == 1;
-    float *part = alone ? NULL : ds4_alloc_for(plan, DS4_MEM_OPTIM, (size_t)mine * sizeof(float));
-    float *x = own ? ds4_alloc_for(plan, DS4_MEM_OPTIM, (size_t)p->numel * sizeof(float)) : NULL;
+    float *part = alone ? NULL : ds4_dev_alloc(ex, DS4_MEM_OPTIM, (size_t)mine * sizeof(float));
+    float *x = own ? ds4_dev_alloc(ex, DS4_MEM_OPTIM, (size_t)p->numel * sizeof(float)) : NULL;
     if (alone) part = x;
     ds4_status st = part && (x || !own) ? DS4_OK
                                         : ds4_fail(DS4_ERR_OOM, "%s: out of memory gathering the matrix", p->name);
@@ -84,8 +96,8 @@ static ds4_status one_matrix(const ds4_matrix_ops *ops, ds4_param *p, matrix_hom
         if (st == DS4_OK) st = cs;
     }
     if (st == DS4_OK) st = ops->part_in(ops->ctx, p, k0, k0 + mine, h->s0, part);
-    if (!alone) ds4_free(part);
-    ds4_free(x);
+    if (!alone) ds4_dev_free(ex, part);
+    ds4_dev_free(ex, x);
     return st;
 }
 
@@ -107,7 +119,7 @@ ds4_status ds4_fsdp_for_each_matrix(ds4_fsdp *f, const ds4_matrix_ops *ops) {
         const piece *q = &f->pieces[j];
         matrix_layout(f, q, a, p->numel, &h);
         const int owner = (int)(turn[q->expert]++ % h.n);
-        ds4_status ms = one_matrix(ops, p, &h, owner, v + 2 * f->W, fsdp_planning(f));
+        ds4_status ms = one_matrix(fsdp_ex(f), ops, p, &h, owner, v + 2 * f->W);
         if (st == DS4_OK) st = ms;
     }
     ds4_free(v);

@@ -18,15 +18,20 @@ static void cpu_gemm_workspace_release_plan(void) { cpu_gemm_workspace_release()
         CPU_CALL_##cpu(cpu_##name##_plan, args);                            \
         ds4_mem_owner_leave(owner_);                                        \
     }
+/* A memory entry counts what it allocates under its caller's owner (a mapped range remembers none). */
+#define PLAN_ENTRY_KEEP(name, cpu, params, args) \
+    static void plan_entry_##name params { CPU_CALL_##cpu(cpu_##name##_plan, args); }
 #define PLAN_ENTRY_SKIP(name, cpu, params, args)
 #define PLAN_QUERY_MIRROR(name, cpu, type, params, args) \
     static type plan_entry_##name params { return CPU_CALL_##cpu(cpu_##name##_plan, args); }
+#define PLAN_QUERY_KEEP PLAN_QUERY_MIRROR
 #define PLAN_QUERY_SKIP(name, cpu, type, params, args)
 #define DS4_OP(name, plan, cpu, params, args) PLAN_ENTRY_##plan(name, cpu, params, args)
 #define DS4_QUERY(name, plan, cpu, type, absent, params, args) PLAN_QUERY_##plan(name, cpu, type, params, args)
 #include "kernels/ops.def"
 
 #define PLAN_INIT_MIRROR(name) .name = plan_entry_##name,
+#define PLAN_INIT_KEEP(name) .name = plan_entry_##name,
 #define PLAN_INIT_SKIP(name)
 const ds4_kernel_backend ds4_kernel_backend_plan_table = {
     .name = "plan",

@@ -25,6 +25,22 @@ void ds4_dev_to_device(const ds4_exec *ex, void *dst, const void *src, size_t by
     synchronize(ex);
 }
 
+const void *ds4_dev_host_view(const ds4_exec *ex, const void *src, size_t bytes) {
+    if (ds4_exec_host_memory(ex)) return src;
+    void *h = ds4_alloc(DS4_MEM_OTHER, bytes ? bytes : 1);
+    if (!h) {
+        ds4_fail(DS4_ERR_OOM, "out of memory for a host copy of %zu bytes", bytes);
+        return NULL;
+    }
+    ds4_dev_to_host(ex, h, src, bytes);
+    return h;
+}
+
+void ds4_dev_host_view_free(const ds4_exec *ex, const void *view, const void *src) {
+    (void)ex;
+    if (view != src) ds4_free((void *)view);
+}
+
 ds4_status ds4_dev_status(const ds4_exec *ex) {
     synchronize(ex);
     return ops_status(ex);
@@ -57,6 +73,23 @@ ds4_status ds4_dev_count_nonfinite(const ds4_exec *ex, const float *x, int64_t n
     buf_free(ex, d);
     return DS4_OK;
 }
+
+ds4_status ds4_dev_sumsq_exact(const ds4_exec *ex, const float *x, int64_t n, ds4_sumsq_acc *acc) {
+    void *d;
+    memset(acc, 0, sizeof *acc);
+    if (!(d = buf_alloc(ex, DS4_MEM_WORK, sizeof *acc))) return ds4_fail(DS4_ERR_OOM, "out of memory for the sum of squares");
+    sumsq_exact(ex, d, x, n);
+    copy_to_host(ex, acc, d, sizeof *acc);
+    synchronize(ex);
+    buf_free(ex, d);
+    return DS4_OK;
+}
+
+void ds4_dev_rank_sum_add(const ds4_exec *ex, float *g, const float *recv, int n, int64_t len) {
+    rank_sum_add(ex, g, recv, n, len);
+}
+
+void ds4_dev_zero(const ds4_exec *ex, void *dst, size_t bytes) { tensor_zero(ex, dst, bytes); }
 
 void ds4_dev_scale(const ds4_exec *ex, float *x, int64_t n, float s) { scale_f32(ex, x, n, s); }
 

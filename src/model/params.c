@@ -168,9 +168,9 @@ static ds4_status model_create(const ds4_exec *exec, const ds4_config *cfg, bool
     gemm_workspace_reserve(&m->exec);
     m->gemm_ws = true;
     if (unmapped) {
-        m->flat = ds4_range_reserve(reserved_bytes(m)); /* pages are made resident by ds4_model_map */
-        m->gflat = ds4_range_reserve(reserved_bytes(m));
-        if (bf16) m->hflat = ds4_range_reserve(reserved_bytes(m) / 2);
+        m->flat = range_reserve(&m->exec, reserved_bytes(m)); /* pieces are made resident by ds4_model_map */
+        m->gflat = range_reserve(&m->exec, reserved_bytes(m));
+        if (bf16) m->hflat = range_reserve(&m->exec, reserved_bytes(m) / 2);
     } else {
         m->flat = dev_zalloc(m, DS4_MEM_PARAM, (size_t)m->numel * sizeof(float)); /* on the model's backend */
         const char *prev = ds4_mem_owner_enter(DS4_OWNER_GRAD_RESIDENT); /* memplan's split of the gradients */
@@ -216,7 +216,7 @@ ds4_status ds4_model_create_bf16(const ds4_exec *exec, const ds4_config *cfg, bo
 
 static void free_range(const ds4_model *m, void *p, size_t bytes) {
     if (!p) return;
-    if (m->unmapped) ds4_range_release(p, bytes);
+    if (m->unmapped) range_release(&m->exec, p, bytes);
     else dev_free(m, p);
 }
 
@@ -298,7 +298,7 @@ ds4_status ds4_model_map(ds4_model *m, int64_t start, int64_t end, bool grad) {
     DS4_TRY(check_range(m, start, end));
     size_t bytes = range_bytes(start, end);
     if (bytes == 0) return DS4_OK;
-    if (!ds4_range_map(m->exec.plan, (grad ? m->gflat : m->flat) + start, bytes, grad ? DS4_MEM_GRAD : DS4_MEM_PARAM))
+    if (!range_map(&m->exec, (grad ? m->gflat : m->flat) + start, bytes, grad ? DS4_MEM_GRAD : DS4_MEM_PARAM))
         return ds4_fail(DS4_ERR_OOM, "out of memory mapping %zu bytes of %s", bytes, grad ? "gradients" : "parameters");
     return DS4_OK;
 }
@@ -307,7 +307,7 @@ void ds4_model_unmap(ds4_model *m, int64_t start, int64_t end, bool grad) {
     if (check_range(m, start, end) != DS4_OK) return;
     size_t bytes = range_bytes(start, end);
     if (bytes == 0) return;
-    ds4_range_unmap(m->exec.plan, (grad ? m->gflat : m->flat) + start, bytes, grad ? DS4_MEM_GRAD : DS4_MEM_PARAM);
+    range_unmap(&m->exec, (grad ? m->gflat : m->flat) + start, bytes, grad ? DS4_MEM_GRAD : DS4_MEM_PARAM);
 }
 
 void ds4_model_grads_hand_over(ds4_model *m, int64_t start, int64_t end, const char *from, const char *to) {
@@ -319,7 +319,7 @@ ds4_status ds4_model_map_bf16(ds4_model *m, int64_t start, int64_t end) {
     size_t bytes = (size_t)(end - start) * sizeof(uint16_t);
     if (!m->hflat) return ds4_fail(DS4_ERR_INTERNAL, "model map: the model has no bf16 copy");
     if (bytes == 0) return DS4_OK;
-    if (!ds4_range_map(m->exec.plan, m->hflat + start, bytes, DS4_MEM_PARAM))
+    if (!range_map(&m->exec, m->hflat + start, bytes, DS4_MEM_PARAM))
         return ds4_fail(DS4_ERR_OOM, "out of memory mapping %zu bytes of the bf16 parameter copy", bytes);
     return DS4_OK;
 }
@@ -327,7 +327,7 @@ ds4_status ds4_model_map_bf16(ds4_model *m, int64_t start, int64_t end) {
 void ds4_model_unmap_bf16(ds4_model *m, int64_t start, int64_t end) {
     if (!m->hflat || check_range(m, start, end) != DS4_OK) return;
     size_t bytes = (size_t)(end - start) * sizeof(uint16_t);
-    if (bytes) ds4_range_unmap(m->exec.plan, m->hflat + start, bytes, DS4_MEM_PARAM);
+    if (bytes) range_unmap(&m->exec, m->hflat + start, bytes, DS4_MEM_PARAM);
 }
 
 ds4_param *ds4_model_find(ds4_model *m, const char *name) {

@@ -127,7 +127,7 @@ static ds4_status moe_route(const block_ctx *bc, block_acts *a) {
     if (!bc->ep) return DS4_OK;
     const ds4_config *c = &bc->m->cfg;
     const int64_t E = c->n_routed_experts, N = bc->B * bc->T;
-    int64_t *cnt = ds4_alloc(DS4_MEM_OTHER, (size_t)E * sizeof(int64_t));
+    int64_t *cnt = ds4_alloc(DS4_MEM_OTHER, (size_t)E * sizeof(int64_t)); /* host: the op brings the counts over */
     if (!cnt) return ds4_fail(DS4_ERR_OOM, "out of memory routing block %lld", (long long)bc->layer);
     moe_expert_counts(&bc->m->exec, cnt, I64(U_ROUTER, RT_EOFF), E, N * c->n_activated_experts);
     ds4_status st = bc->ep->route(bc->ep->ctx, cnt, &a->route);

@@ -228,8 +228,7 @@ ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, doubl
     }
     const ds4_config *c = ds4_model_config(s->m);
     DS4_TRY(ds4_comm_sum_i64(s->world, loads, (c->n_layers + c->n_mtp_layers) * c->n_routed_experts));
-    ds4_fsdp_router_bias_update(s->f, loads, gamma);
-    return DS4_OK;
+    return ds4_fsdp_router_bias_update(s->f, loads, gamma);
 }
 
 /* ------------------------------------------------------------------ checkpoints */
@@ -335,7 +334,11 @@ static ds4_status stream_file(ds4_train_state *s, const char *dir, bool optim) {
     if (st == DS4_OK && dir) st = optim ? begin_optim_file(s, dir, w) : begin_model_file(s->m, dir, w);
     sink_ctx c = {.w = st == DS4_OK ? w : NULL, .m = s->m, .opt = s->opt.opt, .group = -1}; /* NULL: gather only */
     if (!optim) {
-        ds4_status gs = ds4_fsdp_stream_packed(s->f, ds4_fsdp_shard_params(s->f), 0, put_values, &c);
+        const float *sp = ds4_fsdp_shard_params(s->f);
+        const float *host = ds4_dev_host_view(&s->exec, sp, (size_t)ds4_fsdp_shard_numel(s->f) * sizeof(float));
+        ds4_status gs = ds4_train_agree(s->world, host ? DS4_OK : DS4_ERR_OOM); /* all stream or none */
+        if (gs == DS4_OK) gs = ds4_fsdp_stream_packed(s->f, host, 0, put_values, &c);
+        ds4_dev_host_view_free(&s->exec, host, sp);
         if (st == DS4_OK) st = gs;
     }
     for (int g = 0; optim && g < DS4_OPT_NGROUPS; g++)
@@ -446,15 +449,24 @@ static ds4_status share_ranges(ds4_train_state *s, const ranges_ctx *c, int64_t 
 static ds4_status write_rank_file(ds4_train_state *s, const char *tmp) {
     const int rank = ds4_comm_rank(s->world);
     DS4_TRY(moments_in(s));
-    ds4_ckpt_shard_data d = {.params = ds4_fsdp_shard_params(s->f), .n = ds4_fsdp_shard_numel(s->f),
+    const float *sp = ds4_fsdp_shard_params(s->f);
+    const int64_t ns = ds4_fsdp_shard_numel(s->f);
+    ds4_ckpt_shard_data d = {.params = ds4_dev_host_view(&s->exec, sp, (size_t)ns * sizeof(float)), .n = ns,
                              .step = s->opt.step, .mark = s->opt.opt->mark, .tables = rank == 0 ? s->m : NULL};
-    for (int g = 0; g < DS4_OPT_NGROUPS; g++)
+    const float *dev[DS4_CKPT_ARRAYS_MAX];
+    bool ok = d.params || !sp;
+    for (int g = 0; g < DS4_OPT_NGROUPS; g++) /* the arrays as the host sees them (copies on a device) */
         for (int a = 0; a < s->opt.g[g].k && d.narrays < DS4_CKPT_ARRAYS_MAX; a++, d.narrays++) {
             d.names[d.narrays] = s->opt.g[g].names[a];
-            d.arrays[d.narrays] = s->opt.g[g].mem[a];
+            dev[d.narrays] = s->opt.g[g].mem[a];
+            d.arrays[d.narrays] = ds4_dev_host_view(&s->exec, dev[d.narrays], (size_t)s->opt.g[g].n * sizeof(float));
             d.lens[d.narrays] = s->opt.g[g].n;
+            ok = ok && (d.arrays[d.narrays] || !dev[d.narrays]);
         }
-    return moments_out(s, ds4_checkpoint_write_shard(tmp, rank, ds4_comm_size(s->world), &d));
+    ds4_status st = ok ? ds4_checkpoint_write_shard(tmp, rank, ds4_comm_size(s->world), &d) : DS4_ERR_OOM;
+    for (int i = 0; i < d.narrays; i++) ds4_dev_host_view_free(&s->exec, d.arrays[i], dev[i]);
+    ds4_dev_host_view_free(&s->exec, d.params, sp);
+    return moments_out(s, st);
 }
 
 /* Every rank writes its shard file into rank 0's hidden step folder at the same time; rank 0 writes the

@@ -1267,6 +1267,52 @@ static void test_memory(void) {
     CC_OK(cuda_free_pinned(back));
 }
 
+/* Reserved ranges (FSDP's model layout): pieces on 4 KiB pages, neighbours sharing a granule, each mapped
+ * piece reads zeros (also after its neighbour kept the granule with other bytes in it), survives its
+ * neighbour's unmap, and the range goes back whole. */
+static void test_ranges(void) {
+    const size_t page = 4096, bytes = (size_t)8 << 20;
+    char *r = NULL;
+    CC_OK(cuda_range_reserve((void **)&r, bytes));
+    if (!r) return;
+    unsigned char *h = NULL;
+    CC_OK(cuda_alloc_pinned((void **)&h, 3 * page));
+    if (!h) return;
+    CC_OK(cuda_range_map(S, r, 2 * page));           /* piece a: pages 0-1 */
+    CC_OK(cuda_range_map(S, r + 2 * page, page));    /* piece b: page 2, the same granule */
+    CC_OK(cuda_fill(S, r, 0x11, 2 * page));
+    CC_OK(cuda_fill(S, r + 2 * page, 0x22, page));
+    CC_OK(cuda_range_unmap(S, r, 2 * page));         /* b keeps the granule */
+    CC_OK(cuda_range_map(S, r, 2 * page));           /* a again: zeros, not the 0x11 it held */
+    CC_OK(cuda_copy_d2h(S, h, r, 3 * page));
+    CC_OK(cuda_stream_sync(S));
+    size_t bad = 0;
+    for (size_t i = 0; i < 3 * page; i++) bad += h[i] != (i < 2 * page ? 0 : 0x22);
+    CHECK(bad == 0, "reserved range: %zu bytes not as mapped (zeros, then the neighbour's 0x22)", bad);
+    CC_OK(cuda_range_map(S, r + (6 << 20), page));   /* a piece in another granule */
+    CC_OK(cuda_range_release(S, r, bytes));           /* with pieces still mapped */
+    /* rank_sum_add: rank order first, then into g (the cpu's bits) */
+    const int n = 3;
+    const int64_t len = 1000;
+    float hr[3 * 1000], hg[1000], want[1000], got[1000];
+    for (int64_t i = 0; i < n * len; i++) hr[i] = (float)((i * 7919) % 1013) * 1e-3f - 0.5f;
+    for (int64_t i = 0; i < len; i++) want[i] = hg[i] = (float)(i % 17) * 0.25f;
+    CPU(rank_sum_add, want, hr, n, len);
+    float *dg = NULL, *dr = NULL;
+    CC_OK(cuda_alloc((void **)&dg, sizeof hg));
+    CC_OK(cuda_alloc((void **)&dr, sizeof hr));
+    if (!dg || !dr) return;
+    CC_OK(cuda_copy_h2d(S, dg, hg, sizeof hg));
+    CC_OK(cuda_copy_h2d(S, dr, hr, sizeof hr));
+    CC_OK(cuda_rank_sum_add(S, dg, dr, n, len));
+    CC_OK(cuda_copy_d2h(S, got, dg, sizeof got));
+    CC_OK(cuda_stream_sync(S));
+    CHECK(memcmp(got, want, sizeof got) == 0, "rank_sum_add: not the cpu's bits");
+    CC_OK(cuda_free(dg));
+    CC_OK(cuda_free(dr));
+    CC_OK(cuda_free_pinned(h));
+}
+
 /* ---------------------------------------------------------------- without a GPU */
 /* Bad sizes are one clear error naming the op, before any device work (also where no GPU is visible). */
 static void test_arg_errors(void) {
@@ -1296,6 +1342,7 @@ int main(void) {
         return 1;
     }
     CC_RUN(test_memory);
+    CC_RUN(test_ranges);
     CC_RUN(test_gemm_not_tf32);
     CC_RUN(test_gemm_fp32);
     CC_RUN(test_gemm_plan_cache);

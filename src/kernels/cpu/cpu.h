@@ -32,6 +32,15 @@ void cpu_synchronize(void);
 ds4_status cpu_ops_status(void);
 void *cpu_buf_alloc_plan(ds4_mem_cat cat, size_t bytes);
 void cpu_buf_free_plan(void *p);
+/* Reserved ranges: host address space (ds4_range_*, core.h); a plan's pieces are only counted. */
+void *cpu_range_reserve(size_t bytes);
+void cpu_range_release(void *p, size_t bytes);
+bool cpu_range_map(void *p, size_t bytes, ds4_mem_cat cat);
+void cpu_range_unmap(void *p, size_t bytes, ds4_mem_cat cat);
+void *cpu_range_reserve_plan(size_t bytes);
+void cpu_range_release_plan(void *p, size_t bytes);
+bool cpu_range_map_plan(void *p, size_t bytes, ds4_mem_cat cat);
+void cpu_range_unmap_plan(void *p, size_t bytes, ds4_mem_cat cat);
 
 /* ---- GEMM: the blocked driver (../gemm.c) on the engine the dispatch chose ---- */
 /* The drivers take the matmul precision first: it picks the engine family (fp32 or bf16 operands). */
@@ -137,6 +146,8 @@ void cpu_streams_sum(float *dx, const float *dX, int64_t N, int64_t n, int64_t D
 
 /* ---- the step around the passes (cpu/step.c) ---- */
 void cpu_sumsq(double *out, const float *x, int64_t n);
+void cpu_sumsq_exact(ds4_sumsq_acc *acc, const float *x, int64_t n);
+void cpu_rank_sum_add(float *g, const float *recv, int n, int64_t len);
 void cpu_scale_f32(float *x, int64_t n, float s);
 void cpu_count_nonfinite(int64_t *out, const float *x, int64_t n);
 void cpu_adamw_update(int64_t n, float *w, const float *g, float *m, float *v, ds4_adamw_consts k, bool decay);

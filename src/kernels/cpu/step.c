@@ -8,6 +8,16 @@
 #include "kernels/cpu/cpu.h"
 
 void cpu_sumsq(double *out, const float *x, int64_t n) { *out = ds4_sumsq(x, n); }
+void cpu_sumsq_exact(ds4_sumsq_acc *acc, const float *x, int64_t n) { ds4_sumsq_exact(x, n, acc); }
+
+void cpu_rank_sum_add(float *g, const float *recv, int n, int64_t len) {
+#pragma omp parallel for schedule(static) if (len * n >= (1 << 16))
+    for (int64_t i = 0; i < len; i++) {
+        float t = recv[i];
+        for (int r = 1; r < n; r++) t += recv[(int64_t)r * len + i];
+        g[i] += t;
+    }
+}
 
 void cpu_scale_f32(float *x, int64_t n, float s) { ds4_scale_f32(x, n, s); }
 

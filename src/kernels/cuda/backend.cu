@@ -56,6 +56,7 @@ static ds4_stream *queue_of(const ds4_exec *ex) {
     return &g_default;
 }
 static cudaStream_t S(const ds4_exec *ex) { return queue_of(ex)->s; }
+static void *queue_scratch(ds4_stream *q, size_t bytes);
 static ds4_matmul_precision P(const ds4_exec *ex) { return ex ? ex->matmul_precision : DS4_MATMUL_FP32; }
 
 /* ------------------------------------------------------------------ memory */
@@ -92,6 +93,22 @@ static void e_buf_free(const ds4_exec *ex, void *p) {
         return;
     }
     note(ds4_fail(DS4_ERR_INTERNAL, "cuda: buf_free of %p, not a buffer of this backend", p));
+}
+
+static void *e_range_reserve(const ds4_exec *ex, size_t bytes) {
+    (void)ex;
+    void *p = NULL;
+    return cuda_range_reserve(&p, bytes) == DS4_OK ? p : NULL;
+}
+static void e_range_release(const ds4_exec *ex, void *p, size_t bytes) { note(cuda_range_release(S(ex), p, bytes)); }
+static bool e_range_map(const ds4_exec *ex, void *p, size_t bytes, ds4_mem_cat cat) {
+    if (cuda_range_map(S(ex), p, bytes) != DS4_OK) return false;
+    ds4_mem_track(cat, (int64_t)bytes);
+    return true;
+}
+static void e_range_unmap(const ds4_exec *ex, void *p, size_t bytes, ds4_mem_cat cat) {
+    note(cuda_range_unmap(S(ex), p, bytes));
+    ds4_mem_track(cat, -(int64_t)bytes);
 }
 
 static void e_copy_to_device(const ds4_exec *ex, void *dst, const void *src, size_t bytes) {
@@ -235,8 +252,14 @@ static void e_moe_group_by_expert(const ds4_exec *ex, int64_t *eoff, int32_t *et
                                   int64_t N, int64_t E, int64_t K) {
     note(cuda_moe_group_by_expert(S(ex), eoff, etok, eslot, idx, N, E, K));
 }
+/* The counts cross to the host here (ops.def: the one op whose output is host memory): the differences
+ * in the queue's scratch, then a copy and a wait. */
 static void e_moe_expert_counts(const ds4_exec *ex, int64_t *cnt, const int64_t *eoff, int64_t E, int64_t NK) {
-    note(cuda_moe_expert_counts(S(ex), cnt, eoff, E, NK));
+    int64_t *d = (int64_t *)queue_scratch(queue_of(ex), (size_t)(E > 0 ? E : 1) * sizeof(int64_t));
+    if (!d) return;
+    note(cuda_moe_expert_counts(S(ex), d, eoff, E, NK));
+    note(cuda_copy_d2h(S(ex), cnt, d, (size_t)E * sizeof(int64_t)));
+    note(cuda_stream_sync(S(ex)));
 }
 static void e_moe_expert_load(const ds4_exec *ex, int64_t *load, const int64_t *eoff, int64_t E) {
     note(cuda_moe_expert_load(S(ex), load, eoff, E));
@@ -361,6 +384,12 @@ static void *queue_scratch(ds4_stream *q, size_t bytes) {
 static void e_sumsq(const ds4_exec *ex, double *out, const float *x, int64_t n) {
     double *part = (double *)queue_scratch(queue_of(ex), cuda_sumsq_scratch_bytes(n));
     if (part) note(cuda_sumsq(S(ex), out, x, n, part));
+}
+static void e_sumsq_exact(const ds4_exec *ex, ds4_sumsq_acc *acc, const float *x, int64_t n) {
+    note(cuda_sumsq_exact(S(ex), acc, x, n));
+}
+static void e_rank_sum_add(const ds4_exec *ex, float *g, const float *recv, int n, int64_t len) {
+    note(cuda_rank_sum_add(S(ex), g, recv, n, len));
 }
 static void e_scale_f32(const ds4_exec *ex, float *x, int64_t n, float s) { note(cuda_scale_f32(S(ex), x, n, s)); }
 static void e_count_nonfinite(const ds4_exec *ex, int64_t *out, const float *x, int64_t n) {

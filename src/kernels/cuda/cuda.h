@@ -57,6 +57,13 @@ ds4_status cuda_free(void *p);
 ds4_status cuda_alloc_pinned(void **p, size_t bytes);
 ds4_status cuda_free_pinned(void *p);
 
+/* Reserved ranges (cuda_vmm.cu; ops.def range_*): device addresses with memory behind only the mapped
+ * pieces; a mapped piece reads zeros. */
+ds4_status cuda_range_reserve(void **p, size_t bytes);
+ds4_status cuda_range_map(cudaStream_t s, void *p, size_t bytes);
+ds4_status cuda_range_unmap(cudaStream_t s, void *p, size_t bytes);
+ds4_status cuda_range_release(cudaStream_t s, void *p, size_t bytes);
+
 /* Copies of `bytes` queued on stream s (host buffers should be pinned for the copy to overlap). */
 ds4_status cuda_copy_h2d(cudaStream_t s, void *dst, const void *src, size_t bytes);
 ds4_status cuda_copy_d2h(cudaStream_t s, void *dst, const void *src, size_t bytes);
@@ -176,6 +183,8 @@ ds4_status cuda_adamw_update(cudaStream_t s, const cuda_adamw_k *k, int64_t n, f
 /* Muon's per-element steps (ds4_muon_momentum, ds4_muon_apply), the same bits. g, mom, u, w, o: [n]. */
 ds4_status cuda_muon_momentum(cudaStream_t s, int64_t n, const float *g, float *mom, float *u, float mu, int nesterov);
 ds4_status cuda_muon_apply(cudaStream_t s, int64_t n, float *w, const float *o, float decay, float step);
+/* g [len] += Σ_r recv [n][len], rank order first (ops.def rank_sum_add). */
+ds4_status cuda_rank_sum_add(cudaStream_t s, float *g, const float *recv, int n, int64_t len);
 
 /* ================================================================ gradient norms (cuda_norm.cu)
  * src/core/norm.c's rules with the cpu's bits; the results stay in device memory. */

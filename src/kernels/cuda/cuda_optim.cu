@@ -76,3 +76,19 @@ ds4_status cuda_muon_apply(cudaStream_t s, int64_t n, float *w, const float *o, 
     CUDA_LAUNCHED("muon_apply");
     return DS4_OK;
 }
+
+/* FSDP's reduce-scatter sum: each element's n versions added in rank order, then into g (the cpu's order). */
+static __global__ void rank_sum_add_kernel(float *g, const float *recv, int n, int64_t len) {
+    CUDA_GRID_STRIDE(i, len) {
+        float t = recv[i];
+        for (int r = 1; r < n; r++) t += recv[(int64_t)r * len + i];
+        g[i] += t;
+    }
+}
+ds4_status cuda_rank_sum_add(cudaStream_t s, float *g, const float *recv, int n, int64_t len) {
+    CUDA_ARG(len >= 0 && n >= 1, "rank_sum_add", "n = %d, len = %lld", n, (long long)len);
+    if (len == 0) return DS4_OK;
+    rank_sum_add_kernel<<<cuda_blocks(len, 256), 256, 0, s>>>(g, recv, n, len);
+    CUDA_LAUNCHED("rank_sum_add");
+    return DS4_OK;
+}

@@ -20,11 +20,13 @@
 
 #include "kernels/cpu/cpu.h"
 
-/* One live buffer: its mapping [base, base + span) of which the caller asked for `bytes`. */
+/* One live buffer: its mapping [base, base + span) of which the caller asked for `bytes`; or a mapped
+ * piece of a reserved range (range_map), guarded the same way. */
 typedef struct {
     char *base;
     size_t span, bytes;
     ds4_mem_cat cat;
+    bool piece;
 } guard_buf;
 
 static guard_buf *g_bufs;     /* [g_cap] live buffers, g_n of them */
@@ -60,8 +62,9 @@ static void on_fault(int sig, siginfo_t *si, void *uctx) {
         char msg[256];
         int n = snprintf(msg, sizeof msg,
                          "ds4 cpu-guard: the host touched device memory outside a backend op or copy: byte %zu of a "
-                         "%zu-byte %s buffer; the call stack (addr2line -f -e PROGRAM +OFFSET names a frame):\n",
-                         (size_t)(addr - b->base), b->bytes, ds4_mem_cat_name(b->cat));
+                         "%zu-byte %s %s; the call stack (addr2line -f -e PROGRAM +OFFSET names a frame):\n",
+                         (size_t)(addr - b->base), b->bytes, ds4_mem_cat_name(b->cat),
+                         b->piece ? "range (a mapped piece)" : "buffer");
         if (write(2, msg, (size_t)n) >= 0) {
             void *frames[48];
             backtrace_symbols_fd(frames, backtrace(frames, 48), 2);
@@ -101,13 +104,47 @@ static void guard_buf_free(const ds4_exec *ex, void *p) {
     (void)ex;
     if (!p) return;
     for (int64_t i = 0; i < g_n; i++) {
-        if (g_bufs[i].base != p) continue;
+        if (g_bufs[i].base != p || g_bufs[i].piece) continue;
         ds4_mem_track(g_bufs[i].cat, -(int64_t)g_bufs[i].bytes);
         munmap(g_bufs[i].base, g_bufs[i].span);
         g_bufs[i] = g_bufs[--g_n];
         return;
     }
     abort(); /* not one of its buffers (ds4_free's or a double free): an internal bug, not input */
+}
+
+/* Reserved ranges: the cpu's (address space, pages made resident per piece); each mapped piece is guarded
+ * like a buffer while it lives. */
+static void *guard_range_reserve(const ds4_exec *ex, size_t bytes) {
+    (void)ex;
+    install_fault_handler();
+    return cpu_range_reserve(bytes);
+}
+
+static bool guard_range_map(const ds4_exec *ex, void *p, size_t bytes, ds4_mem_cat cat) {
+    (void)ex;
+    if (!ds4_grow((void **)&g_bufs, &g_cap, g_n + 1, sizeof *g_bufs) || !cpu_range_map(p, bytes, cat)) return false;
+    const size_t span = page_round(bytes ? bytes : 1);
+    if (!g_open) mprotect(p, span, PROT_NONE);
+    g_bufs[g_n++] = (guard_buf){.base = p, .span = span, .bytes = bytes, .cat = cat, .piece = true};
+    return true;
+}
+
+static void guard_range_unmap(const ds4_exec *ex, void *p, size_t bytes, ds4_mem_cat cat) {
+    (void)ex;
+    for (int64_t i = 0; i < g_n; i++)
+        if (g_bufs[i].base == p && g_bufs[i].piece) {
+            g_bufs[i] = g_bufs[--g_n];
+            break;
+        }
+    cpu_range_unmap(p, bytes, cat);
+}
+
+static void guard_range_release(const ds4_exec *ex, void *p, size_t bytes) {
+    (void)ex;
+    for (int64_t i = 0; i < g_n; i++) /* pieces still mapped go with it */
+        if (g_bufs[i].piece && g_bufs[i].base >= (char *)p && g_bufs[i].base < (char *)p + bytes) g_bufs[i--] = g_bufs[--g_n];
+    cpu_range_release(p, bytes);
 }
 
 /* ------------------------------------------------------------------ every other entry: open, the cpu's, close */
@@ -141,6 +178,10 @@ static void make_table(void) {
     g_table = k_guard_ops;
     g_table.buf_alloc = guard_buf_alloc;
     g_table.buf_free = guard_buf_free;
+    g_table.range_reserve = guard_range_reserve;
+    g_table.range_release = guard_range_release;
+    g_table.range_map = guard_range_map;
+    g_table.range_unmap = guard_range_unmap;
 }
 
 const ds4_kernel_backend *ds4_kernel_backend_guard(void) {
