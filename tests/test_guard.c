@@ -132,25 +132,26 @@ static void touch_params(const ds4_exec *on_guard, const ds4_config *c) {
     (void)x;
 }
 
-/* The host reaching into an FSDP shard (one process: the world of one rank, staged). */
-static void touch_shard(const ds4_exec *on_guard, const ds4_config *c) {
-    ds4_model *m = NULL;
+/* An FSDP model on the guard, initialised (one process: the world of one rank, staged); exits on failure. */
+static ds4_fsdp *fsdp_on_guard(const ds4_exec *on_guard, const ds4_config *c, ds4_model **m) {
     ds4_fsdp *f = NULL;
-    if (ds4_model_create(on_guard, c, true, &m) || ds4_fsdp_create(m, ds4_comm_world(), 1, &f) ||
+    if (ds4_model_create(on_guard, c, true, m) || ds4_fsdp_create(*m, ds4_comm_world(), 1, &f) ||
         ds4_fsdp_init_random(f, 3))
         _exit(3);
-    volatile float x = ds4_fsdp_shard_grads(f)[7];
+    return f;
+}
+
+/* The host reaching into an FSDP shard. */
+static void touch_shard(const ds4_exec *on_guard, const ds4_config *c) {
+    ds4_model *m = NULL;
+    volatile float x = ds4_fsdp_shard_grads(fsdp_on_guard(on_guard, c, &m))[7];
     (void)x;
 }
 
 /* The host reaching into a gathered group's weights (a mapped piece of the model's reserved range). */
 static void touch_gathered(const ds4_exec *on_guard, const ds4_config *c) {
     ds4_model *m = NULL;
-    ds4_fsdp *f = NULL;
-    if (ds4_model_create(on_guard, c, true, &m) || ds4_fsdp_create(m, ds4_comm_world(), 1, &f) ||
-        ds4_fsdp_init_random(f, 3))
-        _exit(3);
-    const ds4_param_hooks *h = ds4_fsdp_hooks(f);
+    const ds4_param_hooks *h = ds4_fsdp_hooks(fsdp_on_guard(on_guard, c, &m));
     if (h->gather(h->ctx, 0) != DS4_OK) _exit(4);
     volatile float x = ds4_model_params_flat(m)[ds4_model_region(m, 0)->start + 2];
     (void)x;
