@@ -10,7 +10,8 @@
 #                                     config and a token shard, for the trainer's check.
 #   bash DEST/gpu-check.sh            (on the GPU machine) nvidia-smi, every test binary, `ds4 train
 #                                     --training.device cuda` (twice: the same checkpoint bytes; against
-#                                     the cpu: the losses), compute-sanitizer memcheck, racecheck and
+#                                     the cpu: the losses; under mpirun -np 2 where the machine has it:
+#                                     FSDP on one GPU), compute-sanitizer memcheck, racecheck and
 #                                     synccheck on each test (test_cuda_basic: on its ops with shared
 #                                     memory), then the benches (bench/cuda_*: timings, not checks); logs
 #                                     and summary.txt under $OUT (default DEST/out). Exit 0 when all
@@ -137,6 +138,24 @@ if [ -x "$T/ds4" ]; then
     if paste -d' ' "$T/cuda-1.jsonl" "$T/cpu.jsonl" 2>/dev/null | awk '{ if (match($0, /"loss": [-0-9.e+]+/)) { a = substr($0, RSTART + 8, RLENGTH - 8); rest = substr($0, RSTART + RLENGTH); if (match(rest, /"loss": [-0-9.e+]+/)) { b = substr(rest, RSTART + 8, RLENGTH - 8); d = a - b; if (d < 0) d = -d; if (d > 1e-3 * (b < 0 ? -b : b)) bad = 1; n++ } } } END { exit !(n == 4 && !bad) }'; then
         say "train cuda vs cpu: the 4 losses within 1e-3 relative"
     else say "train cuda vs cpu: losses differ (see $T/cuda-1.jsonl, $T/cpu.jsonl)"; fail=1; fi
+    # FSDP on the GPU: two ranks on one GPU, the shards and gathered groups on the device, the collectives
+    # staged through host copies (src/dist/comm_staged.c); the losses within 1e-3 of one process's
+    lim=$(limit "$TEST_S")
+    if ! command -v mpirun > /dev/null; then say "train cuda mpirun -np 2: no mpirun on this machine"
+    elif [ "$lim" = 0 ]; then say "train cuda mpirun -np 2: skipped (out of time)"; fail=1
+    else
+        rm -rf "$T/ckpt-mpi"
+        OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+            timeout "$lim" mpirun -np 2 --bind-to none -x LD_LIBRARY_PATH "$T/ds4" train --config "$T/train.toml" \
+            --training.device cuda --checkpoint.folder "$T/ckpt-mpi" --metrics.jsonl "$T/mpi.jsonl" \
+            > "$OUT/train-cuda-mpi.log" 2>&1
+        rc=$?
+        say "train cuda mpirun -np 2: rc $rc, $(grep -E '^step +4 ' "$OUT/train-cuda-mpi.log" | head -c 120)"
+        [ "$rc" = 0 ] || fail=1
+        if paste -d' ' "$T/mpi.jsonl" "$T/cuda-1.jsonl" 2>/dev/null | awk '{ if (match($0, /"loss": [-0-9.e+]+/)) { a = substr($0, RSTART + 8, RLENGTH - 8); rest = substr($0, RSTART + RLENGTH); if (match(rest, /"loss": [-0-9.e+]+/)) { b = substr(rest, RSTART + 8, RLENGTH - 8); d = a - b; if (d < 0) d = -d; if (d > 1e-3 * (b < 0 ? -b : b)) bad = 1; n++ } } } END { exit !(n == 4 && !bad) }'; then
+            say "train cuda mpirun -np 2 vs one process: the 4 losses within 1e-3 relative"
+        else say "train cuda mpirun -np 2 vs one process: losses differ (see $T/mpi.jsonl)"; fail=1; fi
+    fi
 else
     say "train: not staged"
     fail=1
