@@ -98,8 +98,9 @@ $(BUILD)/ds4: $(TOOL_OBJ) $(BUILD)/libds4.a
 $(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/liboracle.a $(BUILD)/libds4.a
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
+# The benches too (bench/train_step runs on --device cuda: the plugin calls into the whole library).
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(BUILD)/libds4.a
-	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
+	$(CC) $(CFLAGS) -rdynamic $< -Wl,--whole-archive $(BUILD)/libds4.a -Wl,--no-whole-archive -o $@ $(LDLIBS)
 
 test: all
 	BUILD=$(BUILD) bash tests/run.sh

@@ -1,5 +1,5 @@
 """ds4's training step against Hugging Face transformers' DeepSeek-V4 on PyTorch: the same config, tokens,
-weights and cores, steps interleaved. Run through bench/torch_compare.sh, which makes the venv (.venv-bench)
+weights and cores (or GPU: --device cuda), steps interleaved. Run through bench/torch_compare.sh, which makes the venv (.venv-bench)
 with PyPI's torch and transformers and builds ds4; `--help` lists the options.
 
 Engines (each a worker process answering one step per command, so that a run that runs out of memory or
@@ -16,6 +16,10 @@ round so that a shared machine's drift hits all alike; the table gives each engi
 ds4 engines, --profile-steps more steps with the kernel profile on (ds4/profile.h) give the breakdown.
 Weights: `ds4 init` (seed 1) of the config, exported with `ds4 export --names hf --dtype f32`: both sides
 start from the same weights, hash routing table included, so the losses of the first (untimed) step agree.
+--device cuda runs every engine on the GPU (ds4 on its cuda backend, PyTorch with the model and the ids on
+cuda:0, each step timed between two torch.cuda.synchronize()); with --peak-tflops the table adds tok/s and
+MFU: the architecture's sparse-aware FLOPs of a training step (ds4_train_flops_per_token, the same count for
+every engine: the model's work, not what an engine happens to compute) per second over the peak.
 """
 import argparse
 import datetime
@@ -28,6 +32,7 @@ import signal
 import struct
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 
@@ -55,10 +60,13 @@ def hf_worker(a):
     model, info = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, attn_implementation="eager",
                                                        output_loading_info=True)
     bad = {k: len(v) for k, v in info.items() if v}
+    gpu = a.device == "cuda"
+    model.to(a.device)
     model.train()
     fwd = torch.compile(model) if a.variant == "compile" else model
     raw = open(a.ids, "rb").read()
-    ids = torch.tensor(struct.unpack(f"<{len(raw) // 4}i", raw), dtype=torch.long).view(1, -1)
+    ids = torch.tensor(struct.unpack(f"<{len(raw) // 4}i", raw), dtype=torch.long).view(1, -1).to(a.device)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     n = sum(p.numel() for p in model.parameters())
     print(f"ready {n}" + (f" loading-info {json.dumps(bad)}" if bad else ""), flush=True)
@@ -69,14 +77,16 @@ def hf_worker(a):
             print(f"error unknown command {line.strip()!r}", flush=True)
             return 1
         try:
+            sync()
             t0 = time.perf_counter()
             loss = fwd(input_ids=ids, labels=ids).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            sync()
             dt = time.perf_counter() - t0
-        except (MemoryError, RuntimeError) as e:  # torch's CPU allocator failing raises RuntimeError
+        except (MemoryError, RuntimeError) as e:  # torch's allocators failing raise RuntimeError (CUDA's OOM too)
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             oom = isinstance(e, MemoryError) or "memory" in msg.lower() or "alloc" in msg.lower()
             print(f"error {'OOM ' if oom else ''}{msg[:200]}", flush=True)
@@ -191,10 +201,10 @@ def engine_argv(a, name, work, T, threads):
     ids = os.path.join(work, f"ids-{T}.bin")
     if name.startswith("ds4"):
         argv = [os.path.join(a.build, "bench", "train_step"), "--model", os.path.join(work, "model"), "--ids", ids,
-                "--seq", str(T), "--threads", str(threads)]
+                "--seq", str(T), "--threads", str(threads), "--device", a.device]
         return argv + (["--bf16"] if name == "ds4-bf16" else [])
     return [sys.executable, os.path.abspath(__file__), "--worker", "--variant", name[3:], "--model",
-            os.path.join(work, "hf"), "--ids", ids, "--threads", str(threads)]
+            os.path.join(work, "hf"), "--ids", ids, "--threads", str(threads), "--device", a.device]
 
 
 def prepare(a, work, seqs):
@@ -238,6 +248,8 @@ def run_cell(a, work, T, threads, log):
             ans = read_ready(w, a.setup_timeout)  # the worker says "ready" unasked once loaded
             if ans and "loading-info" in ans:
                 w.note = "transformers' loading info: " + ans.split("loading-info", 1)[1].strip()
+            if ans and "flops-per-token" in ans:
+                a.flops_per_token[T] = float(ans.split("flops-per-token", 1)[1].split()[0])
             log(f"  {name}: {'ready' if ans else w.status}")
         for w in workers:  # the untimed first step: first touch, torch.compile's compilation
             ans = w.ask("step", a.setup_timeout)
@@ -282,6 +294,12 @@ def read_ready(w, limit):
     return ln
 
 
+def gpu_name():
+    r = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                       capture_output=True, text=True) if shutil.which("nvidia-smi") else None
+    return r.stdout.strip().splitlines()[0] if r and r.returncode == 0 and r.stdout.strip() else "no nvidia-smi"
+
+
 def machine():
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
@@ -310,7 +328,8 @@ def versions(a):
 def report(a, cfg, cells, started, load0):
     out = []
     p = out.append
-    p(f"# ds4 vs transformers' DeepSeek-V4: a training step on the CPU ({started:%Y-%m-%d %H:%M} UTC)\n")
+    where = f"the GPU ({gpu_name()})" if a.device == "cuda" else "the CPU"
+    p(f"# ds4 vs transformers' DeepSeek-V4: a training step on {where} ({started:%Y-%m-%d %H:%M} UTC)\n")
     p(f"- machine: {machine()}; load average {load0[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     if a.note:
         p(f"- **{a.note}**")
@@ -334,19 +353,26 @@ def report(a, cfg, cells, started, load0):
     for (T, th), ws in cells:
         base = next((w for w in ws if w.name == "ds4-fp32" and w.times), None)
         p(f"## T = {T}, {th} thread{'s' if th > 1 else ''}\n")
-        p("| engine | s/step (median) | min | max | vs ds4 fp32 | loss, step 1 | peak RSS GiB | notes |")
-        p("|---|---:|---:|---:|---:|---:|---:|---|")
+        fpt = a.flops_per_token.get(T)
+        mfu = bool(a.peak_tflops and fpt)
+        p("| engine | s/step (median) | min | max | vs ds4 fp32 | tok/s |" + (" MFU |" if mfu else "") +
+          " loss, step 1 | peak RSS GiB | notes |")
+        p("|---|---:|---:|---:|---:|---:|" + ("---:|" if mfu else "") + "---:|---:|---|")
         for w in ws:
             if w.times:
                 m = median(w.times)
                 rel = f"{median(base.times) / m:.2f}x" if base else ""
-                cols = f"{m:.3f} | {min(w.times):.3f} | {max(w.times):.3f} | {rel}"
+                cols = f"{m:.3f} | {min(w.times):.3f} | {max(w.times):.3f} | {rel} | {T / m:.0f}"
+                if mfu:
+                    cols += f" | {100 * fpt * T / m / (a.peak_tflops * 1e12):.1f}%"
             else:
-                cols = f"**{w.status or 'no step'}** | | | "
+                cols = f"**{w.status or 'no step'}** | | | | " + ("| " if mfu else "")
             note = "; ".join(x for x in (w.note, w.status if w.times and w.status else "") if x)
             loss = f"{w.first_loss:.5f}" if w.first_loss is not None else ""
             p(f"| {w.name} | {cols} | {loss} | {w.peak_rss / 2**30:.2f} | {note} |")
-        p("\nvs ds4 fp32: ds4 fp32's median / this median (> 1: faster than ds4 fp32).\n")
+        p("\nvs ds4 fp32: ds4 fp32's median / this median (> 1: faster than ds4 fp32)." +
+          (f" MFU: {fpt:.4g} FLOPs per token (ds4_train_flops_per_token at this T, the architecture's sparse-aware "
+           f"work, the same for every engine) x tok/s over {a.peak_tflops:g} TFLOP/s." if mfu else "") + "\n")
         for w in ws:
             if w.profile:
                 p(f"### {w.name}: kernel profile (ds4/profile.h; {a.profile_steps} more step{'s' if a.profile_steps > 1 else ''}, "
@@ -372,6 +398,10 @@ def main():
     ap.add_argument("--config", default=os.path.join(ROOT, "bench", "configs", "recompute-flash-shape.json"))
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin engines to the first N CPUs")
     ap.add_argument("--note", default="", help="a line for the report's header (e.g. 'machine loaded')")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where every engine runs (cuda: ds4's cuda backend and PyTorch on cuda:0; default cpu)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the machine's peak for the MFU column (e.g. 989 for an H200's dense bf16); none: no MFU")
     ap.add_argument("--out", default=None, help="report file (default bench/results/torch-compare/DATE-TIME.md)")
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--torch-source", default="?", help=argparse.SUPPRESS)
@@ -385,6 +415,7 @@ def main():
         a.threads = int(a.threads)
         return hf_worker(a)
     a.argv = os.environ.get("DS4_BENCH_ARGS", " ".join(sys.argv[1:]))
+    a.flops_per_token = {}
     try:
         seqs = [int(x) for x in a.seq.split(",")]
         threads = [int(x) for x in a.threads.split(",")]

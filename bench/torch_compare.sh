@@ -4,6 +4,9 @@
 # Not part of CI: the first run installs PyPI's torch (gigabytes) and transformers into the repository's
 # own venv .venv-bench (git-ignored): the CPU-only wheels when their index is reachable, else PyPI's torch.
 # Usage: bench/torch_compare.sh [torch_compare.py options]  (--help lists them; e.g. --seq 1024 --threads 1 --quick)
+# On a machine that already has torch and cannot reach PyPI (a GPU machine: --device cuda), DS4_BENCH_SYSTEM=1
+# runs the Python in DS4_BENCH_PYTHON (default python3) as it is (transformers and safetensors importable, e.g.
+# through PYTHONPATH), and DS4_BENCH_NO_BUILD=1 takes build/ as it was carried there (nothing is compiled).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="$ROOT/.venv-bench"
@@ -12,7 +15,12 @@ TRANSFORMERS="transformers==5.23.0"          # the version tests/test_hf_roundtr
 TORCH="${DS4_BENCH_TORCH:-torch}"           # e.g. DS4_BENCH_TORCH=torch==2.15.0 to pin
 CPU_INDEX="${DS4_BENCH_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 
-if ! "$VENV/bin/python" -c "import torch, transformers, safetensors" 2>/dev/null; then
+if [ -n "${DS4_BENCH_SYSTEM:-}" ]; then
+    "$PY" -c "import torch, transformers, safetensors" ||
+        { echo "torch_compare: DS4_BENCH_SYSTEM=1 but $PY cannot import torch, transformers and safetensors" >&2; exit 2; }
+    PYBIN=$(command -v "$PY")
+    SOURCE="the machine's own ($PYBIN)"
+elif ! "$VENV/bin/python" -c "import torch, transformers, safetensors" 2>/dev/null; then
     rm -rf "$VENV"
     "$PY" -m venv "$VENV"
     if "$VENV/bin/pip" install -q --timeout 20 --retries 0 --index-url "$CPU_INDEX" "$TORCH"; then
@@ -24,8 +32,9 @@ if ! "$VENV/bin/python" -c "import torch, transformers, safetensors" 2>/dev/null
     fi
     "$VENV/bin/pip" install -q "$TRANSFORMERS" safetensors
 fi
+PYBIN=${PYBIN:-$VENV/bin/python}
+SOURCE=${SOURCE:-$(cat "$VENV/torch-source" 2>/dev/null || echo "installed by hand")}
 BUILD="${BUILD:-build}"
-make -C "$ROOT" -s BUILD="$BUILD" "$BUILD/ds4" "$BUILD/bench/train_step" >&2
+[ -n "${DS4_BENCH_NO_BUILD:-}" ] || make -C "$ROOT" -s BUILD="$BUILD" "$BUILD/ds4" "$BUILD/bench/train_step" >&2
 export DS4_BENCH_ARGS="$(printf '%q ' "$@")"
-exec "$VENV/bin/python" "$ROOT/bench/torch_compare.py" --build "$ROOT/$BUILD" \
-    --torch-source "$(cat "$VENV/torch-source" 2>/dev/null || echo "installed by hand")" "$@"
+exec "$PYBIN" "$ROOT/bench/torch_compare.py" --build "$ROOT/$BUILD" --torch-source "$SOURCE" "$@"

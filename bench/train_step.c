@@ -3,7 +3,9 @@
  * whole step (the trainer's ds4_train_step: forward, backward, clip, AdamW) each time it reads a command.
  *
  * Usage: train_step (--model DIR | --config FILE.json) [--ids FILE] [--seq T] [--batch B] [--threads N] [--bf16]
+ *                   [--device NAME]
  *   --model: weights of a model directory (ds4 init / ds4 convert); --config: random weights (seed 1).
+ *   --device: the backend the state lives and runs on (cpu, cuda, ...: ds4 info lists them; default cpu).
  *   --ids: B·T int32 token ids, raw little-endian (the driver gives both engines the same); else a fixed
  *   pseudo-random sequence.
  * Commands, one a line on stdin; each answer is one line on stdout:
@@ -11,7 +13,9 @@
  *   profile K   -> K more steps with the kernel profile on (ds4/profile.h): its markdown table, then
  *                  "end SECONDS" (their wall time)
  *   quit
- * After opening the state it prints "ready PARAMS". A failure prints "error MESSAGE" and exits 1. */
+ * After opening the state it prints "ready PARAMS flops-per-token F" (F: ds4_train_flops_per_token, the
+ * architecture's sparse-aware FLOPs of a training step per token at this T, for MFU). A failure prints
+ * "error MESSAGE" and exits 1. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +24,7 @@
 #include "ds4/core.h"
 #include "ds4/dist.h"
 #include "ds4/io.h"
+#include "ds4/kernels.h"
 #include "ds4/model.h"
 #include "ds4/profile.h"
 #include "ds4/trainer.h"
@@ -92,7 +97,7 @@ static int serve(bench_state *b) {
 }
 
 int main(int argc, char **argv) {
-    const char *model = NULL, *config = NULL, *ids_path = NULL;
+    const char *model = NULL, *config = NULL, *ids_path = NULL, *device = NULL;
     int64_t T = 1024, B = 1;
     int threads = 1;
     bool bf16 = false;
@@ -107,9 +112,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--batch") && has) B = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && has) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--bf16")) bf16 = true;
+        else if (!strcmp(argv[i], "--device") && has) device = argv[++i];
         else {
             fprintf(stderr, "usage: %s (--model DIR | --config FILE.json) [--ids FILE] [--seq T] [--batch B] "
-                            "[--threads N] [--bf16]\n", argv[0]);
+                            "[--threads N] [--bf16] [--device NAME]\n", argv[0]);
             return 2;
         }
     }
@@ -118,6 +124,10 @@ int main(int argc, char **argv) {
         return 2;
     }
     ds4_set_threads(threads);
+    ds4_exec ex = {0};
+    if (device && (ds4_backend_find("--device", device, &ex.backend) != DS4_OK ||
+                   ds4_backend_ready("--device", ex.backend) != DS4_OK))
+        return fail("--device");
     ds4_model_dir *d = NULL;
     ds4_config c;
     if (model) {
@@ -135,9 +145,10 @@ int main(int argc, char **argv) {
     } else {
         for (int64_t i = 0; i < B * T; i++) b.ids[i] = (int32_t)(ds4_rng_u64(3, 1, (uint64_t)i) % (uint64_t)c.vocab_size);
     }
-    const ds4_train_state_opts so = {.ep = 1, .bf16 = bf16};
+    const ds4_train_state_opts so = {.ep = 1, .bf16 = bf16, .exec = &ex};
     if (ds4_train_state_open(&c, d, 1, ds4_comm_self(), &so, &b.s) != DS4_OK) return fail("train state");
-    printf("ready %lld\n", (long long)ds4_model_numel(ds4_train_state_model(b.s)));
+    printf("ready %lld flops-per-token %.6g\n", (long long)ds4_model_numel(ds4_train_state_model(b.s)),
+           ds4_train_flops_per_token(&c, T));
     const int rc = serve(&b);
     ds4_train_state_free(b.s);
     ds4_model_dir_close(d);

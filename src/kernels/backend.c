@@ -35,8 +35,9 @@ const char *ds4_kernel_backend_missing(const ds4_kernel_backend *b) {
 }
 
 /* "cuda" (cuda/backend.cu): linked in (the CUDA tests and benches link libds4cuda.a: a weak reference
- * finds it), or the plugin libds4cuda.so beside the program (mk/cuda.mk), opened the first time a backend
- * past the built-in ones is asked for, so a run on the cpu never loads a CUDA library. */
+ * finds it), or the plugin libds4cuda.so beside the program (mk/cuda.mk) or in its parent folder (the
+ * benches in build/bench/ find build/libds4cuda.so), opened the first time a backend past the built-in ones
+ * is asked for, so a run on the cpu never loads a CUDA library. */
 extern const ds4_kernel_backend *ds4_kernel_backend_cuda(void) __attribute__((weak));
 
 typedef const ds4_kernel_backend *(*backend_entry)(void);
@@ -56,6 +57,12 @@ static backend_entry cuda_plugin(void) {
     path[n] = 0;
     char *slash = strrchr(path, '/');
     snprintf(slash ? slash + 1 : path, 32, "libds4cuda.so");
+    if (access(path, F_OK) != 0 && slash) { /* the parent folder: .../build/bench/PROGRAM -> .../build/ */
+        *slash = 0;
+        char *up = strrchr(path, '/');
+        if (up) snprintf(up + 1, 32, "libds4cuda.so");
+        else *slash = '/';
+    }
     if (access(path, F_OK) != 0) {
         snprintf(g_cuda_why, sizeof g_cuda_why, "this ds4 was built without the CUDA backend (no %.400s)", path);
         return NULL;
