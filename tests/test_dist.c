@@ -22,6 +22,7 @@
  * Without mpirun on the machine the test fails: Open MPI is a dependency (scripts/install-deps.sh). */
 #include "dist/comm_impl.h"
 #include "ds4/dist.h"
+#include "ds4/kernels.h"
 #include "ds4/memplan.h"
 #include "ds4/offload.h"
 #include "ds4/recompute.h"
@@ -478,7 +479,7 @@ static void test_comm_tables_complete(void) {
     } while (0);
         DS4_COMM_ENTRIES(NULL_ONE)
 #undef NULL_ONE
-        CHECK(entries == 12 && refused == entries, "table %s: %d of %d entries refused when NULL", t->name, refused,
+        CHECK(entries == 14 && refused == entries, "table %s: %d of %d entries refused when NULL", t->name, refused,
               entries);
     }
     CHECK(!strcmp(ds4_comm_ops_self.name, "self") && !strcmp(ds4_comm_ops_plan.name, "plan"));
@@ -535,10 +536,88 @@ static void test_comm_self_and_plan(void) {
           untouched[1] == 7 && untouched[2] == 7, "a plan moves no data");
     double px[1] = {2.5};
     CHECK(ds4_comm_sum_f64(p, px, 1) == DS4_OK && px[0] == 2.5);
+    q = (ds4_comm_req *)&q;
+    CHECK(ds4_comm_isend(p, send, 2, sizeof(float), 2, 0, &q) == DS4_OK && q == NULL &&
+              ds4_comm_irecv(p, untouched, 2, sizeof(float), 0, 0, &q) == DS4_OK && q == NULL && untouched[0] == 7,
+          "a plan's point to point moves nothing and completes at once");
+    CHECK(ds4_comm_isend(p, send, 2, sizeof(float), 1, 0, &q) != DS4_OK, "a send to this rank itself");
+    CHECK(ds4_comm_isend(c, send, 2, sizeof(float), 0, 0, &q) != DS4_OK &&
+              ds4_comm_irecv(c, got, 2, sizeof(float), 1, 0, &q) != DS4_OK,
+          "one process has no peer: %s", ds4_errmsg());
     CHECK(ds4_comm_split(p, 0, 0, 2, 1, &sub) == DS4_OK && sub && ds4_comm_is_plan(sub) && ds4_comm_size(sub) == 2 &&
           ds4_comm_rank(sub) == 1);
     ds4_comm_free(sub);
     ds4_comm_free(p);
+}
+
+/* The host-staged communicator over one process, on cpu-guard buffers (unreachable from the host outside
+ * the backend's calls): an all-gather lands its segment and leaves the device bytes around it as they
+ * were; an all-to-all likewise. */
+static void test_comm_staged_one_process(void) {
+    const struct ds4_kernel_backend *gb = NULL;
+    CHECK(ds4_backend_find("--device", "cpu-guard", &gb) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_exec ex = {.backend = gb};
+    ds4_comm *s = NULL;
+    CHECK(ds4_comm_staged(ds4_comm_self(), &ex, &s) == DS4_OK && s && s->ops == &ds4_comm_ops_staged, "%s",
+          ds4_errmsg());
+    float *dsend = ds4_dev_alloc(&ex, DS4_MEM_COMM, 5 * sizeof(float)), *drecv = ds4_dev_alloc(&ex, DS4_MEM_COMM, 6 * sizeof(float));
+    if (!s || !dsend || !drecv) return;
+    const float send[5] = {1, 2, 3, 4, 5}, before[6] = {-1, -1, -1, -1, -1, -1};
+    float got[6];
+    ds4_dev_to_device(&ex, dsend, send, sizeof send);
+    ds4_dev_to_device(&ex, drecv, before, sizeof before);
+    const int64_t cnt3[1] = {3}, at2[1] = {2}, at1[1] = {1};
+    ds4_comm_req *q = (ds4_comm_req *)&q;
+    CHECK(ds4_comm_iallgatherv(s, dsend, 3, drecv, cnt3, at2, sizeof(float), &q) == DS4_OK && q == NULL, "%s",
+          ds4_errmsg());
+    ds4_dev_to_host(&ex, got, drecv, sizeof got);
+    CHECK(got[0] == -1 && got[1] == -1 && got[2] == 1 && got[3] == 2 && got[4] == 3 && got[5] == -1,
+          "staged all-gather: %g %g %g %g %g %g", got[0], got[1], got[2], got[3], got[4], got[5]);
+    CHECK(ds4_comm_alltoallv(s, dsend, cnt3, at1, drecv, cnt3, at2, sizeof(float)) == DS4_OK);
+    ds4_dev_to_host(&ex, got, drecv, sizeof got);
+    CHECK(got[0] == -1 && got[1] == -1 && got[2] == 2 && got[3] == 3 && got[4] == 4 && got[5] == -1,
+          "staged all-to-all: %g %g %g %g %g %g", got[0], got[1], got[2], got[3], got[4], got[5]);
+    ds4_comm *sub = NULL;
+    CHECK(ds4_comm_split(s, 0, 0, 1, 0, &sub) == DS4_OK && sub && sub->ops == &ds4_comm_ops_staged, "a staged split");
+    ds4_comm_free(sub);
+    ds4_comm_free(s);
+    ds4_dev_free(&ex, dsend);
+    ds4_dev_free(&ex, drecv);
+}
+
+/* Point to point under MPI, around a ring: rank r sends {1000·r + i} to r + 1 and receives r − 1's, on the
+ * host and through the staged communicator on cpu-guard buffers. */
+static void test_comm_ring(void) {
+    ds4_comm *world = ds4_comm_world();
+    const int W = ds4_comm_size(world), me = ds4_comm_rank(world), next = (me + 1) % W, prev = (me + W - 1) % W;
+    enum { N = 1000 };
+    float out[N], in[N];
+    for (int i = 0; i < N; i++) out[i] = (float)(1000 * me + i), in[i] = -1;
+    ds4_comm_req *rq = NULL, *sq = NULL;
+    CHECK(ds4_comm_irecv(world, in, N, sizeof(float), prev, 7, &rq) == DS4_OK && rq, "%s", ds4_errmsg());
+    CHECK(ds4_comm_isend(world, out, N, sizeof(float), next, 7, &sq) == DS4_OK && sq, "%s", ds4_errmsg());
+    CHECK(ds4_comm_wait(sq) == DS4_OK && ds4_comm_wait(rq) == DS4_OK, "%s", ds4_errmsg());
+    int bad = 0;
+    for (int i = 0; i < N; i++) bad += in[i] != (float)(1000 * prev + i);
+    CHECK(bad == 0, "rank %d: %d of %d elements from rank %d wrong", me, bad, N, prev);
+    const struct ds4_kernel_backend *gb = NULL;
+    CHECK(ds4_backend_find("--device", "cpu-guard", &gb) == DS4_OK);
+    const ds4_exec ex = {.backend = gb};
+    ds4_comm *s = NULL;
+    CHECK(ds4_comm_staged(world, &ex, &s) == DS4_OK && s, "%s", ds4_errmsg());
+    float *dout = ds4_dev_alloc(&ex, DS4_MEM_COMM, sizeof out), *din = ds4_dev_alloc(&ex, DS4_MEM_COMM, sizeof in);
+    if (!s || !dout || !din) return;
+    ds4_dev_to_device(&ex, dout, out, sizeof out);
+    CHECK(ds4_comm_irecv(s, din, N, sizeof(float), prev, 8, &rq) == DS4_OK && ds4_comm_isend(s, dout, N, sizeof(float),
+                                                                                           next, 8, &sq) == DS4_OK);
+    CHECK(ds4_comm_wait(sq) == DS4_OK && ds4_comm_wait(rq) == DS4_OK, "%s", ds4_errmsg());
+    ds4_dev_to_host(&ex, in, din, sizeof in);
+    bad = 0;
+    for (int i = 0; i < N; i++) bad += in[i] != (float)(1000 * prev + i);
+    CHECK(bad == 0, "rank %d, staged: %d of %d elements from rank %d wrong", me, bad, N, prev);
+    ds4_comm_free(s);
+    ds4_dev_free(&ex, dout);
+    ds4_dev_free(&ex, din);
 }
 
 /* EP's receive counts under MPI: rank r sends rank q the block {100·r + 10·q, 100·r + 10·q + 1}; each
@@ -697,6 +776,7 @@ static int child_main(void) {
         return 1;
     }
     RUN(test_comm_alltoall_counts);
+    RUN(test_comm_ring);
     RUN(test_fsdp_tiny_a);
     RUN(test_fsdp_ep_tiny_a);
     RUN(test_fsdp_ep_tiny_b);
@@ -736,14 +816,15 @@ static void under_mpirun(int ranks, int checks) {
     CHECK(ok == ranks, "%d of %d ranks passed all %d checks", ok, ranks, checks);
 }
 
-static void test_two_ranks(void) { under_mpirun(2, 24); }
-static void test_four_ranks(void) { under_mpirun(4, 27); }
+static void test_two_ranks(void) { under_mpirun(2, 25); }
+static void test_four_ranks(void) { under_mpirun(4, 28); }
 
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--child")) return child_main();
     /* a world of one process: the communicator tables, sharding, hooks and the plan communicator without MPI */
     RUN(test_comm_tables_complete);
     RUN(test_comm_self_and_plan);
+    RUN(test_comm_staged_one_process);
     RUN(test_fsdp_tiny_a);
     RUN(test_memplan_fsdp);
     RUN(test_memplan_fsdp_recompute);

@@ -71,6 +71,13 @@ ds4_status ds4_comm_ialltoallv(ds4_comm *c, const void *send, const int64_t *sco
  * rank sends itself: balanced routing. */
 ds4_status ds4_comm_ialltoall_counts(ds4_comm *c, const int64_t *send, int64_t per, int64_t *recv,
                                      ds4_comm_req **req);
+/* Point to point (a pipeline's stage boundaries): count elements of `elem` bytes to / from rank peer of c
+ * (never this rank), matched by tag; both complete at ds4_comm_wait (send: buf may be reused then; receive:
+ * buf holds them). A plan communicator moves nothing; a one-rank one has no peer (an error). */
+ds4_status ds4_comm_isend(ds4_comm *c, const void *buf, int64_t count, size_t elem, int peer, int tag,
+                          ds4_comm_req **req);
+ds4_status ds4_comm_irecv(ds4_comm *c, void *buf, int64_t count, size_t elem, int peer, int tag,
+                          ds4_comm_req **req);
 ds4_status ds4_comm_wait(ds4_comm_req *req); /* NULL: nothing to wait for */
 /* What the trace calls it (a string that outlives the request; default: the collective's name). */
 void ds4_comm_req_label(ds4_comm_req *req, const char *label);

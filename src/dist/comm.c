@@ -183,6 +183,17 @@ ds4_status comm_no_barrier(ds4_comm *c, ds4_stream *stream) {
     return DS4_OK;
 }
 
+ds4_status comm_no_peer_send(ds4_comm *c, const void *buf, int64_t count, size_t elem, int peer, int tag,
+                             ds4_stream *stream, ds4_comm_req **req) {
+    (void)buf, (void)count, (void)elem, (void)tag, (void)stream;
+    *req = NULL;
+    return ds4_fail(DS4_ERR_INTERNAL, "%s communicator of one rank: no rank %d to exchange with", c->ops->name, peer);
+}
+ds4_status comm_no_peer_recv(ds4_comm *c, void *buf, int64_t count, size_t elem, int peer, int tag,
+                             ds4_stream *stream, ds4_comm_req **req) {
+    return comm_no_peer_send(c, buf, count, elem, peer, tag, stream, req);
+}
+
 bool comm_no_req_test(ds4_comm_req *q) {
     (void)q;
     return true;
@@ -242,6 +253,32 @@ ds4_status ds4_comm_ialltoall_counts(ds4_comm *c, const int64_t *send, int64_t p
     *req = NULL;
     DS4_TRY(c->ops->ialltoall_counts(c, send, per, recv, NULL, req));
     if (*req) req_issued(*req, c, "all-to-all", (int64_t)(c->size - 1) * per * (int64_t)sizeof(int64_t));
+    return DS4_OK;
+}
+
+/* Point to point: the peer checked here, for every table. */
+static ds4_status p2p_check(const ds4_comm *c, int64_t count, int peer, int tag, const char *what) {
+    if (peer < 0 || peer >= c->size || peer == c->rank || count < 0 || tag < 0)
+        return ds4_fail(DS4_ERR_INTERNAL, "%s of %lld elements to/from rank %d (tag %d): rank %d of %d cannot", what,
+                        (long long)count, peer, tag, c->rank, c->size);
+    return DS4_OK;
+}
+
+ds4_status ds4_comm_isend(ds4_comm *c, const void *buf, int64_t count, size_t elem, int peer, int tag,
+                          ds4_comm_req **req) {
+    *req = NULL;
+    DS4_TRY(p2p_check(c, count, peer, tag, "send"));
+    DS4_TRY(c->ops->isend(c, buf, count, elem, peer, tag, NULL, req));
+    if (*req) req_issued(*req, c, "send", count * (int64_t)elem);
+    return DS4_OK;
+}
+
+ds4_status ds4_comm_irecv(ds4_comm *c, void *buf, int64_t count, size_t elem, int peer, int tag,
+                          ds4_comm_req **req) {
+    *req = NULL;
+    DS4_TRY(p2p_check(c, count, peer, tag, "receive"));
+    DS4_TRY(c->ops->irecv(c, buf, count, elem, peer, tag, NULL, req));
+    if (*req) req_issued(*req, c, "receive", count * (int64_t)elem);
     return DS4_OK;
 }
 

@@ -56,6 +56,12 @@ struct ds4_comm_ops {
                              ds4_comm_req **req);
     ds4_status (*ialltoall_counts)(ds4_comm *c, const int64_t *send, int64_t per, int64_t *recv, ds4_stream *stream,
                                    ds4_comm_req **req);
+    /* Point to point (a pipeline's stage boundaries): count elements to or from rank peer of c (not this
+     * rank), matched by tag. */
+    ds4_status (*isend)(ds4_comm *c, const void *buf, int64_t count, size_t elem, int peer, int tag,
+                        ds4_stream *stream, ds4_comm_req **req);
+    ds4_status (*irecv)(ds4_comm *c, void *buf, int64_t count, size_t elem, int peer, int tag, ds4_stream *stream,
+                        ds4_comm_req **req);
     ds4_status (*sum_f64)(ds4_comm *c, double *x, int64_t n, ds4_stream *stream);
     ds4_status (*sum_i64)(ds4_comm *c, int64_t *x, int64_t n, ds4_stream *stream);
     ds4_status (*barrier)(ds4_comm *c, ds4_stream *stream);
@@ -68,8 +74,8 @@ struct ds4_comm_ops {
 
 /* Every entry of the table, for the checks that walk it (X(name) per entry). */
 #define DS4_COMM_ENTRIES(X)                                                                                   \
-    X(split) X(free) X(iallgatherv) X(igatherv) X(ialltoallv) X(ialltoall_counts) X(sum_f64) X(sum_i64)      \
-    X(barrier) X(test) X(wait) X(req_free)
+    X(split) X(free) X(iallgatherv) X(igatherv) X(ialltoallv) X(ialltoall_counts) X(isend) X(irecv)          \
+    X(sum_f64) X(sum_i64) X(barrier) X(test) X(wait) X(req_free)
 
 /* The tables. staged: another communicator's collectives on a device backend's buffers, through host
  * copies (comm_staged.c, made by ds4_comm_staged). */
@@ -99,6 +105,11 @@ ds4_status comm_igatherv_as_allgather(ds4_comm *c, const void *send, int64_t sco
 ds4_status comm_keep_sum_f64(ds4_comm *c, double *x, int64_t n, ds4_stream *stream);
 ds4_status comm_keep_sum_i64(ds4_comm *c, int64_t *x, int64_t n, ds4_stream *stream);
 ds4_status comm_no_barrier(ds4_comm *c, ds4_stream *stream);
+/* Point to point where no other rank exists (self): an error naming the peer. */
+ds4_status comm_no_peer_send(ds4_comm *c, const void *buf, int64_t count, size_t elem, int peer, int tag,
+                             ds4_stream *stream, ds4_comm_req **req);
+ds4_status comm_no_peer_recv(ds4_comm *c, void *buf, int64_t count, size_t elem, int peer, int tag,
+                             ds4_stream *stream, ds4_comm_req **req);
 /* The request entries of a table whose collectives all complete at once (self, plan): unreachable. */
 bool comm_no_req_test(ds4_comm_req *q);
 ds4_status comm_no_req_wait(ds4_comm_req *q, ds4_stream *stream);

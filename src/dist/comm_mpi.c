@@ -186,6 +186,29 @@ static ds4_status mpi_ialltoall_counts(ds4_comm *c, const int64_t *send, int64_t
     return req_started(q, st, rc, "MPI_Ialltoall", req);
 }
 
+static ds4_status mpi_p2p(ds4_comm *c, void *buf, int64_t count, size_t elem, int peer, int tag, bool send,
+                          ds4_comm_req **req) {
+    *req = NULL;
+    mpi_req *q = NULL;
+    DS4_TRY(req_new(elem, 1, &q));
+    int rc = MPI_SUCCESS;
+    ds4_status st = to_int(&count, 1, q->ints, "count");
+    if (st == DS4_OK)
+        rc = send ? MPI_Isend(buf, q->ints[0], q->type, peer, tag, handle(c), &q->mpi)
+                  : MPI_Irecv(buf, q->ints[0], q->type, peer, tag, handle(c), &q->mpi);
+    return req_started(q, st, rc, send ? "MPI_Isend" : "MPI_Irecv", req);
+}
+static ds4_status mpi_isend(ds4_comm *c, const void *buf, int64_t count, size_t elem, int peer, int tag,
+                            ds4_stream *stream, ds4_comm_req **req) {
+    (void)stream;
+    return mpi_p2p(c, (void *)buf, count, elem, peer, tag, true, req);
+}
+static ds4_status mpi_irecv(ds4_comm *c, void *buf, int64_t count, size_t elem, int peer, int tag,
+                            ds4_stream *stream, ds4_comm_req **req) {
+    (void)stream;
+    return mpi_p2p(c, buf, count, elem, peer, tag, false, req);
+}
+
 static ds4_status mpi_sum_f64(ds4_comm *c, double *x, int64_t n, ds4_stream *stream) {
     (void)stream;
     return comm_sum_by_gather(c, x, n, sizeof(double), true);
@@ -221,6 +244,8 @@ const ds4_comm_ops ds4_comm_ops_mpi = {
     .igatherv = mpi_igatherv,
     .ialltoallv = mpi_ialltoallv,
     .ialltoall_counts = mpi_ialltoall_counts,
+    .isend = mpi_isend,
+    .irecv = mpi_irecv,
     .sum_f64 = mpi_sum_f64,
     .sum_i64 = mpi_sum_i64,
     .barrier = mpi_barrier,

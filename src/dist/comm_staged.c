@@ -70,10 +70,9 @@ static void deliver(staged_req *q) {
                               q->recv + (size_t)q->v[q->n + r] * q->elem, (size_t)q->v[r] * q->elem);
 }
 
-/* A request for a collective whose received segments rcounts/rdispls [n] land in dst (NULL: none here). */
-static ds4_status req_new(staged_comm *s, void *dst, const int64_t *rcounts, const int64_t *rdispls, size_t elem,
-                          staged_req **out) {
-    const int n = s->base.size;
+/* A request for a collective whose n received segments rcounts/rdispls [n] land in dst (NULL: none here). */
+static ds4_status req_new(staged_comm *s, void *dst, int n, const int64_t *rcounts, const int64_t *rdispls,
+                          size_t elem, staged_req **out) {
     staged_req *q = ds4_calloc(DS4_MEM_OTHER, sizeof *q);
     if (q) q->v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)n);
     if (!q || !q->v) {
@@ -139,7 +138,7 @@ static ds4_status st_iallgatherv(ds4_comm *c, const void *send, int64_t scount, 
                                  const int64_t *rdispls, size_t elem, ds4_stream *stream, ds4_comm_req **req) {
     staged_comm *s = staged(c);
     staged_req *q;
-    DS4_TRY(req_new(s, recv, rcounts, rdispls, elem, &q));
+    DS4_TRY(req_new(s, recv, c->size, rcounts, rdispls, elem, &q));
     const int64_t zero = 0;
     ds4_status st = stage_out(s->ex, send, &scount, &zero, 1, elem, &q->send);
     ds4_comm_req *in = NULL;
@@ -152,7 +151,7 @@ static ds4_status st_igatherv(ds4_comm *c, const void *send, int64_t scount, voi
                               const int64_t *rdispls, size_t elem, int root, ds4_stream *stream, ds4_comm_req **req) {
     staged_comm *s = staged(c);
     staged_req *q;
-    DS4_TRY(req_new(s, c->rank == root ? recv : NULL, rcounts, rdispls, elem, &q));
+    DS4_TRY(req_new(s, c->rank == root ? recv : NULL, c->size, rcounts, rdispls, elem, &q));
     const int64_t zero = 0;
     ds4_status st = stage_out(s->ex, send, &scount, &zero, 1, elem, &q->send);
     ds4_comm_req *in = NULL;
@@ -166,7 +165,7 @@ static ds4_status st_ialltoallv(ds4_comm *c, const void *send, const int64_t *sc
                                 ds4_stream *stream, ds4_comm_req **req) {
     staged_comm *s = staged(c);
     staged_req *q;
-    DS4_TRY(req_new(s, recv, rcounts, rdispls, elem, &q));
+    DS4_TRY(req_new(s, recv, c->size, rcounts, rdispls, elem, &q));
     ds4_status st = stage_out(s->ex, send, scounts, sdispls, c->size, elem, &q->send);
     ds4_comm_req *in = NULL;
     if (st == DS4_OK)
@@ -179,9 +178,32 @@ static ds4_status st_ialltoall_counts(ds4_comm *c, const int64_t *send, int64_t 
                                       ds4_comm_req **req) {
     staged_comm *s = staged(c);
     staged_req *q;
-    DS4_TRY(req_new(s, NULL, NULL, NULL, sizeof(int64_t), &q)); /* host counts: nothing to copy back */
+    DS4_TRY(req_new(s, NULL, 1, NULL, NULL, sizeof(int64_t), &q)); /* host counts: nothing to copy back */
     ds4_comm_req *in = NULL;
     ds4_status st = s->inner->ops->ialltoall_counts(s->inner, send, per, recv, stream, &in);
+    return started(s, q, st, in, req);
+}
+
+static ds4_status st_isend(ds4_comm *c, const void *buf, int64_t count, size_t elem, int peer, int tag,
+                           ds4_stream *stream, ds4_comm_req **req) {
+    staged_comm *s = staged(c);
+    staged_req *q;
+    DS4_TRY(req_new(s, NULL, 1, NULL, NULL, elem, &q));
+    const int64_t zero = 0;
+    ds4_status st = stage_out(s->ex, buf, &count, &zero, 1, elem, &q->send);
+    ds4_comm_req *in = NULL;
+    if (st == DS4_OK) st = s->inner->ops->isend(s->inner, q->send, count, elem, peer, tag, stream, &in);
+    return started(s, q, st, in, req);
+}
+
+static ds4_status st_irecv(ds4_comm *c, void *buf, int64_t count, size_t elem, int peer, int tag, ds4_stream *stream,
+                           ds4_comm_req **req) {
+    staged_comm *s = staged(c);
+    staged_req *q;
+    const int64_t zero = 0;
+    DS4_TRY(req_new(s, buf, 1, &count, &zero, elem, &q));
+    ds4_comm_req *in = NULL;
+    ds4_status st = s->inner->ops->irecv(s->inner, q->recv, count, elem, peer, tag, stream, &in);
     return started(s, q, st, in, req);
 }
 
@@ -215,6 +237,8 @@ const ds4_comm_ops ds4_comm_ops_staged = {
     .igatherv = st_igatherv,
     .ialltoallv = st_ialltoallv,
     .ialltoall_counts = st_ialltoall_counts,
+    .isend = st_isend,
+    .irecv = st_irecv,
     .sum_f64 = st_sum_f64,
     .sum_i64 = st_sum_i64,
     .barrier = st_barrier,
