@@ -2,8 +2,10 @@
  * and run stage after stage in one process, handing the residual stream forward and its gradient back,
  * gives bitwise the losses and every gradient of the whole ds4_forward / ds4_backward: 2 and 4 stages,
  * uneven cuts, a stage of the embedding alone and one of the head alone, with and without a recompute
- * policy, fp32 and bf16 activations. The stage checks refuse what a cut cannot be. */
+ * policy, fp32 and bf16 activations, and on cpu-guard. The stage checks refuse what a cut cannot be; the
+ * parameter hooks see each stage's own groups only. */
 #include "ds4/actstore.h"
+#include "ds4/kernels.h"
 #include "ds4/model.h"
 #include "ds4/recompute.h"
 #include "test.h"
@@ -24,7 +26,7 @@ static void make_ids(int32_t *ids, int64_t n, int64_t V) {
 static float *grads_copy(ds4_model *m) {
     const size_t bytes = (size_t)ds4_model_numel(m) * sizeof(float);
     float *g = malloc(bytes);
-    if (g) memcpy(g, ds4_model_grads_flat(m), bytes);
+    if (g) ds4_model_to_host(m, g, ds4_model_grads_flat(m), bytes); /* a device model's too */
     return g;
 }
 
@@ -140,6 +142,45 @@ static void test_cuts_fp32(void) { check_cuts("tests/configs/tiny-a.json", false
 static void test_cuts_recompute(void) { check_cuts("tests/configs/tiny-a.json", false, k_recompute); }
 static void test_cuts_bf16_recompute(void) { check_cuts("tests/configs/tiny-a.json", true, k_recompute); }
 
+/* On cpu-guard (buffers the host cannot touch outside an op): the streams handed across are device buffers,
+ * and the stages give the cpu's whole pass bit for bit. */
+static void test_cuts_guard(void) {
+    const struct ds4_kernel_backend *gb = NULL;
+    CHECK(ds4_backend_find("--device", "cpu-guard", &gb) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *mc = tiny_model("tests/configs/tiny-a.json", 5), *mg = NULL;
+    if (!gb || !mc) return;
+    const ds4_config *c = ds4_model_config(mc);
+    const ds4_exec on_guard = {.backend = gb};
+    CHECK(ds4_model_create(&on_guard, c, false, &mg) == DS4_OK, "%s", ds4_errmsg());
+    if (!mg) {
+        ds4_model_free(mc);
+        return;
+    }
+    ds4_model_to_device(mg, ds4_model_params_flat(mg), ds4_model_params_flat(mc),
+                        (size_t)ds4_model_numel(mc) * sizeof(float));
+    for (int64_t i = 0; i < ds4_model_nparams(mc); i++) { /* the hash layers' tables */
+        const ds4_param *pc = ds4_model_param(mc, i), *pg = ds4_model_param(mg, i);
+        if (pc->is_int) ds4_model_to_device(mg, pg->idata, pc->idata, (size_t)pc->numel * sizeof(int64_t));
+    }
+    int32_t ids[B * T];
+    make_ids(ids, B * T, c->vocab_size);
+    const ds4_pass_opts o = {.need_backward = true};
+    result whole = {0};
+    CHECK(run_whole(mc, ids, &o, &whole), "whole pass: %s", ds4_errmsg());
+    for (size_t k = 0; k < sizeof k_cuts / sizeof k_cuts[0]; k += 2) {
+        result r = {0};
+        if (run_stages(mg, ids, &o, k_cuts[k].cut, k_cuts[k].n, &r)) {
+            char what[160];
+            snprintf(what, sizeof what, "cpu-guard %s", k_cuts[k].name);
+            compare(what, &r, &whole, ds4_model_numel(mc));
+        }
+        free(r.grads);
+    }
+    free(whole.grads);
+    ds4_model_free(mg);
+    ds4_model_free(mc);
+}
+
 /* What a stage cannot be: each refused with a line naming it. */
 static void test_stage_checks(void) {
     ds4_model *m = tiny_model("tests/configs/tiny-a.json", 5);
@@ -250,6 +291,7 @@ int main(void) {
     RUN(test_cuts_fp32);
     RUN(test_cuts_recompute);
     RUN(test_cuts_bf16_recompute);
+    RUN(test_cuts_guard);
     RUN(test_stage_checks);
     RUN(test_stage_hooks);
     TEST_MAIN_END("test_stages");
