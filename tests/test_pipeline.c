@@ -111,6 +111,8 @@ static void test_errors(void) {
         {2, 3, 2, 8, 1, "", "gives 2 virtual chunks per stage, but --vpp is 3"},
         {2, 0, 2, 4, 1, "Ett|ttmL", "give one"},
         {0, 0, 0, 4, 1, "", "--pipeline-model-parallel-size (parallel.pp) 0"},
+        /* DeepSeek-V3's layout, legal in Megatron (a standalone MTP chunk), refused: ds4's MTP follows the head */
+        {8, 0, 0, 61, 1, "Et*3|(tt|)*29,m|L", "must be on the last chunk with the loss"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         ds4_pp_cfg c = cfg_of(bad[i].pp, bad[i].vpp, bad[i].layout);
