@@ -6,7 +6,7 @@
 # no public header yet), so the layers above call the kernels through the model.
 #
 #   0 core     src/core, ds4/core.h             types, status, allocator, rng
-#   1 io       src/io, ds4/{config,io,tensors,toml,tokenizer,shard}.h
+#   1 io       src/io, ds4/{config,io,tensors,toml,tokenizer,shard,pipeline}.h
 #                                               files and formats: config, safetensors, model dirs; it needs
 #                                               only core, so model, memory and train can all read files
 #   1 kernels  src/kernels                      the numeric kernels (io's sibling: neither uses the other)
@@ -30,7 +30,7 @@ ALLOW='
 unit_of() {
     case "$1" in
         ds4/core.h | src/core/* | core/*) U=core ;;
-        ds4/config.h | ds4/io.h | ds4/tensors.h | ds4/toml.h | ds4/tokenizer.h | ds4/shard.h | src/io/* | io/*) U=io ;;
+        ds4/config.h | ds4/io.h | ds4/tensors.h | ds4/toml.h | ds4/tokenizer.h | ds4/shard.h | ds4/pipeline.h | src/io/* | io/*) U=io ;;
         ds4/kernels.h | ds4/profile.h | src/kernels/* | kernels/*) U=kernels ;;
         ds4/model.h | ds4/decode.h | src/model/* | model/*) U=model ;;
         ds4/offload.h | ds4/recompute.h | ds4/actstore.h | src/memory/* | memory/*) U=memory ;;

@@ -153,6 +153,41 @@ with tempfile.TemporaryDirectory() as tmp:
             passed, failed = passed + ok, failed + (not ok)
             if not ok:
                 print(f"FAIL memplan --device cuda without a GPU: rc={r.returncode} {r.stderr.strip()[:300]!r}")
+    # the pipeline layout (docs/pipeline.md): each problem one line, checked before the refusal of a layout
+    # of more than one chunk (no pipeline schedule is built yet)
+    pp_toml = os.path.join(tmp, "pp.toml")
+    with open(pp_toml, "w") as f:
+        f.write('[model]\nconfig = "tests/configs/tiny-a.json"\n[training]\nsteps = 1\nseq_len = 64\n'
+                'micro_batch_size = 1\n[data]\ntrain = "%s"\n' % os.path.join(tmp, "none_*.bin"))
+    tr = ["train", "--config", pp_toml]
+    expect_error("train --pp 2", tr + ["--pp", "2"], "pp 2, vpp 1", "pipeline schedules", "not built yet")
+    expect_error("train --vpp 2", tr + ["--vpp", "2"], "pp 1, vpp 2", "not built yet")
+    expect_error("train parallel.pp 2 + layout", tr + ["--parallel.pp", "2", "--parallel.layout", "Ett|ttmL"],
+                 "not built yet")
+    expect_error("train layout illegal token", tr + ["--pp", "2", "--pipeline-model-parallel-layout", "Etx|tmL"],
+                 "'x' is not a layer")
+    expect_error("train layout without MTP", tr + ["--pipeline-model-parallel-size", "2", "--layout", "Ett|ttL"],
+                 "0 MTP layers (m), the model has 1")
+    expect_error("train uneven uniform split", tr + ["--pp", "3"], "4 layers do not split evenly over pp 3")
+    expect_error("train layers per virtual stage", tr + ["--pp", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+                 "--num-layers-per-virtual-pipeline-stage 3")
+    expect_error("train Interleaved1F1B on one chunk per stage",
+                 tr + ["--parallelism.pipeline_parallel_degree", "2",
+                       "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], "Interleaved1F1B")
+    expect_error("memplan layout without embedding",
+                 ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--layout", "tt|ttmL", "--pp", "2"],
+                 "the embedding (E) must come once")
+    expect_error("memplan plans no pipeline stage",
+                 ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--pp", "2", "--policies"],
+                 "--policies", "not built yet")
+    r = run("memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--pp", "2", "--vpp", "2",
+            "--enable-recompute-layers-per-pp-rank")
+    ok = r.returncode == 0 and "pp 2 x vpp 2 chunks" in r.stdout and "no memory planned" in r.stdout
+    ok = ok and [l.split()[:2] for l in r.stdout.splitlines() if l.strip()[:1].isdigit()] == \
+        [["0", "0"], ["1", "0"], ["0", "1"], ["1", "1"]]
+    passed, failed = passed + ok, failed + (not ok)
+    if not ok:
+        print(f"FAIL memplan --pp 2 --vpp 2 stage table: rc={r.returncode} {r.stdout[-600:]!r} {r.stderr[-300:]!r}")
     # a model whose weights hold a NaN: eval and generate name the first non-finite tensor (not `loss nan`)
     import shutil
     import struct

@@ -230,9 +230,11 @@ static void test_priority_formula(void) {
     ds4_recompute_defaults(&r);
     for (int64_t l = 0; l < c.n_layers; l++) CHECK(ds4_recompute_priority(&r, &c, l) == l);
     c.n_layers = 8;
-    r.pp_size = 2;
-    r.vpp_size = 2; /* 2 layers per chunk: ((L % 2) · 2 + (L / 2) % 2) */
-    const int64_t want[8] = {0, 2, 1, 3, 0, 2, 1, 3};
+    r.pipe.pp = 2;
+    r.pipe.vpp = 2; /* 2 layers per chunk, chunks VPP-major: stage 0 holds [0, 1] and [4, 5] */
+    r.per_pp_rank = true;
+    /* Megatron's example: recompute_num_layers 3 takes layers 0, 1, 4 on stage 0 (local · vpp + vpp_rank) */
+    const int64_t want[8] = {0, 2, 0, 2, 1, 3, 1, 3};
     for (int64_t l = 0; l < 8; l++) CHECK(ds4_recompute_priority(&r, &c, l) == want[l], "layer %lld", (long long)l);
 }
 

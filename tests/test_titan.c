@@ -57,9 +57,9 @@ static void test_fixture_notes(void) {
     if (!t) return;
     tally n = {0};
     ds4_train_toml_notes(t, count_note, &n);
-    CHECK(n.alias == 2, "%d aliases", n.alias); /* local_batch_size, expert_parallel_degree */
+    CHECK(n.alias == 3, "%d aliases", n.alias); /* local_batch_size, expert_parallel_degree, pipeline_parallel_degree */
     CHECK(n.mapped == 16, "%d mapped", n.mapped);
-    CHECK(n.ignored == 19, "%d ignored", n.ignored);
+    CHECK(n.ignored == 18, "%d ignored", n.ignored);
     CHECK(n.alias + n.mapped + n.ignored == 52 - 15, "every key not ds4's own is reported");
     CHECK(n.saw_local_batch && n.saw_compile && n.saw_float8 && n.saw_mode);
     ds4_toml_free(t);
@@ -74,7 +74,9 @@ static void expect_error(const char *key, const char *value, const char *needle)
 
 static void test_refused(void) {
     expect_error("parallelism.tensor_parallel_degree", "2", "parallelism.tensor_parallel_degree = 2");
-    expect_error("parallelism.pipeline_parallel_degree", "4", "parallelism.pipeline_parallel_degree");
+    expect_error("parallel.pp", "4", "parallelism.pipeline_parallel_degree"); /* set twice, differently */
+    expect_error("parallelism.pipeline_parallel_degree", "0", "parallelism.pipeline_parallel_degree = 0");
+    expect_error("parallelism.pipeline_parallel_schedule", "'GPipe'", "parallelism.pipeline_parallel_schedule");
     expect_error("parallelism.data_parallel_replicate_degree", "2", "data_parallel_replicate_degree");
     expect_error("training.micro_batch_size", "4", "training.local_batch_size");     /* a setting twice */
     expect_error("parallel.ep", "2", "parallelism.expert_parallel_degree");
@@ -105,6 +107,9 @@ static void test_mapped_variants(void) {
     CHECK(read_fixture(&c, "lr_scheduler.min_lr_factor", "0.1") == DS4_OK && c.sched.min_lr == 0.1 * 8e-4);
     CHECK(read_fixture(&c, "parallelism.expert_parallel_degree", "2") == DS4_OK && c.ep == 2);
     CHECK(read_fixture(&c, "parallel.ep", "1") == DS4_OK && c.ep == 1); /* --parallel.ep agreeing with the file */
+    /* the pipeline degree is read (the run refuses more than one chunk until the schedules exist) */
+    CHECK(read_fixture(&c, "parallelism.pipeline_parallel_degree", "4") == DS4_OK && c.recompute.pipe.pp == 4 &&
+          !strcmp(c.pp_schedule, "1F1B"));
     CHECK(read_fixture(&c, "training.dataset_path", "'x/*.bin'") == DS4_OK && !strcmp(c.train_data, "x/*.bin"));
     CHECK(read_fixture(&c, "debug.seed", "7") == DS4_OK && c.seed == 7);
     CHECK(read_fixture(&c, "model.hf_assets_path", "''") == DS4_OK && c.model_config[0] == 0); /* "debugmodel" */

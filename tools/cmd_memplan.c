@@ -31,6 +31,8 @@ static void usage(void) {
                     "       [--world N --ep E [--rank R]] [--device-memory SIZE] [--policies]\n"
                     "       [--recompute-csa-attention] [--mhc-recompute] [--recompute-norm ...]\n"
                     "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
+                    "       [--pp P [--vpp V | --num-layers-per-virtual-pipeline-stage N] [--layout LAYOUT]\n"
+                    "        [--enable-recompute-layers-per-pp-rank]]\n"
                     "       [--swap-optimizer] [--swap-layer-input] [--muon] [--mixed-precision-param bfloat16]\n"
                     "       [--matmul-precision fp32|bf16] [--device NAME]\n"
                     "       [--prefetch-depth D] [--moe-fb-overlap] [--saved-activations] [--memory-report]\n"
@@ -65,6 +67,10 @@ static void usage(void) {
                     "their backward or waiting for their reduce-scatter, with their number), and every workspace user\n"
                     "(an op's workspace, a unit's or the pass's own buffers) with the most bytes it held at once and what\n"
                     "it held at the workspace peak, largest first.\n"
+                    "--pp P, --vpp V, --layout LAYOUT (Megatron's --pipeline-model-parallel-size,\n"
+                    "--pipeline-model-parallel-layout, docs/pipeline.md): only check the layout against the model and\n"
+                    "print the stage table (each chunk's layers and their recompute priorities); a pipeline stage's\n"
+                    "memory is not planned yet.\n"
                     "The exit code is 0 whether or not the step fits: memplan reports, it does not judge.\n"
                     "\n"
                     "usage: ds4 memplan --config FILE.toml [--section.key value ...] [ds4 train's flags]\n"
@@ -565,6 +571,52 @@ static int plan_run(int argc, char **argv) {
     return 0;
 }
 
+/* --pp / --vpp / --layout with more than one chunk: the stage table (each chunk's pp rank, virtual chunk, what
+ * it runs and its layers' recompute priorities), not a memory plan: planning a pipeline stage (the schedule's
+ * in-flight micro-batches, send/recv buffers) comes with the schedules (docs/pipeline.md). */
+static int print_stages(const memplan_args *a, const ds4_config *c) {
+    ds4_pp_layout L;
+    if (ds4_pp_layout_make(&a->rc.pipe, c->n_layers, c->n_mtp_layers, &L) != DS4_OK) return cli_fail();
+    if (a->policies || a->saved || a->report || a->device) {
+        fprintf(stderr, "error: ds4 memplan: %s with --pp/--vpp/--layout: planning a pipeline stage's memory is not "
+                        "built yet; without it memplan prints the stage table only\n",
+                a->policies ? "--policies" : a->saved ? "--saved-activations" : a->report ? "--memory-report"
+                                                                                        : "--device-memory");
+        return 2;
+    }
+    printf("pipeline: pp %lld x vpp %lld chunks, %s; %lld decoder layers, %lld MTP; recompute priority %s\n",
+           (long long)L.pp, (long long)L.vpp, a->rc.pipe.layout[0] ? "layout" : "uniform split",
+           (long long)c->n_layers, (long long)c->n_mtp_layers,
+           a->rc.per_pp_rank ? "per pp rank (chunks interleaved by depth)" : "per chunk (position in the chunk)");
+    if (a->rc.pipe.layout[0]) printf("layout: %s\n", a->rc.pipe.layout);
+    printf("%7s %5s  %-24s %6s  %s\n", "pp_rank", "chunk", "runs", "layers", "priorities");
+    for (int64_t v = 0; v < L.vpp; v++)
+        for (int64_t p = 0; p < L.pp; p++) {
+            const ds4_pp_chunk *ch = &L.chunk[v * L.pp + p];
+            char runs[96];
+            int k = 0;
+            runs[0] = 0;
+            if (ch->embedding) k += snprintf(runs + k, sizeof runs - (size_t)k, "E ");
+            if (ch->layer_end > ch->layer_begin)
+                k += snprintf(runs + k, sizeof runs - (size_t)k, "t[%lld, %lld) ", (long long)ch->layer_begin,
+                              (long long)ch->layer_end);
+            if (ch->n_mtp) k += snprintf(runs + k, sizeof runs - (size_t)k, "m%lld ", (long long)ch->n_mtp);
+            if (ch->loss) k += snprintf(runs + k, sizeof runs - (size_t)k, "L ");
+            if (!k) snprintf(runs, sizeof runs, "(empty)");
+            printf("%7lld %5lld  %-24s %6lld ", (long long)p, (long long)v, runs,
+                   (long long)(ch->layer_end - ch->layer_begin));
+            for (int64_t l = ch->layer_begin; l < ch->layer_end; l++) {
+                int64_t prio;
+                if (ds4_pp_priority_on(&L, p, v, l, a->rc.per_pp_rank, &prio) != DS4_OK) return cli_fail();
+                printf(" %lld", (long long)prio);
+            }
+            printf("\n");
+        }
+    printf("memplan: no memory planned: planning a pipeline stage is not built yet (the table above is the "
+           "layout only)\n");
+    return 0;
+}
+
 int cmd_memplan(int argc, char **argv) {
     if (cli_want_help(argc, argv)) {
         usage();
@@ -577,5 +629,6 @@ int cmd_memplan(int argc, char **argv) {
     if (rc) return rc;
     ds4_config c;
     if (load_config(a.model, &c) != DS4_OK || ds4_recompute_validate(&a.rc, &c) != DS4_OK) return cli_fail();
+    if (a.rc.pipe.pp > 1 || a.rc.pipe.vpp > 1 || a.rc.pipe.layout[0]) return print_stages(&a, &c);
     return a.policies ? plan_policies(&a, &c) : plan_one(&a, &c, a.so);
 }

@@ -283,6 +283,41 @@ const int32_t *ds4_pass_topk(const ds4_pass *p, int64_t layer); /* [B, T, index_
 const int64_t *ds4_pass_expert_load(const ds4_pass *p, int64_t layer);
 void ds4_pass_free(ds4_pass *p);
 
+/* ------------------------------------------------------------------ a stage of a pass
+ * The pass cut at layer boundaries, for a pipeline schedule (docs/pipeline.md): a stage runs decoder layers
+ * [layer_begin, layer_end) on the residual stream X [B, T, hc_mult, dim]; the embedding makes X[0] before
+ * layer 0 on the first stage, the head, its loss and the MTP block (with its loss and the embedding of
+ * the next ids) follow the last layer on the last. Running the stages of a cut one after another on one
+ * model (forward 0, 1, ..., each given the previous one's stream_out; backward last, ..., 0, each given the
+ * next one's stream_grad) gives the bits of ds4_forward / ds4_backward: every gradient, and the losses
+ * through ds4_losses_combine. Every stage reads the whole batch's ids (hash routing, targets). The model
+ * knows no pipeline: the stage is a layer range. A stage with the MTP block but not the embedding of an
+ * unmapped model is refused for now (its rows' gradient waits for the embedding's, on another stage). */
+typedef struct {
+    int64_t layer_begin, layer_end; /* decoder layers [layer_begin, layer_end) */
+    bool embedding;                 /* X[0] from the ids (layer_begin = 0); else from X_in */
+    bool head;                      /* the heads, losses and MTP after the last layer (layer_end = n_layers) */
+} ds4_stage;
+/* X_in [B, T, hc_mult, dim] on the model's backend (copied): the stream X[layer_begin] of a stage without the
+ * embedding, NULL with it. The pass holds what its backward needs; its losses are its own: the heads' on
+ * the last stage, its layers' indexer KL (ds4_pass_layer_kl). */
+ds4_status ds4_stage_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, const ds4_pass_opts *opts,
+                             const ds4_stage *stage, const float *X_in, ds4_pass **out);
+/* [B, T, hc_mult, dim] X[layer_end], for the next stage (NULL on the head's stage); valid until the backward. */
+const float *ds4_pass_stream_out(const ds4_pass *p);
+/* Backward of the stage; ACCUMULATES into the model's gradients. dX_out [B, T, hc_mult, dim]: ∂total_loss/∂X[layer_end]
+ * from the next stage (copied), NULL on the head's stage. */
+ds4_status ds4_stage_backward(ds4_model *m, ds4_pass *p, const float *dX_out);
+/* [B, T, hc_mult, dim] ∂total_loss/∂X[layer_begin] after the backward of a stage without the embedding (else
+ * NULL), for the previous stage; freed with the pass. */
+const float *ds4_pass_stream_grad(const ds4_pass *p);
+/* Main layer `layer`'s indexer KL (its mean over the rows it scored) in this pass; 0 for a layer that has
+ * none or is not the pass's. */
+double ds4_pass_layer_kl(const ds4_pass *p, int64_t layer);
+/* The pass's losses from their parts: the head's loss, the MTP head's, layer_kl [n_layers] (summed in layer
+ * order); what every pass's losses are made by, so the stages' parts combine to the whole pass's bits. */
+ds4_losses ds4_losses_combine(const ds4_config *c, double loss, double mtp_loss, const double *layer_kl);
+
 /* ------------------------------------------------------------------ Newton–Schulz (the Muon optimizer)
  * The newton_schulz op (ds4_ns_coef: ds4/core.h) with its arguments checked. */
 /* x [rows, cols] := its approximate orthogonal factor U·Vᵀ (singular values pushed towards 1): divided

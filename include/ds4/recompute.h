@@ -10,11 +10,16 @@
  *   --recompute-granularity full     every unit of a layer, replayed from the layer input
  *   --recompute-method uniform|block uniform: every layer; block: the first --recompute-num-layers
  *   --recompute-num-layers N
+ *   --enable-recompute-layers-per-pp-rank   the priority counts over the pp rank's chunks, interleaved
+ * The priority (lower: first) is the layer's position in its pipeline chunk (ds4/pipeline.h: the layout of
+ * --pp, --vpp, --pipeline-model-parallel-layout, also parsed here); full block recompute takes the layers
+ * of priority < --recompute-num-layers, --recompute-norm those of priority < --recompute-norm-num-layers.
  * MTP layers, eval passes and passes without gradients never recompute (enforced by the model). */
 #ifndef DS4_RECOMPUTE_H
 #define DS4_RECOMPUTE_H
 
 #include "ds4/config.h"
+#include "ds4/pipeline.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -31,19 +36,21 @@ typedef struct {
     ds4_recompute_gran granularity;
     ds4_recompute_method method;
     int64_t num_layers;       /* -1 = unset */
-    /* pipeline layout for recompute_priority (1 stage, 1 virtual chunk until pipelines exist) */
-    int64_t pp_size, vpp_size;
+    bool per_pp_rank;         /* --enable-recompute-layers-per-pp-rank */
+    /* the run's pipeline layout (parallel.pp, parallel.vpp, parallel.layout; --pp, --vpp, ...): the
+     * priority is a layer's place in it */
+    ds4_pp_cfg pipe;
 } ds4_recompute_cfg;
 
 void ds4_recompute_defaults(ds4_recompute_cfg *r);
 /* Consumes argv[*i] (and its value) if it is a recompute flag; returns DS4_OK and sets *used. */
 ds4_status ds4_recompute_parse_arg(ds4_recompute_cfg *r, int argc, char **argv, int *i, bool *used);
-/* Rejects incompatible combinations with a message naming the flags. */
+/* Rejects incompatible combinations with a message naming the flags, and a pipeline layout that does not
+ * fit the model (ds4_pp_layout_make's errors). */
 ds4_status ds4_recompute_validate(const ds4_recompute_cfg *r, const ds4_config *c);
-/* Priority of a layer for selective recompute: lower = recomputed first. With pipelines of pp
- * stages and vpp virtual chunks (uniform layout), layer L (0-based) gets
- * ((L % per_chunk) · vpp + vpp_rank), per_chunk = n_layers / (pp·vpp), vpp_rank = (L / per_chunk) % vpp;
- * with one stage and one chunk this is the layer's position. */
+/* Priority of a layer for recompute: lower = recomputed first (ds4_pp_priority of the layout of r->pipe;
+ * a layout that does not validate counts as one chunk). With one stage and one chunk this is the layer's
+ * position; on the uniform split with per_pp_rank, ((L % per_chunk) · vpp + vpp_rank). */
 int64_t ds4_recompute_priority(const ds4_recompute_cfg *r, const ds4_config *c, int64_t layer);
 /* masks[l] for l < n_layers: bit u set = release unit u (ds4_unit_name order) on layer l. */
 void ds4_recompute_masks(const ds4_recompute_cfg *r, const ds4_config *c, uint32_t *masks);

@@ -56,6 +56,10 @@ typedef struct {
     /* [parallel] */
     int64_t ep;               /* expert-parallel degree (divides the ranks and the routed experts) */
     int64_t dp_shard;         /* parallelism.data_parallel_shard_degree: 0 unset, -1 or the world size */
+    /* parallel.pp, parallel.vpp, parallel.layout, parallel.num_layers_per_virtual_pipeline_stage live in
+     * recompute.pipe (the priority reads them); a layout of more than one chunk is refused until the
+     * pipeline schedules exist (docs/pipeline.md) */
+    char pp_schedule[32];     /* parallelism.pipeline_parallel_schedule: "", "1F1B" or "Interleaved1F1B" */
     uint32_t titan_names;     /* bit i: alias i of src/train/titan.c was set under TorchTitan's name (errors name it) */
     int64_t ac_every;         /* activation_checkpoint: every N-th layer in full (1: all), 0: none; resolved
                                  onto the recompute policy once the model's layers are known */

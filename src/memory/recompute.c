@@ -11,8 +11,7 @@ void ds4_recompute_defaults(ds4_recompute_cfg *r) {
     memset(r, 0, sizeof *r);
     r->norm_num_layers = -1;
     r->num_layers = -1;
-    r->pp_size = 1;
-    r->vpp_size = 1;
+    ds4_pp_cfg_defaults(&r->pipe);
 }
 
 static ds4_status parse_count(const char *flag, const char *v, int64_t *out) {
@@ -23,12 +22,42 @@ static ds4_status parse_count(const char *flag, const char *v, int64_t *out) {
     return DS4_OK;
 }
 
+static ds4_status parse_positive(const char *flag, const char *v, int64_t *out) {
+    DS4_TRY(parse_count(flag, v, out));
+    if (*out < 1) return ds4_fail(DS4_ERR_ARG, "%s expects a positive integer, got '%s'", flag, v);
+    return DS4_OK;
+}
+
+/* The pipeline flags (Megatron's names and ds4's short ones): *used = false when a is none of them. */
+static ds4_status parse_pipe_arg(ds4_pp_cfg *p, const char *a, const char *v, bool *used) {
+    *used = true;
+    if (!strcmp(a, "--pp") || !strcmp(a, "--pipeline-model-parallel-size")) return parse_positive(a, v, &p->pp);
+    if (!strcmp(a, "--vpp")) return parse_positive(a, v, &p->vpp);
+    if (!strcmp(a, "--num-layers-per-virtual-pipeline-stage")) return parse_positive(a, v, &p->layers_per_vstage);
+    if (!strcmp(a, "--pipeline-model-parallel-layout") || !strcmp(a, "--layout")) {
+        if (strlen(v) >= sizeof p->layout)
+            return ds4_fail(DS4_ERR_ARG, "%s: longer than %zu characters", a, sizeof p->layout - 1);
+        snprintf(p->layout, sizeof p->layout, "%s", v);
+        return DS4_OK;
+    }
+    *used = false;
+    return DS4_OK;
+}
+
 ds4_status ds4_recompute_parse_arg(ds4_recompute_cfg *r, int argc, char **argv, int *i, bool *used) {
     const char *a = argv[*i];
     *used = true;
     if (!strcmp(a, "--recompute-csa-attention")) r->csa_attention = true;
     else if (!strcmp(a, "--mhc-recompute")) r->mhc = true;
     else if (!strcmp(a, "--recompute-norm")) r->norm = true;
+    else if (!strcmp(a, "--enable-recompute-layers-per-pp-rank")) r->per_pp_rank = true;
+    else if (!strcmp(a, "--pp") || !strcmp(a, "--pipeline-model-parallel-size") || !strcmp(a, "--vpp") ||
+             !strcmp(a, "--num-layers-per-virtual-pipeline-stage") || !strcmp(a, "--pipeline-model-parallel-layout") ||
+             !strcmp(a, "--layout")) {
+        if (*i + 1 >= argc) return ds4_fail(DS4_ERR_ARG, "%s needs a value", a);
+        const char *v = argv[++*i];
+        return parse_pipe_arg(&r->pipe, a, v, used);
+    }
     else if (!strcmp(a, "--recompute-norm-num-layers") || !strcmp(a, "--recompute-granularity") ||
              !strcmp(a, "--recompute-method") || !strcmp(a, "--recompute-num-layers")) {
         if (*i + 1 >= argc) return ds4_fail(DS4_ERR_ARG, "%s needs a value", a);
@@ -52,6 +81,8 @@ ds4_status ds4_recompute_parse_arg(ds4_recompute_cfg *r, int argc, char **argv, 
 
 ds4_status ds4_recompute_validate(const ds4_recompute_cfg *r, const ds4_config *c) {
     bool fine = r->csa_attention || r->mhc || r->norm;
+    ds4_pp_layout L; /* ~20 KiB */
+    DS4_TRY(ds4_pp_layout_make(&r->pipe, c->n_layers, c->n_mtp_layers, &L));
     if (r->norm_num_layers >= 0 && !r->norm)
         return ds4_fail(DS4_ERR_ARG, "--recompute-norm-num-layers needs --recompute-norm");
     if (r->norm_num_layers > c->n_layers)
@@ -80,12 +111,24 @@ ds4_status ds4_recompute_validate(const ds4_recompute_cfg *r, const ds4_config *
     return DS4_OK;
 }
 
+/* The layout of r->pipe, or one chunk of every layer when it does not validate (ds4_recompute_validate
+ * reports that). */
+static void layout_of(const ds4_recompute_cfg *r, const ds4_config *c, ds4_pp_layout *L) {
+    if (ds4_pp_layout_make(&r->pipe, c->n_layers, c->n_mtp_layers, L) == DS4_OK) return;
+    ds4_pp_cfg one;
+    ds4_pp_cfg_defaults(&one);
+    (void)ds4_pp_layout_make(&one, c->n_layers, c->n_mtp_layers, L);
+}
+
+static int64_t priority_in(const ds4_recompute_cfg *r, const ds4_pp_layout *L, int64_t layer) {
+    int64_t prio;
+    return ds4_pp_priority(L, layer, r->per_pp_rank, &prio) == DS4_OK ? prio : layer;
+}
+
 int64_t ds4_recompute_priority(const ds4_recompute_cfg *r, const ds4_config *c, int64_t layer) {
-    int64_t pp = r->pp_size > 0 ? r->pp_size : 1, vpp = r->vpp_size > 0 ? r->vpp_size : 1;
-    int64_t per_chunk = c->n_layers / (pp * vpp);
-    if (per_chunk < 1) per_chunk = 1;
-    int64_t vpp_rank = (layer / per_chunk) % vpp;
-    return (layer % per_chunk) * vpp + vpp_rank;
+    ds4_pp_layout L;
+    layout_of(r, c, &L);
+    return priority_in(r, &L, layer);
 }
 
 static uint32_t unit_bit(const char *name) {
@@ -99,15 +142,17 @@ void ds4_recompute_masks(const ds4_recompute_cfg *r, const ds4_config *c, uint32
                          unit_bit("o_proj");
     const uint32_t mhc = unit_bit("hc_pre_attn") | unit_bit("hc_pre_ffn") | unit_bit("hc_post_attn");
     const uint32_t norm = unit_bit("attn_norm") | unit_bit("ffn_norm");
+    ds4_pp_layout L;
+    layout_of(r, c, &L);
     for (int64_t l = 0; l < c->n_layers; l++) {
         uint32_t m = 0;
+        const int64_t prio = priority_in(r, &L, l);
         bool full = r->granularity == DS4_RECOMPUTE_GRAN_FULL &&
-                    (r->method == DS4_RECOMPUTE_METHOD_UNIFORM || l < r->num_layers);
+                    (r->method == DS4_RECOMPUTE_METHOD_UNIFORM || prio < r->num_layers);
         if (full) {
             masks[l] = all; /* no layer gets both full and fine-grained */
             continue;
         }
-        int64_t prio = ds4_recompute_priority(r, c, l);
         bool norm_here = r->norm && (r->norm_num_layers < 0 || prio < r->norm_num_layers);
         if (r->csa_attention) m |= csa | (norm_here ? unit_bit("q_down") : 0);
         if (r->mhc) m |= mhc;

@@ -48,7 +48,14 @@ struct ds4_pass {
     pass_scalars got;         /* the host's copy, as of the last read_scalars */
     ds4_losses losses;
     bool backward_done;
+    /* The stage it runs (ds4_stage): decoder layers [l0, l1), the embedding before them, the heads after.
+     * Kept in the tail padding: the pass's counted bytes (memplan's "other") stay those of a whole pass.
+     * After the backward of a stage without the embedding (grad_ready), X[l0] holds ∂/∂X[l0] [N, n, D]
+     * instead of the stream, which nothing reads any more. */
+    bool embed, has_head, grad_ready;
+    uint16_t l0, l1;
 };
+_Static_assert(DS4_MAX_LAYERS <= UINT16_MAX, "a stage's layer bounds are uint16_t");
 
 static float *pass_alloc(const ds4_pass *p, int64_t n) {
     return dev_alloc(p->m, DS4_MEM_ACT, (size_t)n * sizeof(float));
@@ -89,7 +96,7 @@ void ds4_pass_free(ds4_pass *p) {
     if (!p) return;
     const ds4_config *c = &p->m->cfg;
     const ds4_act_store *as = &p->opts.store;
-    for (int64_t l = 0; as->ops && l < c->n_layers; l++) as->ops->release(as->ctx, l, DS4_UNIT_INPUT, 0);
+    for (int64_t l = p->l0; as->ops && l < p->l1; l++) as->ops->release(as->ctx, l, DS4_UNIT_INPUT, 0);
     if (p->X)
         for (int64_t l = 0; l <= c->n_layers; l++) dev_free(p->m, p->X[l]);
     ds4_free(p->X);
@@ -116,6 +123,8 @@ void ds4_pass_free(ds4_pass *p) {
 }
 
 const ds4_losses *ds4_pass_losses(const ds4_pass *p) { return &p->losses; }
+const float *ds4_pass_stream_out(const ds4_pass *p) { return p->has_head ? NULL : p->X[p->l1]; }
+const float *ds4_pass_stream_grad(const ds4_pass *p) { return p->grad_ready ? p->X[p->l0] : NULL; }
 const float *ds4_pass_logits(const ds4_pass *p) { return p->opts.keep_logits ? p->head.logits : NULL; }
 const float *ds4_pass_mtp_logits(const ds4_pass *p) { return p->opts.keep_logits ? p->mhead.logits : NULL; }
 const int32_t *ds4_pass_topk(const ds4_pass *p, int64_t layer) {
@@ -237,24 +246,37 @@ static ds4_status hooks_sync(ds4_pass *p) {
     const ds4_param_hooks *h = p->opts.hooks;
     return h && h->sync ? h->sync(h->ctx) : DS4_OK;
 }
-/* The order in which a pass gathers weights, position k -> group (-1 past the end). Forward: the
- * embedding, the layers, the head, then the MTP block and the embedding again (its input). Backward: the
- * head, the MTP block, the layers from the last. */
-static int64_t fwd_order(const ds4_config *c, int64_t k) {
-    const int64_t L = c->n_layers, mtp = c->n_mtp_layers > 0;
-    if (k == 0) return 0;
-    if (k <= L) return group_of_layer(k - 1);
-    if (k == L + 1) return group_head(c);
-    if (mtp && k == L + 2) return group_mtp(c);
-    if (mtp && k == L + 3) return 0;
-    return -1;
-}
-static int64_t bwd_order(const ds4_config *c, int64_t k) {
-    const int64_t L = c->n_layers, mtp = c->n_mtp_layers > 0;
+/* The order in which a pass (of its stage) gathers weights, position k -> group (-1 past the end).
+ * Forward: the embedding, the layers, the head, then the MTP block and the embedding again (its input).
+ * Backward: the head, the MTP block, the layers from the last. */
+static int64_t fwd_order(const ds4_pass *p, int64_t k) {
+    const ds4_config *c = &p->m->cfg;
+    const int64_t mtp = c->n_mtp_layers > 0, nl = p->l1 - p->l0;
+    if (p->embed && k-- == 0) return 0;
+    if (k < nl) return group_of_layer(p->l0 + k);
+    k -= nl;
+    if (!p->has_head) return -1;
     if (k == 0) return group_head(c);
     if (mtp && k == 1) return group_mtp(c);
-    k -= 1 + mtp;
-    return k < L ? group_of_layer(L - 1 - k) : -1;
+    if (mtp && k == 2) return 0;
+    return -1;
+}
+static int64_t bwd_order(const ds4_pass *p, int64_t k) {
+    const ds4_config *c = &p->m->cfg;
+    const int64_t mtp = c->n_mtp_layers > 0, nl = p->l1 - p->l0;
+    if (p->has_head) {
+        if (k == 0) return group_head(c);
+        if (mtp && k == 1) return group_mtp(c);
+        k -= 1 + mtp;
+    }
+    return k < nl ? group_of_layer(p->l1 - 1 - k) : -1;
+}
+/* Positions in those orders: of layer l's gather in the forward and in the backward, and of the head's
+ * gather in the forward (the MTP block's and the embedding's follow it). */
+static int64_t fwd_pos_layer(const ds4_pass *p, int64_t l) { return p->embed + (l - p->l0); }
+static int64_t fwd_pos_head(const ds4_pass *p) { return p->embed + (p->l1 - p->l0); }
+static int64_t bwd_pos_layer(const ds4_pass *p, int64_t l) {
+    return (p->has_head ? 1 + (p->m->cfg.n_mtp_layers > 0) : 0) + (p->l1 - 1 - l);
 }
 /* After the gather at position pos of an order: the groups that follow, for the wrapper to prefetch. */
 static ds4_status hint_next(ds4_pass *p, bool backward, int64_t pos) {
@@ -262,7 +284,7 @@ static ds4_status hint_next(ds4_pass *p, bool backward, int64_t pos) {
     if (!h || !h->prefetch) return DS4_OK;
     int64_t next[DS4_HOOK_AHEAD], n = 0;
     for (int64_t g; n < DS4_HOOK_AHEAD; n++) {
-        g = backward ? bwd_order(&p->m->cfg, pos + 1 + n) : fwd_order(&p->m->cfg, pos + 1 + n);
+        g = backward ? bwd_order(p, pos + 1 + n) : fwd_order(p, pos + 1 + n);
         if (g < 0) break;
         next[n] = g;
     }
@@ -277,7 +299,7 @@ static ds4_status gather_fwd(ds4_pass *p, int64_t group, int64_t pos) {
  * must see where it lives now. */
 static void stream_rebind(ds4_pass *p, int64_t l) {
     p->ba[l].X_in = p->X[l];
-    if (l > 0) p->ba[l - 1].X_out = p->X[l];
+    if (l > p->l0) p->ba[l - 1].X_out = p->X[l]; /* the block before the stage's first is another stage's */
 }
 static int64_t stream_numel(const ds4_pass *p) { return p->N * p->m->cfg.hc_mult * p->m->cfg.dim; }
 /* Bytes of X[l] as held now: 2 per element while it is bf16. */
@@ -462,8 +484,8 @@ static ds4_status mtp_fwd(ds4_pass *p) {
     ds4_model *m = p->m;
     const ds4_config *c = &m->cfg;
     int64_t l = c->n_layers;
-    DS4_TRY(gather_fwd(p, group_mtp(c), l + 2));
-    ds4_status st = gather_fwd(p, 0, l + 3);
+    DS4_TRY(gather_fwd(p, group_mtp(c), fwd_pos_head(p) + 1));
+    ds4_status st = gather_fwd(p, 0, fwd_pos_head(p) + 2);
     const char *prev = ds4_mem_owner_enter(OWNER_MTP_INPUT);
     if (st == DS4_OK) st = mtp_input_fwd(p);
     ds4_mem_owner_leave(prev);
@@ -534,32 +556,70 @@ static ds4_status check_ids(const ds4_config *c, const int32_t *ids, int64_t B, 
 static ds4_status check_kl_rows(const ds4_pass *p) {
     const ds4_config *c = &p->m->cfg;
     const int64_t want = indexer_kl_rows(&p->m->exec, p->B, p->T, 4);
-    for (int64_t l = 0; l < c->n_layers; l++)
+    for (int64_t l = p->l0; l < p->l1; l++)
         if (ds4_layer_ratio(c, l) == 4 && p->got.kl_rows[l] != want)
             return ds4_fail(DS4_ERR_INTERNAL, "indexer loss of layer %lld: %lld rows counted, %lld expected",
                             (long long)l, (long long)p->got.kl_rows[l], (long long)want);
     return DS4_OK;
 }
 
-/* The losses from the scalars the kernels wrote (read_scalars first). */
+double ds4_pass_layer_kl(const ds4_pass *p, int64_t layer) {
+    if (layer < 0 || layer >= p->m->cfg.n_layers || p->got.kl_rows[layer] <= 0) return 0.0;
+    return p->got.kl_sum[layer] / (double)p->got.kl_rows[layer];
+}
+
+ds4_losses ds4_losses_combine(const ds4_config *c, double loss, double mtp_loss, const double *layer_kl) {
+    ds4_losses L = {.loss = loss, .mtp_loss = c->n_mtp_layers ? mtp_loss : 0.0};
+    for (int64_t l = 0; l < c->n_layers; l++) L.indexer_loss += layer_kl[l]; /* in layer order */
+    L.total_loss = L.loss + c->mtp_loss_weight * L.mtp_loss + c->indexer_loss_coeff * L.indexer_loss;
+    return L;
+}
+
+/* The losses from the scalars the kernels wrote (read_scalars first): of the stage's heads and layers. */
 static void finish_losses(ds4_pass *p) {
     const ds4_config *c = &p->m->cfg;
     const pass_scalars *g = &p->got;
-    ds4_losses *L = &p->losses;
-    L->loss = g->n_scored[0] ? g->loss_sum[0] / (double)g->n_scored[0] : 0.0;
-    L->mtp_loss = c->n_mtp_layers && g->n_scored[1] ? g->loss_sum[1] / (double)g->n_scored[1] : 0.0;
-    L->indexer_loss = 0;
-    for (int64_t l = 0; l < c->n_layers; l++)
-        if (g->kl_rows[l] > 0) L->indexer_loss += g->kl_sum[l] / (double)g->kl_rows[l];
-    L->total_loss = L->loss + c->mtp_loss_weight * L->mtp_loss + c->indexer_loss_coeff * L->indexer_loss;
+    double kl[DS4_MAX_LAYERS];
+    for (int64_t l = 0; l < c->n_layers; l++) kl[l] = ds4_pass_layer_kl(p, l);
+    p->losses = ds4_losses_combine(c, g->n_scored[0] ? g->loss_sum[0] / (double)g->n_scored[0] : 0.0,
+                                   g->n_scored[1] ? g->loss_sum[1] / (double)g->n_scored[1] : 0.0, kl);
+}
+
+/* A stage the model can run: its layers in order, the embedding only before layer 0, the heads only after
+ * the last layer, an input stream where there is no embedding. */
+static ds4_status check_stage(const ds4_model *m, const ds4_stage *s, const float *X_in) {
+    const ds4_config *c = &m->cfg;
+    if (s->layer_begin < 0 || s->layer_begin > s->layer_end || s->layer_end > c->n_layers)
+        return ds4_fail(DS4_ERR_ARG, "stage: layers [%lld, %lld) are not a range of the model's %lld layers",
+                        (long long)s->layer_begin, (long long)s->layer_end, (long long)c->n_layers);
+    if (s->embedding && s->layer_begin != 0)
+        return ds4_fail(DS4_ERR_ARG, "stage: the embedding runs before layer 0, not before layer %lld",
+                        (long long)s->layer_begin);
+    if (s->head && s->layer_end != c->n_layers)
+        return ds4_fail(DS4_ERR_ARG, "stage: the head runs after the last layer %lld, not after layer %lld",
+                        (long long)(c->n_layers - 1), (long long)(s->layer_end - 1));
+    if (!s->embedding && !X_in)
+        return ds4_fail(DS4_ERR_ARG, "stage: layers [%lld, %lld) without the embedding need an input stream",
+                        (long long)s->layer_begin, (long long)s->layer_end);
+    if (s->head && !s->embedding && c->n_mtp_layers > 0 && m->unmapped)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "stage: an unmapped model's MTP stage without the embedding (its rows' "
+                        "gradient waits for the embedding's) is not built yet");
+    return DS4_OK;
 }
 
 ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, const ds4_pass_opts *opts,
                        ds4_pass **out) {
+    const ds4_stage whole = {.layer_begin = 0, .layer_end = m->cfg.n_layers, .embedding = true, .head = true};
+    return ds4_stage_forward(m, ids, B, T, opts, &whole, NULL, out);
+}
+
+ds4_status ds4_stage_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, const ds4_pass_opts *opts,
+                             const ds4_stage *stage, const float *X_in, ds4_pass **out) {
     *out = NULL;
     const ds4_config *c = &m->cfg;
     if (B <= 0 || T < 2) return ds4_fail(DS4_ERR_ARG, "forward: need B >= 1 and T >= 2 (got B=%lld, T=%lld)",
                                          (long long)B, (long long)T);
+    DS4_TRY(check_stage(m, stage, X_in));
     DS4_TRY(check_ids(c, ids, B, T));
     DS4_TRY(ensure_rope(m, T));
     ds4_pass *p = ds4_calloc(DS4_MEM_OTHER, sizeof *p);
@@ -569,6 +629,10 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     p->B = B;
     p->T = T;
     p->N = B * T;
+    p->l0 = (uint16_t)stage->layer_begin; /* checked: within [0, n_layers] */
+    p->l1 = (uint16_t)stage->layer_end;
+    p->embed = stage->embedding;
+    p->has_head = stage->head;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult, nb = n_blocks(c);
     ds4_status st = DS4_OK;
     p->ids = dev_alloc(m, DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
@@ -587,19 +651,23 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
     copy_to_device(&m->exec, p->ids, ids, (size_t)N * sizeof(int32_t)); /* the batch crosses to the backend */
     shift_ids(&m->exec, p->ids_next, p->ids, B, T, 1, 0);
 
-    /* embedding into n identical streams: X0 [N, n, D] */
-    p->X[0] = pass_alloc(p, N * n * D);
-    if (!p->X[0]) {
-        st = ds4_fail(DS4_ERR_OOM, "out of memory for the embedding");
+    /* the stage's input X[l0] [N, n, D]: the embedding into n identical streams, or the stream handed over */
+    p->X[p->l0] = pass_alloc(p, N * n * D);
+    if (!p->X[p->l0]) {
+        st = ds4_fail(DS4_ERR_OOM, "out of memory for the input stream of layer %lld", (long long)p->l0);
         goto fail;
     }
-    if ((st = gather_fwd(p, 0, 0)) != DS4_OK) goto fail;
-    embedding_fwd(&m->exec, p->X[0], m->w.embed, p->ids, N, D);
-    drop(p, 0);
-    streams_expand(&m->exec, p->X[0], N, n, D);
-    stream_round(p, 0);
+    if (p->embed) {
+        if ((st = gather_fwd(p, 0, 0)) != DS4_OK) goto fail;
+        embedding_fwd(&m->exec, p->X[0], m->w.embed, p->ids, N, D);
+        drop(p, 0);
+        streams_expand(&m->exec, p->X[0], N, n, D);
+        stream_round(p, 0);
+    } else {
+        tensor_copy(&m->exec, p->X[p->l0], X_in, (size_t)(N * n * D) * sizeof(float)); /* rounded by its maker */
+    }
     /* blocks */
-    for (int64_t l = 0; l < c->n_layers && st == DS4_OK; l++) {
+    for (int64_t l = p->l0; l < p->l1 && st == DS4_OK; l++) {
         p->X[l + 1] = pass_alloc(p, N * n * D);
         if (!p->X[l + 1]) {
             st = ds4_fail(DS4_ERR_OOM, "out of memory for the streams of layer %lld", (long long)l);
@@ -609,24 +677,26 @@ ds4_status ds4_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_t T, c
         uint32_t mask;
         if ((st = recompute_mask(p, l, &mask)) != DS4_OK) break;
         if ((st = keep_released_topk(p, l, mask, &bc)) != DS4_OK) break;
-        if ((st = gather_fwd(p, group_of_layer(l), l + 1)) != DS4_OK) break;
+        if ((st = gather_fwd(p, group_of_layer(l), fwd_pos_layer(p, l))) != DS4_OK) break;
         st = block_fwd(&bc, &p->ba[l], p->X[l], p->X[l + 1], mask, p->unit_stats + l * U_COUNT,
                        p->expert_load + l * c->n_routed_experts, &p->scal->kl_sum[l], &p->scal->kl_rows[l]);
         drop(p, group_of_layer(l));
         if (st == DS4_OK) stream_round(p, l + 1);
-        if (st == DS4_OK && !opts->need_backward && l > 0) {
+        if (st == DS4_OK && !opts->need_backward && l > p->l0) {
             dev_free(m, p->X[l]); /* eval: the previous boundary is no longer needed */
             p->X[l] = NULL;
         }
         if (st == DS4_OK) st = act_offload(p, l);
     }
     if (st != DS4_OK) goto fail;
-    /* the head (also the MTP head's output projection) stays gathered until the MTP head is done */
-    if ((st = gather_fwd(p, group_head(c), c->n_layers + 1)) != DS4_OK) goto fail;
-    st = head_fwd(p, &p->head, p->X[c->n_layers], m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base, m->w.norm,
-                  1);
-    if (st == DS4_OK && c->n_mtp_layers > 0) st = mtp_fwd(p);
-    drop(p, group_head(c));
+    if (p->has_head) {
+        /* the head (also the MTP head's output projection) stays gathered until the MTP head is done */
+        if ((st = gather_fwd(p, group_head(c), fwd_pos_head(p))) != DS4_OK) goto fail;
+        st = head_fwd(p, &p->head, p->X[c->n_layers], m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base,
+                      m->w.norm, 1);
+        if (st == DS4_OK && c->n_mtp_layers > 0) st = mtp_fwd(p);
+        drop(p, group_head(c));
+    }
     if (st == DS4_OK) st = hooks_sync(p);
     if (st == DS4_OK) st = read_scalars(p, true);
     if (st != DS4_OK) goto fail;
@@ -640,9 +710,19 @@ fail:
 }
 
 ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
+    if (!p->embed || !p->has_head)
+        return ds4_fail(DS4_ERR_ARG, "backward: the pass is a stage of layers [%lld, %lld): ds4_stage_backward",
+                        (long long)p->l0, (long long)p->l1);
+    return ds4_stage_backward(m, p, NULL);
+}
+
+ds4_status ds4_stage_backward(ds4_model *m, ds4_pass *p, const float *dX_out) {
     const ds4_config *c = &m->cfg;
     if (!p->opts.need_backward || p->backward_done)
         return ds4_fail(DS4_ERR_ARG, "backward: the pass was not made for backward or was already used");
+    if (!p->has_head && !dX_out)
+        return ds4_fail(DS4_ERR_ARG, "backward: the stage of layers [%lld, %lld) without the head needs the gradient "
+                        "of its output stream", (long long)p->l0, (long long)p->l1);
     p->backward_done = true;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult, L = c->n_layers;
     const size_t sbytes = (size_t)(N * n * D) * sizeof(float);
@@ -655,15 +735,19 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
     tensor_zero(&m->exec, p->scal->kl_sum, sizeof p->scal->kl_sum);
     tensor_zero(&m->exec, p->scal->kl_rows, sizeof p->scal->kl_rows);
 
-    st = gather_for_backward(p, group_head(c), 0);
-    if (st == DS4_OK)
-        st = head_bwd(p, &p->head, p->X[L], dX, 1.0, m->g.hc_head_fn, m->g.hc_head_scale, m->g.hc_head_base,
-                      m->g.norm, m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base, m->w.norm);
-    head_free(p, &p->head);
     float *de_mtp = NULL; /* [N, D] the MTP input's embedded rows' gradient, scattered with the embedding's */
-    if (st == DS4_OK && c->n_mtp_layers > 0) st = mtp_bwd(p, dX, &de_mtp);
-    if (st == DS4_OK) st = finish_backward(p, group_head(c));
-    for (int64_t l = L - 1; l >= 0 && st == DS4_OK; l--) {
+    if (p->has_head) {
+        st = gather_for_backward(p, group_head(c), 0);
+        if (st == DS4_OK)
+            st = head_bwd(p, &p->head, p->X[L], dX, 1.0, m->g.hc_head_fn, m->g.hc_head_scale, m->g.hc_head_base,
+                          m->g.norm, m->w.hc_head_fn, m->w.hc_head_scale, m->w.hc_head_base, m->w.norm);
+        head_free(p, &p->head);
+        if (st == DS4_OK && c->n_mtp_layers > 0) st = mtp_bwd(p, dX, &de_mtp);
+        if (st == DS4_OK) st = finish_backward(p, group_head(c));
+    } else {
+        tensor_copy(&m->exec, dX, dX_out, sbytes); /* ∂/∂X[l1], from the next stage */
+    }
+    for (int64_t l = p->l1 - 1; l >= p->l0 && st == DS4_OK; l--) {
         prev = ds4_mem_owner_enter(OWNER_STREAM_GRADS);
         dprev = dev_zalloc(m, DS4_MEM_WORK, sbytes);
         ds4_mem_owner_leave(prev);
@@ -673,7 +757,7 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
         }
         block_ctx bc = make_ctx(p, l, p->ids);
         st = act_restore(p, l);
-        if (st == DS4_OK) st = gather_for_backward(p, group_of_layer(l), 1 + (c->n_mtp_layers > 0) + (L - 1 - l));
+        if (st == DS4_OK) st = gather_for_backward(p, group_of_layer(l), bwd_pos_layer(p, l));
         if (st == DS4_OK) st = block_bwd(&bc, &p->ba[l], dX, dprev, &p->scal->kl_sum[l], &p->scal->kl_rows[l]);
         if (st == DS4_OK) st = finish_backward(p, group_of_layer(l));
         dev_free(m, p->X[l + 1]);
@@ -682,7 +766,13 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
         dX = dprev;
         dprev = NULL;
     }
-    if (st == DS4_OK) {
+    if (st == DS4_OK && !p->embed) {
+        dev_free(m, p->X[p->l0]); /* ∂/∂X[l0] takes the stream's place, for the previous stage */
+        p->X[p->l0] = dX;
+        p->X_bf16[p->l0] = false;
+        p->grad_ready = true;
+        dX = NULL;
+    } else if (st == DS4_OK) {
         /* embedding: the n streams all started as the same row; its gradient opens only now (the MTP's
          * rows first, then the main input's) */
         prev = ds4_mem_owner_enter(OWNER_EMBED);

@@ -23,6 +23,7 @@ typedef struct {
 static const alias k_aliases[] = {
     ALIAS("training.micro_batch_size", "training.local_batch_size"),
     ALIAS("parallel.ep", "parallelism.expert_parallel_degree"),
+    ALIAS("parallel.pp", "parallelism.pipeline_parallel_degree"),
     ALIAS("lr_scheduler.decay_steps", "lr_scheduler.total_steps"),
     ALIAS("data.train", "training.dataset_path"),
     ALIAS("training.seed", "debug.seed"),
@@ -45,7 +46,8 @@ static const note k_mapped[] = {
     {"parallelism.data_parallel_shard_degree", "-1 or the world size: FSDP over every rank"},
     {"parallelism.data_parallel_replicate_degree", "must be 1 (no HSDP)"},
     {"parallelism.tensor_parallel_degree", "must be 1 (no tensor parallelism)"},
-    {"parallelism.pipeline_parallel_degree", "must be 1 (no pipeline parallelism)"},
+    {"parallelism.pipeline_parallel_schedule", "1F1B or Interleaved1F1B, checked against the layout (the schedules "
+                                               "are not built yet)"},
     {"parallelism.context_parallel_degree", "must be 1 (no context parallelism)"},
     {"parallelism.expert_tensor_parallel_degree", "must be 1 (experts are whole on their EP rank)"},
     {"activation_checkpoint.mode", "the recompute policy"},
@@ -57,7 +59,7 @@ static const note k_mapped[] = {
 };
 
 #define NO_TP "ds4 has no tensor parallelism"
-#define NO_PP "ds4 has no pipeline parallelism"
+#define NO_PP "ds4's pipeline is parallel.pp, parallel.vpp and parallel.layout (docs/pipeline.md)"
 #define NO_LOAD "not a ds4 checkpoint option (model.dir loads Hugging Face weights, ds4 export writes them)"
 static const note k_ignored[] = {
     {"job.print_config", "ds4 does not print its config"},
@@ -85,7 +87,6 @@ static const note k_ignored[] = {
     {"parallelism.fsdp_reshard_after_forward", "ds4 frees every gathered group after its last use"},
     {"parallelism.enable_async_tensor_parallel", NO_TP},
     {"parallelism.disable_loss_parallel", NO_TP},
-    {"parallelism.pipeline_parallel_schedule", NO_PP},
     {"parallelism.pipeline_parallel_schedule_csv", NO_PP},
     {"parallelism.pipeline_parallel_microbatch_size", NO_PP},
     {"parallelism.pipeline_parallel_layers_per_stage", NO_PP},
@@ -191,7 +192,7 @@ static void note_titan_names(const ds4_toml *t, ds4_train_cfg *c) {
 /* ------------------------------------------------------------------ the TorchTitan-only settings */
 static ds4_status read_degrees(const ds4_toml *t, ds4_train_cfg *c) {
     static const char *const ones[] = {"parallelism.data_parallel_replicate_degree",
-                                       "parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree",
+                                       "parallelism.tensor_parallel_degree",
                                        "parallelism.context_parallel_degree",
                                        "parallelism.expert_tensor_parallel_degree"};
     for (size_t i = 0; i < sizeof ones / sizeof ones[0]; i++) {
@@ -202,6 +203,12 @@ static ds4_status read_degrees(const ds4_toml *t, ds4_train_cfg *c) {
                                             "only; set it to 1", ones[i], (long long)d);
     }
     DS4_TRY(ds4_toml_int_or(t, "parallelism.data_parallel_shard_degree", 0, &c->dp_shard));
+    const char *sched;
+    DS4_TRY(ds4_toml_string_or(t, "parallelism.pipeline_parallel_schedule", "", &sched));
+    if (sched[0] && strcmp(sched, "1F1B") && strcmp(sched, "Interleaved1F1B"))
+        return ds4_fail(DS4_ERR_CONFIG, "key parallelism.pipeline_parallel_schedule = \"%s\": ds4 knows 1F1B and "
+                                        "Interleaved1F1B", sched);
+    snprintf(c->pp_schedule, sizeof c->pp_schedule, "%s", sched);
     if (c->dp_shard < -1)
         return ds4_fail(DS4_ERR_CONFIG, "key parallelism.data_parallel_shard_degree = %lld: expected -1 (every rank) "
                                         "or the number of ranks", (long long)c->dp_shard);

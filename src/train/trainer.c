@@ -37,7 +37,8 @@ static const char *const k_known_keys[] = {
     "checkpoint.per_rank",
     "metrics.log_freq", "metrics.jsonl", "metrics.peak_tflops", "metrics.enable_tensorboard",
     "metrics.save_tb_folder", "job.dump_folder", "job.description",
-    "parallel.ep", "parallel.prefetch_depth", "parallel.moe_fb_overlap", "parallel.sim_link_gbps", "parallel.sim_link_latency_us",
+    "parallel.ep", "parallel.pp", "parallel.vpp", "parallel.layout", "parallel.num_layers_per_virtual_pipeline_stage",
+    "parallel.prefetch_depth", "parallel.moe_fb_overlap", "parallel.sim_link_gbps", "parallel.sim_link_latency_us",
     "metrics.trace_file",
     "memory.swap_optimizer", "memory.swap_layer_input", "memory.offload_dir",
 };
@@ -113,6 +114,27 @@ static ds4_status read_tensorboard(const ds4_toml *t, const char *dump, ds4_trai
     return under_dump(dump, folder, "metrics.save_tb_folder", c->tb_folder, sizeof c->tb_folder);
 }
 
+/* [parallel] pp, vpp, layout, num_layers_per_virtual_pipeline_stage (TorchTitan's
+ * parallelism.pipeline_parallel_degree is pp): the layout the recompute priority reads; checked against
+ * the model by ds4_recompute_validate. */
+static ds4_status read_pipeline(const ds4_toml *t, ds4_train_cfg *c) {
+    ds4_pp_cfg *p = &c->recompute.pipe;
+    DS4_TRY(ds4_toml_int_or(t, titan_key(t, "parallel.pp"), 1, &p->pp));
+    DS4_TRY(ds4_toml_int_or(t, "parallel.vpp", 0, &p->vpp));
+    DS4_TRY(ds4_toml_int_or(t, "parallel.num_layers_per_virtual_pipeline_stage", 0, &p->layers_per_vstage));
+    DS4_TRY(copy_str(t, "parallel.layout", "", p->layout, sizeof p->layout));
+    if (p->pp < 1)
+        return ds4_fail(DS4_ERR_CONFIG, "key %s = %lld: expected a positive number of pipeline stages",
+                        titan_key(t, "parallel.pp"), (long long)p->pp);
+    if (p->vpp < 0 || (ds4_toml_find(t, "parallel.vpp") && p->vpp < 1))
+        return ds4_fail(DS4_ERR_CONFIG, "key parallel.vpp = %lld: expected a positive number of virtual chunks",
+                        (long long)p->vpp);
+    if (ds4_toml_find(t, "parallel.num_layers_per_virtual_pipeline_stage") && p->layers_per_vstage < 1)
+        return ds4_fail(DS4_ERR_CONFIG, "key parallel.num_layers_per_virtual_pipeline_stage = %lld: expected a "
+                        "positive number of layers", (long long)p->layers_per_vstage);
+    return DS4_OK;
+}
+
 ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
     memset(c, 0, sizeof *c);
     ds4_recompute_defaults(&c->recompute);
@@ -178,6 +200,7 @@ ds4_status ds4_train_cfg_from_toml(const ds4_toml *t, ds4_train_cfg *c) {
         memcpy(c->ckpt_folder, folder, sizeof folder);
     }
     DS4_TRY(ds4_toml_int_or(t, titan_key(t, "parallel.ep"), 1, &c->ep));
+    DS4_TRY(read_pipeline(t, c));
     DS4_TRY(ds4_toml_int_or(t, "parallel.prefetch_depth", DS4_PREFETCH_DEFAULT, &c->prefetch_depth));
     DS4_TRY(ds4_toml_bool_or(t, "parallel.moe_fb_overlap", false, &c->moe_fb_overlap));
     DS4_TRY(ds4_toml_float_or(t, "parallel.sim_link_gbps", 0, &c->sim_link_gbps));
@@ -297,6 +320,24 @@ static ds4_status check_ranges(const ds4_train_cfg *c) {
     return DS4_OK;
 }
 
+/* A valid layout of more than one chunk needs a pipeline schedule, which is not built yet. */
+static ds4_status check_pipeline(const ds4_train_cfg *c, const ds4_config *mc) {
+    ds4_pp_layout L;
+    DS4_TRY(ds4_pp_layout_make(&c->recompute.pipe, mc->n_layers, mc->n_mtp_layers, &L));
+    if (c->pp_schedule[0] && L.pp > 1) {
+        const bool interleaved = !strcmp(c->pp_schedule, "Interleaved1F1B");
+        if (interleaved != (L.vpp > 1))
+            return ds4_fail(DS4_ERR_CONFIG, "key parallelism.pipeline_parallel_schedule = \"%s\" with %lld virtual "
+                            "chunks per stage: 1F1B runs one chunk per stage, Interleaved1F1B more", c->pp_schedule,
+                            (long long)L.vpp);
+    }
+    if (L.pp * L.vpp > 1)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld, vpp %lld): the layout is valid, but the "
+                        "pipeline schedules (1F1B, interleaved) are not built yet; run with pp 1 and one chunk",
+                        (long long)L.pp, (long long)L.vpp);
+    return DS4_OK;
+}
+
 /* Checks that need only the config, so bad input fails before any work starts. */
 static ds4_status check_cfg(const ds4_train_cfg *c, const ds4_config *mc) {
     if (!c->model_dir[0] == !c->model_config[0])
@@ -317,7 +358,8 @@ static ds4_status check_cfg(const ds4_train_cfg *c, const ds4_config *mc) {
     if (c->log_freq < 1) return ds4_fail(DS4_ERR_CONFIG, "key metrics.log_freq: must be >= 1");
     if (c->ckpt_interval > 0 && !c->ckpt_folder[0])
         return ds4_fail(DS4_ERR_CONFIG, "key checkpoint.interval set but checkpoint.folder is empty");
-    return ds4_recompute_validate(&c->recompute, mc);
+    DS4_TRY(ds4_recompute_validate(&c->recompute, mc)); /* the pipeline layout's errors come first */
+    return check_pipeline(c, mc);
 }
 
 /* Checks of the config against the world of W ranks (the same on every rank: all fail alike). */
