@@ -102,9 +102,8 @@ void ds4_dev_host_view_free(const ds4_exec *ex, const void *view, const void *sr
 /* Waits for ex's backend, then its ops' first failure since the last call (DS4_OK: none; the cpu's ops
  * report through the allocator instead): what a step checks at its end. */
 ds4_status ds4_dev_status(const ds4_exec *ex);
-/* *out = Σ x² over x [n] (ds4_sumsq's rule) and *out = the non-finite elements of x [n], computed on the
- * device and read back: the one wait of each. Fail only out of memory (a plan: 0). */
-ds4_status ds4_dev_sumsq(const ds4_exec *ex, const float *x, int64_t n, double *out);
+/* *out = the non-finite elements of x [n], computed on the device and read back: the one wait of it. Fails
+ * only out of memory (a plan: 0). */
 ds4_status ds4_dev_count_nonfinite(const ds4_exec *ex, const float *x, int64_t n, int64_t *out);
 /* *acc = ds4_sumsq_exact(x [n]) computed on the device and read back (a plan: zero). */
 ds4_status ds4_dev_sumsq_exact(const ds4_exec *ex, const float *x, int64_t n, ds4_sumsq_acc *acc);

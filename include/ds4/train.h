@@ -177,9 +177,10 @@ ds4_status ds4_muon_step(ds4_optim *o, ds4_model *m, const ds4_muon_cfg *c, doub
  * ds4_muon_step on the whole model. */
 ds4_status ds4_fsdp_muon_step(ds4_fsdp *f, ds4_optim *o, const ds4_muon_cfg *c, double weight_decay, double lr);
 
-/* Global L2 norm of the gradients (fp64 accumulation, fixed order), computed on the model's backend; if
- * max_norm > 0 and the norm exceeds it, scales gradients by max_norm / norm. *norm: the norm before
- * clipping. Fails only out of memory. */
+/* Global L2 norm of the gradients, the squares summed exactly (ds4_sumsq_exact, on the model's backend) and
+ * rounded once, so one process, FSDP's shards and a pipeline's stages give the same bits; if max_norm > 0
+ * and the norm exceeds it, scales gradients by max_norm / norm. *norm: the norm before clipping; NaN when a
+ * gradient is not finite. Fails only out of memory. */
 ds4_status ds4_clip_grad_norm(ds4_model *m, double max_norm, double *norm);
 
 /* Aux-loss-free balancing (noaux_tc): for each score-routed layer, b_e += γ·sign(mean_load − load_e).

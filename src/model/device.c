@@ -52,17 +52,6 @@ static ds4_status scalar_new(const ds4_exec *ex, const char *what, void **out) {
     return DS4_OK;
 }
 
-ds4_status ds4_dev_sumsq(const ds4_exec *ex, const float *x, int64_t n, double *out) {
-    void *d;
-    *out = 0;
-    DS4_TRY(scalar_new(ex, "sum of squares", &d));
-    sumsq(ex, d, x, n);
-    copy_to_host(ex, out, d, sizeof *out);
-    synchronize(ex);
-    buf_free(ex, d);
-    return DS4_OK;
-}
-
 ds4_status ds4_dev_count_nonfinite(const ds4_exec *ex, const float *x, int64_t n, int64_t *out) {
     void *d;
     *out = 0;

@@ -510,9 +510,10 @@ ds4_status ds4_clip_grad_norm(ds4_model *m, double max_norm, double *norm) {
     const ds4_exec *ex = ds4_model_exec(m);
     float *g = ds4_model_grads_flat(m), s;
     const int64_t n = ds4_model_numel(m);
-    double sumsq;
-    DS4_TRY(ds4_dev_sumsq(ex, g, n, &sumsq));
-    *norm = sqrt(sumsq);
+    ds4_sumsq_acc a; /* exact: the same bits as FSDP's and a pipeline's sums over their pieces */
+    DS4_TRY(ds4_dev_sumsq_exact(ex, g, n, &a));
+    ds4_sumsq_normalize(&a);
+    *norm = sqrt(ds4_sumsq_value(&a));
     if (ds4_clip_factor(max_norm, *norm, &s)) ds4_dev_scale(ex, g, n, s);
     return DS4_OK;
 }
