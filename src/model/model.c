@@ -370,7 +370,9 @@ static ds4_status head_fwd(ds4_pass *p, head_acts *h, const float *X, const floa
     return DS4_OK;
 }
 
-/* dX += ∂(weight · mean CE)/∂X; head/norm/hc_head gradients accumulate. */
+/* dX += ∂(weight · mean CE)/∂X; head/norm/hc_head gradients accumulate. The logits' gradient [N, V] overwrites
+ * the logits, which nothing reads after this (the pass frees them next, keep_logits or not), so the backward
+ * holds no second [N, V]. */
 static ds4_status head_bwd(ds4_pass *p, head_acts *h, const float *X, float *dX, double weight, float *g_fn,
                            float *g_scale, float *g_base, float *g_norm, const float *fn, const float *scale,
                            const float *base, const float *normw) {
@@ -378,7 +380,7 @@ static ds4_status head_bwd(ds4_pass *p, head_acts *h, const float *X, float *dX,
     const ds4_config *c = &m->cfg;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult, V = c->vocab_size;
     const char *prev = ds4_mem_owner_enter(OWNER_HEAD);
-    float *dlogits = dev_alloc(m, DS4_MEM_WORK, (size_t)(N * V) * sizeof(float));
+    float *dlogits = h->logits; /* [N, V], in place */
     float *dyn = pass_work(p, N * D);
     float *dy = pass_work(p, N * D);
     ds4_status st = DS4_OK;
@@ -396,7 +398,6 @@ static ds4_status head_bwd(ds4_pass *p, head_acts *h, const float *X, float *dX,
         .norm_eps = (float)c->norm_eps, .X = X, .fn = fn, .scale = scale, .base = base, .mixes = h->mixes,
         .rsqrt = h->rsqrt}, &(hc_head_grads){.dy = dy, .dX = dX, .dfn = g_fn, .dscale = g_scale, .dbase = g_base});
 done:
-    dev_free(m, dlogits);
     dev_free(m, dyn);
     dev_free(m, dy);
     ds4_mem_owner_leave(prev);
