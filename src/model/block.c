@@ -121,33 +121,57 @@ static void grads_free(const block_ctx *bc, block_grads *g) {
     memset(g, 0, sizeof *g);
 }
 
-static ds4_status grads_alloc(const block_ctx *bc, const block_acts *a, block_grads *g) {
+/* The gradient buffers one side of the block's backward writes and reads, allocated zeroed when that side
+ * starts: the FFN side (hc_post_ffn .. hc_pre_ffn) first, with dX_mid, which hc_pre_ffn's backward hands to
+ * hc_post_attn's; the attention side's (the largest, [N, H, hd] twice) only after the FFN side's are freed,
+ * so the MoE backward runs beside the FFN side's buffers alone. */
+static float **grads_side(block_grads *g, bool attn, int *count) {
+    float **f = (float **)g;
+    const int first_attn = (int)(offsetof(block_grads, dattn) / sizeof(float *));
+    *count = attn ? NGRAD_BUFS - first_attn : first_attn;
+    return attn ? f + first_attn : f;
+}
+
+static void grads_free_side(const block_ctx *bc, block_grads *g, bool attn) {
+    int cnt;
+    float **f = grads_side(g, attn, &cnt);
+    for (int i = 0; i < cnt; i++) {
+        if (attn || f + i != &g->dX_mid) { /* dX_mid lives until the attention side has read it */
+            work_free(bc, f[i]);
+            f[i] = NULL;
+        }
+    }
+}
+
+static ds4_status grads_alloc(const block_ctx *bc, const block_acts *a, block_grads *g, bool attn) {
     const ds4_config *c = &bc->m->cfg;
     const int64_t N = bc->B * bc->T, D = c->dim, n = c->hc_mult, H = c->n_heads, hd = c->head_dim;
-    memset(g, 0, sizeof *g);
-    g->dX_mid = work_zeros(bc, N * n * D);
-    g->dffn = work_zeros(bc, N * D);
-    g->dpostF = work_zeros(bc, N * n);
-    g->dcombF = work_zeros(bc, N * n * n);
-    g->dxf = work_zeros(bc, N * D);
-    g->dyF = work_zeros(bc, N * D);
-    g->dattn = work_zeros(bc, N * D);
-    g->dpostA = work_zeros(bc, N * n);
-    g->dcombA = work_zeros(bc, N * n * n);
-    g->dz = work_zeros(bc, N * c->o_groups * c->o_lora_rank);
-    g->do_ = work_zeros(bc, N * H * hd);
-    g->dq = work_zeros(bc, N * H * hd);
-    g->dkv = work_zeros(bc, N * hd);
-    g->dkvc = work_zeros(bc, bc->B * a->Nc * hd + 1);
-    g->dqr = work_zeros(bc, N * c->q_lora_rank);
-    g->dxa = work_zeros(bc, N * D);
-    g->dyA = work_zeros(bc, N * D);
-    float **f = (float **)g;
-    for (int i = 0; i < NGRAD_BUFS; i++)
-        if (!f[i]) {
-            grads_free(bc, g);
-            return ds4_fail(DS4_ERR_OOM, "out of memory for the gradients of block %lld", (long long)bc->layer);
-        }
+    const char *prev = ds4_mem_owner_enter("block backward: gradient buffers");
+    if (!attn) {
+        g->dX_mid = work_zeros(bc, N * n * D);
+        g->dffn = work_zeros(bc, N * D);
+        g->dpostF = work_zeros(bc, N * n);
+        g->dcombF = work_zeros(bc, N * n * n);
+        g->dxf = work_zeros(bc, N * D);
+        g->dyF = work_zeros(bc, N * D);
+    } else {
+        g->dattn = work_zeros(bc, N * D);
+        g->dpostA = work_zeros(bc, N * n);
+        g->dcombA = work_zeros(bc, N * n * n);
+        g->dz = work_zeros(bc, N * c->o_groups * c->o_lora_rank);
+        g->do_ = work_zeros(bc, N * H * hd);
+        g->dq = work_zeros(bc, N * H * hd);
+        g->dkv = work_zeros(bc, N * hd);
+        g->dkvc = work_zeros(bc, bc->B * a->Nc * hd + 1);
+        g->dqr = work_zeros(bc, N * c->q_lora_rank);
+        g->dxa = work_zeros(bc, N * D);
+        g->dyA = work_zeros(bc, N * D);
+    }
+    ds4_mem_owner_leave(prev);
+    int cnt;
+    float **f = grads_side(g, attn, &cnt);
+    for (int i = 0; i < cnt; i++)
+        if (!f[i]) return ds4_fail(DS4_ERR_OOM, "out of memory for the gradients of block %lld", (long long)bc->layer);
     return DS4_OK;
 }
 
@@ -156,9 +180,8 @@ static ds4_status grads_alloc(const block_ctx *bc, const block_acts *a, block_gr
 ds4_status block_bwd(const block_ctx *bc, block_acts *a, const float *dX_out, float *dX_in, double *kl_sum,
                      int64_t *kl_rows) {
     block_grads g;
-    const char *prev = ds4_mem_owner_enter("block backward: gradient buffers");
-    ds4_status st = grads_alloc(bc, a, &g);
-    ds4_mem_owner_leave(prev);
+    memset(&g, 0, sizeof g);
+    ds4_status st = grads_alloc(bc, a, &g, false);
     g.dX_out = dX_out;
     g.dX_in = dX_in;
     g.kl_sum = kl_sum;
@@ -166,9 +189,14 @@ ds4_status block_bwd(const block_ctx *bc, block_acts *a, const float *dX_out, fl
     for (int s = 0; s < k_block_bwd_steps && st == DS4_OK; s++) {
         const unit_id u = k_block_bwd_order[s];
         const unit_decl *ud = k_block_units[u];
+        if (u == U_HC_POST_ATTN) { /* the attention side starts */
+            grads_free_side(bc, &g, false);
+            st = grads_alloc(bc, a, &g, true);
+            if (st != DS4_OK) break;
+        }
         st = act_need(bc, a, ud->bwd_reads);
         if (st == DS4_OK && unit_runs_here(u, a)) {
-            prev = ds4_mem_owner_enter(unit_owner(u));
+            const char *prev = ds4_mem_owner_enter(unit_owner(u));
             st = ud->bwd(bc, a, &g);
             ds4_mem_owner_leave(prev);
         }
