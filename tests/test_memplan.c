@@ -577,6 +577,23 @@ static void test_workspace_bounds(void) {
           (long long)o_proj[2]);
     plan_equals_measured("tests/configs/tiny-a.json", 1, 300, NULL, 0);
     plan_equals_measured("tests/configs/tiny-b.json", 3, 70, NULL, 0);
+
+    /* V4-Flash 4K, rank 0 of FSDP 128 + EP 128: the MoE's exchange buffers ([N·K, D] and [R, D], each ~384 MiB)
+     * live two at a time and its backward scratch is one (expert, source) block's, so the unit holds less than
+     * the four exchange buffers at once */
+    ds4_config f;
+    CHECK(ds4_config_load("configs/deepseek-v4-flash.json", &f) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm *sim = NULL;
+    CHECK(ds4_comm_plan(128, 0, &sim) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_step_opts so = {.prefetch_depth = 1};
+    ds4_step_memory r;
+    CHECK(ds4_step_memory_run_dist_opts(&f, 1, 4096, &so, true, sim, 128, true, &r) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm_free(sim);
+    const int64_t NK = 4096 * f.n_activated_experts, moe = owner_most("moe");
+    CHECK(moe > 0 && moe < 4 * NK * f.dim * (int64_t)sizeof(float), "V4-Flash moe %lld bytes, four exchange buffers %lld",
+          (long long)moe, (long long)(4 * NK * f.dim * (int64_t)sizeof(float)));
+    CHECK(owner_most("head backward") == 2 * 4096 * f.dim * (int64_t)sizeof(float), "V4-Flash head backward %lld",
+          (long long)owner_most("head backward"));
 }
 
 int main(void) {
