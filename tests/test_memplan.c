@@ -547,10 +547,10 @@ static int64_t owner_most(const char *name) {
 }
 
 /* The workspace that need not scale with the whole [N, V] or [N, H, hd]: the head's backward holds its two
- * [N, D] gradients and no [N, V] (the logits' gradient overwrites the logits); o_proj's forward copy is one
- * tile of tokens whatever T, its backward's and q_up's borrow the block's gradient buffers; the block's
- * gradient buffers are one side's at a time (FFN, then attention), never all of them. Plan == measured at a
- * T of several tiles and a partial one. */
+ * [N, D] gradients and no [N, V] (the logits' gradient overwrites the logits), the MTP input's no [N, n, D];
+ * o_proj's forward copy is one tile of tokens whatever T, its backward's and q_up's borrow the block's
+ * gradient buffers; the block's gradient buffers are one side's at a time (FFN, then attention), never all of
+ * them. Plan == measured at a T of several tiles and a partial one. */
 static void test_workspace_bounds(void) {
     ds4_config c;
     CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
@@ -564,6 +564,10 @@ static void test_workspace_bounds(void) {
         CHECK(head == 2 * N * D * (int64_t)sizeof(float) && head < N * V * (int64_t)sizeof(float),
               "T=%lld: head backward %lld bytes, not 2 [N, D]", (long long)T, (long long)head);
         CHECK(owner_most("q_up") == 0, "T=%lld: q_up %lld bytes", (long long)T, (long long)owner_most("q_up"));
+        /* the MTP input's backward: its two [N, D] and the embedded rows' gradient [N, D]; its [N, n, D] is the
+         * MTP block's spent output gradient */
+        CHECK(owner_most("MTP input") == 3 * N * D * (int64_t)sizeof(float), "T=%lld: MTP input %lld bytes",
+              (long long)T, (long long)owner_most("MTP input"));
         o_proj[t] = owner_most("o_proj");
         const int64_t ffn = N * (n * D + D + n + n * n + 2 * D);
         const int64_t attn = N * (D + n + n * n + c.o_groups * c.o_lora_rank + 2 * H * hd + hd + c.q_lora_rank + 2 * D);
