@@ -576,7 +576,8 @@ static void test_workspace_bounds(void) {
               "T=%lld: block gradient buffers %lld, all of them %lld", (long long)T, (long long)grads,
               (long long)((ffn + attn) * (int64_t)sizeof(float)));
     }
-    CHECK(o_proj[0] == 64 * H * hd * (int64_t)sizeof(float) && o_proj[1] == o_proj[0] && o_proj[2] == o_proj[0],
+    /* o_proj's tile is 128 tokens: T = 64 holds 64 of them, T = 128 and 256 one whole tile */
+    CHECK(o_proj[0] == 64 * H * hd * (int64_t)sizeof(float) && o_proj[1] == 2 * o_proj[0] && o_proj[2] == o_proj[1],
           "o_proj: %lld, %lld, %lld at T 64, 128, 256", (long long)o_proj[0], (long long)o_proj[1],
           (long long)o_proj[2]);
     plan_equals_measured("tests/configs/tiny-a.json", 1, 300, NULL, 0);

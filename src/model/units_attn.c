@@ -485,7 +485,7 @@ static float *inverse_roped_o(const block_ctx *bc, const block_acts *a, float *o
 /* The forward makes and consumes the inverse-roped o in tiles of at most this many tokens of one sequence:
  * its copy is [O_PROJ_TILE, H, hd] whatever T. Each tile is a block of rows of the grouped GEMM, whose rows
  * do not change another row's sums (the K slicing is the engine's), so the bits are the whole GEMM's. */
-#define O_PROJ_TILE 64
+#define O_PROJ_TILE 128
 
 static ds4_status o_proj_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
