@@ -549,8 +549,8 @@ static int64_t owner_most(const char *name) {
 /* The workspace that need not scale with the whole [N, V] or [N, H, hd]: the head's backward holds its two
  * [N, D] gradients and no [N, V] (the logits' gradient overwrites the logits), the MTP input's no [N, n, D];
  * o_proj's forward copy is one tile of tokens whatever T, its backward's and q_up's borrow the block's
- * gradient buffers; the block's gradient buffers are one side's at a time (FFN, then attention), never all of
- * them. Plan == measured at a T of several tiles and a partial one. */
+ * gradient buffers; each of the block's gradient buffers lives from its first writer to its last reader, so
+ * they are never all held at once. Plan == measured at a T of several tiles and a partial one. */
 static void test_workspace_bounds(void) {
     ds4_config c;
     CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
