@@ -974,6 +974,12 @@ static void test_cross_entropy_deterministic(void) {
         worst = fmax(worst, fabs(s));
     }
     CHECK(worst < 1e-7, "row sums of dlogits: %.3g", worst);
+    /* in place (dlogits == logits, as the head's backward runs it): the same gradient bits and loss */
+    double s3;
+    int64_t c3;
+    cross_entropy_fwd_bwd(CPU_EXEC, &s3, &c3, l, l, t, N, V, 1.0f / 115);
+    CHECK(c3 == 115 && s3 == s1, "in place: loss %.17g vs %.17g", s3, s1);
+    CHECK(memcmp(l, d1, (size_t)(N * V) * sizeof(float)) == 0, "in place: dlogits differ");
     free(l), free(d1), free(d2), free(t);
 }
 

@@ -537,6 +537,70 @@ static void test_workspace_users(void) {
     CHECK(gemm[0] > 0 && gemm[1] == gemm[0], "GEMM packing: %lld, %lld", (long long)gemm[0], (long long)gemm[1]);
 }
 
+/* The most bytes workspace owner `name` (a unit: its name alone) held in the last step measured (0: none). */
+static int64_t owner_most(const char *name) {
+    ds4_mem_owner_stat o[DS4_MEM_OWNERS_MAX];
+    const int n = ds4_mem_owners_get(DS4_MEM_WORK, o, DS4_MEM_OWNERS_MAX);
+    for (int i = 0; i < n && i < DS4_MEM_OWNERS_MAX; i++)
+        if (o[i].name && !strcmp(o[i].name, name)) return o[i].max;
+    return 0;
+}
+
+/* The workspace that need not scale with the whole [N, V] or [N, H, hd]: the head's backward holds its two
+ * [N, D] gradients and no [N, V] (the logits' gradient overwrites the logits), the MTP input's no [N, n, D];
+ * o_proj's forward copy is one tile of tokens whatever T, its backward's and q_up's borrow the block's
+ * gradient buffers; each of the block's gradient buffers lives from its first writer to its last reader, so
+ * they are never all held at once. Plan == measured at a T of several tiles and a partial one. */
+static void test_workspace_bounds(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    const int64_t D = c.dim, V = c.vocab_size, n = c.hc_mult, H = c.n_heads, hd = c.head_dim;
+    int64_t o_proj[3];
+    for (int t = 0; t < 3; t++) {
+        const int64_t T = 64 << t, N = T;
+        ds4_step_memory r;
+        CHECK(ds4_step_memory_run(&c, 1, T, NULL, true, &r) == DS4_OK, "%s", ds4_errmsg());
+        const int64_t head = owner_most("head backward");
+        CHECK(head == 2 * N * D * (int64_t)sizeof(float) && head < N * V * (int64_t)sizeof(float),
+              "T=%lld: head backward %lld bytes, not 2 [N, D]", (long long)T, (long long)head);
+        CHECK(owner_most("q_up") == 0, "T=%lld: q_up %lld bytes", (long long)T, (long long)owner_most("q_up"));
+        /* the MTP input's backward: its two [N, D] and the embedded rows' gradient [N, D]; its [N, n, D] is the
+         * MTP block's spent output gradient */
+        CHECK(owner_most("MTP input") == 3 * N * D * (int64_t)sizeof(float), "T=%lld: MTP input %lld bytes",
+              (long long)T, (long long)owner_most("MTP input"));
+        o_proj[t] = owner_most("o_proj");
+        const int64_t ffn = N * (n * D + D + n + n * n + 2 * D);
+        const int64_t attn = N * (D + n + n * n + c.o_groups * c.o_lora_rank + 2 * H * hd + hd + c.q_lora_rank + 2 * D);
+        const int64_t grads = owner_most("block backward: gradient buffers");
+        CHECK(grads > 0 && grads < (ffn + attn) * (int64_t)sizeof(float),
+              "T=%lld: block gradient buffers %lld, all of them %lld", (long long)T, (long long)grads,
+              (long long)((ffn + attn) * (int64_t)sizeof(float)));
+    }
+    /* o_proj's tile is 128 tokens: T = 64 holds 64 of them, T = 128 and 256 one whole tile */
+    CHECK(o_proj[0] == 64 * H * hd * (int64_t)sizeof(float) && o_proj[1] == 2 * o_proj[0] && o_proj[2] == o_proj[1],
+          "o_proj: %lld, %lld, %lld at T 64, 128, 256", (long long)o_proj[0], (long long)o_proj[1],
+          (long long)o_proj[2]);
+    plan_equals_measured("tests/configs/tiny-a.json", 1, 300, NULL, 0);
+    plan_equals_measured("tests/configs/tiny-b.json", 3, 70, NULL, 0);
+
+    /* V4-Flash 4K, rank 0 of FSDP 128 + EP 128: the MoE's exchange buffers ([N·K, D] and [R, D], each ~384 MiB)
+     * live two at a time and its backward scratch is one (expert, source) block's, so the unit holds less than
+     * the four exchange buffers at once */
+    ds4_config f;
+    CHECK(ds4_config_load("configs/deepseek-v4-flash.json", &f) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm *sim = NULL;
+    CHECK(ds4_comm_plan(128, 0, &sim) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_step_opts so = {.prefetch_depth = 1};
+    ds4_step_memory r;
+    CHECK(ds4_step_memory_run_dist_opts(&f, 1, 4096, &so, true, sim, 128, true, &r) == DS4_OK, "%s", ds4_errmsg());
+    ds4_comm_free(sim);
+    const int64_t NK = 4096 * f.n_activated_experts, moe = owner_most("moe");
+    CHECK(moe > 0 && moe < 4 * NK * f.dim * (int64_t)sizeof(float), "V4-Flash moe %lld bytes, four exchange buffers %lld",
+          (long long)moe, (long long)(4 * NK * f.dim * (int64_t)sizeof(float)));
+    CHECK(owner_most("head backward") == 2 * 4096 * f.dim * (int64_t)sizeof(float), "V4-Flash head backward %lld",
+          (long long)owner_most("head backward"));
+}
+
 int main(void) {
     ds4_set_threads(2);
     RUN(test_plan_equals_measured_tiny_a);
@@ -553,5 +617,6 @@ int main(void) {
     RUN(test_saved_table_matches_pass);
     RUN(test_grads_split);
     RUN(test_workspace_users);
+    RUN(test_workspace_bounds);
     TEST_MAIN_END("test_memplan");
 }

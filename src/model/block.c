@@ -121,34 +121,65 @@ static void grads_free(const block_ctx *bc, block_grads *g) {
     memset(g, 0, sizeof *g);
 }
 
-static ds4_status grads_alloc(const block_ctx *bc, const block_acts *a, block_grads *g) {
+/* Each gradient buffer lives from the step of its first writer to the step of its last reader (the units'
+ * backwards in units_hc.c, units_ffn.c, units_attn.c), allocated zeroed (the units accumulate) just before
+ * the first and freed just after the last, so no step runs beside buffers it is not between: the MoE
+ * backward without the attention side's [N, H, hd] pair, the attention side's later units without it. */
+#define GB(name) ((int)(offsetof(block_grads, name) / sizeof(float *)))
+static const struct {
+    int buf;              /* index of the buffer among block_grads' first NGRAD_BUFS pointers */
+    unit_id first, last;  /* its first writer's and last reader's steps */
+} k_grads_life[] = {
+    {GB(dX_mid), U_HC_POST_FFN, U_HC_POST_ATTN}, {GB(dffn), U_HC_POST_FFN, U_MOE},
+    {GB(dpostF), U_HC_POST_FFN, U_HC_PRE_FFN},   {GB(dcombF), U_HC_POST_FFN, U_HC_PRE_FFN},
+    {GB(dxf), U_MOE, U_FFN_NORM},                {GB(dyF), U_FFN_NORM, U_HC_PRE_FFN},
+    {GB(dattn), U_HC_POST_ATTN, U_O_PROJ},       {GB(dpostA), U_HC_POST_ATTN, U_HC_PRE_ATTN},
+    {GB(dcombA), U_HC_POST_ATTN, U_HC_PRE_ATTN}, {GB(dz), U_O_PROJ, U_O_PROJ},
+    {GB(do_), U_O_PROJ, U_Q_UP},                 {GB(dq), U_O_PROJ, U_Q_UP},
+    {GB(dkv), U_SPARSE_ATTN, U_KV},              {GB(dkvc), U_SPARSE_ATTN, U_COMPRESSOR},
+    {GB(dqr), U_Q_UP, U_Q_DOWN},                 {GB(dxa), U_COMPRESSOR, U_ATTN_NORM},
+    {GB(dyA), U_ATTN_NORM, U_HC_PRE_ATTN},
+};
+#define NGRAD_LIFE ((int)(sizeof k_grads_life / sizeof k_grads_life[0]))
+_Static_assert(sizeof k_grads_life / sizeof k_grads_life[0] == offsetof(block_grads, dX_out) / sizeof(float *),
+               "every gradient buffer has a life");
+
+/* Elements of each buffer. */
+static void grads_numel(const block_ctx *bc, const block_acts *a, int64_t numel[NGRAD_BUFS]) {
     const ds4_config *c = &bc->m->cfg;
     const int64_t N = bc->B * bc->T, D = c->dim, n = c->hc_mult, H = c->n_heads, hd = c->head_dim;
-    memset(g, 0, sizeof *g);
-    g->dX_mid = work_zeros(bc, N * n * D);
-    g->dffn = work_zeros(bc, N * D);
-    g->dpostF = work_zeros(bc, N * n);
-    g->dcombF = work_zeros(bc, N * n * n);
-    g->dxf = work_zeros(bc, N * D);
-    g->dyF = work_zeros(bc, N * D);
-    g->dattn = work_zeros(bc, N * D);
-    g->dpostA = work_zeros(bc, N * n);
-    g->dcombA = work_zeros(bc, N * n * n);
-    g->dz = work_zeros(bc, N * c->o_groups * c->o_lora_rank);
-    g->do_ = work_zeros(bc, N * H * hd);
-    g->dq = work_zeros(bc, N * H * hd);
-    g->dkv = work_zeros(bc, N * hd);
-    g->dkvc = work_zeros(bc, bc->B * a->Nc * hd + 1);
-    g->dqr = work_zeros(bc, N * c->q_lora_rank);
-    g->dxa = work_zeros(bc, N * D);
-    g->dyA = work_zeros(bc, N * D);
+    numel[GB(dX_mid)] = N * n * D;
+    numel[GB(dffn)] = numel[GB(dxf)] = numel[GB(dyF)] = N * D;
+    numel[GB(dattn)] = numel[GB(dxa)] = numel[GB(dyA)] = N * D;
+    numel[GB(dpostF)] = numel[GB(dpostA)] = N * n;
+    numel[GB(dcombF)] = numel[GB(dcombA)] = N * n * n;
+    numel[GB(dz)] = N * c->o_groups * c->o_lora_rank;
+    numel[GB(do_)] = numel[GB(dq)] = N * H * hd;
+    numel[GB(dkv)] = N * hd;
+    numel[GB(dkvc)] = bc->B * a->Nc * hd + 1;
+    numel[GB(dqr)] = N * c->q_lora_rank;
+}
+
+/* Allocates the buffers whose life starts at step u. */
+static ds4_status grads_start(const block_ctx *bc, block_grads *g, const int64_t *numel, unit_id u) {
     float **f = (float **)g;
-    for (int i = 0; i < NGRAD_BUFS; i++)
-        if (!f[i]) {
-            grads_free(bc, g);
-            return ds4_fail(DS4_ERR_OOM, "out of memory for the gradients of block %lld", (long long)bc->layer);
+    const char *prev = ds4_mem_owner_enter("block backward: gradient buffers");
+    ds4_status st = DS4_OK;
+    for (int i = 0; i < NGRAD_LIFE && st == DS4_OK; i++)
+        if (k_grads_life[i].first == u && !(f[k_grads_life[i].buf] = work_zeros(bc, numel[k_grads_life[i].buf])))
+            st = ds4_fail(DS4_ERR_OOM, "out of memory for the gradients of block %lld", (long long)bc->layer);
+    ds4_mem_owner_leave(prev);
+    return st;
+}
+
+/* Frees the buffers whose life ends at step u. */
+static void grads_end(const block_ctx *bc, block_grads *g, unit_id u) {
+    float **f = (float **)g;
+    for (int i = 0; i < NGRAD_LIFE; i++)
+        if (k_grads_life[i].last == u) {
+            work_free(bc, f[k_grads_life[i].buf]);
+            f[k_grads_life[i].buf] = NULL;
         }
-    return DS4_OK;
 }
 
 /* Each step: make what the unit's backward reads present (replaying released units), run it, free the
@@ -156,23 +187,26 @@ static ds4_status grads_alloc(const block_ctx *bc, const block_acts *a, block_gr
 ds4_status block_bwd(const block_ctx *bc, block_acts *a, const float *dX_out, float *dX_in, double *kl_sum,
                      int64_t *kl_rows) {
     block_grads g;
-    const char *prev = ds4_mem_owner_enter("block backward: gradient buffers");
-    ds4_status st = grads_alloc(bc, a, &g);
-    ds4_mem_owner_leave(prev);
+    memset(&g, 0, sizeof g);
+    int64_t numel[NGRAD_BUFS];
+    grads_numel(bc, a, numel);
     g.dX_out = dX_out;
     g.dX_in = dX_in;
     g.kl_sum = kl_sum;
     g.kl_rows = kl_rows;
+    ds4_status st = DS4_OK;
     for (int s = 0; s < k_block_bwd_steps && st == DS4_OK; s++) {
         const unit_id u = k_block_bwd_order[s];
         const unit_decl *ud = k_block_units[u];
-        st = act_need(bc, a, ud->bwd_reads);
+        st = grads_start(bc, &g, numel, u);
+        if (st == DS4_OK) st = act_need(bc, a, ud->bwd_reads);
         if (st == DS4_OK && unit_runs_here(u, a)) {
-            prev = ds4_mem_owner_enter(unit_owner(u));
+            const char *prev = ds4_mem_owner_enter(unit_owner(u));
             st = ud->bwd(bc, a, &g);
             ds4_mem_owner_leave(prev);
         }
         act_free_after_bwd(a, s);
+        grads_end(bc, &g, u);
     }
     grads_free(bc, &g);
     block_acts_free(a);

@@ -392,7 +392,9 @@ static ds4_status head_fwd(ds4_pass *p, head_acts *h, const float *X, const floa
     return DS4_OK;
 }
 
-/* dX += ∂(weight · mean CE)/∂X; head/norm/hc_head gradients accumulate. */
+/* dX += ∂(weight · mean CE)/∂X; head/norm/hc_head gradients accumulate. The logits' gradient [N, V] overwrites
+ * the logits, which nothing reads after this (the pass frees them next, keep_logits or not), so the backward
+ * holds no second [N, V]. */
 static ds4_status head_bwd(ds4_pass *p, head_acts *h, const float *X, float *dX, double weight, float *g_fn,
                            float *g_scale, float *g_base, float *g_norm, const float *fn, const float *scale,
                            const float *base, const float *normw) {
@@ -400,7 +402,7 @@ static ds4_status head_bwd(ds4_pass *p, head_acts *h, const float *X, float *dX,
     const ds4_config *c = &m->cfg;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult, V = c->vocab_size;
     const char *prev = ds4_mem_owner_enter(OWNER_HEAD);
-    float *dlogits = dev_alloc(m, DS4_MEM_WORK, (size_t)(N * V) * sizeof(float));
+    float *dlogits = h->logits; /* [N, V], in place */
     float *dyn = pass_work(p, N * D);
     float *dy = pass_work(p, N * D);
     ds4_status st = DS4_OK;
@@ -418,7 +420,6 @@ static ds4_status head_bwd(ds4_pass *p, head_acts *h, const float *X, float *dX,
         .norm_eps = (float)c->norm_eps, .X = X, .fn = fn, .scale = scale, .base = base, .mixes = h->mixes,
         .rsqrt = h->rsqrt}, &(hc_head_grads){.dy = dy, .dX = dX, .dfn = g_fn, .dscale = g_scale, .dbase = g_base});
 done:
-    dev_free(m, dlogits);
     dev_free(m, dyn);
     dev_free(m, dy);
     ds4_mem_owner_leave(prev);
@@ -454,16 +455,17 @@ static ds4_status mtp_input_fwd(ds4_pass *p) {
 }
 
 /* dXL += ∂/∂X_L from the MTP input's gradient dX0; enorm/e_proj/hnorm/h_proj grads accumulate; de [N, D]:
- * the gradient of the embedded rows embed[ids_next], scattered into the embedding's gradient by the caller. */
-static ds4_status mtp_input_bwd(ds4_pass *p, const float *dX0, float *dXL, float *de) {
+ * the gradient of the embedded rows embed[ids_next], scattered into the embedding's gradient by the caller.
+ * dhn [N, n, D]: a buffer the caller no longer needs (the MTP block's output gradient), zeroed here. */
+static ds4_status mtp_input_bwd(ds4_pass *p, const float *dX0, float *dXL, float *de, float *dhn) {
     ds4_model *m = p->m;
     const ds4_config *c = &m->cfg;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult;
     float *dep = pass_work(p, N * D);
     float *den = pass_work(p, N * D);
-    float *dhn = pass_work(p, N * n * D);
+    tensor_zero(&m->exec, dhn, (size_t)(N * n * D) * sizeof(float));
     ds4_status st = DS4_OK;
-    if (!dep || !den || !dhn) {
+    if (!dep || !den) {
         st = ds4_fail(DS4_ERR_OOM, "out of memory in the MTP input backward");
         goto done;
     }
@@ -475,7 +477,6 @@ static ds4_status mtp_input_bwd(ds4_pass *p, const float *dX0, float *dXL, float
 done:
     dev_free(m, dep);
     dev_free(m, den);
-    dev_free(m, dhn);
     return st;
 }
 
@@ -532,7 +533,7 @@ static ds4_status mtp_bwd(ds4_pass *p, float *dXL, float **de) {
     ds4_mem_owner_leave(prev);
     prev = ds4_mem_owner_enter(OWNER_MTP_INPUT);
     if (st == DS4_OK && !rows) st = ds4_fail(DS4_ERR_OOM, "out of memory in MTP backward");
-    if (st == DS4_OK) st = mtp_input_bwd(p, dm0, dXL, rows);
+    if (st == DS4_OK) st = mtp_input_bwd(p, dm0, dXL, rows, dm1); /* dm1: read by nothing after block_bwd */
     ds4_mem_owner_leave(prev);
     if (st == DS4_OK && !wait) embedding_bwd(&m->exec, m->g.embed, rows, p->ids_next, p->N, c->dim);
     if (wait) *de = rows;

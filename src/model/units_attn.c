@@ -92,13 +92,14 @@ static ds4_status q_up_fwd(const block_ctx *bc, block_acts *a) {
 static ds4_status q_up_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
     const int64_t H = c->n_heads, hd = c->head_dim, QR = c->q_lora_rank;
-    float *dqraw = work_zeros(bc, N * H * hd);
-    if (!dqraw) return ds4_fail(DS4_ERR_OOM, "out of memory in q backward");
+    /* dqraw [N, H, hd] takes the buffer of o's gradient, which sparse attention's backward (the last reader)
+     * has consumed: no second [N, H, hd] in the workspace */
+    float *dqraw = g->do_;
+    tensor_zero(&bc->m->exec, dqraw, (size_t)(N * H * hd) * sizeof(float));
     rope_bwd(&bc->m->exec, g->dq, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = false});
     rmsnorm_bwd(&bc->m->exec, dqraw, NULL, g->dq, F32(U_Q_UP, QU_RAW), NULL, F32(U_Q_UP, QU_RSTD), N * H, hd);
     model_linear_bwd(m, g->dqr, Gw->wq_b, dqraw, F32(U_Q_DOWN, QD_QR), W->wq_b, N, QR, H * hd);
-    work_free(bc, dqraw);
     return DS4_OK;
 }
 
@@ -471,39 +472,58 @@ static const act_slot k_o_proj_outs[] = {
     [OP_OUT] = {"attn_out", ACT_F32_BF16, {X_N, X_D}},
 };
 
-/* Workspace copy of o with the inverse rope at the query position: [N, H, hd]. */
-static float *inverse_roped_o(const block_ctx *bc, const block_acts *a) {
+/* o with the inverse rope at the query position, [N, H, hd], built in o_r (the backward's whole copy). */
+static float *inverse_roped_o(const block_ctx *bc, const block_acts *a, float *o_r) {
     const ds4_config *c = &bc->m->cfg;
     const int64_t N = bc->B * bc->T, H = c->n_heads, hd = c->head_dim;
-    float *o_r = work(bc, N * H * hd);
-    if (!o_r) return NULL;
     tensor_copy(&bc->m->exec, o_r, F32(U_SPARSE_ATTN, SA_O), (size_t)(N * H * hd) * sizeof(float));
     rope_fwd(&bc->m->exec, o_r, &(rope_args){.N = N, .H = H, .hd = hd, .period = bc->T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = true});
     return o_r;
 }
 
+/* The forward makes and consumes the inverse-roped o in tiles of at most this many tokens of one sequence:
+ * its copy is [O_PROJ_TILE, H, hd] whatever T. Each tile is a block of rows of the grouped GEMM, whose rows
+ * do not change another row's sums (the K slicing is the engine's), so the bits are the whole GEMM's. */
+#define O_PROJ_TILE 128
+
 static ds4_status o_proj_fwd(const block_ctx *bc, block_acts *a) {
     UNIT_PROLOGUE;
     const int64_t H = c->n_heads, hd = c->head_dim, G = c->o_groups, R = c->o_lora_rank;
-    float *o_r = inverse_roped_o(bc, a);
+    const int64_t tile = T < O_PROJ_TILE ? T : O_PROJ_TILE;
+    float *o_r = work(bc, tile * H * hd); /* [tile, H, hd] */
     if (!o_r) return ds4_fail(DS4_ERR_OOM, "out of memory in block %lld", (long long)bc->layer);
-    model_grouped_linear_fwd(m, F32(U_O_PROJ, OP_Z), o_r, W->wo_a, N, G, R, H * hd / G);
-    model_linear_fwd(m, F32(U_O_PROJ, OP_OUT), F32(U_O_PROJ, OP_Z), W->wo_b, N, G * R, D);
+    const ds4_rope *rope = block_rope(bc, a->ratio);
+    const float *o = F32(U_SPARSE_ATTN, SA_O);
+    float *z = F32(U_O_PROJ, OP_Z); /* [N, G·R] */
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t0 = 0; t0 < T; t0 += tile) {
+            const int64_t rows = T - t0 < tile ? T - t0 : tile, n0 = b * T + t0;
+            tensor_copy(&m->exec, o_r, o + n0 * H * hd, (size_t)(rows * H * hd) * sizeof(float));
+            ds4_rope at = *rope; /* the table from position t0: row i of the tile sits at t0 + i */
+            at.cos += t0 * (rope->rd / 2);
+            at.sin += t0 * (rope->rd / 2);
+            at.max_pos = rope->max_pos - t0;
+            rope_fwd(&m->exec, o_r, &(rope_args){.N = rows, .H = H, .hd = hd, .period = rows, .mult = 1, .table = &at,
+                .inverse = true});
+            model_grouped_linear_fwd(m, z + n0 * G * R, o_r, W->wo_a, rows, G, R, H * hd / G);
+        }
     work_free(bc, o_r);
+    model_linear_fwd(m, F32(U_O_PROJ, OP_OUT), z, W->wo_b, N, G * R, D);
     return DS4_OK;
 }
 
 static ds4_status o_proj_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
     const int64_t H = c->n_heads, hd = c->head_dim, G = c->o_groups, R = c->o_lora_rank;
-    float *o_r = inverse_roped_o(bc, a);
-    if (!o_r) return ds4_fail(DS4_ERR_OOM, "out of memory in o_proj backward");
+    /* the copy [N, H, hd] is built in the buffer of q's gradient, which nothing has written yet (sparse
+     * attention's backward, its first writer, comes next): zeroed again after its last read */
+    float *o_r = inverse_roped_o(bc, a, g->dq);
     model_linear_bwd(m, g->dz, Gw->wo_b, g->dattn, F32(U_O_PROJ, OP_Z), W->wo_b, N, G * R, D);
     model_grouped_linear_bwd(m, g->do_, Gw->wo_a, g->dz, o_r, W->wo_a, N, G, R, H * hd / G);
+    tensor_zero(&bc->m->exec, g->dq, (size_t)(N * H * hd) * sizeof(float));
     rope_bwd(&bc->m->exec, g->do_, &(rope_args){.N = N, .H = H, .hd = hd, .period = T, .mult = 1,
         .table = block_rope(bc, a->ratio), .inverse = true});
-    work_free(bc, o_r);
     return DS4_OK;
 }
 

@@ -173,18 +173,28 @@ static ds4_status moe_routed_fwd_ep(const block_ctx *bc, block_acts *a, const fl
     const int64_t K = c->n_activated_experts, NK = N * K, R = a->route->rows;
     const int32_t *etok = I32(U_ROUTER, RT_ETOK);
     float *xr = F32(U_MOE, MOE_XR), *wr = F32(U_MOE, MOE_WR);
-    float *send = work(bc, NK * (D + 1)), *recv = work(bc, R * (D + 1)), *yr = work(bc, R * D), *ys = work(bc, NK * D);
-    ds4_status st = send && recv && yr && ys ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
+    /* The exchange's buffers live only while a step needs them (at most two at once): send [N·K, D + 1] and
+     * recv [R, D + 1] around the dispatch, yr [R, D] from the experts to the combine, ys [N·K, D] after it. */
+    float *send = work(bc, NK * (D + 1)), *recv = work(bc, R * (D + 1)), *yr = NULL, *ys = NULL;
+    ds4_status st = send && recv ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
     if (st == DS4_OK) rows_pack(&bc->m->exec, send, F32(U_FFN_NORM, NORM_X), etok, wj, NK, D);
     if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, a->route, send, recv, D + 1);
+    work_free(bc, send);
+    send = NULL;
     if (st == DS4_OK) rows_unpack(&bc->m->exec, xr, wr, recv, R, D);
+    work_free(bc, recv);
+    recv = NULL;
+    if (st == DS4_OK && !(yr = work(bc, R * D))) st = ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
     for (int64_t i = 0; st == DS4_OK && i < a->route->e1 - a->route->e0; i++) {
         int64_t o, ne = route_expert_rows(a->route, i, &o);
         const int64_t off[2] = {0, ne};
         const moe_experts_args ea = experts_args(bc, a, a->route->e0 + i, 1, off, o, xr + o * D, wr + o, act);
         moe_experts_fwd(&bc->m->exec, &ea, yr + o * D);
     }
+    if (st == DS4_OK && !(ys = work(bc, NK * D))) st = ds4_fail(DS4_ERR_OOM, "out of memory in MoE forward");
     if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, a->route, yr, ys, D);
+    work_free(bc, yr);
+    yr = NULL;
     if (st == DS4_OK) rows_scatter_add(&bc->m->exec, F32(U_MOE, MOE_OUT), ys, etok, NK, D);
     work_free(bc, send);
     work_free(bc, recv);
@@ -198,13 +208,20 @@ static ds4_status moe_fwd(const block_ctx *bc, block_acts *a) {
     const int64_t K = c->n_activated_experts, I = c->moe_inter_dim;
     const int64_t Is = I * c->n_shared_experts;
     const float limit = (float)c->swiglu_limit;
-    const int64_t R = bc->ep ? a->route->rows : N * K; /* routed rows computed here */
     float *ffn_out = F32(U_MOE, MOE_OUT), *sh1 = F32(U_MOE, MOE_SH1), *sh3 = F32(U_MOE, MOE_SH3);
     const float *xf = F32(U_FFN_NORM, NORM_X);
     tensor_zero(&bc->m->exec, ffn_out, (size_t)(N * D) * sizeof(float));
-    const int64_t Rmax = R > N * K ? R : N * K;
-    float *wj = work(bc, N * K), *act = work(bc, Rmax * I > N * Is ? Rmax * I : N * Is),
-        *ye = work(bc, N * (K * D > D ? K * D : D));
+    /* rows of one routed-experts call: every assignment without EP, one local expert's (all sources) under EP */
+    int64_t rows = N * K;
+    if (bc->ep) {
+        rows = 1; /* no allocation of 0 bytes when this rank received nothing */
+        for (int64_t i = 0, o; i < a->route->e1 - a->route->e0; i++) {
+            const int64_t ne = route_expert_rows(a->route, i, &o);
+            rows = ne > rows ? ne : rows;
+        }
+    }
+    float *wj = work(bc, N * K), *act = work(bc, rows * I > N * Is ? rows * I : N * Is),
+        *ye = work(bc, bc->ep ? N * D : N * K * D); /* the local experts' [N·K, D]; the shared expert's [N, D] */
     float *xe = bc->ep ? NULL : work(bc, N * K * D);
     ds4_status st = (wj && act && ye && (bc->ep || xe)) ? DS4_OK : ds4_fail(DS4_ERR_OOM,
         "out of memory in MoE forward");
@@ -228,10 +245,12 @@ static ds4_status moe_fwd(const block_ctx *bc, block_acts *a) {
     return st;
 }
 
-/* Scratch of the routed-expert backward, each big enough for the rows one expert gets from one source. */
+/* Scratch of the routed-expert backward, each big enough for the rows of one experts call (rows: N·K without
+ * EP, the largest (expert, source) block under EP) and for the shared expert's [N, Is]. */
 typedef struct {
-    float *act, *dact, *dh1, *dh3; /* [N·K, I] */
-    float *xe, *dye, *dxe, *dwe;   /* [N·K, D] ×3, [N·K] */
+    float *act, *dact, *dh1, *dh3; /* [max(rows·I, N·Is)] */
+    float *xe, *dye;               /* [N·K, D] without EP */
+    float *dxe, *dwe;              /* [rows, D], [rows] */
     float *wj;                     /* [N·K] routing weight of each assignment */
 } moe_scratch;
 
@@ -268,13 +287,21 @@ static ds4_status moe_routed_bwd_ep(const block_ctx *bc, block_acts *a, block_gr
     const int64_t R = r->rows;
     const bool split = r->nsrc > 1;
     const float *xr = F32(U_MOE, MOE_XR), *wr = F32(U_MOE, MOE_WR);
-    float *dys = work(bc, NK * D), *dyr = work(bc, R * D), *dxr = work(bc, R * (D + 1)), *dxs = work(bc, NK * (D + 1));
-    float *tmp = split ? work(bc, 3 * I * D) : NULL;
-    ds4_status st = dys && dyr && dxr && dxs && (!split || tmp) ? DS4_OK
-                                                                 : ds4_fail(DS4_ERR_OOM,
-                                                                     "out of memory in MoE backward");
+    /* The exchange's buffers live only while a step needs them: dys [N·K, D] until the dispatch, dyr [R, D]
+     * through the experts, dxr [R, D + 1] from the experts to the combine, dxs [N·K, D + 1] from the combine;
+     * at most two at once. */
+    float *dys = work(bc, NK * D), *dyr = work(bc, R * D), *dxr = NULL, *dxs = NULL;
+    float *tmp = NULL;
+    ds4_status st = dys && dyr ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory in MoE backward");
     if (st == DS4_OK) rows_gather(&bc->m->exec, dys, g->dffn, rt.etok, NK, D);
     if (st == DS4_OK) st = bc->ep->dispatch(bc->ep->ctx, r, dys, dyr, D);
+    work_free(bc, dys);
+    dys = NULL;
+    if (st == DS4_OK) {
+        dxr = work(bc, R * (D + 1));
+        tmp = split ? work(bc, 3 * I * D) : NULL;
+        if (!dxr || (split && !tmp)) st = ds4_fail(DS4_ERR_OOM, "out of memory in MoE backward");
+    }
     expert_w tg = {tmp, tmp ? tmp + I * D : NULL, tmp ? tmp + 2 * I * D : NULL};
     for (int64_t i = 0, o = 0; st == DS4_OK && i < r->e1 - r->e0; i++) {
         const int64_t e = r->e0 + i;
@@ -293,6 +320,11 @@ static ds4_status moe_routed_bwd_ep(const block_ctx *bc, block_acts *a, block_gr
             rows_pack(&bc->m->exec, dxr + o * (D + 1), s->dxe, NULL, s->dwe, ne, D);
         }
     }
+    work_free(bc, tmp);
+    tmp = NULL;
+    work_free(bc, dyr);
+    dyr = NULL;
+    if (st == DS4_OK && !(dxs = work(bc, NK * (D + 1)))) st = ds4_fail(DS4_ERR_OOM, "out of memory in MoE backward");
     if (st == DS4_OK) st = bc->ep->combine(bc->ep->ctx, r, dxr, dxs, D + 1);
     if (st == DS4_OK) moe_unpack_grads_add(&bc->m->exec, g->dxf, dgw, dxs, rt.etok, rt.eslot, NK, D, K);
     work_free(bc, dys);
@@ -335,11 +367,20 @@ static void shared_expert_bwd(const block_ctx *bc, block_acts *a, block_grads *g
 static ds4_status moe_bwd(const block_ctx *bc, block_acts *a, block_grads *g) {
     UNIT_PROLOGUE;
     const int64_t E = c->n_routed_experts, K = c->n_activated_experts, I = c->moe_inter_dim;
-    const int64_t Is = I * c->n_shared_experts, Imax = (K * I > Is ? K * I : Is);
+    const int64_t Is = I * c->n_shared_experts;
+    /* Rows of one routed-experts call: every assignment at once without EP; under EP one (expert, source)
+     * block at a time, so the scratch is the largest block's, not every received row's. */
+    int64_t rows = N * K;
+    if (bc->ep) {
+        rows = 1; /* no allocation of 0 bytes when this rank received nothing */
+        for (int64_t i = 0; i < (a->route->e1 - a->route->e0) * a->route->nsrc; i++)
+            rows = a->route->recv_cnt[i] > rows ? a->route->recv_cnt[i] : rows;
+    }
+    const int64_t hsz = rows * I > N * Is ? rows * I : N * Is; /* the routed [rows, I] or the shared [N, Is] */
     float *dgw = work_zeros(bc, N * K), *dlog = work_zeros(bc, N * E);
-    moe_scratch s = {.act = work(bc, N * Imax), .dact = work(bc, N * Imax), .dh1 = work(bc, N * Imax), .dh3 = work(bc, N * Imax),
+    moe_scratch s = {.act = work(bc, hsz), .dact = work(bc, hsz), .dh1 = work(bc, hsz), .dh3 = work(bc, hsz),
                      .xe = bc->ep ? NULL : work(bc, N * K * D), .dye = bc->ep ? NULL : work(bc, N * K * D),
-                     .dxe = work(bc, N * K * D), .dwe = work(bc, N * K), .wj = work(bc, N * K)};
+                     .dxe = work(bc, rows * D), .dwe = work(bc, rows), .wj = work(bc, N * K)};
     ds4_status st = DS4_OK;
     if (!dgw || !dlog || !s.act || !s.dact || !s.dh1 || !s.dh3 || (!bc->ep && (!s.xe || !s.dye)) || !s.dxe ||
         !s.dwe || !s.wj)

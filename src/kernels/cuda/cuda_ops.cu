@@ -223,7 +223,8 @@ ds4_status cuda_swiglu_bwd(cudaStream_t s, float *dg, float *du, const float *da
 
 /* ---------------------------------------------------------------- cross-entropy */
 /* Block per row n: row_loss[n] = log Σ e^(l − m) + m − l[t] (0 for a row not scored, t outside [0, V));
- * drow = grad_scale·(softmax − onehot(t)), 0 on a row not scored. */
+ * drow = grad_scale·(softmax − onehot(t)), 0 on a row not scored; drow may be l (each thread reads l[v]
+ * before it writes drow[v]). */
 static __global__ void ce_row_kernel(double *row_loss, float *dlogits, const float *logits, const int32_t *targets,
                                      int64_t V, float grad_scale) {
     const int64_t n = blockIdx.x;
@@ -236,6 +237,7 @@ static __global__ void ce_row_kernel(double *row_loss, float *dlogits, const flo
         if (threadIdx.x == 0) row_loss[n] = 0;
         return;
     }
+    const float lt = l[t]; /* before any thread writes an in-place drow (block_max synchronises) */
     float m = l[0];
     for (int64_t v = threadIdx.x; v < V; v += blockDim.x) m = l[v] > m ? l[v] : m;
     m = block_max(m);
@@ -250,7 +252,7 @@ static __global__ void ce_row_kernel(double *row_loss, float *dlogits, const flo
             drow[v] = d;
         }
     }
-    if (threadIdx.x == 0) row_loss[n] = log(sum) + (double)m - (double)l[t];
+    if (threadIdx.x == 0) row_loss[n] = log(sum) + (double)m - (double)lt;
 }
 /* One block of CE_CHUNKS threads: thread c sums the scored rows of range c in order, then thread 0 adds
  * the ranges in order: the cpu's two-level sum. */
