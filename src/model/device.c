@@ -66,7 +66,10 @@ ds4_status ds4_dev_count_nonfinite(const ds4_exec *ex, const float *x, int64_t n
 ds4_status ds4_dev_sumsq_exact(const ds4_exec *ex, const float *x, int64_t n, ds4_sumsq_acc *acc) {
     void *d;
     memset(acc, 0, sizeof *acc);
-    if (!(d = buf_alloc(ex, DS4_MEM_WORK, sizeof *acc))) return ds4_fail(DS4_ERR_OOM, "out of memory for the sum of squares");
+    const char *owner = ds4_mem_owner_enter("step: gradient norm"); /* memplan --memory-report's name for it */
+    d = buf_alloc(ex, DS4_MEM_WORK, sizeof *acc);
+    ds4_mem_owner_leave(owner);
+    if (!d) return ds4_fail(DS4_ERR_OOM, "out of memory for the sum of squares");
     sumsq_exact(ex, d, x, n);
     copy_to_host(ex, acc, d, sizeof *acc);
     synchronize(ex);
