@@ -36,6 +36,14 @@ best = (field(r.stdout, "isa level") or "").split("best on this cpu: ")[-1].spli
 check("info names the level and the best level", level in LEVELS and best in LEVELS and level == best, r.stdout)
 for key in ("cpu", "cpu features", "gemm fp32", "gemm bf16", "other kernels"):
     check(f"info prints '{key}'", field(r.stdout, key) is not None, r.stdout)
+# a backend built in says what it runs on here: the cuda one its GPUs, or why it cannot run
+backends = (field(r.stdout, "backends") or "").split("(")[0].split()
+check("info lists the backends built in", backends[:2] == ["cpu", "cpu-guard"], r.stdout)
+if "cuda" in backends:
+    cuda = [ln for ln in r.stdout.splitlines() if ln.startswith("  cuda: ")]
+    check("info: the cuda backend lists its GPUs or says why it cannot run here",
+          cuda and all(ln.startswith("  cuda: cuda:") for ln in cuda) or (len(cuda) == 1 and "not usable here" in cuda[0]),
+          r.stdout)
 
 v = run(["--version"])
 check("--version", v.returncode == 0 and v.stdout.startswith("ds4 ") and field(v.stdout, "isa level"), v.stdout)

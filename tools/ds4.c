@@ -21,6 +21,12 @@ static int cmd_info(int argc, char **argv) {
     printf("backends:");
     for (int i = 0; i < ds4_backend_count(); i++) printf(" %s", ds4_backend_name(i));
     printf(" (training.device, --device)\n");
+    for (int i = 0; i < ds4_backend_count(); i++) { /* the devices of each, or why it cannot run here */
+        ds4_backend_describe(i, buf, sizeof buf);
+        char *save = NULL;
+        for (char *ln = strtok_r(buf, "\n", &save); ln; ln = strtok_r(NULL, "\n", &save))
+            printf("  %s: %s\n", ds4_backend_name(i), ln);
+    }
     return 0;
 }
 

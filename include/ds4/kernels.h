@@ -20,6 +20,9 @@ const char *ds4_matmul_precision_name(ds4_matmul_precision p); /* "fp32", "bf16"
  * (training.device, --device): "cpu" always. A context names the one it runs on (ds4_exec.backend). */
 int ds4_backend_count(void);
 const char *ds4_backend_name(int i); /* i < ds4_backend_count() */
+/* What backend i runs on, for ds4 info: its devices one per line (e.g. the GPUs), or why it cannot run here
+ * (ready's message), into buf [cap]; "" for a backend on the host. */
+void ds4_backend_describe(int i, char *buf, size_t cap);
 /* *out = the backend called `name`. An unknown name is an error naming `what` (the key or flag the name
  * came from) and listing the backends built in. */
 ds4_status ds4_backend_find(const char *what, const char *name, const struct ds4_kernel_backend **out);

@@ -100,6 +100,14 @@ int ds4_backend_count(void) {
     return n;
 }
 
+void ds4_backend_describe(int i, char *buf, size_t cap) {
+    const ds4_kernel_backend *b = backend_at(i);
+    if (cap) buf[0] = 0;
+    if (!b || !cap) return;
+    if (b->ready && b->ready() != DS4_OK) snprintf(buf, cap, "not usable here: %s\n", ds4_errmsg());
+    else if (b->describe) b->describe(buf, cap);
+}
+
 const char *ds4_backend_name(int i) {
     const ds4_kernel_backend *b = backend_at(i);
     return b ? b->name : NULL;

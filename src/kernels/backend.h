@@ -59,6 +59,9 @@ struct ds4_kernel_backend {
     /* Whether it can run here (its device present, its runtime up): DS4_OK, or an error saying what is
      * missing. Asked when a command picks the backend by name. NULL: always (the cpu's). */
     ds4_status (*ready)(void);
+    /* Its devices, one line each ("cuda:0 NVIDIA H200, sm_90, ..."), into buf [cap] (ds4 info). NULL: the
+     * host is its device (the cpu's: ds4 info describes the CPU above). */
+    void (*describe)(char *buf, size_t cap);
     /* Its buffers are host memory others (MPI) may touch directly; false: device memory (ds4/kernels.h,
      * ds4_exec_host_memory). */
     bool host_memory;

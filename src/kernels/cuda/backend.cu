@@ -424,10 +424,23 @@ static ds4_status e_ready(void) {
     return DS4_OK;
 }
 
+/* One line per visible GPU. */
+static void e_describe(char *buf, size_t cap) {
+    int n = 0;
+    size_t used = 0;
+    if (cuda_device_count(&n) != DS4_OK) n = 0;
+    for (int d = 0; d < n && used + 1 < cap; d++) {
+        char line[256];
+        if (cuda_device_describe(d, line, sizeof line) != DS4_OK) snprintf(line, sizeof line, "cuda:%d (%s)", d, ds4_errmsg());
+        used += (size_t)snprintf(buf + used, cap - used, "%s\n", line);
+    }
+}
+
 static void make_table(void) {
     g_table.name = "cuda";
     g_table.plan = &ds4_kernel_backend_plan_table;
     g_table.ready = e_ready;
+    g_table.describe = e_describe;
 #define DS4_OP(name, plan, cpu, params, args) g_table.name = e_##name;
 #define DS4_QUERY(name, plan, cpu, type, absent, params, args) g_table.name = e_##name;
 #include "kernels/ops.def"
