@@ -14,6 +14,8 @@
 #define DS4_PP_SCHEDULE_H
 
 #include "ds4/core.h"
+#include "ds4/model.h"
+#include "ds4/pipeline.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -44,6 +46,24 @@ typedef struct {
  * below 1, a rank outside [0, pp), interleaving with m not a multiple of pp. */
 ds4_status ds4_pp_schedule_make(int64_t pp, int64_t vpp, int64_t m, int64_t rank, ds4_pp_schedule *out);
 void ds4_pp_schedule_free(ds4_pp_schedule *s);
+
+/* ------------------------------------------------------------------ one process runs every rank
+ * A step's micro-batches through the schedule of every pipeline rank of the layout, in one process, on one
+ * model: each chunk a stage pass (ds4_stage_forward / ds4_stage_backward_rows) of its layers, its
+ * embedding and head. The ranks' lists advance in turn, an action running once what it receives exists
+ * (the previous chunk's stream, the next chunk's gradient), as blocking receives of a multi-process run
+ * would let it; the head's chunk hands the MTP rows' gradient to the embedding's chunk (mtp_rows_out).
+ * ACCUMULATES into the model's gradients (unscaled, as the micro-batches' backwards of ds4_train_step do);
+ * *mean: the losses of each micro-batch (the head chunk's, every chunk's indexer KL, ds4_losses_combine)
+ * / micro_batches, summed in micro-batch order; loads [n_layers + n_mtp_layers, n_routed_experts] (NULL: not
+ * wanted): the routing counts added. src/train/pp_local.c. */
+typedef struct {
+    const ds4_pp_layout *layout;
+    int64_t micro_batches, B, T;
+    const int32_t *ids;         /* [micro_batches, B, T] */
+    const ds4_pass_opts *opts;  /* every stage pass's (need_backward is set here); no layer-input swap */
+} ds4_pp_local_args;
+ds4_status ds4_pp_run_local(ds4_model *m, const ds4_pp_local_args *a, ds4_losses *mean, int64_t *loads);
 
 #ifdef __cplusplus
 }

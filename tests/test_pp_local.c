@@ -1,0 +1,210 @@
+/* A pipelined step in one process (ds4_pp_run_local): every rank's schedule (1F1B, interleaved) run on one
+ * model gives the losses, every gradient and the expert loads of ds4_train_step's accumulation over the same
+ * micro-batches bit for bit: pp 2 and 4, vpp 2, uneven and empty chunks, with a recompute policy. The
+ * head's chunk hands the MTP rows' gradient to the embedding's chunk, so the embedding's gradient sums micro-
+ * batch by micro-batch in one process's order even where the head's chunk runs a later micro-batch's
+ * backward before the embedding's chunk runs an earlier one's (interleaving). */
+#include "ds4/dist.h"
+#include "ds4/pp_schedule.h"
+#include "ds4/recompute.h"
+#include "ds4/trainer.h"
+#include "test.h"
+
+#define ROWS 2
+#define SEQ 16
+#define MAXM 8
+
+typedef struct {
+    const int32_t *ids; /* [M, B, T] */
+    int64_t next;
+} feed;
+
+static ds4_status next_ids(void *ctx, int32_t *ids) {
+    feed *f = ctx;
+    memcpy(ids, f->ids + f->next++ * ROWS * SEQ, (size_t)(ROWS * SEQ) * sizeof(int32_t));
+    return DS4_OK;
+}
+
+typedef struct {
+    ds4_losses losses;
+    float *grads;    /* [numel] */
+    int64_t *loads;  /* [n_blocks, E] */
+    int64_t numel;
+} result;
+
+static float *grads_of(ds4_train_state *s, int64_t *numel) {
+    ds4_model *m = ds4_train_state_model(s);
+    *numel = ds4_model_numel(m);
+    const size_t bytes = (size_t)ds4_model_numel(m) * sizeof(float);
+    float *g = malloc(bytes);
+    if (g) ds4_model_to_host(m, g, ds4_model_grads_flat(m), bytes);
+    return g;
+}
+
+static bool open_state(const ds4_config *c, ds4_train_state **s) {
+    ds4_train_state_opts so = {.ep = 1};
+    const bool ok = ds4_train_state_open(c, NULL, 11, ds4_comm_self(), &so, s) == DS4_OK;
+    CHECK(ok, "%s", ds4_errmsg());
+    return ok;
+}
+
+/* ds4_train_step over the M micro-batches (no clipping, lr 0); its gradients are read after the step,
+ * which leaves them as accumulated and scaled by 1 / M. */
+static bool reference(const ds4_config *c, const int32_t *ids, int64_t M, const uint32_t *masks, result *r) {
+    ds4_train_state *s;
+    if (!open_state(c, &s)) return false;
+    const int64_t nb = c->n_layers + c->n_mtp_layers;
+    r->loads = calloc((size_t)(nb * c->n_routed_experts), sizeof(int64_t));
+    int32_t buf[ROWS * SEQ];
+    feed f = {.ids = ids};
+    ds4_adamw_cfg ac = {.lr = 0, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0};
+    const ds4_step_args a = {.step = 1, .micro_batches = M, .B = ROWS, .T = SEQ, .ids = buf, .next_ids = next_ids,
+                             .ctx = &f, .loads = r->loads, .release_mask = masks, .adamw = &ac, .lr = 0,
+                             .max_norm = 0, .router_bias_gamma = 0};
+    ds4_step_result out;
+    bool ok = ds4_train_step(s, &a, &out) == DS4_OK;
+    CHECK(ok, "train step: %s", ds4_errmsg());
+    r->losses = (ds4_losses){out.loss, out.mtp_loss, out.indexer_loss, out.total_loss};
+    r->grads = ok ? grads_of(s, &r->numel) : NULL;
+    ds4_train_state_free(s);
+    return ok && r->grads;
+}
+
+static bool pipelined(const ds4_config *c, const int32_t *ids, int64_t M, const uint32_t *masks,
+                      const ds4_pp_layout *L, result *r) {
+    ds4_train_state *s;
+    if (!open_state(c, &s)) return false;
+    const int64_t nb = c->n_layers + c->n_mtp_layers;
+    r->loads = calloc((size_t)(nb * c->n_routed_experts), sizeof(int64_t));
+    ds4_act_policies pol = {.recompute = masks};
+    const ds4_pass_opts o = {.store = ds4_act_store_of(&pol)};
+    const ds4_pp_local_args a = {.layout = L, .micro_batches = M, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o};
+    ds4_train_state_zero_grads(s);
+    bool ok = ds4_pp_run_local(ds4_train_state_model(s), &a, &r->losses, r->loads) == DS4_OK;
+    CHECK(ok, "pipelined: %s", ds4_errmsg());
+    ds4_train_state_scale_grads(s, M); /* the step's mean over the micro-batches */
+    r->grads = ok ? grads_of(s, &r->numel) : NULL;
+    ds4_train_state_free(s);
+    return ok && r->grads;
+}
+
+static void compare(const char *what, const result *a, const result *b, int64_t numel, int64_t nloads) {
+    CHECK(memcmp(&a->losses, &b->losses, sizeof a->losses) == 0,
+          "%s: losses %.17g %.17g %.17g %.17g vs %.17g %.17g %.17g %.17g", what, a->losses.loss, a->losses.mtp_loss,
+          a->losses.indexer_loss, a->losses.total_loss, b->losses.loss, b->losses.mtp_loss, b->losses.indexer_loss,
+          b->losses.total_loss);
+    int64_t first = -1;
+    for (int64_t i = 0; i < numel && first < 0; i++)
+        if (memcmp(&a->grads[i], &b->grads[i], sizeof(float))) first = i;
+    CHECK(first < 0, "%s: gradients differ first at element %lld (%.9g vs %.9g)", what, (long long)first,
+          first < 0 ? 0.0 : a->grads[first], first < 0 ? 0.0 : b->grads[first]);
+    CHECK(memcmp(a->loads, b->loads, (size_t)nloads * sizeof(int64_t)) == 0, "%s: expert loads differ", what);
+}
+
+static void result_free(result *r) {
+    free(r->grads);
+    free(r->loads);
+}
+
+static const struct {
+    int64_t pp, vpp, M;
+    const char *layout; /* "": the uniform split */
+} k_runs[] = {
+    {2, 1, 3, ""},                 /* 1F1B, m not a multiple of pp */
+    {4, 1, 5, ""},                 /* 1F1B, one layer a stage */
+    {2, 1, 4, "Ettt|tmL"},         /* uneven */
+    {2, 2, 4, ""},                 /* interleaved */
+    {2, 2, 2, "E|tt|t|tmL"},       /* interleaved, uneven, the embedding alone, m = pp (all warm-up) */
+    {4, 2, 4, "Et|t||t|t|||mL"},   /* interleaved pp 4: empty chunks, the head alone */
+};
+
+static void check_runs(const char *name, const char *const *flags) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(c.n_mtp_layers > 0, "tiny-a has MTP: the embedding's gradient comes from two chunks");
+    uint32_t masks[DS4_MAX_LAYERS];
+    const uint32_t *mp = NULL;
+    if (flags) {
+        ds4_recompute_cfg rc;
+        ds4_recompute_defaults(&rc);
+        int argc = 0;
+        while (flags[argc]) argc++;
+        for (int i = 0; i < argc; i++) {
+            bool used;
+            CHECK(ds4_recompute_parse_arg(&rc, argc, (char **)flags, &i, &used) == DS4_OK && used, "%s", flags[i]);
+        }
+        CHECK(ds4_recompute_validate(&rc, &c) == DS4_OK, "%s", ds4_errmsg());
+        ds4_recompute_masks(&rc, &c, masks);
+        mp = masks;
+    }
+    int32_t ids[MAXM * ROWS * SEQ];
+    for (int64_t i = 0; i < MAXM * ROWS * SEQ; i++) ids[i] = (int32_t)(ds4_rng_u64(17, 5, (uint64_t)i) % (uint64_t)c.vocab_size);
+    const int64_t nloads = (c.n_layers + c.n_mtp_layers) * c.n_routed_experts;
+    for (size_t k = 0; k < sizeof k_runs / sizeof k_runs[0]; k++) {
+        ds4_pp_cfg pc;
+        ds4_pp_cfg_defaults(&pc);
+        pc.pp = k_runs[k].pp;
+        pc.vpp = k_runs[k].vpp;
+        snprintf(pc.layout, sizeof pc.layout, "%s", k_runs[k].layout);
+        ds4_pp_layout *L = malloc(sizeof *L);
+        CHECK(L && ds4_pp_layout_make(&pc, c.n_layers, c.n_mtp_layers, L) == DS4_OK, "%s", ds4_errmsg());
+        result want = {0}, got = {0};
+        if (reference(&c, ids, k_runs[k].M, mp, &want) && pipelined(&c, ids, k_runs[k].M, mp, L, &got)) {
+            char what[128];
+            snprintf(what, sizeof what, "%s pp %lld vpp %lld m %lld '%s'", name, (long long)k_runs[k].pp,
+                     (long long)k_runs[k].vpp, (long long)k_runs[k].M, k_runs[k].layout);
+            CHECK(got.numel == want.numel);
+            compare(what, &got, &want, want.numel, nloads);
+            CHECK(want.losses.mtp_loss > 0 && want.losses.indexer_loss > 0, "%s: every loss part", what);
+        }
+        result_free(&want);
+        result_free(&got);
+        free(L);
+    }
+}
+
+static const char *const k_recompute[] = {"--recompute-granularity", "full", "--recompute-method", "block",
+                                          "--recompute-num-layers", "1", "--recompute-csa-attention", "--mhc-recompute",
+                                          "--recompute-norm", NULL};
+
+static void test_pipelined_equals_step(void) { check_runs("fp32", NULL); }
+static void test_pipelined_recompute(void) { check_runs("recompute", k_recompute); }
+
+/* What the executor refuses: a layout of another model, interleaving with m not a multiple of pp. */
+static void test_refusals(void) {
+    ds4_model *m = NULL;
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
+    if (!m) return;
+    ds4_model_init_random(m, 3);
+    int32_t ids[3 * ROWS * SEQ] = {0};
+    ds4_pp_cfg pc;
+    ds4_pp_cfg_defaults(&pc);
+    pc.pp = 2;
+    pc.vpp = 2;
+    ds4_pp_layout *L = malloc(sizeof *L);
+    CHECK(L && ds4_pp_layout_make(&pc, c.n_layers, c.n_mtp_layers, L) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_pass_opts o = {0};
+    ds4_pp_local_args a = {.layout = L, .micro_batches = 3, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o};
+    ds4_losses l;
+    CHECK(ds4_pp_run_local(m, &a, &l, NULL) != DS4_OK && strstr(ds4_errmsg(), "not a multiple of pp"), "%s",
+          ds4_errmsg());
+    ds4_pp_layout *L2 = malloc(sizeof *L2);
+    CHECK(L2 && ds4_pp_layout_make(&pc, c.n_layers + 4, c.n_mtp_layers, L2) == DS4_OK, "%s", ds4_errmsg());
+    a.layout = L2;
+    a.micro_batches = 2;
+    CHECK(ds4_pp_run_local(m, &a, &l, NULL) != DS4_OK && strstr(ds4_errmsg(), "the layout has 8 layers"), "%s",
+          ds4_errmsg());
+    free(L);
+    free(L2);
+    ds4_model_free(m);
+}
+
+int main(void) {
+    ds4_set_threads(2);
+    RUN(test_pipelined_equals_step);
+    RUN(test_pipelined_recompute);
+    RUN(test_refusals);
+    TEST_MAIN_END("test_pp_local");
+}
