@@ -9,6 +9,7 @@
 #include "ds4/recompute.h"
 #include "ds4/trainer.h"
 #include "test.h"
+#include "test_mpi.h"
 
 #define ROWS 2
 #define SEQ 16
@@ -201,10 +202,143 @@ static void test_refusals(void) {
     ds4_model_free(m);
 }
 
-int main(void) {
+/* ------------------------------------------------------------------ over MPI (world = pp)
+ * Under mpirun every rank computes the reference itself (ds4_train_step on a whole state of its own) and
+ * runs its part of the pipeline (ds4_pp_run_rank) on another: the losses and the loads equal the reference's
+ * on every rank; every gradient element is either the reference's bits (its owner) or untouched (0), and each
+ * nonzero reference element has exactly one owner. */
+static void check_rank_run(const ds4_config *c, const int32_t *ids, int64_t pp, int64_t vpp, int64_t M,
+                           const char *layout, const uint32_t *masks) {
+    ds4_comm *world = ds4_comm_world();
+    char what[128];
+    snprintf(what, sizeof what, "mpi pp %lld vpp %lld m %lld '%s'%s", (long long)pp, (long long)vpp, (long long)M,
+             layout, masks ? " recompute" : "");
+    ds4_pp_cfg pc;
+    ds4_pp_cfg_defaults(&pc);
+    pc.pp = pp;
+    pc.vpp = vpp;
+    snprintf(pc.layout, sizeof pc.layout, "%s", layout);
+    ds4_pp_layout *L = malloc(sizeof *L);
+    CHECK(L && ds4_pp_layout_make(&pc, c->n_layers, c->n_mtp_layers, L) == DS4_OK, "%s", ds4_errmsg());
+    result want = {0}, got = {0};
+    ds4_train_state *s = NULL;
+    bool ok = reference(c, ids, M, masks, &want) && open_state(c, &s);
+    if (ok) {
+        const int64_t nb = c->n_layers + c->n_mtp_layers;
+        got.loads = calloc((size_t)(nb * c->n_routed_experts), sizeof(int64_t));
+        ds4_act_policies pol = {.recompute = masks};
+        const ds4_pass_opts o = {.store = ds4_act_store_of(&pol)};
+        const ds4_pp_local_args a = {.layout = L, .micro_batches = M, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o};
+        ds4_train_state_zero_grads(s);
+        ok = ds4_pp_run_rank(ds4_train_state_model(s), world, &a, &got.losses, got.loads) == DS4_OK;
+        CHECK(ok, "%s: %s", what, ds4_errmsg());
+        ds4_train_state_scale_grads(s, M);
+        got.grads = ok ? grads_of(s, &got.numel) : NULL;
+    }
+    if (ok && got.grads) {
+        const int64_t n = want.numel;
+        CHECK(memcmp(&got.losses, &want.losses, sizeof got.losses) == 0, "%s: losses %.17g vs %.17g", what,
+              got.losses.total_loss, want.losses.total_loss);
+        CHECK(memcmp(got.loads, want.loads, (size_t)((c->n_layers + c->n_mtp_layers) * c->n_routed_experts) *
+                                                sizeof(int64_t)) == 0, "%s: expert loads differ", what);
+        int64_t *owners = calloc((size_t)n, sizeof *owners), bad = -1;
+        for (int64_t i = 0; i < n; i++) {
+            const bool same = !memcmp(&got.grads[i], &want.grads[i], sizeof(float));
+            if (!same && got.grads[i] != 0.0f && bad < 0) bad = i;
+            owners[i] = same && want.grads[i] != 0.0f;
+        }
+        CHECK(bad < 0, "%s: rank %d's gradient element %lld is %.9g, one process's %.9g", what, ds4_comm_rank(world),
+              (long long)bad, bad < 0 ? 0.0 : got.grads[bad], bad < 0 ? 0.0 : want.grads[bad]);
+        CHECK(ds4_comm_sum_i64(world, owners, n) == DS4_OK, "%s", ds4_errmsg());
+        int64_t orphan = -1, nonzero = 0;
+        for (int64_t i = 0; i < n; i++) {
+            nonzero += want.grads[i] != 0.0f;
+            if (want.grads[i] != 0.0f && owners[i] != 1 && orphan < 0) orphan = i;
+        }
+        CHECK(orphan < 0 && nonzero > 0, "%s: element %lld has %lld owners", what, (long long)orphan,
+              orphan < 0 ? 0LL : (long long)owners[orphan]);
+        free(owners);
+    }
+    ds4_train_state_free(s);
+    result_free(&want);
+    result_free(&got);
+    free(L);
+}
+
+static void test_mpi_runs(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    int32_t ids[MAXM * ROWS * SEQ];
+    for (int64_t i = 0; i < MAXM * ROWS * SEQ; i++) ids[i] = (int32_t)(ds4_rng_u64(17, 5, (uint64_t)i) % (uint64_t)c.vocab_size);
+    const int W = ds4_comm_size(ds4_comm_world());
+    uint32_t masks[DS4_MAX_LAYERS];
+    ds4_recompute_cfg rc;
+    ds4_recompute_defaults(&rc);
+    const char *const *flags = k_recompute;
+    int argc = 0;
+    while (flags[argc]) argc++;
+    for (int i = 0; i < argc; i++) {
+        bool used;
+        CHECK(ds4_recompute_parse_arg(&rc, argc, (char **)flags, &i, &used) == DS4_OK && used, "%s", flags[i]);
+    }
+    ds4_recompute_masks(&rc, &c, masks);
+    for (size_t k = 0; k < sizeof k_runs / sizeof k_runs[0]; k++)
+        if (k_runs[k].pp == W) check_rank_run(&c, ids, k_runs[k].pp, k_runs[k].vpp, k_runs[k].M, k_runs[k].layout, NULL);
+    if (W == 2) check_rank_run(&c, ids, 2, 2, 4, "", masks);
+}
+
+/* Refused with one line: a communicator not of pp ranks, parameter hooks (FSDP / EP inside a stage). */
+static void test_mpi_refusals(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *m = NULL;
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
+    if (!m) return;
+    ds4_comm *world = ds4_comm_world();
+    const int W = ds4_comm_size(world);
+    ds4_pp_cfg pc;
+    ds4_pp_cfg_defaults(&pc);
+    pc.pp = W == 2 ? 4 : 2;
+    ds4_pp_layout *L = malloc(sizeof *L);
+    CHECK(L && ds4_pp_layout_make(&pc, c.n_layers, c.n_mtp_layers, L) == DS4_OK, "%s", ds4_errmsg());
+    int32_t ids[ROWS * SEQ] = {0};
+    const ds4_pass_opts o = {0};
+    ds4_pp_local_args a = {.layout = L, .micro_batches = 1, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o};
+    ds4_losses l;
+    char want[64];
+    snprintf(want, sizeof want, "the communicator %d ranks", W);
+    CHECK(ds4_pp_run_rank(m, world, &a, &l, NULL) != DS4_OK && strstr(ds4_errmsg(), want), "%s", ds4_errmsg());
+    pc.pp = W;
+    CHECK(ds4_pp_layout_make(&pc, c.n_layers, c.n_mtp_layers, L) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_param_hooks hooks = {0};
+    const ds4_pass_opts oh = {.hooks = &hooks};
+    a.opts = &oh;
+    CHECK(ds4_pp_run_rank(m, world, &a, &l, NULL) != DS4_OK && strstr(ds4_errmsg(), "FSDP / EP inside a pipeline stage"),
+          "%s", ds4_errmsg());
+    free(L);
+    ds4_model_free(m);
+}
+
+static int child_main(void) {
+    CHECK(ds4_dist_init() == DS4_OK, "%s", ds4_errmsg());
+    RUN(test_mpi_runs);
+    RUN(test_mpi_refusals);
+    fprintf(stderr, "rank %d: %d ok, %d not ok\n", ds4_comm_rank(ds4_comm_world()), t_passed, t_failed);
+    ds4_dist_finalize();
+    return t_failed ? 1 : 0;
+}
+
+static void test_two_ranks(void) { CHECK(t_mpirun_self(2, "--child", 2) == 2, "both ranks pass"); }
+static void test_four_ranks(void) { CHECK(t_mpirun_self(4, "--child", 2) == 4, "all four ranks pass"); }
+
+int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "--child")) return child_main();
     ds4_set_threads(2);
     RUN(test_pipelined_equals_step);
     RUN(test_pipelined_recompute);
     RUN(test_refusals);
+    RUN(test_mpi_refusals); /* one process: the world has one rank */
+    RUN(test_two_ranks);
+    RUN(test_four_ranks);
     TEST_MAIN_END("test_pp_local");
 }

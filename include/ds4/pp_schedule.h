@@ -14,6 +14,7 @@
 #define DS4_PP_SCHEDULE_H
 
 #include "ds4/core.h"
+#include "ds4/dist.h"
 #include "ds4/model.h"
 #include "ds4/pipeline.h"
 
@@ -64,6 +65,18 @@ typedef struct {
     const ds4_pass_opts *opts;  /* every stage pass's (need_backward is set here); no layer-input swap */
 } ds4_pp_local_args;
 ds4_status ds4_pp_run_local(ds4_model *m, const ds4_pp_local_args *a, ds4_losses *mean, int64_t *loads);
+
+/* The same step over MPI, world = pp: rank r of pipe (pp ranks, pipe's rank = the pipeline rank) runs its own
+ * list on m, a whole model of which it computes only its chunks (their layers' gradients, the embedding's on
+ * rank 0 with the MTP rows received from the head's rank, the head's and MTP's on the last rank; every
+ * other gradient stays as it was). Boundary tensors go by ds4_comm_isend / ds4_comm_irecv (a receive waits
+ * where the list needs it; a forward's send completes before that pass's backward frees its stream, a
+ * backward's sends by the end of the step). *mean and loads as ds4_pp_run_local, the same bits on every rank
+ * (each micro-batch's loss parts and the loads summed over the ranks in rank order, each part nonzero on one
+ * rank only). Refused with one line: pipe not of pp ranks, parameter hooks (FSDP / EP inside a stage are
+ * not built yet), a model outside host memory. src/train/pp_mpi.c. */
+ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args *a, ds4_losses *mean,
+                           int64_t *loads);
 
 #ifdef __cplusplus
 }
