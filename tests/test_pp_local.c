@@ -5,6 +5,7 @@
  * batch by micro-batch in one process's order even where the head's chunk runs a later micro-batch's
  * backward before the embedding's chunk runs an earlier one's (interleaving). */
 #include "ds4/dist.h"
+#include "ds4/kernels.h"
 #include "ds4/pp_schedule.h"
 #include "ds4/recompute.h"
 #include "ds4/trainer.h"
@@ -42,12 +43,15 @@ static float *grads_of(ds4_train_state *s, int64_t *numel) {
     return g;
 }
 
-static bool open_state(const ds4_config *c, ds4_train_state **s) {
-    ds4_train_state_opts so = {.ep = 1};
+static const ds4_exec *g_exec; /* the pipelined state's context (NULL: the cpu) */
+
+static bool open_state_on(const ds4_config *c, const ds4_exec *ex, ds4_train_state **s) {
+    ds4_train_state_opts so = {.ep = 1, .exec = ex};
     const bool ok = ds4_train_state_open(c, NULL, 11, ds4_comm_self(), &so, s) == DS4_OK;
     CHECK(ok, "%s", ds4_errmsg());
     return ok;
 }
+static bool open_state(const ds4_config *c, ds4_train_state **s) { return open_state_on(c, NULL, s); }
 
 /* ds4_train_step over the M micro-batches (no clipping, lr 0); its gradients are read after the step,
  * which leaves them as accumulated and scaled by 1 / M. */
@@ -74,7 +78,7 @@ static bool reference(const ds4_config *c, const int32_t *ids, int64_t M, const 
 static bool pipelined(const ds4_config *c, const int32_t *ids, int64_t M, const uint32_t *masks,
                       const ds4_pp_layout *L, result *r) {
     ds4_train_state *s;
-    if (!open_state(c, &s)) return false;
+    if (!open_state_on(c, g_exec, &s)) return false;
     const int64_t nb = c->n_layers + c->n_mtp_layers;
     r->loads = calloc((size_t)(nb * c->n_routed_experts), sizeof(int64_t));
     ds4_act_policies pol = {.recompute = masks};
@@ -119,7 +123,8 @@ static const struct {
     {4, 2, 4, "Et|t||t|t|||mL"},   /* interleaved pp 4: empty chunks, the head alone */
 };
 
-static void check_runs(const char *name, const char *const *flags) {
+/* The runs of k_runs whose bit is set in which. */
+static void check_runs(const char *name, const char *const *flags, unsigned which) {
     ds4_config c;
     CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
     CHECK(c.n_mtp_layers > 0, "tiny-a has MTP: the embedding's gradient comes from two chunks");
@@ -142,6 +147,7 @@ static void check_runs(const char *name, const char *const *flags) {
     for (int64_t i = 0; i < MAXM * ROWS * SEQ; i++) ids[i] = (int32_t)(ds4_rng_u64(17, 5, (uint64_t)i) % (uint64_t)c.vocab_size);
     const int64_t nloads = (c.n_layers + c.n_mtp_layers) * c.n_routed_experts;
     for (size_t k = 0; k < sizeof k_runs / sizeof k_runs[0]; k++) {
+        if (!(which >> k & 1)) continue;
         ds4_pp_cfg pc;
         ds4_pp_cfg_defaults(&pc);
         pc.pp = k_runs[k].pp;
@@ -168,8 +174,21 @@ static const char *const k_recompute[] = {"--recompute-granularity", "full", "--
                                           "--recompute-num-layers", "1", "--recompute-csa-attention", "--mhc-recompute",
                                           "--recompute-norm", NULL};
 
-static void test_pipelined_equals_step(void) { check_runs("fp32", NULL); }
-static void test_pipelined_recompute(void) { check_runs("recompute", k_recompute); }
+static void test_pipelined_equals_step(void) { check_runs("fp32", NULL, ~0u); }
+
+/* On cpu-guard (buffers the host cannot touch outside an op): the streams, gradients and MTP rows handed
+ * across are device buffers; the same bits as the cpu's step (interleaved `E|tt|t|tmL`, m 2). */
+static void test_pipelined_guard(void) {
+    const struct ds4_kernel_backend *gb = NULL;
+    CHECK(ds4_backend_find("--device", "cpu-guard", &gb) == DS4_OK, "%s", ds4_errmsg());
+    if (!gb) return;
+    const ds4_exec on_guard = {.backend = gb};
+    g_exec = &on_guard;
+    check_runs("cpu-guard", NULL, 1u << 4); /* interleaved, uneven, m = pp (cpu-guard is slow) */
+    g_exec = NULL;
+}
+/* the runs with the most passes in flight: pp 4, interleaved pp 2 and pp 4 */
+static void test_pipelined_recompute(void) { check_runs("recompute", k_recompute, 1u << 1 | 1u << 3 | 1u << 5); }
 
 /* What the executor refuses: a layout of another model, interleaving with m not a multiple of pp. */
 static void test_refusals(void) {
@@ -336,6 +355,7 @@ int main(int argc, char **argv) {
     ds4_set_threads(2);
     RUN(test_pipelined_equals_step);
     RUN(test_pipelined_recompute);
+    RUN(test_pipelined_guard);
     RUN(test_refusals);
     RUN(test_mpi_refusals); /* one process: the world has one rank */
     RUN(test_two_ranks);
