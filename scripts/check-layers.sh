@@ -35,7 +35,7 @@ unit_of() {
         ds4/model.h | ds4/decode.h | src/model/* | model/*) U=model ;;
         ds4/offload.h | ds4/recompute.h | ds4/actstore.h | src/memory/* | memory/*) U=memory ;;
         ds4/dist.h | src/dist/* | dist/*) U=dist ;;
-        ds4/train.h | ds4/trainer.h | ds4/data.h | ds4/plot.h | ds4/memplan.h | src/train/* | train/*) U=train ;;
+        ds4/train.h | ds4/trainer.h | ds4/data.h | ds4/plot.h | ds4/memplan.h | ds4/pp_schedule.h | src/train/* | train/*) U=train ;;
         tools/*) U=tools ;;
         *) U=unknown ;;
     esac

@@ -160,7 +160,8 @@ with tempfile.TemporaryDirectory() as tmp:
         f.write('[model]\nconfig = "tests/configs/tiny-a.json"\n[training]\nsteps = 1\nseq_len = 64\n'
                 'micro_batch_size = 1\n[data]\ntrain = "%s"\n' % os.path.join(tmp, "none_*.bin"))
     tr = ["train", "--config", pp_toml]
-    expect_error("train --pp 2", tr + ["--pp", "2"], "pp 2, vpp 1", "pipeline schedules", "not built yet")
+    expect_error("train --pp 2", tr + ["--pp", "2"], "pp 2, vpp 1", "pipeline schedules",
+                 "run in one process", "pipelined training run", "not built yet")
     expect_error("train --vpp 2", tr + ["--vpp", "2"], "pp 1, vpp 2", "not built yet")
     expect_error("train parallel.pp 2 + layout", tr + ["--parallel.pp", "2", "--parallel.layout", "Ett|ttmL"],
                  "not built yet")

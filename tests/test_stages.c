@@ -41,20 +41,24 @@ static bool run_whole(ds4_model *m, const int32_t *ids, const ds4_pass_opts *o, 
     return ok && r->grads;
 }
 
-/* cut[0..n]: the stage boundaries (0 = cut[0] <= ... <= cut[n] = n_layers). */
+/* cut[0..n]: the stage boundaries (0 = cut[0] <= ... <= cut[n] = n_layers). hand_rows: the last stage hands
+ * the MTP rows' gradient to the first (ds4_stage.mtp_rows_out), which scatters it. */
 static bool run_stages(ds4_model *m, const int32_t *ids, const ds4_pass_opts *o, const int64_t *cut, int n,
-                       result *r) {
+                       bool hand_rows, result *r) {
     const ds4_config *c = ds4_model_config(m);
     ds4_pass *p[8] = {0};
     bool ok = true;
     ds4_model_zero_grad(m);
     for (int s = 0; s < n && ok; s++) {
-        const ds4_stage st = {.layer_begin = cut[s], .layer_end = cut[s + 1], .embedding = s == 0, .head = s == n - 1};
+        const ds4_stage st = {.layer_begin = cut[s], .layer_end = cut[s + 1], .embedding = s == 0, .head = s == n - 1,
+                              .mtp_rows_out = hand_rows && s == n - 1 && s > 0};
         ok = ds4_stage_forward(m, ids, B, T, o, &st, s ? ds4_pass_stream_out(p[s - 1]) : NULL, &p[s]) == DS4_OK;
         CHECK(ok, "stage %d forward: %s", s, ds4_errmsg());
     }
     for (int s = n - 1; s >= 0 && ok; s--) {
-        ok = ds4_stage_backward(m, p[s], s < n - 1 ? ds4_pass_stream_grad(p[s + 1]) : NULL) == DS4_OK;
+        const float *rows = hand_rows && s == 0 && n > 1 ? ds4_pass_mtp_rows_grad(p[n - 1]) : NULL;
+        CHECK(!hand_rows || s > 0 || n == 1 || rows, "the head stage handed no MTP rows");
+        ok = ds4_stage_backward_rows(m, p[s], s < n - 1 ? ds4_pass_stream_grad(p[s + 1]) : NULL, rows) == DS4_OK;
         CHECK(ok, "stage %d backward: %s", s, ds4_errmsg());
         CHECK(!ok || (ds4_pass_stream_grad(p[s]) != NULL) == (s > 0), "stage %d: the input's gradient", s);
     }
@@ -121,11 +125,14 @@ static void check_cuts(const char *cfg, bool bf16, const char *const *flags) {
     result whole = {0};
     CHECK(run_whole(m, ids, &o, &whole), "whole pass: %s", ds4_errmsg());
     CHECK(whole.losses.indexer_loss > 0 && whole.losses.mtp_loss > 0, "the losses have every part");
-    for (size_t k = 0; k < sizeof k_cuts / sizeof k_cuts[0]; k++) {
+    for (size_t k = 0; k < 2 * (sizeof k_cuts / sizeof k_cuts[0]); k++) {
+        const size_t ci = k / 2;
+        const bool rows = k % 2;
         result r = {0};
-        if (run_stages(m, ids, &o, k_cuts[k].cut, k_cuts[k].n, &r)) {
+        if (run_stages(m, ids, &o, k_cuts[ci].cut, k_cuts[ci].n, rows, &r)) {
             char what[160];
-            snprintf(what, sizeof what, "%s %s%s%s", cfg, k_cuts[k].name, bf16 ? " bf16" : "", flags ? " recompute" : "");
+            snprintf(what, sizeof what, "%s %s%s%s%s", cfg, k_cuts[ci].name, bf16 ? " bf16" : "",
+                     flags ? " recompute" : "", rows ? " MTP rows handed" : "");
             compare(what, &r, &whole, ds4_model_numel(m));
         }
         free(r.grads);
@@ -169,7 +176,7 @@ static void test_cuts_guard(void) {
     CHECK(run_whole(mc, ids, &o, &whole), "whole pass: %s", ds4_errmsg());
     for (size_t k = 0; k < sizeof k_cuts / sizeof k_cuts[0]; k += 2) {
         result r = {0};
-        if (run_stages(mg, ids, &o, k_cuts[k].cut, k_cuts[k].n, &r)) {
+        if (run_stages(mg, ids, &o, k_cuts[k].cut, k_cuts[k].n, k == 2, &r)) {
             char what[160];
             snprintf(what, sizeof what, "cpu-guard %s", k_cuts[k].name);
             compare(what, &r, &whole, ds4_model_numel(mc));
@@ -193,11 +200,13 @@ static void test_stage_checks(void) {
         bool input;
         const char *want;
     } bad[] = {
-        {{1, 3, true, false}, false, "the embedding runs before layer 0"},
-        {{0, 3, true, true}, false, "the head runs after the last layer 3"},
-        {{2, 1, false, false}, true, "are not a range"},
-        {{0, 5, true, true}, false, "are not a range"},
-        {{1, 3, false, false}, false, "need an input stream"},
+        {{1, 3, true, false, false}, false, "the embedding runs before layer 0"},
+        {{0, 3, true, true, false}, false, "the head runs after the last layer 3"},
+        {{2, 1, false, false, false}, true, "are not a range"},
+        {{0, 5, true, true, false}, false, "are not a range"},
+        {{1, 3, false, false, false}, false, "need an input stream"},
+        {{0, 4, true, true, true}, false, "hands the MTP rows' gradient on"},
+        {{1, 3, false, false, true}, true, "hands the MTP rows' gradient on"},
     };
     float *X = calloc((size_t)(B * T * 4 * 64), sizeof(float)); /* [B, T, hc_mult, dim] of tiny-a */
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -209,13 +218,15 @@ static void test_stage_checks(void) {
     }
     /* a middle stage's backward needs the next stage's gradient; ds4_backward takes whole passes only */
     ds4_pass *p = NULL;
-    const ds4_stage mid = {1, 3, false, false};
+    const ds4_stage mid = {1, 3, false, false, false};
     CHECK(ds4_stage_forward(m, ids, B, T, &o, &mid, X, &p) == DS4_OK, "%s", ds4_errmsg());
     if (p) {
         CHECK(ds4_pass_stream_out(p) != NULL);
         CHECK(ds4_backward(m, p) != DS4_OK && strstr(ds4_errmsg(), "ds4_stage_backward"), "%s", ds4_errmsg());
         CHECK(ds4_stage_backward(m, p, NULL) != DS4_OK && strstr(ds4_errmsg(), "needs the gradient"), "%s",
               ds4_errmsg());
+        CHECK(ds4_stage_backward_rows(m, p, X, X) != DS4_OK && strstr(ds4_errmsg(), "only the embedding's stage"),
+              "%s", ds4_errmsg());
     }
     ds4_pass_free(p);
     free(X);
@@ -258,10 +269,10 @@ static void test_stage_hooks(void) {
         ds4_stage s;
         const char *fwd, *bwd;
     } k[] = {
-        {{0, 1, true, false}, "g0 [1] g1 ", "g1 b1 b0 "},
-        {{1, 3, false, false}, "g2 [3] g3 ", "g3 [2] b3 g2 b2 "},
-        {{3, 4, false, true}, "g4 [5,6,0] g5 [6,0] g6 [0] g0 ", "g5 [6,4] b5 g6 [4] b6 g4 b4 "},
-        {{0, 4, true, true}, "g0 [1,2,3,4,5,6,0] g1 [2,3,4,5,6,0] g2 [3,4,5,6,0] g3 [4,5,6,0] g4 [5,6,0] g5 [6,0] g6 [0] "
+        {{0, 1, true, false, false}, "g0 [1] g1 ", "g1 b1 b0 "},
+        {{1, 3, false, false, false}, "g2 [3] g3 ", "g3 [2] b3 g2 b2 "},
+        {{3, 4, false, true, false}, "g4 [5,6,0] g5 [6,0] g6 [0] g0 ", "g5 [6,4] b5 g6 [4] b6 g4 b4 "},
+        {{0, 4, true, true, false}, "g0 [1,2,3,4,5,6,0] g1 [2,3,4,5,6,0] g2 [3,4,5,6,0] g3 [4,5,6,0] g4 [5,6,0] g5 [6,0] g6 [0] "
                              "g0 ", "g5 [6,4,3,2,1] b5 g6 [4,3,2,1] b6 g4 [3,2,1] b4 g3 [2,1] b3 g2 [1] b2 g1 b1 b0 "},
     };
     const size_t SN = (size_t)(B * T * 4 * 64) * sizeof(float);

@@ -296,6 +296,11 @@ typedef struct {
     int64_t layer_begin, layer_end; /* decoder layers [layer_begin, layer_end) */
     bool embedding;                 /* X[0] from the ids (layer_begin = 0); else from X_in */
     bool head;                      /* the heads, losses and MTP after the last layer (layer_end = n_layers) */
+    /* A head stage without the embedding: the MTP rows' gradient (∂/∂embed[ids_next], [B·T, dim]) is handed on
+     * (ds4_pass_mtp_rows_grad) for the embedding's stage to scatter (ds4_stage_backward_rows) before its own
+     * rows, instead of being scattered here: a pipeline's embedding gradient then sums micro-batch by
+     * micro-batch in the whole pass's order (MTP rows, then the main rows), whichever stage runs first. */
+    bool mtp_rows_out;
 } ds4_stage;
 /* X_in [B, T, hc_mult, dim] on the model's backend (copied): the stream X[layer_begin] of a stage without the
  * embedding, NULL with it. The pass holds what its backward needs; its losses are its own: the heads' on
@@ -310,6 +315,13 @@ ds4_status ds4_stage_backward(ds4_model *m, ds4_pass *p, const float *dX_out);
 /* [B, T, hc_mult, dim] ∂total_loss/∂X[layer_begin] after the backward of a stage without the embedding (else
  * NULL), for the previous stage; freed with the pass. */
 const float *ds4_pass_stream_grad(const ds4_pass *p);
+/* ds4_stage_backward of the embedding's stage (without the head) that also scatters mtp_rows [B·T, dim], the
+ * head stage's ds4_pass_mtp_rows_grad of the same micro-batch, into the embedding's gradient before its own
+ * rows; mtp_rows NULL: ds4_stage_backward. */
+ds4_status ds4_stage_backward_rows(ds4_model *m, ds4_pass *p, const float *dX_out, const float *mtp_rows);
+/* [B·T, dim] the MTP rows' gradient after the backward of a stage with mtp_rows_out (NULL otherwise, or for a
+ * model without MTP), for the embedding's stage; freed with the pass. */
+const float *ds4_pass_mtp_rows_grad(const ds4_pass *p);
 /* Main layer `layer`'s indexer KL (its mean over the rows it scored) in this pass; 0 for a layer that has
  * none or is not the pass's. */
 double ds4_pass_layer_kl(const ds4_pass *p, int64_t layer);

@@ -51,8 +51,10 @@ struct ds4_pass {
     /* The stage it runs (ds4_stage): decoder layers [l0, l1), the embedding before them, the heads after.
      * Kept in the tail padding: the pass's counted bytes (memplan's "other") stay those of a whole pass.
      * After the backward of a stage without the embedding (grad_ready), X[l0] holds ∂/∂X[l0] [N, n, D]
-     * instead of the stream, which nothing reads any more. */
-    bool embed, has_head, grad_ready;
+     * instead of the stream, which nothing reads any more. A head stage that hands its MTP rows' gradient on
+     * (rows_out, ds4_stage.mtp_rows_out) holds it in m_e [N, D] after its backward, the rows being read no
+     * more. Bit-fields: the flags stay in the bytes of tail padding they had. */
+    bool embed : 1, has_head : 1, grad_ready : 1, rows_out : 1;
     uint16_t l0, l1;
 };
 _Static_assert(DS4_MAX_LAYERS <= UINT16_MAX, "a stage's layer bounds are uint16_t");
@@ -125,6 +127,9 @@ void ds4_pass_free(ds4_pass *p) {
 const ds4_losses *ds4_pass_losses(const ds4_pass *p) { return &p->losses; }
 const float *ds4_pass_stream_out(const ds4_pass *p) { return p->has_head ? NULL : p->X[p->l1]; }
 const float *ds4_pass_stream_grad(const ds4_pass *p) { return p->grad_ready ? p->X[p->l0] : NULL; }
+const float *ds4_pass_mtp_rows_grad(const ds4_pass *p) {
+    return p->rows_out && p->backward_done && p->m->cfg.n_mtp_layers > 0 ? p->m_e : NULL;
+}
 const float *ds4_pass_logits(const ds4_pass *p) { return p->opts.keep_logits ? p->head.logits : NULL; }
 const float *ds4_pass_mtp_logits(const ds4_pass *p) { return p->opts.keep_logits ? p->mhead.logits : NULL; }
 const int32_t *ds4_pass_topk(const ds4_pass *p, int64_t layer) {
@@ -527,9 +532,10 @@ static ds4_status mtp_bwd(ds4_pass *p, float *dXL, float **de) {
      * instead of the embedding's whole gradient [vocab, D] being mapped over every layer's backward;
      * scattered first at the end, the sums are those of scattering it here, which a model holding all
      * its gradients still does. */
-    const bool wait = m->unmapped;
-    prev = ds4_mem_owner_enter(wait ? DS4_OWNER_GRAD_ROWS : OWNER_MTP_INPUT);
-    float *rows = dev_zalloc(m, wait ? DS4_MEM_GRAD : DS4_MEM_WORK, (size_t)(p->N * c->dim) * sizeof(float));
+    /* A stage handing them on (rows_out) keeps them too: the embedding's stage scatters them. */
+    const bool wait = m->unmapped || p->rows_out;
+    prev = ds4_mem_owner_enter(m->unmapped ? DS4_OWNER_GRAD_ROWS : OWNER_MTP_INPUT);
+    float *rows = dev_zalloc(m, m->unmapped ? DS4_MEM_GRAD : DS4_MEM_WORK, (size_t)(p->N * c->dim) * sizeof(float));
     ds4_mem_owner_leave(prev);
     prev = ds4_mem_owner_enter(OWNER_MTP_INPUT);
     if (st == DS4_OK && !rows) st = ds4_fail(DS4_ERR_OOM, "out of memory in MTP backward");
@@ -602,6 +608,8 @@ static ds4_status check_stage(const ds4_model *m, const ds4_stage *s, const floa
     if (!s->embedding && !X_in)
         return ds4_fail(DS4_ERR_ARG, "stage: layers [%lld, %lld) without the embedding need an input stream",
                         (long long)s->layer_begin, (long long)s->layer_end);
+    if (s->mtp_rows_out && (!s->head || s->embedding))
+        return ds4_fail(DS4_ERR_ARG, "stage: only the head's stage without the embedding hands the MTP rows' gradient on");
     if (s->head && !s->embedding && c->n_mtp_layers > 0 && m->unmapped)
         return ds4_fail(DS4_ERR_UNSUPPORTED, "stage: an unmapped model's MTP stage without the embedding (its rows' "
                         "gradient waits for the embedding's) is not built yet");
@@ -634,6 +642,7 @@ ds4_status ds4_stage_forward(ds4_model *m, const int32_t *ids, int64_t B, int64_
     p->l1 = (uint16_t)stage->layer_end;
     p->embed = stage->embedding;
     p->has_head = stage->head;
+    p->rows_out = stage->mtp_rows_out;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult, nb = n_blocks(c);
     ds4_status st = DS4_OK;
     p->ids = dev_alloc(m, DS4_MEM_ACT, (size_t)N * sizeof(int32_t));
@@ -718,12 +727,19 @@ ds4_status ds4_backward(ds4_model *m, ds4_pass *p) {
 }
 
 ds4_status ds4_stage_backward(ds4_model *m, ds4_pass *p, const float *dX_out) {
+    return ds4_stage_backward_rows(m, p, dX_out, NULL);
+}
+
+ds4_status ds4_stage_backward_rows(ds4_model *m, ds4_pass *p, const float *dX_out, const float *mtp_rows) {
     const ds4_config *c = &m->cfg;
     if (!p->opts.need_backward || p->backward_done)
         return ds4_fail(DS4_ERR_ARG, "backward: the pass was not made for backward or was already used");
     if (!p->has_head && !dX_out)
         return ds4_fail(DS4_ERR_ARG, "backward: the stage of layers [%lld, %lld) without the head needs the gradient "
                         "of its output stream", (long long)p->l0, (long long)p->l1);
+    if (mtp_rows && (!p->embed || p->has_head))
+        return ds4_fail(DS4_ERR_ARG, "backward: only the embedding's stage without the head takes the MTP rows' "
+                        "gradient");
     p->backward_done = true;
     const int64_t N = p->N, D = c->dim, n = c->hc_mult, L = c->n_layers;
     const size_t sbytes = (size_t)(N * n * D) * sizeof(float);
@@ -782,12 +798,18 @@ ds4_status ds4_stage_backward(ds4_model *m, ds4_pass *p, const float *dX_out) {
         if (!de) st = ds4_fail(DS4_ERR_OOM, "out of memory in embedding backward");
         else st = grad_begin(p, 0);
         if (st == DS4_OK) {
-            if (de_mtp) embedding_bwd(&m->exec, m->g.embed, de_mtp, p->ids_next, N, D);
+            const float *rows = de_mtp ? de_mtp : mtp_rows; /* this stage's MTP rows, or the head stage's */
+            if (rows) embedding_bwd(&m->exec, m->g.embed, rows, p->ids_next, N, D);
             streams_sum(&m->exec, de, dX, N, n, D);
             embedding_bwd(&m->exec, m->g.embed, de, p->ids, N, D);
             st = grad_end(p, 0);
         }
         dev_free(m, de);
+    }
+    if (p->rows_out && c->n_mtp_layers > 0) { /* handed on: the rows wait in m_e for the embedding's stage */
+        dev_free(m, p->m_e);
+        p->m_e = st == DS4_OK ? de_mtp : NULL;
+        if (st == DS4_OK) de_mtp = NULL;
     }
     dev_free(m, de_mtp);
     dev_free(m, dX);

@@ -332,9 +332,10 @@ static ds4_status check_pipeline(const ds4_train_cfg *c, const ds4_config *mc) {
                             (long long)L.vpp);
     }
     if (L.pp * L.vpp > 1)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld, vpp %lld): the layout is valid, but the "
-                        "pipeline schedules (1F1B, interleaved) are not built yet; run with pp 1 and one chunk",
-                        (long long)L.pp, (long long)L.vpp);
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld, vpp %lld): the layout is valid and its "
+                        "pipeline schedules (1F1B, interleaved) run in one process and over MPI (world = pp), but a "
+                        "pipelined training run (the grad norm, optimizer step and checkpoints under pp; FSDP / EP "
+                        "inside a stage) is not built yet; run with pp 1 and one chunk", (long long)L.pp, (long long)L.vpp);
     return DS4_OK;
 }
 

@@ -1,0 +1,84 @@
+/* Pipeline schedules (docs/pipeline.md): the ordered actions of one pipeline rank for a step of m
+ * micro-batches over pp stages of vpp virtual chunks each. Chunks are numbered in forward order, VPP-major
+ * as in ds4/pipeline.h: global chunk k = vchunk · pp + rank. src/train/pp_schedule.c.
+ *
+ * vpp = 1: 1F1B (PipeDream-flush, Megatron's forward_backward_pipelining_without_interleaving): warm-up
+ *   min(pp − rank − 1, m) forwards, then one forward and one backward in turn, then the cool-down backwards.
+ * vpp > 1: Megatron's interleaved 1F1B (forward_backward_pipelining_with_interleaving): virtual micro-batch
+ *   k runs chunk (k mod pp·vpp) / pp (the backward's counted from the last chunk) of micro-batch
+ *   (k / (pp·vpp))·pp + k mod pp; warm-up (pp − rank − 1)·2 + (vpp − 1)·pp (all m·vpp when m = pp);
+ *   m must be a multiple of pp.
+ * Either way every chunk runs its forwards and its backwards in micro-batch order, so the gradient sums
+ * into each parameter happen in one process's order. */
+#ifndef DS4_PP_SCHEDULE_H
+#define DS4_PP_SCHEDULE_H
+
+#include "ds4/core.h"
+#include "ds4/dist.h"
+#include "ds4/model.h"
+#include "ds4/pipeline.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { DS4_PP_FORWARD, DS4_PP_BACKWARD } ds4_pp_op;
+
+/* One action. Forward of chunk k: its input stream X comes from chunk k − 1, its output goes to chunk k + 1.
+ * Backward: the output stream's gradient comes from chunk k + 1, the input's goes to chunk k − 1. A side
+ * with no chunk (the first chunk's input, the last chunk's output) is -1. */
+typedef struct {
+    ds4_pp_op op;
+    int64_t vchunk;                /* virtual chunk on this rank, [0, vpp) */
+    int64_t chunk;                 /* global chunk, vchunk · pp + rank */
+    int64_t mb;                    /* micro-batch, [0, m) */
+    int64_t from_rank, from_chunk; /* where the boundary tensor this action reads comes from; -1: none */
+    int64_t to_rank, to_chunk;     /* where the boundary tensor it makes goes; -1: none */
+} ds4_pp_action;
+
+typedef struct {
+    int64_t pp, vpp, m, rank;
+    int64_t warmup; /* forwards before the first backward */
+    int64_t n;      /* 2 · vpp · m */
+    ds4_pp_action *a; /* [n] in execution order */
+} ds4_pp_schedule;
+
+/* The schedule of `rank`: 1F1B for vpp = 1, interleaved 1F1B for vpp > 1. Errors (one line): pp, vpp or m
+ * below 1, a rank outside [0, pp), interleaving with m not a multiple of pp. */
+ds4_status ds4_pp_schedule_make(int64_t pp, int64_t vpp, int64_t m, int64_t rank, ds4_pp_schedule *out);
+void ds4_pp_schedule_free(ds4_pp_schedule *s);
+
+/* ------------------------------------------------------------------ one process runs every rank
+ * A step's micro-batches through the schedule of every pipeline rank of the layout, in one process, on one
+ * model: each chunk a stage pass (ds4_stage_forward / ds4_stage_backward_rows) of its layers, its
+ * embedding and head. The ranks' lists advance in turn, an action running once what it receives exists
+ * (the previous chunk's stream, the next chunk's gradient), as blocking receives of a multi-process run
+ * would let it; the head's chunk hands the MTP rows' gradient to the embedding's chunk (mtp_rows_out).
+ * ACCUMULATES into the model's gradients (unscaled, as the micro-batches' backwards of ds4_train_step do);
+ * *mean: the losses of each micro-batch (the head chunk's, every chunk's indexer KL, ds4_losses_combine)
+ * / micro_batches, summed in micro-batch order; loads [n_layers + n_mtp_layers, n_routed_experts] (NULL: not
+ * wanted): the routing counts added. src/train/pp_local.c. */
+typedef struct {
+    const ds4_pp_layout *layout;
+    int64_t micro_batches, B, T;
+    const int32_t *ids;         /* [micro_batches, B, T] */
+    const ds4_pass_opts *opts;  /* every stage pass's (need_backward is set here); no layer-input swap */
+} ds4_pp_local_args;
+ds4_status ds4_pp_run_local(ds4_model *m, const ds4_pp_local_args *a, ds4_losses *mean, int64_t *loads);
+
+/* The same step over MPI, world = pp: rank r of pipe (pp ranks, pipe's rank = the pipeline rank) runs its own
+ * list on m, a whole model of which it computes only its chunks (their layers' gradients, the embedding's on
+ * rank 0 with the MTP rows received from the head's rank, the head's and MTP's on the last rank; every
+ * other gradient stays as it was). Boundary tensors go by ds4_comm_isend / ds4_comm_irecv (a receive waits
+ * where the list needs it; a forward's send completes before that pass's backward frees its stream, a
+ * backward's sends by the end of the step). *mean and loads as ds4_pp_run_local, the same bits on every rank
+ * (each micro-batch's loss parts and the loads summed over the ranks in rank order, each part nonzero on one
+ * rank only). Refused with one line: pipe not of pp ranks, parameter hooks (FSDP / EP inside a stage are
+ * not built yet), a model outside host memory. src/train/pp_mpi.c. */
+ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args *a, ds4_losses *mean,
+                           int64_t *loads);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,166 @@
+/* A pipelined step over MPI, world = pp: each rank runs its own list of the schedule on a whole model
+ * (include/ds4/pp_schedule.h, docs/pipeline.md). What crosses is what ds4_pp_run_local hands across: the
+ * stream at a chunk's end, its gradient, the MTP rows' gradient from the head's rank to rank 0. */
+#include "ds4/kernels.h"
+#include "ds4/pp_schedule.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+enum { TAG_STREAM, TAG_GRAD, TAG_ROWS, TAG_KINDS };
+
+typedef struct {
+    ds4_model *m;
+    ds4_comm *pipe;
+    const ds4_pp_local_args *a;
+    int64_t nc, M, S, R;        /* chunks, micro-batches, floats of a stream [B·T, hc, dim], of the rows [B·T, dim] */
+    ds4_pass **pass;            /* [nc, M] this rank's, freed once its sends are done */
+    ds4_comm_req **fwd;         /* [nc, M] a forward's send of its stream */
+    ds4_comm_req **bwd;         /* [nc, M, 2] a backward's sends: the stream's gradient, the MTP rows */
+    double *parts;              /* [M, 2 + n_layers]: loss, MTP loss, each layer's indexer KL (this rank's) */
+    int64_t *loads;             /* NULL or [n_blocks, E] this rank's */
+} run;
+
+/* The tag of a tensor of kind for chunk k (the receiver's chunk) of micro-batch mb. */
+static int tag_of(const run *r, int kind, int64_t k, int64_t mb) { return (int)((kind * r->nc + k) * r->M + mb); }
+
+static ds4_status recv_into(run *r, float **buf, int64_t count, int64_t from_rank, int tag) {
+    *buf = malloc((size_t)count * sizeof(float));
+    if (!*buf) return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for a receive of %lld floats", (long long)count);
+    ds4_comm_req *req = NULL;
+    DS4_TRY(ds4_comm_irecv(r->pipe, *buf, count, sizeof(float), (int)from_rank, tag, &req));
+    return ds4_comm_wait(req);
+}
+
+static ds4_stage stage_of(const run *r, int64_t k) {
+    const ds4_pp_chunk *ch = &r->a->layout->chunk[k];
+    const bool mtp = ds4_model_config(r->m)->n_mtp_layers > 0;
+    return (ds4_stage){.layer_begin = ch->layer_begin, .layer_end = ch->layer_end, .embedding = ch->embedding,
+                       .head = ch->loss, .mtp_rows_out = ch->loss && !ch->embedding && mtp};
+}
+
+static ds4_status forward(run *r, const ds4_pp_action *x) {
+    const ds4_pp_local_args *a = r->a;
+    const int64_t i = x->chunk * r->M + x->mb;
+    const ds4_stage st = stage_of(r, x->chunk);
+    float *X_in = NULL;
+    ds4_status s = DS4_OK;
+    if (x->from_chunk >= 0) s = recv_into(r, &X_in, r->S, x->from_rank, tag_of(r, TAG_STREAM, x->chunk, x->mb));
+    ds4_pass_opts o = *a->opts;
+    o.need_backward = true;
+    if (s == DS4_OK)
+        s = ds4_stage_forward(r->m, a->ids + x->mb * a->B * a->T, a->B, a->T, &o, &st, X_in, &r->pass[i]);
+    free(X_in);
+    if (s == DS4_OK && x->to_chunk >= 0)
+        s = ds4_comm_isend(r->pipe, ds4_pass_stream_out(r->pass[i]), r->S, sizeof(float), (int)x->to_rank,
+                           tag_of(r, TAG_STREAM, x->to_chunk, x->mb), &r->fwd[i]);
+    return s;
+}
+
+static ds4_status backward(run *r, const ds4_pp_action *x) {
+    const ds4_config *c = ds4_model_config(r->m);
+    const int64_t k = x->chunk, mb = x->mb, i = k * r->M + mb, last = r->nc - 1;
+    const ds4_stage st = stage_of(r, k);
+    ds4_pass *p = r->pass[i];
+    ds4_comm_req *fw = r->fwd[i];
+    r->fwd[i] = NULL;
+    ds4_status s = ds4_comm_wait(fw); /* the stream it sent is freed by the backward */
+    float *dX = NULL, *rows = NULL;
+    if (s == DS4_OK && x->from_chunk >= 0) s = recv_into(r, &dX, r->S, x->from_rank, tag_of(r, TAG_GRAD, k, mb));
+    if (s == DS4_OK && k == 0 && last > 0 && c->n_mtp_layers > 0)
+        s = recv_into(r, &rows, r->R, last % r->a->layout->pp, tag_of(r, TAG_ROWS, 0, mb));
+    if (s == DS4_OK) s = ds4_stage_backward_rows(r->m, p, dX, rows);
+    free(dX);
+    free(rows);
+    if (s != DS4_OK) return s;
+    double *part = &r->parts[mb * (2 + c->n_layers)];
+    for (int64_t l = st.layer_begin; l < st.layer_end; l++) part[2 + l] = ds4_pass_layer_kl(p, l);
+    if (st.head) part[0] = ds4_pass_losses(p)->loss, part[1] = ds4_pass_losses(p)->mtp_loss;
+    if (r->loads) {
+        const int64_t E = c->n_routed_experts;
+        for (int64_t l = 0; l < c->n_layers + c->n_mtp_layers; l++) {
+            const bool own = (l >= st.layer_begin && l < st.layer_end) || (l >= c->n_layers && st.head);
+            const int64_t *ld = ds4_pass_expert_load(p, l);
+            for (int64_t e = 0; own && e < E; e++) r->loads[l * E + e] += ld[e];
+        }
+    }
+    if (x->to_chunk >= 0)
+        DS4_TRY(ds4_comm_isend(r->pipe, ds4_pass_stream_grad(p), r->S, sizeof(float), (int)x->to_rank,
+                               tag_of(r, TAG_GRAD, x->to_chunk, mb), &r->bwd[2 * i]));
+    if (st.mtp_rows_out)
+        DS4_TRY(ds4_comm_isend(r->pipe, ds4_pass_mtp_rows_grad(p), r->R, sizeof(float), 0, tag_of(r, TAG_ROWS, 0, mb),
+                               &r->bwd[2 * i + 1]));
+    return DS4_OK;
+}
+
+ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args *a, ds4_losses *mean,
+                           int64_t *loads) {
+    const ds4_config *c = ds4_model_config(m);
+    const ds4_pp_layout *L = a->layout;
+    memset(mean, 0, sizeof *mean);
+    if (ds4_comm_size(pipe) != L->pp)
+        return ds4_fail(DS4_ERR_ARG, "pipeline over MPI: the layout has pp %lld, the communicator %d ranks (world = pp "
+                        "for now)", (long long)L->pp, ds4_comm_size(pipe));
+    if (a->opts->hooks)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: parameter hooks (FSDP / EP inside a pipeline stage) "
+                        "are not built yet; each rank holds the whole model");
+    if (!ds4_exec_host_memory(ds4_model_exec(m)))
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: a model in device memory (its boundary buffers "
+                        "through a staged communicator) is not built yet");
+    if (L->n_layers != c->n_layers || L->n_mtp != c->n_mtp_layers)
+        return ds4_fail(DS4_ERR_ARG, "pipeline: the layout has %lld layers and %lld MTP layers, the model %lld and %lld",
+                        (long long)L->n_layers, (long long)L->n_mtp, (long long)c->n_layers, (long long)c->n_mtp_layers);
+    if (a->micro_batches < 1 || a->B < 1 || a->T < 2)
+        return ds4_fail(DS4_ERR_ARG, "pipeline: %lld micro-batches of %lld x %lld tokens (need >= 1, >= 1, >= 2)",
+                        (long long)a->micro_batches, (long long)a->B, (long long)a->T);
+    const int64_t nc = L->pp * L->vpp, M = a->micro_batches, N = a->B * a->T, nb = c->n_layers + c->n_mtp_layers;
+    const int64_t np = M * (2 + c->n_layers), nl = nb * c->n_routed_experts;
+    if (TAG_KINDS * nc * M > 32767) /* MPI guarantees tags up to 32767 */
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: %lld chunks x %lld micro-batches exceed the tags",
+                        (long long)nc, (long long)M);
+    run r = {.m = m, .pipe = pipe, .a = a, .nc = nc, .M = M, .S = N * c->hc_mult * c->dim, .R = N * c->dim};
+    ds4_pp_schedule sch = {0};
+    r.pass = calloc((size_t)(nc * M), sizeof *r.pass);
+    r.fwd = calloc((size_t)(nc * M), sizeof *r.fwd);
+    r.bwd = calloc((size_t)(2 * nc * M), sizeof *r.bwd);
+    r.parts = calloc((size_t)np, sizeof *r.parts);
+    r.loads = loads ? calloc((size_t)nl, sizeof *r.loads) : NULL;
+    ds4_status st = r.pass && r.fwd && r.bwd && r.parts && (!loads || r.loads)
+                        ? DS4_OK
+                        : ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for %lld chunks x %lld micro-batches",
+                                   (long long)nc, (long long)M);
+    if (st == DS4_OK) st = ds4_pp_schedule_make(L->pp, L->vpp, M, ds4_comm_rank(pipe), &sch);
+    for (int64_t i = 0; st == DS4_OK && i < sch.n; i++)
+        st = sch.a[i].op == DS4_PP_FORWARD ? forward(&r, &sch.a[i]) : backward(&r, &sch.a[i]);
+    /* every send done before its pass goes (after a failure too: nothing stays in flight on freed buffers) */
+    for (int64_t i = 0; r.bwd && i < 2 * nc * M; i++) {
+        const ds4_status w = ds4_comm_wait(r.bwd[i]);
+        if (st == DS4_OK) st = w;
+    }
+    for (int64_t i = 0; r.fwd && i < nc * M; i++) {
+        const ds4_status w = ds4_comm_wait(r.fwd[i]);
+        if (st == DS4_OK) st = w;
+    }
+    /* every rank gets every micro-batch's parts (each nonzero on its one rank: adding zeros keeps the bits) */
+    if (st == DS4_OK) st = ds4_comm_sum_f64(pipe, r.parts, np);
+    if (st == DS4_OK && loads) st = ds4_comm_sum_i64(pipe, r.loads, nl);
+    if (st == DS4_OK && loads)
+        for (int64_t i = 0; i < nl; i++) loads[i] += r.loads[i];
+    for (int64_t mb = 0; st == DS4_OK && mb < M; mb++) {
+        const double *part = &r.parts[mb * (2 + c->n_layers)];
+        const ds4_losses l = ds4_losses_combine(c, part[0], part[1], part + 2);
+        mean->loss += l.loss / (double)M; /* as ds4_train_step sums them */
+        mean->mtp_loss += l.mtp_loss / (double)M;
+        mean->indexer_loss += l.indexer_loss / (double)M;
+        mean->total_loss += l.total_loss / (double)M;
+    }
+    if (r.pass)
+        for (int64_t i = 0; i < nc * M; i++) ds4_pass_free(r.pass[i]);
+    ds4_pp_schedule_free(&sch);
+    free(r.pass);
+    free(r.fwd);
+    free(r.bwd);
+    free(r.parts);
+    free(r.loads);
+    return st;
+}

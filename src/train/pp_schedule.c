@@ -1,0 +1,74 @@
+/* Pipeline schedules: 1F1B and interleaved 1F1B, one rank's ordered actions (include/ds4/pp_schedule.h,
+ * docs/pipeline.md). */
+#include "ds4/pp_schedule.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Fills the boundary sides of action x (op, chunk, mb set) for n_chunks = pp · vpp chunks. */
+static void sides(ds4_pp_action *x, int64_t pp, int64_t n_chunks) {
+    const int64_t prev = x->chunk - 1, next = x->chunk + 1;
+    const int64_t from = x->op == DS4_PP_FORWARD ? prev : next, to = x->op == DS4_PP_FORWARD ? next : prev;
+    const bool has_from = from >= 0 && from < n_chunks, has_to = to >= 0 && to < n_chunks;
+    x->from_chunk = has_from ? from : -1;
+    x->from_rank = has_from ? from % pp : -1;
+    x->to_chunk = has_to ? to : -1;
+    x->to_rank = has_to ? to % pp : -1;
+}
+
+/* Virtual micro-batch k of the interleaved order: its virtual chunk and micro-batch (Megatron's
+ * get_model_chunk_id / get_microbatch_id_in_model_chunk, groups of pp micro-batches per chunk). */
+static void interleaved_at(int64_t pp, int64_t vpp, int64_t k, bool forward, int64_t *vchunk, int64_t *mb) {
+    const int64_t group = pp * vpp, in_group = k % group;
+    *vchunk = forward ? in_group / pp : vpp - 1 - in_group / pp;
+    *mb = (k / group) * pp + k % pp;
+}
+
+ds4_status ds4_pp_schedule_make(int64_t pp, int64_t vpp, int64_t m, int64_t rank, ds4_pp_schedule *out) {
+    memset(out, 0, sizeof *out);
+    if (pp < 1 || vpp < 1 || m < 1)
+        return ds4_fail(DS4_ERR_ARG, "pipeline schedule: pp %lld, vpp %lld, %lld micro-batches (each must be >= 1)",
+                        (long long)pp, (long long)vpp, (long long)m);
+    if (rank < 0 || rank >= pp)
+        return ds4_fail(DS4_ERR_ARG, "pipeline schedule: rank %lld is outside the %lld pipeline ranks", (long long)rank,
+                        (long long)pp);
+    if (vpp > 1 && m % pp)
+        return ds4_fail(DS4_ERR_ARG, "interleaved 1F1B (pp %lld, vpp %lld): %lld micro-batches are not a multiple of "
+                        "pp (Megatron's interleaved schedule runs groups of pp micro-batches per chunk)",
+                        (long long)pp, (long long)vpp, (long long)m);
+    const int64_t total = m * vpp, n = 2 * total;
+    ds4_pp_action *a = calloc((size_t)n, sizeof *a);
+    if (!a) return ds4_fail(DS4_ERR_OOM, "pipeline schedule: out of memory for %lld actions", (long long)n);
+    int64_t warmup;
+    if (vpp == 1) warmup = pp - rank - 1 < m ? pp - rank - 1 : m;
+    else if (m == pp) warmup = total; /* every forward first, then every backward */
+    else {
+        warmup = (pp - rank - 1) * 2 + (vpp - 1) * pp;
+        if (warmup > total) warmup = total;
+    }
+    /* virtual micro-batches in order: the warm-up forwards, then forward warmup + j beside backward j, then
+     * the remaining backwards */
+    int64_t i = 0;
+    for (int64_t f = 0; f < warmup; f++) a[i++] = (ds4_pp_action){.op = DS4_PP_FORWARD, .chunk = f};
+    for (int64_t j = 0; j < total - warmup; j++) {
+        a[i++] = (ds4_pp_action){.op = DS4_PP_FORWARD, .chunk = warmup + j};
+        a[i++] = (ds4_pp_action){.op = DS4_PP_BACKWARD, .chunk = j};
+    }
+    for (int64_t j = total - warmup; j < total; j++) a[i++] = (ds4_pp_action){.op = DS4_PP_BACKWARD, .chunk = j};
+    for (i = 0; i < n; i++) { /* .chunk held the virtual micro-batch */
+        ds4_pp_action *x = &a[i];
+        const int64_t k = x->chunk;
+        if (vpp == 1) x->vchunk = 0, x->mb = k;
+        else interleaved_at(pp, vpp, k, x->op == DS4_PP_FORWARD, &x->vchunk, &x->mb);
+        x->chunk = x->vchunk * pp + rank;
+        sides(x, pp, pp * vpp);
+    }
+    *out = (ds4_pp_schedule){.pp = pp, .vpp = vpp, .m = m, .rank = rank, .warmup = warmup, .n = n, .a = a};
+    return DS4_OK;
+}
+
+void ds4_pp_schedule_free(ds4_pp_schedule *s) {
+    if (!s) return;
+    free(s->a);
+    memset(s, 0, sizeof *s);
+}

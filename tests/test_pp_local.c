@@ -1,0 +1,364 @@
+/* A pipelined step in one process (ds4_pp_run_local): every rank's schedule (1F1B, interleaved) run on one
+ * model gives the losses, every gradient and the expert loads of ds4_train_step's accumulation over the same
+ * micro-batches bit for bit: pp 2 and 4, vpp 2, uneven and empty chunks, with a recompute policy. The
+ * head's chunk hands the MTP rows' gradient to the embedding's chunk, so the embedding's gradient sums micro-
+ * batch by micro-batch in one process's order even where the head's chunk runs a later micro-batch's
+ * backward before the embedding's chunk runs an earlier one's (interleaving). */
+#include "ds4/dist.h"
+#include "ds4/kernels.h"
+#include "ds4/pp_schedule.h"
+#include "ds4/recompute.h"
+#include "ds4/trainer.h"
+#include "test.h"
+#include "test_mpi.h"
+
+#define ROWS 2
+#define SEQ 16
+#define MAXM 8
+
+typedef struct {
+    const int32_t *ids; /* [M, B, T] */
+    int64_t next;
+} feed;
+
+static ds4_status next_ids(void *ctx, int32_t *ids) {
+    feed *f = ctx;
+    memcpy(ids, f->ids + f->next++ * ROWS * SEQ, (size_t)(ROWS * SEQ) * sizeof(int32_t));
+    return DS4_OK;
+}
+
+typedef struct {
+    ds4_losses losses;
+    float *grads;    /* [numel] */
+    int64_t *loads;  /* [n_blocks, E] */
+    int64_t numel;
+} result;
+
+static float *grads_of(ds4_train_state *s, int64_t *numel) {
+    ds4_model *m = ds4_train_state_model(s);
+    *numel = ds4_model_numel(m);
+    const size_t bytes = (size_t)ds4_model_numel(m) * sizeof(float);
+    float *g = malloc(bytes);
+    if (g) ds4_model_to_host(m, g, ds4_model_grads_flat(m), bytes);
+    return g;
+}
+
+static const ds4_exec *g_exec; /* the pipelined state's context (NULL: the cpu) */
+
+static bool open_state_on(const ds4_config *c, const ds4_exec *ex, ds4_train_state **s) {
+    ds4_train_state_opts so = {.ep = 1, .exec = ex};
+    const bool ok = ds4_train_state_open(c, NULL, 11, ds4_comm_self(), &so, s) == DS4_OK;
+    CHECK(ok, "%s", ds4_errmsg());
+    return ok;
+}
+static bool open_state(const ds4_config *c, ds4_train_state **s) { return open_state_on(c, NULL, s); }
+
+/* ds4_train_step over the M micro-batches (no clipping, lr 0); its gradients are read after the step,
+ * which leaves them as accumulated and scaled by 1 / M. */
+static bool reference(const ds4_config *c, const int32_t *ids, int64_t M, const uint32_t *masks, result *r) {
+    ds4_train_state *s;
+    if (!open_state(c, &s)) return false;
+    const int64_t nb = c->n_layers + c->n_mtp_layers;
+    r->loads = calloc((size_t)(nb * c->n_routed_experts), sizeof(int64_t));
+    int32_t buf[ROWS * SEQ];
+    feed f = {.ids = ids};
+    ds4_adamw_cfg ac = {.lr = 0, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0};
+    const ds4_step_args a = {.step = 1, .micro_batches = M, .B = ROWS, .T = SEQ, .ids = buf, .next_ids = next_ids,
+                             .ctx = &f, .loads = r->loads, .release_mask = masks, .adamw = &ac, .lr = 0,
+                             .max_norm = 0, .router_bias_gamma = 0};
+    ds4_step_result out;
+    bool ok = ds4_train_step(s, &a, &out) == DS4_OK;
+    CHECK(ok, "train step: %s", ds4_errmsg());
+    r->losses = (ds4_losses){out.loss, out.mtp_loss, out.indexer_loss, out.total_loss};
+    r->grads = ok ? grads_of(s, &r->numel) : NULL;
+    ds4_train_state_free(s);
+    return ok && r->grads;
+}
+
+static bool pipelined(const ds4_config *c, const int32_t *ids, int64_t M, const uint32_t *masks,
+                      const ds4_pp_layout *L, result *r) {
+    ds4_train_state *s;
+    if (!open_state_on(c, g_exec, &s)) return false;
+    const int64_t nb = c->n_layers + c->n_mtp_layers;
+    r->loads = calloc((size_t)(nb * c->n_routed_experts), sizeof(int64_t));
+    ds4_act_policies pol = {.recompute = masks};
+    const ds4_pass_opts o = {.store = ds4_act_store_of(&pol)};
+    const ds4_pp_local_args a = {.layout = L, .micro_batches = M, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o};
+    ds4_train_state_zero_grads(s);
+    bool ok = ds4_pp_run_local(ds4_train_state_model(s), &a, &r->losses, r->loads) == DS4_OK;
+    CHECK(ok, "pipelined: %s", ds4_errmsg());
+    ds4_train_state_scale_grads(s, M); /* the step's mean over the micro-batches */
+    r->grads = ok ? grads_of(s, &r->numel) : NULL;
+    ds4_train_state_free(s);
+    return ok && r->grads;
+}
+
+static void compare(const char *what, const result *a, const result *b, int64_t numel, int64_t nloads) {
+    CHECK(memcmp(&a->losses, &b->losses, sizeof a->losses) == 0,
+          "%s: losses %.17g %.17g %.17g %.17g vs %.17g %.17g %.17g %.17g", what, a->losses.loss, a->losses.mtp_loss,
+          a->losses.indexer_loss, a->losses.total_loss, b->losses.loss, b->losses.mtp_loss, b->losses.indexer_loss,
+          b->losses.total_loss);
+    int64_t first = -1;
+    for (int64_t i = 0; i < numel && first < 0; i++)
+        if (memcmp(&a->grads[i], &b->grads[i], sizeof(float))) first = i;
+    CHECK(first < 0, "%s: gradients differ first at element %lld (%.9g vs %.9g)", what, (long long)first,
+          first < 0 ? 0.0 : a->grads[first], first < 0 ? 0.0 : b->grads[first]);
+    CHECK(memcmp(a->loads, b->loads, (size_t)nloads * sizeof(int64_t)) == 0, "%s: expert loads differ", what);
+}
+
+static void result_free(result *r) {
+    free(r->grads);
+    free(r->loads);
+}
+
+static const struct {
+    int64_t pp, vpp, M;
+    const char *layout; /* "": the uniform split */
+} k_runs[] = {
+    {2, 1, 3, ""},                 /* 1F1B, m not a multiple of pp */
+    {4, 1, 5, ""},                 /* 1F1B, one layer a stage */
+    {2, 1, 4, "Ettt|tmL"},         /* uneven */
+    {2, 2, 4, ""},                 /* interleaved */
+    {2, 2, 2, "E|tt|t|tmL"},       /* interleaved, uneven, the embedding alone, m = pp (all warm-up) */
+    {4, 2, 4, "Et|t||t|t|||mL"},   /* interleaved pp 4: empty chunks, the head alone */
+};
+
+/* The runs of k_runs whose bit is set in which. */
+static void check_runs(const char *name, const char *const *flags, unsigned which) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(c.n_mtp_layers > 0, "tiny-a has MTP: the embedding's gradient comes from two chunks");
+    uint32_t masks[DS4_MAX_LAYERS];
+    const uint32_t *mp = NULL;
+    if (flags) {
+        ds4_recompute_cfg rc;
+        ds4_recompute_defaults(&rc);
+        int argc = 0;
+        while (flags[argc]) argc++;
+        for (int i = 0; i < argc; i++) {
+            bool used;
+            CHECK(ds4_recompute_parse_arg(&rc, argc, (char **)flags, &i, &used) == DS4_OK && used, "%s", flags[i]);
+        }
+        CHECK(ds4_recompute_validate(&rc, &c) == DS4_OK, "%s", ds4_errmsg());
+        ds4_recompute_masks(&rc, &c, masks);
+        mp = masks;
+    }
+    int32_t ids[MAXM * ROWS * SEQ];
+    for (int64_t i = 0; i < MAXM * ROWS * SEQ; i++) ids[i] = (int32_t)(ds4_rng_u64(17, 5, (uint64_t)i) % (uint64_t)c.vocab_size);
+    const int64_t nloads = (c.n_layers + c.n_mtp_layers) * c.n_routed_experts;
+    for (size_t k = 0; k < sizeof k_runs / sizeof k_runs[0]; k++) {
+        if (!(which >> k & 1)) continue;
+        ds4_pp_cfg pc;
+        ds4_pp_cfg_defaults(&pc);
+        pc.pp = k_runs[k].pp;
+        pc.vpp = k_runs[k].vpp;
+        snprintf(pc.layout, sizeof pc.layout, "%s", k_runs[k].layout);
+        ds4_pp_layout *L = malloc(sizeof *L);
+        CHECK(L && ds4_pp_layout_make(&pc, c.n_layers, c.n_mtp_layers, L) == DS4_OK, "%s", ds4_errmsg());
+        result want = {0}, got = {0};
+        if (reference(&c, ids, k_runs[k].M, mp, &want) && pipelined(&c, ids, k_runs[k].M, mp, L, &got)) {
+            char what[128];
+            snprintf(what, sizeof what, "%s pp %lld vpp %lld m %lld '%s'", name, (long long)k_runs[k].pp,
+                     (long long)k_runs[k].vpp, (long long)k_runs[k].M, k_runs[k].layout);
+            CHECK(got.numel == want.numel);
+            compare(what, &got, &want, want.numel, nloads);
+            CHECK(want.losses.mtp_loss > 0 && want.losses.indexer_loss > 0, "%s: every loss part", what);
+        }
+        result_free(&want);
+        result_free(&got);
+        free(L);
+    }
+}
+
+static const char *const k_recompute[] = {"--recompute-granularity", "full", "--recompute-method", "block",
+                                          "--recompute-num-layers", "1", "--recompute-csa-attention", "--mhc-recompute",
+                                          "--recompute-norm", NULL};
+
+static void test_pipelined_equals_step(void) { check_runs("fp32", NULL, ~0u); }
+
+/* On cpu-guard (buffers the host cannot touch outside an op): the streams, gradients and MTP rows handed
+ * across are device buffers; the same bits as the cpu's step (interleaved `E|tt|t|tmL`, m 2). */
+static void test_pipelined_guard(void) {
+    const struct ds4_kernel_backend *gb = NULL;
+    CHECK(ds4_backend_find("--device", "cpu-guard", &gb) == DS4_OK, "%s", ds4_errmsg());
+    if (!gb) return;
+    const ds4_exec on_guard = {.backend = gb};
+    g_exec = &on_guard;
+    check_runs("cpu-guard", NULL, 1u << 4); /* interleaved, uneven, m = pp (cpu-guard is slow) */
+    g_exec = NULL;
+}
+/* the runs with the most passes in flight: pp 4, interleaved pp 2 and pp 4 */
+static void test_pipelined_recompute(void) { check_runs("recompute", k_recompute, 1u << 1 | 1u << 3 | 1u << 5); }
+
+/* What the executor refuses: a layout of another model, interleaving with m not a multiple of pp. */
+static void test_refusals(void) {
+    ds4_model *m = NULL;
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
+    if (!m) return;
+    ds4_model_init_random(m, 3);
+    int32_t ids[3 * ROWS * SEQ] = {0};
+    ds4_pp_cfg pc;
+    ds4_pp_cfg_defaults(&pc);
+    pc.pp = 2;
+    pc.vpp = 2;
+    ds4_pp_layout *L = malloc(sizeof *L);
+    CHECK(L && ds4_pp_layout_make(&pc, c.n_layers, c.n_mtp_layers, L) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_pass_opts o = {0};
+    ds4_pp_local_args a = {.layout = L, .micro_batches = 3, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o};
+    ds4_losses l;
+    CHECK(ds4_pp_run_local(m, &a, &l, NULL) != DS4_OK && strstr(ds4_errmsg(), "not a multiple of pp"), "%s",
+          ds4_errmsg());
+    ds4_pp_layout *L2 = malloc(sizeof *L2);
+    CHECK(L2 && ds4_pp_layout_make(&pc, c.n_layers + 4, c.n_mtp_layers, L2) == DS4_OK, "%s", ds4_errmsg());
+    a.layout = L2;
+    a.micro_batches = 2;
+    CHECK(ds4_pp_run_local(m, &a, &l, NULL) != DS4_OK && strstr(ds4_errmsg(), "the layout has 8 layers"), "%s",
+          ds4_errmsg());
+    free(L);
+    free(L2);
+    ds4_model_free(m);
+}
+
+/* ------------------------------------------------------------------ over MPI (world = pp)
+ * Under mpirun every rank computes the reference itself (ds4_train_step on a whole state of its own) and
+ * runs its part of the pipeline (ds4_pp_run_rank) on another: the losses and the loads equal the reference's
+ * on every rank; every gradient element is either the reference's bits (its owner) or untouched (0), and each
+ * nonzero reference element has exactly one owner. */
+static void check_rank_run(const ds4_config *c, const int32_t *ids, int64_t pp, int64_t vpp, int64_t M,
+                           const char *layout, const uint32_t *masks) {
+    ds4_comm *world = ds4_comm_world();
+    char what[128];
+    snprintf(what, sizeof what, "mpi pp %lld vpp %lld m %lld '%s'%s", (long long)pp, (long long)vpp, (long long)M,
+             layout, masks ? " recompute" : "");
+    ds4_pp_cfg pc;
+    ds4_pp_cfg_defaults(&pc);
+    pc.pp = pp;
+    pc.vpp = vpp;
+    snprintf(pc.layout, sizeof pc.layout, "%s", layout);
+    ds4_pp_layout *L = malloc(sizeof *L);
+    CHECK(L && ds4_pp_layout_make(&pc, c->n_layers, c->n_mtp_layers, L) == DS4_OK, "%s", ds4_errmsg());
+    result want = {0}, got = {0};
+    ds4_train_state *s = NULL;
+    bool ok = reference(c, ids, M, masks, &want) && open_state(c, &s);
+    if (ok) {
+        const int64_t nb = c->n_layers + c->n_mtp_layers;
+        got.loads = calloc((size_t)(nb * c->n_routed_experts), sizeof(int64_t));
+        ds4_act_policies pol = {.recompute = masks};
+        const ds4_pass_opts o = {.store = ds4_act_store_of(&pol)};
+        const ds4_pp_local_args a = {.layout = L, .micro_batches = M, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o};
+        ds4_train_state_zero_grads(s);
+        ok = ds4_pp_run_rank(ds4_train_state_model(s), world, &a, &got.losses, got.loads) == DS4_OK;
+        CHECK(ok, "%s: %s", what, ds4_errmsg());
+        ds4_train_state_scale_grads(s, M);
+        got.grads = ok ? grads_of(s, &got.numel) : NULL;
+    }
+    if (ok && got.grads) {
+        const int64_t n = want.numel;
+        CHECK(memcmp(&got.losses, &want.losses, sizeof got.losses) == 0, "%s: losses %.17g vs %.17g", what,
+              got.losses.total_loss, want.losses.total_loss);
+        CHECK(memcmp(got.loads, want.loads, (size_t)((c->n_layers + c->n_mtp_layers) * c->n_routed_experts) *
+                                                sizeof(int64_t)) == 0, "%s: expert loads differ", what);
+        int64_t *owners = calloc((size_t)n, sizeof *owners), bad = -1;
+        for (int64_t i = 0; i < n; i++) {
+            const bool same = !memcmp(&got.grads[i], &want.grads[i], sizeof(float));
+            if (!same && got.grads[i] != 0.0f && bad < 0) bad = i;
+            owners[i] = same && want.grads[i] != 0.0f;
+        }
+        CHECK(bad < 0, "%s: rank %d's gradient element %lld is %.9g, one process's %.9g", what, ds4_comm_rank(world),
+              (long long)bad, bad < 0 ? 0.0 : got.grads[bad], bad < 0 ? 0.0 : want.grads[bad]);
+        CHECK(ds4_comm_sum_i64(world, owners, n) == DS4_OK, "%s", ds4_errmsg());
+        int64_t orphan = -1, nonzero = 0;
+        for (int64_t i = 0; i < n; i++) {
+            nonzero += want.grads[i] != 0.0f;
+            if (want.grads[i] != 0.0f && owners[i] != 1 && orphan < 0) orphan = i;
+        }
+        CHECK(orphan < 0 && nonzero > 0, "%s: element %lld has %lld owners", what, (long long)orphan,
+              orphan < 0 ? 0LL : (long long)owners[orphan]);
+        free(owners);
+    }
+    ds4_train_state_free(s);
+    result_free(&want);
+    result_free(&got);
+    free(L);
+}
+
+static void test_mpi_runs(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    int32_t ids[MAXM * ROWS * SEQ];
+    for (int64_t i = 0; i < MAXM * ROWS * SEQ; i++) ids[i] = (int32_t)(ds4_rng_u64(17, 5, (uint64_t)i) % (uint64_t)c.vocab_size);
+    const int W = ds4_comm_size(ds4_comm_world());
+    uint32_t masks[DS4_MAX_LAYERS];
+    ds4_recompute_cfg rc;
+    ds4_recompute_defaults(&rc);
+    const char *const *flags = k_recompute;
+    int argc = 0;
+    while (flags[argc]) argc++;
+    for (int i = 0; i < argc; i++) {
+        bool used;
+        CHECK(ds4_recompute_parse_arg(&rc, argc, (char **)flags, &i, &used) == DS4_OK && used, "%s", flags[i]);
+    }
+    ds4_recompute_masks(&rc, &c, masks);
+    for (size_t k = 0; k < sizeof k_runs / sizeof k_runs[0]; k++)
+        if (k_runs[k].pp == W) check_rank_run(&c, ids, k_runs[k].pp, k_runs[k].vpp, k_runs[k].M, k_runs[k].layout, NULL);
+    if (W == 2) check_rank_run(&c, ids, 2, 2, 4, "", masks);
+}
+
+/* Refused with one line: a communicator not of pp ranks, parameter hooks (FSDP / EP inside a stage). */
+static void test_mpi_refusals(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    ds4_model *m = NULL;
+    CHECK(ds4_model_create(NULL, &c, false, &m) == DS4_OK, "%s", ds4_errmsg());
+    if (!m) return;
+    ds4_comm *world = ds4_comm_world();
+    const int W = ds4_comm_size(world);
+    ds4_pp_cfg pc;
+    ds4_pp_cfg_defaults(&pc);
+    pc.pp = W == 2 ? 4 : 2;
+    ds4_pp_layout *L = malloc(sizeof *L);
+    CHECK(L && ds4_pp_layout_make(&pc, c.n_layers, c.n_mtp_layers, L) == DS4_OK, "%s", ds4_errmsg());
+    int32_t ids[ROWS * SEQ] = {0};
+    const ds4_pass_opts o = {0};
+    ds4_pp_local_args a = {.layout = L, .micro_batches = 1, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o};
+    ds4_losses l;
+    char want[64];
+    snprintf(want, sizeof want, "the communicator %d ranks", W);
+    CHECK(ds4_pp_run_rank(m, world, &a, &l, NULL) != DS4_OK && strstr(ds4_errmsg(), want), "%s", ds4_errmsg());
+    pc.pp = W;
+    CHECK(ds4_pp_layout_make(&pc, c.n_layers, c.n_mtp_layers, L) == DS4_OK, "%s", ds4_errmsg());
+    const ds4_param_hooks hooks = {0};
+    const ds4_pass_opts oh = {.hooks = &hooks};
+    a.opts = &oh;
+    CHECK(ds4_pp_run_rank(m, world, &a, &l, NULL) != DS4_OK && strstr(ds4_errmsg(), "FSDP / EP inside a pipeline stage"),
+          "%s", ds4_errmsg());
+    free(L);
+    ds4_model_free(m);
+}
+
+static int child_main(void) {
+    CHECK(ds4_dist_init() == DS4_OK, "%s", ds4_errmsg());
+    RUN(test_mpi_runs);
+    RUN(test_mpi_refusals);
+    fprintf(stderr, "rank %d: %d ok, %d not ok\n", ds4_comm_rank(ds4_comm_world()), t_passed, t_failed);
+    ds4_dist_finalize();
+    return t_failed ? 1 : 0;
+}
+
+static void test_two_ranks(void) { CHECK(t_mpirun_self(2, "--child", 2) == 2, "both ranks pass"); }
+static void test_four_ranks(void) { CHECK(t_mpirun_self(4, "--child", 2) == 4, "all four ranks pass"); }
+
+int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "--child")) return child_main();
+    ds4_set_threads(2);
+    RUN(test_pipelined_equals_step);
+    RUN(test_pipelined_recompute);
+    RUN(test_pipelined_guard);
+    RUN(test_refusals);
+    RUN(test_mpi_refusals); /* one process: the world has one rank */
+    RUN(test_two_ranks);
+    RUN(test_four_ranks);
+    TEST_MAIN_END("test_pp_local");
+}
