@@ -1,8 +1,9 @@
 """`ds4 train` under a pipeline (world = pp, docs/pipeline.md) against the one-process run of the same TOML:
 the metrics' losses and grad_norm, and the checkpoint bytes (model.safetensors, optim.state) at step 2 and 3,
 with the pipelined run stopped after the step-2 checkpoint and resumed to step 3. Cases: pp 2 1F1B (AdamW
-and Muon), pp 4, pp 2 vpp 2 on the uneven layout E|tt|t|tmL; and a pipelined run resumed from one process's
-step-2 checkpoint; pp with EP refused. Needs mpirun (skipped without it).
+and Muon), pp 4 (also with full block recompute), pp 2 vpp 2 on the uneven layout E|tt|t|tmL (Muon) and under
+bf16 mixed precision (uniform); and a pipelined run resumed from one process's step-2 checkpoint; pp with EP
+refused. Needs mpirun (skipped without it).
 
 Usage: python3 tests/test_pp_train.py [--build DIR] [--quick]"""
 import json
@@ -106,25 +107,34 @@ def main():
         for opt in ("AdamW", "Muon"):
             with open(os.path.join(tmp, f"{opt}.toml"), "w") as f:
                 f.write(TOML.format(root=ROOT, tmp=tmp, opt=opt))
-        cases = [("pp 2 1F1B AdamW", "AdamW", 2, ["--parallel.pp", "2"]),
-                 ("pp 2 1F1B Muon", "Muon", 2, ["--parallel.pp", "2"]),
-                 ("pp 2 vpp 2 E|tt|t|tmL Muon", "Muon", 2, ["--parallel.pp", "2", "--parallel.layout", "E|tt|t|tmL"]),
-                 ("pp 4 1F1B AdamW", "AdamW", 4, ["--parallel.pp", "4"])]
+        bf16 = ["--training.mixed_precision_param", "bfloat16"]
+        recompute = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+        # (name, optimizer, ranks, flags, the one-process run's flags)
+        cases = [("pp 2 1F1B AdamW", "AdamW", 2, ["--parallel.pp", "2"], []),
+                 ("pp 2 1F1B Muon", "Muon", 2, ["--parallel.pp", "2"], []),
+                 ("pp 2 vpp 2 E|tt|t|tmL Muon", "Muon", 2, ["--parallel.pp", "2", "--parallel.layout", "E|tt|t|tmL"], []),
+                 ("pp 4 1F1B AdamW", "AdamW", 4, ["--parallel.pp", "4"], []),
+                 ("pp 4 1F1B AdamW full block recompute", "AdamW", 4, ["--parallel.pp", "4", *recompute], []),
+                 ("pp 2 vpp 2 AdamW bf16", "AdamW", 2, ["--parallel.pp", "2", "--parallel.vpp", "2", *bf16], bf16)]
         if quick:
             cases = cases[1:3]
         ref = {}
-        for opt in sorted({c[1] for c in cases}):
-            ref[opt] = run(tmp, f"one-{opt}", opt, 1, [])
-        for name, opt, np, extra in cases:
-            same(name, ref[opt][:2], run(tmp, name.replace(" ", "_").replace("|", ""), opt, np, extra)[:2])
+        for _, opt, _, _, one in cases:
+            key = (opt, tuple(one))
+            if key not in ref:
+                ref[key] = run(tmp, f"one-{opt}-{len(ref)}", opt, 1, one)
+        for name, opt, np, extra, one in cases:
+            got = run(tmp, name.replace(" ", "_").replace("|", ""), opt, np, extra)
+            same(name, ref[(opt, tuple(one))][:2], got[:2])
         # a one-process checkpoint resumed by a pipeline: the same step 3
         if not quick:
             one = os.path.join(tmp, "one-step2")
-            shutil.copytree(ref["Muon"][2], one, ignore=shutil.ignore_patterns("step-00000003", "*.lock"))
+            muon = ref[("Muon", ())]
+            shutil.copytree(muon[2], one, ignore=shutil.ignore_patterns("step-00000003", "*.lock"))
             with open(one + ".jsonl", "w") as f:
-                with open(os.path.join(tmp, "one-Muon.jsonl")) as src:
+                with open(muon[2].replace("ckpt-", "") + ".jsonl") as src:
                     f.write("".join(src.readlines()[:2]))
-            same("pp 2 resumed from one process's step 2", ref["Muon"][:2],
+            same("pp 2 resumed from one process's step 2", muon[:2],
                  run(tmp, "pp2-from-one", "Muon", 2, ["--parallel.pp", "2"], seed_from=one)[:2])
         # FSDP / EP inside a stage: one line, on every rank alike
         r = ds4(["train", "--config", os.path.join(tmp, "AdamW.toml"), "--parallel.pp", "2", "--parallel.ep", "2",
