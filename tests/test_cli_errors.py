@@ -153,18 +153,18 @@ with tempfile.TemporaryDirectory() as tmp:
             passed, failed = passed + ok, failed + (not ok)
             if not ok:
                 print(f"FAIL memplan --device cuda without a GPU: rc={r.returncode} {r.stderr.strip()[:300]!r}")
-    # the pipeline layout (docs/pipeline.md): each problem one line, checked before the refusal of a layout
-    # of more than one chunk (no pipeline schedule is built yet)
+    # the pipeline layout (docs/pipeline.md): each problem one line, checked before the world: a layout of
+    # more than one chunk runs under mpirun -np pp (tests/test_pp_train.py), one process refuses it
     pp_toml = os.path.join(tmp, "pp.toml")
     with open(pp_toml, "w") as f:
         f.write('[model]\nconfig = "tests/configs/tiny-a.json"\n[training]\nsteps = 1\nseq_len = 64\n'
                 'micro_batch_size = 1\n[data]\ntrain = "%s"\n' % os.path.join(tmp, "none_*.bin"))
     tr = ["train", "--config", pp_toml]
-    expect_error("train --pp 2", tr + ["--pp", "2"], "pp 2, vpp 1", "pipeline schedules",
-                 "run in one process", "pipelined training run", "not built yet")
+    expect_error("train --pp 2", tr + ["--pp", "2"], "pp 2, vpp 1", "one rank per stage", "mpirun -np 2",
+                 "this world has 1")
     expect_error("train --vpp 2", tr + ["--vpp", "2"], "pp 1, vpp 2", "not built yet")
     expect_error("train parallel.pp 2 + layout", tr + ["--parallel.pp", "2", "--parallel.layout", "Ett|ttmL"],
-                 "not built yet")
+                 "mpirun -np 2")
     expect_error("train layout illegal token", tr + ["--pp", "2", "--pipeline-model-parallel-layout", "Etx|tmL"],
                  "'x' is not a layer")
     expect_error("train layout without MTP", tr + ["--pipeline-model-parallel-size", "2", "--layout", "Ett|ttL"],

@@ -2,8 +2,8 @@
  * embedding, the MTP layers and the head with the loss (docs/pipeline.md). Either Megatron's
  * pipeline_model_parallel_layout string or the uniform split of pp x vpp chunks; parsed and checked in
  * this one place. The layout feeds the recompute priority (ds4/recompute.h), ds4 memplan's stage table,
- * the checks of ds4 train and the executors of the schedules (ds4/pp_schedule.h), which ds4 train does not
- * run yet.
+ * the checks of ds4 train and the executors of the schedules (ds4/pp_schedule.h), which ds4 train runs
+ * with world = pp.
  *
  * Grammar (Megatron's PipelineParallelLayerLayout.parse_str_to_list):
  *   E embedding, t decoder layer, m MTP layer, L loss (the head); '|' ends a chunk (an empty chunk is

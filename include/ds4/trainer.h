@@ -111,6 +111,9 @@ typedef struct {
      * bf16 GEMM operands and bf16 activations (ds4_pass_opts.bf16_acts); docs/mixed-precision.md */
     bool bf16;
     bool per_rank_ckpt;                     /* sharded saves: every rank writes its own file (checkpoint.per_rank) */
+    /* a pipeline of world = pp ranks (parallel.pp > 1): the whole model and optimizer on every rank, the
+     * form kept whole whatever the world's size; its checkpoints written by rank 0 alone */
+    bool pipeline;
     int prefetch_depth;                     /* sharded: overlap depth (ds4_fsdp_set_prefetch); 0: blocking */
     const ds4_exec *exec;                   /* real (NULL too) or a plan (memplan), ds4/core.h */
 } ds4_train_state_opts;
@@ -206,6 +209,12 @@ typedef struct {
     bool moe_fb_overlap;
     /* called after each micro-batch's backward, before its pass is freed (reports); NULL: none */
     void (*on_pass)(void *ctx, int64_t micro, const ds4_pass *p);
+    /* a pipeline (docs/pipeline.md): the micro-batches run through ds4_pp_run_rank's schedule on pipe
+     * (world = pp, every rank fed the same micro-batches); NULL: one after another. The state is whole on
+     * every rank; each rank's gradients of its own chunks are merged bitwise over pipe, then every rank takes
+     * the one-process update (norm, AdamW / Muon, router bias) on the same gradients: the same bits. */
+    ds4_comm *pipe;
+    const ds4_pp_layout *layout;
 } ds4_step_args;
 
 /* ------------------------------------------------------------------ a run description's parts

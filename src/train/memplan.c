@@ -124,6 +124,10 @@ static void setup_of_opts(int64_t B, int64_t T, const ds4_step_opts *so, bool pl
 
 ds4_status ds4_step_memory_of_run(ds4_train_cfg *run, ds4_comm *comm, bool plan, ds4_step_memory *out) {
     const int W = ds4_comm_size(comm);
+    if (run->recompute.pipe.pp > 1 || run->recompute.pipe.vpp > 1)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "memplan: a pipeline stage's memory (pp %lld: the schedule's in-flight "
+                        "micro-batches, the send and receive buffers) is not planned yet; ds4 memplan --pp prints the "
+                        "stage table", (long long)run->recompute.pipe.pp);
     ds4_config c;
     ds4_model_dir *d = NULL;
     DS4_TRY(ds4_run_model(run, W, &c, &d));

@@ -113,7 +113,9 @@ ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const
                                  ds4_comm *world, const ds4_train_state_opts *opts) {
     if (s->m) return ds4_fail(DS4_ERR_INTERNAL, "train state: set up twice");
     s->world = world;
-    s->sharded = ds4_comm_size(world) > 1 || opts->ep > 1 || opts->shard;
+    s->sharded = (ds4_comm_size(world) > 1 && !opts->pipeline) || opts->ep > 1 || opts->shard;
+    if (opts->pipeline && s->sharded)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline: FSDP / EP inside a stage is not built yet (ep %d)", opts->ep);
     s->bf16 = opts->bf16;
     if (s->bf16) s->exec.matmul_precision = DS4_MATMUL_BF16; /* mixed precision runs its GEMMs on bf16 operands */
     s->per_rank = opts->per_rank_ckpt;
@@ -571,6 +573,10 @@ ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step) {
 
 ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t keep_latest_k, const ds4_ckpt_meta *meta) {
     DS4_TRY(needs_values(s, "checkpoint save"));
+    if (!s->f && ds4_comm_size(s->world) > 1) /* a pipeline: every rank holds it all, rank 0 writes */
+        return ds4_train_agree(s->world, ds4_comm_rank(s->world) == 0
+                                             ? ds4_checkpoint_save(root, keep_latest_k, s->m, &s->opt, meta)
+                                             : DS4_OK);
     if (!s->f) return ds4_checkpoint_save(root, keep_latest_k, s->m, &s->opt, meta);
     return s->per_rank ? save_per_rank(s, root, keep_latest_k, meta) : save_sharded(s, root, keep_latest_k, meta);
 }

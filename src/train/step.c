@@ -11,7 +11,10 @@
 
 #include "fbo.h"
 
+#include "ds4/pp_schedule.h"
+
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* What the passes of one step share; pol[k] is the store of the passes in slot k (overlapped: micro-batch
@@ -161,6 +164,60 @@ static ds4_status passes_fb_overlap(step_ctx *c) {
     return st;
 }
 
+/* ------------------------------------------------------------------ a pipeline (world = pp) */
+/* g [n] := the gradient one process holds, on every rank of pipe. Each element was computed on exactly one
+ * rank (its chunk's) and is +0 (all bits clear, as zeroed) on every other, so the integer sum of the bit
+ * patterns is the owner's pattern: two floats a 64-bit integer, no carry crosses (the ranks' bits are
+ * disjoint, so no partial sum overflows either), -0 and NaN payloads kept, any reduction order. */
+static ds4_status merge_grads(ds4_comm *pipe, float *g, int64_t n) {
+    enum { CHUNK = 1 << 20 }; /* int64 words a collective, 8 MiB */
+    int64_t *w = malloc((size_t)CHUNK * sizeof *w);
+    if (!w) return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory merging the stages' gradients");
+    ds4_status st = DS4_OK;
+    for (int64_t i = 0; st == DS4_OK && i < n; i += 2 * (int64_t)CHUNK) {
+        const int64_t f = n - i < 2 * (int64_t)CHUNK ? n - i : 2 * (int64_t)CHUNK, words = (f + 1) / 2;
+        w[words - 1] = 0; /* an odd tail's high half */
+        memcpy(w, g + i, (size_t)f * sizeof(float));
+        st = ds4_comm_sum_i64(pipe, w, words);
+        if (st == DS4_OK) memcpy(g + i, w, (size_t)f * sizeof(float));
+    }
+    free(w);
+    return st;
+}
+
+/* The gradients of a pipelined step: every micro-batch's ids fetched first (every stage reads them), the
+ * schedule run by ds4_pp_run_rank (this rank's chunks), the chunks' gradients merged over the pipeline,
+ * / micro-batches. The losses and loads come from the executor, the same on every rank. */
+static ds4_status pipeline_gradients(ds4_train_state *s, const ds4_step_args *a, ds4_step_result *out) {
+    ds4_model *m = ds4_train_state_model(s);
+    const int64_t M = a->micro_batches, N = a->B * a->T;
+    if (ds4_train_state_hooks(s) || ds4_train_state_swap(s) || a->moe_fb_overlap)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline: FSDP / EP inside a stage, --swap-layer-input and "
+                        "--moe-fb-overlap are not built yet under pp");
+    int32_t *ids = malloc((size_t)(M * N) * sizeof *ids); /* [M, B, T] */
+    if (!ids) return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for %lld micro-batches' ids", (long long)M);
+    ds4_status st = DS4_OK;
+    for (int64_t mb = 0; st == DS4_OK && mb < M; mb++) {
+        if (a->next_ids) st = a->next_ids(a->ctx, a->ids);
+        if (st == DS4_OK) memcpy(ids + mb * N, a->ids, (size_t)N * sizeof *ids);
+    }
+    ds4_act_policies pol = {.recompute = a->release_mask};
+    const ds4_pass_opts o = {.need_backward = true, .csa_dense = a->csa_dense,
+                             .moe_force_balance = a->moe_force_balance, .store = ds4_act_store_of(&pol),
+                             .bf16_acts = ds4_train_state_bf16(s)};
+    const ds4_pp_local_args pa = {.layout = a->layout, .micro_batches = M, .B = a->B, .T = a->T, .ids = ids,
+                                  .opts = &o};
+    ds4_losses mean;
+    if (st == DS4_OK) st = ds4_pp_run_rank(m, a->pipe, &pa, &mean, a->loads);
+    free(ids);
+    if (st == DS4_OK) st = merge_grads(a->pipe, ds4_model_grads_flat(m), ds4_model_numel(m));
+    if (st != DS4_OK) return st;
+    ds4_train_state_scale_grads(s, M); /* one process's micro-batches: the pipeline is one data rank */
+    out->loss = mean.loss, out->mtp_loss = mean.mtp_loss, out->indexer_loss = mean.indexer_loss;
+    out->total_loss = mean.total_loss;
+    return DS4_OK;
+}
+
 /* ------------------------------------------------------------------ the step */
 /* The gradients of the step: zeroed, accumulated over this rank's micro-batches, divided by the
  * micro-batches of all ranks; the losses made means over ranks. */
@@ -169,6 +226,7 @@ static ds4_status gradients(ds4_train_state *s, const ds4_step_args *a, ds4_step
     const int64_t accum = a->micro_batches, nb = mc->n_layers + mc->n_mtp_layers;
     memset(a->loads, 0, (size_t)(nb * mc->n_routed_experts) * sizeof(int64_t));
     ds4_train_state_zero_grads(s);
+    if (a->pipe) return pipeline_gradients(s, a, out);
     step_ctx c = {.s = s, .a = a, .hooks = ds4_train_state_hooks(s), .out = out};
     for (int k = 0; k < 2; k++) /* slot 1's swap: made by the overlap, which alone uses it */
         c.pol[k] = (ds4_act_policies){.recompute = a->release_mask, .swap = k ? NULL : ds4_train_state_swap(s)};

@@ -320,7 +320,7 @@ static ds4_status check_ranges(const ds4_train_cfg *c) {
     return DS4_OK;
 }
 
-/* A valid layout of more than one chunk needs a pipeline schedule, which is not built yet. */
+/* The layout's checks that need only the config: the layout itself, the TorchTitan schedule's name. */
 static ds4_status check_pipeline(const ds4_train_cfg *c, const ds4_config *mc) {
     ds4_pp_layout L;
     DS4_TRY(ds4_pp_layout_make(&c->recompute.pipe, mc->n_layers, mc->n_mtp_layers, &L));
@@ -331,11 +331,32 @@ static ds4_status check_pipeline(const ds4_train_cfg *c, const ds4_config *mc) {
                             "chunks per stage: 1F1B runs one chunk per stage, Interleaved1F1B more", c->pp_schedule,
                             (long long)L.vpp);
     }
-    if (L.pp * L.vpp > 1)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld, vpp %lld): the layout is valid and its "
-                        "pipeline schedules (1F1B, interleaved) run in one process and over MPI (world = pp), but a "
-                        "pipelined training run (the grad norm, optimizer step and checkpoints under pp; FSDP / EP "
-                        "inside a stage) is not built yet; run with pp 1 and one chunk", (long long)L.pp, (long long)L.vpp);
+    return DS4_OK;
+}
+
+/* Ranks that take different micro-batches: a pipeline's stages share theirs (world = pp, one data rank). */
+static int data_ranks(const ds4_train_cfg *c, int W) { return c->recompute.pipe.pp > 1 ? 1 : W; }
+
+/* A layout of more than one chunk runs as a pipeline of world = pp ranks (docs/pipeline.md), each rank the
+ * whole model; what is not built under it yet is refused here, before any work. */
+static ds4_status check_pipeline_world(const ds4_train_cfg *c, const ds4_config *mc, int W) {
+    ds4_pp_layout L;
+    DS4_TRY(ds4_pp_layout_make(&c->recompute.pipe, mc->n_layers, mc->n_mtp_layers, &L));
+    if (L.pp * L.vpp == 1) return DS4_OK;
+    if (L.pp == 1)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp 1, vpp %lld): virtual chunks on a single "
+                        "stage are not built yet; run with pp > 1 under mpirun, or one chunk", (long long)L.vpp);
+    if (W != L.pp)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld, vpp %lld) runs one rank per stage: start "
+                        "it under mpirun -np %lld (this world has %d; FSDP / EP inside a stage are not built yet)",
+                        (long long)L.pp, (long long)L.vpp, (long long)L.pp, W);
+    if (c->ep > 1 || c->dp_shard > 1)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld) with expert parallel %lld / data shard "
+                        "degree %lld: FSDP / EP inside a pipeline stage are not built yet", (long long)L.pp,
+                        (long long)c->ep, (long long)c->dp_shard);
+    if (c->swap_layer_input || c->moe_fb_overlap)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld): %s is not built yet under a pipeline",
+                        (long long)L.pp, c->swap_layer_input ? "--swap-layer-input" : "--moe-fb-overlap");
     return DS4_OK;
 }
 
@@ -365,6 +386,8 @@ static ds4_status check_cfg(const ds4_train_cfg *c, const ds4_config *mc) {
 
 /* Checks of the config against the world of W ranks (the same on every rank: all fail alike). */
 static ds4_status check_parallel(const ds4_train_cfg *c, const ds4_config *mc, int W) {
+    DS4_TRY(check_pipeline_world(c, mc, W));
+    W = data_ranks(c, W);
     if (c->ep < 1 || W % c->ep || mc->n_routed_experts % c->ep)
         return ds4_fail(DS4_ERR_CONFIG,
                         "key %s: %lld must be >= 1 and divide the number of ranks (%d) and of routed experts (%lld)",
@@ -468,12 +491,14 @@ typedef struct {
     bool report_pending; /* --memory-report: print it for the run's first step */
     bool stopped;        /* a stop signal reached some rank: every rank stops after the same step */
     int64_t step;        /* the step running (for the reports) */
+    ds4_pp_layout *layout; /* a pipeline (pp > 1): its layout, the world its ranks; NULL: none */
 } trainer;
 
 /* The settings that need the world or the model: TorchTitan's global batch -1 (micro_batch_size on
  * every rank) and activation checkpointing of every N-th layer (ds4 replays as many layers in full,
  * the first ones). */
 static ds4_status resolve_for_run(ds4_train_cfg *c, const ds4_config *mc, int W) {
+    W = data_ranks(c, W);
     if (c->global_batch == -1 && !ds4_mul_i64(c->micro_batch, W, &c->global_batch))
         return ds4_fail(DS4_ERR_CONFIG, "training.micro_batch_size x %d ranks overflows", W);
     if (c->ac_every > 0) {
@@ -520,12 +545,13 @@ ds4_train_state_opts ds4_run_state_opts(const ds4_train_cfg *c, const ds4_exec *
     return (ds4_train_state_opts){.ep = (int)c->ep, .swap_optimizer = c->swap_optimizer,
                                   .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir,
                                   .exec = exec, .optimizer = c->optimizer, .bf16 = c->bf16_params,
-                                  .per_rank_ckpt = c->ckpt_per_rank, .prefetch_depth = (int)c->prefetch_depth};
+                                  .per_rank_ckpt = c->ckpt_per_rank, .prefetch_depth = (int)c->prefetch_depth,
+                                  .pipeline = c->recompute.pipe.pp > 1};
 }
 
 ds4_step_args ds4_run_step_args(const ds4_train_cfg *c, int W, int64_t step, double lr, const uint32_t *masks) {
     return (ds4_step_args){.step = step,
-                           .micro_batches = c->global_batch / (c->micro_batch * W),
+                           .micro_batches = c->global_batch / (c->micro_batch * data_ranks(c, W)),
                            .B = c->micro_batch,
                            .T = c->seq_len,
                            .csa_dense = step <= c->csa_dense_steps,
@@ -586,6 +612,7 @@ static ds4_step_args step_args(trainer *tr, int64_t step, double lr) {
     a.ctx = tr;
     a.loads = tr->loads;
     a.on_pass = report_units;
+    if (tr->layout) a.pipe = tr->world, a.layout = tr->layout;
     return a;
 }
 
@@ -824,7 +851,11 @@ static void print_model_line(trainer *tr) {
         printf("offload: %s%s%s to %s\n", c->swap_optimizer ? "optimizer state" : "",
                c->swap_optimizer && c->swap_layer_input ? ", " : "", c->swap_layer_input ? "layer inputs" : "",
                c->offload_dir[0] ? c->offload_dir : "$TMPDIR or /tmp");
-    if (tr->W > 1)
+    if (tr->layout)
+        printf("parallel: pipeline of %lld stages x %lld chunks (world = pp, the whole model on every rank), %lld "
+               "micro-batches per step\n", (long long)tr->layout->pp, (long long)tr->layout->vpp,
+               (long long)(c->global_batch / c->micro_batch));
+    else if (tr->W > 1)
         printf("parallel: %d ranks, FSDP over %d, expert parallel %lld (%lld micro-batches per rank per step)\n", tr->W,
                tr->W, (long long)c->ep, (long long)(c->global_batch / (c->micro_batch * tr->W)));
 }
@@ -955,9 +986,15 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *cfg, bool *agreed) {
         st = ds4_train_agree(world, ds4_mkdirs(c->offload_dir, "offload folder"));
     if (st == DS4_OK) st = open_model(&run, &tr);
     const ds4_config *mc = tr.m ? ds4_model_config(tr.m) : NULL;
+    const bool pipe = c->recompute.pipe.pp > 1; /* every stage reads every micro-batch's ids */
+    if (st == DS4_OK && pipe) {
+        tr.layout = ds4_alloc(DS4_MEM_OTHER, sizeof *tr.layout);
+        st = tr.layout ? ds4_pp_layout_make(&c->recompute.pipe, mc->n_layers, mc->n_mtp_layers, tr.layout)
+                       : ds4_fail(DS4_ERR_OOM, "out of memory for the pipeline layout");
+    }
     if (st == DS4_OK)
-        st = loader_open(c->train_data, c->micro_batch, c->seq_len, (uint64_t)c->seed, true, mc->vocab_size, tr.rank,
-                         tr.W, &tr.train);
+        st = loader_open(c->train_data, c->micro_batch, c->seq_len, (uint64_t)c->seed, true, mc->vocab_size,
+                         pipe ? 0 : tr.rank, pipe ? 1 : tr.W, &tr.train);
     if (st == DS4_OK) {
         int64_t tokens = 0, loads = 0; /* [micro_batch, seq_len], [n_blocks, E]: sizes checked before */
         bool sized = ds4_mul_i64(c->micro_batch, c->seq_len, &tokens) &&
@@ -983,6 +1020,7 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *cfg, bool *agreed) {
     ds4_checkpoint_unlock(tr.lock_fd);
     ds4_free(tr.ids);
     ds4_free(tr.loads);
+    ds4_free(tr.layout);
     ds4_data_close(tr.train);
     ds4_train_state_free(tr.s);
     stop_signals(SIG_DFL);
