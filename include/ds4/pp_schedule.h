@@ -64,6 +64,9 @@ typedef struct {
     const int32_t *ids;         /* [micro_batches, B, T] */
     const ds4_pass_opts *opts;  /* every stage pass's (need_backward is set here); no layer-input swap */
 } ds4_pp_local_args;
+/* *mean += micro-batch mb's losses (its loss and MTP loss sums, each layer's indexer KL) / M, in the order
+ * ds4_train_step adds them: what both executors end with, so they give its bits. */
+void ds4_pp_mean_add(const ds4_config *c, ds4_losses *mean, double loss, double mtp_loss, const double *kl, int64_t M);
 ds4_status ds4_pp_run_local(ds4_model *m, const ds4_pp_local_args *a, ds4_losses *mean, int64_t *loads);
 
 /* The same step over MPI, world = pp: rank r of pipe (pp ranks, pipe's rank = the pipeline rank) runs its own

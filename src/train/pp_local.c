@@ -115,13 +115,8 @@ ds4_status ds4_pp_run_local(ds4_model *m, const ds4_pp_local_args *a, ds4_losses
             st = ds4_fail(DS4_ERR_INTERNAL, "pipeline: the schedules wait on each other with %lld actions left",
                           (long long)left);
     }
-    for (int64_t mb = 0; st == DS4_OK && mb < M; mb++) {
-        const ds4_losses l = ds4_losses_combine(c, r.loss[mb], r.mtp_loss[mb], &r.kl[mb * c->n_layers]);
-        mean->loss += l.loss / (double)M; /* as ds4_train_step sums them */
-        mean->mtp_loss += l.mtp_loss / (double)M;
-        mean->indexer_loss += l.indexer_loss / (double)M;
-        mean->total_loss += l.total_loss / (double)M;
-    }
+    for (int64_t mb = 0; st == DS4_OK && mb < M; mb++)
+        ds4_pp_mean_add(c, mean, r.loss[mb], r.mtp_loss[mb], &r.kl[mb * c->n_layers], M);
     if (r.pass)
         for (int64_t i = 0; i < nc * M; i++) ds4_pass_free(r.pass[i]);
     for (int64_t q = 0; s && q < pp; q++) ds4_pp_schedule_free(&s[q]);

@@ -148,11 +148,7 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
         for (int64_t i = 0; i < nl; i++) loads[i] += r.loads[i];
     for (int64_t mb = 0; st == DS4_OK && mb < M; mb++) {
         const double *part = &r.parts[mb * (2 + c->n_layers)];
-        const ds4_losses l = ds4_losses_combine(c, part[0], part[1], part + 2);
-        mean->loss += l.loss / (double)M; /* as ds4_train_step sums them */
-        mean->mtp_loss += l.mtp_loss / (double)M;
-        mean->indexer_loss += l.indexer_loss / (double)M;
-        mean->total_loss += l.total_loss / (double)M;
+        ds4_pp_mean_add(c, mean, part[0], part[1], part + 2, M);
     }
     if (r.pass)
         for (int64_t i = 0; i < nc * M; i++) ds4_pass_free(r.pass[i]);

@@ -72,3 +72,11 @@ void ds4_pp_schedule_free(ds4_pp_schedule *s) {
     free(s->a);
     memset(s, 0, sizeof *s);
 }
+
+void ds4_pp_mean_add(const ds4_config *c, ds4_losses *mean, double loss, double mtp_loss, const double *kl, int64_t M) {
+    const ds4_losses l = ds4_losses_combine(c, loss, mtp_loss, kl);
+    mean->loss += l.loss / (double)M; /* as ds4_train_step sums them */
+    mean->mtp_loss += l.mtp_loss / (double)M;
+    mean->indexer_loss += l.indexer_loss / (double)M;
+    mean->total_loss += l.total_loss / (double)M;
+}
