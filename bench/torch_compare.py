@@ -9,6 +9,8 @@ time is reported and the others go on):
   hf-eager      transformers' DeepseekV4ForCausalLM, eager attention, fp32
   hf-bf16       the same with bf16 weights (and bf16 AdamW state)
   hf-compile    the fp32 model under torch.compile (its compilation is in the untimed first step)
+  ds4-before-fp32, ds4-before-bf16   with --before REV: ds4-fp32 / ds4-bf16 as the code was at REV (the same
+                bench/train_step.c compiled against that tree; no kernel profile)
 A step is forward + backward + gradient clipping to norm 1 + AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8,
 weight decay 0.1) on one sequence of T tokens (batch 1). Each cell (T, threads) starts every engine, runs
 one untimed step each, then --steps rounds in which every engine runs one step, the order rotating each
@@ -45,7 +47,10 @@ COMPUTES = {
                 "pattern; fp32",
     "hf-bf16": "as hf-eager, weights, activations and AdamW state in bf16",
     "hf-compile": "as hf-eager, the model under torch.compile (default mode)",
+    "ds4-before-fp32": "as ds4-fp32, the code at {rev}",
+    "ds4-before-bf16": "as ds4-bf16, the code at {rev}",
 }
+BEFORE = ["ds4-before-fp32", "ds4-before-bf16"]
 
 
 # ---------------------------------------------------------------- the PyTorch worker (runs in .venv-bench)
@@ -102,7 +107,7 @@ class Worker:
 
     def __init__(self, name, argv, env, cpus, mem_limit):
         self.name, self.status, self.times, self.first_loss, self.note = name, None, [], None, ""
-        self.profile = None
+        self.profile, self.peak = None, None  # peak: ds4's GEMM engine rate (FLOP/s) at these threads, on the cpu
         self.mem_limit, self.peak_rss = mem_limit, 0
 
         def pin():
@@ -200,9 +205,11 @@ class Worker:
 def engine_argv(a, name, work, T, threads):
     ids = os.path.join(work, f"ids-{T}.bin")
     if name.startswith("ds4"):
-        argv = [os.path.join(a.build, "bench", "train_step"), "--model", os.path.join(work, "model"), "--ids", ids,
+        exe = os.path.join(a.before_build, "bench", "train_step_basic") if name in BEFORE else \
+            os.path.join(a.build, "bench", "train_step")
+        argv = [exe, "--model", os.path.join(work, "model"), "--ids", ids,
                 "--seq", str(T), "--threads", str(threads), "--device", a.device]
-        return argv + (["--bf16"] if name == "ds4-bf16" else [])
+        return argv + (["--bf16"] if name.endswith("bf16") else [])
     return [sys.executable, os.path.abspath(__file__), "--worker", "--variant", name[3:], "--model",
             os.path.join(work, "hf"), "--ids", ids, "--threads", str(threads), "--device", a.device]
 
@@ -250,6 +257,8 @@ def run_cell(a, work, T, threads, log):
                 w.note = "transformers' loading info: " + ans.split("loading-info", 1)[1].strip()
             if ans and "flops-per-token" in ans:
                 a.flops_per_token[T] = float(ans.split("flops-per-token", 1)[1].split()[0])
+            if ans and "peak-gflops" in ans:
+                w.peak = float(ans.split("peak-gflops", 1)[1].split()[0]) * 1e9
             log(f"  {name}: {'ready' if ans else w.status}")
         for w in workers:  # the untimed first step: first touch, torch.compile's compilation
             ans = w.ask("step", a.setup_timeout)
@@ -265,7 +274,7 @@ def run_cell(a, work, T, threads, log):
             log(f"  round {k + 1}/{a.steps}: " + ", ".join(f"{w.name} {w.times[-1]:.3f}" if not w.status else
                                                            f"{w.name} -" for w in order))
         for w in workers:
-            if a.profile_steps and w.name.startswith("ds4"):
+            if a.profile_steps and w.name.startswith("ds4") and w.name not in BEFORE:
                 ans = w.ask(f"profile {a.profile_steps}", a.cell_timeout * a.profile_steps, until="end")
                 if ans:
                     w.profile = "\n".join(ans[:-1])
@@ -348,16 +357,17 @@ def report(a, cfg, cells, started, load0):
       "untimed first step, from the shared initial weights\n")
     p("What each engine computes:\n")
     for e in a.engines:
-        p(f"- `{e}`: {COMPUTES[e]}")
+        p(f"- `{e}`: {COMPUTES[e].format(rev=a.before)}")
     p("")
     for (T, th), ws in cells:
         base = next((w for w in ws if w.name == "ds4-fp32" and w.times), None)
         p(f"## T = {T}, {th} thread{'s' if th > 1 else ''}\n")
         fpt = a.flops_per_token.get(T)
         mfu = bool(a.peak_tflops and fpt)
+        gemm = bool(fpt and any(w.peak for w in ws))
         p("| engine | s/step (median) | min | max | vs ds4 fp32 | tok/s |" + (" MFU |" if mfu else "") +
-          " loss, step 1 | peak RSS GiB | notes |")
-        p("|---|---:|---:|---:|---:|---:|" + ("---:|" if mfu else "") + "---:|---:|---|")
+          (" of GEMM peak |" if gemm else "") + " loss, step 1 | peak RSS GiB | notes |")
+        p("|---|---:|---:|---:|---:|---:|" + ("---:|" if mfu else "") + ("---:|" if gemm else "") + "---:|---:|---|")
         for w in ws:
             if w.times:
                 m = median(w.times)
@@ -365,14 +375,19 @@ def report(a, cfg, cells, started, load0):
                 cols = f"{m:.3f} | {min(w.times):.3f} | {max(w.times):.3f} | {rel} | {T / m:.0f}"
                 if mfu:
                     cols += f" | {100 * fpt * T / m / (a.peak_tflops * 1e12):.1f}%"
+                if gemm:
+                    cols += f" | {100 * fpt * T / m / w.peak:.0f}% of {w.peak / 1e9:.0f}" if w.peak else " | "
             else:
-                cols = f"**{w.status or 'no step'}** | | | | " + ("| " if mfu else "")
+                cols = f"**{w.status or 'no step'}** | | | | " + ("| " if mfu else "") + ("| " if gemm else "")
             note = "; ".join(x for x in (w.note, w.status if w.times and w.status else "") if x)
             loss = f"{w.first_loss:.5f}" if w.first_loss is not None else ""
             p(f"| {w.name} | {cols} | {loss} | {w.peak_rss / 2**30:.2f} | {note} |")
         p("\nvs ds4 fp32: ds4 fp32's median / this median (> 1: faster than ds4 fp32)." +
           (f" MFU: {fpt:.4g} FLOPs per token (ds4_train_flops_per_token at this T, the architecture's sparse-aware "
-           f"work, the same for every engine) x tok/s over {a.peak_tflops:g} TFLOP/s." if mfu else "") + "\n")
+           f"work, the same for every engine) x tok/s over {a.peak_tflops:g} TFLOP/s." if mfu else "") +
+          (f" of GEMM peak: the same {fpt:.4g} FLOPs per token x tok/s over the engine's own GEMM rate at these "
+           "threads (GFLOP/s, ds4_probe_peak: a 512^3 product of its GEMM engine and precision, best of repeats, in "
+           "CPU time), measured by each ds4 worker as it starts." if gemm else "") + "\n")
         for w in ws:
             if w.profile:
                 p(f"### {w.name}: kernel profile (ds4/profile.h; {a.profile_steps} more step{'s' if a.profile_steps > 1 else ''}, "
@@ -385,7 +400,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", default="1024,4096,16384", help="comma-separated T values (default 1024,4096,16384)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
-    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
+    ap.add_argument("--engines", default=None, help=f"comma-separated subset of {','.join(ENGINES + BEFORE)} "
+                    "(default: all; the ds4-before ones with --before)")
+    ap.add_argument("--before", default=None, metavar="REV",
+                    help="also time ds4 as it was at commit REV (built by torch_compare.sh under build/before/)")
+    ap.add_argument("--before-build", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=7, help="timed steps per engine and cell (default 7)")
     ap.add_argument("--quick", action="store_true", help="3 timed steps, 1 profiled step (a check that it all runs)")
     ap.add_argument("--profile-steps", type=int, default=2, help="ds4 steps with the kernel profile (default 2; 0: none)")
@@ -421,10 +440,13 @@ def main():
         threads = [int(x) for x in a.threads.split(",")]
     except ValueError:
         ap.error("--seq and --threads take comma-separated integers")
-    a.engines = a.engines.split(",")
-    bad = [e for e in a.engines if e not in ENGINES]
+    known = ENGINES + (BEFORE if a.before else [])
+    a.engines = a.engines.split(",") if a.engines else known
+    bad = [e for e in a.engines if e not in known]
     if bad or not a.engines:
-        ap.error(f"--engines: unknown {','.join(bad)} (known: {','.join(ENGINES)})")
+        ap.error(f"--engines: unknown {','.join(bad)} (known: {','.join(known)}; ds4-before-* need --before REV)")
+    if a.before and not a.before_build:
+        ap.error("--before: run through bench/torch_compare.sh, which builds REV's tree")
     if a.quick:
         a.steps, a.profile_steps = 3, min(a.profile_steps, 1)
     if a.steps < 1 or min(seqs) < 2 or min(threads) < 1 or max(threads) > len(os.sched_getaffinity(0)):

@@ -7,6 +7,9 @@
 # On a machine that already has torch and cannot reach PyPI (a GPU machine: --device cuda), DS4_BENCH_SYSTEM=1
 # runs the Python in DS4_BENCH_PYTHON (default python3) as it is (transformers and safetensors importable, e.g.
 # through PYTHONPATH), and DS4_BENCH_NO_BUILD=1 takes build/ as it was carried there (nothing is compiled).
+# --before REV adds the engines ds4-before-fp32 / -bf16: the tree of REV (git archive) built under
+# build/before/REV with bench/train_step.c compiled against it (DS4_TRAIN_STEP_BASIC: only the train-step API),
+# so the code as it was runs in the same rounds as the code as it is.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="$ROOT/.venv-bench"
@@ -36,5 +39,23 @@ PYBIN=${PYBIN:-$VENV/bin/python}
 SOURCE=${SOURCE:-$(cat "$VENV/torch-source" 2>/dev/null || echo "installed by hand")}
 BUILD="${BUILD:-build}"
 [ -n "${DS4_BENCH_NO_BUILD:-}" ] || make -C "$ROOT" -s BUILD="$BUILD" "$BUILD/ds4" "$BUILD/bench/train_step" >&2
+BEFORE_ARGS=()
+prev=""
+for arg in "$@"; do
+    if [ "$prev" = "--before" ]; then
+        rev=$(git -C "$ROOT" rev-parse --short "$arg^{commit}") ||
+            { echo "torch_compare: --before $arg: not a commit of this repository" >&2; exit 2; }
+        dir="$ROOT/$BUILD/before/$rev"
+        if [ ! -x "$dir/build/bench/train_step_basic" ]; then
+            rm -rf "$dir" && mkdir -p "$dir"
+            git -C "$ROOT" archive "$rev" | tar -x -C "$dir"
+            { echo "#define DS4_TRAIN_STEP_BASIC 1"; cat "$ROOT/bench/train_step.c"; } > "$dir/bench/train_step_basic.c"
+            make -C "$dir" -s build/ds4 build/bench/train_step_basic >&2 ||
+                { echo "torch_compare: --before $arg: building $rev failed (its own dependencies: its scripts/install-deps.sh)" >&2; exit 2; }
+        fi
+        BEFORE_ARGS=(--before-build "$dir/build")
+    fi
+    prev=$arg
+done
 export DS4_BENCH_ARGS="$(printf '%q ' "$@")"
-exec "$PYBIN" "$ROOT/bench/torch_compare.py" --build "$ROOT/$BUILD" --torch-source "$SOURCE" "$@"
+exec "$PYBIN" "$ROOT/bench/torch_compare.py" --build "$ROOT/$BUILD" --torch-source "$SOURCE" "${BEFORE_ARGS[@]}" "$@"

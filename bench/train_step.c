@@ -13,9 +13,13 @@
  *   profile K   -> K more steps with the kernel profile on (ds4/profile.h): its markdown table, then
  *                  "end SECONDS" (their wall time)
  *   quit
- * After opening the state it prints "ready PARAMS flops-per-token F" (F: ds4_train_flops_per_token, the
- * architecture's sparse-aware FLOPs of a training step per token at this T, for MFU). A failure prints
- * "error MESSAGE" and exits 1. */
+ * After opening the state it prints "ready PARAMS flops-per-token F [peak-gflops P]" (F:
+ * ds4_train_flops_per_token, the architecture's sparse-aware FLOPs of a training step per token at this T,
+ * for MFU; P on the cpu: ds4_probe_peak, the GEMM engine's measured rate at these threads). A failure prints
+ * "error MESSAGE" and exits 1.
+ * Built with DS4_TRAIN_STEP_BASIC defined, it uses only ds4_train_state_open / ds4_train_step (no kernel
+ * profile, no --device but cpu, no malloc policy): what bench/torch_compare.sh --before REV compiles against an
+ * older tree, so the same driver times the code as it was. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,7 +30,9 @@
 #include "ds4/io.h"
 #include "ds4/kernels.h"
 #include "ds4/model.h"
+#ifndef DS4_TRAIN_STEP_BASIC
 #include "ds4/profile.h"
+#endif
 #include "ds4/trainer.h"
 
 static const ds4_adamw_cfg k_adamw = {.lr = 1e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
@@ -66,28 +72,41 @@ static ds4_status read_ids(const char *path, int32_t *ids, int64_t n, int64_t vo
     return DS4_OK;
 }
 
+#ifndef DS4_TRAIN_STEP_BASIC
+/* "profile K": K more steps with the kernel profile on, its table, then "end SECONDS". */
+static ds4_status profile_steps(bench_state *b, int k) {
+    if (k < 1) return ds4_fail(DS4_ERR_ARG, "profile %d: need a number of steps >= 1", k);
+    ds4_step_result r;
+    double t, wall = 0;
+    ds4_status st = DS4_OK;
+    ds4_profile_reset();
+    ds4_profile_enable(true);
+    for (int i = 0; i < k && st == DS4_OK; i++) {
+        st = one_step(b, &r, &t);
+        wall += t;
+    }
+    ds4_profile_enable(false);
+    if (st != DS4_OK) return st;
+    ds4_profile_print(stdout, wall, k);
+    printf("end %.6f\n", wall);
+    return DS4_OK;
+}
+#endif
+
 /* Runs commands until quit or end of input. */
 static int serve(bench_state *b) {
     char line[256];
     while (fgets(line, sizeof line, stdin)) {
         ds4_step_result r;
         double t;
-        int k;
         if (!strncmp(line, "quit", 4)) break;
         if (!strncmp(line, "step", 4)) {
             if (one_step(b, &r, &t) != DS4_OK) return fail("step");
             printf("step %.6f %.9g %.9g %.9g\n", t, r.loss, r.mtp_loss, r.indexer_loss);
-        } else if (sscanf(line, "profile %d", &k) == 1 && k > 0) {
-            double wall = 0;
-            ds4_profile_reset();
-            ds4_profile_enable(true);
-            for (int i = 0; i < k; i++) {
-                if (one_step(b, &r, &t) != DS4_OK) return ds4_profile_enable(false), fail("profiled step");
-                wall += t;
-            }
-            ds4_profile_enable(false);
-            ds4_profile_print(stdout, wall, k);
-            printf("end %.6f\n", wall);
+#ifndef DS4_TRAIN_STEP_BASIC
+        } else if (!strncmp(line, "profile", 7)) {
+            if (profile_steps(b, atoi(line + 7)) != DS4_OK) return fail("profile");
+#endif
         } else {
             printf("error unknown command '%.*s' (step, profile K, quit)\n", (int)strcspn(line, "\n"), line);
             return 1;
@@ -102,7 +121,9 @@ int main(int argc, char **argv) {
     int threads = 1;
     bool bf16 = false;
     setvbuf(stdout, NULL, _IOLBF, 0);
+#ifndef DS4_TRAIN_STEP_BASIC
     ds4_host_memory_keep(); /* as the ds4 command runs */
+#endif
     for (int i = 1; i < argc; i++) {
         const bool has = i + 1 < argc;
         if (!strcmp(argv[i], "--model") && has) model = argv[++i];
@@ -124,10 +145,14 @@ int main(int argc, char **argv) {
         return 2;
     }
     ds4_set_threads(threads);
+#ifdef DS4_TRAIN_STEP_BASIC
+    if (device && strcmp(device, "cpu")) return printf("error --device %s: built for the cpu only\n", device), 1;
+#else
     ds4_exec ex = {0};
     if (device && (ds4_backend_find("--device", device, &ex.backend) != DS4_OK ||
                    ds4_backend_ready("--device", ex.backend) != DS4_OK))
         return fail("--device");
+#endif
     ds4_model_dir *d = NULL;
     ds4_config c;
     if (model) {
@@ -145,10 +170,19 @@ int main(int argc, char **argv) {
     } else {
         for (int64_t i = 0; i < B * T; i++) b.ids[i] = (int32_t)(ds4_rng_u64(3, 1, (uint64_t)i) % (uint64_t)c.vocab_size);
     }
+#ifdef DS4_TRAIN_STEP_BASIC
+    const ds4_train_state_opts so = {.ep = 1, .bf16 = bf16};
+#else
     const ds4_train_state_opts so = {.ep = 1, .bf16 = bf16, .exec = &ex};
+#endif
     if (ds4_train_state_open(&c, d, 1, ds4_comm_self(), &so, &b.s) != DS4_OK) return fail("train state");
-    printf("ready %lld flops-per-token %.6g\n", (long long)ds4_model_numel(ds4_train_state_model(b.s)),
+    printf("ready %lld flops-per-token %.6g", (long long)ds4_model_numel(ds4_train_state_model(b.s)),
            ds4_train_flops_per_token(&c, T));
+#ifndef DS4_TRAIN_STEP_BASIC
+    if (!device || !strcmp(device, "cpu")) /* the GEMM engine's own rate at these threads, for "% of GEMM peak" */
+        printf(" peak-gflops %.6g", ds4_probe_peak(ds4_train_state_exec(b.s)).flops / 1e9);
+#endif
+    printf("\n");
     const int rc = serve(&b);
     ds4_train_state_free(b.s);
     ds4_model_dir_close(d);
