@@ -2,7 +2,7 @@
  * (include/ds4/pp_schedule.h, docs/pipeline.md). What crosses is what ds4_pp_run_local hands across: the
  * stream at a chunk's end, its gradient, the MTP rows' gradient from the head's rank to rank 0. */
 #include "ds4/kernels.h"
-#include "ds4/pp_schedule.h"
+#include "pp_impl.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -25,19 +25,10 @@ typedef struct {
 static int tag_of(const run *r, int kind, int64_t k, int64_t mb) { return (int)((kind * r->nc + k) * r->M + mb); }
 
 static ds4_status recv_into(run *r, float **buf, int64_t count, int64_t from_rank, int tag) {
-    *buf = malloc((size_t)count * sizeof(float));
-    if (!*buf) return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for a receive of %lld floats", (long long)count);
-    ds4_comm_req *req = NULL;
-    DS4_TRY(ds4_comm_irecv(r->pipe, *buf, count, sizeof(float), (int)from_rank, tag, &req));
-    return ds4_comm_wait(req);
+    return pp_recv_into(r->pipe, buf, count, from_rank, tag);
 }
 
-static ds4_stage stage_of(const run *r, int64_t k) {
-    const ds4_pp_chunk *ch = &r->a->layout->chunk[k];
-    const bool mtp = ds4_model_config(r->m)->n_mtp_layers > 0;
-    return (ds4_stage){.layer_begin = ch->layer_begin, .layer_end = ch->layer_end, .embedding = ch->embedding,
-                       .head = ch->loss, .mtp_rows_out = ch->loss && !ch->embedding && mtp};
-}
+static ds4_stage stage_of(const run *r, int64_t k) { return pp_stage_of(r->m, r->a->layout, k); }
 
 static ds4_status forward(run *r, const ds4_pp_action *x) {
     const ds4_pp_local_args *a = r->a;
@@ -98,26 +89,9 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
     const ds4_config *c = ds4_model_config(m);
     const ds4_pp_layout *L = a->layout;
     memset(mean, 0, sizeof *mean);
-    if (ds4_comm_size(pipe) != L->pp)
-        return ds4_fail(DS4_ERR_ARG, "pipeline over MPI: the layout has pp %lld, the communicator %d ranks (world = pp "
-                        "for now)", (long long)L->pp, ds4_comm_size(pipe));
-    if (a->opts->hooks)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: parameter hooks (FSDP / EP inside a pipeline stage) "
-                        "are not built yet; each rank holds the whole model");
-    if (!ds4_exec_host_memory(ds4_model_exec(m)))
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: a model in device memory (its boundary buffers "
-                        "through a staged communicator) is not built yet");
-    if (L->n_layers != c->n_layers || L->n_mtp != c->n_mtp_layers)
-        return ds4_fail(DS4_ERR_ARG, "pipeline: the layout has %lld layers and %lld MTP layers, the model %lld and %lld",
-                        (long long)L->n_layers, (long long)L->n_mtp, (long long)c->n_layers, (long long)c->n_mtp_layers);
-    if (a->micro_batches < 1 || a->B < 1 || a->T < 2)
-        return ds4_fail(DS4_ERR_ARG, "pipeline: %lld micro-batches of %lld x %lld tokens (need >= 1, >= 1, >= 2)",
-                        (long long)a->micro_batches, (long long)a->B, (long long)a->T);
+    DS4_TRY(pp_check_rank(m, pipe, a, TAG_KINDS));
     const int64_t nc = L->pp * L->vpp, M = a->micro_batches, N = a->B * a->T, nb = c->n_layers + c->n_mtp_layers;
     const int64_t np = M * (2 + c->n_layers), nl = nb * c->n_routed_experts;
-    if (TAG_KINDS * nc * M > 32767) /* MPI guarantees tags up to 32767 */
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: %lld chunks x %lld micro-batches exceed the tags",
-                        (long long)nc, (long long)M);
     run r = {.m = m, .pipe = pipe, .a = a, .nc = nc, .M = M, .S = N * c->hc_mult * c->dim, .R = N * c->dim};
     ds4_pp_schedule sch = {0};
     r.pass = calloc((size_t)(nc * M), sizeof *r.pass);
