@@ -227,6 +227,23 @@ static void test_refusals(void) {
  * runs its part of the pipeline (ds4_pp_run_rank) on another: the losses and the loads equal the reference's
  * on every rank; every gradient element is either the reference's bits (its owner) or untouched (0), and each
  * nonzero reference element has exactly one owner. */
+/* The passes a rank held at once: at least the schedule's micro-batches in flight (a pass lives from its
+ * forward to its backward: warm-up + 1, at most its vpp·M), at most vpp·M; on the rank of chunk 0 alone
+ * (vpp 1), whose backwards send nothing, exactly that: each pass is freed once its backward's sends complete,
+ * not at the end of the step. */
+static void check_passes_peak(const char *what, const ds4_pp_layout *L, int64_t M, int64_t peak) {
+    const int rank = ds4_comm_rank(ds4_comm_world());
+    ds4_pp_schedule sch = {0};
+    CHECK(ds4_pp_schedule_make(L->pp, L->vpp, M, rank, &sch) == DS4_OK, "%s", ds4_errmsg());
+    const int64_t theory = sch.warmup + 1 < L->vpp * M ? sch.warmup + 1 : L->vpp * M;
+    CHECK(peak >= theory && peak <= L->vpp * M, "%s: rank %d held %lld passes at once (in flight: %lld, at most %lld)",
+          what, rank, (long long)peak, (long long)theory, (long long)(L->vpp * M));
+    if (rank == 0 && L->vpp == 1)
+        CHECK(peak == theory, "%s: rank 0 held %lld passes at once, the schedule keeps %lld in flight", what,
+              (long long)peak, (long long)theory);
+    ds4_pp_schedule_free(&sch);
+}
+
 static void check_rank_run(const ds4_config *c, const int32_t *ids, int64_t pp, int64_t vpp, int64_t M,
                            const char *layout, const uint32_t *masks) {
     ds4_comm *world = ds4_comm_world();
@@ -248,10 +265,13 @@ static void check_rank_run(const ds4_config *c, const int32_t *ids, int64_t pp, 
         got.loads = calloc((size_t)(nb * c->n_routed_experts), sizeof(int64_t));
         ds4_act_policies pol = {.recompute = masks};
         const ds4_pass_opts o = {.store = ds4_act_store_of(&pol)};
-        const ds4_pp_local_args a = {.layout = L, .micro_batches = M, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o};
+        int64_t peak = -1;
+        const ds4_pp_local_args a = {.layout = L, .micro_batches = M, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o,
+                                     .passes_peak = &peak};
         ds4_train_state_zero_grads(s);
         ok = ds4_pp_run_rank(ds4_train_state_model(s), world, &a, &got.losses, got.loads) == DS4_OK;
         CHECK(ok, "%s: %s", what, ds4_errmsg());
+        check_passes_peak(what, L, M, peak);
         ds4_train_state_scale_grads(s, M);
         got.grads = ok ? grads_of(s, &got.numel) : NULL;
     }

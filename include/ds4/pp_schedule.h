@@ -63,6 +63,7 @@ typedef struct {
     int64_t micro_batches, B, T;
     const int32_t *ids;         /* [micro_batches, B, T] */
     const ds4_pass_opts *opts;  /* every stage pass's (need_backward is set here); no layer-input swap */
+    int64_t *passes_peak;       /* NULL, or set by ds4_pp_run_rank: the most passes this rank held at once */
 } ds4_pp_local_args;
 /* *mean += micro-batch mb's losses (its loss and MTP loss sums, each layer's indexer KL) / M, in the order
  * ds4_train_step adds them: what both executors end with, so they give its bits. */
@@ -73,8 +74,9 @@ ds4_status ds4_pp_run_local(ds4_model *m, const ds4_pp_local_args *a, ds4_losses
  * list on m, a whole model of which it computes only its chunks (their layers' gradients, the embedding's on
  * rank 0 with the MTP rows received from the head's rank, the head's and MTP's on the last rank; every
  * other gradient stays as it was). Boundary tensors go by ds4_comm_isend / ds4_comm_irecv (a receive waits
- * where the list needs it; a forward's send completes before that pass's backward frees its stream, a
- * backward's sends by the end of the step). *mean and loads as ds4_pp_run_local, the same bits on every rank
+ * where the list needs it; a forward's send completes before that pass's backward frees its stream; a
+ * backward's pass is freed once its sends have completed, tested after each later action, waited at the end
+ * of the step). *mean and loads as ds4_pp_run_local, the same bits on every rank
  * (each micro-batch's loss parts and the loads summed over the ranks in rank order, each part nonzero on one
  * rank only). Refused with one line: pipe not of pp ranks, parameter hooks (FSDP / EP inside a stage are
  * not built yet), a model outside host memory. src/train/pp_mpi.c. */
