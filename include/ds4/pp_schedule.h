@@ -84,11 +84,11 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
                            int64_t *loads);
 
 /* A forward-only pass over MPI, world = pp (validation under a pipeline): rank r of pipe runs the forwards of
- * its chunks (stage passes with need_backward false; no backward, no MTP rows handed on), each micro-batch's
- * chunks in forward order, micro-batch after micro-batch; a forward receives the previous chunk's stream and
- * sends its own, and its pass is freed once that send has completed. *loss_sum += each micro-batch's LM loss
- * (ds4_pass_losses()->loss of the head's chunk), added in micro-batch order on every rank: the bits of a loop
- * of ds4_forward over the micro-batches adding the same. a->opts: every pass's (need_backward is cleared);
+ * its chunks (stage passes with need_backward false; no backward, no MTP rows handed on) in interleaved 1F1B's
+ * forward order (micro-batches in groups of pp, each group through its chunks in forward order); a forward
+ * receives the previous chunk's stream and sends its own, and its pass is freed once that send has completed.
+ * *loss_sum += each micro-batch's LM loss (ds4_pass_losses()->loss of the head's chunk), added in micro-batch
+ * order on every rank: the bits of a loop of ds4_forward over the micro-batches adding the same. a->opts: every pass's (need_backward is cleared);
  * refused as ds4_pp_run_rank, and beyond 32767 chunk-micro-batches. src/train/pp_eval.c. */
 ds4_status ds4_pp_eval_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args *a, double *loss_sum);
 
