@@ -600,6 +600,16 @@ static void test_comm_ring(void) {
     int bad = 0;
     for (int i = 0; i < N; i++) bad += in[i] != (float)(1000 * prev + i);
     CHECK(bad == 0, "rank %d: %d of %d elements from rank %d wrong", me, bad, N, prev);
+    /* ds4_comm_test: a receive whose sender has not sent yet (it sends after the barrier) is not complete;
+     * once sent, testing (without blocking) finds it complete, and then the send too; NULL is complete */
+    CHECK(ds4_comm_test(NULL));
+    CHECK(ds4_comm_irecv(world, in, N, sizeof(float), prev, 9, &rq) == DS4_OK && rq, "%s", ds4_errmsg());
+    CHECK(!ds4_comm_test(rq), "rank %d: a receive complete before anything was sent", me);
+    CHECK(ds4_comm_barrier(world) == DS4_OK && ds4_comm_isend(world, out, N, sizeof(float), next, 9, &sq) == DS4_OK);
+    long tries = 0;
+    while (!(ds4_comm_test(rq) && ds4_comm_test(sq)) && tries < 100000000) tries++;
+    CHECK(ds4_comm_test(rq) && ds4_comm_test(sq), "rank %d: the ring's send and receive never tested complete", me);
+    CHECK(ds4_comm_wait(sq) == DS4_OK && ds4_comm_wait(rq) == DS4_OK, "%s", ds4_errmsg());
     const struct ds4_kernel_backend *gb = NULL;
     CHECK(ds4_backend_find("--device", "cpu-guard", &gb) == DS4_OK);
     const ds4_exec ex = {.backend = gb};

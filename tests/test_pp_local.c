@@ -3,7 +3,8 @@
  * micro-batches bit for bit: pp 2 and 4, vpp 2, uneven and empty chunks, with a recompute policy. The
  * head's chunk hands the MTP rows' gradient to the embedding's chunk, so the embedding's gradient sums micro-
  * batch by micro-batch in one process's order even where the head's chunk runs a later micro-batch's
- * backward before the embedding's chunk runs an earlier one's (interleaving). */
+ * backward before the embedding's chunk runs an earlier one's (interleaving). Under mpirun, the same runs over
+ * MPI (ds4_pp_run_rank) and the forward-only pass (ds4_pp_eval_rank) against a loop of whole forwards. */
 #include "ds4/dist.h"
 #include "ds4/kernels.h"
 #include "ds4/pp_schedule.h"
@@ -226,6 +227,23 @@ static void test_refusals(void) {
  * runs its part of the pipeline (ds4_pp_run_rank) on another: the losses and the loads equal the reference's
  * on every rank; every gradient element is either the reference's bits (its owner) or untouched (0), and each
  * nonzero reference element has exactly one owner. */
+/* The passes a rank held at once: at least the schedule's micro-batches in flight (a pass lives from its
+ * forward to its backward: warm-up + 1, at most its vpp·M), at most vpp·M; on the rank of chunk 0 alone
+ * (vpp 1), whose backwards send nothing, exactly that: each pass is freed once its backward's sends complete,
+ * not at the end of the step. */
+static void check_passes_peak(const char *what, const ds4_pp_layout *L, int64_t M, int64_t peak) {
+    const int rank = ds4_comm_rank(ds4_comm_world());
+    ds4_pp_schedule sch = {0};
+    CHECK(ds4_pp_schedule_make(L->pp, L->vpp, M, rank, &sch) == DS4_OK, "%s", ds4_errmsg());
+    const int64_t theory = sch.warmup + 1 < L->vpp * M ? sch.warmup + 1 : L->vpp * M;
+    CHECK(peak >= theory && peak <= L->vpp * M, "%s: rank %d held %lld passes at once (in flight: %lld, at most %lld)",
+          what, rank, (long long)peak, (long long)theory, (long long)(L->vpp * M));
+    if (rank == 0 && L->vpp == 1)
+        CHECK(peak == theory, "%s: rank 0 held %lld passes at once, the schedule keeps %lld in flight", what,
+              (long long)peak, (long long)theory);
+    ds4_pp_schedule_free(&sch);
+}
+
 static void check_rank_run(const ds4_config *c, const int32_t *ids, int64_t pp, int64_t vpp, int64_t M,
                            const char *layout, const uint32_t *masks) {
     ds4_comm *world = ds4_comm_world();
@@ -247,10 +265,13 @@ static void check_rank_run(const ds4_config *c, const int32_t *ids, int64_t pp, 
         got.loads = calloc((size_t)(nb * c->n_routed_experts), sizeof(int64_t));
         ds4_act_policies pol = {.recompute = masks};
         const ds4_pass_opts o = {.store = ds4_act_store_of(&pol)};
-        const ds4_pp_local_args a = {.layout = L, .micro_batches = M, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o};
+        int64_t peak = -1;
+        const ds4_pp_local_args a = {.layout = L, .micro_batches = M, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o,
+                                     .passes_peak = &peak};
         ds4_train_state_zero_grads(s);
         ok = ds4_pp_run_rank(ds4_train_state_model(s), world, &a, &got.losses, got.loads) == DS4_OK;
         CHECK(ok, "%s: %s", what, ds4_errmsg());
+        check_passes_peak(what, L, M, peak);
         ds4_train_state_scale_grads(s, M);
         got.grads = ok ? grads_of(s, &got.numel) : NULL;
     }
@@ -306,7 +327,61 @@ static void test_mpi_runs(void) {
     if (W == 2) check_rank_run(&c, ids, 2, 2, 4, "", masks);
 }
 
-/* Refused with one line: a communicator not of pp ranks, parameter hooks (FSDP / EP inside a stage). */
+/* The forward-only pass (ds4_pp_eval_rank): on every rank, the LM losses of the micro-batches added in
+ * micro-batch order equal bitwise those of a loop of whole-model forwards (ds4_forward, forward only) on the
+ * same model, with and without bf16 activations (a model with the bf16 copy), for every layout of this world
+ * size, with k_runs' micro-batches and with 7 (not a multiple of pp: no schedule constrains a forward-only
+ * pass). */
+static void check_eval(const ds4_config *c, const int32_t *ids, int64_t pp, int64_t vpp, int64_t M,
+                       const char *layout, bool bf16) {
+    char what[128];
+    snprintf(what, sizeof what, "eval pp %lld vpp %lld m %lld '%s'%s", (long long)pp, (long long)vpp, (long long)M,
+             layout, bf16 ? " bf16" : "");
+    ds4_pp_cfg pc;
+    ds4_pp_cfg_defaults(&pc);
+    pc.pp = pp;
+    pc.vpp = vpp;
+    snprintf(pc.layout, sizeof pc.layout, "%s", layout);
+    ds4_pp_layout *L = malloc(sizeof *L);
+    CHECK(L && ds4_pp_layout_make(&pc, c->n_layers, c->n_mtp_layers, L) == DS4_OK, "%s", ds4_errmsg());
+    ds4_train_state *s = NULL;
+    ds4_train_state_opts so = {.ep = 1, .bf16 = bf16};
+    CHECK(ds4_train_state_open(c, NULL, 11, ds4_comm_self(), &so, &s) == DS4_OK, "%s", ds4_errmsg());
+    if (s) {
+        ds4_model *m = ds4_train_state_model(s);
+        const ds4_pass_opts o = {.need_backward = false, .bf16_acts = bf16};
+        double want = 0, got = 0;
+        for (int64_t mb = 0; mb < M; mb++) {
+            ds4_pass *p = NULL;
+            CHECK(ds4_forward(m, ids + mb * ROWS * SEQ, ROWS, SEQ, &o, &p) == DS4_OK, "%s", ds4_errmsg());
+            if (p) want += ds4_pass_losses(p)->loss;
+            ds4_pass_free(p);
+        }
+        const ds4_pp_local_args a = {.layout = L, .micro_batches = M, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o};
+        CHECK(ds4_pp_eval_rank(m, ds4_comm_world(), &a, &got) == DS4_OK, "%s: %s", what, ds4_errmsg());
+        CHECK(memcmp(&got, &want, sizeof got) == 0 && want > 0, "%s: rank %d's loss sum %.17g, one process's %.17g",
+              what, ds4_comm_rank(ds4_comm_world()), got, want);
+    }
+    ds4_train_state_free(s);
+    free(L);
+}
+
+static void test_mpi_eval(void) {
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    int32_t ids[MAXM * ROWS * SEQ];
+    for (int64_t i = 0; i < MAXM * ROWS * SEQ; i++) ids[i] = (int32_t)(ds4_rng_u64(17, 5, (uint64_t)i) % (uint64_t)c.vocab_size);
+    const int W = ds4_comm_size(ds4_comm_world());
+    for (int bf16 = 0; bf16 < 2; bf16++)
+        for (size_t k = 0; k < sizeof k_runs / sizeof k_runs[0]; k++)
+            if (k_runs[k].pp == W) {
+                check_eval(&c, ids, k_runs[k].pp, k_runs[k].vpp, k_runs[k].M, k_runs[k].layout, bf16);
+                check_eval(&c, ids, k_runs[k].pp, k_runs[k].vpp, 7, k_runs[k].layout, bf16);
+            }
+}
+
+/* Refused with one line, by the step and the forward-only pass: a communicator not of pp ranks, parameter hooks
+ * (FSDP / EP inside a stage). */
 static void test_mpi_refusals(void) {
     ds4_config c;
     CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
@@ -327,12 +402,16 @@ static void test_mpi_refusals(void) {
     char want[64];
     snprintf(want, sizeof want, "the communicator %d ranks", W);
     CHECK(ds4_pp_run_rank(m, world, &a, &l, NULL) != DS4_OK && strstr(ds4_errmsg(), want), "%s", ds4_errmsg());
+    double sum = 0;
+    CHECK(ds4_pp_eval_rank(m, world, &a, &sum) != DS4_OK && strstr(ds4_errmsg(), want), "%s", ds4_errmsg());
     pc.pp = W;
     CHECK(ds4_pp_layout_make(&pc, c.n_layers, c.n_mtp_layers, L) == DS4_OK, "%s", ds4_errmsg());
     const ds4_param_hooks hooks = {0};
     const ds4_pass_opts oh = {.hooks = &hooks};
     a.opts = &oh;
     CHECK(ds4_pp_run_rank(m, world, &a, &l, NULL) != DS4_OK && strstr(ds4_errmsg(), "FSDP / EP inside a pipeline stage"),
+          "%s", ds4_errmsg());
+    CHECK(ds4_pp_eval_rank(m, world, &a, &sum) != DS4_OK && strstr(ds4_errmsg(), "FSDP / EP inside a pipeline stage"),
           "%s", ds4_errmsg());
     free(L);
     ds4_model_free(m);
@@ -341,14 +420,15 @@ static void test_mpi_refusals(void) {
 static int child_main(void) {
     CHECK(ds4_dist_init() == DS4_OK, "%s", ds4_errmsg());
     RUN(test_mpi_runs);
+    RUN(test_mpi_eval);
     RUN(test_mpi_refusals);
     fprintf(stderr, "rank %d: %d ok, %d not ok\n", ds4_comm_rank(ds4_comm_world()), t_passed, t_failed);
     ds4_dist_finalize();
     return t_failed ? 1 : 0;
 }
 
-static void test_two_ranks(void) { CHECK(t_mpirun_self(2, "--child", 2) == 2, "both ranks pass"); }
-static void test_four_ranks(void) { CHECK(t_mpirun_self(4, "--child", 2) == 4, "all four ranks pass"); }
+static void test_two_ranks(void) { CHECK(t_mpirun_self(2, "--child", 3) == 2, "both ranks pass"); }
+static void test_four_ranks(void) { CHECK(t_mpirun_self(4, "--child", 3) == 4, "all four ranks pass"); }
 
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--child")) return child_main();

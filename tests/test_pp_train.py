@@ -1,6 +1,8 @@
 """`ds4 train` under a pipeline (world = pp, docs/pipeline.md) against the one-process run of the same TOML:
 the metrics' losses and grad_norm, and the checkpoint bytes (model.safetensors, optim.state) at step 2 and 3,
-with the pipelined run stopped after the step-2 checkpoint and resumed to step 3. Cases: pp 2 1F1B (AdamW
+with the pipelined run stopped after the step-2 checkpoint and resumed to step 3, and the "validation loss" line
+the run prints at its end (20 batches of data.val: under a pipeline, forward-only passes through the stages,
+ds4_pp_eval_rank, in groups of 8 micro-batches a chunk). Cases: pp 2 1F1B (AdamW
 and Muon), pp 4 (also with full block recompute), pp 2 vpp 2 on the uneven layout E|tt|t|tmL (Muon) and under
 bf16 mixed precision (uniform); and a pipelined run resumed from one process's step-2 checkpoint; pp with EP
 refused. Needs mpirun (skipped without it).
@@ -8,6 +10,7 @@ refused. Needs mpirun (skipped without it).
 Usage: python3 tests/test_pp_train.py [--build DIR] [--quick]"""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +47,8 @@ warmup_steps = 1
 decay_steps = 3
 [data]
 train = "{tmp}/train.bin"
+val = "{tmp}/val.bin"
+val_batches = 20
 [checkpoint]
 interval = 2
 keep_latest_k = 3
@@ -88,7 +93,8 @@ def run(tmp, name, opt, np, extra, seed_from=None):
         check(f"{name}: train to step 2", r.returncode == 0, (r.stdout + r.stderr)[-800:])
     r = ds4(base, np)
     check(f"{name}: train to step 3", r.returncode == 0, (r.stdout + r.stderr)[-800:])
-    return metrics_of(jsonl) if os.path.exists(jsonl) else [], files_of(folder), folder
+    val = re.findall(r"^validation loss .*$", r.stdout, re.M)
+    return metrics_of(jsonl) if os.path.exists(jsonl) else [], files_of(folder), folder, val
 
 
 def same(name, ref, got):
@@ -97,6 +103,8 @@ def same(name, ref, got):
     check(f"{name}: checkpoints written", len(ref[1]) >= 4, sorted(ref[1]))
     diff = sorted(k for k in ref[1] if ref[1][k] != got[1].get(k))
     check(f"{name}: the one-process checkpoint bytes", not diff and set(ref[1]) == set(got[1]), f"differ: {diff}")
+    check(f"{name}: one validation line of 20 batches", len(ref[3]) == 1 and ref[3][0].endswith("(20 batches)"), ref[3])
+    check(f"{name}: the one-process validation line", got[3] == ref[3], f"{got[3]} vs {ref[3]}")
 
 
 def main():
@@ -104,6 +112,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="ds4-pp-train-")
     try:
         write_shard(os.path.join(tmp, "train.bin"), 256, 6, 700, seed=31)
+        write_shard(os.path.join(tmp, "val.bin"), 256, 3, 700, seed=37)
         for opt in ("AdamW", "Muon"):
             with open(os.path.join(tmp, f"{opt}.toml"), "w") as f:
                 f.write(TOML.format(root=ROOT, tmp=tmp, opt=opt))
@@ -125,7 +134,7 @@ def main():
                 ref[key] = run(tmp, f"one-{opt}-{len(ref)}", opt, 1, one)
         for name, opt, np, extra, one in cases:
             got = run(tmp, name.replace(" ", "_").replace("|", ""), opt, np, extra)
-            same(name, ref[(opt, tuple(one))][:2], got[:2])
+            same(name, ref[(opt, tuple(one))], got)
         # a one-process checkpoint resumed by a pipeline: the same step 3
         if not quick:
             one = os.path.join(tmp, "one-step2")
@@ -134,8 +143,8 @@ def main():
             with open(one + ".jsonl", "w") as f:
                 with open(muon[2].replace("ckpt-", "") + ".jsonl") as src:
                     f.write("".join(src.readlines()[:2]))
-            same("pp 2 resumed from one process's step 2", muon[:2],
-                 run(tmp, "pp2-from-one", "Muon", 2, ["--parallel.pp", "2"], seed_from=one)[:2])
+            same("pp 2 resumed from one process's step 2", muon,
+                 run(tmp, "pp2-from-one", "Muon", 2, ["--parallel.pp", "2"], seed_from=one))
         # FSDP / EP inside a stage: one line, on every rank alike
         r = ds4(["train", "--config", os.path.join(tmp, "AdamW.toml"), "--parallel.pp", "2", "--parallel.ep", "2",
                  "--checkpoint.interval", "0"], 2)

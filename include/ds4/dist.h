@@ -79,6 +79,9 @@ ds4_status ds4_comm_isend(ds4_comm *c, const void *buf, int64_t count, size_t el
 ds4_status ds4_comm_irecv(ds4_comm *c, void *buf, int64_t count, size_t elem, int peer, int tag,
                           ds4_comm_req **req);
 ds4_status ds4_comm_wait(ds4_comm_req *req); /* NULL: nothing to wait for */
+/* Whether req has completed (NULL: true), moving it on without blocking; once true, ds4_comm_wait returns at
+ * once (it is still the call that frees req). With a simulated link, also whether the link has carried it. */
+bool ds4_comm_test(ds4_comm_req *req);
 /* What the trace calls it (a string that outlives the request; default: the collective's name). */
 void ds4_comm_req_label(ds4_comm_req *req, const char *label);
 void ds4_comm_progress(void);

@@ -63,6 +63,7 @@ typedef struct {
     int64_t micro_batches, B, T;
     const int32_t *ids;         /* [micro_batches, B, T] */
     const ds4_pass_opts *opts;  /* every stage pass's (need_backward is set here); no layer-input swap */
+    int64_t *passes_peak;       /* NULL, or set by ds4_pp_run_rank: the most passes this rank held at once */
 } ds4_pp_local_args;
 /* *mean += micro-batch mb's losses (its loss and MTP loss sums, each layer's indexer KL) / M, in the order
  * ds4_train_step adds them: what both executors end with, so they give its bits. */
@@ -73,13 +74,23 @@ ds4_status ds4_pp_run_local(ds4_model *m, const ds4_pp_local_args *a, ds4_losses
  * list on m, a whole model of which it computes only its chunks (their layers' gradients, the embedding's on
  * rank 0 with the MTP rows received from the head's rank, the head's and MTP's on the last rank; every
  * other gradient stays as it was). Boundary tensors go by ds4_comm_isend / ds4_comm_irecv (a receive waits
- * where the list needs it; a forward's send completes before that pass's backward frees its stream, a
- * backward's sends by the end of the step). *mean and loads as ds4_pp_run_local, the same bits on every rank
+ * where the list needs it; a forward's send completes before that pass's backward frees its stream; a
+ * backward's pass is freed once its sends have completed, tested after each later action, waited at the end
+ * of the step). *mean and loads as ds4_pp_run_local, the same bits on every rank
  * (each micro-batch's loss parts and the loads summed over the ranks in rank order, each part nonzero on one
  * rank only). Refused with one line: pipe not of pp ranks, parameter hooks (FSDP / EP inside a stage are
  * not built yet), a model outside host memory. src/train/pp_mpi.c. */
 ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args *a, ds4_losses *mean,
                            int64_t *loads);
+
+/* A forward-only pass over MPI, world = pp (validation under a pipeline): rank r of pipe runs the forwards of
+ * its chunks (stage passes with need_backward false; no backward, no MTP rows handed on) in interleaved 1F1B's
+ * forward order (micro-batches in groups of pp, each group through its chunks in forward order); a forward
+ * receives the previous chunk's stream and sends its own, and its pass is freed once that send has completed.
+ * *loss_sum += each micro-batch's LM loss (ds4_pass_losses()->loss of the head's chunk), added in micro-batch
+ * order on every rank: the bits of a loop of ds4_forward over the micro-batches adding the same. a->opts: every pass's (need_backward is cleared);
+ * refused as ds4_pp_run_rank, and beyond 32767 chunk-micro-batches. src/train/pp_eval.c. */
+ds4_status ds4_pp_eval_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args *a, double *loss_sum);
 
 #ifdef __cplusplus
 }

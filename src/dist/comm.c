@@ -143,6 +143,12 @@ void ds4_comm_progress(void) {
         if (q->seen_done <= 0 && q->c->ops->test(q)) q->seen_done = comm_now();
 }
 
+bool ds4_comm_test(ds4_comm_req *q) {
+    if (!q) return true;
+    if (q->seen_done <= 0 && q->c->ops->test(q)) q->seen_done = comm_now();
+    return q->seen_done > 0 && comm_now() >= q->link_done;
+}
+
 ds4_status ds4_comm_wait(ds4_comm_req *q) {
     if (!q) return DS4_OK;
     const double t0 = comm_now();

@@ -2,7 +2,7 @@
  * docs/pipeline.md). What crosses between chunks is what a multi-process run sends: the stream X at a
  * chunk's end (forward), its gradient (backward), and the MTP rows' gradient from the head's chunk to the
  * embedding's; a receiver reads the sender's buffer, which the stage pass copies in. */
-#include "ds4/pp_schedule.h"
+#include "pp_impl.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -18,12 +18,7 @@ typedef struct {
     int64_t *loads;            /* NULL or [n_blocks, E] */
 } run;
 
-static ds4_stage stage_of(const run *r, int64_t k) {
-    const ds4_pp_chunk *ch = &r->a->layout->chunk[k];
-    const bool mtp = ds4_model_config(r->m)->n_mtp_layers > 0;
-    return (ds4_stage){.layer_begin = ch->layer_begin, .layer_end = ch->layer_end, .embedding = ch->embedding,
-                       .head = ch->loss, .mtp_rows_out = ch->loss && !ch->embedding && mtp};
-}
+static ds4_stage stage_of(const run *r, int64_t k) { return pp_stage_of(r->m, r->a->layout, k); }
 
 /* Whether what action x receives has been sent. */
 static bool ready(const run *r, const ds4_pp_action *x) {

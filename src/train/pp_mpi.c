@@ -2,7 +2,7 @@
  * (include/ds4/pp_schedule.h, docs/pipeline.md). What crosses is what ds4_pp_run_local hands across: the
  * stream at a chunk's end, its gradient, the MTP rows' gradient from the head's rank to rank 0. */
 #include "ds4/kernels.h"
-#include "ds4/pp_schedule.h"
+#include "pp_impl.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +15,8 @@ typedef struct {
     const ds4_pp_local_args *a;
     int64_t nc, M, S, R;        /* chunks, micro-batches, floats of a stream [B·T, hc, dim], of the rows [B·T, dim] */
     ds4_pass **pass;            /* [nc, M] this rank's, freed once its sends are done */
+    int64_t *sending, n_sending; /* [nc·M] the backwards whose passes wait on their sends */
+    int64_t live, peak;         /* passes held now, the most at once */
     ds4_comm_req **fwd;         /* [nc, M] a forward's send of its stream */
     ds4_comm_req **bwd;         /* [nc, M, 2] a backward's sends: the stream's gradient, the MTP rows */
     double *parts;              /* [M, 2 + n_layers]: loss, MTP loss, each layer's indexer KL (this rank's) */
@@ -25,19 +27,10 @@ typedef struct {
 static int tag_of(const run *r, int kind, int64_t k, int64_t mb) { return (int)((kind * r->nc + k) * r->M + mb); }
 
 static ds4_status recv_into(run *r, float **buf, int64_t count, int64_t from_rank, int tag) {
-    *buf = malloc((size_t)count * sizeof(float));
-    if (!*buf) return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for a receive of %lld floats", (long long)count);
-    ds4_comm_req *req = NULL;
-    DS4_TRY(ds4_comm_irecv(r->pipe, *buf, count, sizeof(float), (int)from_rank, tag, &req));
-    return ds4_comm_wait(req);
+    return pp_recv_into(r->pipe, buf, count, from_rank, tag);
 }
 
-static ds4_stage stage_of(const run *r, int64_t k) {
-    const ds4_pp_chunk *ch = &r->a->layout->chunk[k];
-    const bool mtp = ds4_model_config(r->m)->n_mtp_layers > 0;
-    return (ds4_stage){.layer_begin = ch->layer_begin, .layer_end = ch->layer_end, .embedding = ch->embedding,
-                       .head = ch->loss, .mtp_rows_out = ch->loss && !ch->embedding && mtp};
-}
+static ds4_stage stage_of(const run *r, int64_t k) { return pp_stage_of(r->m, r->a->layout, k); }
 
 static ds4_status forward(run *r, const ds4_pp_action *x) {
     const ds4_pp_local_args *a = r->a;
@@ -50,6 +43,7 @@ static ds4_status forward(run *r, const ds4_pp_action *x) {
     o.need_backward = true;
     if (s == DS4_OK)
         s = ds4_stage_forward(r->m, a->ids + x->mb * a->B * a->T, a->B, a->T, &o, &st, X_in, &r->pass[i]);
+    if (s == DS4_OK && ++r->live > r->peak) r->peak = r->live;
     free(X_in);
     if (s == DS4_OK && x->to_chunk >= 0)
         s = ds4_comm_isend(r->pipe, ds4_pass_stream_out(r->pass[i]), r->S, sizeof(float), (int)x->to_rank,
@@ -90,7 +84,33 @@ static ds4_status backward(run *r, const ds4_pp_action *x) {
     if (st.mtp_rows_out)
         DS4_TRY(ds4_comm_isend(r->pipe, ds4_pass_mtp_rows_grad(p), r->R, sizeof(float), 0, tag_of(r, TAG_ROWS, 0, mb),
                                &r->bwd[2 * i + 1]));
+    r->sending[r->n_sending++] = i;
     return DS4_OK;
+}
+
+/* The passes of backwards whose sends (the stream's gradient, the MTP rows) have completed go, polled without
+ * blocking; the others wait for a later action (or the end of the step). */
+static ds4_status free_sent(run *r) {
+    int64_t kept = 0;
+    ds4_status s = DS4_OK;
+    for (int64_t j = 0; j < r->n_sending; j++) {
+        const int64_t i = r->sending[j];
+        ds4_comm_req **q = &r->bwd[2 * i];
+        if (!ds4_comm_test(q[0]) || !ds4_comm_test(q[1])) {
+            r->sending[kept++] = i;
+            continue;
+        }
+        for (int t = 0; t < 2; t++) { /* complete at once: frees the requests */
+            const ds4_status w = ds4_comm_wait(q[t]);
+            q[t] = NULL;
+            if (s == DS4_OK) s = w;
+        }
+        ds4_pass_free(r->pass[i]);
+        r->pass[i] = NULL;
+        r->live--;
+    }
+    r->n_sending = kept;
+    return s;
 }
 
 ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args *a, ds4_losses *mean,
@@ -98,40 +118,27 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
     const ds4_config *c = ds4_model_config(m);
     const ds4_pp_layout *L = a->layout;
     memset(mean, 0, sizeof *mean);
-    if (ds4_comm_size(pipe) != L->pp)
-        return ds4_fail(DS4_ERR_ARG, "pipeline over MPI: the layout has pp %lld, the communicator %d ranks (world = pp "
-                        "for now)", (long long)L->pp, ds4_comm_size(pipe));
-    if (a->opts->hooks)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: parameter hooks (FSDP / EP inside a pipeline stage) "
-                        "are not built yet; each rank holds the whole model");
-    if (!ds4_exec_host_memory(ds4_model_exec(m)))
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: a model in device memory (its boundary buffers "
-                        "through a staged communicator) is not built yet");
-    if (L->n_layers != c->n_layers || L->n_mtp != c->n_mtp_layers)
-        return ds4_fail(DS4_ERR_ARG, "pipeline: the layout has %lld layers and %lld MTP layers, the model %lld and %lld",
-                        (long long)L->n_layers, (long long)L->n_mtp, (long long)c->n_layers, (long long)c->n_mtp_layers);
-    if (a->micro_batches < 1 || a->B < 1 || a->T < 2)
-        return ds4_fail(DS4_ERR_ARG, "pipeline: %lld micro-batches of %lld x %lld tokens (need >= 1, >= 1, >= 2)",
-                        (long long)a->micro_batches, (long long)a->B, (long long)a->T);
+    DS4_TRY(pp_check_rank(m, pipe, a, TAG_KINDS));
     const int64_t nc = L->pp * L->vpp, M = a->micro_batches, N = a->B * a->T, nb = c->n_layers + c->n_mtp_layers;
     const int64_t np = M * (2 + c->n_layers), nl = nb * c->n_routed_experts;
-    if (TAG_KINDS * nc * M > 32767) /* MPI guarantees tags up to 32767 */
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: %lld chunks x %lld micro-batches exceed the tags",
-                        (long long)nc, (long long)M);
     run r = {.m = m, .pipe = pipe, .a = a, .nc = nc, .M = M, .S = N * c->hc_mult * c->dim, .R = N * c->dim};
     ds4_pp_schedule sch = {0};
     r.pass = calloc((size_t)(nc * M), sizeof *r.pass);
+    r.sending = calloc((size_t)(nc * M), sizeof *r.sending);
     r.fwd = calloc((size_t)(nc * M), sizeof *r.fwd);
     r.bwd = calloc((size_t)(2 * nc * M), sizeof *r.bwd);
     r.parts = calloc((size_t)np, sizeof *r.parts);
     r.loads = loads ? calloc((size_t)nl, sizeof *r.loads) : NULL;
-    ds4_status st = r.pass && r.fwd && r.bwd && r.parts && (!loads || r.loads)
+    ds4_status st = r.pass && r.sending && r.fwd && r.bwd && r.parts && (!loads || r.loads)
                         ? DS4_OK
                         : ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for %lld chunks x %lld micro-batches",
                                    (long long)nc, (long long)M);
     if (st == DS4_OK) st = ds4_pp_schedule_make(L->pp, L->vpp, M, ds4_comm_rank(pipe), &sch);
-    for (int64_t i = 0; st == DS4_OK && i < sch.n; i++)
+    for (int64_t i = 0; st == DS4_OK && i < sch.n; i++) {
         st = sch.a[i].op == DS4_PP_FORWARD ? forward(&r, &sch.a[i]) : backward(&r, &sch.a[i]);
+        if (st == DS4_OK) st = free_sent(&r);
+    }
+    if (a->passes_peak) *a->passes_peak = r.peak;
     /* every send done before its pass goes (after a failure too: nothing stays in flight on freed buffers) */
     for (int64_t i = 0; r.bwd && i < 2 * nc * M; i++) {
         const ds4_status w = ds4_comm_wait(r.bwd[i]);
@@ -154,6 +161,7 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
         for (int64_t i = 0; i < nc * M; i++) ds4_pass_free(r.pass[i]);
     ds4_pp_schedule_free(&sch);
     free(r.pass);
+    free(r.sending);
     free(r.fwd);
     free(r.bwd);
     free(r.parts);

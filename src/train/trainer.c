@@ -8,6 +8,7 @@
 #include "ds4/data.h"
 #include "ds4/io.h"
 #include "ds4/kernels.h"
+#include "ds4/pp_schedule.h"
 
 #include <errno.h>
 #include <math.h>
@@ -787,6 +788,35 @@ static ds4_status resume_and_trim(trainer *tr, int64_t *start) {
     return truncate_metrics(tr, *start);
 }
 
+/* Validation under a pipeline: the batches through ds4_pp_eval_rank in groups (each rank runs its chunks'
+ * forwards; every rank reads the same batches), a group's losses added to *sum in batch order, as the
+ * one-process loop adds them. A group is 8 micro-batches a chunk (the pipeline full past its fill) within
+ * the tags; a stop signal on any rank ends it before a group, on every rank alike. */
+static ds4_status validate_pipelined(trainer *tr, ds4_dataloader *v, int64_t batches, double *sum, int64_t *n) {
+    const ds4_train_cfg *c = tr->cfg;
+    const int64_t nc = tr->layout->pp * tr->layout->vpp, per = c->micro_batch * c->seq_len; /* checked sizes */
+    int64_t group = 8 * nc < 32767 / nc ? 8 * nc : 32767 / nc;
+    if (group > batches) group = batches;
+    if (group < 1) group = 1;
+    int32_t *ids = ds4_alloc(DS4_MEM_OTHER, (size_t)(group * per) * sizeof(int32_t)); /* [group, B, T] */
+    if (!ids) return ds4_fail(DS4_ERR_OOM, "out of memory for %lld validation micro-batches", (long long)group);
+    const ds4_pass_opts o = {.need_backward = false, .bf16_acts = ds4_train_state_bf16(tr->s)};
+    ds4_status st = DS4_OK;
+    while (st == DS4_OK && *n < batches) {
+        int64_t stop = g_stop ? 1 : 0;
+        st = ds4_comm_sum_i64(tr->world, &stop, 1);
+        if (st != DS4_OK || stop) break;
+        const int64_t g = batches - *n < group ? batches - *n : group;
+        for (int64_t i = 0; i < g && st == DS4_OK; i++) st = ds4_data_next(v, ids + i * per);
+        const ds4_pp_local_args a = {.layout = tr->layout, .micro_batches = g, .B = c->micro_batch,
+                                     .T = c->seq_len, .ids = ids, .opts = &o};
+        if (st == DS4_OK) st = ds4_pp_eval_rank(tr->m, tr->world, &a, sum);
+        if (st == DS4_OK) *n += g;
+    }
+    ds4_free(ids);
+    return st;
+}
+
 static ds4_status run_validation(trainer *tr) {
     const ds4_train_cfg *c = tr->cfg;
     if (!c->val_data[0] || c->val_batches <= 0) return DS4_OK;
@@ -799,8 +829,8 @@ static ds4_status run_validation(trainer *tr) {
     if (batches > c->val_batches) batches = c->val_batches;
     double sum = 0;
     int64_t n = 0;
-    ds4_status st = DS4_OK;
-    for (int64_t b = 0; b < batches && st == DS4_OK && !g_stop; b++) { /* a stop signal ends it too */
+    ds4_status st = tr->layout ? validate_pipelined(tr, v, batches, &sum, &n) : DS4_OK;
+    for (int64_t b = 0; !tr->layout && b < batches && st == DS4_OK && !g_stop; b++) { /* a stop signal ends it too */
         st = ds4_data_next(v, tr->ids);
         ds4_pass_opts o = {.need_backward = false, .hooks = ds4_train_state_hooks(tr->s),
                            .bf16_acts = ds4_train_state_bf16(tr->s)};

@@ -1,0 +1,21 @@
+/* What the pipeline's executors share (private to src/train): a chunk's stage pass, and for the executors
+ * over MPI (pp_mpi.c, a training step; pp_eval.c, a forward-only pass) the checks of a rank's run and a
+ * boundary tensor's receive. src/train/pp_rank.c. */
+#ifndef DS4_TRAIN_PP_IMPL_H
+#define DS4_TRAIN_PP_IMPL_H
+
+#include "ds4/pp_schedule.h"
+
+/* Chunk k of layout L as a stage pass of m: its layers, the embedding, the head; the head's chunk without the
+ * embedding hands the MTP rows' gradient on (a model with MTP). */
+ds4_stage pp_stage_of(const ds4_model *m, const ds4_pp_layout *L, int64_t k);
+
+/* The checks of a run on one rank over pipe (world = pp), one line each: pipe not of the layout's pp ranks,
+ * parameter hooks, a model outside host memory, a layout of another model, no micro-batch or a batch too
+ * small, more than 32767 tags (`kinds` tags per chunk and micro-batch). */
+ds4_status pp_check_rank(const ds4_model *m, const ds4_comm *pipe, const ds4_pp_local_args *a, int64_t kinds);
+
+/* *buf := a new buffer of count floats (free: free()) received from rank from_rank with tag; waits. */
+ds4_status pp_recv_into(ds4_comm *pipe, float **buf, int64_t count, int64_t from_rank, int tag);
+
+#endif
