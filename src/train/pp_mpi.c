@@ -4,6 +4,7 @@
 #include "ds4/kernels.h"
 #include "ds4/pp_schedule.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,17 +20,37 @@ typedef struct {
     ds4_comm_req **bwd;         /* [nc, M, 2] a backward's sends: the stream's gradient, the MTP rows */
     double *parts;              /* [M, 2 + n_layers]: loss, MTP loss, each layer's indexer KL (this rank's) */
     int64_t *loads;             /* NULL or [n_blocks, E] this rank's */
+    double idle;                /* seconds blocked in waits (receives, sends) */
+    double work_from;           /* when the running action's waits ended and its stage pass began */
 } run;
 
 /* The tag of a tensor of kind for chunk k (the receiver's chunk) of micro-batch mb. */
 static int tag_of(const run *r, int kind, int64_t k, int64_t mb) { return (int)((kind * r->nc + k) * r->M + mb); }
+
+/* ds4_comm_wait, the time it blocked counted idle. */
+static ds4_status wait_idle(run *r, ds4_comm_req *req) {
+    const double t0 = ds4_now();
+    const ds4_status s = ds4_comm_wait(req);
+    r->idle += ds4_now() - t0;
+    return s;
+}
 
 static ds4_status recv_into(run *r, float **buf, int64_t count, int64_t from_rank, int tag) {
     *buf = malloc((size_t)count * sizeof(float));
     if (!*buf) return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for a receive of %lld floats", (long long)count);
     ds4_comm_req *req = NULL;
     DS4_TRY(ds4_comm_irecv(r->pipe, *buf, count, sizeof(float), (int)from_rank, tag, &req));
-    return ds4_comm_wait(req);
+    return wait_idle(r, req);
+}
+
+/* The trace's span of action x: its waits ("wait F c1 mb3", from t0 to t1, when it blocked), or its work
+ * ("F c1 mb3"). */
+static void trace_action(const ds4_pp_action *x, bool wait, double t0, double t1) {
+    if (wait && t1 - t0 <= 1e-6) return;
+    char name[64];
+    snprintf(name, sizeof name, "%s%s c%lld mb%lld", wait ? "wait " : "", x->op == DS4_PP_FORWARD ? "F" : "B",
+             (long long)x->chunk, (long long)x->mb);
+    ds4_trace_span(name, t0, t1);
 }
 
 static ds4_stage stage_of(const run *r, int64_t k) {
@@ -48,6 +69,7 @@ static ds4_status forward(run *r, const ds4_pp_action *x) {
     if (x->from_chunk >= 0) s = recv_into(r, &X_in, r->S, x->from_rank, tag_of(r, TAG_STREAM, x->chunk, x->mb));
     ds4_pass_opts o = *a->opts;
     o.need_backward = true;
+    r->work_from = ds4_now();
     if (s == DS4_OK)
         s = ds4_stage_forward(r->m, a->ids + x->mb * a->B * a->T, a->B, a->T, &o, &st, X_in, &r->pass[i]);
     free(X_in);
@@ -64,11 +86,12 @@ static ds4_status backward(run *r, const ds4_pp_action *x) {
     ds4_pass *p = r->pass[i];
     ds4_comm_req *fw = r->fwd[i];
     r->fwd[i] = NULL;
-    ds4_status s = ds4_comm_wait(fw); /* the stream it sent is freed by the backward */
+    ds4_status s = wait_idle(r, fw); /* the stream it sent is freed by the backward */
     float *dX = NULL, *rows = NULL;
     if (s == DS4_OK && x->from_chunk >= 0) s = recv_into(r, &dX, r->S, x->from_rank, tag_of(r, TAG_GRAD, k, mb));
     if (s == DS4_OK && k == 0 && last > 0 && c->n_mtp_layers > 0)
         s = recv_into(r, &rows, r->R, last % r->a->layout->pp, tag_of(r, TAG_ROWS, 0, mb));
+    r->work_from = ds4_now();
     if (s == DS4_OK) s = ds4_stage_backward_rows(r->m, p, dX, rows);
     free(dX);
     free(rows);
@@ -91,6 +114,14 @@ static ds4_status backward(run *r, const ds4_pp_action *x) {
         DS4_TRY(ds4_comm_isend(r->pipe, ds4_pass_mtp_rows_grad(p), r->R, sizeof(float), 0, tag_of(r, TAG_ROWS, 0, mb),
                                &r->bwd[2 * i + 1]));
     return DS4_OK;
+}
+
+/* bubble [pp] := each rank's `mine`, on every rank (a sum of zeros but one: exact). */
+static ds4_status gather_bubble(ds4_comm *pipe, double mine, double *bubble) {
+    const int n = ds4_comm_size(pipe);
+    for (int i = 0; i < n; i++) bubble[i] = 0;
+    bubble[ds4_comm_rank(pipe)] = mine;
+    return ds4_comm_sum_f64(pipe, bubble, n);
 }
 
 ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args *a, ds4_losses *mean,
@@ -130,17 +161,26 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
                         : ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for %lld chunks x %lld micro-batches",
                                    (long long)nc, (long long)M);
     if (st == DS4_OK) st = ds4_pp_schedule_make(L->pp, L->vpp, M, ds4_comm_rank(pipe), &sch);
-    for (int64_t i = 0; st == DS4_OK && i < sch.n; i++)
+    const double begin = ds4_now();
+    for (int64_t i = 0; st == DS4_OK && i < sch.n; i++) {
+        const double t0 = r.work_from = ds4_now();
         st = sch.a[i].op == DS4_PP_FORWARD ? forward(&r, &sch.a[i]) : backward(&r, &sch.a[i]);
+        trace_action(&sch.a[i], true, t0, r.work_from);
+        trace_action(&sch.a[i], false, r.work_from, ds4_now());
+    }
     /* every send done before its pass goes (after a failure too: nothing stays in flight on freed buffers) */
+    const double sends = ds4_now();
     for (int64_t i = 0; r.bwd && i < 2 * nc * M; i++) {
-        const ds4_status w = ds4_comm_wait(r.bwd[i]);
+        const ds4_status w = wait_idle(&r, r.bwd[i]);
         if (st == DS4_OK) st = w;
     }
     for (int64_t i = 0; r.fwd && i < nc * M; i++) {
-        const ds4_status w = ds4_comm_wait(r.fwd[i]);
+        const ds4_status w = wait_idle(&r, r.fwd[i]);
         if (st == DS4_OK) st = w;
     }
+    const double end = ds4_now();
+    if (end - sends > 1e-6) ds4_trace_span("wait sends", sends, end);
+    if (st == DS4_OK && a->bubble) st = gather_bubble(pipe, r.idle / (end > begin ? end - begin : 1), a->bubble);
     /* every rank gets every micro-batch's parts (each nonzero on its one rank: adding zeros keeps the bits) */
     if (st == DS4_OK) st = ds4_comm_sum_f64(pipe, r.parts, np);
     if (st == DS4_OK && loads) st = ds4_comm_sum_i64(pipe, r.loads, nl);
