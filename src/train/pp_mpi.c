@@ -1,6 +1,7 @@
 /* A pipelined step over MPI, world = pp: each rank runs its own list of the schedule on a whole model
  * (include/ds4/pp_schedule.h, docs/pipeline.md). What crosses is what ds4_pp_run_local hands across: the
- * stream at a chunk's end, its gradient, the MTP rows' gradient from the head's rank to rank 0. */
+ * stream at a chunk's end, its gradient, the MTP rows' gradient from the head's rank to rank 0. Each rank
+ * times its waits (its bubble) and puts its actions and waits on the trace's pp row. */
 #include "ds4/kernels.h"
 #include "ds4/pp_schedule.h"
 
@@ -178,9 +179,15 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
         const ds4_status w = wait_idle(&r, r.fwd[i]);
         if (st == DS4_OK) st = w;
     }
-    const double end = ds4_now();
-    if (end - sends > 1e-6) ds4_trace_span("wait sends", sends, end);
-    if (st == DS4_OK && a->bubble) st = gather_bubble(pipe, r.idle / (end > begin ? end - begin : 1), a->bubble);
+    const double drain = ds4_now();
+    if (drain - sends > 1e-6) ds4_trace_span("wait sends", sends, drain);
+    if (st == DS4_OK && a->bubble) { /* a rank done early idles until the last one is: the pipeline drains */
+        st = ds4_comm_barrier(pipe);
+        const double end = ds4_now();
+        r.idle += end - drain;
+        if (end - drain > 1e-6) ds4_trace_span("wait drain", drain, end);
+        if (st == DS4_OK) st = gather_bubble(pipe, r.idle / (end > begin ? end - begin : 1), a->bubble);
+    }
     /* every rank gets every micro-batch's parts (each nonzero on its one rank: adding zeros keeps the bits) */
     if (st == DS4_OK) st = ds4_comm_sum_f64(pipe, r.parts, np);
     if (st == DS4_OK && loads) st = ds4_comm_sum_i64(pipe, r.loads, nl);
