@@ -5,7 +5,11 @@ the run prints at its end (20 batches of data.val: under a pipeline, forward-onl
 ds4_pp_eval_rank, in groups of 8 micro-batches a chunk). Cases: pp 2 1F1B (AdamW
 and Muon), pp 4 (also with full block recompute), pp 2 vpp 2 on the uneven layout E|tt|t|tmL (Muon) and under
 bf16 mixed precision (uniform); and a pipelined run resumed from one process's step-2 checkpoint; pp with EP
-refused. Needs mpirun (skipped without it).
+refused. The bubble: under pp the step line's `bubble X.X%` and the metrics' pp_bubble (the mean over the
+ranks, in [0, 1)), pp_bubble_max and pp_bubble_ranks (each rank's, in (0, 1)); none of them in a one-process
+run; the trace (--trace) of pp 2 1F1B and pp 2 vpp 2 holds one "F ck mbi" and one "B ck mbi" span a step per
+(chunk, micro-batch) of each rank, on its "pp" row, in the order of the rank's schedule (1F1B re-derived
+here); the TensorBoard scalar pp_bubble under pp only. Needs mpirun (skipped without it).
 
 Usage: python3 tests/test_pp_train.py [--build DIR] [--quick]"""
 import json
@@ -107,6 +111,84 @@ def same(name, ref, got):
     check(f"{name}: the one-process validation line", got[3] == ref[3], f"{got[3]} vs {ref[3]}")
 
 
+def one_f_one_b(pp, rank, m):
+    """Rank's actions of 1F1B (Megatron's order, re-derived): the warm-up forwards, F and B in turn, the rest."""
+    warm = min(pp - rank - 1, m)
+    acts = [("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        acts += [("F", warm + i), ("B", i)]
+    return acts + [("B", i) for i in range(m - warm, m)]
+
+
+def bubble_fields(name, out, jsonl, pp):
+    """The step lines' bubble field and the metrics' pp_bubble, pp_bubble_max, pp_bubble_ranks of a pipelined run."""
+    lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    check(f"{name}: every step line has 'bubble X.X%'",
+          lines and all(re.search(r"  bubble +\d+\.\d%$", ln) for ln in lines), lines)
+    with open(jsonl) as f:
+        rows = [json.loads(ln) for ln in f if ln.strip()]
+    check(f"{name}: metrics lines", len(rows) == len(lines), rows)
+    for r in rows:
+        ranks = r.get("pp_bubble_ranks", [])
+        check(f"{name} step {r['step']}: pp_bubble in [0, 1)", 0 <= r.get("pp_bubble", -1) < 1, r)
+        # every rank's receives block for some nanoseconds at least: a bubble of 0 is one never measured
+        check(f"{name} step {r['step']}: pp_bubble_ranks, one a rank, each in (0, 1)",
+              len(ranks) == pp and all(0 < b < 1 for b in ranks), r)
+        check(f"{name} step {r['step']}: pp_bubble their mean, pp_bubble_max their max",
+              ranks and abs(r["pp_bubble"] - sum(ranks) / pp) < 1e-5 and r.get("pp_bubble_max") == max(ranks), r)
+
+
+def trace_actions(name, path, pp, vpp, m, steps):
+    """The trace's pipeline spans: one F and one B a step per (chunk, micro-batch) of each rank; 1F1B in order."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    for rank in range(pp):
+        mine = sorted((e for e in events if e.get("pid") == rank and e.get("ph") == "X"), key=lambda e: e["ts"])
+        acts = [e for e in mine if re.fullmatch(r"[FB] c\d+ mb\d+", e["name"])]
+        rows = {e["tid"] for e in acts}
+        named = [e for e in events if e.get("pid") == rank and e.get("name") == "thread_name" and
+                 e.get("tid") in rows and e["args"]["name"] == "pp"]
+        check(f"{name} rank {rank}: the actions on one row named pp", len(rows) == 1 and len(named) == 1, (rows, named))
+        want = sorted(f"{op} c{k} mb{i}" for op in "FB" for k in range(rank, pp * vpp, pp) for i in range(m)) * steps
+        check(f"{name} rank {rank}: one F and one B span a step per (chunk, micro-batch)",
+              sorted(e["name"] for e in acts) == sorted(want), sorted(e["name"] for e in acts))
+        if vpp == 1:
+            order = [f"{op} c{rank} mb{i}" for op, i in one_f_one_b(pp, rank, m)] * steps
+            check(f"{name} rank {rank}: the spans in 1F1B's order", [e["name"] for e in acts] == order,
+                  [e["name"] for e in acts])
+
+
+def bubble_and_trace(tmp):
+    """pp 2 1F1B and pp 2 vpp 2 (2 steps of 4 micro-batches) with --trace: the bubble fields and the pipeline's
+    spans; one process: neither the field nor the keys."""
+    toml = os.path.join(tmp, "AdamW.toml")
+    for name, np, flags, vpp in (("bubble pp 2", 2, ["--parallel.pp", "2"], 1),
+                                 ("bubble pp 2 vpp 2", 2, ["--parallel.pp", "2", "--parallel.vpp", "2"], 2),
+                                 ("bubble one process", 1, [], 0)):
+        tag = name.replace(" ", "_")
+        jsonl, trace = os.path.join(tmp, f"{tag}.jsonl"), os.path.join(tmp, f"{tag}.trace.json")
+        tb = os.path.join(tmp, f"tb-{tag}")
+        r = ds4(["train", "--config", toml, "--training.steps", "2", "--checkpoint.folder",
+                 os.path.join(tmp, f"ckpt-{tag}"), "--metrics.jsonl", jsonl, "--trace", trace,
+                 "--metrics.enable_tensorboard", "true", "--metrics.save_tb_folder", tb, *flags], np)
+        check(f"{name}: ran", r.returncode == 0, (r.stdout + r.stderr)[-800:])
+        if r.returncode != 0:
+            continue
+        events = b"".join(open(os.path.join(tb, n), "rb").read() for n in os.listdir(tb))
+        check(f"{name}: the TensorBoard scalar pp_bubble {'only ' if np == 1 else ''}under pp",
+              (b"pp_bubble" in events) == (np > 1) and b"grad_norm" in events, len(events))
+        if np == 1:
+            with open(jsonl) as f:
+                keys = {k for ln in f if ln.strip() for k in json.loads(ln)}
+            check(f"{name}: no pp_bubble keys", keys and not any(k.startswith("pp_bubble") for k in keys), keys)
+            steps = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
+            check(f"{name}: no bubble in the step lines", len(steps) == 2 and not any("bubble" in ln for ln in steps),
+                  steps)
+            continue
+        bubble_fields(name, r.stdout, jsonl, np)
+        trace_actions(name, trace, np, vpp, 4, 2)
+
+
 def main():
     quick = "--quick" in args
     tmp = tempfile.mkdtemp(prefix="ds4-pp-train-")
@@ -145,6 +227,7 @@ def main():
                     f.write("".join(src.readlines()[:2]))
             same("pp 2 resumed from one process's step 2", muon,
                  run(tmp, "pp2-from-one", "Muon", 2, ["--parallel.pp", "2"], seed_from=one))
+        bubble_and_trace(tmp)
         # FSDP / EP inside a stage: one line, on every rank alike
         r = ds4(["train", "--config", os.path.join(tmp, "AdamW.toml"), "--parallel.pp", "2", "--parallel.ep", "2",
                  "--checkpoint.interval", "0"], 2)

@@ -105,10 +105,14 @@ void ds4_comm_exposed(double out[DS4_NUM_LANES]);
 void ds4_comm_allgather_bytes(int64_t out[DS4_NUM_LANES]);
 /* The trace (Chrome trace JSON, viewable in Perfetto): from ds4_trace_begin, a collective of world (it
  * aligns the ranks' clocks with a barrier), every rank records lanes "compute" (time not blocked in a
- * collective), "fsdp", "ep" and "other" (each collective from when it could start to its completion);
+ * collective), "fsdp", "ep" and "other" (each collective from when it could start to its completion), "pp"
+ * (ds4_trace_span);
  * ds4_trace_end gathers every rank's events on rank 0, which writes `path` (one process per rank). */
 ds4_status ds4_trace_begin(ds4_comm *world);
 ds4_status ds4_trace_end(ds4_comm *world, const char *path); /* world NULL: drop the events, no collective */
+/* A span on this rank's "pp" row of the trace (a pipeline's actions and waits, src/train/pp_mpi.c): name
+ * (copied) from t0 to t1, seconds of ds4_now's clock. Nothing while no trace is on. */
+void ds4_trace_span(const char *name, double t0, double t1);
 
 /* A route of expert parallelism (ds4/model.h) with zeroed counts, in one DS4_MEM_OTHER allocation (free:
  * ds4_ep_route_free or ds4_free); NULL on allocation failure. */

@@ -64,6 +64,7 @@ typedef struct {
     const int32_t *ids;         /* [micro_batches, B, T] */
     const ds4_pass_opts *opts;  /* every stage pass's (need_backward is set here); no layer-input swap */
     int64_t *passes_peak;       /* NULL, or set by ds4_pp_run_rank: the most passes this rank held at once */
+    double *bubble;             /* NULL or [pp], out (ds4_pp_run_rank only): each rank's bubble, on every rank */
 } ds4_pp_local_args;
 /* *mean += micro-batch mb's losses (its loss and MTP loss sums, each layer's indexer KL) / M, in the order
  * ds4_train_step adds them: what both executors end with, so they give its bits. */
@@ -79,7 +80,11 @@ ds4_status ds4_pp_run_local(ds4_model *m, const ds4_pp_local_args *a, ds4_losses
  * of the step). *mean and loads as ds4_pp_run_local, the same bits on every rank
  * (each micro-batch's loss parts and the loads summed over the ranks in rank order, each part nonzero on one
  * rank only). Refused with one line: pipe not of pp ranks, parameter hooks (FSDP / EP inside a stage are
- * not built yet), a model outside host memory. src/train/pp_mpi.c. */
+ * not built yet), a model outside host memory. a->bubble: each rank's idle share of the schedule, the
+ * seconds it spent blocked in the waits of its receives and sends, and after its list until every rank is
+ * done (a barrier), over the wall time from its first action to then (monotonic clock; gathered over pipe,
+ * nothing else changes). The trace (ds4_trace_span) gets each action ("F c1 mb3", "B c1 mb3"), each action's
+ * waits ("wait F c1 mb3"), "wait sends" and "wait drain" at the end. src/train/pp_mpi.c. */
 ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args *a, ds4_losses *mean,
                            int64_t *loads);
 

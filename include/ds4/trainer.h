@@ -215,6 +215,7 @@ typedef struct {
      * the one-process update (norm, AdamW / Muon, router bias) on the same gradients: the same bits. */
     ds4_comm *pipe;
     const ds4_pp_layout *layout;
+    double *pp_bubble; /* NULL or [pp], out: each pipeline rank's bubble of the step (ds4_pp_local_args.bubble) */
 } ds4_step_args;
 
 /* ------------------------------------------------------------------ a run description's parts

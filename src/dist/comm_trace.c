@@ -14,13 +14,14 @@
  * of different kinds (a gather in flight beside a reduce-scatter) sit on rows of their own. Overlapping
  * collectives of one kind (the pieces of one group, started together) merge into one event. */
 #define TRACE_SUB 4
+#define TRACE_PP_TID (1 + DS4_NUM_LANES * TRACE_SUB) /* the pipeline's row (ds4_trace_span), after the lanes' */
 typedef struct {
     const char *name; /* NULL: the row is free */
     double t0, t1;
     int count;        /* collectives merged into the event */
 } trace_open;
 static struct {
-    bool on, oom;
+    bool on, oom, pp_used;
     double t0, busy_from;              /* the trace's zero; when this rank last stopped waiting */
     trace_open open[DS4_NUM_LANES][TRACE_SUB];
     int sub_used[DS4_NUM_LANES];
@@ -99,6 +100,12 @@ void comm_trace_wait(ds4_comm_lane lane, const char *name, double start, double 
     }
 }
 
+void ds4_trace_span(const char *name, double t0, double t1) {
+    if (!g_trace.on) return;
+    trace_event(name, TRACE_PP_TID, t0, t1);
+    g_trace.pp_used = true;
+}
+
 /* ------------------------------------------------------------------ the trace file */
 ds4_status ds4_trace_begin(ds4_comm *world) {
     DS4_TRY(ds4_comm_barrier(world)); /* one zero for every rank's clock (one machine: one monotonic clock) */
@@ -123,6 +130,9 @@ static void trace_names(void) {
             trace_printf(",\n{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"sort_index\":%d}}",
                          r, tid, tid);
         }
+    if (g_trace.pp_used)
+        trace_printf(",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"pp\"}}", r,
+                     TRACE_PP_TID);
 }
 
 ds4_status ds4_trace_end(ds4_comm *world, const char *path) {

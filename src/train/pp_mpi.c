@@ -1,9 +1,11 @@
 /* A pipelined step over MPI, world = pp: each rank runs its own list of the schedule on a whole model
  * (include/ds4/pp_schedule.h, docs/pipeline.md). What crosses is what ds4_pp_run_local hands across: the
- * stream at a chunk's end, its gradient, the MTP rows' gradient from the head's rank to rank 0. */
+ * stream at a chunk's end, its gradient, the MTP rows' gradient from the head's rank to rank 0. Each rank
+ * times its waits (its bubble) and puts its actions and waits on the trace's pp row. */
 #include "ds4/kernels.h"
 #include "pp_impl.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,13 +23,36 @@ typedef struct {
     ds4_comm_req **bwd;         /* [nc, M, 2] a backward's sends: the stream's gradient, the MTP rows */
     double *parts;              /* [M, 2 + n_layers]: loss, MTP loss, each layer's indexer KL (this rank's) */
     int64_t *loads;             /* NULL or [n_blocks, E] this rank's */
+    double idle;                /* seconds blocked in waits (receives, sends) */
+    double work_from;           /* when the running action's waits ended and its stage pass began */
 } run;
 
 /* The tag of a tensor of kind for chunk k (the receiver's chunk) of micro-batch mb. */
 static int tag_of(const run *r, int kind, int64_t k, int64_t mb) { return (int)((kind * r->nc + k) * r->M + mb); }
 
+/* ds4_comm_wait, the time it blocked counted idle. */
+static ds4_status wait_idle(run *r, ds4_comm_req *req) {
+    const double t0 = ds4_now();
+    const ds4_status s = ds4_comm_wait(req);
+    r->idle += ds4_now() - t0;
+    return s;
+}
+
 static ds4_status recv_into(run *r, float **buf, int64_t count, int64_t from_rank, int tag) {
-    return pp_recv_into(r->pipe, buf, count, from_rank, tag);
+    const double t0 = ds4_now(); /* the receive blocks until the sender's tensor is there: idle */
+    const ds4_status s = pp_recv_into(r->pipe, buf, count, from_rank, tag);
+    r->idle += ds4_now() - t0;
+    return s;
+}
+
+/* The trace's span of action x: its waits ("wait F c1 mb3", from t0 to t1, when it blocked), or its work
+ * ("F c1 mb3"). */
+static void trace_action(const ds4_pp_action *x, bool wait, double t0, double t1) {
+    if (wait && t1 - t0 <= 1e-6) return;
+    char name[64];
+    snprintf(name, sizeof name, "%s%s c%lld mb%lld", wait ? "wait " : "", x->op == DS4_PP_FORWARD ? "F" : "B",
+             (long long)x->chunk, (long long)x->mb);
+    ds4_trace_span(name, t0, t1);
 }
 
 static ds4_stage stage_of(const run *r, int64_t k) { return pp_stage_of(r->m, r->a->layout, k); }
@@ -41,6 +66,7 @@ static ds4_status forward(run *r, const ds4_pp_action *x) {
     if (x->from_chunk >= 0) s = recv_into(r, &X_in, r->S, x->from_rank, tag_of(r, TAG_STREAM, x->chunk, x->mb));
     ds4_pass_opts o = *a->opts;
     o.need_backward = true;
+    r->work_from = ds4_now();
     if (s == DS4_OK)
         s = ds4_stage_forward(r->m, a->ids + x->mb * a->B * a->T, a->B, a->T, &o, &st, X_in, &r->pass[i]);
     if (s == DS4_OK && ++r->live > r->peak) r->peak = r->live;
@@ -58,11 +84,12 @@ static ds4_status backward(run *r, const ds4_pp_action *x) {
     ds4_pass *p = r->pass[i];
     ds4_comm_req *fw = r->fwd[i];
     r->fwd[i] = NULL;
-    ds4_status s = ds4_comm_wait(fw); /* the stream it sent is freed by the backward */
+    ds4_status s = wait_idle(r, fw); /* the stream it sent is freed by the backward */
     float *dX = NULL, *rows = NULL;
     if (s == DS4_OK && x->from_chunk >= 0) s = recv_into(r, &dX, r->S, x->from_rank, tag_of(r, TAG_GRAD, k, mb));
     if (s == DS4_OK && k == 0 && last > 0 && c->n_mtp_layers > 0)
         s = recv_into(r, &rows, r->R, last % r->a->layout->pp, tag_of(r, TAG_ROWS, 0, mb));
+    r->work_from = ds4_now();
     if (s == DS4_OK) s = ds4_stage_backward_rows(r->m, p, dX, rows);
     free(dX);
     free(rows);
@@ -113,6 +140,14 @@ static ds4_status free_sent(run *r) {
     return s;
 }
 
+/* bubble [pp] := each rank's `mine`, on every rank (a sum of zeros but one: exact). */
+static ds4_status gather_bubble(ds4_comm *pipe, double mine, double *bubble) {
+    const int n = ds4_comm_size(pipe);
+    for (int i = 0; i < n; i++) bubble[i] = 0;
+    bubble[ds4_comm_rank(pipe)] = mine;
+    return ds4_comm_sum_f64(pipe, bubble, n);
+}
+
 ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args *a, ds4_losses *mean,
                            int64_t *loads) {
     const ds4_config *c = ds4_model_config(m);
@@ -134,19 +169,33 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
                         : ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for %lld chunks x %lld micro-batches",
                                    (long long)nc, (long long)M);
     if (st == DS4_OK) st = ds4_pp_schedule_make(L->pp, L->vpp, M, ds4_comm_rank(pipe), &sch);
+    const double begin = ds4_now();
     for (int64_t i = 0; st == DS4_OK && i < sch.n; i++) {
+        const double t0 = r.work_from = ds4_now();
         st = sch.a[i].op == DS4_PP_FORWARD ? forward(&r, &sch.a[i]) : backward(&r, &sch.a[i]);
+        trace_action(&sch.a[i], true, t0, r.work_from);
+        trace_action(&sch.a[i], false, r.work_from, ds4_now());
         if (st == DS4_OK) st = free_sent(&r);
     }
     if (a->passes_peak) *a->passes_peak = r.peak;
     /* every send done before its pass goes (after a failure too: nothing stays in flight on freed buffers) */
+    const double sends = ds4_now();
     for (int64_t i = 0; r.bwd && i < 2 * nc * M; i++) {
-        const ds4_status w = ds4_comm_wait(r.bwd[i]);
+        const ds4_status w = wait_idle(&r, r.bwd[i]);
         if (st == DS4_OK) st = w;
     }
     for (int64_t i = 0; r.fwd && i < nc * M; i++) {
-        const ds4_status w = ds4_comm_wait(r.fwd[i]);
+        const ds4_status w = wait_idle(&r, r.fwd[i]);
         if (st == DS4_OK) st = w;
+    }
+    const double drain = ds4_now();
+    if (drain - sends > 1e-6) ds4_trace_span("wait sends", sends, drain);
+    if (st == DS4_OK && a->bubble) { /* a rank done early idles until the last one is: the pipeline drains */
+        st = ds4_comm_barrier(pipe);
+        const double end = ds4_now();
+        r.idle += end - drain;
+        if (end - drain > 1e-6) ds4_trace_span("wait drain", drain, end);
+        if (st == DS4_OK) st = gather_bubble(pipe, r.idle / (end > begin ? end - begin : 1), a->bubble);
     }
     /* every rank gets every micro-batch's parts (each nonzero on its one rank: adding zeros keeps the bits) */
     if (st == DS4_OK) st = ds4_comm_sum_f64(pipe, r.parts, np);

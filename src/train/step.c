@@ -206,7 +206,7 @@ static ds4_status pipeline_gradients(ds4_train_state *s, const ds4_step_args *a,
                              .moe_force_balance = a->moe_force_balance, .store = ds4_act_store_of(&pol),
                              .bf16_acts = ds4_train_state_bf16(s)};
     const ds4_pp_local_args pa = {.layout = a->layout, .micro_batches = M, .B = a->B, .T = a->T, .ids = ids,
-                                  .opts = &o};
+                                  .opts = &o, .bubble = a->pp_bubble};
     ds4_losses mean;
     if (st == DS4_OK) st = ds4_pp_run_rank(m, a->pipe, &pa, &mean, a->loads);
     free(ids);

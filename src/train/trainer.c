@@ -493,6 +493,7 @@ typedef struct {
     bool stopped;        /* a stop signal reached some rank: every rank stops after the same step */
     int64_t step;        /* the step running (for the reports) */
     ds4_pp_layout *layout; /* a pipeline (pp > 1): its layout, the world its ranks; NULL: none */
+    double bubble[DS4_PP_MAX_CHUNKS]; /* a pipeline: [pp] each rank's bubble of the step (ds4_pp_run_rank) */
 } trainer;
 
 /* The settings that need the world or the model: TorchTitan's global batch -1 (micro_batch_size on
@@ -613,7 +614,7 @@ static ds4_step_args step_args(trainer *tr, int64_t step, double lr) {
     a.ctx = tr;
     a.loads = tr->loads;
     a.on_pass = report_units;
-    if (tr->layout) a.pipe = tr->world, a.layout = tr->layout;
+    if (tr->layout) a.pipe = tr->world, a.layout = tr->layout, a.pp_bubble = tr->bubble;
     return a;
 }
 
@@ -624,13 +625,29 @@ static double wall_clock(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* The scalars of a logged step, under the names of the JSONL file's keys. */
-static ds4_status tb_step(trainer *tr, int64_t step, const ds4_step_result *r, double lr, const double m[4]) {
+/* The scalars of a logged step, under the names of the JSONL file's keys (pp_bubble under a pipeline). */
+static ds4_status tb_step(trainer *tr, int64_t step, const ds4_step_result *r, double lr, const double m[5]) {
     if (!tr->tb) return DS4_OK;
     static const char *const tags[] = {"loss", "mtp_loss", "indexer_loss", "grad_norm", "lr",
-                                       "memory_gib", "tps", "tflops", "mfu"};
-    const double v[] = {r->loss, r->mtp_loss, r->indexer_loss, r->grad_norm, lr, m[0], m[1], m[2], m[3]};
-    return ds4_tfevents_scalars(tr->tb, step, wall_clock(), (int)(sizeof v / sizeof v[0]), tags, v);
+                                       "memory_gib", "tps", "tflops", "mfu", "pp_bubble"};
+    const double v[] = {r->loss, r->mtp_loss, r->indexer_loss, r->grad_norm, lr, m[0], m[1], m[2], m[3], m[4]};
+    return ds4_tfevents_scalars(tr->tb, step, wall_clock(), (int)(sizeof v / sizeof v[0]) - !tr->layout, tags, v);
+}
+
+/* The pipeline's bubble of the step: the mean over its ranks of each one's idle share, and the largest. */
+static void bubble_of(const trainer *tr, double *mean, double *max) {
+    *mean = *max = 0;
+    for (int64_t i = 0; tr->layout && i < tr->layout->pp; i++) {
+        *mean += tr->bubble[i] / (double)tr->layout->pp;
+        if (tr->bubble[i] > *max) *max = tr->bubble[i];
+    }
+}
+
+/* The metrics line's pipeline fields: the bubble's mean, max and each rank's. */
+static void jsonl_bubble(const trainer *tr, double mean, double max) {
+    fprintf(tr->jsonl, ", \"pp_bubble\": %.6f, \"pp_bubble_max\": %.6f, \"pp_bubble_ranks\": [", mean, max);
+    for (int64_t i = 0; i < tr->layout->pp; i++) fprintf(tr->jsonl, "%s%.6f", i ? ", " : "", tr->bubble[i]);
+    fprintf(tr->jsonl, "]");
 }
 
 /* Seconds of a step: its wall time, and the parts of it spent blocked in FSDP and EP collectives. */
@@ -664,11 +681,13 @@ static ds4_status log_step(trainer *tr, int64_t step, const ds4_step_result *r, 
         tr->peak_flops = rate;
     }
     double mfu = tr->peak_flops > 0 ? 100.0 * rate / tr->peak_flops : 0;
-    double gib = (double)ms.peak_total / (1024.0 * 1024.0 * 1024.0);
+    double gib = (double)ms.peak_total / (1024.0 * 1024.0 * 1024.0), bubble, bubble_max;
+    bubble_of(tr, &bubble, &bubble_max);
     if (tr->lead && (step == 1 || step % c->log_freq == 0 || step == c->steps)) {
         printf("step %5lld  loss %7.4f  grad_norm %7.4f  memory %6.3fGiB  tps %8.0f  tflops %6.3f  mfu %5.2f%%",
                (long long)step, r->loss, r->grad_norm, gib, tps, tflops, mfu);
         if (tr->W > 1) print_breakdown(t);
+        if (tr->layout) printf("  bubble %4.1f%%", 100.0 * bubble);
         printf("\n");
         fflush(stdout);
         if (tr->jsonl) {
@@ -682,12 +701,13 @@ static ds4_status log_step(trainer *tr, int64_t step, const ds4_step_result *r, 
             if (tr->W > 1)
                 fprintf(tr->jsonl, ", \"compute_time\": %.6f, \"exposed_fsdp_time\": %.6f, \"exposed_ep_time\": %.6f",
                         t->wall - t->fsdp - t->ep - t->other, t->fsdp, t->ep);
+            if (tr->layout) jsonl_bubble(tr, bubble, bubble_max);
             fprintf(tr->jsonl, "}\n");
             if (fflush(tr->jsonl) != 0 || ferror(tr->jsonl))
                 return ds4_fail(DS4_ERR_IO, "%s: cannot write the metrics of step %lld: %s", c->jsonl, (long long)step,
                                 strerror(errno));
         }
-        return tb_step(tr, step, r, lr, (const double[4]){gib, tps, tflops, mfu});
+        return tb_step(tr, step, r, lr, (const double[5]){gib, tps, tflops, mfu, bubble});
     }
     return DS4_OK;
 }
