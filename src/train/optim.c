@@ -244,7 +244,7 @@ ds4_status ds4_optim_init(ds4_optim *o, const ds4_optimizer *opt, ds4_model *m, 
                                     .own = ds4_optimizer_takes(entry_or_adamw(opt), p)};
     }
     /* an unmapped model (a pipeline stage): what it does not train, and the padding, has no state */
-    ds4_status st = init_runs(o, ds4_model_exec(m), opt, ds4_model_numel(m), r, nr, m && ds4_model_held_bytes(m, true) > 0,
+    ds4_status st = init_runs(o, ds4_model_exec(m), opt, ds4_model_numel(m), r, nr, ds4_model_held_bytes(m, true) > 0,
                               store, chunk_bytes);
     ds4_free(r);
     return st;
