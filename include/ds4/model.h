@@ -146,10 +146,13 @@ ds4_status ds4_model_save(ds4_model *m, const char *dir, ds4_dtype float_dtype);
  * A region is a contiguous flat range [start, end) of one group: dense (expert = -1) or one routed
  * expert's w1, w2, w3. Regions cover every float parameter; a parameter lies in exactly one. In a model
  * with the bf16 copy a group's dense range is cut further where the compute dtype changes. */
+enum { DS4_HELD_VALUES = 1, DS4_HELD_GRADS = 2 };
 typedef struct {
     int64_t group;
     int32_t expert;
-    bool bf16; /* a model with the bf16 copy: its parameters' compute dtype is bf16 (ds4_param.gemm) */
+    bool bf16;    /* a model with the bf16 copy: its parameters' compute dtype is bf16 (ds4_param.gemm) */
+    uint8_t held; /* an unmapped model's region resident for good (ds4_model_hold): DS4_HELD_VALUES (with the
+                   * bf16 copy) | DS4_HELD_GRADS; 0 in a whole model, which holds everything */
     int64_t start, end;
 } ds4_region;
 
@@ -175,12 +178,12 @@ void ds4_model_unmap_bf16(ds4_model *m, int64_t start, int64_t end);
  * ds4_model_init_random, ds4_model_load, ds4_model_zero_grad and ds4_model_refresh_bf16 touch the held
  * parts only (every integer table and carried tensor is always there). */
 ds4_status ds4_model_hold(ds4_model *m, int64_t group, bool grads);
-/* Whether group's values (grads false) or gradients are resident: always in a whole model; in an unmapped
- * one, when held by ds4_model_hold (what FSDP maps for a while is not held). */
-bool ds4_model_holds(const ds4_model *m, int64_t group, bool grads);
-/* The group of flat element i (region padding belongs to its region), -1 outside the layout. */
-int64_t ds4_model_group_at(const ds4_model *m, int64_t i);
-/* ds4_model_holds of p's group; an integer table or carried tensor: values yes, gradients no. */
+/* Whether region i's values (grads false) or gradients are resident: always in a whole model; in an unmapped
+ * one, when its group is held by ds4_model_hold (what FSDP maps for a while is not held). */
+bool ds4_model_region_held(const ds4_model *m, int64_t i, bool grads);
+/* The region of flat element i (region padding belongs to its region), -1 outside the layout. */
+int64_t ds4_model_region_at(const ds4_model *m, int64_t i);
+/* ds4_model_region_held of p's region; an integer table or carried tensor: values yes, gradients no. */
 bool ds4_model_param_held(const ds4_model *m, const ds4_param *p, bool grads);
 /* Bytes an unmapped model holds for good: its held regions' values with their bf16 copy (grads false) or
  * gradients, padding included: what ds4_model_hold counted (0 for a whole model). */

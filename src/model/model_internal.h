@@ -54,10 +54,7 @@ struct ds4_model {
     bool unmapped;                    /* flat / gflat are reserved ranges (ds4_model_create with unmapped) */
     ds4_exec exec;                    /* the context it was made for (ds4_model_create); passes check it */
     uint16_t *hflat;                  /* [numel] the bf16 compute copy, or NULL (fp32 models) */
-    uint8_t held[DS4_MAX_LAYERS + 3]; /* [groups] an unmapped model's groups resident for good (ds4_model_hold):
-                                       * HELD_VALUES (with the bf16 copy), HELD_GRADS */
 };
-enum { HELD_VALUES = 1, HELD_GRADS = 2 };
 
 /* ------------------------------------------------------------------ the model's device buffers
  * Every tensor a kernel reads or writes lives in the memory of the model's backend (buf_alloc in the

@@ -275,7 +275,7 @@ void ds4_model_refresh_bf16(ds4_model *m) {
     if (!m->hflat) return;
     for (int64_t i = 0; i < m->nregions; i++) {
         const ds4_region *r = &m->regions[i];
-        if (r->bf16 && ds4_model_holds(m, r->group, false))
+        if (r->bf16 && ds4_model_region_held(m, i, false))
             tensor_pack_bf16(&m->exec, m->hflat + r->start, m->flat + r->start, r->end - r->start);
     }
 }
@@ -283,84 +283,84 @@ void ds4_model_zero_grad(ds4_model *m) {
     if (!m->unmapped) tensor_zero(&m->exec, m->gflat, (size_t)m->numel * sizeof(float)); /* a plan's: skipped */
     for (int64_t i = 0; m->unmapped && i < m->nregions; i++) {
         const ds4_region *r = &m->regions[i];
-        if (m->held[r->group] & HELD_GRADS)
+        if (r->held & DS4_HELD_GRADS)
             tensor_zero(&m->exec, m->gflat + r->start, (size_t)(r->end - r->start) * sizeof(float));
     }
 }
 
 /* ------------------------------------------------------------------ resident groups (a pipeline stage) */
-bool ds4_model_holds(const ds4_model *m, int64_t group, bool grads) {
+static uint8_t held_flag(bool grads) { return grads ? DS4_HELD_GRADS : DS4_HELD_VALUES; }
+
+bool ds4_model_region_held(const ds4_model *m, int64_t i, bool grads) {
     if (!m->unmapped) return true;
-    if (group < 0 || group >= ds4_model_ngroups(m)) return false;
-    return (m->held[group] & (grads ? HELD_GRADS : HELD_VALUES)) != 0;
+    return i >= 0 && i < m->nregions && (m->regions[i].held & held_flag(grads)) != 0;
 }
 
-int64_t ds4_model_group_at(const ds4_model *m, int64_t i) {
+int64_t ds4_model_region_at(const ds4_model *m, int64_t i) {
     int64_t lo = 0, hi = m->nregions - 1;
     while (lo < hi) { /* the last region starting at or before i */
         const int64_t mid = lo + (hi - lo + 1) / 2;
         if (m->regions[mid].start <= i) lo = mid;
         else hi = mid - 1;
     }
-    return m->nregions > 0 && i >= 0 && i < m->numel ? m->regions[lo].group : -1;
+    return m->nregions > 0 && i >= 0 && i < m->numel ? lo : -1;
 }
 
 bool ds4_model_param_held(const ds4_model *m, const ds4_param *p, bool grads) {
     if (!ds4_param_in_flat(p)) return !grads;
-    return ds4_model_holds(m, ds4_model_group_at(m, p->data - m->flat), grads);
+    return ds4_model_region_held(m, ds4_model_region_at(m, p->data - m->flat), grads);
 }
 
 int64_t ds4_model_held_bytes(const ds4_model *m, bool grads) {
     int64_t bytes = 0;
     for (int64_t i = 0; m->unmapped && i < m->nregions; i++) {
         const ds4_region *r = &m->regions[i];
-        if (!ds4_model_holds(m, r->group, grads)) continue;
+        if (!(r->held & held_flag(grads))) continue;
         bytes += (r->end - r->start) * (int64_t)sizeof(float);
         if (!grads && m->hflat && r->bf16) bytes += (r->end - r->start) * (int64_t)sizeof(uint16_t);
     }
     return bytes;
 }
 
-/* Every region of group g: values (and bf16 copy) or gradients mapped (map) or given back. */
-static ds4_status group_map(ds4_model *m, int64_t g, bool grads, bool map) {
-    for (int64_t i = 0; i < m->nregions; i++) {
-        const ds4_region *r = &m->regions[i];
-        if (r->group != g) continue;
-        if (!map) {
-            ds4_model_unmap(m, r->start, r->end, grads);
-            if (!grads && m->hflat && r->bf16) ds4_model_unmap_bf16(m, r->start, r->end);
-            continue;
-        }
-        DS4_TRY(ds4_model_map(m, r->start, r->end, grads));
-        if (!grads && m->hflat && r->bf16) DS4_TRY(ds4_model_map_bf16(m, r->start, r->end));
-    }
-    return DS4_OK;
+/* Region i's values (and bf16 copy) or gradients mapped for good and marked (a failure maps nothing), or
+ * given back. */
+static ds4_status region_hold(ds4_model *m, int64_t i, bool grads) {
+    ds4_region *r = &m->regions[i];
+    if (r->held & held_flag(grads)) return DS4_OK;
+    DS4_TRY(ds4_model_map(m, r->start, r->end, grads));
+    ds4_status st = !grads && m->hflat && r->bf16 ? ds4_model_map_bf16(m, r->start, r->end) : DS4_OK;
+    if (st != DS4_OK) ds4_model_unmap(m, r->start, r->end, grads);
+    else r->held |= held_flag(grads);
+    return st;
+}
+
+static void region_unhold(ds4_model *m, int64_t i) {
+    ds4_region *r = &m->regions[i];
+    if (r->held & DS4_HELD_GRADS) ds4_model_unmap(m, r->start, r->end, true);
+    if ((r->held & DS4_HELD_VALUES) && m->hflat && r->bf16) ds4_model_unmap_bf16(m, r->start, r->end);
+    if (r->held & DS4_HELD_VALUES) ds4_model_unmap(m, r->start, r->end, false);
+    r->held = 0;
 }
 
 ds4_status ds4_model_hold(ds4_model *m, int64_t group, bool grads) {
     if (!m->unmapped || group < 0 || group >= ds4_model_ngroups(m))
         return ds4_fail(DS4_ERR_INTERNAL, "model hold: group %lld of %s model", (long long)group,
                         m->unmapped ? "an unmapped" : "a whole");
-    if (!(m->held[group] & HELD_VALUES)) {
-        m->held[group] |= HELD_VALUES; /* marked first: a failure half way is given back by free */
-        DS4_TRY(group_map(m, group, false, true));
-    }
-    if (grads && !(m->held[group] & HELD_GRADS)) {
-        m->held[group] |= HELD_GRADS;
-        const char *prev = ds4_mem_owner_enter(DS4_OWNER_GRAD_RESIDENT); /* as a whole model's gradients */
-        ds4_status st = group_map(m, group, true, true);
-        ds4_mem_owner_leave(prev);
-        DS4_TRY(st);
+    for (int64_t i = 0; i < m->nregions; i++) {
+        if (m->regions[i].group != group) continue;
+        DS4_TRY(region_hold(m, i, false));
+        if (grads) {
+            const char *prev = ds4_mem_owner_enter(DS4_OWNER_GRAD_RESIDENT); /* as a whole model's gradients */
+            ds4_status st = region_hold(m, i, true);
+            ds4_mem_owner_leave(prev);
+            DS4_TRY(st);
+        }
     }
     return DS4_OK;
 }
 
 static void unhold_all(ds4_model *m) {
-    for (int64_t g = 0; m->unmapped && g < ds4_model_ngroups(m); g++) {
-        if (m->held[g] & HELD_GRADS) (void)group_map(m, g, true, false);
-        if (m->held[g] & HELD_VALUES) (void)group_map(m, g, false, false);
-        m->held[g] = 0;
-    }
+    for (int64_t i = 0; m->unmapped && i < m->nregions; i++) region_unhold(m, i);
 }
 
 int64_t ds4_model_ngroups(const ds4_model *m) { return m->cfg.n_layers + 2 + (m->cfg.n_mtp_layers > 0); }

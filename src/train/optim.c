@@ -537,7 +537,7 @@ static ds4_status held_sumsq(ds4_model *m, ds4_sumsq_acc *a) {
     memset(a, 0, sizeof *a);
     for (int64_t i = 0; i < ds4_model_nregions(m); i++) {
         const ds4_region *r = ds4_model_region(m, i);
-        if (!ds4_model_holds(m, r->group, true)) continue;
+        if (!ds4_model_region_held(m, i, true)) continue;
         ds4_sumsq_acc part;
         DS4_TRY(ds4_dev_sumsq_exact(ex, g + r->start, r->end - r->start, &part));
         for (int k = 0; k <= DS4_SUMSQ_LIMBS; k++) a->limb[k] += part.limb[k]; /* integers: any order */
@@ -554,7 +554,7 @@ void ds4_model_scale_held_grads(ds4_model *m, float s) {
     }
     for (int64_t i = 0; i < ds4_model_nregions(m); i++) {
         const ds4_region *r = ds4_model_region(m, i);
-        if (ds4_model_holds(m, r->group, true)) ds4_dev_scale(ex, g + r->start, r->end - r->start, s);
+        if (ds4_model_region_held(m, i, true)) ds4_dev_scale(ex, g + r->start, r->end - r->start, s);
     }
 }
 

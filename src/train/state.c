@@ -93,7 +93,8 @@ static int embed_reader(const ds4_train_state *s) {
 
 /* The owner of p's group (a float parameter of a pipeline stage's model). */
 static int param_owner(const ds4_train_state *s, const ds4_param *p) {
-    return group_owner(s->pp, ds4_model_config(s->m), ds4_model_group_at(s->m, p->data - ds4_model_params_flat(s->m)));
+    const int64_t r = ds4_model_region_at(s->m, p->data - ds4_model_params_flat(s->m));
+    return group_owner(s->pp, ds4_model_config(s->m), ds4_model_region(s->m, r)->group);
 }
 
 static ds4_status open_stage(ds4_train_state *s, const ds4_config *mc, const ds4_train_state_opts *o) {
@@ -712,7 +713,7 @@ static ds4_status held_nonfinite(ds4_model *m, int64_t *bad) {
     for (int64_t i = 0; i < ds4_model_nregions(m); i++) {
         const ds4_region *r = ds4_model_region(m, i);
         int64_t k = 0;
-        if (!ds4_model_holds(m, r->group, true)) continue;
+        if (!ds4_model_region_held(m, i, true)) continue;
         DS4_TRY(ds4_dev_count_nonfinite(ds4_model_exec(m), ds4_model_params_flat(m) + r->start, r->end - r->start, &k));
         *bad += k;
     }
