@@ -266,20 +266,17 @@ ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *nor
 
 enum { TAG_EMBED = 32000, TAG_CKPT = 32001 }; /* above the schedule's tags, whose messages are all received */
 
-/* Region [start, end) of the values from rank `from` to rank `to` of the pipeline, through a host buffer. */
+/* Region [start, end) of the values from rank `from` to rank `to` of the pipeline, in place (a pipeline's
+ * model is in host memory: ds4_pp_run_rank refuses any other), so a step allocates nothing for it. */
 static ds4_status send_values(ds4_train_state *s, int from, int to, int64_t start, int64_t end) {
-    const int rank = ds4_comm_rank(s->world);
-    const size_t bytes = (size_t)(end - start) * sizeof(float);
-    float *buf = ds4_alloc(DS4_MEM_OTHER, bytes ? bytes : 1), *dev = ds4_model_params_flat(s->m) + start;
-    if (!buf) return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory sending the embedding (%zu bytes)", bytes);
+    float *v = ds4_model_params_flat(s->m) + start;
+    if (!ds4_exec_host_memory(&s->exec))
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline: sending the embedding of a model in device memory is not built yet");
     ds4_comm_req *req = NULL;
-    if (rank == from) ds4_model_to_host(s->m, buf, dev, bytes);
-    ds4_status st = rank == from ? ds4_comm_isend(s->world, buf, end - start, sizeof(float), to, TAG_EMBED, &req)
-                                 : ds4_comm_irecv(s->world, buf, end - start, sizeof(float), from, TAG_EMBED, &req);
-    if (st == DS4_OK) st = ds4_comm_wait(req);
-    if (st == DS4_OK && rank == to) ds4_model_to_device(s->m, dev, buf, bytes);
-    ds4_free(buf);
-    return st;
+    ds4_status st = ds4_comm_rank(s->world) == from
+                        ? ds4_comm_isend(s->world, v, end - start, sizeof(float), to, TAG_EMBED, &req)
+                        : ds4_comm_irecv(s->world, v, end - start, sizeof(float), from, TAG_EMBED, &req);
+    return st == DS4_OK ? ds4_comm_wait(req) : st;
 }
 
 ds4_status ds4_train_state_share(ds4_train_state *s) {
