@@ -146,7 +146,7 @@ ds4_status ds4_train_state_swap_slot(ds4_train_state *s, int slot, ds4_act_swap 
  * held by the state until the next call); NULL without EP. */
 const ds4_ep_ops *ds4_train_state_yielding_ep(ds4_train_state *s, void (*yield)(void *ctx), void *ctx);
 int64_t ds4_train_state_numel(const ds4_train_state *s);           /* parameters of the whole model */
-int64_t ds4_train_state_held_numel(const ds4_train_state *s);      /* elements held here: all, or the shard's */
+int64_t ds4_train_state_held_numel(const ds4_train_state *s);      /* elements trained here: all, the shard's, a stage's groups' */
 void ds4_train_state_zero_grads(ds4_train_state *s);
 /* The pieces of ds4_train_step below, one by one (on a plan state: only inside ds4_train_step). */
 /* Gradients /= micro_batches (all ranks' micro-batches of the step): the mean over the global batch. */

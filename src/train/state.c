@@ -220,19 +220,25 @@ const ds4_ep_ops *ds4_train_state_yielding_ep(ds4_train_state *s, void (*yield)(
     ds4_fsdp_yielding_init(s->f, yield, ctx, &s->yielding);
     return &s->yielding.ops;
 }
-int64_t ds4_train_state_numel(const ds4_train_state *s) {
-    if (s->f) return ds4_fsdp_packed_numel(s->f);
-    if (!s->pp) return ds4_model_numel(s->m);
-    int64_t n = 0; /* a stage's model has region padding: the parameters' elements */
-    for (int64_t i = 0; i < ds4_model_nparams(s->m); i++) {
-        ds4_param *p = ds4_model_param(s->m, i);
-        if (ds4_param_in_flat(p)) n += p->numel;
+/* The elements of the float parameters of m (own: those whose gradients it holds): a stage's model has
+ * region padding. */
+static int64_t param_elements(ds4_model *m, bool own) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+        ds4_param *p = ds4_model_param(m, i);
+        if (ds4_param_in_flat(p) && (!own || ds4_model_param_held(m, p, true))) n += p->numel;
     }
     return n;
 }
 
+int64_t ds4_train_state_numel(const ds4_train_state *s) {
+    if (s->f) return ds4_fsdp_packed_numel(s->f);
+    return s->pp ? param_elements(s->m, false) : ds4_model_numel(s->m);
+}
+
 int64_t ds4_train_state_held_numel(const ds4_train_state *s) {
-    return s->f ? ds4_fsdp_shard_numel(s->f) : ds4_model_numel(s->m);
+    if (s->f) return ds4_fsdp_shard_numel(s->f);
+    return s->pp ? param_elements(s->m, true) : ds4_model_numel(s->m);
 }
 
 /* ------------------------------------------------------------------ one step */
