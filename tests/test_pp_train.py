@@ -3,7 +3,8 @@ the metrics' losses and grad_norm, and the checkpoint bytes (model.safetensors, 
 with the pipelined run stopped after the step-2 checkpoint and resumed to step 3. Cases: pp 2 1F1B (AdamW
 and Muon), pp 4 (also with full block recompute), pp 2 vpp 2 on the uneven layout E|tt|t|tmL (Muon) and under
 bf16 mixed precision (uniform); and a pipelined run resumed from one process's step-2 checkpoint; pp with EP
-refused. Needs mpirun (skipped without it).
+and pp with validation refused. Each pipelined run's startup lines say what every rank holds, checked against
+one process's checkpoint (stage-local weights). Needs mpirun (skipped without it).
 
 Usage: python3 tests/test_pp_train.py [--build DIR] [--quick]"""
 import json
@@ -214,6 +215,11 @@ def main():
                  "--checkpoint.interval", "0"], 2)
         check("pp 2 with ep 2 refused with one line", r.returncode != 0 and
               "FSDP / EP inside a pipeline stage are not built yet" in r.stderr, (r.stdout + r.stderr)[-600:])
+        # validation needs the whole model's forward: refused before any work until a pipelined forward exists
+        r = ds4(["train", "--config", os.path.join(tmp, "AdamW.toml"), "--parallel.pp", "2", "--data.val",
+                 os.path.join(tmp, "train.bin"), "--checkpoint.interval", "0"], 2)
+        check("pp 2 with validation refused with one line", r.returncode != 0 and
+              "validation under a pipeline (pp 2" in r.stderr and "loss" not in r.stdout, (r.stdout + r.stderr)[-600:])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
