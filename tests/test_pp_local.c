@@ -4,9 +4,12 @@
  * head's chunk hands the MTP rows' gradient to the embedding's chunk, so the embedding's gradient sums micro-
  * batch by micro-batch in one process's order even where the head's chunk runs a later micro-batch's
  * backward before the embedding's chunk runs an earlier one's (interleaving). Under mpirun, the same runs over
- * MPI (ds4_pp_run_rank) and the forward-only pass (ds4_pp_eval_rank) against a loop of whole forwards. */
+ * MPI (ds4_pp_run_rank) and the forward-only pass (ds4_pp_eval_rank) against a loop of whole forwards. Each
+ * rank's memory plan (ds4_step_memory_of_run of a run with parallel.pp on a plan communicator) equals that
+ * rank's measured step, byte for byte in every category. */
 #include "ds4/dist.h"
 #include "ds4/kernels.h"
+#include "ds4/memplan.h"
 #include "ds4/pp_schedule.h"
 #include "ds4/recompute.h"
 #include "ds4/trainer.h"
@@ -417,11 +420,56 @@ static void test_mpi_refusals(void) {
     ds4_model_free(m);
 }
 
+/* One rank of a pipelined run description (tiny-a, 4 micro-batches of 1 x 64, AdamW or Muon; extra: the
+ * [parallel] lines): its plan on a plan communicator of W ranks equals its measured step under mpirun in
+ * every category's peak and what stays after the step; the stage holds less than the whole model. */
+static void check_stage_plan(const char *what, const char *extra, const char *opt) {
+    char text[1024];
+    const int n = snprintf(text, sizeof text,
+                           "[model]\nconfig = \"tests/configs/tiny-a.json\"\n[training]\nsteps = 1\nseq_len = 64\n"
+                           "micro_batch_size = 1\nglobal_batch_size = 4\n[optimizer]\nname = \"%s\"\n"
+                           "[data]\ntrain = \"unused\"\n[parallel]\n%s", opt, extra);
+    ds4_toml *t = NULL;
+    ds4_train_cfg run;
+    CHECK(ds4_toml_parse(text, (size_t)n, "run.toml", &t) == DS4_OK && ds4_train_cfg_from_toml(t, &run) == DS4_OK,
+          "%s: %s", what, ds4_errmsg());
+    ds4_toml_free(t);
+    ds4_comm *world = ds4_comm_world(), *sim = NULL;
+    const int W = ds4_comm_size(world), rank = ds4_comm_rank(world);
+    CHECK(ds4_comm_plan(W, rank, &sim) == DS4_OK, "%s", ds4_errmsg());
+    ds4_train_cfg a = run, b = run, whole = run; /* each is resolved for its world in place */
+    whole.recompute.pipe.pp = 1, whole.recompute.pipe.vpp = 0, whole.recompute.pipe.layout[0] = 0;
+    ds4_step_memory plan, real, one;
+    CHECK(ds4_step_memory_of_run(&a, sim, true, &plan) == DS4_OK, "%s: %s", what, ds4_errmsg());
+    CHECK(ds4_step_memory_of_run(&b, world, false, &real) == DS4_OK, "%s: %s", what, ds4_errmsg());
+    CHECK(ds4_step_memory_of_run(&whole, ds4_comm_self(), true, &one) == DS4_OK, "%s: %s", what, ds4_errmsg());
+    ds4_comm_free(sim);
+    for (int k = 0; k < DS4_MEM_NCAT; k++)
+        CHECK(plan.peak[k] == real.peak[k] && plan.resident[k] == real.resident[k],
+              "%s rank %d %s: planned peak %lld resident %lld, measured %lld / %lld", what, rank,
+              ds4_mem_cat_name((ds4_mem_cat)k), (long long)plan.peak[k], (long long)plan.resident[k],
+              (long long)real.peak[k], (long long)real.resident[k]);
+    CHECK(plan.peak_total == real.peak_total && plan.after_step == real.after_step, "%s rank %d: peak %lld vs %lld",
+          what, rank, (long long)plan.peak_total, (long long)real.peak_total);
+    for (int k = DS4_MEM_PARAM; k <= DS4_MEM_OPTIM; k++)
+        CHECK(plan.resident[k] > 0 && plan.resident[k] < one.resident[k], "%s rank %d %s: the stage holds %lld, the "
+              "whole model %lld", what, rank, ds4_mem_cat_name((ds4_mem_cat)k), (long long)plan.resident[k],
+              (long long)one.resident[k]);
+}
+
+static void test_mpi_stage_plans(void) {
+    if (ds4_comm_size(ds4_comm_world()) != 2) return;
+    check_stage_plan("pp 2 1F1B AdamW", "pp = 2\n", "AdamW");
+    check_stage_plan("pp 2 vpp 2 Muon", "pp = 2\nvpp = 2\n", "Muon");
+    check_stage_plan("pp 2 E|tt|t|tmL AdamW", "pp = 2\nlayout = \"E|tt|t|tmL\"\n", "AdamW");
+}
+
 static int child_main(void) {
     CHECK(ds4_dist_init() == DS4_OK, "%s", ds4_errmsg());
     RUN(test_mpi_runs);
     RUN(test_mpi_eval);
     RUN(test_mpi_refusals);
+    RUN(test_mpi_stage_plans);
     fprintf(stderr, "rank %d: %d ok, %d not ok\n", ds4_comm_rank(ds4_comm_world()), t_passed, t_failed);
     ds4_dist_finalize();
     return t_failed ? 1 : 0;

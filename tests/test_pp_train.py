@@ -9,13 +9,15 @@ refused. The bubble: under pp the step line's `bubble X.X%` and the metrics' pp_
 ranks, in [0, 1)), pp_bubble_max and pp_bubble_ranks (each rank's, in (0, 1)); none of them in a one-process
 run; the trace (--trace) of pp 2 1F1B and pp 2 vpp 2 holds one "F ck mbi" and one "B ck mbi" span a step per
 (chunk, micro-batch) of each rank, on its "pp" row, in the order of the rank's schedule (1F1B re-derived
-here); the TensorBoard scalar pp_bubble under pp only. Needs mpirun (skipped without it).
+here); the TensorBoard scalar pp_bubble under pp only. Each pipelined run's startup lines say what every rank holds,
+checked against one process's checkpoint (stage-local weights). Needs mpirun (skipped without it).
 
 Usage: python3 tests/test_pp_train.py [--build DIR] [--quick]"""
 import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -98,7 +100,71 @@ def run(tmp, name, opt, np, extra, seed_from=None):
     r = ds4(base, np)
     check(f"{name}: train to step 3", r.returncode == 0, (r.stdout + r.stderr)[-800:])
     val = re.findall(r"^validation loss .*$", r.stdout, re.M)
-    return metrics_of(jsonl) if os.path.exists(jsonl) else [], files_of(folder), folder, val
+    return metrics_of(jsonl) if os.path.exists(jsonl) else [], files_of(folder), folder, val, r.stdout
+
+
+def tensors_of(blob):
+    """{name: (dtype, elements)} of a safetensors file's bytes."""
+    n = struct.unpack("<Q", blob[:8])[0]
+    head = json.loads(blob[8:8 + n])
+    out = {}
+    for k, v in head.items():
+        if k != "__metadata__":
+            e = 1
+            for d in v["shape"]:
+                e *= d
+            out[k] = (v["dtype"], e)
+    return out
+
+
+def owners(layout, pp, n_layers=4):
+    """{decoder layer: pp rank} of a layout string (tiny-a: 4 layers), or of the uniform split into pp x vpp
+    chunks (layout: the vpp then); the embedding on rank 0, the head and MTP on the last chunk's rank."""
+    chunks = layout.split("|") if isinstance(layout, str) else ["t" * (n_layers // (pp * layout))] * (pp * layout)
+    where, l = {}, 0
+    for k, ch in enumerate(chunks):
+        for c in ch:
+            if c == "t":
+                where[l] = k % pp
+                l += 1
+    return where, (len(chunks) - 1) % pp
+
+
+def rank_of(name, where, last):
+    m = re.match(r"layers\.(\d+)\.", name)
+    if m:
+        return where[int(m.group(1))]
+    return 0 if name.startswith("embed.") else last
+
+
+def stage_memory(name, out, model, optim, layout, pp, adamw, bf16):
+    """The per-rank lines of the startup report against one process's checkpoint (its tensors by owner): each
+    rank's gradients are the regions of its own groups (the allocator's count), below the whole model's;
+    its parameters those regions (with their bf16 copy under bf16) and the integer tables; the optimizer state of its own tensors only
+    (AdamW: 8 bytes an element of them, exactly), summed over the ranks one process's."""
+    rows = re.findall(r"pipeline rank (\d+) holds: parameters (\d+) bytes \(its groups' values (\d+)\), gradients "
+                      r"(\d+) bytes \(its groups' (\d+)\), optimizer state (\d+) bytes", out)
+    check(f"{name}: a memory line per rank", [int(r[0]) for r in rows] == list(range(pp)), out[-600:])
+    t = tensors_of(model)
+    floats = {k: e for k, (d, e) in t.items() if d == "F32"}
+    ints = sum(8 * e for d, e in t.values() if d == "I64")
+    whole = 4 * sum(floats.values())
+    where, last = owners(layout, pp)
+    opt_total = sum(4 * e for d, e in tensors_of(optim).values() if d == "F32")
+    for r, (_, params, values, grads, own_grads, opt) in enumerate(rows):
+        params, values, grads, own_grads, opt = map(int, (params, values, grads, own_grads, opt))
+        mine = 4 * sum(e for k, e in floats.items() if rank_of(k, where, last) == r)
+        check(f"{name}: rank {r}'s gradients are its groups' regions, not the whole model's",
+              grads == own_grads and mine <= grads < whole, f"{grads} {own_grads} {mine} {whole}")
+        check(f"{name}: rank {r}'s parameters are its groups' values and the integer tables",
+              params == values + ints and mine <= values < whole * (1.5 if bf16 else 1),
+              f"{params} {values} {ints} {mine} {whole}")
+        if adamw:
+            check(f"{name}: rank {r}'s AdamW state is 8 bytes an element of its own tensors", opt == 2 * mine,
+                  f"{opt} vs {2 * mine}")
+        check(f"{name}: rank {r}'s optimizer state is less than one process's", opt < opt_total, f"{opt} {opt_total}")
+    check(f"{name}: the ranks' optimizer states add up to one process's", sum(int(r[5]) for r in rows) == opt_total,
+          f"{[r[5] for r in rows]} vs {opt_total}")
 
 
 def same(name, ref, got):
@@ -201,22 +267,29 @@ def main():
         bf16 = ["--training.mixed_precision_param", "bfloat16"]
         recompute = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
         # (name, optimizer, ranks, flags, the one-process run's flags)
-        cases = [("pp 2 1F1B AdamW", "AdamW", 2, ["--parallel.pp", "2"], []),
-                 ("pp 2 1F1B Muon", "Muon", 2, ["--parallel.pp", "2"], []),
-                 ("pp 2 vpp 2 E|tt|t|tmL Muon", "Muon", 2, ["--parallel.pp", "2", "--parallel.layout", "E|tt|t|tmL"], []),
-                 ("pp 4 1F1B AdamW", "AdamW", 4, ["--parallel.pp", "4"], []),
-                 ("pp 4 1F1B AdamW full block recompute", "AdamW", 4, ["--parallel.pp", "4", *recompute], []),
-                 ("pp 2 vpp 2 AdamW bf16", "AdamW", 2, ["--parallel.pp", "2", "--parallel.vpp", "2", *bf16], bf16)]
+        # (name, optimizer, ranks, flags, the one-process run's flags, the layout: a string or the vpp)
+        cases = [("pp 2 1F1B AdamW", "AdamW", 2, ["--parallel.pp", "2"], [], 1),
+                 ("pp 2 1F1B Muon", "Muon", 2, ["--parallel.pp", "2"], [], 1),
+                 ("pp 2 vpp 2 E|tt|t|tmL Muon", "Muon", 2, ["--parallel.pp", "2", "--parallel.layout", "E|tt|t|tmL"], [],
+                  "E|tt|t|tmL"),
+                 ("pp 4 1F1B AdamW", "AdamW", 4, ["--parallel.pp", "4"], [], 1),
+                 ("pp 4 1F1B AdamW full block recompute", "AdamW", 4, ["--parallel.pp", "4", *recompute], [], 1),
+                 ("pp 2 vpp 2 AdamW bf16", "AdamW", 2, ["--parallel.pp", "2", "--parallel.vpp", "2", *bf16], bf16, 2)]
         if quick:
             cases = cases[1:3]
         ref = {}
-        for _, opt, _, _, one in cases:
+        for _, opt, _, _, one, _ in cases:
             key = (opt, tuple(one))
             if key not in ref:
                 ref[key] = run(tmp, f"one-{opt}-{len(ref)}", opt, 1, one)
-        for name, opt, np, extra, one in cases:
+        for name, opt, np, extra, one, layout in cases:
             got = run(tmp, name.replace(" ", "_").replace("|", ""), opt, np, extra)
-            same(name, ref[(opt, tuple(one))], got)
+            want = ref[(opt, tuple(one))]
+            same(name, want, got)
+            check(f"{name}: the startup line says each rank holds its stage's parameters",
+                  "each rank holds its stage's parameters" in got[4], got[4][-600:])
+            stage_memory(name, got[4], want[1].get("step-00000002/model.safetensors", b""),
+                         want[1].get("step-00000002/optim.state", b""), layout, np, opt == "AdamW", bool(one))
         # a one-process checkpoint resumed by a pipeline: the same step 3
         if not quick:
             one = os.path.join(tmp, "one-step2")

@@ -3,7 +3,8 @@
  * gives bitwise the losses and every gradient of the whole ds4_forward / ds4_backward: 2 and 4 stages,
  * uneven cuts, a stage of the embedding alone and one of the head alone, with and without a recompute
  * policy, fp32 and bf16 activations, and on cpu-guard. The stage checks refuse what a cut cannot be; the
- * parameter hooks see each stage's own groups only. */
+ * parameter hooks see each stage's own groups only; stages on models holding only their own groups (a
+ * pipeline rank's, ds4_model_hold) give the same gradients. */
 #include "ds4/actstore.h"
 #include "ds4/kernels.h"
 #include "ds4/model.h"
@@ -234,6 +235,70 @@ static void test_stage_checks(void) {
 }
 
 
+/* Two stages on models that hold only their own groups (ds4_model_hold on unmapped models, no hooks): the
+ * first the embedding and layers 0-1, the second layers 2-3, the head and the MTP block with the embedding's
+ * values alone (the MTP rows handed back). Each parameter's gradient, in the model that trains it, equals
+ * the whole model's of the same cut bit for bit; each holds less than the whole model. */
+static void test_held_stages(void) {
+    ds4_model *m = tiny_model("tests/configs/tiny-a.json", 5);
+    if (!m) return;
+    const ds4_config *c = ds4_model_config(m);
+    int32_t ids[B * T];
+    make_ids(ids, B * T, c->vocab_size);
+    const ds4_pass_opts o = {.need_backward = true};
+    const int64_t cut[3] = {0, 2, 4};
+    result whole = {0};
+    CHECK(run_stages(m, ids, &o, cut, 2, true, &whole), "the whole model's cut");
+    ds4_model *h[2] = {0};
+    for (int k = 0; k < 2; k++) {
+        CHECK(ds4_model_create(NULL, c, true, &h[k]) == DS4_OK, "%s", ds4_errmsg());
+        for (int64_t g = 0; h[k] && g < ds4_model_ngroups(h[k]); g++) {
+            const bool first = g <= cut[1]; /* the embedding and layers [0, 2): groups 0..2 */
+            if (first == (k == 0)) CHECK(ds4_model_hold(h[k], g, true) == DS4_OK, "%s", ds4_errmsg());
+        }
+        if (h[k] && k == 1) CHECK(ds4_model_hold(h[k], 0, false) == DS4_OK, "%s", ds4_errmsg());
+        for (int64_t i = 0; h[k] && i < ds4_model_nparams(m); i++) { /* the held values, from the whole model */
+            const ds4_param *p = ds4_model_param(m, i), *q = ds4_model_param(h[k], i);
+            if (ds4_param_in_flat(p) && ds4_model_param_held(h[k], q, false))
+                memcpy(q->data, p->data, (size_t)p->numel * sizeof(float));
+            if (p->is_int) memcpy(q->idata, p->idata, (size_t)p->numel * sizeof(int64_t));
+        }
+        if (h[k]) ds4_model_zero_grad(h[k]);
+        CHECK(!h[k] || (ds4_model_held_bytes(h[k], true) > 0 &&
+                        ds4_model_held_bytes(h[k], true) < ds4_model_numel(m) * (int64_t)sizeof(float)),
+              "stage %d holds %lld gradient bytes of %lld", k, (long long)(h[k] ? ds4_model_held_bytes(h[k], true) : 0),
+              (long long)(ds4_model_numel(m) * (int64_t)sizeof(float)));
+    }
+    ds4_pass *p0 = NULL, *p1 = NULL;
+    const ds4_stage s0 = {0, 2, true, false, false}, s1 = {2, 4, false, true, true};
+    bool ok = h[0] && h[1] && ds4_stage_forward(h[0], ids, B, T, &o, &s0, NULL, &p0) == DS4_OK;
+    ok = ok && ds4_stage_forward(h[1], ids, B, T, &o, &s1, ds4_pass_stream_out(p0), &p1) == DS4_OK;
+    ok = ok && ds4_stage_backward(h[1], p1, NULL) == DS4_OK;
+    ok = ok && ds4_stage_backward_rows(h[0], p0, ds4_pass_stream_grad(p1), ds4_pass_mtp_rows_grad(p1)) == DS4_OK;
+    CHECK(ok, "the held stages: %s", ds4_errmsg());
+    int64_t differ = 0, owned = 0;
+    const float *flat = ds4_model_params_flat(m);
+    for (int64_t i = 0; ok && whole.grads && i < ds4_model_nparams(m); i++) {
+        const ds4_param *p = ds4_model_param(m, i);
+        if (!ds4_param_in_flat(p)) continue;
+        for (int k = 0; k < 2; k++) {
+            const ds4_param *q = ds4_model_param(h[k], i);
+            if (!ds4_model_param_held(h[k], q, true)) continue;
+            owned++;
+            differ += memcmp(q->grad, whole.grads + (p->data - flat), (size_t)p->numel * sizeof(float)) != 0;
+        }
+    }
+    int64_t floats = 0;
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) floats += ds4_param_in_flat(ds4_model_param(m, i));
+    CHECK(ok && differ == 0 && owned == floats, "%lld of %lld parameters differ, %lld owned by one stage",
+          (long long)differ, (long long)floats, (long long)owned);
+    ds4_pass_free(p0);
+    ds4_pass_free(p1);
+    for (int k = 0; k < 2; k++) ds4_model_free(h[k]);
+    free(whole.grads);
+    ds4_model_free(m);
+}
+
 /* The parameter hooks a wrapper sees from a stage: the gathers of its own groups only, in the order the
  * whole pass has them, and prefetch hints that stay inside the stage. Groups: 0 embed, 1 + l layer l, 5 the
  * head, 6 the MTP block (tiny-a: 4 layers). */
@@ -305,5 +370,6 @@ int main(void) {
     RUN(test_cuts_guard);
     RUN(test_stage_checks);
     RUN(test_stage_hooks);
+    RUN(test_held_stages);
     TEST_MAIN_END("test_stages");
 }

@@ -68,9 +68,10 @@ static void usage(void) {
                     "(an op's workspace, a unit's or the pass's own buffers) with the most bytes it held at once and what\n"
                     "it held at the workspace peak, largest first.\n"
                     "--pp P, --vpp V, --layout LAYOUT (Megatron's --pipeline-model-parallel-size,\n"
-                    "--pipeline-model-parallel-layout, docs/pipeline.md): only check the layout against the model and\n"
-                    "print the stage table (each chunk's layers and their recompute priorities); a pipeline stage's\n"
-                    "memory is not planned yet.\n"
+                    "--pipeline-model-parallel-layout, docs/pipeline.md): the stage table (each chunk's layers and\n"
+                    "their recompute priorities), then every pp rank's plan: its stage's parameters, gradients and\n"
+                    "optimizer state and its schedule of pp micro-batches (1F1B, interleaved with vpp > 1); with\n"
+                    "--config, a run with parallel.pp plans one rank (--rank) of its pipeline.\n"
                     "The exit code is 0 whether or not the step fits: memplan reports, it does not judge.\n"
                     "\n"
                     "usage: ds4 memplan --config FILE.toml [--section.key value ...] [ds4 train's flags]\n"
@@ -541,14 +542,15 @@ static int plan_run(int argc, char **argv) {
             return 2;
         }
     }
+    ds4_train_cfg run;
+    const int rc = cli_run_here("memplan", out, argv, &run);
+    if (rc) return rc;
+    if (run.recompute.pipe.pp > 1 && world == 1) world = run.recompute.pipe.pp; /* a pipeline: one rank per stage */
     if (world < 1 || world > 1 << 20 || rank < 0 || rank >= world) {
         fprintf(stderr, "error: ds4 memplan: --world %lld --rank %lld: need world >= 1 and 0 <= rank < world\n",
                 (long long)world, (long long)rank);
         return 2;
     }
-    ds4_train_cfg run;
-    const int rc = cli_run_here("memplan", out, argv, &run);
-    if (rc) return rc;
     ds4_comm *comm = NULL;
     ds4_status st = world > 1 ? ds4_comm_plan((int)world, (int)rank, &comm) : DS4_OK;
     ds4_step_memory r;
@@ -559,7 +561,8 @@ static int plan_run(int argc, char **argv) {
     printf("memplan: %s, seq %lld, micro-batch %lld x %lld per rank, recompute %s, swap %s, %s, %d threads "
            "(rank %lld of %lld, EP %lld)\n",
            run.model_dir[0] ? run.model_dir : run.model_config, (long long)run.seq_len, (long long)run.micro_batch,
-           (long long)(run.global_batch / (run.micro_batch * world)), ds4_recompute_describe(&run.recompute, desc, sizeof desc),
+           (long long)(run.global_batch / (run.micro_batch * (run.recompute.pipe.pp > 1 ? 1 : world))),
+           ds4_recompute_describe(&run.recompute, desc, sizeof desc),
            run.swap_optimizer ? (run.swap_layer_input ? "optimizer+layer-input" : "optimizer")
                               : (run.swap_layer_input ? "layer-input" : "off"),
            run.optimizer ? run.optimizer->name : "AdamW", ds4_get_threads(), (long long)rank, (long long)world,
@@ -571,15 +574,52 @@ static int plan_run(int argc, char **argv) {
     return 0;
 }
 
+/* Every pipeline rank's plan: its stage's parameters, gradients and optimizer state, and its schedule's
+ * micro-batches (as many as stages) in flight, one column a rank. */
+static int plan_stages(const memplan_args *a, const ds4_config *c, const ds4_pp_layout *L) {
+    uint32_t masks[DS4_MAX_LAYERS];
+    ds4_recompute_masks(&a->rc, c, masks); /* the layout's priorities */
+    ds4_step_opts so = a->so;
+    so.masks = ds4_recompute_any(&a->rc) ? masks : NULL;
+    ds4_step_memory *r = calloc((size_t)L->pp, sizeof *r);
+    if (!r) return cli_fail();
+    double seconds = 0;
+    for (int64_t p = 0; p < L->pp; p++) {
+        if (ds4_step_memory_run_stage(c, a->B, a->T, &so, &a->rc.pipe, (int)p, &r[p]) != DS4_OK) {
+            free(r);
+            return cli_fail();
+        }
+        seconds += r[p].seconds;
+    }
+    char desc[64];
+    printf("memplan: each pipeline rank, seq %lld, micro-batch %lld, %lld micro-batches (%s), recompute %s, %s, "
+           "%s, %d threads\n", (long long)a->T, (long long)a->B, (long long)L->pp, L->vpp > 1 ? "interleaved 1F1B"
+           : "1F1B", ds4_recompute_describe(&a->rc, desc, sizeof desc), so.muon ? "Muon" : "AdamW",
+           so.bf16 ? "bfloat16 mixed precision" : "float32", ds4_get_threads());
+    printf("  %-12s", "category");
+    for (int64_t p = 0; p < L->pp; p++) printf(" %16s%-4lld", "pp rank ", (long long)p);
+    printf("\n");
+    for (int k = 0; k <= DS4_MEM_NCAT + 1; k++) {
+        printf("  %-12s", k < DS4_MEM_NCAT ? ds4_mem_cat_name((ds4_mem_cat)k) : k == DS4_MEM_NCAT ? "peak total"
+                                                                                                 : "resident");
+        for (int64_t p = 0; p < L->pp; p++)
+            printf(" %20lld", (long long)(k < DS4_MEM_NCAT ? r[p].peak[k] : k == DS4_MEM_NCAT ? r[p].peak_total
+                                                                                              : r[p].after_step));
+        printf("\n");
+    }
+    printf("(bytes at each rank's peak; planned in %.2f s)\n", seconds);
+    free(r);
+    return 0;
+}
+
 /* --pp / --vpp / --layout with more than one chunk: the stage table (each chunk's pp rank, virtual chunk, what
- * it runs and its layers' recompute priorities), not a memory plan: planning a pipeline stage (the schedule's
- * in-flight micro-batches, send/recv buffers) comes with the schedules (docs/pipeline.md). */
+ * it runs and its layers' recompute priorities), then every rank's plan (docs/pipeline.md). */
 static int print_stages(const memplan_args *a, const ds4_config *c) {
     ds4_pp_layout L;
     if (ds4_pp_layout_make(&a->rc.pipe, c->n_layers, c->n_mtp_layers, &L) != DS4_OK) return cli_fail();
     if (a->policies || a->saved || a->report || a->device) {
-        fprintf(stderr, "error: ds4 memplan: %s with --pp/--vpp/--layout: planning a pipeline stage's memory is not "
-                        "built yet; without it memplan prints the stage table only\n",
+        fprintf(stderr, "error: ds4 memplan: %s with --pp/--vpp/--layout is not built yet: memplan prints the stage "
+                        "table and every rank's categories\n",
                 a->policies ? "--policies" : a->saved ? "--saved-activations" : a->report ? "--memory-report"
                                                                                         : "--device-memory");
         return 2;
@@ -612,9 +652,7 @@ static int print_stages(const memplan_args *a, const ds4_config *c) {
             }
             printf("\n");
         }
-    printf("memplan: no memory planned: planning a pipeline stage is not built yet (the table above is the "
-           "layout only)\n");
-    return 0;
+    return plan_stages(a, c, &L);
 }
 
 int cmd_memplan(int argc, char **argv) {

@@ -146,10 +146,13 @@ ds4_status ds4_model_save(ds4_model *m, const char *dir, ds4_dtype float_dtype);
  * A region is a contiguous flat range [start, end) of one group: dense (expert = -1) or one routed
  * expert's w1, w2, w3. Regions cover every float parameter; a parameter lies in exactly one. In a model
  * with the bf16 copy a group's dense range is cut further where the compute dtype changes. */
+enum { DS4_HELD_VALUES = 1, DS4_HELD_GRADS = 2 };
 typedef struct {
     int64_t group;
     int32_t expert;
-    bool bf16; /* a model with the bf16 copy: its parameters' compute dtype is bf16 (ds4_param.gemm) */
+    bool bf16;    /* a model with the bf16 copy: its parameters' compute dtype is bf16 (ds4_param.gemm) */
+    uint8_t held; /* an unmapped model's region resident for good (ds4_model_hold): DS4_HELD_VALUES (with the
+                   * bf16 copy) | DS4_HELD_GRADS; 0 in a whole model, which holds everything */
     int64_t start, end;
 } ds4_region;
 
@@ -167,6 +170,24 @@ void ds4_model_grads_hand_over(ds4_model *m, int64_t start, int64_t end, const c
 /* The same for the bf16 compute copy [start, end) (DS4_MEM_PARAM, 2 bytes per element). */
 ds4_status ds4_model_map_bf16(ds4_model *m, int64_t start, int64_t end);
 void ds4_model_unmap_bf16(ds4_model *m, int64_t start, int64_t end);
+
+/* Resident groups (a pipeline stage, docs/pipeline.md): an unmapped model run without hooks holds, for good,
+ * the groups of its chunks. ds4_model_hold maps every region of `group`: its values (and their bf16 copy)
+ * and, with grads, its gradients, zero (a stage that reads a group it does not train, the embedding the MTP
+ * block reads on the last stage, holds its values only); ds4_model_free gives them back. On such a model
+ * ds4_model_init_random, ds4_model_load, ds4_model_zero_grad and ds4_model_refresh_bf16 touch the held
+ * parts only (every integer table and carried tensor is always there). */
+ds4_status ds4_model_hold(ds4_model *m, int64_t group, bool grads);
+/* Whether region i's values (grads false) or gradients are resident: always in a whole model; in an unmapped
+ * one, when its group is held by ds4_model_hold (what FSDP maps for a while is not held). */
+bool ds4_model_region_held(const ds4_model *m, int64_t i, bool grads);
+/* The region of flat element i (region padding belongs to its region), -1 outside the layout. */
+int64_t ds4_model_region_at(const ds4_model *m, int64_t i);
+/* ds4_model_region_held of p's region; an integer table or carried tensor: values yes, gradients no. */
+bool ds4_model_param_held(const ds4_model *m, const ds4_param *p, bool grads);
+/* Bytes an unmapped model holds for good: its held regions' values with their bf16 copy (grads false) or
+ * gradients, padding included: what ds4_model_hold counted (0 for a whole model). */
+int64_t ds4_model_held_bytes(const ds4_model *m, bool grads);
 
 /* Expert parallelism as the MoE unit sees it. The routed assignments of a pass (expert-major,
  * counts cnt[E]) travel to the ranks owning the experts; each rank runs its experts [e0, e1) on the
@@ -291,7 +312,7 @@ void ds4_pass_free(ds4_pass *p);
  * next one's stream_grad) gives the bits of ds4_forward / ds4_backward: every gradient, and the losses
  * through ds4_losses_combine. Every stage reads the whole batch's ids (hash routing, targets). The model
  * knows no pipeline: the stage is a layer range. A stage with the MTP block but not the embedding of an
- * unmapped model is refused for now (its rows' gradient waits for the embedding's, on another stage). */
+ * unmapped model hands its MTP rows on (mtp_rows_out), else it is refused. */
 typedef struct {
     int64_t layer_begin, layer_end; /* decoder layers [layer_begin, layer_end) */
     bool embedding;                 /* X[0] from the ids (layer_begin = 0); else from X_in */

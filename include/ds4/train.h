@@ -35,6 +35,7 @@ typedef struct {
     bool decay;     /* decoupled weight decay applies (not norms, biases, mHC base/scale, sinks, ape) */
     bool frozen;    /* not trained by gradients (router bias): weight and state left as they are */
     bool own;       /* trained by the entry's own rule (group DS4_OPT_OWN), else by AdamW */
+    bool absent;    /* not this state's (a pipeline rank's other stages, region padding): no state, no update */
 } ds4_opt_run;
 
 /* What an entry's update runs on: the whole model (f NULL) or this rank's FSDP shard (m unmapped). */
@@ -96,7 +97,8 @@ struct ds4_optim {
 
 /* The state of entry opt (NULL: AdamW) for a whole model, in the model's context: zero, resident, or in
  * `store` (never resident) with update chunks of chunk_bytes (0: DS4_ADAMW_SWAP_CHUNK). The store must stay
- * open until free. */
+ * open until free. Of an unmapped model holding groups (a pipeline stage, ds4_model_hold): the parameters
+ * whose gradients it holds only, everything else (other groups, region padding) absent. */
 ds4_status ds4_optim_init(ds4_optim *o, const ds4_optimizer *opt, ds4_model *m, ds4_offload *store, size_t chunk_bytes);
 /* The same for n elements under the rules r [nr] (any order, disjoint, inside [0, n); copied, soff
  * ignored), in context ex (NULL: real, on the cpu); elements in no range are trained by AdamW without
@@ -133,6 +135,8 @@ ds4_status ds4_optim_read_dev(const ds4_optim *o, int grp, int a, int64_t i0, in
 ds4_status ds4_optim_write_dev(ds4_optim *o, int grp, int a, int64_t i0, int64_t n, const float *src);
 /* The group of flat element i (the run holding it) and its offset in that group's arrays. */
 int ds4_optim_locate(const ds4_optim *o, int64_t i, int64_t *j);
+/* Whether flat element i has state here (not in an absent run). */
+bool ds4_optim_holds(const ds4_optim *o, int64_t i);
 /* Array a of group grp in the flat layout: out [o->n], the group's values at their flat offsets and 0
  * elsewhere (a shard's arrays in the shape FSDP and the per-rank files handle). */
 ds4_status ds4_optim_expand(const ds4_optim *o, int grp, int a, float *out);
@@ -182,6 +186,12 @@ ds4_status ds4_fsdp_muon_step(ds4_fsdp *f, ds4_optim *o, const ds4_muon_cfg *c, 
  * and the norm exceeds it, scales gradients by max_norm / norm. *norm: the norm before clipping; NaN when a
  * gradient is not finite. Fails only out of memory. */
 ds4_status ds4_clip_grad_norm(ds4_model *m, double max_norm, double *norm);
+/* The same over the gradients m holds (a pipeline stage: its held groups', ds4_model_hold; a whole model: all),
+ * the exact sums' limbs added over pipe (NULL: none) as integers, so the ranks of a pipeline get one
+ * process's norm and each scales its own gradients. */
+ds4_status ds4_clip_grad_norm_over(ds4_model *m, ds4_comm *pipe, double max_norm, double *norm);
+/* g *= s over the gradients m holds (all of a whole model's). */
+void ds4_model_scale_held_grads(ds4_model *m, float s);
 
 /* Aux-loss-free balancing (noaux_tc): for each score-routed layer, b_e += γ·sign(mean_load − load_e).
  * loads: [n_blocks, E] token counts of the step (all micro-batches). */

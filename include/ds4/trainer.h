@@ -111,9 +111,12 @@ typedef struct {
      * bf16 GEMM operands and bf16 activations (ds4_pass_opts.bf16_acts); docs/mixed-precision.md */
     bool bf16;
     bool per_rank_ckpt;                     /* sharded saves: every rank writes its own file (checkpoint.per_rank) */
-    /* a pipeline of world = pp ranks (parallel.pp > 1): the whole model and optimizer on every rank, the
-     * form kept whole whatever the world's size; its checkpoints written by rank 0 alone */
+    /* a pipeline of world = pp ranks (parallel.pp > 1, the layout of pp_cfg): each rank holds the groups of
+     * its chunks (values, gradients, optimizer state; the last rank also the embedding's values its MTP
+     * block reads); checkpoints in the one-process format, written by rank 0 as the others send their
+     * tensors (docs/pipeline.md) */
     bool pipeline;
+    const ds4_pp_cfg *pp_cfg;
     int prefetch_depth;                     /* sharded: overlap depth (ds4_fsdp_set_prefetch); 0: blocking */
     const ds4_exec *exec;                   /* real (NULL too) or a plan (memplan), ds4/core.h */
 } ds4_train_state_opts;
@@ -143,7 +146,7 @@ ds4_status ds4_train_state_swap_slot(ds4_train_state *s, int slot, ds4_act_swap 
  * held by the state until the next call); NULL without EP. */
 const ds4_ep_ops *ds4_train_state_yielding_ep(ds4_train_state *s, void (*yield)(void *ctx), void *ctx);
 int64_t ds4_train_state_numel(const ds4_train_state *s);           /* parameters of the whole model */
-int64_t ds4_train_state_held_numel(const ds4_train_state *s);      /* elements held here: all, or the shard's */
+int64_t ds4_train_state_held_numel(const ds4_train_state *s);      /* elements trained here: all, the shard's, a stage's groups' */
 void ds4_train_state_zero_grads(ds4_train_state *s);
 /* The pieces of ds4_train_step below, one by one (on a plan state: only inside ds4_train_step). */
 /* Gradients /= micro_batches (all ranks' micro-batches of the step): the mean over the global batch. */
@@ -152,6 +155,9 @@ void ds4_train_state_scale_grads(ds4_train_state *s, int64_t micro_batches);
 ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n);
 /* Global gradient norm before clipping to max_norm (> 0). Sharded, it is exact (the same bits for any EP). */
 ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *norm);
+/* A pipeline, after the update: rank 0 sends the embedding's new values to the rank whose MTP block reads
+ * them (the last chunk's, when it is not rank 0); a no-op otherwise. Call before ds4_train_state_refresh_bf16. */
+ds4_status ds4_train_state_share(ds4_train_state *s);
 /* AdamW on the AdamW group (every float parameter but the optimizer's own group); counts the step. */
 ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c, double lr);
 /* The optimizer's own rule on its group (Muon: cfg a ds4_muon_cfg; a no-op for AdamW), AdamW's weight decay;
@@ -210,9 +216,10 @@ typedef struct {
     /* called after each micro-batch's backward, before its pass is freed (reports); NULL: none */
     void (*on_pass)(void *ctx, int64_t micro, const ds4_pass *p);
     /* a pipeline (docs/pipeline.md): the micro-batches run through ds4_pp_run_rank's schedule on pipe
-     * (world = pp, every rank fed the same micro-batches); NULL: one after another. The state is whole on
-     * every rank; each rank's gradients of its own chunks are merged bitwise over pipe, then every rank takes
-     * the one-process update (norm, AdamW / Muon, router bias) on the same gradients: the same bits. */
+     * (world = pp, every rank fed the same micro-batches); NULL: one after another. The state is a stage's
+     * (ds4_train_state_opts.pipeline): each rank computes and updates its own groups' gradients (the norm's
+     * exact sums added over pipe), then the embedding's values go to the MTP block's rank: the same bits as
+     * one process. */
     ds4_comm *pipe;
     const ds4_pp_layout *layout;
     double *pp_bubble; /* NULL or [pp], out: each pipeline rank's bubble of the step (ds4_pp_local_args.bubble) */

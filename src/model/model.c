@@ -610,9 +610,9 @@ static ds4_status check_stage(const ds4_model *m, const ds4_stage *s, const floa
                         (long long)s->layer_begin, (long long)s->layer_end);
     if (s->mtp_rows_out && (!s->head || s->embedding))
         return ds4_fail(DS4_ERR_ARG, "stage: only the head's stage without the embedding hands the MTP rows' gradient on");
-    if (s->head && !s->embedding && c->n_mtp_layers > 0 && m->unmapped)
+    if (s->head && !s->embedding && c->n_mtp_layers > 0 && m->unmapped && !s->mtp_rows_out)
         return ds4_fail(DS4_ERR_UNSUPPORTED, "stage: an unmapped model's MTP stage without the embedding (its rows' "
-                        "gradient waits for the embedding's) is not built yet");
+                        "gradient waits for the embedding's) hands the rows on (mtp_rows_out)");
     return DS4_OK;
 }
 

@@ -220,8 +220,11 @@ static void free_range(const ds4_model *m, void *p, size_t bytes) {
     else dev_free(m, p);
 }
 
+static void unhold_all(ds4_model *m);
+
 void ds4_model_free(ds4_model *m) {
     if (!m) return;
+    unhold_all(m);
     for (int64_t i = 0; i < m->nparams; i++) {
         dev_free(m, m->params[i].idata);
         if (m->params[i].carried) ds4_free(m->params[i].data);
@@ -269,14 +272,95 @@ void ds4_model_to_device(const ds4_model *m, void *dst, const void *src, size_t 
 }
 
 void ds4_model_refresh_bf16(ds4_model *m) {
-    if (!m->hflat || m->unmapped) return;
+    if (!m->hflat) return;
     for (int64_t i = 0; i < m->nregions; i++) {
         const ds4_region *r = &m->regions[i];
-        if (r->bf16) tensor_pack_bf16(&m->exec, m->hflat + r->start, m->flat + r->start, r->end - r->start);
+        if (r->bf16 && ds4_model_region_held(m, i, false))
+            tensor_pack_bf16(&m->exec, m->hflat + r->start, m->flat + r->start, r->end - r->start);
     }
 }
 void ds4_model_zero_grad(ds4_model *m) {
     if (!m->unmapped) tensor_zero(&m->exec, m->gflat, (size_t)m->numel * sizeof(float)); /* a plan's: skipped */
+    for (int64_t i = 0; m->unmapped && i < m->nregions; i++) {
+        const ds4_region *r = &m->regions[i];
+        if (r->held & DS4_HELD_GRADS)
+            tensor_zero(&m->exec, m->gflat + r->start, (size_t)(r->end - r->start) * sizeof(float));
+    }
+}
+
+/* ------------------------------------------------------------------ resident groups (a pipeline stage) */
+static uint8_t held_flag(bool grads) { return grads ? DS4_HELD_GRADS : DS4_HELD_VALUES; }
+
+bool ds4_model_region_held(const ds4_model *m, int64_t i, bool grads) {
+    if (!m->unmapped) return true;
+    return i >= 0 && i < m->nregions && (m->regions[i].held & held_flag(grads)) != 0;
+}
+
+int64_t ds4_model_region_at(const ds4_model *m, int64_t i) {
+    int64_t lo = 0, hi = m->nregions - 1;
+    while (lo < hi) { /* the last region starting at or before i */
+        const int64_t mid = lo + (hi - lo + 1) / 2;
+        if (m->regions[mid].start <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    return m->nregions > 0 && i >= 0 && i < m->numel ? lo : -1;
+}
+
+bool ds4_model_param_held(const ds4_model *m, const ds4_param *p, bool grads) {
+    if (!ds4_param_in_flat(p)) return !grads;
+    return ds4_model_region_held(m, ds4_model_region_at(m, p->data - m->flat), grads);
+}
+
+int64_t ds4_model_held_bytes(const ds4_model *m, bool grads) {
+    int64_t bytes = 0;
+    for (int64_t i = 0; m->unmapped && i < m->nregions; i++) {
+        const ds4_region *r = &m->regions[i];
+        if (!(r->held & held_flag(grads))) continue;
+        bytes += (r->end - r->start) * (int64_t)sizeof(float);
+        if (!grads && m->hflat && r->bf16) bytes += (r->end - r->start) * (int64_t)sizeof(uint16_t);
+    }
+    return bytes;
+}
+
+/* Region i's values (and bf16 copy) or gradients mapped for good and marked (a failure maps nothing), or
+ * given back. */
+static ds4_status region_hold(ds4_model *m, int64_t i, bool grads) {
+    ds4_region *r = &m->regions[i];
+    if (r->held & held_flag(grads)) return DS4_OK;
+    DS4_TRY(ds4_model_map(m, r->start, r->end, grads));
+    ds4_status st = !grads && m->hflat && r->bf16 ? ds4_model_map_bf16(m, r->start, r->end) : DS4_OK;
+    if (st != DS4_OK) ds4_model_unmap(m, r->start, r->end, grads);
+    else r->held |= held_flag(grads);
+    return st;
+}
+
+static void region_unhold(ds4_model *m, int64_t i) {
+    ds4_region *r = &m->regions[i];
+    if (r->held & DS4_HELD_GRADS) ds4_model_unmap(m, r->start, r->end, true);
+    if ((r->held & DS4_HELD_VALUES) && m->hflat && r->bf16) ds4_model_unmap_bf16(m, r->start, r->end);
+    if (r->held & DS4_HELD_VALUES) ds4_model_unmap(m, r->start, r->end, false);
+    r->held = 0;
+}
+
+ds4_status ds4_model_hold(ds4_model *m, int64_t group, bool grads) {
+    if (!m->unmapped || group < 0 || group >= ds4_model_ngroups(m))
+        return ds4_fail(DS4_ERR_INTERNAL, "model hold: group %lld of %s model", (long long)group,
+                        m->unmapped ? "an unmapped" : "a whole");
+    for (int64_t i = 0; i < m->nregions; i++) {
+        if (m->regions[i].group != group) continue;
+        DS4_TRY(region_hold(m, i, false));
+        if (grads) {
+            const char *prev = ds4_mem_owner_enter(DS4_OWNER_GRAD_RESIDENT); /* as a whole model's gradients */
+            ds4_status st = region_hold(m, i, true);
+            ds4_mem_owner_leave(prev);
+            DS4_TRY(st);
+        }
+    }
+    return DS4_OK;
+}
+
+static void unhold_all(ds4_model *m) {
+    for (int64_t i = 0; m->unmapped && i < m->nregions; i++) region_unhold(m, i);
 }
 
 int64_t ds4_model_ngroups(const ds4_model *m) { return m->cfg.n_layers + 2 + (m->cfg.n_mtp_layers > 0); }
@@ -465,7 +549,8 @@ ds4_status ds4_model_init_param(ds4_model *m, int64_t i, uint64_t seed) {
 }
 
 ds4_status ds4_model_init_random(ds4_model *m, uint64_t seed) {
-    for (int64_t i = 0; i < m->nparams; i++) DS4_TRY(ds4_model_init_param(m, i, seed));
+    for (int64_t i = 0; i < m->nparams; i++)
+        if (!m->unmapped || ds4_model_param_held(m, &m->params[i], false)) DS4_TRY(ds4_model_init_param(m, i, seed));
     return DS4_OK;
 }
 
@@ -517,7 +602,8 @@ ds4_status ds4_model_load_param(ds4_model *m, const ds4_model_dir *d, int64_t i)
 }
 
 ds4_status ds4_model_load(ds4_model *m, const ds4_model_dir *d) {
-    for (int64_t i = 0; i < m->nparams; i++) DS4_TRY(ds4_model_load_param(m, d, i));
+    for (int64_t i = 0; i < m->nparams; i++)
+        if (!m->unmapped || ds4_model_param_held(m, &m->params[i], false)) DS4_TRY(ds4_model_load_param(m, d, i));
     return DS4_OK;
 }
 

@@ -511,7 +511,8 @@ static ds4_status src_load(optim_src *x, const ds4_fsdp *f) {
     const float *flat = ds4_model_params_flat(x->m);
     for (int64_t i = 0; !f && i < ds4_model_nparams(x->m); i++) {
         ds4_param *p = ds4_model_param(x->m, i);
-        if (ds4_param_in_flat(p)) src_piece(x, p, 0, p->numel, p->data - flat);
+        if (ds4_param_in_flat(p) && ds4_optim_holds(x->o, p->data - flat)) /* a pipeline stage: its own */
+            src_piece(x, p, 0, p->numel, p->data - flat);
     }
     return x->st;
 }

@@ -12,11 +12,13 @@
 /* The optimizer settings of a step planned from ds4_step_opts (the allocations do not depend on them). */
 static const ds4_adamw_cfg k_adamw = {.lr = 1e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
 
-/* Where the step runs: the whole model on this process alone, or one rank of FSDP + EP on comm. */
+/* Where the step runs: the whole model on this process alone, one rank of FSDP + EP on comm, or one stage of
+ * a pipeline whose ranks are comm's (pipeline). */
 typedef struct {
     ds4_comm *comm; /* NULL: whole */
     int ep;
     bool force_balance;
+    bool pipeline;
 } step_world;
 
 /* What one step runs: its context, the state's options and the step's settings (ids and loads are added
@@ -32,8 +34,8 @@ typedef struct {
 static ds4_status one_step(ds4_train_state *s, const ds4_config *c, const step_setup *u, const step_world *w,
                            int32_t *ids, int64_t *loads, ds4_mem_stats *end, int64_t *held) {
     ds4_train_state_opts o = u->state;
-    o.ep = w->comm ? w->ep : 1;
-    o.shard = w->comm != NULL;
+    o.ep = w->comm && !w->pipeline ? w->ep : 1;
+    o.shard = w->comm != NULL && !w->pipeline;
     ds4_status st = ds4_train_state_setup(s, c, NULL, 1, w->comm ? w->comm : ds4_comm_self(), &o);
     ds4_step_args a = u->args;
     a.ids = ids;
@@ -122,12 +124,22 @@ static void setup_of_opts(int64_t B, int64_t T, const ds4_step_opts *so, bool pl
     u->args = ds4_run_step_args(run, W, 1, k_adamw.lr, so->masks);
 }
 
+/* A pipeline's rank: its stage's state, the step's micro-batches through its schedule on comm (world = pp). */
+static ds4_status measure_stage(ds4_train_cfg *run, const ds4_config *c, step_setup *u, ds4_comm *comm,
+                                ds4_step_memory *out) {
+    ds4_pp_layout *L = ds4_alloc(DS4_MEM_OTHER, sizeof *L); /* before the counting, as the trainer's */
+    ds4_status st = L ? ds4_pp_layout_make(&run->recompute.pipe, c->n_layers, c->n_mtp_layers, L)
+                      : ds4_fail(DS4_ERR_OOM, "memplan: out of memory for the pipeline layout");
+    u->args.pipe = comm;
+    u->args.layout = L;
+    const step_world w = {comm, 1, ds4_comm_is_plan(comm), true};
+    if (st == DS4_OK) st = measure(c, u, &w, out);
+    ds4_free(L);
+    return st;
+}
+
 ds4_status ds4_step_memory_of_run(ds4_train_cfg *run, ds4_comm *comm, bool plan, ds4_step_memory *out) {
     const int W = ds4_comm_size(comm);
-    if (run->recompute.pipe.pp > 1 || run->recompute.pipe.vpp > 1)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "memplan: a pipeline stage's memory (pp %lld: the schedule's in-flight "
-                        "micro-batches, the send and receive buffers) is not planned yet; ds4 memplan --pp prints the "
-                        "stage table", (long long)run->recompute.pipe.pp);
     ds4_config c;
     ds4_model_dir *d = NULL;
     DS4_TRY(ds4_run_model(run, W, &c, &d));
@@ -138,8 +150,9 @@ ds4_status ds4_step_memory_of_run(ds4_train_cfg *run, ds4_comm *comm, bool plan,
     DS4_TRY(ds4_run_exec(run, plan, &u.exec));
     u.state = ds4_run_state_opts(run, &u.exec);
     u.args = ds4_run_step_args(run, W, 1, run->adamw.lr, ds4_recompute_any(&run->recompute) ? masks : NULL);
-    const step_world w = {W > 1 || run->ep > 1 ? comm : NULL, (int)run->ep, ds4_comm_is_plan(comm)};
+    const step_world w = {W > 1 || run->ep > 1 ? comm : NULL, (int)run->ep, ds4_comm_is_plan(comm), false};
     if (ds4_comm_is_plan(comm) && !plan) return ds4_fail(DS4_ERR_ARG, "memplan: a simulated world can only plan");
+    if (run->recompute.pipe.pp > 1) return measure_stage(run, &c, &u, comm, out); /* world = pp, one stage */
     return measure(&c, &u, &w, out);
 }
 
@@ -162,11 +175,31 @@ ds4_status ds4_step_memory_run_dist_opts(const ds4_config *c, int64_t B, int64_t
                                          bool plan, ds4_comm *comm, int ep, bool force_balance, ds4_step_memory *out) {
     if (ds4_comm_is_plan(comm) && !plan)
         return ds4_fail(DS4_ERR_ARG, "memplan: a simulated world can only plan");
-    const step_world w = {comm, ep, force_balance};
+    const step_world w = {comm, ep, force_balance, false};
     ds4_train_cfg run;
     step_setup u;
     setup_of_opts(B, T, opts, plan, ds4_comm_size(comm), &run, &u);
     return measure(c, &u, &w, out);
+}
+
+ds4_status ds4_step_memory_run_stage(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *opts,
+                                     const ds4_pp_cfg *pp, int rank, ds4_step_memory *out) {
+    if (pp->pp < 2 || rank < 0 || rank >= pp->pp)
+        return ds4_fail(DS4_ERR_ARG, "memplan: rank %d of a pipeline of %lld stages", rank, (long long)pp->pp);
+    ds4_step_opts so = *opts;
+    if (so.micro_batches < 1) so.micro_batches = pp->pp; /* as many as stages: every rank's warm-up fills */
+    ds4_train_cfg run;
+    step_setup u;
+    setup_of_opts(B, T, &so, true, 1, &run, &u); /* one data rank: the pipeline */
+    run.recompute.pipe = *pp;
+    u.state = ds4_run_state_opts(&run, &u.exec);
+    u.state.swap_chunk_bytes = so.swap_chunk_bytes;
+    u.args = ds4_run_step_args(&run, (int)pp->pp, 1, k_adamw.lr, so.masks);
+    ds4_comm *sim = NULL;
+    ds4_status st = ds4_comm_plan((int)pp->pp, rank, &sim);
+    if (st == DS4_OK) st = measure_stage(&run, c, &u, sim, out);
+    ds4_comm_free(sim);
+    return st;
 }
 
 ds4_status ds4_step_memory_run_dist(const ds4_config *c, int64_t B, int64_t T, const uint32_t *masks, bool plan,

@@ -114,6 +114,7 @@ ds4_status ds4_muon_step(ds4_optim *o, ds4_model *m, const ds4_muon_cfg *c, doub
         ds4_param *p = ds4_model_param(m, i);
         if (!ds4_optimizer_takes(o->opt, p)) continue;
         const int64_t s0 = p->data - w;
+        if (!ds4_optim_holds(o, s0)) continue; /* a pipeline stage: another stage's matrix */
         float *buf = buf_of(o, p->numel); /* the matrix [A, B] */
         ds4_status st = buf ? DS4_OK : ds4_fail(DS4_ERR_OOM, "%s: out of memory for the Muon update", p->name);
         if (st == DS4_OK) st = muon_part_out(&x, p, 0, p->numel, s0, buf);

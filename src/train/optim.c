@@ -54,27 +54,29 @@ typedef struct {
 } run_list;
 
 /* Appends [off, off + n) under a rule, merged into the last run when it continues it with the same rule. */
-static void run_put(run_list *l, int64_t off, int64_t n, bool decay, bool frozen, bool own) {
+static void run_put(run_list *l, int64_t off, int64_t n, bool decay, bool frozen, bool own, bool absent) {
     if (n <= 0) return;
-    if (l->cnt > 0 && l->last.decay == decay && l->last.frozen == frozen && l->last.own == own) l->last.n += n;
+    if (l->cnt > 0 && l->last.decay == decay && l->last.frozen == frozen && l->last.own == own &&
+        l->last.absent == absent)
+        l->last.n += n;
     else {
-        l->last = (ds4_opt_run){.off = off, .n = n, .decay = decay, .frozen = frozen, .own = own};
+        l->last = (ds4_opt_run){.off = off, .n = n, .decay = decay, .frozen = frozen, .own = own, .absent = absent};
         l->cnt++;
     }
     if (l->out) l->out[l->cnt - 1] = l->last;
 }
 
 /* The runs covering [0, n) back to back: the sorted ranges r [nr], the gaps between them trained by AdamW
- * without decay, neighbours of the same rule merged. Returns how many. */
-static int64_t cover(const ds4_opt_run *r, int64_t nr, int64_t n, ds4_opt_run *out) {
+ * without decay (gaps_absent: absent), neighbours of the same rule merged. Returns how many. */
+static int64_t cover(const ds4_opt_run *r, int64_t nr, int64_t n, bool gaps_absent, ds4_opt_run *out) {
     run_list l = {.out = out};
     int64_t at = 0;
     for (int64_t i = 0; i < nr; i++) {
-        run_put(&l, at, r[i].off - at, false, false, false);
-        run_put(&l, r[i].off, r[i].n, r[i].decay, r[i].frozen, r[i].own);
+        run_put(&l, at, r[i].off - at, false, false, false, gaps_absent);
+        run_put(&l, r[i].off, r[i].n, r[i].decay, r[i].frozen, r[i].own, r[i].absent);
         at = r[i].off + r[i].n;
     }
-    run_put(&l, at, n - at, false, false, false);
+    run_put(&l, at, n - at, false, false, false, gaps_absent);
     return l.cnt;
 }
 
@@ -97,9 +99,12 @@ static ds4_status ranges_check(const ds4_opt_run *r, int64_t nr, int64_t n) {
 static ds4_status index_groups(ds4_optim *o) {
     o->ngrun[DS4_OPT_ADAMW] = o->nruns;
     o->g[DS4_OPT_ADAMW].n = o->n;
-    if (!o->opt->takes) return DS4_OK;
+    bool absent = false;
+    for (int64_t i = 0; i < o->nruns; i++) absent = absent || o->runs[i].absent;
+    if (!o->opt->takes && !absent) return DS4_OK;
     o->ngrun[DS4_OPT_ADAMW] = 0;
-    for (int64_t i = 0; i < o->nruns; i++) o->ngrun[o->runs[i].own]++;
+    for (int64_t i = 0; i < o->nruns; i++)
+        if (!o->runs[i].absent) o->ngrun[o->runs[i].own]++;
     if (!(o->soff = ds4_alloc(DS4_MEM_OTHER, (size_t)o->nruns * sizeof(int64_t))))
         return ds4_fail(DS4_ERR_OOM, "out of memory for %lld optimizer runs", (long long)o->nruns);
     for (int g = 0; g < DS4_OPT_NGROUPS; g++)
@@ -108,7 +113,8 @@ static ds4_status index_groups(ds4_optim *o) {
     int64_t next[DS4_OPT_NGROUPS] = {0, 0}, cnt[DS4_OPT_NGROUPS] = {0, 0};
     for (int64_t i = 0; i < o->nruns; i++) {
         const int g = o->runs[i].own;
-        o->soff[i] = next[g];
+        o->soff[i] = next[g]; /* an absent run: where the next one starts (it has no element) */
+        if (o->runs[i].absent) continue;
         next[g] += o->runs[i].n;
         o->grun[g][cnt[g]++] = i;
     }
@@ -116,23 +122,26 @@ static ds4_status index_groups(ds4_optim *o) {
     return DS4_OK;
 }
 
-/* The runs of the rules r [nr] (replacing the ones there). */
-static ds4_status set_runs(ds4_optim *o, const ds4_opt_run *r, int64_t nr) {
+/* The runs of the rules r [nr] (replacing the ones there); the elements in none of them absent when
+ * gaps_absent, else AdamW's without decay. */
+static ds4_status set_runs(ds4_optim *o, const ds4_opt_run *r, int64_t nr, bool gaps_absent) {
     if (nr < 0) return ds4_fail(DS4_ERR_ARG, "optimizer: %lld ranges", (long long)nr);
     ds4_opt_run *sorted = ds4_alloc(DS4_MEM_OTHER, (size_t)nr * sizeof *sorted), *runs = NULL;
     if (!sorted) return ds4_fail(DS4_ERR_OOM, "out of memory for %lld optimizer ranges", (long long)nr);
     int64_t ns = 0; /* the non-empty ones: an empty range has no element to rule */
     for (int64_t i = 0; i < nr; i++)
         if (r[i].n != 0) sorted[ns++] = r[i];
-    for (int64_t i = 0; i < ns; i++) sorted[i].own = sorted[i].own && !sorted[i].frozen && o->opt->takes;
+    for (int64_t i = 0; i < ns; i++)
+        sorted[i].own = sorted[i].own && !sorted[i].frozen && !sorted[i].absent && o->opt->takes;
     qsort(sorted, (size_t)ns, sizeof *sorted, run_cmp);
     ds4_status st = ranges_check(sorted, ns, o->n);
-    if (st == DS4_OK && !(runs = ds4_alloc(DS4_MEM_OTHER, (size_t)cover(sorted, ns, o->n, NULL) * sizeof *runs)))
+    if (st == DS4_OK &&
+        !(runs = ds4_alloc(DS4_MEM_OTHER, (size_t)cover(sorted, ns, o->n, gaps_absent, NULL) * sizeof *runs)))
         st = ds4_fail(DS4_ERR_OOM, "out of memory for %lld optimizer ranges", (long long)nr);
     if (st == DS4_OK) {
         ds4_free(o->runs);
         o->runs = runs;
-        o->nruns = cover(sorted, ns, o->n, runs);
+        o->nruns = cover(sorted, ns, o->n, gaps_absent, runs);
     }
     ds4_free(sorted);
     return st;
@@ -164,6 +173,8 @@ static int64_t grun_at(const ds4_optim *o, int g, int64_t j) {
     return lo;
 }
 
+bool ds4_optim_holds(const ds4_optim *o, int64_t i) { return i >= 0 && i < o->n && !o->runs[run_at(o, i)].absent; }
+
 int ds4_optim_locate(const ds4_optim *o, int64_t i, int64_t *j) {
     const int64_t k = run_at(o, i);
     *j = run_soff(o, k) + (i - o->runs[k].off);
@@ -193,8 +204,9 @@ static ds4_status make_arrays(ds4_optim *o) {
     return DS4_OK;
 }
 
-ds4_status ds4_optim_init_runs(ds4_optim *o, const ds4_exec *ex, const ds4_optimizer *opt, int64_t n,
-                               const ds4_opt_run *r, int64_t nr, ds4_offload *store, size_t chunk_bytes) {
+static ds4_status init_runs(ds4_optim *o, const ds4_exec *ex, const ds4_optimizer *opt, int64_t n,
+                            const ds4_opt_run *r, int64_t nr, bool gaps_absent, ds4_offload *store,
+                            size_t chunk_bytes) {
     memset(o, 0, sizeof *o);
     o->exec = ex ? *ex : (ds4_exec){0};
     o->opt = entry_or_adamw(opt);
@@ -207,12 +219,17 @@ ds4_status ds4_optim_init_runs(ds4_optim *o, const ds4_exec *ex, const ds4_optim
     for (int g = 0; g < DS4_OPT_NGROUPS; g++)
         for (int a = 0; a < DS4_OPT_ARRAYS_MAX; a++) o->g[g].h[a] = -1;
     /* one run over everything (AdamW, no decay) until the rules replace it */
-    ds4_status st = set_runs(o, NULL, 0);
-    if (st == DS4_OK) st = set_runs(o, r, nr);
+    ds4_status st = set_runs(o, NULL, 0, false);
+    if (st == DS4_OK) st = set_runs(o, r, nr, gaps_absent);
     if (st == DS4_OK) st = index_groups(o);
     if (st == DS4_OK) st = make_arrays(o);
     if (st != DS4_OK) ds4_optim_free(o);
     return st;
+}
+
+ds4_status ds4_optim_init_runs(ds4_optim *o, const ds4_exec *ex, const ds4_optimizer *opt, int64_t n,
+                               const ds4_opt_run *r, int64_t nr, ds4_offload *store, size_t chunk_bytes) {
+    return init_runs(o, ex, opt, n, r, nr, false, store, chunk_bytes);
 }
 
 ds4_status ds4_optim_init(ds4_optim *o, const ds4_optimizer *opt, ds4_model *m, ds4_offload *store, size_t chunk_bytes) {
@@ -222,11 +239,13 @@ ds4_status ds4_optim_init(ds4_optim *o, const ds4_optimizer *opt, ds4_model *m, 
     int64_t nr = 0;
     for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
         const ds4_param *p = ds4_model_param(m, i);
-        if (ds4_param_in_flat(p))
+        if (ds4_param_in_flat(p) && ds4_model_param_held(m, p, true))
             r[nr++] = (ds4_opt_run){.off = p->data - base, .n = p->numel, .decay = !p->no_decay, .frozen = p->no_grad,
                                     .own = ds4_optimizer_takes(entry_or_adamw(opt), p)};
     }
-    ds4_status st = ds4_optim_init_runs(o, ds4_model_exec(m), opt, ds4_model_numel(m), r, nr, store, chunk_bytes);
+    /* an unmapped model (a pipeline stage): what it does not train, and the padding, has no state */
+    ds4_status st = init_runs(o, ds4_model_exec(m), opt, ds4_model_numel(m), r, nr, ds4_model_held_bytes(m, true) > 0,
+                              store, chunk_bytes);
     ds4_free(r);
     return st;
 }
@@ -507,14 +526,46 @@ ds4_status ds4_optim_state_save(const ds4_optim *o, const char *path) {
 }
 
 ds4_status ds4_clip_grad_norm(ds4_model *m, double max_norm, double *norm) {
+    return ds4_clip_grad_norm_over(m, NULL, max_norm, norm);
+}
+
+/* The exact sum of squares of the gradients m holds: the whole array, or each held region's. */
+static ds4_status held_sumsq(ds4_model *m, ds4_sumsq_acc *a) {
     const ds4_exec *ex = ds4_model_exec(m);
-    float *g = ds4_model_grads_flat(m), s;
-    const int64_t n = ds4_model_numel(m);
-    ds4_sumsq_acc a; /* exact: the same bits as FSDP's and a pipeline's sums over their pieces */
-    DS4_TRY(ds4_dev_sumsq_exact(ex, g, n, &a));
+    float *g = ds4_model_grads_flat(m);
+    if (ds4_model_held_bytes(m, true) == 0) return ds4_dev_sumsq_exact(ex, g, ds4_model_numel(m), a);
+    memset(a, 0, sizeof *a);
+    for (int64_t i = 0; i < ds4_model_nregions(m); i++) {
+        const ds4_region *r = ds4_model_region(m, i);
+        if (!ds4_model_region_held(m, i, true)) continue;
+        ds4_sumsq_acc part;
+        DS4_TRY(ds4_dev_sumsq_exact(ex, g + r->start, r->end - r->start, &part));
+        for (int k = 0; k <= DS4_SUMSQ_LIMBS; k++) a->limb[k] += part.limb[k]; /* integers: any order */
+    }
+    return DS4_OK;
+}
+
+void ds4_model_scale_held_grads(ds4_model *m, float s) {
+    const ds4_exec *ex = ds4_model_exec(m);
+    float *g = ds4_model_grads_flat(m);
+    if (ds4_model_held_bytes(m, true) == 0) {
+        ds4_dev_scale(ex, g, ds4_model_numel(m), s);
+        return;
+    }
+    for (int64_t i = 0; i < ds4_model_nregions(m); i++) {
+        const ds4_region *r = ds4_model_region(m, i);
+        if (ds4_model_region_held(m, i, true)) ds4_dev_scale(ex, g + r->start, r->end - r->start, s);
+    }
+}
+
+ds4_status ds4_clip_grad_norm_over(ds4_model *m, ds4_comm *pipe, double max_norm, double *norm) {
+    float s;
+    ds4_sumsq_acc a; /* exact: the same bits as one process's sum, whichever ranks hold which parts */
+    DS4_TRY(held_sumsq(m, &a));
+    if (pipe && ds4_comm_size(pipe) > 1) DS4_TRY(ds4_comm_sum_i64(pipe, a.limb, DS4_SUMSQ_LIMBS + 1));
     ds4_sumsq_normalize(&a);
     *norm = sqrt(ds4_sumsq_value(&a));
-    if (ds4_clip_factor(max_norm, *norm, &s)) ds4_dev_scale(ex, g, n, s);
+    if (ds4_clip_factor(max_norm, *norm, &s)) ds4_model_scale_held_grads(m, s);
     return DS4_OK;
 }
 
@@ -527,7 +578,7 @@ ds4_status ds4_router_bias_update(ds4_model *m, const int64_t *loads, double gam
     for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
         ds4_param *p = ds4_model_param(m, i);
         int64_t b = ds4_param_router_block(c, p);
-        if (b < 0) continue;
+        if (b < 0 || !ds4_model_param_held(m, p, true)) continue; /* a pipeline stage: its own layers' */
         ds4_model_to_host(m, bias, p->data, (size_t)E * sizeof(float));
         ds4_router_bias_rule(loads + b * E, E, gamma, 0, E, bias);
         ds4_model_to_device(m, p->data, bias, (size_t)E * sizeof(float));

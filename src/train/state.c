@@ -32,6 +32,7 @@ struct ds4_train_state {
     ds4_fsdp_yielding yielding; /* --moe-fb-overlap: the EP ops that give way between start and wait */
     bool bf16;              /* mixed precision: bf16 GEMMs and activations, fp32 weights and optimizer state */
     bool per_rank;          /* sharded saves: every rank writes its own file */
+    ds4_pp_layout *pp;      /* a pipeline stage (this rank's groups held, ds4_model_hold), else NULL */
 };
 
 /* ------------------------------------------------------------------ agreement between ranks */
@@ -66,10 +67,57 @@ ds4_status ds4_train_agree(ds4_comm *world, ds4_status st) {
 }
 
 /* ------------------------------------------------------------------ open / free */
-/* The model first (the order memplan's numbers were first taken in): whole, or unmapped behind FSDP. */
-static ds4_status open_model(ds4_train_state *s, const ds4_config *mc) {
-    return s->bf16 ? ds4_model_create_bf16(&s->exec, mc, s->sharded, &s->m)
-                   : ds4_model_create(&s->exec, mc, s->sharded, &s->m);
+/* ------------------------------------------------------------------ a pipeline stage's groups
+ * Each rank holds the groups of its chunks (ds4_model_hold: values, gradients, bf16 copy) and the optimizer
+ * state of those alone; the rank of the last chunk also the embedding's values, which its MTP block reads
+ * (rank 0 trains them and sends them after each update: ds4_train_state_share). */
+static int64_t head_group(const ds4_config *c) { return c->n_layers + 1; }
+
+/* The rank whose chunk runs group g (the head and the MTP block: the loss's chunk). */
+static int group_owner(const ds4_pp_layout *L, const ds4_config *c, int64_t g) {
+    for (int64_t k = 0; k < L->pp * L->vpp; k++) {
+        const ds4_pp_chunk *ch = &L->chunk[k];
+        const bool layer = g >= 1 && g < head_group(c) && g - 1 >= ch->layer_begin && g - 1 < ch->layer_end;
+        if ((g == 0 && ch->embedding) || (g >= head_group(c) && ch->loss) || layer) return (int)(k % L->pp);
+    }
+    return 0;
+}
+
+/* The rank that reads the embedding without training it (the loss's chunk with the MTP block), -1: none. */
+static int embed_reader(const ds4_train_state *s) {
+    const ds4_config *c = ds4_model_config(s->m);
+    const ds4_pp_layout *L = s->pp;
+    const int last = (int)((L->pp * L->vpp - 1) % L->pp);
+    return c->n_mtp_layers > 0 && last != group_owner(L, c, 0) ? last : -1;
+}
+
+/* The owner of p's group (a float parameter of a pipeline stage's model). */
+static int param_owner(const ds4_train_state *s, const ds4_param *p) {
+    const int64_t r = ds4_model_region_at(s->m, p->data - ds4_model_params_flat(s->m));
+    return group_owner(s->pp, ds4_model_config(s->m), ds4_model_region(s->m, r)->group);
+}
+
+static ds4_status open_stage(ds4_train_state *s, const ds4_config *mc, const ds4_train_state_opts *o) {
+    if (!o->pp_cfg) return ds4_fail(DS4_ERR_INTERNAL, "pipeline: the train state needs the layout's options");
+    if (!(s->pp = ds4_alloc(DS4_MEM_OTHER, sizeof *s->pp)))
+        return ds4_fail(DS4_ERR_OOM, "out of memory for the pipeline layout");
+    DS4_TRY(ds4_pp_layout_make(o->pp_cfg, mc->n_layers, mc->n_mtp_layers, s->pp));
+    if (ds4_comm_size(s->world) != s->pp->pp)
+        return ds4_fail(DS4_ERR_ARG, "pipeline: pp %lld runs on %lld ranks, the world has %d", (long long)s->pp->pp,
+                        (long long)s->pp->pp, ds4_comm_size(s->world));
+    const int rank = ds4_comm_rank(s->world);
+    for (int64_t g = 0; g < ds4_model_ngroups(s->m); g++)
+        if (group_owner(s->pp, mc, g) == rank) DS4_TRY(ds4_model_hold(s->m, g, true));
+    return embed_reader(s) == rank ? ds4_model_hold(s->m, 0, false) : DS4_OK;
+}
+
+/* The model first (the order memplan's numbers were first taken in): whole, or unmapped behind FSDP or as a
+ * pipeline stage's groups. */
+static ds4_status open_model(ds4_train_state *s, const ds4_config *mc, const ds4_train_state_opts *o) {
+    const bool unmapped = s->sharded || o->pipeline;
+    DS4_TRY(s->bf16 ? ds4_model_create_bf16(&s->exec, mc, unmapped, &s->m)
+                    : ds4_model_create(&s->exec, mc, unmapped, &s->m));
+    return o->pipeline ? open_stage(s, mc, o) : DS4_OK;
 }
 
 /* The offload store and the layer-input swap, when a swap policy asks for them. */
@@ -120,7 +168,7 @@ ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const
     if (s->bf16) s->exec.matmul_precision = DS4_MATMUL_BF16; /* mixed precision runs its GEMMs on bf16 operands */
     s->per_rank = opts->per_rank_ckpt;
     ds4_status st = check_world(s, world);
-    if (st == DS4_OK) st = open_model(s, mc);
+    if (st == DS4_OK) st = open_model(s, mc, opts);
     if (st == DS4_OK) st = open_offload(s, opts);
     if (st == DS4_OK) st = s->sharded ? open_sharded(s, d, seed, opts->ep, opts) : open_whole(s, d, seed, opts);
     if (st == DS4_OK) ds4_train_state_refresh_bf16(s);
@@ -149,6 +197,7 @@ void ds4_train_state_free(ds4_train_state *s) {
     ds4_offload_close(s->store); /* after everything it holds */
     ds4_fsdp_free(s->f);
     ds4_model_free(s->m);
+    ds4_free(s->pp);
     ds4_free(s);
 }
 
@@ -171,12 +220,25 @@ const ds4_ep_ops *ds4_train_state_yielding_ep(ds4_train_state *s, void (*yield)(
     ds4_fsdp_yielding_init(s->f, yield, ctx, &s->yielding);
     return &s->yielding.ops;
 }
+/* The elements of the float parameters of m (own: those whose gradients it holds): a stage's model has
+ * region padding. */
+static int64_t param_elements(ds4_model *m, bool own) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
+        ds4_param *p = ds4_model_param(m, i);
+        if (ds4_param_in_flat(p) && (!own || ds4_model_param_held(m, p, true))) n += p->numel;
+    }
+    return n;
+}
+
 int64_t ds4_train_state_numel(const ds4_train_state *s) {
-    return s->f ? ds4_fsdp_packed_numel(s->f) : ds4_model_numel(s->m);
+    if (s->f) return ds4_fsdp_packed_numel(s->f);
+    return s->pp ? param_elements(s->m, false) : ds4_model_numel(s->m);
 }
 
 int64_t ds4_train_state_held_numel(const ds4_train_state *s) {
-    return s->f ? ds4_fsdp_shard_numel(s->f) : ds4_model_numel(s->m);
+    if (s->f) return ds4_fsdp_shard_numel(s->f);
+    return s->pp ? param_elements(s->m, true) : ds4_model_numel(s->m);
 }
 
 /* ------------------------------------------------------------------ one step */
@@ -187,8 +249,11 @@ void ds4_train_state_zero_grads(ds4_train_state *s) {
 
 void ds4_train_state_scale_grads(ds4_train_state *s, int64_t micro_batches) {
     if (micro_batches <= 1 || s->exec.plan) return;
-    float *g = s->f ? ds4_fsdp_shard_grads(s->f) : ds4_model_grads_flat(s->m);
-    ds4_dev_scale(&s->exec, g, s->f ? ds4_fsdp_shard_numel(s->f) : ds4_model_numel(s->m), 1.0f / (float)micro_batches);
+    if (!s->f) {
+        ds4_model_scale_held_grads(s->m, 1.0f / (float)micro_batches);
+        return;
+    }
+    ds4_dev_scale(&s->exec, ds4_fsdp_shard_grads(s->f), ds4_fsdp_shard_numel(s->f), 1.0f / (float)micro_batches);
 }
 
 ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n) {
@@ -202,7 +267,34 @@ ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n) {
 ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *norm) {
     if (s->f) return ds4_fsdp_clip_grad_norm(s->f, max_norm, norm); /* FSDP plans by itself */
     *norm = 0;
-    return s->exec.plan ? DS4_OK : ds4_clip_grad_norm(s->m, max_norm, norm);
+    return s->exec.plan ? DS4_OK : ds4_clip_grad_norm_over(s->m, s->pp ? s->world : NULL, max_norm, norm);
+}
+
+enum { TAG_EMBED = 32000, TAG_CKPT = 32001 }; /* above the schedule's tags, whose messages are all received */
+
+/* Region [start, end) of the values from rank `from` to rank `to` of the pipeline, in place (a pipeline's
+ * model is in host memory: ds4_pp_run_rank refuses any other), so a step allocates nothing for it. */
+static ds4_status send_values(ds4_train_state *s, int from, int to, int64_t start, int64_t end) {
+    float *v = ds4_model_params_flat(s->m) + start;
+    if (!ds4_exec_host_memory(&s->exec))
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline: sending the embedding of a model in device memory is not built yet");
+    ds4_comm_req *req = NULL;
+    ds4_status st = ds4_comm_rank(s->world) == from
+                        ? ds4_comm_isend(s->world, v, end - start, sizeof(float), to, TAG_EMBED, &req)
+                        : ds4_comm_irecv(s->world, v, end - start, sizeof(float), from, TAG_EMBED, &req);
+    return st == DS4_OK ? ds4_comm_wait(req) : st;
+}
+
+ds4_status ds4_train_state_share(ds4_train_state *s) {
+    if (!s->pp || s->exec.plan) return DS4_OK;
+    const int reader = embed_reader(s), owner = group_owner(s->pp, ds4_model_config(s->m), 0);
+    const int rank = ds4_comm_rank(s->world);
+    if (reader < 0 || (rank != reader && rank != owner)) return DS4_OK;
+    for (int64_t i = 0; i < ds4_model_nregions(s->m); i++) {
+        const ds4_region *r = ds4_model_region(s->m, i);
+        if (r->group == 0) DS4_TRY(send_values(s, owner, reader, r->start, r->end));
+    }
+    return DS4_OK;
 }
 
 ds4_status ds4_train_state_own_step(ds4_train_state *s, const void *cfg, double weight_decay, double lr) {
@@ -384,6 +476,88 @@ static ds4_status save_sharded(ds4_train_state *s, const char *root, int64_t kee
     return ds4_train_agree(s->world, st); /* the others wait for the write and share its outcome */
 }
 
+/* ------------------------------------------------------------------ a pipeline's checkpoint
+ * Rank 0 writes the one-process files while the other ranks send their groups' tensors, one tensor at a time
+ * in the files' order: besides its own groups it holds one tensor of another rank's, never the model. */
+typedef struct {
+    ds4_train_state *s;
+    ds4_st_writer *w; /* rank 0's file; NULL: elsewhere, or after a failed write (it still receives) */
+    float *buf;       /* [the largest float tensor] */
+    ds4_status st;    /* the first failure here */
+} stage_sink;
+
+/* p's values (g < 0) or array a of optimizer group g, read by its owner, into rank 0's file. */
+static void stage_put(stage_sink *k, const ds4_param *p, int g, int a) {
+    ds4_train_state *s = k->s;
+    const int rank = ds4_comm_rank(s->world), owner = param_owner(s, p);
+    if (rank != owner && rank != 0) return;
+    const size_t bytes = (size_t)p->numel * sizeof(float);
+    const int64_t off = p->data - ds4_model_params_flat(s->m);
+    ds4_status st = DS4_OK;
+    if (rank == owner && g < 0) ds4_model_to_host(s->m, k->buf, p->data, bytes);
+    int64_t j;
+    if (rank == owner && g >= 0 && ds4_optim_locate(&s->opt, off, &j) == g)
+        st = ds4_optim_read(&s->opt, g, a, j, p->numel, k->buf);
+    else if (rank == owner && g >= 0)
+        st = ds4_fail(DS4_ERR_INTERNAL, "%s: not in optimizer group %d of its stage's state", p->name, g);
+    if (owner != 0) { /* sent even after a failed read: rank 0 waits for it */
+        ds4_comm_req *req = NULL;
+        ds4_status cs = rank == owner ? ds4_comm_isend(s->world, k->buf, p->numel, sizeof(float), 0, TAG_CKPT, &req)
+                                      : ds4_comm_irecv(s->world, k->buf, p->numel, sizeof(float), owner, TAG_CKPT, &req);
+        if (cs == DS4_OK) cs = ds4_comm_wait(req);
+        if (st == DS4_OK) st = cs;
+    }
+    if (st == DS4_OK && rank == 0 && k->w) st = ds4_st_writer_put(k->w, k->buf, bytes);
+    if (st != DS4_OK && rank == 0) k->w = NULL;
+    if (k->st == DS4_OK) k->st = st;
+}
+
+/* model.safetensors (dir: rank 0) or optim.state, in ds4_model_save's and ds4_optim_state_save's layouts. */
+static ds4_status stream_stage_file(ds4_train_state *s, const char *dir, bool optim, float *buf) {
+    ds4_st_writer *w = NULL;
+    ds4_status st = dir ? ds4_st_writer_new(&w) : DS4_OK;
+    if (st == DS4_OK && dir) st = optim ? begin_optim_file(s, dir, w) : begin_model_file(s->m, dir, w);
+    stage_sink k = {.s = s, .w = st == DS4_OK ? w : NULL, .buf = buf};
+    for (int g = optim ? 0 : -1; g < (optim ? DS4_OPT_NGROUPS : 0); g++)
+        for (int a = 0; a < (g < 0 ? 1 : s->opt.g[g].k); a++)
+            for (int64_t i = 0; i < ds4_model_nparams(s->m); i++) {
+                const ds4_param *p = ds4_model_param(s->m, i);
+                const int pg = ds4_optimizer_takes(s->opt.opt, p) ? DS4_OPT_OWN : DS4_OPT_ADAMW;
+                if (ds4_param_in_flat(p) && (g < 0 || pg == g)) stage_put(&k, p, g, a);
+            }
+    if (st == DS4_OK) st = k.st;
+    if (st == DS4_OK && dir && !optim) st = put_carried(s->m, w);
+    if (st == DS4_OK && dir) st = ds4_st_writer_finish(w);
+    ds4_st_writer_free(w); /* removes the temp file of an unfinished stream */
+    return st;
+}
+
+static ds4_status save_stage(ds4_train_state *s, const char *root, int64_t keep, const ds4_ckpt_meta *meta) {
+    const bool writer = ds4_comm_rank(s->world) == 0;
+    char tmp[4096] = "", cfg[4200];
+    int64_t most = 1;
+    for (int64_t i = 0; i < ds4_model_nparams(s->m); i++) {
+        const ds4_param *p = ds4_model_param(s->m, i);
+        if (ds4_param_in_flat(p) && p->numel > most) most = p->numel;
+    }
+    float *buf = ds4_alloc(DS4_MEM_OTHER, (size_t)most * sizeof(float));
+    ds4_status st = buf ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory for a %lld-element checkpoint tensor",
+                                            (long long)most);
+    if (st == DS4_OK && writer) st = ds4_checkpoint_begin(root, meta->step, tmp, sizeof tmp);
+    snprintf(cfg, sizeof cfg, "%s/config.json", tmp);
+    if (st == DS4_OK && writer) st = ds4_config_save(ds4_model_config(s->m), cfg);
+    st = ds4_train_agree(s->world, st); /* nobody streams when rank 0 cannot write */
+    if (st == DS4_OK) {
+        st = stream_stage_file(s, writer ? tmp : NULL, false, buf);
+        ds4_status so = stream_stage_file(s, writer && st == DS4_OK ? tmp : NULL, true, buf);
+        if (st == DS4_OK) st = so;
+    }
+    ds4_free(buf);
+    if (st == DS4_OK && writer) st = ds4_checkpoint_commit(root, keep, tmp, meta); /* removes tmp on failure */
+    else if (writer) ds4_checkpoint_abort(tmp);
+    return ds4_train_agree(s->world, st); /* the others wait for the write and share its outcome */
+}
+
 /* ------------------------------------------------------------------ per-rank checkpoints */
 /* This rank's shard as packed ranges [packed offset, shard offset, length], neighbours merged. */
 typedef struct {
@@ -536,13 +710,27 @@ static ds4_status state_nonfinite(const ds4_optim *o, int64_t *bad) {
     return st;
 }
 
-/* The first float tensor of a whole model holding a non-finite value (for the message), or NULL. */
+/* Non-finite values of the groups a pipeline stage trains. */
+static ds4_status held_nonfinite(ds4_model *m, int64_t *bad) {
+    *bad = 0;
+    for (int64_t i = 0; i < ds4_model_nregions(m); i++) {
+        const ds4_region *r = ds4_model_region(m, i);
+        int64_t k = 0;
+        if (!ds4_model_region_held(m, i, true)) continue;
+        DS4_TRY(ds4_dev_count_nonfinite(ds4_model_exec(m), ds4_model_params_flat(m) + r->start, r->end - r->start, &k));
+        *bad += k;
+    }
+    return DS4_OK;
+}
+
+/* The first float tensor of a whole model (or of the groups a stage trains) holding a non-finite value (for
+ * the message), or NULL. */
 static const char *first_nonfinite_param(ds4_model *m) {
     for (int64_t i = 0; i < ds4_model_nparams(m); i++) {
         const ds4_param *p = ds4_model_param(m, i);
         int64_t bad = 0;
-        if (ds4_param_in_flat(p) && ds4_dev_count_nonfinite(ds4_model_exec(m), p->data, p->numel, &bad) == DS4_OK &&
-            bad > 0)
+        if (ds4_param_in_flat(p) && ds4_model_param_held(m, p, true) &&
+            ds4_dev_count_nonfinite(ds4_model_exec(m), p->data, p->numel, &bad) == DS4_OK && bad > 0)
             return p->name;
     }
     return NULL;
@@ -557,7 +745,8 @@ ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step) {
     DS4_TRY(needs_values(s, "finite check"));
     int64_t bad[2] = {0, 0}; /* weights, optimizer state */
     ds4_status st = s->f ? ds4_dev_count_nonfinite(&s->exec, ds4_fsdp_shard_params(s->f), ds4_fsdp_shard_numel(s->f), &bad[0])
-                         : ds4_dev_count_nonfinite(&s->exec, ds4_model_params_flat(s->m), ds4_model_numel(s->m), &bad[0]);
+                  : s->pp ? held_nonfinite(s->m, &bad[0])
+                          : ds4_dev_count_nonfinite(&s->exec, ds4_model_params_flat(s->m), ds4_model_numel(s->m), &bad[0]);
     if (st == DS4_OK) st = state_nonfinite(&s->opt, &bad[1]);
     st = ds4_train_agree(s->world, st);
     if (st == DS4_OK && ds4_comm_size(s->world) > 1) st = ds4_comm_sum_i64(s->world, bad, 2);
@@ -573,10 +762,7 @@ ds4_status ds4_train_state_check_finite(ds4_train_state *s, int64_t step) {
 
 ds4_status ds4_train_state_save(ds4_train_state *s, const char *root, int64_t keep_latest_k, const ds4_ckpt_meta *meta) {
     DS4_TRY(needs_values(s, "checkpoint save"));
-    if (!s->f && ds4_comm_size(s->world) > 1) /* a pipeline: every rank holds it all, rank 0 writes */
-        return ds4_train_agree(s->world, ds4_comm_rank(s->world) == 0
-                                             ? ds4_checkpoint_save(root, keep_latest_k, s->m, &s->opt, meta)
-                                             : DS4_OK);
+    if (s->pp) return save_stage(s, root, keep_latest_k, meta); /* the one-process files, streamed to rank 0 */
     if (!s->f) return ds4_checkpoint_save(root, keep_latest_k, s->m, &s->opt, meta);
     return s->per_rank ? save_per_rank(s, root, keep_latest_k, meta) : save_sharded(s, root, keep_latest_k, meta);
 }
@@ -630,6 +816,10 @@ ds4_status ds4_train_state_switch_optimizer(ds4_train_state *s, const ds4_ckpt_m
 
 ds4_status ds4_train_state_load(ds4_train_state *s, const char *path, ds4_ckpt_meta *meta) {
     DS4_TRY(needs_values(s, "checkpoint load"));
+    if (s->pp && ds4_checkpoint_is_per_rank(path)) /* a stage reads its groups' tensors by name */
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "checkpoint %s: a per-rank checkpoint (checkpoint.per_rank) does not resume "
+                        "under a pipeline yet; resume it in one process or with FSDP and save it whole", path);
+    /* a pipeline stage reads the tensors of its groups (and the embedding's values on the MTP block's rank) */
     DS4_TRY(s->f ? load_sharded(s, path, meta) : ds4_checkpoint_load(path, s->m, &s->opt, meta));
     ds4_train_state_refresh_bf16(s);
     return DS4_OK;

@@ -165,29 +165,10 @@ static ds4_status passes_fb_overlap(step_ctx *c) {
 }
 
 /* ------------------------------------------------------------------ a pipeline (world = pp) */
-/* g [n] := the gradient one process holds, on every rank of pipe. Each element was computed on exactly one
- * rank (its chunk's) and is +0 (all bits clear, as zeroed) on every other, so the integer sum of the bit
- * patterns is the owner's pattern: two floats a 64-bit integer, no carry crosses (the ranks' bits are
- * disjoint, so no partial sum overflows either), -0 and NaN payloads kept, any reduction order. */
-static ds4_status merge_grads(ds4_comm *pipe, float *g, int64_t n) {
-    enum { CHUNK = 1 << 20 }; /* int64 words a collective, 8 MiB */
-    int64_t *w = malloc((size_t)CHUNK * sizeof *w);
-    if (!w) return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory merging the stages' gradients");
-    ds4_status st = DS4_OK;
-    for (int64_t i = 0; st == DS4_OK && i < n; i += 2 * (int64_t)CHUNK) {
-        const int64_t f = n - i < 2 * (int64_t)CHUNK ? n - i : 2 * (int64_t)CHUNK, words = (f + 1) / 2;
-        w[words - 1] = 0; /* an odd tail's high half */
-        memcpy(w, g + i, (size_t)f * sizeof(float));
-        st = ds4_comm_sum_i64(pipe, w, words);
-        if (st == DS4_OK) memcpy(g + i, w, (size_t)f * sizeof(float));
-    }
-    free(w);
-    return st;
-}
-
 /* The gradients of a pipelined step: every micro-batch's ids fetched first (every stage reads them), the
- * schedule run by ds4_pp_run_rank (this rank's chunks), the chunks' gradients merged over the pipeline,
- * / micro-batches. The losses and loads come from the executor, the same on every rank. */
+ * schedule run by ds4_pp_run_rank (this rank's chunks, whose gradients alone it holds), / micro-batches.
+ * Nothing is merged: each rank updates its own groups. The losses and loads come from the executor, the
+ * same on every rank. */
 static ds4_status pipeline_gradients(ds4_train_state *s, const ds4_step_args *a, ds4_step_result *out) {
     ds4_model *m = ds4_train_state_model(s);
     const int64_t M = a->micro_batches, N = a->B * a->T;
@@ -210,7 +191,6 @@ static ds4_status pipeline_gradients(ds4_train_state *s, const ds4_step_args *a,
     ds4_losses mean;
     if (st == DS4_OK) st = ds4_pp_run_rank(m, a->pipe, &pa, &mean, a->loads);
     free(ids);
-    if (st == DS4_OK) st = merge_grads(a->pipe, ds4_model_grads_flat(m), ds4_model_numel(m));
     if (st != DS4_OK) return st;
     ds4_train_state_scale_grads(s, M); /* one process's micro-batches: the pipeline is one data rank */
     out->loss = mean.loss, out->mtp_loss = mean.mtp_loss, out->indexer_loss = mean.indexer_loss;
@@ -255,6 +235,7 @@ static ds4_status update(ds4_train_state *s, const ds4_step_args *a, ds4_step_re
     }
     DS4_TRY(ds4_train_state_adamw_step(s, a->adamw, a->lr));
     if (a->own_cfg) DS4_TRY(ds4_train_state_own_step(s, a->own_cfg, a->adamw->weight_decay, a->lr));
+    DS4_TRY(ds4_train_state_share(s)); /* a pipeline: the embedding's new values to the MTP block's rank */
     ds4_train_state_refresh_bf16(s); /* the next passes read the updated weights' bf16 copy */
     DS4_TRY(ds4_train_state_router_bias(s, a->loads, a->router_bias_gamma));
     return ds4_dev_status(ds4_train_state_exec(s)); /* the update's ops, checked before the step counts */

@@ -338,8 +338,8 @@ static ds4_status check_pipeline(const ds4_train_cfg *c, const ds4_config *mc) {
 /* Ranks that take different micro-batches: a pipeline's stages share theirs (world = pp, one data rank). */
 static int data_ranks(const ds4_train_cfg *c, int W) { return c->recompute.pipe.pp > 1 ? 1 : W; }
 
-/* A layout of more than one chunk runs as a pipeline of world = pp ranks (docs/pipeline.md), each rank the
- * whole model; what is not built under it yet is refused here, before any work. */
+/* A layout of more than one chunk runs as a pipeline of world = pp ranks (docs/pipeline.md), each rank its
+ * stage's groups; what is not built under it yet is refused here, before any work. */
 static ds4_status check_pipeline_world(const ds4_train_cfg *c, const ds4_config *mc, int W) {
     ds4_pp_layout L;
     DS4_TRY(ds4_pp_layout_make(&c->recompute.pipe, mc->n_layers, mc->n_mtp_layers, &L));
@@ -548,7 +548,7 @@ ds4_train_state_opts ds4_run_state_opts(const ds4_train_cfg *c, const ds4_exec *
                                   .swap_layer_input = c->swap_layer_input, .offload_dir = c->offload_dir,
                                   .exec = exec, .optimizer = c->optimizer, .bf16 = c->bf16_params,
                                   .per_rank_ckpt = c->ckpt_per_rank, .prefetch_depth = (int)c->prefetch_depth,
-                                  .pipeline = c->recompute.pipe.pp > 1};
+                                  .pipeline = c->recompute.pipe.pp > 1, .pp_cfg = &c->recompute.pipe};
 }
 
 ds4_step_args ds4_run_step_args(const ds4_train_cfg *c, int W, int64_t step, double lr, const uint32_t *masks) {
@@ -902,12 +902,37 @@ static void print_model_line(trainer *tr) {
                c->swap_optimizer && c->swap_layer_input ? ", " : "", c->swap_layer_input ? "layer inputs" : "",
                c->offload_dir[0] ? c->offload_dir : "$TMPDIR or /tmp");
     if (tr->layout)
-        printf("parallel: pipeline of %lld stages x %lld chunks (world = pp, the whole model on every rank), %lld "
-               "micro-batches per step\n", (long long)tr->layout->pp, (long long)tr->layout->vpp,
-               (long long)(c->global_batch / c->micro_batch));
+        printf("parallel: pipeline of %lld stages x %lld chunks (world = pp, each rank holds its stage's parameters, "
+               "gradients and optimizer state), %lld micro-batches per step\n", (long long)tr->layout->pp,
+               (long long)tr->layout->vpp, (long long)(c->global_batch / c->micro_batch));
     else if (tr->W > 1)
         printf("parallel: %d ranks, FSDP over %d, expert parallel %lld (%lld micro-batches per rank per step)\n", tr->W,
                tr->W, (long long)c->ep, (long long)(c->global_batch / (c->micro_batch * tr->W)));
+}
+
+/* A pipeline: what each rank holds once its state is set up, as the allocator counts it (rank 0 prints one
+ * line per rank): parameters (its groups' values with their bf16 copy, the integer tables), gradients and
+ * optimizer state, beside the bytes of the regions of its groups (ds4_model_held_bytes). */
+static ds4_status print_stage_memory(trainer *tr) {
+    enum { K = 5 };
+    ds4_mem_stats ms;
+    ds4_mem_get(&ms);
+    const int64_t mine[K] = {ms.live[DS4_MEM_PARAM], ds4_model_held_bytes(tr->m, false), ms.live[DS4_MEM_GRAD],
+                             ds4_model_held_bytes(tr->m, true), ms.live[DS4_MEM_OPTIM]};
+    int64_t *all = ds4_alloc(DS4_MEM_OTHER, (size_t)(K * tr->W) * sizeof(int64_t));
+    int64_t *cd = ds4_alloc(DS4_MEM_OTHER, 2 * (size_t)tr->W * sizeof(int64_t));
+    ds4_status st = all && cd ? DS4_OK : ds4_fail(DS4_ERR_OOM, "out of memory gathering the stages' memory");
+    for (int r = 0; st == DS4_OK && r < tr->W; r++) cd[r] = K, cd[tr->W + r] = (int64_t)K * r;
+    if (st == DS4_OK) st = ds4_comm_allgatherv(tr->world, mine, K, all, cd, cd + tr->W, sizeof(int64_t));
+    for (int r = 0; st == DS4_OK && tr->lead && r < tr->W; r++) {
+        const int64_t *x = all + K * r;
+        printf("pipeline rank %d holds: parameters %lld bytes (its groups' values %lld), gradients %lld bytes (its "
+               "groups' %lld), optimizer state %lld bytes\n", r, (long long)x[0], (long long)x[1], (long long)x[2],
+               (long long)x[3], (long long)x[4]);
+    }
+    ds4_free(all);
+    ds4_free(cd);
+    return st;
 }
 
 /* The peaks of the run's first step by category (--memory-report). */
@@ -979,6 +1004,7 @@ static ds4_status train_loop(trainer *tr, bool *agreed) {
         snprintf(tr->peak_how, sizeof tr->peak_how, "%s", pk.how);
     }
     if (tr->lead) print_model_line(tr);
+    if (tr->layout) DS4_TRY(ds4_train_agree(tr->world, print_stage_memory(tr)));
     st = check_stop(tr); /* a stop signal during start-up: no step at all */
     if (st == DS4_OK) st = ds4_comm_set_link(c->sim_link_gbps, c->sim_link_latency_us);
     if (st == DS4_OK && c->trace_file[0]) st = ds4_trace_begin(tr->world);
