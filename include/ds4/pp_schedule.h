@@ -76,8 +76,8 @@ ds4_status ds4_pp_run_local(ds4_model *m, const ds4_pp_local_args *a, ds4_losses
  * rank 0 with the MTP rows received from the head's rank, the head's and MTP's on the last rank; every
  * other gradient stays as it was). Boundary tensors go by ds4_comm_isend / ds4_comm_irecv (a receive waits
  * where the list needs it; a forward's send completes before that pass's backward frees its stream; a
- * backward's pass is freed once its sends have completed, tested after each later action, waited at the end
- * of the step). *mean and loads as ds4_pp_run_local, the same bits on every rank
+ * backward's pass is freed when it is done, what it sends copied into host buffers that go once their sends
+ * have completed, tested after each later action, waited at the end of the step). *mean and loads as ds4_pp_run_local, the same bits on every rank
  * (each micro-batch's loss parts and the loads summed over the ranks in rank order, each part nonzero on one
  * rank only). Refused with one line: pipe not of pp ranks, parameter hooks (FSDP / EP inside a stage are
  * not built yet), a model outside host memory. a->bubble: each rank's idle share of the schedule, the

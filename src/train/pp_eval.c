@@ -36,8 +36,7 @@ static ds4_status release(eval *e, int64_t i, bool wait) {
 static ds4_status forward(eval *e, int64_t v, int64_t mb) {
     const ds4_pp_local_args *a = e->a;
     const int64_t pp = a->layout->pp, k = v * pp + ds4_comm_rank(e->pipe), slot = v * pp + mb % pp;
-    ds4_stage st = pp_stage_of(e->m, a->layout, k);
-    st.mtp_rows_out = false; /* no backward */
+    const ds4_stage st = pp_stage_of(e->m, a->layout, k);
     DS4_TRY(release(e, slot, true)); /* micro-batch mb − pp's stream of this chunk has left */
     float *X_in = NULL;
     ds4_status s = DS4_OK;

@@ -16,8 +16,10 @@ typedef struct {
     ds4_comm *pipe;
     const ds4_pp_local_args *a;
     int64_t nc, M, S, R;        /* chunks, micro-batches, floats of a stream [B·T, hc, dim], of the rows [B·T, dim] */
-    ds4_pass **pass;            /* [nc, M] this rank's, freed once its sends are done */
-    int64_t *sending, n_sending; /* [nc·M] the backwards whose passes wait on their sends */
+    ds4_pass **pass;            /* [nc, M] this rank's, freed when its backward is done */
+    float **out;                /* [nc, M, 2] a backward's sent tensors, copied out of its pass (host buffers
+                                 * outside the allocator's counts, freed once their send completes) */
+    int64_t *sending, n_sending; /* [nc·M] the backwards whose copies wait on their sends */
     int64_t live, peak;         /* passes held now, the most at once */
     ds4_comm_req **fwd;         /* [nc, M] a forward's send of its stream */
     ds4_comm_req **bwd;         /* [nc, M, 2] a backward's sends: the stream's gradient, the MTP rows */
@@ -77,6 +79,15 @@ static ds4_status forward(run *r, const ds4_pp_action *x) {
     return s;
 }
 
+/* *dst := a host copy of src [n] for a send (in a plan only the buffer: nothing is read or sent). */
+static ds4_status copy_out(run *r, const float *src, int64_t n, float **dst) {
+    *dst = malloc((size_t)n * sizeof(float));
+    if (!*dst) return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for a send of %lld floats", (long long)n);
+    const ds4_exec *ex = ds4_model_exec(r->m);
+    if (!(ex && ex->plan)) memcpy(*dst, src, (size_t)n * sizeof(float));
+    return DS4_OK;
+}
+
 static ds4_status backward(run *r, const ds4_pp_action *x) {
     const ds4_config *c = ds4_model_config(r->m);
     const int64_t k = x->chunk, mb = x->mb, i = k * r->M + mb, last = r->nc - 1;
@@ -105,17 +116,26 @@ static ds4_status backward(run *r, const ds4_pp_action *x) {
             for (int64_t e = 0; own && e < E; e++) r->loads[l * E + e] += ld[e];
         }
     }
-    if (x->to_chunk >= 0)
-        DS4_TRY(ds4_comm_isend(r->pipe, ds4_pass_stream_grad(p), r->S, sizeof(float), (int)x->to_rank,
+    if (x->to_chunk >= 0) {
+        DS4_TRY(copy_out(r, ds4_pass_stream_grad(p), r->S, &r->out[2 * i]));
+        DS4_TRY(ds4_comm_isend(r->pipe, r->out[2 * i], r->S, sizeof(float), (int)x->to_rank,
                                tag_of(r, TAG_GRAD, x->to_chunk, mb), &r->bwd[2 * i]));
-    if (st.mtp_rows_out)
-        DS4_TRY(ds4_comm_isend(r->pipe, ds4_pass_mtp_rows_grad(p), r->R, sizeof(float), 0, tag_of(r, TAG_ROWS, 0, mb),
+    }
+    if (st.mtp_rows_out) {
+        DS4_TRY(copy_out(r, ds4_pass_mtp_rows_grad(p), r->R, &r->out[2 * i + 1]));
+        DS4_TRY(ds4_comm_isend(r->pipe, r->out[2 * i + 1], r->R, sizeof(float), 0, tag_of(r, TAG_ROWS, 0, mb),
                                &r->bwd[2 * i + 1]));
+    }
+    /* the pass goes now, at a point of the schedule, not when a send happens to complete: what a rank holds
+     * is the same in every run and in its plan (memplan) */
+    ds4_pass_free(p);
+    r->pass[i] = NULL;
+    r->live--;
     r->sending[r->n_sending++] = i;
     return DS4_OK;
 }
 
-/* The passes of backwards whose sends (the stream's gradient, the MTP rows) have completed go, polled without
+/* The copies of backwards whose sends (the stream's gradient, the MTP rows) have completed go, polled without
  * blocking; the others wait for a later action (or the end of the step). */
 static ds4_status free_sent(run *r) {
     int64_t kept = 0;
@@ -132,9 +152,9 @@ static ds4_status free_sent(run *r) {
             q[t] = NULL;
             if (s == DS4_OK) s = w;
         }
-        ds4_pass_free(r->pass[i]);
-        r->pass[i] = NULL;
-        r->live--;
+        free(r->out[2 * i]);
+        free(r->out[2 * i + 1]);
+        r->out[2 * i] = r->out[2 * i + 1] = NULL;
     }
     r->n_sending = kept;
     return s;
@@ -160,11 +180,12 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
     ds4_pp_schedule sch = {0};
     r.pass = calloc((size_t)(nc * M), sizeof *r.pass);
     r.sending = calloc((size_t)(nc * M), sizeof *r.sending);
+    r.out = calloc((size_t)(2 * nc * M), sizeof *r.out);
     r.fwd = calloc((size_t)(nc * M), sizeof *r.fwd);
     r.bwd = calloc((size_t)(2 * nc * M), sizeof *r.bwd);
     r.parts = calloc((size_t)np, sizeof *r.parts);
     r.loads = loads ? calloc((size_t)nl, sizeof *r.loads) : NULL;
-    ds4_status st = r.pass && r.sending && r.fwd && r.bwd && r.parts && (!loads || r.loads)
+    ds4_status st = r.pass && r.sending && r.out && r.fwd && r.bwd && r.parts && (!loads || r.loads)
                         ? DS4_OK
                         : ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for %lld chunks x %lld micro-batches",
                                    (long long)nc, (long long)M);
@@ -210,6 +231,8 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
         for (int64_t i = 0; i < nc * M; i++) ds4_pass_free(r.pass[i]);
     ds4_pp_schedule_free(&sch);
     free(r.pass);
+    for (int64_t i = 0; r.out && i < 2 * nc * M; i++) free(r.out[i]);
+    free(r.out);
     free(r.sending);
     free(r.fwd);
     free(r.bwd);
