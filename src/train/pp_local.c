@@ -76,12 +76,7 @@ ds4_status ds4_pp_run_local(ds4_model *m, const ds4_pp_local_args *a, ds4_losses
     const ds4_config *c = ds4_model_config(m);
     const ds4_pp_layout *L = a->layout;
     memset(mean, 0, sizeof *mean);
-    if (L->n_layers != c->n_layers || L->n_mtp != c->n_mtp_layers)
-        return ds4_fail(DS4_ERR_ARG, "pipeline: the layout has %lld layers and %lld MTP layers, the model %lld and %lld",
-                        (long long)L->n_layers, (long long)L->n_mtp, (long long)c->n_layers, (long long)c->n_mtp_layers);
-    if (a->micro_batches < 1 || a->B < 1 || a->T < 2)
-        return ds4_fail(DS4_ERR_ARG, "pipeline: %lld micro-batches of %lld x %lld tokens (need >= 1, >= 1, >= 2)",
-                        (long long)a->micro_batches, (long long)a->B, (long long)a->T);
+    DS4_TRY(pp_check_args(m, a));
     const int64_t pp = L->pp, nc = pp * L->vpp, M = a->micro_batches;
     ds4_pp_schedule *s = calloc((size_t)pp, sizeof *s);
     int64_t *pos = calloc((size_t)pp, sizeof *pos);

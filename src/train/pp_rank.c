@@ -12,24 +12,30 @@ ds4_stage pp_stage_of(const ds4_model *m, const ds4_pp_layout *L, int64_t k) {
                        .head = ch->loss, .mtp_rows_out = ch->loss && !ch->embedding && mtp};
 }
 
-ds4_status pp_check_rank(const ds4_model *m, const ds4_comm *pipe, const ds4_pp_local_args *a, int64_t kinds) {
+ds4_status pp_check_args(const ds4_model *m, const ds4_pp_local_args *a) {
     const ds4_config *c = ds4_model_config(m);
     const ds4_pp_layout *L = a->layout;
-    if (ds4_comm_size(pipe) != L->pp)
-        return ds4_fail(DS4_ERR_ARG, "pipeline over MPI: the layout has pp %lld, the communicator %d ranks (world = pp "
-                        "for now)", (long long)L->pp, ds4_comm_size(pipe));
-    if (a->opts->hooks)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: parameter hooks (FSDP / EP inside a pipeline stage) "
-                        "are not built yet; each rank holds the whole model");
-    if (!ds4_exec_host_memory(ds4_model_exec(m)))
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: a model in device memory (its boundary buffers "
-                        "through a staged communicator) is not built yet");
     if (L->n_layers != c->n_layers || L->n_mtp != c->n_mtp_layers)
         return ds4_fail(DS4_ERR_ARG, "pipeline: the layout has %lld layers and %lld MTP layers, the model %lld and %lld",
                         (long long)L->n_layers, (long long)L->n_mtp, (long long)c->n_layers, (long long)c->n_mtp_layers);
     if (a->micro_batches < 1 || a->B < 1 || a->T < 2)
         return ds4_fail(DS4_ERR_ARG, "pipeline: %lld micro-batches of %lld x %lld tokens (need >= 1, >= 1, >= 2)",
                         (long long)a->micro_batches, (long long)a->B, (long long)a->T);
+    return DS4_OK;
+}
+
+ds4_status pp_check_rank(const ds4_model *m, const ds4_comm *pipe, const ds4_pp_local_args *a, int64_t kinds) {
+    const ds4_pp_layout *L = a->layout;
+    if (ds4_comm_size(pipe) != L->pp)
+        return ds4_fail(DS4_ERR_ARG, "pipeline over MPI: the layout has pp %lld, the communicator %d ranks (world = pp "
+                        "for now)", (long long)L->pp, ds4_comm_size(pipe));
+    if (a->opts->hooks)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: parameter hooks (FSDP / EP inside a pipeline stage) "
+                        "are not built yet; each rank holds its own stage's groups whole");
+    if (!ds4_exec_host_memory(ds4_model_exec(m)))
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: a model in device memory (its boundary buffers "
+                        "through a staged communicator) is not built yet");
+    DS4_TRY(pp_check_args(m, a));
     const int64_t nc = L->pp * L->vpp, M = a->micro_batches;
     if (kinds * nc * M > 32767) /* MPI guarantees tags up to 32767 */
         return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: %lld chunks x %lld micro-batches exceed the tags",
