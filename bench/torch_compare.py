@@ -386,7 +386,7 @@ def report(a, cfg, cells, started, load0):
           (f" MFU: {fpt:.4g} FLOPs per token (ds4_train_flops_per_token at this T, the architecture's sparse-aware "
            f"work, the same for every engine) x tok/s over {a.peak_tflops:g} TFLOP/s." if mfu else "") +
           (f" of GEMM peak: the same {fpt:.4g} FLOPs per token x tok/s over the engine's own GEMM rate at these "
-           "threads (GFLOP/s, ds4_probe_peak: a 512^3 product of its GEMM engine and precision, best of repeats, in "
+           "threads (GFLOP/s, ds4_probe_gemm_rate: a 512^3 product of its GEMM engine and precision, best of repeats, in "
            "CPU time), measured by each ds4 worker as it starts." if gemm else "") + "\n")
         for w in ws:
             if w.profile:

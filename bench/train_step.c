@@ -15,7 +15,7 @@
  *   quit
  * After opening the state it prints "ready PARAMS flops-per-token F [peak-gflops P]" (F:
  * ds4_train_flops_per_token, the architecture's sparse-aware FLOPs of a training step per token at this T,
- * for MFU; P on the cpu: ds4_probe_peak, the GEMM engine's measured rate at these threads). A failure prints
+ * for MFU; P on the cpu: ds4_probe_gemm_rate, the GEMM engine's measured rate on one core, times the threads). A failure prints
  * "error MESSAGE" and exits 1.
  * Built with DS4_TRAIN_STEP_BASIC defined, it uses only ds4_train_state_open / ds4_train_step (no kernel
  * profile, no --device but cpu, no malloc policy): what bench/torch_compare.sh --before REV compiles against an
@@ -180,7 +180,7 @@ int main(int argc, char **argv) {
            ds4_train_flops_per_token(&c, T));
 #ifndef DS4_TRAIN_STEP_BASIC
     if (!device || !strcmp(device, "cpu")) /* the GEMM engine's own rate at these threads, for "% of GEMM peak" */
-        printf(" peak-gflops %.6g", ds4_probe_peak(ds4_train_state_exec(b.s)).flops / 1e9);
+        printf(" peak-gflops %.6g", ds4_probe_gemm_rate(ds4_train_state_exec(b.s)) * ds4_get_threads() / 1e9);
 #endif
     printf("\n");
     const int rc = serve(&b);

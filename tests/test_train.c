@@ -287,9 +287,10 @@ static void test_mfu_is_honest(void) {
         for (int i = 0; i < k; i++) CHECK(mfu[i] > 0 && mfu[i] <= 100, "%s: step %d: mfu %g", runs[r], i + 1, mfu[i]);
         const char *note = strstr(out, "note: step 1 ran at");
         if (r == 0) {
-            CHECK(strstr(out, "(GEMM probe: ") && strstr(out, "best of") && strstr(out, "CPU time") &&
-                      strstr(out, "x 2 threads)"),
-                  "the header says how the peak was measured: %s", out);
+            CHECK(strstr(out, "(theoretical FMA rate: ") && strstr(out, "best of") && strstr(out, "CPU time") &&
+                      strstr(out, "FLOP/cycle") && strstr(out, "x 2 threads)"),
+                  "the header says how the peak was obtained: %s", out);
+            CHECK(!note, "no step ran above the theoretical peak: %s", out);
         } else {
             CHECK(strstr(out, "(metrics.peak_tflops = 1e-06)"), "the header names the configured peak: %s", out);
             CHECK(note && strstr(note, "that peak was too low") && !strstr(note + 1, "note: step"),

@@ -361,17 +361,26 @@ ds4_losses ds4_losses_combine(const ds4_config *c, double loss, double mtp_loss,
 ds4_status ds4_newton_schulz(const ds4_exec *ex, float *x, int64_t rows, int64_t cols, const ds4_ns_coef *coef,
                              int64_t iters, float eps);
 
-/* The peak FLOP/s of this machine with the run's threads (ds4_get_threads), measured on the model's GEMM in
- * context ex (its matmul precision): one core's rate on a 512³ product in the probing thread's CPU time
- * (time other processes hold the core is not counted), the best of 3 to 9 repeats (~0.3 s), times the
- * threads. how: the same in words, for a log's header line. */
+/* The theoretical peak FLOP/s of this machine with the run's threads (ds4_get_threads), for the engine of
+ * context ex (its ISA level and matmul precision): one core's clock, measured by a chain of dependent adds
+ * in the probing thread's CPU time (the best of 16 short chains, so other processes holding the core do
+ * not lower it; ~5 ms), times the engine's FLOPs per cycle at most (two FMA pipes of its vector width;
+ * AMX: 1024 in bf16), times the threads. how: the same in words, for a log's header line. A backend off the
+ * host's cores (cuda): flops 0 and how says to set metrics.peak_tflops. */
 typedef struct {
-    double flops;      /* core_flops · threads */
-    double core_flops; /* one core's GEMM rate */
+    double flops;        /* core_flops · threads */
+    double core_flops;   /* clock_hz · flops_per_cycle */
+    double clock_hz;     /* one core's measured clock */
+    int flops_per_cycle; /* the engine's at most */
     int threads;
-    char how[192];
+    char how[224];
 } ds4_peak;
 ds4_peak ds4_probe_peak(const ds4_exec *ex);
+/* The GEMM engine's measured rate on one core, FLOP/s, for the benchmarks' "of GEMM peak": a 512³ product
+ * in ex's precision, the best of 3 to 9 repeats (~0.3 s) in the thread's CPU time. On a quiet machine only:
+ * where the core is time-shared its caches and clock recover slowly after each wait and it reads low.
+ * 0 in a plan or off the host's cores. */
+double ds4_probe_gemm_rate(const ds4_exec *ex);
 
 /* ------------------------------------------------------------------ units (for policies and reports) */
 const char *ds4_unit_name(int unit);  /* "hc_pre_attn", "attn_norm", ..., "hc_post_ffn" */

@@ -51,7 +51,7 @@ typedef struct {
     /* [metrics] */
     int64_t log_freq;
     char jsonl[1024];
-    double peak_tflops;       /* <= 0: measure with a GEMM probe */
+    double peak_tflops;       /* <= 0: the theoretical peak (ds4_probe_peak) */
     char tb_folder[1024];     /* metrics.enable_tensorboard: where the event files go ("": none) */
     /* [parallel] */
     int64_t ep;               /* expert-parallel degree (divides the ranks and the routed experts) */
