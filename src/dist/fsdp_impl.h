@@ -48,6 +48,7 @@ struct ds4_fsdp {
     ds4_comm *staged;                  /* on a device backend: the world, host-staged (fsdp and rep are its
                                         * splits, so the shards' collectives take device buffers); else NULL */
     int W, ep_size;
+    bool whole;                        /* every group sharded (not a pipeline stage's groups alone) */
     int64_t eloc;                      /* experts per EP rank; this rank's are [ops.e0, ops.e1) */
     piece *pieces;
     int64_t npieces;

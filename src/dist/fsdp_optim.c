@@ -9,9 +9,13 @@
 /* The shard's squares summed exactly on the backend (limbs read back once), the limbs summed over ranks as
  * integers, so the norm is the same bits for any layout; the scale, when it clips, on the backend. */
 ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm) {
+    return ds4_fsdp_clip_grad_norm_over(f, f->world, max_norm, norm);
+}
+
+ds4_status ds4_fsdp_clip_grad_norm_over(ds4_fsdp *f, ds4_comm *all, double max_norm, double *norm) {
     ds4_sumsq_acc a;
     DS4_TRY(ds4_dev_sumsq_exact(fsdp_ex(f), f->sg, f->ns, &a)); /* a plan: zero */
-    DS4_TRY(ds4_comm_sum_i64(f->world, a.limb, DS4_SUMSQ_LIMBS + 1));
+    DS4_TRY(ds4_comm_sum_i64(all, a.limb, DS4_SUMSQ_LIMBS + 1));
     ds4_sumsq_normalize(&a);
     *norm = sqrt(ds4_sumsq_value(&a));
     float s;
@@ -98,6 +102,21 @@ static ds4_status one_matrix(const ds4_exec *ex, const ds4_matrix_ops *ops, ds4_
     if (st == DS4_OK) st = ops->part_in(ops->ctx, p, k0, k0 + mine, h->s0, part);
     if (!alone) ds4_dev_free(ex, part);
     ds4_dev_free(ex, x);
+    return st;
+}
+
+ds4_status ds4_fsdp_gather_param(ds4_fsdp *f, const float *shard, const ds4_param *p, float *out, int root) {
+    ds4_model *m = f->m;
+    const int64_t a = p->data - ds4_model_params_flat(m), ri = ds4_model_region_at(m, a);
+    const int64_t j = ri >= 0 ? f->piece_of_region[ri] : -1;
+    if (j < 0 || f->ep_size > 1) /* with EP an expert's ranks are not all of them */
+        return ds4_fail(DS4_ERR_INTERNAL, "%s: not a parameter of this FSDP's shard (or EP %d)", p->name, f->ep_size);
+    int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)f->W);
+    if (!v) return ds4_fail(DS4_ERR_OOM, "out of memory gathering %s", p->name);
+    matrix_home h = {.counts = v, .displs = v + f->W};
+    matrix_layout(f, &f->pieces[j], a, p->numel, &h);
+    ds4_status st = ds4_comm_gatherv(h.c, shard + h.s0, h.counts[h.me], out, h.counts, h.displs, sizeof(float), root);
+    ds4_free(v);
     return st;
 }
 
