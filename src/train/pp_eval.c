@@ -58,9 +58,6 @@ static ds4_status forward(eval *e, int64_t v, int64_t mb) {
 }
 
 ds4_status ds4_pp_eval_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args *a, double *loss_sum) {
-    if (a->opts->hooks) /* validation of pp x fsdp: the trainer refuses it first */
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: a forward-only pass with parameter hooks (FSDP / EP "
-                        "inside a pipeline stage) is not built yet; each rank holds its own stage's groups whole");
     DS4_TRY(pp_check_rank(m, pipe, a, 1));
     const ds4_config *c = ds4_model_config(m);
     const int64_t pp = a->layout->pp, vpp = a->layout->vpp, M = a->micro_batches, slots = vpp * pp;

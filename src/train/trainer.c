@@ -364,10 +364,6 @@ static ds4_status check_pipeline_world(const ds4_train_cfg *c, const ds4_config 
         return ds4_fail(DS4_ERR_CONFIG, "key parallelism.data_parallel_shard_degree = %lld: a pipeline of pp %lld on "
                         "%d ranks shards each stage over %lld; set -1 or %lld", (long long)c->dp_shard, (long long)L.pp,
                         W, (long long)(W / L.pp), (long long)(W / L.pp));
-    if (W > L.pp && c->val_data[0] && c->val_batches > 0)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld x fsdp %lld): validation (key data.val) is "
-                        "not built yet with FSDP inside a stage; run it with world = pp", (long long)L.pp,
-                        (long long)(W / L.pp));
     if (W > L.pp && c->ckpt_per_rank)
         return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld x fsdp %lld): key checkpoint.per_rank is "
                         "not built yet under a pipeline", (long long)L.pp, (long long)(W / L.pp));
@@ -836,7 +832,8 @@ static ds4_status validate_pipelined(trainer *tr, ds4_dataloader *v, int64_t bat
     if (group < 1) group = 1;
     int32_t *ids = ds4_alloc(DS4_MEM_OTHER, (size_t)(group * per) * sizeof(int32_t)); /* [group, B, T] */
     if (!ids) return ds4_fail(DS4_ERR_OOM, "out of memory for %lld validation micro-batches", (long long)group);
-    const ds4_pass_opts o = {.need_backward = false, .bf16_acts = ds4_train_state_bf16(tr->s)};
+    const ds4_pass_opts o = {.need_backward = false, .bf16_acts = ds4_train_state_bf16(tr->s),
+                             .hooks = ds4_train_state_hooks(tr->s)}; /* pp x fsdp: the stage's FSDP gathers */
     ds4_status st = DS4_OK;
     while (st == DS4_OK && *n < batches) {
         int64_t stop = g_stop ? 1 : 0;
