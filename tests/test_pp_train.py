@@ -5,10 +5,10 @@ the run prints at its end (20 batches of data.val: under a pipeline, forward-onl
 ds4_pp_eval_rank, in groups of 8 micro-batches a chunk). Cases: pp 2 1F1B (AdamW
 and Muon), pp 4 (also with full block recompute), pp 2 vpp 2 on the uneven layout E|tt|t|tmL (Muon) and under
 bf16 mixed precision (uniform); and a pipelined run resumed from one process's step-2 checkpoint; pp with EP
-refused, and a world that is not a multiple of pp. pp x fsdp (`mpirun -np 4`, pp 2 with 2 FSDP data ranks a
+on pp ranks refused, and a world that is not a multiple of pp. pp x fsdp (`mpirun -np 4`, pp 2 with 2 FSDP data ranks a
 stage): against FSDP over 2 ranks without a pipeline (the same data ranks and sums; FSDP itself is not one
-process's bits), the same losses, grad_norm, checkpoint bytes and validation line for pp 2 1F1B (AdamW) and
-pp 2 vpp 2 (Muon), and FSDP resumed from the pp x fsdp run's step-2 checkpoint; each rank's gradients and
+process's bits), the same losses, grad_norm, checkpoint bytes and validation line for pp 2 1F1B (AdamW),
+pp 2 vpp 2 (Muon) and pp 2 with EP 2 inside each stage (Muon; FSDP + EP is FSDP's bits), and FSDP resumed from the pp x fsdp run's step-2 checkpoint; each rank's gradients and
 optimizer state are below half its stage's (a shard of the stage, not the stage). The bubble: under pp the step line's `bubble X.X%` and the metrics' pp_bubble (the mean over the
 ranks, in [0, 1)), pp_bubble_max and pp_bubble_ranks (each rank's, in (0, 1)); none of them in a one-process
 run; the trace (--trace) of pp 2 1F1B and pp 2 vpp 2 holds one "F ck mbi" and one "B ck mbi" span a step per
@@ -277,10 +277,11 @@ def bubble_and_trace(tmp):
 
 
 def pp_fsdp(tmp, quick):
-    """pp 2 x fsdp 2 on 4 ranks (1F1B AdamW; pp 2 vpp 2 Muon) against FSDP on 2 ranks: the same bits; FSDP
+    """pp 2 x fsdp 2 on 4 ranks (1F1B AdamW; pp 2 vpp 2 Muon; EP 2 inside each stage, Muon) against FSDP on 2 ranks: the same bits; FSDP
     resumed from the pp x fsdp run's step 2."""
     cases = [("pp 2 x fsdp 2 1F1B AdamW", "AdamW", ["--parallel.pp", "2"]),
-             ("pp 2 vpp 2 x fsdp 2 Muon", "Muon", ["--parallel.pp", "2", "--parallel.vpp", "2"])]
+             ("pp 2 vpp 2 x fsdp 2 Muon", "Muon", ["--parallel.pp", "2", "--parallel.vpp", "2"]),
+             ("pp 2 x fsdp 2 ep 2 Muon", "Muon", ["--parallel.pp", "2", "--parallel.ep", "2"])]
     ref = {}
     for name, opt, extra in cases[:1] if quick else cases:
         if opt not in ref:
@@ -348,11 +349,11 @@ def main():
                  run(tmp, "pp2-from-one", "Muon", 2, ["--parallel.pp", "2"], seed_from=one))
         pp_fsdp(tmp, quick)
         bubble_and_trace(tmp)
-        # EP inside a stage, and a world that is not pp x fsdp: one line, on every rank alike
+        # EP without FSDP inside a stage, and a world that is not pp x fsdp: one line, on every rank alike
         r = ds4(["train", "--config", os.path.join(tmp, "AdamW.toml"), "--parallel.pp", "2", "--parallel.ep", "2",
                  "--checkpoint.interval", "0"], 2)
-        check("pp 2 with ep 2 refused with one line", r.returncode != 0 and
-              "EP inside a pipeline stage is not built yet" in r.stderr and "parallel.ep" in r.stderr,
+        check("pp 2 with ep 2 on 2 ranks refused with one line", r.returncode != 0 and
+              "EP inside a stage divides its FSDP group" in r.stderr and "parallel.ep" in r.stderr,
               (r.stdout + r.stderr)[-600:])
         r = ds4(["train", "--config", os.path.join(tmp, "AdamW.toml"), "--parallel.pp", "2",
                  "--checkpoint.interval", "0"], 3)

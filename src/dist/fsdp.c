@@ -64,7 +64,7 @@ ds4_status ds4_fsdp_create_groups(ds4_model *m, ds4_comm *world, int ep, const b
     fsdp_ep_init(f, e0);
     int64_t ng = ds4_model_ngroups(m);
     f->w_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
-    f->g_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
+    f->g_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)(groups ? 2 * ng : ng) * sizeof(bool)); /* + the stage's groups */
     ds4_status st = f->w_mapped && f->g_mapped ? DS4_OK : DS4_ERR_OOM;
     /* three communicators of their own: FSDP (all ranks), EP groups, expert replicas. The shards live on the
      * model's backend: on a device, FSDP's and the replicas' collectives stage through host copies (EP
@@ -81,6 +81,7 @@ ds4_status ds4_fsdp_create_groups(ds4_model *m, ds4_comm *world, int ep, const b
         ds4_comm_set_lane(f->ep, DS4_LANE_EP);
         st = build_pieces(f, groups);
         f->whole = !groups;
+        for (int64_t g = 0; groups && g < ng; g++) f->g_mapped[ng + g] = groups[g];
     }
     if (st != DS4_OK) {
         ds4_fsdp_free(f);
@@ -108,6 +109,9 @@ void ds4_fsdp_free(ds4_fsdp *f) {
 }
 
 const ds4_param_hooks *ds4_fsdp_hooks(ds4_fsdp *f) { return &f->hooks; }
+bool ds4_fsdp_holds_group(const ds4_fsdp *f, int64_t group) {
+    return f->whole || f->g_mapped[ds4_model_ngroups(f->m) + group];
+}
 int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f) { return f->ns; }
 const ds4_exec *ds4_fsdp_exec(const ds4_fsdp *f) { return ds4_model_exec(f->m); }
 float *ds4_fsdp_shard_params(ds4_fsdp *f) { return f->sp; }

@@ -105,17 +105,34 @@ static ds4_status one_matrix(const ds4_exec *ex, const ds4_matrix_ops *ops, ds4_
     return st;
 }
 
+/* Over f's world: every rank's elements of p in its region (dense: all ranks; expert e: the ranks of its EP
+ * rank, each EP group one piece), gathered on root. */
 ds4_status ds4_fsdp_gather_param(ds4_fsdp *f, const float *shard, const ds4_param *p, float *out, int root) {
     ds4_model *m = f->m;
     const int64_t a = p->data - ds4_model_params_flat(m), ri = ds4_model_region_at(m, a);
-    const int64_t j = ri >= 0 ? f->piece_of_region[ri] : -1;
-    if (j < 0 || f->ep_size > 1) /* with EP an expert's ranks are not all of them */
-        return ds4_fail(DS4_ERR_INTERNAL, "%s: not a parameter of this FSDP's shard (or EP %d)", p->name, f->ep_size);
-    int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)f->W);
+    const ds4_region *g = ri >= 0 ? ds4_model_region(m, ri) : NULL;
+    if (!g || (!f->whole && !ds4_fsdp_holds_group(f, g->group)))
+        return ds4_fail(DS4_ERR_INTERNAL, "%s: not a parameter of this FSDP's groups", p->name);
+    const int W = f->W, me = ds4_comm_rank(f->world);
+    const bool expert = g->expert >= 0;
+    const int64_t len = g->end - g->start, n = expert ? W / f->ep_size : W, chunk = (len + n - 1) / n;
+    int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)W);
     if (!v) return ds4_fail(DS4_ERR_OOM, "out of memory gathering %s", p->name);
-    matrix_home h = {.counts = v, .displs = v + f->W};
-    matrix_layout(f, &f->pieces[j], a, p->numel, &h);
-    ds4_status st = ds4_comm_gatherv(h.c, shard + h.s0, h.counts[h.me], out, h.counts, h.displs, sizeof(float), root);
+    for (int w = 0; w < W; w++) {
+        const bool holds = !expert || g->expert / f->eloc == w % f->ep_size;
+        const int idx = expert ? w / f->ep_size : w;
+        const int64_t lo = g->start + (int64_t)idx * chunk, hi = lo + piece_len(len, chunk, idx);
+        const int64_t x = a > lo ? a : lo, y = a + p->numel < hi ? a + p->numel : hi;
+        v[w] = holds && x < y ? y - x : 0;
+        v[W + w] = holds && x < y ? x - a : 0;
+    }
+    const int64_t j = f->piece_of_region[ri];
+    const float *mine = NULL;
+    if (v[me] > 0 && j >= 0) {
+        const piece *q = &f->pieces[j];
+        mine = shard + q->shard_off + (a + v[W + me] - (q->start + q->off));
+    }
+    ds4_status st = ds4_comm_gatherv(f->world, mine, v[me], out, v, v + W, sizeof(float), root);
     ds4_free(v);
     return st;
 }

@@ -32,16 +32,26 @@ struct ds4_train_state {
     ds4_fsdp_yielding yielding; /* --moe-fb-overlap: the EP ops that give way between start and wait */
     bool bf16;              /* mixed precision: bf16 GEMMs and activations, fp32 weights and optimizer state */
     bool per_rank;          /* sharded saves: every rank writes its own file */
-    ds4_pp_layout *pp;      /* a pipeline stage (this rank's groups held, ds4_model_hold), else NULL */
-    ds4_comm *pipe;         /* a pipeline of pp x fsdp ranks: this data rank's pp ranks (rank = stage), else NULL */
-    ds4_comm *stage;        /* ... and this stage's fsdp ranks (rank = data rank d), its groups' FSDP */
+    ds4_pp_layout *pp;      /* a pipeline stage (this rank's groups held, ds4_model_hold), else NULL: the layout
+                             * of a stage_ctx */
 };
+
+/* A pipeline stage's layout and, for pp x fsdp, its communicators: this data rank's pp ranks (rank = stage)
+ * and this stage's fsdp ranks (rank = data rank d), its groups' FSDP; NULL with world = pp. Kept behind the
+ * state's layout pointer, so a state without a pipeline counts the bytes it did (memplan's golden numbers). */
+typedef struct {
+    ds4_pp_layout L; /* first: s->pp points here */
+    ds4_comm *pipe, *stage;
+} stage_ctx;
+static stage_ctx *stage_ctx_of(const ds4_train_state *s) { return (stage_ctx *)s->pp; }
+#define PIPE(s) (s->pp ? stage_ctx_of(s)->pipe : NULL)
+#define STAGE(s) (s->pp ? stage_ctx_of(s)->stage : NULL)
 
 /* The pipeline this rank is a stage of (world = pp: the world), its stage and its data rank: world rank
  * stage * fsdp + d (pp outermost, as Megatron orders its ranks). */
-static ds4_comm *pipe_of(const ds4_train_state *s) { return s->pipe ? s->pipe : s->world; }
+static ds4_comm *pipe_of(const ds4_train_state *s) { return PIPE(s) ? PIPE(s) : s->world; }
 static int stage_of(const ds4_train_state *s) { return ds4_comm_rank(pipe_of(s)); }
-static int data_rank_of(const ds4_train_state *s) { return s->stage ? ds4_comm_rank(s->stage) : 0; }
+static int data_rank_of(const ds4_train_state *s) { return STAGE(s) ? ds4_comm_rank(STAGE(s)) : 0; }
 
 /* ------------------------------------------------------------------ agreement between ranks */
 /* What one rank tells the others about how a phase ended. */
@@ -109,13 +119,14 @@ static int param_owner(const ds4_train_state *s, const ds4_param *p) {
  * on every stage) and this stage's FSDP group (its fsdp data ranks). */
 static ds4_status split_stage(ds4_train_state *s) {
     const int W = ds4_comm_size(s->world), rank = ds4_comm_rank(s->world), pp = (int)s->pp->pp, F = W / pp;
-    DS4_TRY(ds4_comm_split(s->world, rank % F, rank / F, pp, rank / F, &s->pipe));
-    return ds4_comm_split(s->world, F + rank / F, rank % F, F, rank % F, &s->stage);
+    DS4_TRY(ds4_comm_split(s->world, rank % F, rank / F, pp, rank / F, &stage_ctx_of(s)->pipe));
+    return ds4_comm_split(s->world, F + rank / F, rank % F, F, rank % F, &stage_ctx_of(s)->stage);
 }
 
 static ds4_status open_stage(ds4_train_state *s, const ds4_config *mc, const ds4_train_state_opts *o) {
     if (!o->pp_cfg) return ds4_fail(DS4_ERR_INTERNAL, "pipeline: the train state needs the layout's options");
-    if (!(s->pp = ds4_alloc(DS4_MEM_OTHER, sizeof *s->pp)))
+    stage_ctx *x = ds4_calloc(DS4_MEM_OTHER, sizeof *x);
+    if (!(s->pp = x ? &x->L : NULL))
         return ds4_fail(DS4_ERR_OOM, "out of memory for the pipeline layout");
     DS4_TRY(ds4_pp_layout_make(o->pp_cfg, mc->n_layers, mc->n_mtp_layers, s->pp));
     const int W = ds4_comm_size(s->world);
@@ -124,7 +135,7 @@ static ds4_status open_stage(ds4_train_state *s, const ds4_config *mc, const ds4
                         (long long)s->pp->pp, (long long)s->pp->pp, W);
     if (W > s->pp->pp) DS4_TRY(split_stage(s));
     const int stage = stage_of(s);
-    for (int64_t g = 0; !s->stage && g < ds4_model_ngroups(s->m); g++) /* pp x fsdp: the stage's FSDP shards them */
+    for (int64_t g = 0; !STAGE(s) && g < ds4_model_ngroups(s->m); g++) /* pp x fsdp: the stage's FSDP shards them */
         if (group_owner(s->pp, mc, g) == stage) DS4_TRY(ds4_model_hold(s->m, g, true));
     return embed_reader(s) == stage ? ds4_model_hold(s->m, 0, false) : DS4_OK;
 }
@@ -138,7 +149,7 @@ static ds4_status open_stage_sharded(ds4_train_state *s, const ds4_model_dir *d,
     bool *mine = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
     if (!mine) return ds4_fail(DS4_ERR_OOM, "out of memory for the stage's groups");
     for (int64_t g = 0; g < ng; g++) mine[g] = group_owner(s->pp, mc, g) == stage_of(s);
-    ds4_status st = ds4_fsdp_create_groups(s->m, s->stage, 1, mine, &s->f);
+    ds4_status st = ds4_fsdp_create_groups(s->m, STAGE(s), o->ep, mine, &s->f);
     ds4_free(mine);
     DS4_TRY(st);
     DS4_TRY(ds4_fsdp_set_prefetch(s->f, o->prefetch_depth));
@@ -197,9 +208,10 @@ ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const
                                  ds4_comm *world, const ds4_train_state_opts *opts) {
     if (s->m) return ds4_fail(DS4_ERR_INTERNAL, "train state: set up twice");
     s->world = world;
-    s->sharded = (ds4_comm_size(world) > 1 && !opts->pipeline) || opts->ep > 1 || opts->shard;
-    if (opts->pipeline && s->sharded)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline: FSDP / EP inside a stage is not built yet (ep %d)", opts->ep);
+    /* a pipeline's FSDP + EP is its stages' (open_stage_sharded) */
+    s->sharded = !opts->pipeline && (ds4_comm_size(world) > 1 || opts->ep > 1 || opts->shard);
+    if (opts->pipeline && (opts->shard || (opts->ep > 1 && opts->pp_cfg && ds4_comm_size(world) == opts->pp_cfg->pp)))
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline: EP needs FSDP inside a stage (pp x fsdp ranks; ep %d)", opts->ep);
     s->bf16 = opts->bf16;
     if (s->bf16) s->exec.matmul_precision = DS4_MATMUL_BF16; /* mixed precision runs its GEMMs on bf16 operands */
     s->per_rank = opts->per_rank_ckpt;
@@ -207,7 +219,7 @@ ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const
     if (st == DS4_OK) st = open_model(s, mc, opts);
     if (st == DS4_OK) st = open_offload(s, opts);
     if (st == DS4_OK)
-        st = s->stage ? open_stage_sharded(s, d, seed, opts)
+        st = STAGE(s) ? open_stage_sharded(s, d, seed, opts)
            : s->sharded ? open_sharded(s, d, seed, opts->ep, opts) : open_whole(s, d, seed, opts);
     if (st == DS4_OK) ds4_train_state_refresh_bf16(s);
     return st;
@@ -234,8 +246,8 @@ void ds4_train_state_free(ds4_train_state *s) {
     ds4_optim_free(&s->opt);
     ds4_offload_close(s->store); /* after everything it holds */
     ds4_fsdp_free(s->f);
-    ds4_comm_free(s->pipe);
-    ds4_comm_free(s->stage);
+    ds4_comm_free(PIPE(s));
+    ds4_comm_free(STAGE(s));
     ds4_model_free(s->m);
     ds4_free(s->pp);
     ds4_free(s);
@@ -244,7 +256,7 @@ void ds4_train_state_free(ds4_train_state *s) {
 const ds4_exec *ds4_train_state_exec(const ds4_train_state *s) { return &s->exec; }
 int ds4_train_state_ranks(const ds4_train_state *s) { return ds4_comm_size(s->world); }
 ds4_comm *ds4_train_state_pipe(ds4_train_state *s) { return s->pp ? pipe_of(s) : NULL; }
-int ds4_train_state_data_ranks(const ds4_train_state *s) { return s->stage ? ds4_comm_size(s->stage) : 1; }
+int ds4_train_state_data_ranks(const ds4_train_state *s) { return STAGE(s) ? ds4_comm_size(STAGE(s)) : 1; }
 
 ds4_model *ds4_train_state_model(ds4_train_state *s) { return s->m; }
 const ds4_param_hooks *ds4_train_state_hooks(ds4_train_state *s) { return s->f ? ds4_fsdp_hooks(s->f) : NULL; }
@@ -299,7 +311,7 @@ void ds4_train_state_scale_grads(ds4_train_state *s, int64_t micro_batches) {
 }
 
 ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n) {
-    ds4_comm *data = s->pp ? s->stage : s->world; /* pp x fsdp: the stage's data ranks (the same on every stage) */
+    ds4_comm *data = s->pp ? STAGE(s) : s->world; /* pp x fsdp: the stage's data ranks (the same on every stage) */
     const int W = data ? ds4_comm_size(data) : 1;
     if (!s->f || W == 1) return DS4_OK;
     DS4_TRY(ds4_comm_sum_f64(data, x, n));
@@ -373,7 +385,7 @@ ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, doubl
     }
     const ds4_config *c = ds4_model_config(s->m);
     /* pp x fsdp: the pipeline summed its stages' loads; the data ranks' are summed here */
-    DS4_TRY(ds4_comm_sum_i64(s->pp ? s->stage : s->world, loads, (c->n_layers + c->n_mtp_layers) * c->n_routed_experts));
+    DS4_TRY(ds4_comm_sum_i64(s->pp ? STAGE(s) : s->world, loads, (c->n_layers + c->n_mtp_layers) * c->n_routed_experts));
     return ds4_fsdp_router_bias_update(s->f, loads, gamma);
 }
 
@@ -543,7 +555,7 @@ typedef struct {
  * rank 0 (stage 0's data rank 0 gathers them in place); the other ranks take no part. */
 static void stage_put_sharded(stage_sink *k, const ds4_param *p) {
     ds4_train_state *s = k->s;
-    const int rank = ds4_comm_rank(s->world), owner = param_owner(s, p), F = ds4_comm_size(s->stage);
+    const int rank = ds4_comm_rank(s->world), owner = param_owner(s, p), F = ds4_comm_size(STAGE(s));
     const bool mine = stage_of(s) == owner;
     if (!mine && rank != 0) return;
     ds4_status st = mine ? ds4_fsdp_gather_param(s->f, k->shard, p, k->buf, 0) : DS4_OK;

@@ -356,10 +356,10 @@ static ds4_status check_pipeline_world(const ds4_train_cfg *c, const ds4_config 
         return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld, vpp %lld) runs pp x fsdp ranks: start it "
                         "under mpirun -np %lld (one rank per stage) or a multiple of it (this world has %d)",
                         (long long)L.pp, (long long)L.vpp, (long long)L.pp, W);
-    if (c->ep > 1)
+    if (c->ep > 1 && W == L.pp)
         return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld) with expert parallel %lld (key "
-                        "parallel.ep): EP inside a pipeline stage is not built yet (FSDP inside a stage is)",
-                        (long long)L.pp, (long long)c->ep);
+                        "parallel.ep): EP inside a stage divides its FSDP group; run pp x fsdp ranks (mpirun -np "
+                        "%lld x fsdp)", (long long)L.pp, (long long)c->ep, (long long)L.pp);
     if (c->dp_shard > 0 && c->dp_shard != W / L.pp)
         return ds4_fail(DS4_ERR_CONFIG, "key parallelism.data_parallel_shard_degree = %lld: a pipeline of pp %lld on "
                         "%d ranks shards each stage over %lld; set -1 or %lld", (long long)c->dp_shard, (long long)L.pp,
@@ -922,8 +922,9 @@ static void print_model_line(trainer *tr) {
     else if (tr->layout)
         printf("parallel: pipeline of %lld stages x %lld chunks x FSDP over %d data ranks (world = pp x fsdp, rank = "
                "stage x %d + data rank; each stage's parameters, gradients and optimizer state sharded over its data "
-               "ranks), %lld micro-batches per data rank per step\n", (long long)tr->layout->pp,
-               (long long)tr->layout->vpp, F, F, (long long)(c->global_batch / (c->micro_batch * F)));
+               "ranks, expert parallel %lld inside each stage), %lld micro-batches per data rank per step\n",
+               (long long)tr->layout->pp, (long long)tr->layout->vpp, F, F, (long long)c->ep,
+               (long long)(c->global_batch / (c->micro_batch * F)));
     else if (tr->W > 1)
         printf("parallel: %d ranks, FSDP over %d, expert parallel %lld (%lld micro-batches per rank per step)\n", tr->W,
                tr->W, (long long)c->ep, (long long)(c->global_batch / (c->micro_batch * tr->W)));
