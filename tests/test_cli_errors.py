@@ -164,6 +164,9 @@ with tempfile.TemporaryDirectory() as tmp:
     expect_error("train --pp 2", tr + ["--pp", "2"], "pp 2, vpp 1", "one rank per stage", "mpirun -np 2",
                  "this world has 1")
     expect_error("train --vpp 2", tr + ["--vpp", "2"], "pp 1, vpp 2", "not built yet")
+    expect_error("memplan of a pp x fsdp rank", ["memplan", "--config", pp_toml, "--pp", "2", "--world", "4",
+                                                "--training.global_batch_size", "2"],
+                 "pp x fsdp ranks (world 4, pp 2) is not planned yet", "--world 2")
     expect_error("train parallel.pp 2 + layout", tr + ["--parallel.pp", "2", "--parallel.layout", "Ett|ttmL"],
                  "mpirun -np 2")
     expect_error("train layout illegal token", tr + ["--pp", "2", "--pipeline-model-parallel-layout", "Etx|tmL"],

@@ -5,7 +5,11 @@ the run prints at its end (20 batches of data.val: under a pipeline, forward-onl
 ds4_pp_eval_rank, in groups of 8 micro-batches a chunk). Cases: pp 2 1F1B (AdamW
 and Muon), pp 4 (also with full block recompute), pp 2 vpp 2 on the uneven layout E|tt|t|tmL (Muon) and under
 bf16 mixed precision (uniform); and a pipelined run resumed from one process's step-2 checkpoint; pp with EP
-refused. The bubble: under pp the step line's `bubble X.X%` and the metrics' pp_bubble (the mean over the
+on pp ranks refused, and a world that is not a multiple of pp. pp x fsdp (`mpirun -np 4`, pp 2 with 2 FSDP data ranks a
+stage): against FSDP over 2 ranks without a pipeline (the same data ranks and sums; FSDP itself is not one
+process's bits), the same losses, grad_norm, checkpoint bytes and validation line for pp 2 1F1B (AdamW),
+pp 2 vpp 2 (Muon) and pp 2 with EP 2 inside each stage (Muon; FSDP + EP is FSDP's bits), and FSDP resumed from the pp x fsdp run's step-2 checkpoint; each rank's gradients and
+optimizer state are below half its stage's (a shard of the stage, not the stage). The bubble: under pp the step line's `bubble X.X%` and the metrics' pp_bubble (the mean over the
 ranks, in [0, 1)), pp_bubble_max and pp_bubble_ranks (each rank's, in (0, 1)); none of them in a one-process
 run; the trace (--trace) of pp 2 1F1B and pp 2 vpp 2 holds one "F ck mbi" and one "B ck mbi" span a step per
 (chunk, micro-batch) of each rank, on its "pp" row, in the order of the rank's schedule (1F1B re-derived
@@ -167,14 +171,31 @@ def stage_memory(name, out, model, optim, layout, pp, adamw, bf16):
           f"{[r[5] for r in rows]} vs {opt_total}")
 
 
-def same(name, ref, got):
+def fsdp_memory(name, out, model, optim, fsdp, pp):
+    """pp x fsdp's per-rank lines: one per world rank (stage = rank / fsdp), each rank's gradients below the
+    whole model's / fsdp and its optimizer state below one process's / fsdp; the ranks' optimizer states cover
+    one process's (every element on some rank, with the regions' padding)."""
+    rows = re.findall(r"rank (\d+) \(stage (\d+), data rank (\d+)\) holds: parameters (\d+) bytes, gradients (\d+) "
+                      r"bytes, optimizer state (\d+) bytes", out)
+    check(f"{name}: a memory line per rank", [tuple(map(int, r[:3])) for r in rows] ==
+          [(r, r // fsdp, r % fsdp) for r in range(pp * fsdp)], out[-600:])
+    opt_total = sum(4 * e for d, e in tensors_of(optim).values() if d == "F32")
+    whole = sum(4 * e for d, e in tensors_of(model).values() if d == "F32")
+    for r, _, _, _, grads, opt in rows:
+        check(f"{name}: rank {r}'s gradients and optimizer state are a shard of its stage's",
+              0 < int(grads) < whole / fsdp and 0 < int(opt) < opt_total / fsdp, f"{grads} {opt} {whole} {opt_total}")
+    check(f"{name}: the ranks' optimizer states cover one process's", sum(int(r[5]) for r in rows) >= opt_total,
+          f"{[r[5] for r in rows]} vs {opt_total}")
+
+
+def same(name, ref, got, of="one-process"):
     check(f"{name}: 3 steps logged", len(got[0]) == 3, got[0])
-    check(f"{name}: the one-process losses, grad_norm and lr", got[0] == ref[0], f"{got[0]} vs {ref[0]}")
+    check(f"{name}: the {of} losses, grad_norm and lr", got[0] == ref[0], f"{got[0]} vs {ref[0]}")
     check(f"{name}: checkpoints written", len(ref[1]) >= 4, sorted(ref[1]))
     diff = sorted(k for k in ref[1] if ref[1][k] != got[1].get(k))
-    check(f"{name}: the one-process checkpoint bytes", not diff and set(ref[1]) == set(got[1]), f"differ: {diff}")
+    check(f"{name}: the {of} checkpoint bytes", not diff and set(ref[1]) == set(got[1]), f"differ: {diff}")
     check(f"{name}: one validation line of 20 batches", len(ref[3]) == 1 and ref[3][0].endswith("(20 batches)"), ref[3])
-    check(f"{name}: the one-process validation line", got[3] == ref[3], f"{got[3]} vs {ref[3]}")
+    check(f"{name}: the {of} validation line", got[3] == ref[3], f"{got[3]} vs {ref[3]}")
 
 
 def one_f_one_b(pp, rank, m):
@@ -255,6 +276,32 @@ def bubble_and_trace(tmp):
         trace_actions(name, trace, np, vpp, 4, 2)
 
 
+def pp_fsdp(tmp, quick):
+    """pp 2 x fsdp 2 on 4 ranks (1F1B AdamW; pp 2 vpp 2 Muon; EP 2 inside each stage, Muon) against FSDP on 2 ranks: the same bits; FSDP
+    resumed from the pp x fsdp run's step 2."""
+    cases = [("pp 2 x fsdp 2 1F1B AdamW", "AdamW", ["--parallel.pp", "2"]),
+             ("pp 2 vpp 2 x fsdp 2 Muon", "Muon", ["--parallel.pp", "2", "--parallel.vpp", "2"]),
+             ("pp 2 x fsdp 2 ep 2 Muon", "Muon", ["--parallel.pp", "2", "--parallel.ep", "2"])]
+    ref = {}
+    for name, opt, extra in cases[:1] if quick else cases:
+        if opt not in ref:
+            ref[opt] = run(tmp, f"fsdp2-{opt}", opt, 2, [])
+        tag = name.replace(" ", "_")
+        got = run(tmp, tag, opt, 4, extra)
+        same(name, ref[opt], got, "FSDP 2's")
+        check(f"{name}: the startup line names pp x fsdp", "FSDP over 2 data ranks (world = pp x fsdp" in got[4],
+              got[4][-600:])
+        fsdp_memory(name, got[4], ref[opt][1].get("step-00000002/model.safetensors", b""),
+                    ref[opt][1].get("step-00000002/optim.state", b""), 2, 2)
+        if opt == "AdamW":  # FSDP resumes the pp x fsdp checkpoint of step 2: FSDP's step 3
+            seed = os.path.join(tmp, "ppfsdp-step2")
+            shutil.copytree(got[2], seed, ignore=shutil.ignore_patterns("step-00000003", "*.lock"))
+            with open(seed + ".jsonl", "w") as f, open(os.path.join(tmp, f"{tag}.jsonl")) as src:
+                f.write("".join(src.readlines()[:2]))
+            same("FSDP 2 resumed from pp 2 x fsdp 2's step 2", ref[opt],
+                 run(tmp, "fsdp2-from-ppfsdp", opt, 2, [], seed_from=seed), "FSDP 2's")
+
+
 def main():
     quick = "--quick" in args
     tmp = tempfile.mkdtemp(prefix="ds4-pp-train-")
@@ -300,12 +347,19 @@ def main():
                     f.write("".join(src.readlines()[:2]))
             same("pp 2 resumed from one process's step 2", muon,
                  run(tmp, "pp2-from-one", "Muon", 2, ["--parallel.pp", "2"], seed_from=one))
+        pp_fsdp(tmp, quick)
         bubble_and_trace(tmp)
-        # FSDP / EP inside a stage: one line, on every rank alike
+        # EP without FSDP inside a stage, and a world that is not pp x fsdp: one line, on every rank alike
         r = ds4(["train", "--config", os.path.join(tmp, "AdamW.toml"), "--parallel.pp", "2", "--parallel.ep", "2",
                  "--checkpoint.interval", "0"], 2)
-        check("pp 2 with ep 2 refused with one line", r.returncode != 0 and
-              "FSDP / EP inside a pipeline stage are not built yet" in r.stderr, (r.stdout + r.stderr)[-600:])
+        check("pp 2 with ep 2 on 2 ranks refused with one line", r.returncode != 0 and
+              "EP inside a stage divides its FSDP group" in r.stderr and "parallel.ep" in r.stderr,
+              (r.stdout + r.stderr)[-600:])
+        r = ds4(["train", "--config", os.path.join(tmp, "AdamW.toml"), "--parallel.pp", "2",
+                 "--checkpoint.interval", "0"], 3)
+        check("pp 2 on 3 ranks refused with one line", r.returncode != 0 and
+              "runs pp x fsdp ranks: start it under mpirun -np 2 (one rank per stage) or a multiple of it" in r.stderr,
+              (r.stdout + r.stderr)[-600:])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -132,6 +132,12 @@ typedef struct ds4_fsdp ds4_fsdp;
 /* m: unmapped. On a plan communicator (ds4_comm_plan) it is the FSDP of a plan step (ds4_exec): every
  * buffer is counted as in a real run, no value is read, written or exchanged. */
 ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out);
+/* The same over the groups marked in groups [ngroups] alone (a pipeline stage's: world is the stage's
+ * communicator); the model's other groups have no piece here, and gather / drop / grad hooks of them do
+ * nothing (the stage holds what it reads of them). Whole-model views (collect, stream_packed) need every
+ * group: use ds4_fsdp_gather_param instead. */
+ds4_status ds4_fsdp_create_groups(ds4_model *m, ds4_comm *world, int ep, const bool *groups, ds4_fsdp **out);
+bool ds4_fsdp_holds_group(const ds4_fsdp *f, int64_t group); /* sharded here (every group of a whole one) */
 void ds4_fsdp_free(ds4_fsdp *f);
 /* Overlap of communication with compute (parallel.prefetch_depth): 0 (the default of a new FSDP) gathers
  * a group when the model asks for it and reduce-scatters its gradients at once, blocking; depth d >= 1
@@ -211,6 +217,12 @@ ds4_status ds4_fsdp_for_each_matrix(ds4_fsdp *f, const ds4_matrix_ops *ops);
  * the ranks): the same bits for any EP degree, any split of the shards and any thread count; NaN when a
  * gradient is not finite. Clips like ds4_clip_grad_norm when max_norm > 0. */
 ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm);
+/* The same with the limbs summed over `all` (a pipeline's world: every stage's FSDP shards its own groups). */
+ds4_status ds4_fsdp_clip_grad_norm_over(ds4_fsdp *f, ds4_comm *all, double max_norm, double *norm);
+/* Float parameter p's values from a shard buffer (host memory, laid out as the shard) gathered on rank root
+ * of f's world into out [p->numel] (root only): a dense one from every rank, a routed expert from the ranks
+ * of its EP rank; a collective of f's world. */
+ds4_status ds4_fsdp_gather_param(ds4_fsdp *f, const float *shard, const ds4_param *p, float *out, int root);
 /* ds4_router_bias_update on the shards; loads: [n_blocks, E] summed over all ranks. Fails out of memory. */
 ds4_status ds4_fsdp_router_bias_update(ds4_fsdp *f, const int64_t *loads, double gamma);
 

@@ -146,6 +146,10 @@ ds4_status ds4_train_state_swap_slot(ds4_train_state *s, int slot, ds4_act_swap 
  * held by the state until the next call); NULL without EP. */
 const ds4_ep_ops *ds4_train_state_yielding_ep(ds4_train_state *s, void (*yield)(void *ctx), void *ctx);
 int64_t ds4_train_state_numel(const ds4_train_state *s);           /* parameters of the whole model */
+/* A pipeline's communicator of this rank's pp stages (rank = stage; world = pp: the world; pp x fsdp: the
+ * ranks of this data rank, world rank stage * fsdp + d), NULL without a pipeline; and its data ranks (fsdp). */
+ds4_comm *ds4_train_state_pipe(ds4_train_state *s);
+int ds4_train_state_data_ranks(const ds4_train_state *s);
 int64_t ds4_train_state_held_numel(const ds4_train_state *s);      /* elements trained here: all, the shard's, a stage's groups' */
 void ds4_train_state_zero_grads(ds4_train_state *s);
 /* The pieces of ds4_train_step below, one by one (on a plan state: only inside ds4_train_step). */

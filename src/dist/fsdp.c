@@ -8,7 +8,8 @@
 #include <string.h>
 
 /* ------------------------------------------------------------------ create */
-static ds4_status build_pieces(ds4_fsdp *f) {
+/* groups: [ngroups] the groups sharded here (a pipeline stage's), NULL: all. */
+static ds4_status build_pieces(ds4_fsdp *f, const bool *groups) {
     ds4_model *m = f->m;
     int64_t nr = ds4_model_nregions(m), numel = ds4_model_numel(m);
     f->pieces = ds4_calloc(DS4_MEM_OTHER, (size_t)(nr + 1) * sizeof(piece));
@@ -17,6 +18,7 @@ static ds4_status build_pieces(ds4_fsdp *f) {
     for (int64_t i = 0; i < nr; i++) {
         const ds4_region *g = ds4_model_region(m, i);
         f->piece_of_region[i] = -1;
+        if (groups && !groups[g->group]) continue; /* another pipeline stage's group */
         bool expert = g->expert >= 0;
         if (expert && (g->expert < f->ops.e0 || g->expert >= f->ops.e1)) continue; /* another EP rank's expert */
         ds4_comm *c = expert ? f->rep : f->fsdp;
@@ -41,6 +43,10 @@ static ds4_status build_pieces(ds4_fsdp *f) {
 }
 
 ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out) {
+    return ds4_fsdp_create_groups(m, world, ep, NULL, out);
+}
+
+ds4_status ds4_fsdp_create_groups(ds4_model *m, ds4_comm *world, int ep, const bool *groups, ds4_fsdp **out) {
     *out = NULL;
     const ds4_config *c = ds4_model_config(m);
     int W = ds4_comm_size(world), rank = ds4_comm_rank(world);
@@ -58,7 +64,7 @@ ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out
     fsdp_ep_init(f, e0);
     int64_t ng = ds4_model_ngroups(m);
     f->w_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
-    f->g_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
+    f->g_mapped = ds4_calloc(DS4_MEM_OTHER, (size_t)(groups ? 2 * ng : ng) * sizeof(bool)); /* + the stage's groups */
     ds4_status st = f->w_mapped && f->g_mapped ? DS4_OK : DS4_ERR_OOM;
     /* three communicators of their own: FSDP (all ranks), EP groups, expert replicas. The shards live on the
      * model's backend: on a device, FSDP's and the replicas' collectives stage through host copies (EP
@@ -73,7 +79,9 @@ ds4_status ds4_fsdp_create(ds4_model *m, ds4_comm *world, int ep, ds4_fsdp **out
         ds4_comm_set_lane(f->fsdp, DS4_LANE_FSDP);
         ds4_comm_set_lane(f->rep, DS4_LANE_FSDP);
         ds4_comm_set_lane(f->ep, DS4_LANE_EP);
-        st = build_pieces(f);
+        st = build_pieces(f, groups);
+        f->whole = !groups;
+        for (int64_t g = 0; groups && g < ng; g++) f->g_mapped[ng + g] = groups[g];
     }
     if (st != DS4_OK) {
         ds4_fsdp_free(f);
@@ -101,6 +109,9 @@ void ds4_fsdp_free(ds4_fsdp *f) {
 }
 
 const ds4_param_hooks *ds4_fsdp_hooks(ds4_fsdp *f) { return &f->hooks; }
+bool ds4_fsdp_holds_group(const ds4_fsdp *f, int64_t group) {
+    return f->whole || f->g_mapped[ds4_model_ngroups(f->m) + group];
+}
 int64_t ds4_fsdp_shard_numel(const ds4_fsdp *f) { return f->ns; }
 const ds4_exec *ds4_fsdp_exec(const ds4_fsdp *f) { return ds4_model_exec(f->m); }
 float *ds4_fsdp_shard_params(ds4_fsdp *f) { return f->sp; }

@@ -47,7 +47,10 @@ struct ds4_fsdp {
     ds4_comm *world, *fsdp, *ep, *rep; /* rep: ranks holding the same experts (one per EP group) */
     ds4_comm *staged;                  /* on a device backend: the world, host-staged (fsdp and rep are its
                                         * splits, so the shards' collectives take device buffers); else NULL */
-    int W, ep_size;
+    int W;
+    int ep_size : 31;                  /* (bit fields: the struct keeps its size, memplan's counted bytes) */
+    unsigned whole : 1;                /* every group sharded; else a pipeline stage's groups alone, marked in
+                                        * g_mapped[ngroups + g] (g_mapped is [2 ngroups] then) */
     int64_t eloc;                      /* experts per EP rank; this rank's are [ops.e0, ops.e1) */
     piece *pieces;
     int64_t npieces;

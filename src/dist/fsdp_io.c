@@ -92,6 +92,7 @@ static ds4_status gather_region(ds4_fsdp *f, int64_t i, const float *shard, floa
 
 ds4_status ds4_fsdp_collect_buf(ds4_fsdp *f, const float *shard, float *out, int root) {
     ds4_model *m = f->m;
+    if (!f->whole) return ds4_fail(DS4_ERR_INTERNAL, "FSDP of a pipeline stage's groups: no whole-model collect");
     int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)f->W);
     if (!v) return DS4_ERR_OOM;
     ds4_status st = DS4_OK;
@@ -136,6 +137,7 @@ int64_t ds4_fsdp_packed_numel(const ds4_fsdp *f) {
  * to the sink (the region padding is dropped). Parameters and regions are both in flat order. */
 ds4_status ds4_fsdp_stream_packed(ds4_fsdp *f, const float *shard, int root, ds4_packed_sink_fn sink, void *ctx) {
     ds4_model *m = f->m;
+    if (!f->whole) return ds4_fail(DS4_ERR_INTERNAL, "FSDP of a pipeline stage's groups: no whole-model stream");
     const bool here = ds4_comm_rank(f->world) == root;
     const float *flat = ds4_model_params_flat(m);
     int64_t maxlen = 0, np = ds4_model_nparams(m), pi = 0;

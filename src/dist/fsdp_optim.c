@@ -9,9 +9,13 @@
 /* The shard's squares summed exactly on the backend (limbs read back once), the limbs summed over ranks as
  * integers, so the norm is the same bits for any layout; the scale, when it clips, on the backend. */
 ds4_status ds4_fsdp_clip_grad_norm(ds4_fsdp *f, double max_norm, double *norm) {
+    return ds4_fsdp_clip_grad_norm_over(f, f->world, max_norm, norm);
+}
+
+ds4_status ds4_fsdp_clip_grad_norm_over(ds4_fsdp *f, ds4_comm *all, double max_norm, double *norm) {
     ds4_sumsq_acc a;
     DS4_TRY(ds4_dev_sumsq_exact(fsdp_ex(f), f->sg, f->ns, &a)); /* a plan: zero */
-    DS4_TRY(ds4_comm_sum_i64(f->world, a.limb, DS4_SUMSQ_LIMBS + 1));
+    DS4_TRY(ds4_comm_sum_i64(all, a.limb, DS4_SUMSQ_LIMBS + 1));
     ds4_sumsq_normalize(&a);
     *norm = sqrt(ds4_sumsq_value(&a));
     float s;
@@ -98,6 +102,38 @@ static ds4_status one_matrix(const ds4_exec *ex, const ds4_matrix_ops *ops, ds4_
     if (st == DS4_OK) st = ops->part_in(ops->ctx, p, k0, k0 + mine, h->s0, part);
     if (!alone) ds4_dev_free(ex, part);
     ds4_dev_free(ex, x);
+    return st;
+}
+
+/* Over f's world: every rank's elements of p in its region (dense: all ranks; expert e: the ranks of its EP
+ * rank, each EP group one piece), gathered on root. */
+ds4_status ds4_fsdp_gather_param(ds4_fsdp *f, const float *shard, const ds4_param *p, float *out, int root) {
+    ds4_model *m = f->m;
+    const int64_t a = p->data - ds4_model_params_flat(m), ri = ds4_model_region_at(m, a);
+    const ds4_region *g = ri >= 0 ? ds4_model_region(m, ri) : NULL;
+    if (!g || (!f->whole && !ds4_fsdp_holds_group(f, g->group)))
+        return ds4_fail(DS4_ERR_INTERNAL, "%s: not a parameter of this FSDP's groups", p->name);
+    const int W = f->W, me = ds4_comm_rank(f->world);
+    const bool expert = g->expert >= 0;
+    const int64_t len = g->end - g->start, n = expert ? W / f->ep_size : W, chunk = (len + n - 1) / n;
+    int64_t *v = ds4_alloc(DS4_MEM_OTHER, sizeof(int64_t) * 2 * (size_t)W);
+    if (!v) return ds4_fail(DS4_ERR_OOM, "out of memory gathering %s", p->name);
+    for (int w = 0; w < W; w++) {
+        const bool holds = !expert || g->expert / f->eloc == w % f->ep_size;
+        const int idx = expert ? w / f->ep_size : w;
+        const int64_t lo = g->start + (int64_t)idx * chunk, hi = lo + piece_len(len, chunk, idx);
+        const int64_t x = a > lo ? a : lo, y = a + p->numel < hi ? a + p->numel : hi;
+        v[w] = holds && x < y ? y - x : 0;
+        v[W + w] = holds && x < y ? x - a : 0;
+    }
+    const int64_t j = f->piece_of_region[ri];
+    const float *mine = NULL;
+    if (v[me] > 0 && j >= 0) {
+        const piece *q = &f->pieces[j];
+        mine = shard + q->shard_off + (a + v[W + me] - (q->start + q->off));
+    }
+    ds4_status st = ds4_comm_gatherv(f->world, mine, v[me], out, v, v + W, sizeof(float), root);
+    ds4_free(v);
     return st;
 }
 

@@ -130,6 +130,10 @@ static ds4_status measure_stage(ds4_train_cfg *run, const ds4_config *c, step_se
     ds4_pp_layout *L = ds4_alloc(DS4_MEM_OTHER, sizeof *L); /* before the counting, as the trainer's */
     ds4_status st = L ? ds4_pp_layout_make(&run->recompute.pipe, c->n_layers, c->n_mtp_layers, L)
                       : ds4_fail(DS4_ERR_OOM, "memplan: out of memory for the pipeline layout");
+    if (st == DS4_OK && ds4_comm_size(comm) != L->pp)
+        st = ds4_fail(DS4_ERR_UNSUPPORTED, "memplan: a pipeline of pp x fsdp ranks (world %d, pp %lld) is not planned "
+                      "yet; plan a world of pp ranks (--world %lld)", ds4_comm_size(comm), (long long)L->pp,
+                      (long long)L->pp);
     u->args.pipe = comm;
     u->args.layout = L;
     const step_world w = {comm, 1, ds4_comm_is_plan(comm), true};

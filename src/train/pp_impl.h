@@ -11,7 +11,7 @@
 ds4_stage pp_stage_of(const ds4_model *m, const ds4_pp_layout *L, int64_t k);
 
 /* The checks of a run on one rank over pipe (world = pp), one line each: pipe not of the layout's pp ranks,
- * parameter hooks, a model outside host memory, a layout of another model, no micro-batch or a batch too
+ * a model outside host memory, a layout of another model, no micro-batch or a batch too
  * small, more than 32767 tags (`kinds` tags per chunk and micro-batch). */
 /* The layout is the model's and the micro-batches make sense: what both executors check first. */
 ds4_status pp_check_args(const ds4_model *m, const ds4_pp_local_args *a);

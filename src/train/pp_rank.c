@@ -29,9 +29,6 @@ ds4_status pp_check_rank(const ds4_model *m, const ds4_comm *pipe, const ds4_pp_
     if (ds4_comm_size(pipe) != L->pp)
         return ds4_fail(DS4_ERR_ARG, "pipeline over MPI: the layout has pp %lld, the communicator %d ranks (world = pp "
                         "for now)", (long long)L->pp, ds4_comm_size(pipe));
-    if (a->opts->hooks)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: parameter hooks (FSDP / EP inside a pipeline stage) "
-                        "are not built yet; each rank holds its own stage's groups whole");
     if (!ds4_exec_host_memory(ds4_model_exec(m)))
         return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline over MPI: a model in device memory (its boundary buffers "
                         "through a staged communicator) is not built yet");

@@ -32,8 +32,26 @@ struct ds4_train_state {
     ds4_fsdp_yielding yielding; /* --moe-fb-overlap: the EP ops that give way between start and wait */
     bool bf16;              /* mixed precision: bf16 GEMMs and activations, fp32 weights and optimizer state */
     bool per_rank;          /* sharded saves: every rank writes its own file */
-    ds4_pp_layout *pp;      /* a pipeline stage (this rank's groups held, ds4_model_hold), else NULL */
+    ds4_pp_layout *pp;      /* a pipeline stage (this rank's groups held, ds4_model_hold), else NULL: the layout
+                             * of a stage_ctx */
 };
+
+/* A pipeline stage's layout and, for pp x fsdp, its communicators: this data rank's pp ranks (rank = stage)
+ * and this stage's fsdp ranks (rank = data rank d), its groups' FSDP; NULL with world = pp. Kept behind the
+ * state's layout pointer, so a state without a pipeline counts the bytes it did (memplan's golden numbers). */
+typedef struct {
+    ds4_pp_layout L; /* first: s->pp points here */
+    ds4_comm *pipe, *stage;
+} stage_ctx;
+static stage_ctx *stage_ctx_of(const ds4_train_state *s) { return (stage_ctx *)s->pp; }
+#define PIPE(s) (s->pp ? stage_ctx_of(s)->pipe : NULL)
+#define STAGE(s) (s->pp ? stage_ctx_of(s)->stage : NULL)
+
+/* The pipeline this rank is a stage of (world = pp: the world), its stage and its data rank: world rank
+ * stage * fsdp + d (pp outermost, as Megatron orders its ranks). */
+static ds4_comm *pipe_of(const ds4_train_state *s) { return PIPE(s) ? PIPE(s) : s->world; }
+static int stage_of(const ds4_train_state *s) { return ds4_comm_rank(pipe_of(s)); }
+static int data_rank_of(const ds4_train_state *s) { return STAGE(s) ? ds4_comm_rank(STAGE(s)) : 0; }
 
 /* ------------------------------------------------------------------ agreement between ranks */
 /* What one rank tells the others about how a phase ended. */
@@ -97,18 +115,47 @@ static int param_owner(const ds4_train_state *s, const ds4_param *p) {
     return group_owner(s->pp, ds4_model_config(s->m), ds4_model_region(s->m, r)->group);
 }
 
+/* pp x fsdp (world = pp * fsdp ranks, fsdp > 1): the world split into this data rank's pipeline (the same d
+ * on every stage) and this stage's FSDP group (its fsdp data ranks). */
+static ds4_status split_stage(ds4_train_state *s) {
+    const int W = ds4_comm_size(s->world), rank = ds4_comm_rank(s->world), pp = (int)s->pp->pp, F = W / pp;
+    DS4_TRY(ds4_comm_split(s->world, rank % F, rank / F, pp, rank / F, &stage_ctx_of(s)->pipe));
+    return ds4_comm_split(s->world, F + rank / F, rank % F, F, rank % F, &stage_ctx_of(s)->stage);
+}
+
 static ds4_status open_stage(ds4_train_state *s, const ds4_config *mc, const ds4_train_state_opts *o) {
     if (!o->pp_cfg) return ds4_fail(DS4_ERR_INTERNAL, "pipeline: the train state needs the layout's options");
-    if (!(s->pp = ds4_alloc(DS4_MEM_OTHER, sizeof *s->pp)))
+    stage_ctx *x = ds4_calloc(DS4_MEM_OTHER, sizeof *x);
+    if (!(s->pp = x ? &x->L : NULL))
         return ds4_fail(DS4_ERR_OOM, "out of memory for the pipeline layout");
     DS4_TRY(ds4_pp_layout_make(o->pp_cfg, mc->n_layers, mc->n_mtp_layers, s->pp));
-    if (ds4_comm_size(s->world) != s->pp->pp)
-        return ds4_fail(DS4_ERR_ARG, "pipeline: pp %lld runs on %lld ranks, the world has %d", (long long)s->pp->pp,
-                        (long long)s->pp->pp, ds4_comm_size(s->world));
-    const int rank = ds4_comm_rank(s->world);
-    for (int64_t g = 0; g < ds4_model_ngroups(s->m); g++)
-        if (group_owner(s->pp, mc, g) == rank) DS4_TRY(ds4_model_hold(s->m, g, true));
-    return embed_reader(s) == rank ? ds4_model_hold(s->m, 0, false) : DS4_OK;
+    const int W = ds4_comm_size(s->world);
+    if (W % s->pp->pp)
+        return ds4_fail(DS4_ERR_ARG, "pipeline: pp %lld runs on a multiple of %lld ranks (pp x fsdp), the world has %d",
+                        (long long)s->pp->pp, (long long)s->pp->pp, W);
+    if (W > s->pp->pp) DS4_TRY(split_stage(s));
+    const int stage = stage_of(s);
+    for (int64_t g = 0; !STAGE(s) && g < ds4_model_ngroups(s->m); g++) /* pp x fsdp: the stage's FSDP shards them */
+        if (group_owner(s->pp, mc, g) == stage) DS4_TRY(ds4_model_hold(s->m, g, true));
+    return embed_reader(s) == stage ? ds4_model_hold(s->m, 0, false) : DS4_OK;
+}
+
+/* pp x fsdp: the FSDP of this stage's groups over its data ranks (no other group has a piece here); the
+ * embedding's values the MTP block's stage reads are held whole there, initialised or loaded like a stage's. */
+static ds4_status open_stage_sharded(ds4_train_state *s, const ds4_model_dir *d, uint64_t seed,
+                                     const ds4_train_state_opts *o) {
+    const ds4_config *mc = ds4_model_config(s->m);
+    const int64_t ng = ds4_model_ngroups(s->m);
+    bool *mine = ds4_calloc(DS4_MEM_OTHER, (size_t)ng * sizeof(bool));
+    if (!mine) return ds4_fail(DS4_ERR_OOM, "out of memory for the stage's groups");
+    for (int64_t g = 0; g < ng; g++) mine[g] = group_owner(s->pp, mc, g) == stage_of(s);
+    ds4_status st = ds4_fsdp_create_groups(s->m, STAGE(s), o->ep, mine, &s->f);
+    ds4_free(mine);
+    DS4_TRY(st);
+    DS4_TRY(ds4_fsdp_set_prefetch(s->f, o->prefetch_depth));
+    DS4_TRY(d ? ds4_fsdp_load(s->f, d) : ds4_fsdp_init_random(s->f, seed));
+    if (embed_reader(s) == stage_of(s)) DS4_TRY(d ? ds4_model_load(s->m, d) : ds4_model_init_random(s->m, seed));
+    return ds4_optim_init_shard(&s->opt, o->optimizer, s->f, o->swap_optimizer ? s->store : NULL, o->swap_chunk_bytes);
 }
 
 /* The model first (the order memplan's numbers were first taken in): whole, or unmapped behind FSDP or as a
@@ -161,16 +208,19 @@ ds4_status ds4_train_state_setup(ds4_train_state *s, const ds4_config *mc, const
                                  ds4_comm *world, const ds4_train_state_opts *opts) {
     if (s->m) return ds4_fail(DS4_ERR_INTERNAL, "train state: set up twice");
     s->world = world;
-    s->sharded = (ds4_comm_size(world) > 1 && !opts->pipeline) || opts->ep > 1 || opts->shard;
-    if (opts->pipeline && s->sharded)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline: FSDP / EP inside a stage is not built yet (ep %d)", opts->ep);
+    /* a pipeline's FSDP + EP is its stages' (open_stage_sharded) */
+    s->sharded = !opts->pipeline && (ds4_comm_size(world) > 1 || opts->ep > 1 || opts->shard);
+    if (opts->pipeline && (opts->shard || (opts->ep > 1 && opts->pp_cfg && ds4_comm_size(world) == opts->pp_cfg->pp)))
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline: EP needs FSDP inside a stage (pp x fsdp ranks; ep %d)", opts->ep);
     s->bf16 = opts->bf16;
     if (s->bf16) s->exec.matmul_precision = DS4_MATMUL_BF16; /* mixed precision runs its GEMMs on bf16 operands */
     s->per_rank = opts->per_rank_ckpt;
     ds4_status st = check_world(s, world);
     if (st == DS4_OK) st = open_model(s, mc, opts);
     if (st == DS4_OK) st = open_offload(s, opts);
-    if (st == DS4_OK) st = s->sharded ? open_sharded(s, d, seed, opts->ep, opts) : open_whole(s, d, seed, opts);
+    if (st == DS4_OK)
+        st = STAGE(s) ? open_stage_sharded(s, d, seed, opts)
+           : s->sharded ? open_sharded(s, d, seed, opts->ep, opts) : open_whole(s, d, seed, opts);
     if (st == DS4_OK) ds4_train_state_refresh_bf16(s);
     return st;
 }
@@ -196,6 +246,8 @@ void ds4_train_state_free(ds4_train_state *s) {
     ds4_optim_free(&s->opt);
     ds4_offload_close(s->store); /* after everything it holds */
     ds4_fsdp_free(s->f);
+    ds4_comm_free(PIPE(s));
+    ds4_comm_free(STAGE(s));
     ds4_model_free(s->m);
     ds4_free(s->pp);
     ds4_free(s);
@@ -203,6 +255,8 @@ void ds4_train_state_free(ds4_train_state *s) {
 
 const ds4_exec *ds4_train_state_exec(const ds4_train_state *s) { return &s->exec; }
 int ds4_train_state_ranks(const ds4_train_state *s) { return ds4_comm_size(s->world); }
+ds4_comm *ds4_train_state_pipe(ds4_train_state *s) { return s->pp ? pipe_of(s) : NULL; }
+int ds4_train_state_data_ranks(const ds4_train_state *s) { return STAGE(s) ? ds4_comm_size(STAGE(s)) : 1; }
 
 ds4_model *ds4_train_state_model(ds4_train_state *s) { return s->m; }
 const ds4_param_hooks *ds4_train_state_hooks(ds4_train_state *s) { return s->f ? ds4_fsdp_hooks(s->f) : NULL; }
@@ -257,14 +311,16 @@ void ds4_train_state_scale_grads(ds4_train_state *s, int64_t micro_batches) {
 }
 
 ds4_status ds4_train_state_mean(ds4_train_state *s, double *x, int64_t n) {
-    const int W = ds4_comm_size(s->world);
+    ds4_comm *data = s->pp ? STAGE(s) : s->world; /* pp x fsdp: the stage's data ranks (the same on every stage) */
+    const int W = data ? ds4_comm_size(data) : 1;
     if (!s->f || W == 1) return DS4_OK;
-    DS4_TRY(ds4_comm_sum_f64(s->world, x, n));
+    DS4_TRY(ds4_comm_sum_f64(data, x, n));
     for (int64_t i = 0; i < n; i++) x[i] /= (double)W;
     return DS4_OK;
 }
 
 ds4_status ds4_train_state_clip(ds4_train_state *s, double max_norm, double *norm) {
+    if (s->f && s->pp) return ds4_fsdp_clip_grad_norm_over(s->f, s->world, max_norm, norm); /* every stage's limbs */
     if (s->f) return ds4_fsdp_clip_grad_norm(s->f, max_norm, norm); /* FSDP plans by itself */
     *norm = 0;
     return s->exec.plan ? DS4_OK : ds4_clip_grad_norm_over(s->m, s->pp ? s->world : NULL, max_norm, norm);
@@ -279,22 +335,29 @@ static ds4_status send_values(ds4_train_state *s, int from, int to, int64_t star
     if (!ds4_exec_host_memory(&s->exec))
         return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline: sending the embedding of a model in device memory is not built yet");
     ds4_comm_req *req = NULL;
-    ds4_status st = ds4_comm_rank(s->world) == from
-                        ? ds4_comm_isend(s->world, v, end - start, sizeof(float), to, TAG_EMBED, &req)
-                        : ds4_comm_irecv(s->world, v, end - start, sizeof(float), from, TAG_EMBED, &req);
+    ds4_comm *pipe = pipe_of(s);
+    ds4_status st = ds4_comm_rank(pipe) == from
+                        ? ds4_comm_isend(pipe, v, end - start, sizeof(float), to, TAG_EMBED, &req)
+                        : ds4_comm_irecv(pipe, v, end - start, sizeof(float), from, TAG_EMBED, &req);
     return st == DS4_OK ? ds4_comm_wait(req) : st;
 }
 
 ds4_status ds4_train_state_share(ds4_train_state *s) {
     if (!s->pp || s->exec.plan) return DS4_OK;
     const int reader = embed_reader(s), owner = group_owner(s->pp, ds4_model_config(s->m), 0);
-    const int rank = ds4_comm_rank(s->world);
+    const int rank = stage_of(s);
     if (reader < 0 || (rank != reader && rank != owner)) return DS4_OK;
-    for (int64_t i = 0; i < ds4_model_nregions(s->m); i++) {
+    /* pp x fsdp: the owner stage's FSDP gathers the embedding (every data rank of the stage), and each data
+     * rank sends it to the same data rank of the reader's stage */
+    const ds4_param_hooks *h = s->f && rank == owner ? ds4_fsdp_hooks(s->f) : NULL;
+    if (h) DS4_TRY(h->gather(h->ctx, 0));
+    ds4_status st = DS4_OK;
+    for (int64_t i = 0; st == DS4_OK && i < ds4_model_nregions(s->m); i++) {
         const ds4_region *r = ds4_model_region(s->m, i);
-        if (r->group == 0) DS4_TRY(send_values(s, owner, reader, r->start, r->end));
+        if (r->group == 0) st = send_values(s, owner, reader, r->start, r->end);
     }
-    return DS4_OK;
+    if (h) h->drop(h->ctx, 0);
+    return st;
 }
 
 ds4_status ds4_train_state_own_step(ds4_train_state *s, const void *cfg, double weight_decay, double lr) {
@@ -313,7 +376,7 @@ ds4_status ds4_train_state_adamw_step(ds4_train_state *s, const ds4_adamw_cfg *c
 void ds4_train_state_refresh_bf16(ds4_train_state *s) {
     if (!s->bf16) return;
     if (s->f) ds4_fsdp_refresh_bf16(s->f);
-    else ds4_model_refresh_bf16(s->m);
+    if (!s->f || s->pp) ds4_model_refresh_bf16(s->m); /* pp x fsdp: the held embedding of the MTP block's stage */
 }
 
 ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, double gamma) {
@@ -321,7 +384,8 @@ ds4_status ds4_train_state_router_bias(ds4_train_state *s, int64_t *loads, doubl
         return s->exec.plan ? DS4_OK : ds4_router_bias_update(s->m, loads, gamma);
     }
     const ds4_config *c = ds4_model_config(s->m);
-    DS4_TRY(ds4_comm_sum_i64(s->world, loads, (c->n_layers + c->n_mtp_layers) * c->n_routed_experts));
+    /* pp x fsdp: the pipeline summed its stages' loads; the data ranks' are summed here */
+    DS4_TRY(ds4_comm_sum_i64(s->pp ? STAGE(s) : s->world, loads, (c->n_layers + c->n_mtp_layers) * c->n_routed_experts));
     return ds4_fsdp_router_bias_update(s->f, loads, gamma);
 }
 
@@ -483,12 +547,37 @@ typedef struct {
     ds4_train_state *s;
     ds4_st_writer *w; /* rank 0's file; NULL: elsewhere, or after a failed write (it still receives) */
     float *buf;       /* [the largest float tensor] */
+    const float *shard; /* pp x fsdp: the array being written in the stage's shard layout (host memory) */
     ds4_status st;    /* the first failure here */
 } stage_sink;
+
+/* pp x fsdp: p's elements of k->shard gathered on data rank 0 of its owner stage, which sends them to world
+ * rank 0 (stage 0's data rank 0 gathers them in place); the other ranks take no part. */
+static void stage_put_sharded(stage_sink *k, const ds4_param *p) {
+    ds4_train_state *s = k->s;
+    const int rank = ds4_comm_rank(s->world), owner = param_owner(s, p), F = ds4_comm_size(STAGE(s));
+    const bool mine = stage_of(s) == owner;
+    if (!mine && rank != 0) return;
+    ds4_status st = mine ? ds4_fsdp_gather_param(s->f, k->shard, p, k->buf, 0) : DS4_OK;
+    if (owner != 0 && (rank == 0 || (mine && data_rank_of(s) == 0))) { /* sent even after a failure: rank 0 waits */
+        ds4_comm_req *req = NULL;
+        ds4_status cs = rank == 0 ? ds4_comm_irecv(s->world, k->buf, p->numel, sizeof(float), owner * F, TAG_CKPT, &req)
+                                  : ds4_comm_isend(s->world, k->buf, p->numel, sizeof(float), 0, TAG_CKPT, &req);
+        if (cs == DS4_OK) cs = ds4_comm_wait(req);
+        if (st == DS4_OK) st = cs;
+    }
+    if (st == DS4_OK && rank == 0 && k->w) st = ds4_st_writer_put(k->w, k->buf, (size_t)p->numel * sizeof(float));
+    if (st != DS4_OK && rank == 0) k->w = NULL;
+    if (k->st == DS4_OK) k->st = st;
+}
 
 /* p's values (g < 0) or array a of optimizer group g, read by its owner, into rank 0's file. */
 static void stage_put(stage_sink *k, const ds4_param *p, int g, int a) {
     ds4_train_state *s = k->s;
+    if (s->f) {
+        stage_put_sharded(k, p);
+        return;
+    }
     const int rank = ds4_comm_rank(s->world), owner = param_owner(s, p);
     if (rank != owner && rank != 0) return;
     const size_t bytes = (size_t)p->numel * sizeof(float);
@@ -519,12 +608,22 @@ static ds4_status stream_stage_file(ds4_train_state *s, const char *dir, bool op
     if (st == DS4_OK && dir) st = optim ? begin_optim_file(s, dir, w) : begin_model_file(s->m, dir, w);
     stage_sink k = {.s = s, .w = st == DS4_OK ? w : NULL, .buf = buf};
     for (int g = optim ? 0 : -1; g < (optim ? DS4_OPT_NGROUPS : 0); g++)
-        for (int a = 0; a < (g < 0 ? 1 : s->opt.g[g].k); a++)
-            for (int64_t i = 0; i < ds4_model_nparams(s->m); i++) {
+        for (int a = 0; a < (g < 0 ? 1 : s->opt.g[g].k); a++) {
+            float *tmp = NULL, *arr = NULL;
+            if (s->f && g < 0) k.shard = ds4_dev_host_view(&s->exec, ds4_fsdp_shard_params(s->f),
+                                                           (size_t)ds4_fsdp_shard_numel(s->f) * sizeof(float));
+            ds4_status as = s->f && g >= 0 ? shard_array(s, g, a, &arr, &tmp) : DS4_OK;
+            if (s->f && g >= 0) k.shard = arr;
+            as = s->f ? ds4_train_agree(s->world, as == DS4_OK && !k.shard ? DS4_ERR_OOM : as) : DS4_OK;
+            for (int64_t i = 0; as == DS4_OK && i < ds4_model_nparams(s->m); i++) {
                 const ds4_param *p = ds4_model_param(s->m, i);
                 const int pg = ds4_optimizer_takes(s->opt.opt, p) ? DS4_OPT_OWN : DS4_OPT_ADAMW;
                 if (ds4_param_in_flat(p) && (g < 0 || pg == g)) stage_put(&k, p, g, a);
             }
+            if (s->f && g < 0) ds4_dev_host_view_free(&s->exec, k.shard, ds4_fsdp_shard_params(s->f));
+            ds4_free(tmp);
+            if (k.st == DS4_OK) k.st = as;
+        }
     if (st == DS4_OK) st = k.st;
     if (st == DS4_OK && dir && !optim) st = put_carried(s->m, w);
     if (st == DS4_OK && dir) st = ds4_st_writer_finish(w);
@@ -774,6 +873,7 @@ static ds4_status load_sharded(ds4_train_state *s, const char *path, ds4_ckpt_me
         ds4_model_dir *d;
         DS4_TRY(ds4_model_dir_open(path, &d));
         ds4_status st = ds4_fsdp_load(s->f, d); /* one region resident at a time */
+        if (st == DS4_OK && s->pp && embed_reader(s) == stage_of(s)) st = ds4_model_load(s->m, d); /* its held values */
         ds4_model_dir_close(d);
         if (st != DS4_OK) return ds4_fail_prefix(st, "checkpoint %s", path);
     }

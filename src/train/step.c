@@ -164,17 +164,20 @@ static ds4_status passes_fb_overlap(step_ctx *c) {
     return st;
 }
 
-/* ------------------------------------------------------------------ a pipeline (world = pp) */
+/* ------------------------------------------------------------------ a pipeline (world = pp x fsdp) */
 /* The gradients of a pipelined step: every micro-batch's ids fetched first (every stage reads them), the
  * schedule run by ds4_pp_run_rank (this rank's chunks, whose gradients alone it holds), / micro-batches.
- * Nothing is merged: each rank updates its own groups. The losses and loads come from the executor, the
- * same on every rank. */
+ * world = pp: nothing is merged, each rank updates its own groups. pp x fsdp: each data rank runs its own
+ * pipeline over its micro-batches; the stage's FSDP hooks reduce-scatter each chunk's gradients inside the
+ * stage's data ranks at every backward, in micro-batch order (each chunk runs its backwards in that order on
+ * every data rank), so the shard's sums are FSDP's without a pipeline; / all data ranks' micro-batches. The
+ * losses and loads come from the executor, the same on every stage, then made means over the data ranks. */
 static ds4_status pipeline_gradients(ds4_train_state *s, const ds4_step_args *a, ds4_step_result *out) {
     ds4_model *m = ds4_train_state_model(s);
     const int64_t M = a->micro_batches, N = a->B * a->T;
-    if (ds4_train_state_hooks(s) || ds4_train_state_swap(s) || a->moe_fb_overlap)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline: FSDP / EP inside a stage, --swap-layer-input and "
-                        "--moe-fb-overlap are not built yet under pp");
+    if (ds4_train_state_swap(s) || a->moe_fb_overlap)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline: --swap-layer-input and --moe-fb-overlap are not built yet "
+                        "under pp");
     int32_t *ids = malloc((size_t)(M * N) * sizeof *ids); /* [M, B, T] */
     if (!ids) return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for %lld micro-batches' ids", (long long)M);
     ds4_status st = DS4_OK;
@@ -185,16 +188,17 @@ static ds4_status pipeline_gradients(ds4_train_state *s, const ds4_step_args *a,
     ds4_act_policies pol = {.recompute = a->release_mask};
     const ds4_pass_opts o = {.need_backward = true, .csa_dense = a->csa_dense,
                              .moe_force_balance = a->moe_force_balance, .store = ds4_act_store_of(&pol),
-                             .bf16_acts = ds4_train_state_bf16(s)};
+                             .bf16_acts = ds4_train_state_bf16(s), .hooks = ds4_train_state_hooks(s)};
     const ds4_pp_local_args pa = {.layout = a->layout, .micro_batches = M, .B = a->B, .T = a->T, .ids = ids,
                                   .opts = &o, .bubble = a->pp_bubble};
     ds4_losses mean;
     if (st == DS4_OK) st = ds4_pp_run_rank(m, a->pipe, &pa, &mean, a->loads);
     free(ids);
     if (st != DS4_OK) return st;
-    ds4_train_state_scale_grads(s, M); /* one process's micro-batches: the pipeline is one data rank */
-    out->loss = mean.loss, out->mtp_loss = mean.mtp_loss, out->indexer_loss = mean.indexer_loss;
-    out->total_loss = mean.total_loss;
+    ds4_train_state_scale_grads(s, M * ds4_train_state_data_ranks(s)); /* the mean over the global batch */
+    double v[4] = {mean.loss, mean.mtp_loss, mean.indexer_loss, mean.total_loss};
+    DS4_TRY(ds4_train_state_mean(s, v, 4)); /* pp x fsdp: over the data ranks, in their order */
+    out->loss = v[0], out->mtp_loss = v[1], out->indexer_loss = v[2], out->total_loss = v[3];
     return DS4_OK;
 }
 

@@ -335,11 +335,16 @@ static ds4_status check_pipeline(const ds4_train_cfg *c, const ds4_config *mc) {
     return DS4_OK;
 }
 
-/* Ranks that take different micro-batches: a pipeline's stages share theirs (world = pp, one data rank). */
-static int data_ranks(const ds4_train_cfg *c, int W) { return c->recompute.pipe.pp > 1 ? 1 : W; }
+/* Ranks that take different micro-batches: a pipeline's stages share theirs (world = pp x fsdp: fsdp data
+ * ranks, each running its own pipeline). */
+static int data_ranks(const ds4_train_cfg *c, int W) {
+    const int64_t pp = c->recompute.pipe.pp;
+    return pp > 1 && W % pp == 0 ? (int)(W / pp) : pp > 1 ? 1 : W;
+}
 
-/* A layout of more than one chunk runs as a pipeline of world = pp ranks (docs/pipeline.md), each rank its
- * stage's groups; what is not built under it yet is refused here, before any work. */
+/* A layout of more than one chunk runs as a pipeline of world = pp x fsdp ranks (docs/pipeline.md), each
+ * stage's groups on its ranks (fsdp > 1: sharded over the stage's data ranks); what is not built under it
+ * yet is refused here, before any work. */
 static ds4_status check_pipeline_world(const ds4_train_cfg *c, const ds4_config *mc, int W) {
     ds4_pp_layout L;
     DS4_TRY(ds4_pp_layout_make(&c->recompute.pipe, mc->n_layers, mc->n_mtp_layers, &L));
@@ -347,14 +352,21 @@ static ds4_status check_pipeline_world(const ds4_train_cfg *c, const ds4_config 
     if (L.pp == 1)
         return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp 1, vpp %lld): virtual chunks on a single "
                         "stage are not built yet; run with pp > 1 under mpirun, or one chunk", (long long)L.vpp);
-    if (W != L.pp)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld, vpp %lld) runs one rank per stage: start "
-                        "it under mpirun -np %lld (this world has %d; FSDP / EP inside a stage are not built yet)",
+    if (W % L.pp)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld, vpp %lld) runs pp x fsdp ranks: start it "
+                        "under mpirun -np %lld (one rank per stage) or a multiple of it (this world has %d)",
                         (long long)L.pp, (long long)L.vpp, (long long)L.pp, W);
-    if (c->ep > 1 || c->dp_shard > 1)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld) with expert parallel %lld / data shard "
-                        "degree %lld: FSDP / EP inside a pipeline stage are not built yet", (long long)L.pp,
-                        (long long)c->ep, (long long)c->dp_shard);
+    if (c->ep > 1 && W == L.pp)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld) with expert parallel %lld (key "
+                        "parallel.ep): EP inside a stage divides its FSDP group; run pp x fsdp ranks (mpirun -np "
+                        "%lld x fsdp)", (long long)L.pp, (long long)c->ep, (long long)L.pp);
+    if (c->dp_shard > 0 && c->dp_shard != W / L.pp)
+        return ds4_fail(DS4_ERR_CONFIG, "key parallelism.data_parallel_shard_degree = %lld: a pipeline of pp %lld on "
+                        "%d ranks shards each stage over %lld; set -1 or %lld", (long long)c->dp_shard, (long long)L.pp,
+                        W, (long long)(W / L.pp), (long long)(W / L.pp));
+    if (W > L.pp && c->ckpt_per_rank)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld x fsdp %lld): key checkpoint.per_rank is "
+                        "not built yet under a pipeline", (long long)L.pp, (long long)(W / L.pp));
     if (c->swap_layer_input || c->moe_fb_overlap)
         return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline parallelism (pp %lld): %s is not built yet under a pipeline",
                         (long long)L.pp, c->swap_layer_input ? "--swap-layer-input" : "--moe-fb-overlap");
@@ -614,7 +626,7 @@ static ds4_step_args step_args(trainer *tr, int64_t step, double lr) {
     a.ctx = tr;
     a.loads = tr->loads;
     a.on_pass = report_units;
-    if (tr->layout) a.pipe = tr->world, a.layout = tr->layout, a.pp_bubble = tr->bubble;
+    if (tr->layout) a.pipe = ds4_train_state_pipe(tr->s), a.layout = tr->layout, a.pp_bubble = tr->bubble;
     return a;
 }
 
@@ -820,7 +832,8 @@ static ds4_status validate_pipelined(trainer *tr, ds4_dataloader *v, int64_t bat
     if (group < 1) group = 1;
     int32_t *ids = ds4_alloc(DS4_MEM_OTHER, (size_t)(group * per) * sizeof(int32_t)); /* [group, B, T] */
     if (!ids) return ds4_fail(DS4_ERR_OOM, "out of memory for %lld validation micro-batches", (long long)group);
-    const ds4_pass_opts o = {.need_backward = false, .bf16_acts = ds4_train_state_bf16(tr->s)};
+    const ds4_pass_opts o = {.need_backward = false, .bf16_acts = ds4_train_state_bf16(tr->s),
+                             .hooks = ds4_train_state_hooks(tr->s)}; /* pp x fsdp: the stage's FSDP gathers */
     ds4_status st = DS4_OK;
     while (st == DS4_OK && *n < batches) {
         int64_t stop = g_stop ? 1 : 0;
@@ -830,7 +843,7 @@ static ds4_status validate_pipelined(trainer *tr, ds4_dataloader *v, int64_t bat
         for (int64_t i = 0; i < g && st == DS4_OK; i++) st = ds4_data_next(v, ids + i * per);
         const ds4_pp_local_args a = {.layout = tr->layout, .micro_batches = g, .B = c->micro_batch,
                                      .T = c->seq_len, .ids = ids, .opts = &o};
-        if (st == DS4_OK) st = ds4_pp_eval_rank(tr->m, tr->world, &a, sum);
+        if (st == DS4_OK) st = ds4_pp_eval_rank(tr->m, ds4_train_state_pipe(tr->s), &a, sum);
         if (st == DS4_OK) *n += g;
     }
     ds4_free(ids);
@@ -901,10 +914,17 @@ static void print_model_line(trainer *tr) {
         printf("offload: %s%s%s to %s\n", c->swap_optimizer ? "optimizer state" : "",
                c->swap_optimizer && c->swap_layer_input ? ", " : "", c->swap_layer_input ? "layer inputs" : "",
                c->offload_dir[0] ? c->offload_dir : "$TMPDIR or /tmp");
-    if (tr->layout)
+    const int F = ds4_train_state_data_ranks(tr->s);
+    if (tr->layout && F == 1)
         printf("parallel: pipeline of %lld stages x %lld chunks (world = pp, each rank holds its stage's parameters, "
                "gradients and optimizer state), %lld micro-batches per step\n", (long long)tr->layout->pp,
                (long long)tr->layout->vpp, (long long)(c->global_batch / c->micro_batch));
+    else if (tr->layout)
+        printf("parallel: pipeline of %lld stages x %lld chunks x FSDP over %d data ranks (world = pp x fsdp, rank = "
+               "stage x %d + data rank; each stage's parameters, gradients and optimizer state sharded over its data "
+               "ranks, expert parallel %lld inside each stage), %lld micro-batches per data rank per step\n",
+               (long long)tr->layout->pp, (long long)tr->layout->vpp, F, F, (long long)c->ep,
+               (long long)(c->global_batch / (c->micro_batch * F)));
     else if (tr->W > 1)
         printf("parallel: %d ranks, FSDP over %d, expert parallel %lld (%lld micro-batches per rank per step)\n", tr->W,
                tr->W, (long long)c->ep, (long long)(c->global_batch / (c->micro_batch * tr->W)));
@@ -926,7 +946,11 @@ static ds4_status print_stage_memory(trainer *tr) {
     if (st == DS4_OK) st = ds4_comm_allgatherv(tr->world, mine, K, all, cd, cd + tr->W, sizeof(int64_t));
     for (int r = 0; st == DS4_OK && tr->lead && r < tr->W; r++) {
         const int64_t *x = all + K * r;
-        printf("pipeline rank %d holds: parameters %lld bytes (its groups' values %lld), gradients %lld bytes (its "
+        if (ds4_train_state_data_ranks(tr->s) > 1) /* pp x fsdp: world rank = stage x fsdp + data rank */
+            printf("rank %d (stage %d, data rank %d) holds: parameters %lld bytes, gradients %lld bytes, optimizer "
+                   "state %lld bytes\n", r, r / ds4_train_state_data_ranks(tr->s), r % ds4_train_state_data_ranks(tr->s),
+                   (long long)x[0], (long long)x[2], (long long)x[4]);
+        else printf("pipeline rank %d holds: parameters %lld bytes (its groups' values %lld), gradients %lld bytes (its "
                "groups' %lld), optimizer state %lld bytes\n", r, (long long)x[0], (long long)x[1], (long long)x[2],
                (long long)x[3], (long long)x[4]);
     }
@@ -1070,7 +1094,7 @@ ds4_status ds4_train_run_world(const ds4_train_cfg *cfg, bool *agreed) {
     }
     if (st == DS4_OK)
         st = loader_open(c->train_data, c->micro_batch, c->seq_len, (uint64_t)c->seed, true, mc->vocab_size,
-                         pipe ? 0 : tr.rank, pipe ? 1 : tr.W, &tr.train);
+                         pipe ? tr.rank % data_ranks(c, tr.W) : tr.rank, data_ranks(c, tr.W), &tr.train);
     if (st == DS4_OK) {
         int64_t tokens = 0, loads = 0; /* [micro_batch, seq_len], [n_blocks, E]: sizes checked before */
         bool sized = ds4_mul_i64(c->micro_batch, c->seq_len, &tokens) &&
