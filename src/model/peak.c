@@ -3,8 +3,8 @@
  *
  * The peak is theoretical, as a GPU's datasheet peak is for TorchTitan's MFU: the core's clock times the
  * FLOPs per cycle of the engine the run's GEMMs use (its vector width and FMA pipes), times the threads.
- * The clock is measured by a chain of dependent integer adds (one cycle each on every core), timed in the
- * probing thread's own CPU time (CLOCK_THREAD_CPUTIME_ID), the best of several short chains: time other
+ * The clock is measured by a chain of dependent register-to-register integer adds (one cycle each on
+ * every core), timed in the probing thread's own CPU time (CLOCK_THREAD_CPUTIME_ID), the best of several short chains: time other
  * processes hold the core is not counted and each chain fits in one time slice, so a machine busy at
  * start-up does not lower the peak. A GEMM probe timed the same way did not hold on a time-shared virtual
  * machine: after each wait for the core its caches and clock came back slowly, and it read 35 GFLOP/s where
@@ -32,21 +32,24 @@ static double thread_cpu_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Cycles per second of CPU time of this thread's core: 4·CLOCK_CHAIN adds, each waiting for the one before
- * (the empty asm makes x a fresh register value, so the compiler can neither fold nor reorder the adds). */
+/* Cycles per second of CPU time of this thread's core: 4·CLOCK_CHAIN adds, each waiting for the one before.
+ * The addend is a register the compiler cannot see (the empty asm), not an immediate: cores that fold an
+ * immediate add at rename (Intel's Golden Cove) ran the immediate chain at 3-9 "GHz" on a 2.6 GHz Xeon;
+ * the empty asm after each add makes x a fresh value, so the compiler can neither fold nor reorder them. */
 static double core_clock_hz(void) {
     double best = 0;
     for (int r = 0; r < CLOCK_REPS; r++) {
-        unsigned long x = 0;
+        unsigned long x = 0, one = 1;
+        __asm__ volatile("" : "+r"(one));
         const double t0 = thread_cpu_seconds();
         for (long i = 0; i < CLOCK_CHAIN; i++) {
-            x += 1;
+            x += one;
             __asm__ volatile("" : "+r"(x));
-            x += 1;
+            x += one;
             __asm__ volatile("" : "+r"(x));
-            x += 1;
+            x += one;
             __asm__ volatile("" : "+r"(x));
-            x += 1;
+            x += one;
             __asm__ volatile("" : "+r"(x));
         }
         const double dt = thread_cpu_seconds() - t0;
