@@ -561,7 +561,8 @@ static int plan_run(int argc, char **argv) {
     printf("memplan: %s, seq %lld, micro-batch %lld x %lld per rank, recompute %s, swap %s, %s, %d threads "
            "(rank %lld of %lld, EP %lld)\n",
            run.model_dir[0] ? run.model_dir : run.model_config, (long long)run.seq_len, (long long)run.micro_batch,
-           (long long)(run.global_batch / (run.micro_batch * (run.recompute.pipe.pp > 1 ? 1 : world))),
+           (long long)(run.global_batch / (run.micro_batch * (run.recompute.pipe.pp > 1 ? world / run.recompute.pipe.pp
+                                                                                        : world))),
            ds4_recompute_describe(&run.recompute, desc, sizeof desc),
            run.swap_optimizer ? (run.swap_layer_input ? "optimizer+layer-input" : "optimizer")
                               : (run.swap_layer_input ? "layer-input" : "off"),
@@ -574,30 +575,49 @@ static int plan_run(int argc, char **argv) {
     return 0;
 }
 
-/* Every pipeline rank's plan: its stage's parameters, gradients and optimizer state, and its schedule's
- * micro-batches (as many as stages) in flight, one column a rank. */
+/* The data ranks of each stage: --world N (a multiple of pp: world = pp x fsdp) over pp; 1 without --world. */
+static int64_t stage_fsdp(const memplan_args *a, const ds4_pp_layout *L) {
+    return a->world > 1 ? a->world / L->pp : 1;
+}
+
+/* Every pipeline rank's plan: its stage's parameters, gradients and optimizer state (pp x fsdp: their FSDP
+ * shard over the stage's data ranks, EP inside them), and its schedule's micro-batches (as many as stages)
+ * in flight, one column a stage: world = pp, each pp rank; pp x fsdp, the ranks of --rank's data rank. */
 static int plan_stages(const memplan_args *a, const ds4_config *c, const ds4_pp_layout *L) {
     uint32_t masks[DS4_MAX_LAYERS];
     ds4_recompute_masks(&a->rc, c, masks); /* the layout's priorities */
     ds4_step_opts so = a->so;
     so.masks = ds4_recompute_any(&a->rc) ? masks : NULL;
+    const int64_t F = stage_fsdp(a, L), W = L->pp * F, d = a->rank % F;
     ds4_step_memory *r = calloc((size_t)L->pp, sizeof *r);
     if (!r) return cli_fail();
     double seconds = 0;
     for (int64_t p = 0; p < L->pp; p++) {
-        if (ds4_step_memory_run_stage(c, a->B, a->T, &so, &a->rc.pipe, (int)p, &r[p]) != DS4_OK) {
+        if (ds4_step_memory_run_stage(c, a->B, a->T, &so, &a->rc.pipe, (int)W, (int)a->ep, (int)(p * F + d),
+                                      &r[p]) != DS4_OK) {
             free(r);
             return cli_fail();
         }
         seconds += r[p].seconds;
     }
     char desc[64];
-    printf("memplan: each pipeline rank, seq %lld, micro-batch %lld, %lld micro-batches (%s), recompute %s, %s, "
-           "%s, %d threads\n", (long long)a->T, (long long)a->B, (long long)L->pp, L->vpp > 1 ? "interleaved 1F1B"
-           : "1F1B", ds4_recompute_describe(&a->rc, desc, sizeof desc), so.muon ? "Muon" : "AdamW",
-           so.bf16 ? "bfloat16 mixed precision" : "float32", ds4_get_threads());
+    if (F == 1)
+        printf("memplan: each pipeline rank, seq %lld, micro-batch %lld, %lld micro-batches (%s), recompute %s, %s, "
+               "%s, %d threads\n", (long long)a->T, (long long)a->B, (long long)L->pp, L->vpp > 1 ? "interleaved 1F1B"
+               : "1F1B", ds4_recompute_describe(&a->rc, desc, sizeof desc), so.muon ? "Muon" : "AdamW",
+               so.bf16 ? "bfloat16 mixed precision" : "float32", ds4_get_threads());
+    else
+        printf("memplan: each stage's rank of data rank %lld, world %lld = pp %lld x fsdp %lld (rank = stage x %lld + "
+               "data rank), EP %lld inside each stage, balanced routing, prefetch depth %d, seq %lld, micro-batch %lld, "
+               "%lld micro-batches a data rank (%s), recompute %s, %s, %s, %d threads\n", (long long)d, (long long)W,
+               (long long)L->pp, (long long)F, (long long)F, (long long)a->ep, so.prefetch_depth, (long long)a->T,
+               (long long)a->B, (long long)L->pp, L->vpp > 1 ? "interleaved 1F1B" : "1F1B",
+               ds4_recompute_describe(&a->rc, desc, sizeof desc), so.muon ? "Muon" : "AdamW",
+               so.bf16 ? "bfloat16 mixed precision" : "float32", ds4_get_threads());
     printf("  %-12s", "category");
-    for (int64_t p = 0; p < L->pp; p++) printf(" %16s%-4lld", "pp rank ", (long long)p);
+    for (int64_t p = 0; p < L->pp; p++)
+        if (F == 1) printf(" %16s%-4lld", "pp rank ", (long long)p);
+        else printf(" %13s%-7lld", "rank ", (long long)(p * F + d));
     printf("\n");
     for (int k = 0; k <= DS4_MEM_NCAT + 1; k++) {
         printf("  %-12s", k < DS4_MEM_NCAT ? ds4_mem_cat_name((ds4_mem_cat)k) : k == DS4_MEM_NCAT ? "peak total"
@@ -617,6 +637,17 @@ static int plan_stages(const memplan_args *a, const ds4_config *c, const ds4_pp_
 static int print_stages(const memplan_args *a, const ds4_config *c) {
     ds4_pp_layout L;
     if (ds4_pp_layout_make(&a->rc.pipe, c->n_layers, c->n_mtp_layers, &L) != DS4_OK) return cli_fail();
+    if (a->world > 1 && (a->world % L.pp || a->world < L.pp)) {
+        fprintf(stderr, "error: ds4 memplan: --world %lld with --pp %lld: a pipeline runs on pp x fsdp ranks, a "
+                        "multiple of %lld\n", (long long)a->world, (long long)L.pp, (long long)L.pp);
+        return 2;
+    }
+    if (a->ep > 1 && (stage_fsdp(a, &L) % a->ep || stage_fsdp(a, &L) == 1)) {
+        fprintf(stderr, "error: ds4 memplan: --ep %lld with --pp %lld --world %lld: EP divides each stage's FSDP "
+                        "group of world / pp = %lld data ranks (more than one)\n", (long long)a->ep, (long long)L.pp,
+                (long long)a->world, (long long)stage_fsdp(a, &L));
+        return 2;
+    }
     if (a->policies || a->saved || a->report || a->device) {
         fprintf(stderr, "error: ds4 memplan: %s with --pp/--vpp/--layout is not built yet: memplan prints the stage "
                         "table and every rank's categories\n",
