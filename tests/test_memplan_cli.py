@@ -7,7 +7,9 @@ and reduce-scatters in flight on 2 ranks) and the workspace users, their at-peak
 peak; which of them grow with T.
 --saved-activations: one table per kind of block after the unchanged plan; a recompute flag flips exactly its
 units' rows to recomputed, bf16 mixed precision halves exactly the rows it holds in bf16, the blocks' kept bytes
-plus the pass's tensors outside the blocks are the act peak (the backward's transients on top under bf16)."""
+plus the pass's tensors outside the blocks are the act peak (the backward's transients on top under bf16).
+A pipeline (--pp 2, alone and as pp 2 x fsdp 2 with EP 2): a column per stage, each pp x fsdp rank below its
+stage's pp-alone peak; --policies: the 14 policies a pipeline runs, each row's max the plan of its own flags."""
 import os
 import re
 import subprocess
@@ -405,5 +407,45 @@ r = run_plan("--training.global_batch_size", "4", "--parallel.ep", "2", "--world
 check("report with --config: the flags' report", r.returncode == 0 and
       report(r.stdout) == report(r2.stdout), r.stdout + r.stderr)
 expect_error("report with --policies", ["--policies", "--memory-report"], "--memory-report", "--policies")
+
+# a pipeline (docs/pipeline.md): every stage's column; pp x fsdp (--world a multiple of pp, EP inside each stage)
+# plans the ranks of --rank's data rank; --policies under --pp: a row per policy a pipeline runs, each stage's
+# peak, the largest, and the rows equal the plans of the policy's own flags
+PP = ["--pp", "2"]
+
+
+def stage_peaks(out):
+    m = re.search(r"^  peak total((?: +\d+)+)$", out, re.M)
+    return [int(v) for v in m.group(1).split()] if m else None
+
+
+pp1 = memplan(*PP)
+fs = memplan(*PP, "--world", "4")
+ep = memplan(*PP, "--world", "4", "--ep", "2", "--rank", "1")
+check("pp 2: two stage columns", pp1.returncode == 0 and len(stage_peaks(pp1.stdout) or []) == 2, pp1.stdout)
+check("pp 2 x fsdp 2: the ranks of data rank 0 (0 and 2), each below its stage's peak on pp ranks alone",
+      fs.returncode == 0 and "world 4 = pp 2 x fsdp 2" in fs.stdout and re.search(r"rank 0 +rank 2", fs.stdout) and
+      all(a < b for a, b in zip(stage_peaks(fs.stdout) or [0, 0], stage_peaks(pp1.stdout) or [0, 0])),
+      fs.stdout + pp1.stdout)
+check("pp 2 x fsdp 2 EP 2, --rank 1: the ranks of data rank 1 (1 and 3), EP 2 said",
+      ep.returncode == 0 and re.search(r"rank 1 +rank 3", ep.stdout) and "EP 2 inside each stage" in ep.stdout and
+      len(stage_peaks(ep.stdout) or []) == 2, ep.stdout + ep.stderr)
+for name, world in (("pp 2", []), ("pp 2 x fsdp 2 EP 2", ["--world", "4", "--ep", "2"])):
+    r = memplan(*PP, *world, "--policies")
+    rows = [l.split() for l in r.stdout.splitlines() if re.match(r"^  \S.* +\d+ +[\d.]+$", l)]
+    names = [" ".join(x[:-5]) for x in rows]  # 2 stage columns, max GiB, max bytes, offload GiB
+    check(f"{name} --policies: the 14 policies a pipeline runs (no layer-input swap)", r.returncode == 0 and
+          names == ["off", "csa", "mhc", "norm", "csa+mhc", "csa+mhc+norm", "full"] +
+          [n + " +swap-opt" for n in ["off", "csa", "mhc", "norm", "csa+mhc", "csa+mhc+norm", "full"]],
+          r.stdout + r.stderr)
+    for i, flags in ((0, []), (1, ["--recompute-csa-attention"]),
+                     (6, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                          "--recompute-num-layers", "1"]),
+                     (12, ["--recompute-csa-attention", "--mhc-recompute", "--recompute-norm", "--swap-optimizer"])):
+        one = stage_peaks(memplan(*PP, *world, *flags).stdout)
+        check(f"{name} --policies row {names[i] if i < len(names) else i}: its max is the largest stage's plan",
+              one and i < len(rows) and int(rows[i][-2]) == max(one), (rows[i] if i < len(rows) else None, one))
+    check(f"{name} --policies: full recompute below off on every stage", len(rows) == 14 and
+          all(float(f) < float(o) for f, o in zip(rows[6][1:-3], rows[0][1:-3])), rows[:7])
 
 finish("test_memplan_cli")

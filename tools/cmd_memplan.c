@@ -580,6 +580,35 @@ static int64_t stage_fsdp(const memplan_args *a, const ds4_pp_layout *L) {
     return a->world > 1 ? a->world / L->pp : 1;
 }
 
+/* The plan of each stage's rank of --rank's data rank (world = pp: each pp rank) into r [pp]; *seconds added. */
+static ds4_status plan_each_stage(const memplan_args *a, const ds4_config *c, const ds4_pp_layout *L,
+                                  const ds4_step_opts *so, ds4_step_memory *r, double *seconds) {
+    const int64_t F = stage_fsdp(a, L), W = L->pp * F, d = a->rank % F;
+    for (int64_t p = 0; p < L->pp; p++) {
+        DS4_TRY(ds4_step_memory_run_stage(c, a->B, a->T, so, &a->rc.pipe, (int)W, (int)a->ep, (int)(p * F + d),
+                                          &r[p]));
+        *seconds += r[p].seconds;
+    }
+    return DS4_OK;
+}
+
+/* The first line of a pipeline's plans (no newline): the world, the schedule, recompute (NULL: every policy)
+ * and the optimizer and precision. */
+static void print_stages_header(const memplan_args *a, const ds4_pp_layout *L, const ds4_step_opts *so,
+                                const char *recompute) {
+    const int64_t F = stage_fsdp(a, L), W = L->pp * F, d = a->rank % F;
+    if (F == 1) printf("memplan: each pipeline rank");
+    else
+        printf("memplan: each stage's rank of data rank %lld, world %lld = pp %lld x fsdp %lld (rank = stage x %lld + "
+               "data rank), EP %lld inside each stage, balanced routing, prefetch depth %d", (long long)d,
+               (long long)W, (long long)L->pp, (long long)F, (long long)F, (long long)a->ep, so->prefetch_depth);
+    printf(", seq %lld, micro-batch %lld, %lld micro-batches%s (%s), ", (long long)a->T, (long long)a->B,
+           (long long)L->pp, F > 1 ? " a data rank" : "", L->vpp > 1 ? "interleaved 1F1B" : "1F1B");
+    if (recompute) printf("recompute %s, ", recompute);
+    printf("%s, %s, %d threads", so->muon ? "Muon" : "AdamW", so->bf16 ? "bfloat16 mixed precision" : "float32",
+           ds4_get_threads());
+}
+
 /* Every pipeline rank's plan: its stage's parameters, gradients and optimizer state (pp x fsdp: their FSDP
  * shard over the stage's data ranks, EP inside them), and its schedule's micro-batches (as many as stages)
  * in flight, one column a stage: world = pp, each pp rank; pp x fsdp, the ranks of --rank's data rank. */
@@ -588,33 +617,17 @@ static int plan_stages(const memplan_args *a, const ds4_config *c, const ds4_pp_
     ds4_recompute_masks(&a->rc, c, masks); /* the layout's priorities */
     ds4_step_opts so = a->so;
     so.masks = ds4_recompute_any(&a->rc) ? masks : NULL;
-    const int64_t F = stage_fsdp(a, L), W = L->pp * F, d = a->rank % F;
+    const int64_t F = stage_fsdp(a, L), d = a->rank % F;
     ds4_step_memory *r = calloc((size_t)L->pp, sizeof *r);
     if (!r) return cli_fail();
     double seconds = 0;
-    for (int64_t p = 0; p < L->pp; p++) {
-        if (ds4_step_memory_run_stage(c, a->B, a->T, &so, &a->rc.pipe, (int)W, (int)a->ep, (int)(p * F + d),
-                                      &r[p]) != DS4_OK) {
-            free(r);
-            return cli_fail();
-        }
-        seconds += r[p].seconds;
+    if (plan_each_stage(a, c, L, &so, r, &seconds) != DS4_OK) {
+        free(r);
+        return cli_fail();
     }
     char desc[64];
-    if (F == 1)
-        printf("memplan: each pipeline rank, seq %lld, micro-batch %lld, %lld micro-batches (%s), recompute %s, %s, "
-               "%s, %d threads\n", (long long)a->T, (long long)a->B, (long long)L->pp, L->vpp > 1 ? "interleaved 1F1B"
-               : "1F1B", ds4_recompute_describe(&a->rc, desc, sizeof desc), so.muon ? "Muon" : "AdamW",
-               so.bf16 ? "bfloat16 mixed precision" : "float32", ds4_get_threads());
-    else
-        printf("memplan: each stage's rank of data rank %lld, world %lld = pp %lld x fsdp %lld (rank = stage x %lld + "
-               "data rank), EP %lld inside each stage, balanced routing, prefetch depth %d, seq %lld, micro-batch %lld, "
-               "%lld micro-batches a data rank (%s), recompute %s, %s, %s, %d threads\n", (long long)d, (long long)W,
-               (long long)L->pp, (long long)F, (long long)F, (long long)a->ep, so.prefetch_depth, (long long)a->T,
-               (long long)a->B, (long long)L->pp, L->vpp > 1 ? "interleaved 1F1B" : "1F1B",
-               ds4_recompute_describe(&a->rc, desc, sizeof desc), so.muon ? "Muon" : "AdamW",
-               so.bf16 ? "bfloat16 mixed precision" : "float32", ds4_get_threads());
-    printf("  %-12s", "category");
+    print_stages_header(a, L, &so, ds4_recompute_describe(&a->rc, desc, sizeof desc));
+    printf("\n  %-12s", "category");
     for (int64_t p = 0; p < L->pp; p++)
         if (F == 1) printf(" %16s%-4lld", "pp rank ", (long long)p);
         else printf(" %13s%-7lld", "rank ", (long long)(p * F + d));
@@ -628,6 +641,64 @@ static int plan_stages(const memplan_args *a, const ds4_config *c, const ds4_pp_
         printf("\n");
     }
     printf("(bytes at each rank's peak; planned in %.2f s)\n", seconds);
+    free(r);
+    return 0;
+}
+
+/* The masks and swap options of policy p on the pipeline's layout (the priorities of its chunks). */
+static ds4_status stage_policy_opts(const ds4_memplan_policy *p, const memplan_args *a, const ds4_config *c,
+                                    uint32_t *masks, ds4_step_opts *so) {
+    ds4_recompute_cfg r;
+    ds4_recompute_defaults(&r);
+    r.pipe = a->rc.pipe;
+    r.per_pp_rank = a->rc.per_pp_rank;
+    int argc = 0;
+    while (p->flags[argc]) argc++;
+    for (int i = 0; i < argc; i++) {
+        bool used;
+        DS4_TRY(ds4_recompute_parse_arg(&r, argc, (char **)p->flags, &i, &used));
+    }
+    DS4_TRY(ds4_recompute_validate(&r, c));
+    ds4_recompute_masks(&r, c, masks);
+    so->masks = ds4_recompute_any(&r) ? masks : NULL;
+    so->swap_optimizer = p->swap_optimizer;
+    so->swap_layer_input = p->swap_layer_input;
+    return DS4_OK;
+}
+
+/* --policies with --pp: each policy a pipeline runs (the layer-input swap does not run under one), one line
+ * each: every stage's rank's peak (GiB) and the largest, the bytes of the largest. */
+static int plan_stage_policies(const memplan_args *a, const ds4_config *c, const ds4_pp_layout *L) {
+    print_stages_header(a, L, &a->so, NULL);
+    printf(", every policy a pipeline runs (--swap-layer-input is not built under one)\n  %-22s", "policy");
+    const int64_t F = stage_fsdp(a, L), d = a->rank % F;
+    for (int64_t p = 0; p < L->pp; p++)
+        if (F == 1) printf(" %6s%-3lld", "pp ", (long long)p);
+        else printf(" %5s%-4lld", "rank ", (long long)(p * F + d));
+    printf(" %9s %16s %12s\n", "max GiB", "max bytes", "offload GiB");
+    ds4_step_memory *r = calloc((size_t)L->pp, sizeof *r);
+    if (!r) return cli_fail();
+    double seconds = 0;
+    for (int i = 0; i < ds4_memplan_policy_count(); i++) {
+        const ds4_memplan_policy *p = ds4_memplan_policy_at(i);
+        if (p->swap_layer_input) continue;
+        uint32_t masks[DS4_MAX_LAYERS];
+        ds4_step_opts so = a->so;
+        if (stage_policy_opts(p, a, c, masks, &so) != DS4_OK || plan_each_stage(a, c, L, &so, r, &seconds) != DS4_OK) {
+            free(r);
+            return cli_fail();
+        }
+        int64_t most = 0, off = 0;
+        printf("  %-22s", p->name);
+        for (int64_t k = 0; k < L->pp; k++) {
+            printf(" %9.3f", gib(r[k].peak_total));
+            if (r[k].peak_total > most) most = r[k].peak_total;
+            if (r[k].offload_peak_total > off) off = r[k].offload_peak_total;
+        }
+        printf(" %9.3f %16lld %12.3f\n", gib(most), (long long)most, gib(off));
+    }
+    printf("peak of each stage's rank in memory (GiB: 2^30 bytes); max: the largest of them; offload: the largest "
+           "offload tier's peak (host memory)\n(planned in %.2f s)\n", seconds);
     free(r);
     return 0;
 }
@@ -648,11 +719,10 @@ static int print_stages(const memplan_args *a, const ds4_config *c) {
                 (long long)a->world, (long long)stage_fsdp(a, &L));
         return 2;
     }
-    if (a->policies || a->saved || a->report || a->device) {
+    if (a->saved || a->report || a->device) {
         fprintf(stderr, "error: ds4 memplan: %s with --pp/--vpp/--layout is not built yet: memplan prints the stage "
-                        "table and every rank's categories\n",
-                a->policies ? "--policies" : a->saved ? "--saved-activations" : a->report ? "--memory-report"
-                                                                                        : "--device-memory");
+                        "table and every rank's categories (or --policies)\n",
+                a->saved ? "--saved-activations" : a->report ? "--memory-report" : "--device-memory");
         return 2;
     }
     printf("pipeline: pp %lld x vpp %lld chunks, %s; %lld decoder layers, %lld MTP; recompute priority %s\n",
@@ -683,7 +753,7 @@ static int print_stages(const memplan_args *a, const ds4_config *c) {
             }
             printf("\n");
         }
-    return plan_stages(a, c, &L);
+    return a->policies ? plan_stage_policies(a, c, &L) : plan_stages(a, c, &L);
 }
 
 int cmd_memplan(int argc, char **argv) {
