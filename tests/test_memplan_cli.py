@@ -9,7 +9,8 @@ peak; which of them grow with T.
 units' rows to recomputed, bf16 mixed precision halves exactly the rows it holds in bf16, the blocks' kept bytes
 plus the pass's tensors outside the blocks are the act peak (the backward's transients on top under bf16).
 A pipeline (--pp 2, alone and as pp 2 x fsdp 2 with EP 2): a column per stage, each pp x fsdp rank below its
-stage's pp-alone peak; --policies: the 14 policies a pipeline runs, each row's max the plan of its own flags."""
+stage's pp-alone peak; --policies: the 14 policies a pipeline runs, each row's max the plan of its own flags;
+--device-memory: each stage's margin, how many fit, the largest's line, and the policies' fits and margins."""
 import os
 import re
 import subprocess
@@ -447,5 +448,33 @@ for name, world in (("pp 2", []), ("pp 2 x fsdp 2 EP 2", ["--world", "4", "--ep"
               one and i < len(rows) and int(rows[i][-2]) == max(one), (rows[i] if i < len(rows) else None, one))
     check(f"{name} --policies: full recompute below off on every stage", len(rows) == 14 and
           all(float(f) < float(o) for f, o in zip(rows[6][1:-3], rows[0][1:-3])), rows[:7])
+# --device-memory with --pp: the margin row is device - each column's peak, the count of those that fit and the
+# largest peak's line; at exactly the largest peak all fit with 0 free, a byte less and the largest is 1 over
+peaks = stage_peaks(ep.stdout) or [0, 0]
+STAGE_FIT = re.compile(r"^device memory [\d.]+ GiB \((\d+) bytes\): (\d+) of (\d+) stages' ranks fit; the largest "
+                       r"peak \(rank (\d+)\) (?:fits, [\d.]+ GiB \((\d+) bytes\) free at its peak|does not fit: "
+                       r"[\d.]+ GiB \((\d+) bytes\) over)$", re.M)
+for dev in (max(peaks), max(peaks) - 1, min(peaks), min(peaks) - 1):
+    r = memplan(*PP, "--world", "4", "--ep", "2", "--rank", "1", "--device-memory", str(dev))
+    m = re.search(r"^  margin((?: +-?\d+)+)$", r.stdout, re.M)
+    f = STAGE_FIT.search(r.stdout)
+    want_fit = sum(p <= dev for p in peaks)
+    worst = 1 + 2 * peaks.index(max(peaks))
+    check(f"pp 2 x fsdp 2 --device-memory {dev}: margins, {want_fit} of 2 fit, the largest's line",
+          r.returncode == 0 and stage_peaks(r.stdout) == peaks and m is not None and
+          [int(v) for v in m.group(1).split()] == [dev - p for p in peaks] and f is not None and
+          (int(f.group(1)), int(f.group(2)), int(f.group(3)), int(f.group(4))) == (dev, want_fit, 2, worst) and
+          (int(f.group(5)) if f.group(5) else -int(f.group(6))) == dev - max(peaks), r.stdout + r.stderr)
+r = memplan(*PP, "--world", "4", "--ep", "2", "--policies")
+pol = {" ".join(x[:-5]): int(x[-2]) for x in
+       (l.split() for l in r.stdout.splitlines() if re.match(r"^  \S.* +\d+ +[\d.]+$", l))}
+dev = (pol.get("off", 0) + pol.get("full", 0)) // 2
+r = memplan(*PP, "--world", "4", "--ep", "2", "--policies", "--device-memory", str(dev))
+fits = [(" ".join(x[:-7]), x[-3], int(x[-2]), int(x[-4])) for x in
+        (l.split() for l in r.stdout.splitlines() if re.match(r"^  \S.* (yes|no) +-?\d+ +[\d.]+$", l))]
+check("pp 2 x fsdp 2 --policies --device-memory between full's and off's max: fits and margin columns",
+      r.returncode == 0 and len(fits) == 14 and all(n in pol and mx == pol[n] and mg == dev - mx and
+                                                    yn == ("yes" if mx <= dev else "no") for n, yn, mg, mx in fits)
+      and {y for _, y, _, _ in fits} == {"yes", "no"}, r.stdout + r.stderr)
 
 finish("test_memplan_cli")

@@ -73,8 +73,8 @@ static void usage(void) {
                     "optimizer state and its schedule of pp micro-batches (1F1B, interleaved with vpp > 1); with\n"
                     "--world N (a multiple of P: pp x fsdp) and --ep E, the ranks of --rank's data rank, each stage's\n"
                     "groups an FSDP (+ EP) shard over its N / P data ranks; --policies: a line per policy a pipeline\n"
-                    "runs, every stage's peak. With --config, a run with parallel.pp plans one rank (--rank) of its\n"
-                    "pipeline (--world: pp x fsdp ranks).\n"
+                    "runs, every stage's peak; --device-memory: each stage's margin. With --config, a run with\n"
+                    "parallel.pp plans one rank (--rank) of its pipeline (--world: pp x fsdp ranks).\n"
                     "The exit code is 0 whether or not the step fits: memplan reports, it does not judge.\n"
                     "\n"
                     "usage: ds4 memplan --config FILE.toml [--section.key value ...] [ds4 train's flags]\n"
@@ -612,6 +612,24 @@ static void print_stages_header(const memplan_args *a, const ds4_pp_layout *L, c
            ds4_get_threads());
 }
 
+/* --device-memory of a pipeline's plans r [n] (column p: world rank p * F + d): a row of each rank's margin (device - peak, negative when
+ * over), and how many fit, with the largest peak's margin. */
+static void print_stages_fit(int64_t device, const ds4_step_memory *r, int64_t n, int64_t F, int64_t d) {
+    int64_t fit = 0, worst = 0;
+    printf("  %-12s", "margin");
+    for (int64_t p = 0; p < n; p++) {
+        const ds4_device_fit f = ds4_step_memory_fit(&r[p], device);
+        printf(" %20lld", (long long)f.margin);
+        fit += f.fits;
+        if (r[p].peak_total > r[worst].peak_total) worst = p;
+    }
+    const ds4_device_fit w = ds4_step_memory_fit(&r[worst], device);
+    printf("\ndevice memory %.3f GiB (%lld bytes): %lld of %lld stages' ranks fit; the largest peak (%s %lld) %s "
+           "%.3f GiB (%lld bytes) %s\n", gib(device), (long long)device, (long long)fit, (long long)n,
+           F == 1 ? "pp rank" : "rank", (long long)(worst * F + d), w.fits ? "fits," : "does not fit:", gib(w.fits ? w.margin : -w.margin),
+           (long long)(w.fits ? w.margin : -w.margin), w.fits ? "free at its peak" : "over");
+}
+
 /* Every pipeline rank's plan: its stage's parameters, gradients and optimizer state (pp x fsdp: their FSDP
  * shard over the stage's data ranks, EP inside them), and its schedule's micro-batches (as many as stages)
  * in flight, one column a stage: world = pp, each pp rank; pp x fsdp, the ranks of --rank's data rank. */
@@ -643,6 +661,7 @@ static int plan_stages(const memplan_args *a, const ds4_config *c, const ds4_pp_
                                                                                               : r[p].after_step));
         printf("\n");
     }
+    if (a->device) print_stages_fit(a->device, r, L->pp, F, d);
     printf("(bytes at each rank's peak; planned in %.2f s)\n", seconds);
     free(r);
     return 0;
@@ -673,12 +692,16 @@ static ds4_status stage_policy_opts(const ds4_memplan_policy *p, const memplan_a
  * each: every stage's rank's peak (GiB) and the largest, the bytes of the largest. */
 static int plan_stage_policies(const memplan_args *a, const ds4_config *c, const ds4_pp_layout *L) {
     print_stages_header(a, L, &a->so, NULL);
-    printf(", every policy a pipeline runs (--swap-layer-input is not built under one)\n  %-22s", "policy");
+    printf(", every policy a pipeline runs (--swap-layer-input is not built under one)");
+    if (a->device) printf(", device memory %.3f GiB (%lld bytes)", gib(a->device), (long long)a->device);
+    printf("\n  %-22s", "policy");
     const int64_t F = stage_fsdp(a, L), d = a->rank % F;
     for (int64_t p = 0; p < L->pp; p++)
         if (F == 1) printf(" %6s%-3lld", "pp ", (long long)p);
         else printf(" %5s%-4lld", "rank ", (long long)(p * F + d));
-    printf(" %9s %16s %12s\n", "max GiB", "max bytes", "offload GiB");
+    printf(" %9s %16s", "max GiB", "max bytes");
+    if (a->device) printf(" %5s %16s", "fits", "margin bytes");
+    printf(" %12s\n", "offload GiB");
     ds4_step_memory *r = calloc((size_t)L->pp, sizeof *r);
     if (!r) return cli_fail();
     double seconds = 0;
@@ -698,10 +721,14 @@ static int plan_stage_policies(const memplan_args *a, const ds4_config *c, const
             if (r[k].peak_total > most) most = r[k].peak_total;
             if (r[k].offload_peak_total > off) off = r[k].offload_peak_total;
         }
-        printf(" %9.3f %16lld %12.3f\n", gib(most), (long long)most, gib(off));
+        printf(" %9.3f %16lld", gib(most), (long long)most);
+        if (a->device) printf(" %5s %16lld", most <= a->device ? "yes" : "no", (long long)(a->device - most));
+        printf(" %12.3f\n", gib(off));
     }
     printf("peak of each stage's rank in memory (GiB: 2^30 bytes); max: the largest of them; offload: the largest "
-           "offload tier's peak (host memory)\n(planned in %.2f s)\n", seconds);
+           "offload tier's peak (host memory)%s\n(planned in %.2f s)\n",
+           a->device ? "; fits: every stage's rank fits the device memory; margin: device memory - max, negative "
+                       "when over" : "", seconds);
     free(r);
     return 0;
 }
@@ -722,10 +749,10 @@ static int print_stages(const memplan_args *a, const ds4_config *c) {
                 (long long)a->world, (long long)stage_fsdp(a, &L));
         return 2;
     }
-    if (a->saved || a->report || a->device) {
+    if (a->saved || a->report) {
         fprintf(stderr, "error: ds4 memplan: %s with --pp/--vpp/--layout is not built yet: memplan prints the stage "
                         "table and every rank's categories (or --policies)\n",
-                a->saved ? "--saved-activations" : a->report ? "--memory-report" : "--device-memory");
+                a->saved ? "--saved-activations" : "--memory-report");
         return 2;
     }
     printf("pipeline: pp %lld x vpp %lld chunks, %s; %lld decoder layers, %lld MTP; recompute priority %s\n",
