@@ -10,7 +10,8 @@ units' rows to recomputed, bf16 mixed precision halves exactly the rows it holds
 plus the pass's tensors outside the blocks are the act peak (the backward's transients on top under bf16).
 A pipeline (--pp 2, alone and as pp 2 x fsdp 2 with EP 2): a column per stage, each pp x fsdp rank below its
 stage's pp-alone peak; --policies: the 14 policies a pipeline runs, each row's max the plan of its own flags;
---device-memory: each stage's margin, how many fit, the largest's line, and the policies' fits and margins."""
+--device-memory: each stage's margin, how many fit, the largest's line, and the policies' fits and margins;
+--memory-report: one rank's report after the table, its owners summing to its column's peaks."""
 import os
 import re
 import subprocess
@@ -476,5 +477,20 @@ check("pp 2 x fsdp 2 --policies --device-memory between full's and off's max: fi
       r.returncode == 0 and len(fits) == 14 and all(n in pol and mx == pol[n] and mg == dev - mx and
                                                     yn == ("yes" if mx <= dev else "no") for n, yn, mg, mx in fits)
       and {y for _, y, _, _ in fits} == {"yes", "no"}, r.stdout + r.stderr)
+# --memory-report with --pp: the report of rank --rank after the table; its owners sum to that rank's column's
+# grads and workspace peaks
+for name, args, col in (("pp 2, pp rank 1", ["--world", "2", "--rank", "1"], 1),
+                        ("pp 2 x fsdp 2 EP 2, rank 3", ["--world", "4", "--ep", "2", "--rank", "3"], 1)):
+    r = memplan(*PP, *args, "--memory-report")
+    grads, gsum, users, wsum = report(r.stdout)
+    row = {k: [int(v) for v in m.group(1).split()] for k in ("grads", "workspace")
+           for m in [re.search(r"^  %s((?: +\d+)+)$" % k, r.stdout, re.M)] if m}
+    check(f"report {name}: after the table, the owners sum to its column's grads and workspace peaks",
+          r.returncode == 0 and "memory report of " in r.stdout and len(row) == 2 and grads and users and
+          sum(b for b, _ in grads.values()) == gsum == row["grads"][col] and
+          sum(u[2] for u in users) == wsum == row["workspace"][col], r.stdout + r.stderr)
+check("report pp 2 x fsdp 2: a group open and a reduce-scatter in flight, the MTP rows on the head's stage",
+      grads.get("unsharded, reduce-scatter in flight", (0, 0))[1] == 1 and
+      grads.get("unsharded, group in its backward", (0, 0))[1] >= 1 and "MTP embedding rows, waiting" in grads, grads)
 
 finish("test_memplan_cli")

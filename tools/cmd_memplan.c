@@ -73,7 +73,8 @@ static void usage(void) {
                     "optimizer state and its schedule of pp micro-batches (1F1B, interleaved with vpp > 1); with\n"
                     "--world N (a multiple of P: pp x fsdp) and --ep E, the ranks of --rank's data rank, each stage's\n"
                     "groups an FSDP (+ EP) shard over its N / P data ranks; --policies: a line per policy a pipeline\n"
-                    "runs, every stage's peak; --device-memory: each stage's margin. With --config, a run with\n"
+                    "runs, every stage's peak; --device-memory: each stage's margin; --memory-report: rank --rank's\n"
+                    "report after the table. With --config, a run with\n"
                     "parallel.pp plans one rank (--rank) of its pipeline (--world: pp x fsdp ranks).\n"
                     "The exit code is 0 whether or not the step fits: memplan reports, it does not judge.\n"
                     "\n"
@@ -630,6 +631,21 @@ static void print_stages_fit(int64_t device, const ds4_step_memory *r, int64_t n
            (long long)(w.fits ? w.margin : -w.margin), w.fits ? "free at its peak" : "over");
 }
 
+static void print_report(const ds4_step_memory *r);
+
+/* --memory-report with --pp: the report of world rank --rank (its stage's column), planned again last, so the
+ * allocator's owners are that step's. */
+static int report_stage(const memplan_args *a, const ds4_config *c, const ds4_pp_layout *L, const ds4_step_opts *so) {
+    const int64_t F = stage_fsdp(a, L), W = L->pp * F;
+    ds4_step_memory one;
+    if (ds4_step_memory_run_stage(c, a->B, a->T, so, &a->rc.pipe, (int)W, (int)a->ep, (int)a->rank, &one) != DS4_OK)
+        return cli_fail();
+    printf("memory report of %s %lld (stage %lld, data rank %lld):\n", F == 1 ? "pp rank" : "rank",
+           (long long)a->rank, (long long)(a->rank / F), (long long)(a->rank % F));
+    print_report(&one);
+    return 0;
+}
+
 /* Every pipeline rank's plan: its stage's parameters, gradients and optimizer state (pp x fsdp: their FSDP
  * shard over the stage's data ranks, EP inside them), and its schedule's micro-batches (as many as stages)
  * in flight, one column a stage: world = pp, each pp rank; pp x fsdp, the ranks of --rank's data rank. */
@@ -664,7 +680,7 @@ static int plan_stages(const memplan_args *a, const ds4_config *c, const ds4_pp_
     if (a->device) print_stages_fit(a->device, r, L->pp, F, d);
     printf("(bytes at each rank's peak; planned in %.2f s)\n", seconds);
     free(r);
-    return 0;
+    return a->report ? report_stage(a, c, L, &so) : 0;
 }
 
 /* The masks and swap options of policy p on the pipeline's layout (the priorities of its chunks). */
@@ -749,10 +765,9 @@ static int print_stages(const memplan_args *a, const ds4_config *c) {
                 (long long)a->world, (long long)stage_fsdp(a, &L));
         return 2;
     }
-    if (a->saved || a->report) {
-        fprintf(stderr, "error: ds4 memplan: %s with --pp/--vpp/--layout is not built yet: memplan prints the stage "
-                        "table and every rank's categories (or --policies)\n",
-                a->saved ? "--saved-activations" : "--memory-report");
+    if (a->saved) {
+        fprintf(stderr, "error: ds4 memplan: --saved-activations with --pp/--vpp/--layout is not built yet: memplan "
+                        "prints the stage table and every rank's categories (or --policies)\n");
         return 2;
     }
     printf("pipeline: pp %lld x vpp %lld chunks, %s; %lld decoder layers, %lld MTP; recompute priority %s\n",
