@@ -164,9 +164,26 @@ with tempfile.TemporaryDirectory() as tmp:
     expect_error("train --pp 2", tr + ["--pp", "2"], "pp 2, vpp 1", "one rank per stage", "mpirun -np 2",
                  "this world has 1")
     expect_error("train --vpp 2", tr + ["--vpp", "2"], "pp 1, vpp 2", "not built yet")
-    expect_error("memplan of a pp x fsdp rank", ["memplan", "--config", pp_toml, "--pp", "2", "--world", "4",
-                                                "--training.global_batch_size", "2"],
-                 "pp x fsdp ranks (world 4, pp 2) is not planned yet", "--world 2")
+    expect_error("memplan of a pipeline on a world not pp x fsdp", ["memplan", "--config", pp_toml, "--pp", "2",
+                                                                   "--world", "3", "--training.global_batch_size", "3"],
+                 "pp 2", "this world has 3")
+    expect_error("memplan --model of a pipeline on a world not pp x fsdp",
+                 ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--pp", "2", "--world", "3"],
+                 "--world 3 with --pp 2", "multiple of 2")
+    expect_error("memplan --model of a pipeline, EP not dividing the stage's FSDP group",
+                 ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--pp", "2", "--world", "2",
+                  "--ep", "2"], "--ep 2", "world / pp = 1 data ranks")
+    # a pp x fsdp rank (EP inside the stage) is planned: memplan = measured per rank is tests/test_pp_local.c's
+    for args, want in ((["memplan", "--config", pp_toml, "--pp", "2", "--world", "4", "--parallel.ep", "2",
+                         "--training.global_batch_size", "4", "--rank", "3"], "(rank 3 of 4, EP 2)"),
+                       (["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--pp", "2", "--world", "4",
+                         "--ep", "2", "--rank", "1"], "world 4 = pp 2 x fsdp 2")):
+        r = run(*args)
+        ok = r.returncode == 0 and want in r.stdout and re.search(r"^  peak total +\d+", r.stdout, re.M) is not None
+        ok = ok and (args[1] == "--config" or ("rank 1" in r.stdout and "rank 3" in r.stdout))
+        passed, failed = passed + ok, failed + (not ok)
+        if not ok:
+            print(f"FAIL {' '.join(args)}: rc={r.returncode} {r.stdout[-600:]!r} {r.stderr[-300:]!r}")
     expect_error("train parallel.pp 2 + layout", tr + ["--parallel.pp", "2", "--parallel.layout", "Ett|ttmL"],
                  "mpirun -np 2")
     expect_error("train layout illegal token", tr + ["--pp", "2", "--pipeline-model-parallel-layout", "Etx|tmL"],
@@ -182,9 +199,9 @@ with tempfile.TemporaryDirectory() as tmp:
     expect_error("memplan layout without embedding",
                  ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--layout", "tt|ttmL", "--pp", "2"],
                  "the embedding (E) must come once")
-    expect_error("memplan --policies of a pipeline refused",
-                 ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--pp", "2", "--policies"],
-                 "--policies", "not built yet")
+    expect_error("memplan --saved-activations of a pipeline refused",
+                 ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--pp", "2", "--saved-activations"],
+                 "--saved-activations", "not built yet")
     r = run("memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--pp", "2", "--vpp", "2",
             "--enable-recompute-layers-per-pp-rank")
     ok = r.returncode == 0 and "pp 2 x vpp 2 chunks" in r.stdout and "pp rank 1" in r.stdout and \

@@ -7,7 +7,11 @@ and reduce-scatters in flight on 2 ranks) and the workspace users, their at-peak
 peak; which of them grow with T.
 --saved-activations: one table per kind of block after the unchanged plan; a recompute flag flips exactly its
 units' rows to recomputed, bf16 mixed precision halves exactly the rows it holds in bf16, the blocks' kept bytes
-plus the pass's tensors outside the blocks are the act peak (the backward's transients on top under bf16)."""
+plus the pass's tensors outside the blocks are the act peak (the backward's transients on top under bf16).
+A pipeline (--pp 2, alone and as pp 2 x fsdp 2 with EP 2): a column per stage, each pp x fsdp rank below its
+stage's pp-alone peak; --policies: the 14 policies a pipeline runs, each row's max the plan of its own flags;
+--device-memory: each stage's margin, how many fit, the largest's line, and the policies' fits and margins;
+--memory-report: one rank's report after the table, its owners summing to its column's peaks."""
 import os
 import re
 import subprocess
@@ -405,5 +409,88 @@ r = run_plan("--training.global_batch_size", "4", "--parallel.ep", "2", "--world
 check("report with --config: the flags' report", r.returncode == 0 and
       report(r.stdout) == report(r2.stdout), r.stdout + r.stderr)
 expect_error("report with --policies", ["--policies", "--memory-report"], "--memory-report", "--policies")
+
+# a pipeline (docs/pipeline.md): every stage's column; pp x fsdp (--world a multiple of pp, EP inside each stage)
+# plans the ranks of --rank's data rank; --policies under --pp: a row per policy a pipeline runs, each stage's
+# peak, the largest, and the rows equal the plans of the policy's own flags
+PP = ["--pp", "2"]
+
+
+def stage_peaks(out):
+    m = re.search(r"^  peak total((?: +\d+)+)$", out, re.M)
+    return [int(v) for v in m.group(1).split()] if m else None
+
+
+pp1 = memplan(*PP)
+fs = memplan(*PP, "--world", "4")
+ep = memplan(*PP, "--world", "4", "--ep", "2", "--rank", "1")
+check("pp 2: two stage columns", pp1.returncode == 0 and len(stage_peaks(pp1.stdout) or []) == 2, pp1.stdout)
+check("pp 2 x fsdp 2: the ranks of data rank 0 (0 and 2), each below its stage's peak on pp ranks alone",
+      fs.returncode == 0 and "world 4 = pp 2 x fsdp 2" in fs.stdout and re.search(r"rank 0 +rank 2", fs.stdout) and
+      all(a < b for a, b in zip(stage_peaks(fs.stdout) or [0, 0], stage_peaks(pp1.stdout) or [0, 0])),
+      fs.stdout + pp1.stdout)
+check("pp 2 x fsdp 2 EP 2, --rank 1: the ranks of data rank 1 (1 and 3), EP 2 said",
+      ep.returncode == 0 and re.search(r"rank 1 +rank 3", ep.stdout) and "EP 2 inside each stage" in ep.stdout and
+      len(stage_peaks(ep.stdout) or []) == 2, ep.stdout + ep.stderr)
+for name, world in (("pp 2", []), ("pp 2 x fsdp 2 EP 2", ["--world", "4", "--ep", "2"])):
+    r = memplan(*PP, *world, "--policies")
+    rows = [l.split() for l in r.stdout.splitlines() if re.match(r"^  \S.* +\d+ +[\d.]+$", l)]
+    names = [" ".join(x[:-5]) for x in rows]  # 2 stage columns, max GiB, max bytes, offload GiB
+    check(f"{name} --policies: the 14 policies a pipeline runs (no layer-input swap)", r.returncode == 0 and
+          names == ["off", "csa", "mhc", "norm", "csa+mhc", "csa+mhc+norm", "full"] +
+          [n + " +swap-opt" for n in ["off", "csa", "mhc", "norm", "csa+mhc", "csa+mhc+norm", "full"]],
+          r.stdout + r.stderr)
+    for i, flags in ((0, []), (1, ["--recompute-csa-attention"]),
+                     (6, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                          "--recompute-num-layers", "1"]),
+                     (12, ["--recompute-csa-attention", "--mhc-recompute", "--recompute-norm", "--swap-optimizer"])):
+        one = stage_peaks(memplan(*PP, *world, *flags).stdout)
+        check(f"{name} --policies row {names[i] if i < len(names) else i}: its max is the largest stage's plan",
+              one and i < len(rows) and int(rows[i][-2]) == max(one), (rows[i] if i < len(rows) else None, one))
+    check(f"{name} --policies: full recompute below off on every stage", len(rows) == 14 and
+          all(float(f) < float(o) for f, o in zip(rows[6][1:-3], rows[0][1:-3])), rows[:7])
+# --device-memory with --pp: the margin row is device - each column's peak, the count of those that fit and the
+# largest peak's line; at exactly the largest peak all fit with 0 free, a byte less and the largest is 1 over
+peaks = stage_peaks(ep.stdout) or [0, 0]
+STAGE_FIT = re.compile(r"^device memory [\d.]+ GiB \((\d+) bytes\): (\d+) of (\d+) stages' ranks fit; the largest "
+                       r"peak \(rank (\d+)\) (?:fits, [\d.]+ GiB \((\d+) bytes\) free at its peak|does not fit: "
+                       r"[\d.]+ GiB \((\d+) bytes\) over)$", re.M)
+for dev in (max(peaks), max(peaks) - 1, min(peaks), min(peaks) - 1):
+    r = memplan(*PP, "--world", "4", "--ep", "2", "--rank", "1", "--device-memory", str(dev))
+    m = re.search(r"^  margin((?: +-?\d+)+)$", r.stdout, re.M)
+    f = STAGE_FIT.search(r.stdout)
+    want_fit = sum(p <= dev for p in peaks)
+    worst = 1 + 2 * peaks.index(max(peaks))
+    check(f"pp 2 x fsdp 2 --device-memory {dev}: margins, {want_fit} of 2 fit, the largest's line",
+          r.returncode == 0 and stage_peaks(r.stdout) == peaks and m is not None and
+          [int(v) for v in m.group(1).split()] == [dev - p for p in peaks] and f is not None and
+          (int(f.group(1)), int(f.group(2)), int(f.group(3)), int(f.group(4))) == (dev, want_fit, 2, worst) and
+          (int(f.group(5)) if f.group(5) else -int(f.group(6))) == dev - max(peaks), r.stdout + r.stderr)
+r = memplan(*PP, "--world", "4", "--ep", "2", "--policies")
+pol = {" ".join(x[:-5]): int(x[-2]) for x in
+       (l.split() for l in r.stdout.splitlines() if re.match(r"^  \S.* +\d+ +[\d.]+$", l))}
+dev = (pol.get("off", 0) + pol.get("full", 0)) // 2
+r = memplan(*PP, "--world", "4", "--ep", "2", "--policies", "--device-memory", str(dev))
+fits = [(" ".join(x[:-7]), x[-3], int(x[-2]), int(x[-4])) for x in
+        (l.split() for l in r.stdout.splitlines() if re.match(r"^  \S.* (yes|no) +-?\d+ +[\d.]+$", l))]
+check("pp 2 x fsdp 2 --policies --device-memory between full's and off's max: fits and margin columns",
+      r.returncode == 0 and len(fits) == 14 and all(n in pol and mx == pol[n] and mg == dev - mx and
+                                                    yn == ("yes" if mx <= dev else "no") for n, yn, mg, mx in fits)
+      and {y for _, y, _, _ in fits} == {"yes", "no"}, r.stdout + r.stderr)
+# --memory-report with --pp: the report of rank --rank after the table; its owners sum to that rank's column's
+# grads and workspace peaks
+for name, args, col in (("pp 2, pp rank 1", ["--world", "2", "--rank", "1"], 1),
+                        ("pp 2 x fsdp 2 EP 2, rank 3", ["--world", "4", "--ep", "2", "--rank", "3"], 1)):
+    r = memplan(*PP, *args, "--memory-report")
+    grads, gsum, users, wsum = report(r.stdout)
+    row = {k: [int(v) for v in m.group(1).split()] for k in ("grads", "workspace")
+           for m in [re.search(r"^  %s((?: +\d+)+)$" % k, r.stdout, re.M)] if m}
+    check(f"report {name}: after the table, the owners sum to its column's grads and workspace peaks",
+          r.returncode == 0 and "memory report of " in r.stdout and len(row) == 2 and grads and users and
+          sum(b for b, _ in grads.values()) == gsum == row["grads"][col] and
+          sum(u[2] for u in users) == wsum == row["workspace"][col], r.stdout + r.stderr)
+check("report pp 2 x fsdp 2: a group open and a reduce-scatter in flight, the MTP rows on the head's stage",
+      grads.get("unsharded, reduce-scatter in flight", (0, 0))[1] == 1 and
+      grads.get("unsharded, group in its backward", (0, 0))[1] >= 1 and "MTP embedding rows, waiting" in grads, grads)
 
 finish("test_memplan_cli")

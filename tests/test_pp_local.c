@@ -6,7 +6,8 @@
  * backward before the embedding's chunk runs an earlier one's (interleaving). Under mpirun, the same runs over
  * MPI (ds4_pp_run_rank) and the forward-only pass (ds4_pp_eval_rank) against a loop of whole forwards. Each
  * rank's memory plan (ds4_step_memory_of_run of a run with parallel.pp on a plan communicator) equals that
- * rank's measured step, byte for byte in every category. */
+ * rank's measured step, byte for byte in every category: pp 2 under -np 2, pp 2 x fsdp 2 (with EP 2 inside
+ * each stage) under -np 4. */
 #include "ds4/dist.h"
 #include "ds4/kernels.h"
 #include "ds4/memplan.h"
@@ -413,9 +414,11 @@ static void test_mpi_refusals(void) {
     ds4_model_free(m);
 }
 
-/* One rank of a pipelined run description (tiny-a, 4 micro-batches of 1 x 64, AdamW or Muon; extra: the
- * [parallel] lines): its plan on a plan communicator of W ranks equals its measured step under mpirun in
- * every category's peak and what stays after the step; the stage holds less than the whole model. */
+/* One rank of a pipelined run description (tiny-a, a global batch of 4 micro-batches of 1 x 64 over the data
+ * ranks, AdamW or Muon; extra: the [parallel] lines): its plan on a plan communicator of W ranks (world = pp,
+ * or pp x fsdp with the stage's groups sharded over its data ranks and EP inside them) equals its measured
+ * step under mpirun in every category's peak and what stays after the step; the stage holds less than the
+ * whole model. */
 static void check_stage_plan(const char *what, const char *extra, const char *opt) {
     char text[1024];
     const int n = snprintf(text, sizeof text,
@@ -431,7 +434,7 @@ static void check_stage_plan(const char *what, const char *extra, const char *op
     const int W = ds4_comm_size(world), rank = ds4_comm_rank(world);
     CHECK(ds4_comm_plan(W, rank, &sim) == DS4_OK, "%s", ds4_errmsg());
     ds4_train_cfg a = run, b = run, whole = run; /* each is resolved for its world in place */
-    whole.recompute.pipe.pp = 1, whole.recompute.pipe.vpp = 0, whole.recompute.pipe.layout[0] = 0;
+    whole.recompute.pipe.pp = 1, whole.recompute.pipe.vpp = 0, whole.recompute.pipe.layout[0] = 0, whole.ep = 1;
     ds4_step_memory plan, real, one;
     CHECK(ds4_step_memory_of_run(&a, sim, true, &plan) == DS4_OK, "%s: %s", what, ds4_errmsg());
     CHECK(ds4_step_memory_of_run(&b, world, false, &real) == DS4_OK, "%s: %s", what, ds4_errmsg());
@@ -451,10 +454,18 @@ static void check_stage_plan(const char *what, const char *extra, const char *op
 }
 
 static void test_mpi_stage_plans(void) {
-    if (ds4_comm_size(ds4_comm_world()) != 2) return;
-    check_stage_plan("pp 2 1F1B AdamW", "pp = 2\n", "AdamW");
-    check_stage_plan("pp 2 vpp 2 Muon", "pp = 2\nvpp = 2\n", "Muon");
-    check_stage_plan("pp 2 E|tt|t|tmL AdamW", "pp = 2\nlayout = \"E|tt|t|tmL\"\n", "AdamW");
+    const int W = ds4_comm_size(ds4_comm_world());
+    if (W == 2) {
+        check_stage_plan("pp 2 1F1B AdamW", "pp = 2\n", "AdamW");
+        check_stage_plan("pp 2 vpp 2 Muon", "pp = 2\nvpp = 2\n", "Muon");
+        check_stage_plan("pp 2 E|tt|t|tmL AdamW", "pp = 2\nlayout = \"E|tt|t|tmL\"\n", "AdamW");
+    }
+    if (W == 4) { /* pp 2 x fsdp 2: each stage's groups sharded over its 2 data ranks, 2 micro-batches each */
+        check_stage_plan("pp 2 x fsdp 2 1F1B AdamW", "pp = 2\n", "AdamW");
+        check_stage_plan("pp 2 x fsdp 2 vpp 2 Muon", "pp = 2\nvpp = 2\n", "Muon");
+        check_stage_plan("pp 2 x fsdp 2 EP 2 1F1B AdamW", "pp = 2\nep = 2\n", "AdamW");
+        check_stage_plan("pp 2 x fsdp 2 EP 2 prefetch 0 Muon", "pp = 2\nep = 2\nprefetch_depth = 0\n", "Muon");
+    }
 }
 
 static int child_main(void) {

@@ -32,7 +32,7 @@ static void usage(void) {
                     "       [--recompute-csa-attention] [--mhc-recompute] [--recompute-norm ...]\n"
                     "       [--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N]\n"
                     "       [--pp P [--vpp V | --num-layers-per-virtual-pipeline-stage N] [--layout LAYOUT]\n"
-                    "        [--enable-recompute-layers-per-pp-rank]]\n"
+                    "        [--enable-recompute-layers-per-pp-rank] [--world N --ep E [--rank R]] [--policies]]\n"
                     "       [--swap-optimizer] [--swap-layer-input] [--muon] [--mixed-precision-param bfloat16]\n"
                     "       [--matmul-precision fp32|bf16] [--device NAME]\n"
                     "       [--prefetch-depth D] [--moe-fb-overlap] [--saved-activations] [--memory-report]\n"
@@ -71,7 +71,11 @@ static void usage(void) {
                     "--pipeline-model-parallel-layout, docs/pipeline.md): the stage table (each chunk's layers and\n"
                     "their recompute priorities), then every pp rank's plan: its stage's parameters, gradients and\n"
                     "optimizer state and its schedule of pp micro-batches (1F1B, interleaved with vpp > 1); with\n"
-                    "--config, a run with parallel.pp plans one rank (--rank) of its pipeline.\n"
+                    "--world N (a multiple of P: pp x fsdp) and --ep E, the ranks of --rank's data rank, each stage's\n"
+                    "groups an FSDP (+ EP) shard over its N / P data ranks; --policies: a line per policy a pipeline\n"
+                    "runs, every stage's peak; --device-memory: each stage's margin; --memory-report: rank --rank's\n"
+                    "report after the table. With --config, a run with\n"
+                    "parallel.pp plans one rank (--rank) of its pipeline (--world: pp x fsdp ranks).\n"
                     "The exit code is 0 whether or not the step fits: memplan reports, it does not judge.\n"
                     "\n"
                     "usage: ds4 memplan --config FILE.toml [--section.key value ...] [ds4 train's flags]\n"
@@ -561,7 +565,8 @@ static int plan_run(int argc, char **argv) {
     printf("memplan: %s, seq %lld, micro-batch %lld x %lld per rank, recompute %s, swap %s, %s, %d threads "
            "(rank %lld of %lld, EP %lld)\n",
            run.model_dir[0] ? run.model_dir : run.model_config, (long long)run.seq_len, (long long)run.micro_batch,
-           (long long)(run.global_batch / (run.micro_batch * (run.recompute.pipe.pp > 1 ? 1 : world))),
+           (long long)(run.global_batch / (run.micro_batch * (run.recompute.pipe.pp > 1 ? world / run.recompute.pipe.pp
+                                                                                        : world))),
            ds4_recompute_describe(&run.recompute, desc, sizeof desc),
            run.swap_optimizer ? (run.swap_layer_input ? "optimizer+layer-input" : "optimizer")
                               : (run.swap_layer_input ? "layer-input" : "off"),
@@ -574,30 +579,95 @@ static int plan_run(int argc, char **argv) {
     return 0;
 }
 
-/* Every pipeline rank's plan: its stage's parameters, gradients and optimizer state, and its schedule's
- * micro-batches (as many as stages) in flight, one column a rank. */
+/* The data ranks of each stage: --world N (a multiple of pp: world = pp x fsdp) over pp; 1 without --world. */
+static int64_t stage_fsdp(const memplan_args *a, const ds4_pp_layout *L) {
+    return a->world > 1 ? a->world / L->pp : 1;
+}
+
+/* The plan of each stage's rank of --rank's data rank (world = pp: each pp rank) into r [pp]; *seconds added. */
+static ds4_status plan_each_stage(const memplan_args *a, const ds4_config *c, const ds4_pp_layout *L,
+                                  const ds4_step_opts *so, ds4_step_memory *r, double *seconds) {
+    const int64_t F = stage_fsdp(a, L), W = L->pp * F, d = a->rank % F;
+    for (int64_t p = 0; p < L->pp; p++) {
+        DS4_TRY(ds4_step_memory_run_stage(c, a->B, a->T, so, &a->rc.pipe, (int)W, (int)a->ep, (int)(p * F + d),
+                                          &r[p]));
+        *seconds += r[p].seconds;
+    }
+    return DS4_OK;
+}
+
+/* The first line of a pipeline's plans (no newline): the world, the schedule, recompute (NULL: every policy)
+ * and the optimizer and precision. */
+static void print_stages_header(const memplan_args *a, const ds4_pp_layout *L, const ds4_step_opts *so,
+                                const char *recompute) {
+    const int64_t F = stage_fsdp(a, L), W = L->pp * F, d = a->rank % F;
+    if (F == 1) printf("memplan: each pipeline rank");
+    else
+        printf("memplan: each stage's rank of data rank %lld, world %lld = pp %lld x fsdp %lld (rank = stage x %lld + "
+               "data rank), EP %lld inside each stage, balanced routing, prefetch depth %d", (long long)d,
+               (long long)W, (long long)L->pp, (long long)F, (long long)F, (long long)a->ep, so->prefetch_depth);
+    printf(", seq %lld, micro-batch %lld, %lld micro-batches%s (%s), ", (long long)a->T, (long long)a->B,
+           (long long)L->pp, F > 1 ? " a data rank" : "", L->vpp > 1 ? "interleaved 1F1B" : "1F1B");
+    if (recompute) printf("recompute %s, ", recompute);
+    printf("%s, %s, %d threads", so->muon ? "Muon" : "AdamW", so->bf16 ? "bfloat16 mixed precision" : "float32",
+           ds4_get_threads());
+}
+
+/* --device-memory of a pipeline's plans r [n] (column p: world rank p * F + d): a row of each rank's margin (device - peak, negative when
+ * over), and how many fit, with the largest peak's margin. */
+static void print_stages_fit(int64_t device, const ds4_step_memory *r, int64_t n, int64_t F, int64_t d) {
+    int64_t fit = 0, worst = 0;
+    printf("  %-12s", "margin");
+    for (int64_t p = 0; p < n; p++) {
+        const ds4_device_fit f = ds4_step_memory_fit(&r[p], device);
+        printf(" %20lld", (long long)f.margin);
+        fit += f.fits;
+        if (r[p].peak_total > r[worst].peak_total) worst = p;
+    }
+    const ds4_device_fit w = ds4_step_memory_fit(&r[worst], device);
+    printf("\ndevice memory %.3f GiB (%lld bytes): %lld of %lld stages' ranks fit; the largest peak (%s %lld) %s "
+           "%.3f GiB (%lld bytes) %s\n", gib(device), (long long)device, (long long)fit, (long long)n,
+           F == 1 ? "pp rank" : "rank", (long long)(worst * F + d), w.fits ? "fits," : "does not fit:", gib(w.fits ? w.margin : -w.margin),
+           (long long)(w.fits ? w.margin : -w.margin), w.fits ? "free at its peak" : "over");
+}
+
+static void print_report(const ds4_step_memory *r);
+
+/* --memory-report with --pp: the report of world rank --rank (its stage's column), planned again last, so the
+ * allocator's owners are that step's. */
+static int report_stage(const memplan_args *a, const ds4_config *c, const ds4_pp_layout *L, const ds4_step_opts *so) {
+    const int64_t F = stage_fsdp(a, L), W = L->pp * F;
+    ds4_step_memory one;
+    if (ds4_step_memory_run_stage(c, a->B, a->T, so, &a->rc.pipe, (int)W, (int)a->ep, (int)a->rank, &one) != DS4_OK)
+        return cli_fail();
+    printf("memory report of %s %lld (stage %lld, data rank %lld):\n", F == 1 ? "pp rank" : "rank",
+           (long long)a->rank, (long long)(a->rank / F), (long long)(a->rank % F));
+    print_report(&one);
+    return 0;
+}
+
+/* Every pipeline rank's plan: its stage's parameters, gradients and optimizer state (pp x fsdp: their FSDP
+ * shard over the stage's data ranks, EP inside them), and its schedule's micro-batches (as many as stages)
+ * in flight, one column a stage: world = pp, each pp rank; pp x fsdp, the ranks of --rank's data rank. */
 static int plan_stages(const memplan_args *a, const ds4_config *c, const ds4_pp_layout *L) {
     uint32_t masks[DS4_MAX_LAYERS];
     ds4_recompute_masks(&a->rc, c, masks); /* the layout's priorities */
     ds4_step_opts so = a->so;
     so.masks = ds4_recompute_any(&a->rc) ? masks : NULL;
+    const int64_t F = stage_fsdp(a, L), d = a->rank % F;
     ds4_step_memory *r = calloc((size_t)L->pp, sizeof *r);
     if (!r) return cli_fail();
     double seconds = 0;
-    for (int64_t p = 0; p < L->pp; p++) {
-        if (ds4_step_memory_run_stage(c, a->B, a->T, &so, &a->rc.pipe, (int)p, &r[p]) != DS4_OK) {
-            free(r);
-            return cli_fail();
-        }
-        seconds += r[p].seconds;
+    if (plan_each_stage(a, c, L, &so, r, &seconds) != DS4_OK) {
+        free(r);
+        return cli_fail();
     }
     char desc[64];
-    printf("memplan: each pipeline rank, seq %lld, micro-batch %lld, %lld micro-batches (%s), recompute %s, %s, "
-           "%s, %d threads\n", (long long)a->T, (long long)a->B, (long long)L->pp, L->vpp > 1 ? "interleaved 1F1B"
-           : "1F1B", ds4_recompute_describe(&a->rc, desc, sizeof desc), so.muon ? "Muon" : "AdamW",
-           so.bf16 ? "bfloat16 mixed precision" : "float32", ds4_get_threads());
-    printf("  %-12s", "category");
-    for (int64_t p = 0; p < L->pp; p++) printf(" %16s%-4lld", "pp rank ", (long long)p);
+    print_stages_header(a, L, &so, ds4_recompute_describe(&a->rc, desc, sizeof desc));
+    printf("\n  %-12s", "category");
+    for (int64_t p = 0; p < L->pp; p++)
+        if (F == 1) printf(" %16s%-4lld", "pp rank ", (long long)p);
+        else printf(" %13s%-7lld", "rank ", (long long)(p * F + d));
     printf("\n");
     for (int k = 0; k <= DS4_MEM_NCAT + 1; k++) {
         printf("  %-12s", k < DS4_MEM_NCAT ? ds4_mem_cat_name((ds4_mem_cat)k) : k == DS4_MEM_NCAT ? "peak total"
@@ -607,7 +677,74 @@ static int plan_stages(const memplan_args *a, const ds4_config *c, const ds4_pp_
                                                                                               : r[p].after_step));
         printf("\n");
     }
+    if (a->device) print_stages_fit(a->device, r, L->pp, F, d);
     printf("(bytes at each rank's peak; planned in %.2f s)\n", seconds);
+    free(r);
+    return a->report ? report_stage(a, c, L, &so) : 0;
+}
+
+/* The masks and swap options of policy p on the pipeline's layout (the priorities of its chunks). */
+static ds4_status stage_policy_opts(const ds4_memplan_policy *p, const memplan_args *a, const ds4_config *c,
+                                    uint32_t *masks, ds4_step_opts *so) {
+    ds4_recompute_cfg r;
+    ds4_recompute_defaults(&r);
+    r.pipe = a->rc.pipe;
+    r.per_pp_rank = a->rc.per_pp_rank;
+    int argc = 0;
+    while (p->flags[argc]) argc++;
+    for (int i = 0; i < argc; i++) {
+        bool used;
+        DS4_TRY(ds4_recompute_parse_arg(&r, argc, (char **)p->flags, &i, &used));
+    }
+    DS4_TRY(ds4_recompute_validate(&r, c));
+    ds4_recompute_masks(&r, c, masks);
+    so->masks = ds4_recompute_any(&r) ? masks : NULL;
+    so->swap_optimizer = p->swap_optimizer;
+    so->swap_layer_input = p->swap_layer_input;
+    return DS4_OK;
+}
+
+/* --policies with --pp: each policy a pipeline runs (the layer-input swap does not run under one), one line
+ * each: every stage's rank's peak (GiB) and the largest, the bytes of the largest. */
+static int plan_stage_policies(const memplan_args *a, const ds4_config *c, const ds4_pp_layout *L) {
+    print_stages_header(a, L, &a->so, NULL);
+    printf(", every policy a pipeline runs (--swap-layer-input is not built under one)");
+    if (a->device) printf(", device memory %.3f GiB (%lld bytes)", gib(a->device), (long long)a->device);
+    printf("\n  %-22s", "policy");
+    const int64_t F = stage_fsdp(a, L), d = a->rank % F;
+    for (int64_t p = 0; p < L->pp; p++)
+        if (F == 1) printf(" %6s%-3lld", "pp ", (long long)p);
+        else printf(" %5s%-4lld", "rank ", (long long)(p * F + d));
+    printf(" %9s %16s", "max GiB", "max bytes");
+    if (a->device) printf(" %5s %16s", "fits", "margin bytes");
+    printf(" %12s\n", "offload GiB");
+    ds4_step_memory *r = calloc((size_t)L->pp, sizeof *r);
+    if (!r) return cli_fail();
+    double seconds = 0;
+    for (int i = 0; i < ds4_memplan_policy_count(); i++) {
+        const ds4_memplan_policy *p = ds4_memplan_policy_at(i);
+        if (p->swap_layer_input) continue;
+        uint32_t masks[DS4_MAX_LAYERS];
+        ds4_step_opts so = a->so;
+        if (stage_policy_opts(p, a, c, masks, &so) != DS4_OK || plan_each_stage(a, c, L, &so, r, &seconds) != DS4_OK) {
+            free(r);
+            return cli_fail();
+        }
+        int64_t most = 0, off = 0;
+        printf("  %-22s", p->name);
+        for (int64_t k = 0; k < L->pp; k++) {
+            printf(" %9.3f", gib(r[k].peak_total));
+            if (r[k].peak_total > most) most = r[k].peak_total;
+            if (r[k].offload_peak_total > off) off = r[k].offload_peak_total;
+        }
+        printf(" %9.3f %16lld", gib(most), (long long)most);
+        if (a->device) printf(" %5s %16lld", most <= a->device ? "yes" : "no", (long long)(a->device - most));
+        printf(" %12.3f\n", gib(off));
+    }
+    printf("peak of each stage's rank in memory (GiB: 2^30 bytes); max: the largest of them; offload: the largest "
+           "offload tier's peak (host memory)%s\n(planned in %.2f s)\n",
+           a->device ? "; fits: every stage's rank fits the device memory; margin: device memory - max, negative "
+                       "when over" : "", seconds);
     free(r);
     return 0;
 }
@@ -617,11 +754,20 @@ static int plan_stages(const memplan_args *a, const ds4_config *c, const ds4_pp_
 static int print_stages(const memplan_args *a, const ds4_config *c) {
     ds4_pp_layout L;
     if (ds4_pp_layout_make(&a->rc.pipe, c->n_layers, c->n_mtp_layers, &L) != DS4_OK) return cli_fail();
-    if (a->policies || a->saved || a->report || a->device) {
-        fprintf(stderr, "error: ds4 memplan: %s with --pp/--vpp/--layout is not built yet: memplan prints the stage "
-                        "table and every rank's categories\n",
-                a->policies ? "--policies" : a->saved ? "--saved-activations" : a->report ? "--memory-report"
-                                                                                        : "--device-memory");
+    if (a->world > 1 && (a->world % L.pp || a->world < L.pp)) {
+        fprintf(stderr, "error: ds4 memplan: --world %lld with --pp %lld: a pipeline runs on pp x fsdp ranks, a "
+                        "multiple of %lld\n", (long long)a->world, (long long)L.pp, (long long)L.pp);
+        return 2;
+    }
+    if (a->ep > 1 && (stage_fsdp(a, &L) % a->ep || stage_fsdp(a, &L) == 1)) {
+        fprintf(stderr, "error: ds4 memplan: --ep %lld with --pp %lld --world %lld: EP divides each stage's FSDP "
+                        "group of world / pp = %lld data ranks (more than one)\n", (long long)a->ep, (long long)L.pp,
+                (long long)a->world, (long long)stage_fsdp(a, &L));
+        return 2;
+    }
+    if (a->saved) {
+        fprintf(stderr, "error: ds4 memplan: --saved-activations with --pp/--vpp/--layout is not built yet: memplan "
+                        "prints the stage table and every rank's categories (or --policies)\n");
         return 2;
     }
     printf("pipeline: pp %lld x vpp %lld chunks, %s; %lld decoder layers, %lld MTP; recompute priority %s\n",
@@ -652,7 +798,7 @@ static int print_stages(const memplan_args *a, const ds4_config *c) {
             }
             printf("\n");
         }
-    return plan_stages(a, c, &L);
+    return a->policies ? plan_stage_policies(a, c, &L) : plan_stages(a, c, &L);
 }
 
 int cmd_memplan(int argc, char **argv) {

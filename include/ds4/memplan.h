@@ -66,20 +66,24 @@ ds4_status ds4_step_memory_run_dist(const ds4_config *c, int64_t B, int64_t T, c
 ds4_status ds4_step_memory_run_dist_opts(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *opts,
                                          bool plan, ds4_comm *comm, int ep, bool force_balance, ds4_step_memory *out);
 
-/* The plan of pipeline rank `rank` of the layout pp (pp->pp >= 2 stages): its stage's state (the groups of
- * its chunks, ds4_train_state_opts.pipeline) and opts->micro_batches micro-batches of [B, T] (0: pp of them)
- * through its schedule (ds4_pp_run_rank) on a plan communicator of pp ranks; opts->masks: the recompute masks
+/* The plan of world rank `rank` of a pipeline of the layout pp (pp->pp >= 2 stages) on world = pp x fsdp
+ * ranks (rank = stage * fsdp + data rank): its stage's state (the groups of its chunks, ds4_train_state_opts
+ * .pipeline; fsdp > 1: their FSDP shard over the stage's data ranks, with EP of degree ep inside that group)
+ * and opts->micro_batches micro-batches of [B, T] per data rank (0: pp of them) through its schedule
+ * (ds4_pp_run_rank) on a plan communicator of world ranks (balanced routing); opts->masks: the recompute masks
  * of the layout's priorities. */
 ds4_status ds4_step_memory_run_stage(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *opts,
-                                     const ds4_pp_cfg *pp, int rank, ds4_step_memory *out);
+                                     const ds4_pp_cfg *pp, int world, int ep, int rank, ds4_step_memory *out);
 
 /* The first step of the run `run` describes (`ds4 train --config`'s description: model, batch, sequence,
  * precision, device, optimizer, recompute, offload, parallel settings, training.csa_dense_steps), on one
  * rank of comm: the world (every rank calls it) or a plan communicator (ds4_comm_plan: plan must be true;
  * routing balanced). run is resolved and checked for comm's world and the model as `ds4 train` does it
  * (ds4_run_model), and planned through the same builders the trainer runs its steps with. A run with
- * parallel.pp > 1 is one stage of its pipeline: comm has pp ranks (a plan communicator, or the world under
- * mpirun), and the step is that rank's state (its groups) and its schedule (ds4_pp_run_rank). */
+ * parallel.pp > 1 is one stage of its pipeline: comm has pp x fsdp ranks (a plan communicator, or the world
+ * under mpirun; rank = stage * fsdp + data rank), and the step is that rank's state (its stage's groups; fsdp
+ * > 1: their FSDP shard over the stage's data ranks, parallel.ep inside that group) and its schedule
+ * (ds4_pp_run_rank), with balanced routing in a real step too (as its plan routes). */
 ds4_status ds4_step_memory_of_run(ds4_train_cfg *run, ds4_comm *comm, bool plan, ds4_step_memory *out);
 
 /* ------------------------------------------------------------------ a device budget

@@ -34,10 +34,11 @@ typedef struct {
 static ds4_status one_step(ds4_train_state *s, const ds4_config *c, const step_setup *u, const step_world *w,
                            int32_t *ids, int64_t *loads, ds4_mem_stats *end, int64_t *held) {
     ds4_train_state_opts o = u->state;
-    o.ep = w->comm && !w->pipeline ? w->ep : 1;
+    o.ep = w->comm ? w->ep : 1; /* a pipeline's EP divides each stage's FSDP group (pp x fsdp) */
     o.shard = w->comm != NULL && !w->pipeline;
     ds4_status st = ds4_train_state_setup(s, c, NULL, 1, w->comm ? w->comm : ds4_comm_self(), &o);
     ds4_step_args a = u->args;
+    if (w->pipeline && st == DS4_OK) a.pipe = ds4_train_state_pipe(s); /* pp x fsdp: this data rank's stages */
     a.ids = ids;
     a.loads = loads;
     a.moe_force_balance = w->force_balance;
@@ -124,19 +125,18 @@ static void setup_of_opts(int64_t B, int64_t T, const ds4_step_opts *so, bool pl
     u->args = ds4_run_step_args(run, W, 1, k_adamw.lr, so->masks);
 }
 
-/* A pipeline's rank: its stage's state, the step's micro-batches through its schedule on comm (world = pp). */
+/* A pipeline's rank: its stage's state (world = pp: its groups; pp x fsdp: their FSDP shard over the stage's
+ * data ranks, EP inside them), the step's micro-batches through its schedule on its data rank's stages. */
 static ds4_status measure_stage(ds4_train_cfg *run, const ds4_config *c, step_setup *u, ds4_comm *comm,
                                 ds4_step_memory *out) {
     ds4_pp_layout *L = ds4_alloc(DS4_MEM_OTHER, sizeof *L); /* before the counting, as the trainer's */
     ds4_status st = L ? ds4_pp_layout_make(&run->recompute.pipe, c->n_layers, c->n_mtp_layers, L)
                       : ds4_fail(DS4_ERR_OOM, "memplan: out of memory for the pipeline layout");
-    if (st == DS4_OK && ds4_comm_size(comm) != L->pp)
-        st = ds4_fail(DS4_ERR_UNSUPPORTED, "memplan: a pipeline of pp x fsdp ranks (world %d, pp %lld) is not planned "
-                      "yet; plan a world of pp ranks (--world %lld)", ds4_comm_size(comm), (long long)L->pp,
-                      (long long)L->pp);
-    u->args.pipe = comm;
-    u->args.layout = L;
-    const step_world w = {comm, 1, ds4_comm_is_plan(comm), true};
+    if (st == DS4_OK && ds4_comm_size(comm) % L->pp)
+        st = ds4_fail(DS4_ERR_ARG, "memplan: a pipeline of pp %lld runs on pp x fsdp ranks; a world of %d is no "
+                      "multiple of %lld", (long long)L->pp, ds4_comm_size(comm), (long long)L->pp);
+    u->args.layout = L; /* args.pipe: the state's pipeline communicator, once it is set up (one_step) */
+    const step_world w = {comm, (int)run->ep, true, true}; /* balanced routing, measured as planned */
     if (st == DS4_OK) st = measure(c, u, &w, out);
     ds4_free(L);
     return st;
@@ -156,7 +156,7 @@ ds4_status ds4_step_memory_of_run(ds4_train_cfg *run, ds4_comm *comm, bool plan,
     u.args = ds4_run_step_args(run, W, 1, run->adamw.lr, ds4_recompute_any(&run->recompute) ? masks : NULL);
     const step_world w = {W > 1 || run->ep > 1 ? comm : NULL, (int)run->ep, ds4_comm_is_plan(comm), false};
     if (ds4_comm_is_plan(comm) && !plan) return ds4_fail(DS4_ERR_ARG, "memplan: a simulated world can only plan");
-    if (run->recompute.pipe.pp > 1) return measure_stage(run, &c, &u, comm, out); /* world = pp, one stage */
+    if (run->recompute.pipe.pp > 1) return measure_stage(run, &c, &u, comm, out); /* world = pp x fsdp */
     return measure(&c, &u, &w, out);
 }
 
@@ -187,20 +187,27 @@ ds4_status ds4_step_memory_run_dist_opts(const ds4_config *c, int64_t B, int64_t
 }
 
 ds4_status ds4_step_memory_run_stage(const ds4_config *c, int64_t B, int64_t T, const ds4_step_opts *opts,
-                                     const ds4_pp_cfg *pp, int rank, ds4_step_memory *out) {
-    if (pp->pp < 2 || rank < 0 || rank >= pp->pp)
-        return ds4_fail(DS4_ERR_ARG, "memplan: rank %d of a pipeline of %lld stages", rank, (long long)pp->pp);
+                                     const ds4_pp_cfg *pp, int world, int ep, int rank, ds4_step_memory *out) {
+    if (pp->pp < 2 || world < pp->pp || world % pp->pp || rank < 0 || rank >= world)
+        return ds4_fail(DS4_ERR_ARG, "memplan: rank %d of a pipeline of %lld stages on %d ranks (pp x fsdp)", rank,
+                        (long long)pp->pp, world);
+    const int F = world / (int)pp->pp; /* the data ranks of each stage */
+    if (ep < 1 || F % ep || c->n_routed_experts % ep || (ep > 1 && F == 1))
+        return ds4_fail(DS4_ERR_ARG, "memplan: EP %d inside a stage of %d data ranks: EP divides the stage's FSDP "
+                        "group (more than one rank) and the %lld routed experts", ep, F,
+                        (long long)c->n_routed_experts);
     ds4_step_opts so = *opts;
     if (so.micro_batches < 1) so.micro_batches = pp->pp; /* as many as stages: every rank's warm-up fills */
     ds4_train_cfg run;
     step_setup u;
-    setup_of_opts(B, T, &so, true, 1, &run, &u); /* one data rank: the pipeline */
+    setup_of_opts(B, T, &so, true, F, &run, &u); /* F data ranks, each with its pipeline */
     run.recompute.pipe = *pp;
+    run.ep = ep;
     u.state = ds4_run_state_opts(&run, &u.exec);
     u.state.swap_chunk_bytes = so.swap_chunk_bytes;
-    u.args = ds4_run_step_args(&run, (int)pp->pp, 1, k_adamw.lr, so.masks);
+    u.args = ds4_run_step_args(&run, world, 1, k_adamw.lr, so.masks);
     ds4_comm *sim = NULL;
-    ds4_status st = ds4_comm_plan((int)pp->pp, rank, &sim);
+    ds4_status st = ds4_comm_plan(world, rank, &sim);
     if (st == DS4_OK) st = measure_stage(&run, c, &u, sim, out);
     ds4_comm_free(sim);
     return st;
