@@ -111,10 +111,13 @@ test-c: all
 asan:
 	$(MAKE) CUDA=0 BUILD=build-asan OPT="-O1" SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test-c
 
-# The suite again on the portable kernels (DS4_ISA=generic: what a CPU without AVX2 or a non-x86 target
-# runs; the golden test is skipped there: it pins DS4_ISA=generic itself and already ran), and the parity test once per ISA level between generic and this CPU's best.
+# The C tests again on the portable kernels (DS4_ISA=generic: what a CPU without AVX2 or a non-x86 target
+# runs) with the Python tests that compare kernels (PyTorch parity, the ISA flag); the other Python tests
+# drive the CLI and tools over the same kernels, and the golden test pins DS4_ISA=generic itself and already
+# ran. Then the parity test once per ISA level between generic and this CPU's best.
+GENERIC_PY := test_parity.py test_parity_bf16.py test_cli_isa.py
 test-levels: all
-	DS4_ISA=generic DS4_SKIP_GOLDEN=1 BUILD=$(BUILD) bash tests/run.sh
+	DS4_ISA=generic DS4_SKIP_GOLDEN=1 DS4_PY_ONLY="$(GENERIC_PY)" BUILD=$(BUILD) bash tests/run.sh
 	BUILD=$(BUILD) bash tests/run-levels.sh
 
 # The library built without any x86 engine (-DDS4_PORTABLE_ONLY, as a non-x86 target builds it) and for
