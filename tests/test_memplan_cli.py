@@ -9,7 +9,8 @@ peak; which of them grow with T.
 units' rows to recomputed, bf16 mixed precision halves exactly the rows it holds in bf16, the blocks' kept bytes
 plus the pass's tensors outside the blocks are the act peak (the backward's transients on top under bf16).
 A pipeline (--pp 2, alone and as pp 2 x fsdp 2 with EP 2): a column per stage, each pp x fsdp rank below its
-stage's pp-alone peak; --policies: the 14 policies a pipeline runs, each row's max the plan of its own flags;
+stage's pp-alone peak; --policies: the 28 policies (the layer-input swap's too), each row's max the plan of its own
+flags, the swap's largest peak below off's;
 --device-memory: each stage's margin, how many fit, the largest's line, and the policies' fits and margins;
 --memory-report: one rank's report after the table, its owners summing to its column's peaks."""
 import os
@@ -436,19 +437,23 @@ for name, world in (("pp 2", []), ("pp 2 x fsdp 2 EP 2", ["--world", "4", "--ep"
     r = memplan(*PP, *world, "--policies")
     rows = [l.split() for l in r.stdout.splitlines() if re.match(r"^  \S.* +\d+ +[\d.]+$", l)]
     names = [" ".join(x[:-5]) for x in rows]  # 2 stage columns, max GiB, max bytes, offload GiB
-    check(f"{name} --policies: the 14 policies a pipeline runs (no layer-input swap)", r.returncode == 0 and
-          names == ["off", "csa", "mhc", "norm", "csa+mhc", "csa+mhc+norm", "full"] +
-          [n + " +swap-opt" for n in ["off", "csa", "mhc", "norm", "csa+mhc", "csa+mhc+norm", "full"]],
+    base = ["off", "csa", "mhc", "norm", "csa+mhc", "csa+mhc+norm", "full"]
+    check(f"{name} --policies: the 28 policies, the layer-input swap's too", r.returncode == 0 and
+          names == base + [n + x for x in (" +swap-opt", " +swap-in", " +swap-opt+in") for n in base],
           r.stdout + r.stderr)
     for i, flags in ((0, []), (1, ["--recompute-csa-attention"]),
                      (6, ["--recompute-granularity", "full", "--recompute-method", "uniform",
                           "--recompute-num-layers", "1"]),
-                     (12, ["--recompute-csa-attention", "--mhc-recompute", "--recompute-norm", "--swap-optimizer"])):
+                     (12, ["--recompute-csa-attention", "--mhc-recompute", "--recompute-norm", "--swap-optimizer"]),
+                     (14, ["--swap-layer-input"]), (22, ["--recompute-csa-attention", "--swap-optimizer",
+                                                         "--swap-layer-input"])):
         one = stage_peaks(memplan(*PP, *world, *flags).stdout)
         check(f"{name} --policies row {names[i] if i < len(names) else i}: its max is the largest stage's plan",
               one and i < len(rows) and int(rows[i][-2]) == max(one), (rows[i] if i < len(rows) else None, one))
-    check(f"{name} --policies: full recompute below off on every stage", len(rows) == 14 and
+    check(f"{name} --policies: full recompute below off on every stage", len(rows) == 28 and
           all(float(f) < float(o) for f, o in zip(rows[6][1:-3], rows[0][1:-3])), rows[:7])
+    check(f"{name} --policies: the layer-input swap's largest peak below off's", len(rows) == 28 and
+          int(rows[14][-2]) < int(rows[0][-2]), (rows[0], rows[14] if len(rows) > 14 else None))
 # --device-memory with --pp: the margin row is device - each column's peak, the count of those that fit and the
 # largest peak's line; at exactly the largest peak all fit with 0 free, a byte less and the largest is 1 over
 peaks = stage_peaks(ep.stdout) or [0, 0]
@@ -474,7 +479,7 @@ r = memplan(*PP, "--world", "4", "--ep", "2", "--policies", "--device-memory", s
 fits = [(" ".join(x[:-7]), x[-3], int(x[-2]), int(x[-4])) for x in
         (l.split() for l in r.stdout.splitlines() if re.match(r"^  \S.* (yes|no) +-?\d+ +[\d.]+$", l))]
 check("pp 2 x fsdp 2 --policies --device-memory between full's and off's max: fits and margin columns",
-      r.returncode == 0 and len(fits) == 14 and all(n in pol and mx == pol[n] and mg == dev - mx and
+      r.returncode == 0 and len(fits) == 28 and all(n in pol and mx == pol[n] and mg == dev - mx and
                                                     yn == ("yes" if mx <= dev else "no") for n, yn, mg, mx in fits)
       and {y for _, y, _, _ in fits} == {"yes", "no"}, r.stdout + r.stderr)
 # --memory-report with --pp: the report of rank --rank after the table; its owners sum to that rank's column's

@@ -1,12 +1,14 @@
 /* A pipelined step in one process (ds4_pp_run_local): every rank's schedule (1F1B, interleaved) run on one
  * model gives the losses, every gradient and the expert loads of ds4_train_step's accumulation over the same
- * micro-batches bit for bit: pp 2 and 4, vpp 2, uneven and empty chunks, with a recompute policy. The
+ * micro-batches bit for bit: pp 2 and 4, vpp 2, uneven and empty chunks, with a recompute policy, with the
+ * layer-input swap (alone and with recompute). The
  * head's chunk hands the MTP rows' gradient to the embedding's chunk, so the embedding's gradient sums micro-
  * batch by micro-batch in one process's order even where the head's chunk runs a later micro-batch's
  * backward before the embedding's chunk runs an earlier one's (interleaving). Under mpirun, the same runs over
  * MPI (ds4_pp_run_rank) and the forward-only pass (ds4_pp_eval_rank) against a loop of whole forwards. Each
  * rank's memory plan (ds4_step_memory_of_run of a run with parallel.pp on a plan communicator) equals that
- * rank's measured step, byte for byte in every category: pp 2 under -np 2, pp 2 x fsdp 2 (with EP 2 inside
+ * rank's measured step, byte for byte in every category and the offload tier's: pp 2 (also with
+ * memory.swap_layer_input, 1F1B and vpp 2) under -np 2, pp 2 x fsdp 2 (with EP 2 inside
  * each stage) under -np 4. */
 #include "ds4/dist.h"
 #include "ds4/kernels.h"
@@ -49,6 +51,7 @@ static float *grads_of(ds4_train_state *s, int64_t *numel) {
 }
 
 static const ds4_exec *g_exec; /* the pipelined state's context (NULL: the cpu) */
+static bool g_swap;            /* the pipelined run swaps its layer inputs (--swap-layer-input) */
 
 static bool open_state_on(const ds4_config *c, const ds4_exec *ex, ds4_train_state **s) {
     ds4_train_state_opts so = {.ep = 1, .exec = ex};
@@ -86,12 +89,29 @@ static bool pipelined(const ds4_config *c, const int32_t *ids, int64_t M, const 
     if (!open_state_on(c, g_exec, &s)) return false;
     const int64_t nb = c->n_layers + c->n_mtp_layers;
     r->loads = calloc((size_t)(nb * c->n_routed_experts), sizeof(int64_t));
-    ds4_act_policies pol = {.recompute = masks};
+    ds4_offload *tier = NULL;
+    ds4_act_swap *swap = NULL; /* g_swap: the executor's stores, one a micro-batch, on its tier */
+    if (g_swap)
+        CHECK(ds4_offload_open(g_exec, NULL, &tier) == DS4_OK && ds4_act_swap_new(tier, &swap) == DS4_OK, "%s",
+              ds4_errmsg());
+    ds4_act_policies pol = {.recompute = masks, .swap = swap};
     const ds4_pass_opts o = {.store = ds4_act_store_of(&pol)};
-    const ds4_pp_local_args a = {.layout = L, .micro_batches = M, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o};
+    const ds4_pp_local_args a = {.layout = L, .micro_batches = M, .B = ROWS, .T = SEQ, .ids = ids, .opts = &o,
+                                 .policies = &pol};
     ds4_train_state_zero_grads(s);
+    ds4_mem_reset_peak();
     bool ok = ds4_pp_run_local(ds4_train_state_model(s), &a, &r->losses, r->loads) == DS4_OK;
     CHECK(ok, "pipelined: %s", ds4_errmsg());
+    if (g_swap) { /* more than one micro-batch's layer inputs were out at once, none is left, the base held none */
+        ds4_mem_stats ms;
+        ds4_mem_get(&ms);
+        const int64_t one = c->n_layers * ROWS * SEQ * c->hc_mult * c->dim * (int64_t)sizeof(float);
+        CHECK(ms.offload_peak[DS4_MEM_ACT] > one && ms.offload_live[DS4_MEM_ACT] == 0 && ds4_act_swap_held(swap) == 0,
+              "swap: offload peak %lld (one pass's inputs %lld), live %lld", (long long)ms.offload_peak[DS4_MEM_ACT],
+              (long long)one, (long long)ms.offload_live[DS4_MEM_ACT]);
+    }
+    ds4_act_swap_free(swap);
+    ds4_offload_close(tier);
     ds4_train_state_scale_grads(s, M); /* the step's mean over the micro-batches */
     r->grads = ok ? grads_of(s, &r->numel) : NULL;
     ds4_train_state_free(s);
@@ -194,6 +214,14 @@ static void test_pipelined_guard(void) {
 }
 /* the runs with the most passes in flight: pp 4, interleaved pp 2 and pp 4 */
 static void test_pipelined_recompute(void) { check_runs("recompute", k_recompute, 1u << 1 | 1u << 3 | 1u << 5); }
+/* --swap-layer-input: each micro-batch's layer inputs in a store of its own, the reference keeping them (1F1B
+ * pp 2 m 3, interleaved pp 2; with the recompute policy the pp 4 runs) */
+static void test_pipelined_swap(void) {
+    g_swap = true;
+    check_runs("swap", NULL, 1u << 0 | 1u << 3);
+    check_runs("swap + recompute", k_recompute, 1u << 1 | 1u << 5);
+    g_swap = false;
+}
 
 /* What the executor refuses: a layout of another model, interleaving with m not a multiple of pp. */
 static void test_refusals(void) {
@@ -417,7 +445,8 @@ static void test_mpi_refusals(void) {
 /* One rank of a pipelined run description (tiny-a, a global batch of 4 micro-batches of 1 x 64 over the data
  * ranks, AdamW or Muon; extra: the [parallel] lines): its plan on a plan communicator of W ranks (world = pp,
  * or pp x fsdp with the stage's groups sharded over its data ranks and EP inside them) equals its measured
- * step under mpirun in every category's peak and what stays after the step; the stage holds less than the
+ * step under mpirun in every category's peak and what stays after the step, and in the offload tier's (layer
+ * inputs there exactly under memory.swap_layer_input, nothing after the step); the stage holds less than the
  * whole model. */
 static void check_stage_plan(const char *what, const char *extra, const char *opt) {
     char text[1024];
@@ -447,6 +476,17 @@ static void check_stage_plan(const char *what, const char *extra, const char *op
               (long long)real.peak[k], (long long)real.resident[k]);
     CHECK(plan.peak_total == real.peak_total && plan.after_step == real.after_step, "%s rank %d: peak %lld vs %lld",
           what, rank, (long long)plan.peak_total, (long long)real.peak_total);
+    for (int k = 0; k < DS4_MEM_NCAT; k++)
+        CHECK(plan.offload_peak[k] == real.offload_peak[k], "%s rank %d %s: planned offload peak %lld, measured %lld",
+              what, rank, ds4_mem_cat_name((ds4_mem_cat)k), (long long)plan.offload_peak[k],
+              (long long)real.offload_peak[k]);
+    CHECK(plan.offload_peak_total == real.offload_peak_total && plan.offload_after_step == real.offload_after_step,
+          "%s rank %d: offload peak %lld vs %lld", what, rank, (long long)plan.offload_peak_total,
+          (long long)real.offload_peak_total);
+    const bool swap = strstr(extra, "swap_layer_input") != NULL; /* layer inputs in the tier, none without it */
+    CHECK(swap == (plan.offload_peak[DS4_MEM_ACT] > 0) && plan.offload_after_step == 0,
+          "%s rank %d: offload act peak %lld, after the step %lld", what, rank,
+          (long long)plan.offload_peak[DS4_MEM_ACT], (long long)plan.offload_after_step);
     for (int k = DS4_MEM_PARAM; k <= DS4_MEM_OPTIM; k++)
         CHECK(plan.resident[k] > 0 && plan.resident[k] < one.resident[k], "%s rank %d %s: the stage holds %lld, the "
               "whole model %lld", what, rank, ds4_mem_cat_name((ds4_mem_cat)k), (long long)plan.resident[k],
@@ -459,12 +499,18 @@ static void test_mpi_stage_plans(void) {
         check_stage_plan("pp 2 1F1B AdamW", "pp = 2\n", "AdamW");
         check_stage_plan("pp 2 vpp 2 Muon", "pp = 2\nvpp = 2\n", "Muon");
         check_stage_plan("pp 2 E|tt|t|tmL AdamW", "pp = 2\nlayout = \"E|tt|t|tmL\"\n", "AdamW");
+        /* the layer-input swap: each in-flight micro-batch's inputs in the offload tier, a store of its own */
+        check_stage_plan("pp 2 1F1B AdamW swap-layer-input", "pp = 2\n[memory]\nswap_layer_input = true\n", "AdamW");
+        check_stage_plan("pp 2 vpp 2 Muon swap-layer-input", "pp = 2\nvpp = 2\n[memory]\nswap_layer_input = true\n",
+                         "Muon");
     }
     if (W == 4) { /* pp 2 x fsdp 2: each stage's groups sharded over its 2 data ranks, 2 micro-batches each */
         check_stage_plan("pp 2 x fsdp 2 1F1B AdamW", "pp = 2\n", "AdamW");
         check_stage_plan("pp 2 x fsdp 2 vpp 2 Muon", "pp = 2\nvpp = 2\n", "Muon");
         check_stage_plan("pp 2 x fsdp 2 EP 2 1F1B AdamW", "pp = 2\nep = 2\n", "AdamW");
         check_stage_plan("pp 2 x fsdp 2 EP 2 prefetch 0 Muon", "pp = 2\nep = 2\nprefetch_depth = 0\n", "Muon");
+        check_stage_plan("pp 2 x fsdp 2 1F1B AdamW swap-layer-input", "pp = 2\n[memory]\nswap_layer_input = true\n",
+                         "AdamW");
     }
 }
 
@@ -487,6 +533,7 @@ int main(int argc, char **argv) {
     ds4_set_threads(2);
     RUN(test_pipelined_equals_step);
     RUN(test_pipelined_recompute);
+    RUN(test_pipelined_swap);
     RUN(test_pipelined_guard);
     RUN(test_refusals);
     RUN(test_mpi_refusals); /* one process: the world has one rank */

@@ -4,11 +4,14 @@ with the pipelined run stopped after the step-2 checkpoint and resumed to step 3
 the run prints at its end (20 batches of data.val: under a pipeline, forward-only passes through the stages,
 ds4_pp_eval_rank, in groups of 8 micro-batches a chunk). Cases: pp 2 1F1B (AdamW
 and Muon), pp 4 (also with full block recompute), pp 2 vpp 2 on the uneven layout E|tt|t|tmL (Muon) and under
-bf16 mixed precision (uniform); and a pipelined run resumed from one process's step-2 checkpoint; pp with EP
-on pp ranks refused, and a world that is not a multiple of pp. pp x fsdp (`mpirun -np 4`, pp 2 with 2 FSDP data ranks a
+bf16 mixed precision (uniform); the layer-input swap (--swap-layer-input) on pp 2 1F1B (AdamW; its activation
+peak below the same pipeline's without it) and on pp 2 vpp 2 with full block + CSA recompute (Muon), against one
+process without the swap; and a pipelined run resumed from one process's step-2 checkpoint; pp with EP
+on pp ranks refused, --moe-fb-overlap under a pipeline refused, and a world that is not a multiple of pp. pp x fsdp (`mpirun -np 4`, pp 2 with 2 FSDP data ranks a
 stage): against FSDP over 2 ranks without a pipeline (the same data ranks and sums; FSDP itself is not one
 process's bits), the same losses, grad_norm, checkpoint bytes and validation line for pp 2 1F1B (AdamW),
-pp 2 vpp 2 (Muon) and pp 2 with EP 2 inside each stage (Muon; FSDP + EP is FSDP's bits), and FSDP resumed from the pp x fsdp run's step-2 checkpoint; each rank's gradients and
+pp 2 vpp 2 (Muon), pp 2 with EP 2 inside each stage (Muon; FSDP + EP is FSDP's bits) and pp 2 1F1B with
+the layer-input swap (AdamW, against FSDP without it), and FSDP resumed from the pp x fsdp run's step-2 checkpoint; each rank's gradients and
 optimizer state are below half its stage's (a shard of the stage, not the stage). The bubble: under pp the step line's `bubble X.X%` and the metrics' pp_bubble (the mean over the
 ranks, in [0, 1)), pp_bubble_max and pp_bubble_ranks (each rank's, in (0, 1)); none of them in a one-process
 run; the trace (--trace) of pp 2 1F1B and pp 2 vpp 2 holds one "F ck mbi" and one "B ck mbi" span a step per
@@ -105,6 +108,12 @@ def run(tmp, name, opt, np, extra, seed_from=None):
     check(f"{name}: train to step 3", r.returncode == 0, (r.stdout + r.stderr)[-800:])
     val = re.findall(r"^validation loss .*$", r.stdout, re.M)
     return metrics_of(jsonl) if os.path.exists(jsonl) else [], files_of(folder), folder, val, r.stdout
+
+
+def peak_of(path):
+    """The activation peak of step 1 (the metrics' activation_peak_bytes)."""
+    with open(path) as f:
+        return json.loads(f.readline())["activation_peak_bytes"]
 
 
 def tensors_of(blob):
@@ -281,7 +290,9 @@ def pp_fsdp(tmp, quick):
     resumed from the pp x fsdp run's step 2."""
     cases = [("pp 2 x fsdp 2 1F1B AdamW", "AdamW", ["--parallel.pp", "2"]),
              ("pp 2 vpp 2 x fsdp 2 Muon", "Muon", ["--parallel.pp", "2", "--parallel.vpp", "2"]),
-             ("pp 2 x fsdp 2 ep 2 Muon", "Muon", ["--parallel.pp", "2", "--parallel.ep", "2"])]
+             ("pp 2 x fsdp 2 ep 2 Muon", "Muon", ["--parallel.pp", "2", "--parallel.ep", "2"]),
+             ("pp 2 x fsdp 2 1F1B AdamW swap-layer-input", "AdamW",
+              ["--parallel.pp", "2", "--swap-layer-input", "--offload-dir", tmp])]
     ref = {}
     for name, opt, extra in cases[:1] if quick else cases:
         if opt not in ref:
@@ -293,7 +304,7 @@ def pp_fsdp(tmp, quick):
               got[4][-600:])
         fsdp_memory(name, got[4], ref[opt][1].get("step-00000002/model.safetensors", b""),
                     ref[opt][1].get("step-00000002/optim.state", b""), 2, 2)
-        if opt == "AdamW":  # FSDP resumes the pp x fsdp checkpoint of step 2: FSDP's step 3
+        if name == cases[0][0]:  # FSDP resumes the pp x fsdp checkpoint of step 2: FSDP's step 3
             seed = os.path.join(tmp, "ppfsdp-step2")
             shutil.copytree(got[2], seed, ignore=shutil.ignore_patterns("step-00000003", "*.lock"))
             with open(seed + ".jsonl", "w") as f, open(os.path.join(tmp, f"{tag}.jsonl")) as src:
@@ -313,6 +324,7 @@ def main():
                 f.write(TOML.format(root=ROOT, tmp=tmp, opt=opt))
         bf16 = ["--training.mixed_precision_param", "bfloat16"]
         recompute = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+        swap = ["--swap-layer-input", "--offload-dir", tmp]
         # (name, optimizer, ranks, flags, the one-process run's flags)
         # (name, optimizer, ranks, flags, the one-process run's flags, the layout: a string or the vpp)
         cases = [("pp 2 1F1B AdamW", "AdamW", 2, ["--parallel.pp", "2"], [], 1),
@@ -321,7 +333,12 @@ def main():
                   "E|tt|t|tmL"),
                  ("pp 4 1F1B AdamW", "AdamW", 4, ["--parallel.pp", "4"], [], 1),
                  ("pp 4 1F1B AdamW full block recompute", "AdamW", 4, ["--parallel.pp", "4", *recompute], [], 1),
-                 ("pp 2 vpp 2 AdamW bf16", "AdamW", 2, ["--parallel.pp", "2", "--parallel.vpp", "2", *bf16], bf16, 2)]
+                 ("pp 2 vpp 2 AdamW bf16", "AdamW", 2, ["--parallel.pp", "2", "--parallel.vpp", "2", *bf16], bf16, 2),
+                 # the layer-input swap: each in-flight micro-batch's inputs in a store of its own; one process keeps
+                 # them in memory (the swap is one process's bits, tests/test_golden.py)
+                 ("pp 2 1F1B AdamW swap-layer-input", "AdamW", 2, ["--parallel.pp", "2", *swap], [], 1),
+                 ("pp 2 vpp 2 Muon swap-layer-input full block + CSA recompute", "Muon", 2,
+                  ["--parallel.pp", "2", "--parallel.vpp", "2", *recompute, "--recompute-csa-attention", *swap], [], 2)]
         if quick:
             cases = cases[1:3]
         ref = {}
@@ -337,6 +354,13 @@ def main():
                   "each rank holds its stage's parameters" in got[4], got[4][-600:])
             stage_memory(name, got[4], want[1].get("step-00000002/model.safetensors", b""),
                          want[1].get("step-00000002/optim.state", b""), layout, np, opt == "AdamW", bool(one))
+            if "--swap-layer-input" in extra:
+                check(f"{name}: the startup line names the offload tier", "offload: layer inputs to" in got[4],
+                      got[4][-600:])
+        # the swap moved layer inputs out: pp 2's activation peak below the same pipeline's without it
+        if not quick:
+            peak = [peak_of(os.path.join(tmp, f"pp_2_1F1B_AdamW{x}.jsonl")) for x in ("", "_swap-layer-input")]
+            check("pp 2 swap-layer-input: the activation peak below the run without it", 0 < peak[1] < peak[0], peak)
         # a one-process checkpoint resumed by a pipeline: the same step 3
         if not quick:
             one = os.path.join(tmp, "one-step2")
@@ -354,6 +378,11 @@ def main():
                  "--checkpoint.interval", "0"], 2)
         check("pp 2 with ep 2 on 2 ranks refused with one line", r.returncode != 0 and
               "EP inside a stage divides its FSDP group" in r.stderr and "parallel.ep" in r.stderr,
+              (r.stdout + r.stderr)[-600:])
+        r = ds4(["train", "--config", os.path.join(tmp, "AdamW.toml"), "--parallel.pp", "2", "--moe-fb-overlap",
+                 "--checkpoint.interval", "0"], 2)
+        check("pp 2 with --moe-fb-overlap refused with one line", r.returncode != 0 and
+              "pipeline parallelism (pp 2): --moe-fb-overlap is not built yet under a pipeline" in r.stderr,
               (r.stdout + r.stderr)[-600:])
         r = ds4(["train", "--config", os.path.join(tmp, "AdamW.toml"), "--parallel.pp", "2",
                  "--checkpoint.interval", "0"], 3)

@@ -704,11 +704,11 @@ static ds4_status stage_policy_opts(const ds4_memplan_policy *p, const memplan_a
     return DS4_OK;
 }
 
-/* --policies with --pp: each policy a pipeline runs (the layer-input swap does not run under one), one line
+/* --policies with --pp: every policy (the layer-input swap too: a store per in-flight micro-batch), one line
  * each: every stage's rank's peak (GiB) and the largest, the bytes of the largest. */
 static int plan_stage_policies(const memplan_args *a, const ds4_config *c, const ds4_pp_layout *L) {
     print_stages_header(a, L, &a->so, NULL);
-    printf(", every policy a pipeline runs (--swap-layer-input is not built under one)");
+    printf(", every policy");
     if (a->device) printf(", device memory %.3f GiB (%lld bytes)", gib(a->device), (long long)a->device);
     printf("\n  %-22s", "policy");
     const int64_t F = stage_fsdp(a, L), d = a->rank % F;
@@ -723,7 +723,6 @@ static int plan_stage_policies(const memplan_args *a, const ds4_config *c, const
     double seconds = 0;
     for (int i = 0; i < ds4_memplan_policy_count(); i++) {
         const ds4_memplan_policy *p = ds4_memplan_policy_at(i);
-        if (p->swap_layer_input) continue;
         uint32_t masks[DS4_MAX_LAYERS];
         ds4_step_opts so = a->so;
         if (stage_policy_opts(p, a, c, masks, &so) != DS4_OK || plan_each_stage(a, c, L, &so, r, &seconds) != DS4_OK) {

@@ -28,6 +28,7 @@ typedef struct {
 } ds4_act_swap_stats;
 ds4_act_swap_stats ds4_act_swap_moved(const ds4_act_swap *s);
 void ds4_act_swap_free(ds4_act_swap *s);          /* drops what it still holds; NULL: no-op */
+ds4_offload *ds4_act_swap_offload(const ds4_act_swap *s); /* the store it puts streams in */
 
 /* The policies of a pass. A value the caller keeps for the pass's lifetime; nothing is allocated. */
 typedef struct {

@@ -13,6 +13,7 @@
 #ifndef DS4_PP_SCHEDULE_H
 #define DS4_PP_SCHEDULE_H
 
+#include "ds4/actstore.h"
 #include "ds4/core.h"
 #include "ds4/dist.h"
 #include "ds4/model.h"
@@ -62,7 +63,13 @@ typedef struct {
     const ds4_pp_layout *layout;
     int64_t micro_batches, B, T;
     const int32_t *ids;         /* [micro_batches, B, T] */
-    const ds4_pass_opts *opts;  /* every stage pass's (need_backward is set here); no layer-input swap */
+    const ds4_pass_opts *opts;  /* every stage pass's (need_backward is set here) */
+    /* NULL: every pass's store is opts->store. Else opts->store is ds4_act_store_of(policies), and with
+     * policies->swap (--swap-layer-input) each micro-batch's passes get a store of their own: these recompute
+     * masks and a ds4_act_swap of the micro-batch on policies->swap's offload tier, made by the executor for
+     * the step (policies->swap itself holds nothing). A pipeline keeps several micro-batches of a layer in
+     * flight, and a swap holds one entry a layer; a micro-batch's chunks on a rank hold disjoint layers. */
+    const ds4_act_policies *policies;
     int64_t *passes_peak;       /* NULL, or set by ds4_pp_run_rank: the most passes this rank held at once */
     double *bubble;             /* NULL or [pp], out (ds4_pp_run_rank only): each rank's bubble, on every rank */
 } ds4_pp_local_args;

@@ -28,6 +28,8 @@ int64_t ds4_act_swap_held(const ds4_act_swap *s) {
 
 ds4_act_swap_stats ds4_act_swap_moved(const ds4_act_swap *s) { return s->moved; }
 
+ds4_offload *ds4_act_swap_offload(const ds4_act_swap *s) { return s->offload; }
+
 static void swap_drop(ds4_act_swap *s, int64_t layer) {
     if (layer < 0 || layer >= DS4_MAX_LAYERS) return;
     ds4_offload_drop(s->offload, s->held[layer]);

@@ -20,4 +20,17 @@ ds4_status pp_check_rank(const ds4_model *m, const ds4_comm *pipe, const ds4_pp_
 /* *buf := a new buffer of count floats (free: free()) received from rank from_rank with tag; waits. */
 ds4_status pp_recv_into(ds4_comm *pipe, float **buf, int64_t count, int64_t from_rank, int tag);
 
+/* The stores of a step's micro-batches under --swap-layer-input (ds4_pp_local_args.policies): one
+ * ds4_act_policies and ds4_act_swap a micro-batch, none without a swap. */
+typedef struct {
+    int64_t M;
+    ds4_act_policies *pol; /* [M] NULL: no swap */
+    ds4_act_swap **swap;   /* [M] */
+} pp_swaps;
+ds4_status pp_swaps_make(const ds4_pp_local_args *a, pp_swaps *out);
+/* The options of micro-batch mb's passes: *a->opts, its store micro-batch mb's under a swap; need_backward. */
+ds4_pass_opts pp_opts_of(const ds4_pp_local_args *a, const pp_swaps *s, int64_t mb);
+/* Frees the swaps (after every pass that uses them: a pass's free releases its layers' entries). */
+void pp_swaps_free(pp_swaps *s);
+
 #endif

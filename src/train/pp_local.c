@@ -16,6 +16,7 @@ typedef struct {
     double *kl;                /* [M, n_layers] each layer's indexer KL, from its chunk's backward */
     double *loss, *mtp_loss;   /* [M] the head's */
     int64_t *loads;            /* NULL or [n_blocks, E] */
+    pp_swaps sw;               /* --swap-layer-input: a store a micro-batch */
 } run;
 
 static ds4_stage stage_of(const run *r, int64_t k) { return pp_stage_of(r->m, r->a->layout, k); }
@@ -38,8 +39,7 @@ static ds4_status act(run *r, const ds4_pp_action *x) {
     const int64_t k = x->chunk, mb = x->mb, M = r->M, last = r->nc - 1;
     const ds4_stage st = stage_of(r, k);
     if (x->op == DS4_PP_FORWARD) {
-        ds4_pass_opts o = *a->opts;
-        o.need_backward = true;
+        ds4_pass_opts o = pp_opts_of(a, &r->sw, mb);
         const float *X_in = k > 0 ? ds4_pass_stream_out(r->pass[(k - 1) * M + mb]) : NULL;
         return ds4_stage_forward(r->m, a->ids + mb * a->B * a->T, a->B, a->T, &o, &st, X_in, &r->pass[k * M + mb]);
     }
@@ -91,6 +91,7 @@ ds4_status ds4_pp_run_local(ds4_model *m, const ds4_pp_local_args *a, ds4_losses
                         : ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for %lld chunks x %lld micro-batches",
                                    (long long)nc, (long long)M);
     for (int64_t q = 0; st == DS4_OK && q < pp; q++) st = ds4_pp_schedule_make(pp, L->vpp, M, q, &s[q]);
+    if (st == DS4_OK) st = pp_swaps_make(a, &r.sw);
     /* the ranks in turn, each as far as its receives let it */
     int64_t left = st == DS4_OK ? pp * s[0].n : 0;
     while (st == DS4_OK && left > 0) {
@@ -109,6 +110,7 @@ ds4_status ds4_pp_run_local(ds4_model *m, const ds4_pp_local_args *a, ds4_losses
         ds4_pp_mean_add(c, mean, r.loss[mb], r.mtp_loss[mb], &r.kl[mb * c->n_layers], M);
     if (r.pass)
         for (int64_t i = 0; i < nc * M; i++) ds4_pass_free(r.pass[i]);
+    pp_swaps_free(&r.sw);
     for (int64_t q = 0; s && q < pp; q++) ds4_pp_schedule_free(&s[q]);
     free(r.pass);
     free(r.bwd_done);

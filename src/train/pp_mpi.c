@@ -27,6 +27,7 @@ typedef struct {
     int64_t *loads;             /* NULL or [n_blocks, E] this rank's */
     double idle;                /* seconds blocked in waits (receives, sends) */
     double work_from;           /* when the running action's waits ended and its stage pass began */
+    pp_swaps sw;                /* --swap-layer-input: a store a micro-batch */
 } run;
 
 /* The tag of a tensor of kind for chunk k (the receiver's chunk) of micro-batch mb. */
@@ -66,8 +67,7 @@ static ds4_status forward(run *r, const ds4_pp_action *x) {
     float *X_in = NULL;
     ds4_status s = DS4_OK;
     if (x->from_chunk >= 0) s = recv_into(r, &X_in, r->S, x->from_rank, tag_of(r, TAG_STREAM, x->chunk, x->mb));
-    ds4_pass_opts o = *a->opts;
-    o.need_backward = true;
+    ds4_pass_opts o = pp_opts_of(a, &r->sw, x->mb);
     r->work_from = ds4_now();
     if (s == DS4_OK)
         s = ds4_stage_forward(r->m, a->ids + x->mb * a->B * a->T, a->B, a->T, &o, &st, X_in, &r->pass[i]);
@@ -190,6 +190,7 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
                         : ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for %lld chunks x %lld micro-batches",
                                    (long long)nc, (long long)M);
     if (st == DS4_OK) st = ds4_pp_schedule_make(L->pp, L->vpp, M, ds4_comm_rank(pipe), &sch);
+    if (st == DS4_OK) st = pp_swaps_make(a, &r.sw);
     const double begin = ds4_now();
     for (int64_t i = 0; st == DS4_OK && i < sch.n; i++) {
         const double t0 = r.work_from = ds4_now();
@@ -229,6 +230,7 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
     }
     if (r.pass)
         for (int64_t i = 0; i < nc * M; i++) ds4_pass_free(r.pass[i]);
+    pp_swaps_free(&r.sw);
     ds4_pp_schedule_free(&sch);
     free(r.pass);
     for (int64_t i = 0; r.out && i < 2 * nc * M; i++) free(r.out[i]);

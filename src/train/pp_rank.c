@@ -47,3 +47,39 @@ ds4_status pp_recv_into(ds4_comm *pipe, float **buf, int64_t count, int64_t from
     DS4_TRY(ds4_comm_irecv(pipe, *buf, count, sizeof(float), (int)from_rank, tag, &req));
     return ds4_comm_wait(req);
 }
+
+ds4_status pp_swaps_make(const ds4_pp_local_args *a, pp_swaps *out) {
+    *out = (pp_swaps){.M = a->micro_batches};
+    if (!a->policies || !a->policies->swap) return DS4_OK;
+    const int64_t M = a->micro_batches;
+    out->pol = ds4_calloc(DS4_MEM_OTHER, (size_t)M * sizeof *out->pol);
+    out->swap = ds4_calloc(DS4_MEM_OTHER, (size_t)M * sizeof *out->swap);
+    if (!out->pol || !out->swap) {
+        pp_swaps_free(out);
+        return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for %lld micro-batches' layer-input swaps", (long long)M);
+    }
+    ds4_offload *tier = ds4_act_swap_offload(a->policies->swap);
+    for (int64_t mb = 0; mb < M; mb++) {
+        const ds4_status st = ds4_act_swap_new(tier, &out->swap[mb]);
+        if (st != DS4_OK) {
+            pp_swaps_free(out);
+            return st;
+        }
+        out->pol[mb] = (ds4_act_policies){.recompute = a->policies->recompute, .swap = out->swap[mb]};
+    }
+    return DS4_OK;
+}
+
+ds4_pass_opts pp_opts_of(const ds4_pp_local_args *a, const pp_swaps *s, int64_t mb) {
+    ds4_pass_opts o = *a->opts;
+    o.need_backward = true;
+    if (s->pol) o.store = ds4_act_store_of(&s->pol[mb]);
+    return o;
+}
+
+void pp_swaps_free(pp_swaps *s) {
+    for (int64_t mb = 0; s->swap && mb < s->M; mb++) ds4_act_swap_free(s->swap[mb]);
+    ds4_free(s->pol);
+    ds4_free(s->swap);
+    *s = (pp_swaps){0};
+}

@@ -175,9 +175,8 @@ static ds4_status passes_fb_overlap(step_ctx *c) {
 static ds4_status pipeline_gradients(ds4_train_state *s, const ds4_step_args *a, ds4_step_result *out) {
     ds4_model *m = ds4_train_state_model(s);
     const int64_t M = a->micro_batches, N = a->B * a->T;
-    if (ds4_train_state_swap(s) || a->moe_fb_overlap)
-        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline: --swap-layer-input and --moe-fb-overlap are not built yet "
-                        "under pp");
+    if (a->moe_fb_overlap)
+        return ds4_fail(DS4_ERR_UNSUPPORTED, "pipeline: --moe-fb-overlap is not built yet under pp");
     int32_t *ids = malloc((size_t)(M * N) * sizeof *ids); /* [M, B, T] */
     if (!ids) return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for %lld micro-batches' ids", (long long)M);
     ds4_status st = DS4_OK;
@@ -185,12 +184,13 @@ static ds4_status pipeline_gradients(ds4_train_state *s, const ds4_step_args *a,
         if (a->next_ids) st = a->next_ids(a->ctx, a->ids);
         if (st == DS4_OK) memcpy(ids + mb * N, a->ids, (size_t)N * sizeof *ids);
     }
-    ds4_act_policies pol = {.recompute = a->release_mask};
+    /* --swap-layer-input: the executor gives each micro-batch a swap of its own on the state's offload tier */
+    ds4_act_policies pol = {.recompute = a->release_mask, .swap = ds4_train_state_swap(s)};
     const ds4_pass_opts o = {.need_backward = true, .csa_dense = a->csa_dense,
                              .moe_force_balance = a->moe_force_balance, .store = ds4_act_store_of(&pol),
                              .bf16_acts = ds4_train_state_bf16(s), .hooks = ds4_train_state_hooks(s)};
     const ds4_pp_local_args pa = {.layout = a->layout, .micro_batches = M, .B = a->B, .T = a->T, .ids = ids,
-                                  .opts = &o, .bubble = a->pp_bubble};
+                                  .opts = &o, .policies = &pol, .bubble = a->pp_bubble};
     ds4_losses mean;
     if (st == DS4_OK) st = ds4_pp_run_rank(m, a->pipe, &pa, &mean, a->loads);
     free(ids);
