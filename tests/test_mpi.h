@@ -3,9 +3,20 @@
 #define DS4_TEST_MPI_H
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include "test.h"
+
+/* Whether a run of `ranks` ranks is wanted: DS4_TEST_MAX_RANKS (unset: any) caps it, and a run above the cap
+ * prints SKIP. `make asan` sets 2: under the sanitizers four oversubscribed ranks on a 2-core machine took
+ * minutes, and the suite without sanitizers runs them. */
+static inline bool t_mpirun_wanted(int ranks) {
+    const char *cap = getenv("DS4_TEST_MAX_RANKS");
+    if (!cap || !*cap || ranks <= atoi(cap)) return true;
+    printf("SKIP mpirun -np %d: DS4_TEST_MAX_RANKS=%s\n", ranks, cap);
+    return false;
+}
 
 /* Runs this binary as `mpirun -np ranks BINARY args` (as root, oversubscribed, one OpenMP thread per rank,
  * leak checks off: Open MPI keeps some of its own allocations to the end of the process), echoes its
