@@ -683,27 +683,6 @@ static int plan_stages(const memplan_args *a, const ds4_config *c, const ds4_pp_
     return a->report ? report_stage(a, c, L, &so) : 0;
 }
 
-/* The masks and swap options of policy p on the pipeline's layout (the priorities of its chunks). */
-static ds4_status stage_policy_opts(const ds4_memplan_policy *p, const memplan_args *a, const ds4_config *c,
-                                    uint32_t *masks, ds4_step_opts *so) {
-    ds4_recompute_cfg r;
-    ds4_recompute_defaults(&r);
-    r.pipe = a->rc.pipe;
-    r.per_pp_rank = a->rc.per_pp_rank;
-    int argc = 0;
-    while (p->flags[argc]) argc++;
-    for (int i = 0; i < argc; i++) {
-        bool used;
-        DS4_TRY(ds4_recompute_parse_arg(&r, argc, (char **)p->flags, &i, &used));
-    }
-    DS4_TRY(ds4_recompute_validate(&r, c));
-    ds4_recompute_masks(&r, c, masks);
-    so->masks = ds4_recompute_any(&r) ? masks : NULL;
-    so->swap_optimizer = p->swap_optimizer;
-    so->swap_layer_input = p->swap_layer_input;
-    return DS4_OK;
-}
-
 /* --policies with --pp: every policy (the layer-input swap too: a store per in-flight micro-batch), one line
  * each: every stage's rank's peak (GiB) and the largest, the bytes of the largest. */
 static int plan_stage_policies(const memplan_args *a, const ds4_config *c, const ds4_pp_layout *L) {
@@ -725,7 +704,7 @@ static int plan_stage_policies(const memplan_args *a, const ds4_config *c, const
         const ds4_memplan_policy *p = ds4_memplan_policy_at(i);
         uint32_t masks[DS4_MAX_LAYERS];
         ds4_step_opts so = a->so;
-        if (stage_policy_opts(p, a, c, masks, &so) != DS4_OK || plan_each_stage(a, c, L, &so, r, &seconds) != DS4_OK) {
+        if (ds4_memplan_policy_opts_pipe(p, c, &a->rc, masks, &so) != DS4_OK || plan_each_stage(a, c, L, &so, r, &seconds) != DS4_OK) {
             free(r);
             return cli_fail();
         }

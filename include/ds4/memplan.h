@@ -114,6 +114,9 @@ const ds4_memplan_policy *ds4_memplan_policy_at(int i);
  * (NULL for off) and its swap options; the other fields of *so (muon, ...) are left as they are. */
 ds4_status ds4_memplan_policy_opts(const ds4_memplan_policy *p, const ds4_config *c, uint32_t *masks,
                                    ds4_step_opts *so);
+/* The same on a pipeline: the priorities of pipe's layout (its pipe and per_pp_rank fields; NULL: none). */
+ds4_status ds4_memplan_policy_opts_pipe(const ds4_memplan_policy *p, const ds4_config *c,
+                                        const ds4_recompute_cfg *pipe, uint32_t *masks, ds4_step_opts *so);
 
 #ifdef __cplusplus
 }

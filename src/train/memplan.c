@@ -254,8 +254,17 @@ const ds4_memplan_policy *ds4_memplan_policy_at(int i) { return i >= 0 && i < NP
 
 ds4_status ds4_memplan_policy_opts(const ds4_memplan_policy *p, const ds4_config *c, uint32_t *masks,
                                    ds4_step_opts *so) {
+    return ds4_memplan_policy_opts_pipe(p, c, NULL, masks, so);
+}
+
+ds4_status ds4_memplan_policy_opts_pipe(const ds4_memplan_policy *p, const ds4_config *c,
+                                        const ds4_recompute_cfg *pipe, uint32_t *masks, ds4_step_opts *so) {
     ds4_recompute_cfg r;
     ds4_recompute_defaults(&r);
+    if (pipe) { /* the layout's priorities: its chunks, per pp rank or per chunk */
+        r.pipe = pipe->pipe;
+        r.per_pp_rank = pipe->per_pp_rank;
+    }
     int argc = 0;
     while (p->flags[argc]) argc++;
     for (int i = 0; i < argc; i++) {
