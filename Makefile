@@ -57,7 +57,8 @@ ifneq ($(CPU_LEVELS),)
 CFLAGS    += -DDS4_CPU_LEVELS
 endif
 
-all: $(BUILD)/ds4 $(TEST_BIN) $(BENCH_BIN)
+# NO_BENCH=1 leaves the bench programs out (the sanitizer build: no test runs them).
+all: $(BUILD)/ds4 $(TEST_BIN) $(if $(NO_BENCH),,$(BENCH_BIN))
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -111,15 +112,16 @@ test-c: all
 # The C tests under AddressSanitizer + UBSan; runs of more than two MPI ranks are left to the suite without
 # sanitizers (four oversubscribed ranks under them took minutes on a 2-core machine).
 asan:
-	DS4_TEST_MAX_RANKS=2 $(MAKE) CUDA=0 BUILD=build-asan OPT="-O1" SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test-c
+	DS4_TEST_MAX_RANKS=2 $(MAKE) CUDA=0 NO_BENCH=1 BUILD=build-asan OPT="-O1" SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test-c
 
 # The C tests again on the portable kernels (DS4_ISA=generic: what a CPU without AVX2 or a non-x86 target
 # runs) with the Python tests that compare kernels (PyTorch parity, the ISA flag); the other Python tests
 # drive the CLI and tools over the same kernels, and the golden test pins DS4_ISA=generic itself and already
-# ran. Then the parity test once per ISA level between generic and this CPU's best.
+# ran. The runs of four MPI ranks are left to the first pass: they repeat the two-rank runs' kernels on other
+# layouts. Then the parity test once per ISA level between generic and this CPU's best.
 GENERIC_PY := test_parity.py test_parity_bf16.py test_cli_isa.py
 test-levels: all
-	DS4_ISA=generic DS4_SKIP_GOLDEN=1 DS4_PY_ONLY="$(GENERIC_PY)" BUILD=$(BUILD) bash tests/run.sh
+	DS4_ISA=generic DS4_TEST_MAX_RANKS=2 DS4_SKIP_GOLDEN=1 DS4_PY_ONLY="$(GENERIC_PY)" BUILD=$(BUILD) bash tests/run.sh
 	BUILD=$(BUILD) bash tests/run-levels.sh
 
 # The library built without any x86 engine (-DDS4_PORTABLE_ONLY, as a non-x86 target builds it) and for
