@@ -199,9 +199,9 @@ with tempfile.TemporaryDirectory() as tmp:
     expect_error("memplan layout without embedding",
                  ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--layout", "tt|ttmL", "--pp", "2"],
                  "the embedding (E) must come once")
-    expect_error("memplan --saved-activations of a pipeline refused",
-                 ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--pp", "2", "--saved-activations"],
-                 "--saved-activations", "not built yet")
+    expect_error("memplan --saved-activations of a pipeline with --policies refused",
+                 ["memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--pp", "2", "--policies",
+                  "--saved-activations"], "--saved-activations explains the plan of one policy")
     r = run("memplan", "--model", "tests/configs/tiny-a.json", "--seq", "64", "--pp", "2", "--vpp", "2",
             "--enable-recompute-layers-per-pp-rank")
     ok = r.returncode == 0 and "pp 2 x vpp 2 chunks" in r.stdout and "pp rank 1" in r.stdout and \

@@ -12,7 +12,10 @@ A pipeline (--pp 2, alone and as pp 2 x fsdp 2 with EP 2): a column per stage, e
 stage's pp-alone peak; --policies: the 28 policies (the layer-input swap's too), each row's max the plan of its own
 flags, the swap's largest peak below off's;
 --device-memory: each stage's margin, how many fit, the largest's line, and the policies' fits and margins;
---memory-report: one rank's report after the table, its owners summing to its column's peaks."""
+--memory-report: one rank's report after the table, its owners summing to its column's peaks;
+--saved-activations: each stage's rank's blocks (one process's tables, split over the stages), the passes its
+schedule keeps at once and their kept bytes, the rest of its column's act peak each pass's tensors outside the
+blocks; with --policies one error line."""
 import os
 import re
 import subprocess
@@ -497,5 +500,91 @@ for name, args, col in (("pp 2, pp rank 1", ["--world", "2", "--rank", "1"], 1),
 check("report pp 2 x fsdp 2: a group open and a reduce-scatter in flight, the MTP rows on the head's stage",
       grads.get("unsharded, reduce-scatter in flight", (0, 0))[1] == 1 and
       grads.get("unsharded, group in its backward", (0, 0))[1] >= 1 and "MTP embedding rows, waiting" in grads, grads)
+
+# --saved-activations with --pp: after the table, each stage's rank's blocks (a micro-batch's tables, as one
+# process prints them), the kept bytes of the passes its schedule keeps at once, against its column's act peak
+STAGE_ALL = re.compile(r"^all (\d+) blocks of its chunks:((?: chunk \d+ \d+)+); (\d+) bytes kept a micro-batch", re.M)
+FLIGHT = re.compile(r"^in flight where they keep the most \((1F1B|interleaved 1F1B) of (\d+) micro-batches\):"
+                    r"((?: chunk \d+ x \d+)+); (\d+) bytes kept", re.M)
+STAGE_ACT = re.compile(r"^act peak (\d+) bytes = the in-flight blocks' kept (\d+) \+ (-?\d+):", re.M)
+
+
+def stage_saved(out):
+    """Per stage's section: (tables, blocks, {chunk: kept}, kept a micro-batch, {chunk: passes}, kept in flight,
+    act peak, rest)."""
+    parts = out.split("saved activations of ")[1:]
+    got = []
+    for part in parts:
+        a, f, x = STAGE_ALL.search(part), FLIGHT.search(part), STAGE_ACT.search(part)
+        if not (a and f and x):
+            return None
+        chunks = dict(map(int, c.split()) for c in re.findall(r"chunk (\d+ \d+)", a.group(2)))
+        flight = dict(map(int, c.split(" x ")) for c in re.findall(r"chunk (\d+ x \d+)", f.group(3)))
+        got.append((saved_tables("saved activations:" + part), int(a.group(1)), chunks, int(a.group(3)), flight,
+                    int(f.group(4)), int(x.group(1)), int(x.group(3))))
+    return got
+
+
+def act_row(out):
+    m = re.search(r"^  activations((?: +\d+)+)$", out, re.M)
+    return [int(v) for v in m.group(1).split()] if m else []
+
+
+N = 128  # --seq 64 x --micro-batch 2
+r = memplan(*PP, "--saved-activations")
+st = stage_saved(r.stdout)
+acts = act_row(r.stdout)
+check("saved pp 2: the table unchanged, then a section per stage's rank", r.returncode == 0 and st and len(st) == 2
+      and re.sub(r"planned in [\d.]+ s", "", r.stdout).startswith(re.sub(r"planned in [\d.]+ s", "", pp1.stdout))
+      and "of pp rank 0 (stage 0)" in r.stdout and
+      "of pp rank 1 (stage 1)" in r.stdout, r.stdout + r.stderr)
+if st and len(st) == 2:
+    # every block on one stage: the stages' tables are one process's, split; the kept bytes add up to its
+    whole = {k.split(" #")[0]: t[1] for k, t in t_off.items()}
+    firsts = [[k.split(" #")[1] for k in s_[0]] for s_ in st]
+    check("saved pp 2: stage 0 has blocks 0 and 1, stage 1 blocks 2, 3 and the MTP block, each kind's rows one "
+          "process's", [s_[1] for s_ in st] == [2, 3] and firsts == [["0", "1"], ["2", "3", "4"]] and
+          all(t[1] == whole.get(k.split(" #")[0]) for s_ in st for k, t in s_[0].items()), firsts)
+    one_all = int(ALL.search(off.stdout).group(2))
+    check("saved pp 2: the stages' kept a micro-batch add up to one process's blocks", st[0][3] + st[1][3] == one_all
+          and st[0][2] == {0: st[0][3]} and st[1][2] == {1: st[1][3]}, (st[0][3], st[1][3], one_all))
+    # 1F1B with 2 micro-batches keeps both on stage 0, one on stage 1; what is left of the act peak is each pass's
+    # tensors outside the blocks: stage 0's token ids and the stream it hands on, the head's stage the whole
+    # pass's (one process's outside_blocks)
+    check("saved pp 2: in flight, stage 0 two micro-batches, stage 1 one", st[0][4] == {0: 2} and st[1][4] == {1: 1}
+          and st[0][5] == 2 * st[0][3] and st[1][5] == st[1][3], (st[0][4:6], st[1][4:6]))
+    check("saved pp 2: each act peak is its column's; kept in flight + each pass's outside tensors", acts and
+          [s_[6] for s_ in st] == acts and st[0][7] == 2 * 4 * (2 * N + N * 4 * 64) and
+          st[1][7] == outside_blocks(N), ([s_[6:] for s_ in st], acts))
+# interleaved, pp x fsdp with EP, recompute: the sections follow the columns, kept in flight below each act peak
+for name, args, chunks in (("pp 2 vpp 2", ["--vpp", "2"], [[0, 2], [1, 3]]),
+                           ("pp 2 x fsdp 2 EP 2 csa", ["--world", "4", "--ep", "2", "--recompute-csa-attention"],
+                            [[0], [1]])):
+    r = memplan(*PP, *args, "--saved-activations")
+    st, acts = stage_saved(r.stdout), act_row(r.stdout)
+    check(f"saved {name}: a section per column, its chunks, kept in flight at most its act peak", r.returncode == 0
+          and st and [s_[6] for s_ in st] == acts and [sorted(s_[2]) for s_ in st] == chunks and
+          all(0 < s_[5] <= s_[6] and s_[5] == sum(s_[2][k] * n for k, n in s_[4].items()) for s_ in st),
+          r.stdout[-3000:] + r.stderr)
+    if "csa" in name:
+        check(f"saved {name}: the CSA units recomputed on the main layers", st and any(
+            row[5] == "recomputed" for s_ in st for k, t in s_[0].items() if not k.startswith("MTP") for row in t[1]
+            if row[0] in ATTN), "")
+# --config of a pipelined run: its rank's section, the --model form's of that stage (2 micro-batches a rank)
+pm = stage_saved(memplan(*PP, "--saved-activations").stdout) or []
+for rank in (0, 1):
+    r = run_plan("--parallel.pp", "2", "--training.global_batch_size", "4", "--rank", str(rank), "--saved-activations")
+    st = stage_saved(r.stdout)
+    check(f"saved --config pp 2 rank {rank}: the --model form's section of stage {rank}, its act peak the plan's",
+          r.returncode == 0 and st and len(st) == 1 and len(pm) == 2 and st[0] == pm[rank] and
+          st[0][6] == int(dict(categories(r.stdout)).get("activations", -1)),
+          r.stdout[-2000:] + r.stderr)
+r = memplan(*PP, "--vpp", "2", "--saved-activations")
+st = stage_saved(r.stdout)
+check("saved pp 2 vpp 2: interleaving keeps several passes of each chunk on stage 0",
+      st and sum(st[0][4].values()) > 2, st and st[0][4])
+r = memplan(*PP, "--policies", "--saved-activations")
+check("saved pp 2 with --policies: one error line", r.returncode == 2 and r.stdout == "" and
+      r.stderr.count("\n") == 1 and "--saved-activations explains the plan of one policy" in r.stderr, r.stderr)
 
 finish("test_memplan_cli")

@@ -491,6 +491,18 @@ static void check_stage_plan(const char *what, const char *extra, const char *op
         CHECK(plan.resident[k] > 0 && plan.resident[k] < one.resident[k], "%s rank %d %s: the stage holds %lld, the "
               "whole model %lld", what, rank, ds4_mem_cat_name((ds4_mem_cat)k), (long long)plan.resident[k],
               (long long)one.resident[k]);
+    /* The boundary buffers are counted (comm): each rank of these 2-stage pipelines holds a stream
+     * [B·T, hc_mult, dim] and the MTP rows [B·T, dim] at once (stage 0 receives both in its backward of chunk
+     * 0; the last stage copies both out to send them). 1F1B's stage 0 of a pipeline alone (no FSDP, whose
+     * buffers are comm too) holds exactly those two receives. */
+    ds4_config c;
+    CHECK(ds4_config_load("tests/configs/tiny-a.json", &c) == DS4_OK, "%s", ds4_errmsg());
+    const int64_t rows = 64 * c.dim * (int64_t)sizeof(float), stream = rows * c.hc_mult;
+    CHECK(c.n_mtp_layers > 0 && plan.peak[DS4_MEM_COMM] >= stream + rows, "%s rank %d: comm peak %lld, one stream "
+          "%lld + the MTP rows %lld", what, rank, (long long)plan.peak[DS4_MEM_COMM], (long long)stream, (long long)rows);
+    if (W == 2 && rank == 0 && !strcmp(extra, "pp = 2\n"))
+        CHECK(plan.peak[DS4_MEM_COMM] == stream + rows, "%s rank 0: comm peak %lld, its backward's receives %lld", what,
+              (long long)plan.peak[DS4_MEM_COMM], (long long)(stream + rows));
 }
 
 static void test_mpi_stage_plans(void) {

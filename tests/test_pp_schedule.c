@@ -2,7 +2,8 @@
  * backward once, with the right boundary sides, each chunk's forwards and backwards in micro-batch order,
  * its backward after its forward; all ranks simulated together with receives that block (sends buffered, as
  * isend) run to the end; the peak of micro-batches in flight per rank and the bubble of a unit-cost
- * timeline are the schedules' theory; the refusals are one line each. */
+ * timeline are the schedules' theory; the executor's release points of a backward's sends deadlock no run;
+ * the refusals are one line each. */
 #include "ds4/pp_schedule.h"
 #include "test.h"
 
@@ -153,6 +154,97 @@ static void test_1f1b_order(void) {
     ds4_pp_schedule_free(&s);
 }
 
+/* The executor's release points (ds4_pp_send_release): every rank run with timed actions (forward cf, backward
+ * cb), receives blocking (B of chunk 0 also on the last chunk's MTP rows), and each action waiting, before it
+ * starts, until the receivers of the sends released there have started. Returns the makespan, -1 on a
+ * deadlock; waits false: the same run without them. */
+static int64_t run_released(const ds4_pp_schedule *s, int64_t *const *rel, bool mtp, int64_t cf, int64_t cb,
+                            bool waits) {
+    const int64_t pp = s[0].pp, nc = pp * s[0].vpp, n = s[0].n;
+    int64_t start[2][MAXC][MAXM], pos[MAXC] = {0}, free_at[MAXC] = {0}, end = 0;
+    for (int o = 0; o < 2; o++)
+        for (int c = 0; c < MAXC; c++)
+            for (int k = 0; k < MAXM; k++) start[o][c][k] = -1;
+#define END_OF(o, k, mb) (start[o][k][mb] < 0 ? -1 : start[o][k][mb] + ((o) ? cb : cf))
+    for (bool progress = true; progress;) {
+        progress = false;
+        for (int64_t r = 0; r < pp; r++)
+            for (bool go = true; go && pos[r] < n;) {
+                const ds4_pp_action *x = &s[r].a[pos[r]];
+                const int o = x->op == DS4_PP_BACKWARD;
+                int64_t t = free_at[r], need[3] = {0, 0, 0};
+                if (x->from_chunk >= 0) need[0] = END_OF(o, x->from_chunk, x->mb);
+                if (o && x->chunk == 0 && nc > 1 && mtp) need[1] = END_OF(1, nc - 1, x->mb);
+                for (int64_t j = 0; waits && j < pos[r]; j++) { /* the sends released before this action */
+                    const ds4_pp_action *y = &s[r].a[j];
+                    if (rel[r][j] != pos[r]) continue;
+                    int64_t got = y->chunk > 0 ? start[1][y->chunk - 1][y->mb] : 0;
+                    if (got >= 0 && y->chunk == nc - 1 && nc > 1 && mtp && start[1][0][y->mb] < 0) got = -1;
+                    if (got < 0) need[2] = -1;
+                    else if (got >= need[2] && need[2] >= 0) need[2] = got;
+                }
+                for (int i = 0; i < 3; i++) {
+                    if (need[i] < 0) go = false;
+                    else if (need[i] > t) t = need[i];
+                }
+                if (!go) break;
+                start[o][x->chunk][x->mb] = t;
+                free_at[r] = t + (o ? cb : cf);
+                if (free_at[r] > end) end = free_at[r];
+                pos[r]++;
+                progress = true;
+            }
+    }
+#undef END_OF
+    for (int64_t r = 0; r < pp; r++)
+        if (pos[r] < n) return -1;
+    return end;
+}
+
+/* For every schedule: a backward's sends are released at a later action or at the end (n), nothing else is;
+ * the waits deadlock no run whatever the actions cost, and with forward 1, backward 2 (the costs the points
+ * come from) they delay nothing. */
+static void check_release(int64_t pp, int64_t vpp, int64_t m, bool mtp) {
+    ds4_pp_schedule s[MAXC];
+    int64_t *rel[MAXC];
+    const int64_t nc = pp * vpp;
+    for (int64_t r = 0; r < pp; r++) {
+        CHECK(ds4_pp_schedule_make(pp, vpp, m, r, &s[r]) == DS4_OK, "%s", ds4_errmsg());
+        rel[r] = malloc((size_t)s[r].n * sizeof *rel[r]);
+        CHECK(rel[r] && ds4_pp_send_release(&s[r], mtp, rel[r]) == DS4_OK, "%s", ds4_errmsg());
+        for (int64_t i = 0; i < s[r].n; i++) {
+            const ds4_pp_action *x = &s[r].a[i];
+            const bool sends = x->op == DS4_PP_BACKWARD && (x->chunk > 0 || (nc > 1 && mtp && x->chunk == nc - 1));
+            CHECK(sends ? rel[r][i] > i && rel[r][i] <= s[r].n : rel[r][i] == -1,
+                  "pp %lld vpp %lld m %lld rank %lld action %lld: released at %lld", (long long)pp, (long long)vpp,
+                  (long long)m, (long long)r, (long long)i, (long long)rel[r][i]);
+        }
+    }
+    static const int64_t costs[][2] = {{1, 2}, {1, 1}, {3, 1}, {1, 5}};
+    for (size_t c = 0; c < sizeof costs / sizeof costs[0]; c++) {
+        const int64_t with = run_released(s, rel, mtp, costs[c][0], costs[c][1], true);
+        CHECK(with >= 0, "pp %lld vpp %lld m %lld mtp %d, costs %lld/%lld: the release waits deadlock", (long long)pp,
+              (long long)vpp, (long long)m, mtp, (long long)costs[c][0], (long long)costs[c][1]);
+        if (c == 0)
+            CHECK(with == run_released(s, rel, mtp, 1, 2, false), "pp %lld vpp %lld m %lld: the waits delay the run",
+                  (long long)pp, (long long)vpp, (long long)m);
+    }
+    for (int64_t r = 0; r < pp; r++) {
+        ds4_pp_schedule_free(&s[r]);
+        free(rel[r]);
+    }
+}
+
+static void test_send_release(void) {
+    for (int mtp = 0; mtp < 2; mtp++) {
+        for (int64_t pp = 1; pp <= 8; pp++)
+            for (int64_t m = 1; m <= 12; m++) check_release(pp, 1, m, mtp);
+        for (int64_t pp = 1; pp <= 4; pp++)
+            for (int64_t vpp = 2; vpp <= 4; vpp++)
+                for (int64_t m = pp; m <= 4 * pp; m += pp) check_release(pp, vpp, m, mtp);
+    }
+}
+
 static void test_refusals(void) {
     static const struct {
         int64_t pp, vpp, m, rank;
@@ -182,6 +274,7 @@ int main(void) {
     RUN(test_1f1b);
     RUN(test_interleaved);
     RUN(test_1f1b_order);
+    RUN(test_send_release);
     RUN(test_refusals);
     TEST_MAIN_END("test_pp_schedule");
 }

@@ -10,6 +10,7 @@
 #include "ds4/dist.h"
 #include "ds4/io.h"
 #include "ds4/memplan.h"
+#include "ds4/pp_schedule.h"
 #include "ds4/recompute.h"
 
 #include <stdio.h>
@@ -62,6 +63,8 @@ static void usage(void) {
                     "--saved-activations: after the plan, every tensor one block of each kind (compress ratio, recompute\n"
                     "mask, MTP) keeps from its forward for its backward: its unit, shape, dtype as held, bytes, and\n"
                     "whether it is kept, recomputed or swapped; per block and over all blocks, against the act peak.\n"
+                    "With --pp, after the table, each stage's rank: its chunks' blocks, and the kept bytes of the\n"
+                    "passes its schedule keeps at once (per chunk), against that rank's act peak.\n"
                     "--memory-report: after the plan, the grads and workspace peaks by what held them then, as counted\n"
                     "at the allocations: the gradients resident (fp32, FSDP's shard) and unsharded (FSDP groups open in\n"
                     "their backward or waiting for their reduce-scatter, with their number), and every workspace user\n"
@@ -258,6 +261,7 @@ typedef struct {
     int64_t B, T, ep, rank;
     const uint32_t *masks; /* per main layer; NULL: no recompute */
     bool swap_input, bf16;
+    const bool *on;        /* [n_layers + n_mtp_layers] the blocks listed (a pipeline rank's); NULL: all */
 } saved_step;
 
 /* Under expert parallelism, the routed rows this rank's experts compute: balanced routing as a plan counts
@@ -287,7 +291,7 @@ static bool same_kind(const ds4_config *c, const saved_step *s, int64_t a, int64
 static int64_t kind_count(const ds4_config *c, const saved_step *s, int64_t l) {
     int64_t count = 0;
     for (int64_t k = 0; k < c->n_layers + c->n_mtp_layers; k++) {
-        if (!same_kind(c, s, l, k)) continue;
+        if ((s->on && !s->on[k]) || !same_kind(c, s, l, k)) continue;
         if (k < l) return 0;
         count++;
     }
@@ -326,14 +330,11 @@ static void print_block_rows(const ds4_config *c, const saved_step *s, int64_t l
     }
 }
 
-/* One table per kind of block, then the blocks' sum against the step's activation peak. */
-static void print_saved(const ds4_config *c, const saved_step *s, const ds4_step_memory *r) {
+/* One table per kind of the blocks s->on lists (all when NULL); all [3] := their sums by policy. */
+static void print_kinds(const ds4_config *c, const saved_step *s, int64_t all[3]) {
     const int64_t nb = c->n_layers + c->n_mtp_layers;
-    int64_t all[3] = {0};
-    printf("saved activations: the tensors each block keeps from its forward for its backward (%lld tokens)\n",
-           (long long)(s->B * s->T));
     for (int64_t l = 0; l < nb; l++) {
-        const int64_t count = kind_count(c, s, l);
+        const int64_t count = s->on && !s->on[l] ? 0 : kind_count(c, s, l);
         int64_t one[3] = {0};
         if (!count) continue;
         char kind[64];
@@ -345,6 +346,15 @@ static void print_saved(const ds4_config *c, const saved_step *s, const ds4_step
                (long long)one[DS4_ACT_SWAP], (long long)count, count > 1 ? "s" : "", (long long)(count * one[DS4_ACT_KEEP]));
         for (int p = 0; p < 3; p++) all[p] += count * one[p];
     }
+}
+
+/* One table per kind of block, then the blocks' sum against the step's activation peak. */
+static void print_saved(const ds4_config *c, const saved_step *s, const ds4_step_memory *r) {
+    const int64_t nb = c->n_layers + c->n_mtp_layers;
+    int64_t all[3] = {0};
+    printf("saved activations: the tensors each block keeps from its forward for its backward (%lld tokens)\n",
+           (long long)(s->B * s->T));
+    print_kinds(c, s, all);
     printf("all %lld blocks: %lld bytes kept in memory (%.3f GiB), %lld recomputed, %lld swapped to the offload tier\n",
            (long long)nb, (long long)all[DS4_ACT_KEEP], gib(all[DS4_ACT_KEEP]), (long long)all[DS4_ACT_RECOMPUTE],
            (long long)all[DS4_ACT_SWAP]);
@@ -352,6 +362,71 @@ static void print_saved(const ds4_config *c, const saved_step *s, const ds4_step
            "last stream, the heads and their logits, the MTP input) and the backward's transients (tensors widened "
            "from bf16, replays)\n", (long long)r->peak[DS4_MEM_ACT], (long long)all[DS4_ACT_KEEP],
            (long long)(r->peak[DS4_MEM_ACT] - all[DS4_ACT_KEEP]));
+}
+
+/* The bytes block l keeps (policy keep) for one micro-batch. */
+static int64_t block_kept(const ds4_config *c, const saved_step *s, int64_t l) {
+    ds4_saved_tensor t[DS4_SAVED_MAX];
+    const ds4_saved_opts o = saved_opts(c, s, l);
+    const int n = ds4_block_saved(c, l, &o, t);
+    int64_t kept = 0;
+    for (int i = 0; i < n; i++) kept += t[i].policy == DS4_ACT_KEEP ? t[i].bytes : 0;
+    return kept;
+}
+
+/* --saved-activations of pipeline stage p (world rank `rank`, its plan r): the tables of its chunks' blocks (a
+ * micro-batch's), then the passes its schedule of M micro-batches keeps at once where their blocks keep the
+ * most (each forward adds its chunk's blocks, each backward frees them), against the rank's activation peak. */
+static int print_stage_saved(const ds4_config *c, saved_step s, const ds4_pp_layout *L, int64_t p, int64_t M,
+                             bool pp_alone, const ds4_step_memory *r) {
+    const int64_t nb = c->n_layers + c->n_mtp_layers, nc = L->pp * L->vpp;
+    bool *on = calloc((size_t)nb, sizeof *on);
+    if (!on) return cli_fail();
+    int64_t chunk_kept[DS4_PP_MAX_CHUNKS] = {0}, blocks = 0;
+    for (int64_t k = p; k < nc; k += L->pp) {
+        const ds4_pp_chunk *ch = &L->chunk[k];
+        for (int64_t l = 0; l < nb; l++) {
+            const bool here = l < c->n_layers ? l >= ch->layer_begin && l < ch->layer_end : ch->loss;
+            if (!here) continue;
+            on[l] = true, blocks++;
+            chunk_kept[k] += block_kept(c, &s, l);
+        }
+    }
+    s.on = on;
+    printf("saved activations of %s %lld (stage %lld): the tensors each block of its chunks keeps from its forward "
+           "for its backward, a micro-batch (%lld tokens)\n", pp_alone ? "pp rank" : "rank",
+           (long long)s.rank, (long long)p, (long long)(s.B * s.T));
+    int64_t all[3] = {0};
+    print_kinds(c, &s, all);
+    printf("all %lld blocks of its chunks:", (long long)blocks);
+    for (int64_t k = p; k < nc; k += L->pp) printf(" chunk %lld %lld", (long long)k, (long long)chunk_kept[k]);
+    printf("; %lld bytes kept a micro-batch (%.3f GiB), %lld recomputed, %lld swapped to the offload tier\n",
+           (long long)all[DS4_ACT_KEEP], gib(all[DS4_ACT_KEEP]), (long long)all[DS4_ACT_RECOMPUTE],
+           (long long)all[DS4_ACT_SWAP]);
+    free(on);
+    ds4_pp_schedule sch;
+    if (ds4_pp_schedule_make(L->pp, L->vpp, M, p, &sch) != DS4_OK) return cli_fail();
+    int64_t live[DS4_PP_MAX_CHUNKS] = {0}, at_most[DS4_PP_MAX_CHUNKS] = {0}, kept = 0, most = 0;
+    for (int64_t i = 0; i < sch.n; i++) {
+        const ds4_pp_action *x = &sch.a[i];
+        const int64_t d = x->op == DS4_PP_FORWARD ? 1 : -1;
+        live[x->chunk] += d;
+        kept += d * chunk_kept[x->chunk];
+        if (kept > most) {
+            most = kept;
+            memcpy(at_most, live, sizeof live);
+        }
+    }
+    ds4_pp_schedule_free(&sch);
+    printf("in flight where they keep the most (%s of %lld micro-batches):", L->vpp > 1 ? "interleaved 1F1B" : "1F1B",
+           (long long)M);
+    for (int64_t k = p; k < nc; k += L->pp) printf(" chunk %lld x %lld", (long long)k, (long long)at_most[k]);
+    printf("; %lld bytes kept (%.3f GiB)\n", (long long)most, gib(most));
+    printf("act peak %lld bytes = the in-flight blocks' kept %lld + %lld: each pass's tensors outside the blocks "
+           "(token ids, the stream it hands on; on the head's chunk the heads, their logits and the MTP input) and the "
+           "backward's transients\n", (long long)r->peak[DS4_MEM_ACT], (long long)most,
+           (long long)(r->peak[DS4_MEM_ACT] - most));
+    return 0;
 }
 
 /* ------------------------------------------------------------------ --memory-report */
@@ -428,7 +503,7 @@ static int plan_one(const memplan_args *a, const ds4_config *c, ds4_step_opts so
            ds4_get_threads(), where);
     print_step(&r, so.bf16, so.matmul_precision, so.swap_optimizer || so.swap_layer_input, a->device);
     if (a->saved) {
-        const saved_step ss = {a->B, a->T, a->ep, a->rank, so.masks, so.swap_layer_input, so.bf16};
+        const saved_step ss = {a->B, a->T, a->ep, a->rank, so.masks, so.swap_layer_input, so.bf16, NULL};
         print_saved(c, &ss, &r);
     }
     if (a->report) print_report(&r);
@@ -502,9 +577,22 @@ static int print_run_saved(ds4_train_cfg *run, int world, int64_t rank, const ds
     uint32_t masks[DS4_MAX_LAYERS];
     ds4_recompute_masks(&run->recompute, &c, masks);
     const saved_step ss = {run->micro_batch, run->seq_len, run->ep, rank,
-                           ds4_recompute_any(&run->recompute) ? masks : NULL, run->swap_layer_input, run->bf16_params};
-    print_saved(&c, &ss, r);
-    return 0;
+                           ds4_recompute_any(&run->recompute) ? masks : NULL, run->swap_layer_input, run->bf16_params,
+                           NULL};
+    if (run->recompute.pipe.pp < 2) {
+        print_saved(&c, &ss, r);
+        return 0;
+    }
+    /* a pipeline's rank: its stage's blocks, its data rank's micro-batches through the schedule */
+    ds4_pp_layout *L = malloc(sizeof *L);
+    if (!L || ds4_pp_layout_make(&run->recompute.pipe, c.n_layers, c.n_mtp_layers, L) != DS4_OK) {
+        free(L);
+        return cli_fail();
+    }
+    const int64_t F = world / L->pp, M = run->global_batch / (run->micro_batch * F);
+    const int rc = print_stage_saved(&c, ss, L, rank / F, M, F == 1, r);
+    free(L);
+    return rc;
 }
 
 /* --config: memplan's own flags (--world, --rank, --device-memory) taken out of argv; the rest is the run
@@ -679,6 +767,13 @@ static int plan_stages(const memplan_args *a, const ds4_config *c, const ds4_pp_
     }
     if (a->device) print_stages_fit(a->device, r, L->pp, F, d);
     printf("(bytes at each rank's peak; planned in %.2f s)\n", seconds);
+    for (int64_t p = 0; a->saved && p < L->pp; p++) {
+        const saved_step ss = {a->B, a->T, a->ep, p * F + d, so.masks, so.swap_layer_input, so.bf16, NULL};
+        if (print_stage_saved(c, ss, L, p, so.micro_batches > 0 ? so.micro_batches : L->pp, F == 1, &r[p])) {
+            free(r);
+            return 1;
+        }
+    }
     free(r);
     return a->report ? report_stage(a, c, L, &so) : 0;
 }
@@ -741,11 +836,6 @@ static int print_stages(const memplan_args *a, const ds4_config *c) {
         fprintf(stderr, "error: ds4 memplan: --ep %lld with --pp %lld --world %lld: EP divides each stage's FSDP "
                         "group of world / pp = %lld data ranks (more than one)\n", (long long)a->ep, (long long)L.pp,
                 (long long)a->world, (long long)stage_fsdp(a, &L));
-        return 2;
-    }
-    if (a->saved) {
-        fprintf(stderr, "error: ds4 memplan: --saved-activations with --pp/--vpp/--layout is not built yet: memplan "
-                        "prints the stage table and every rank's categories (or --policies)\n");
         return 2;
     }
     printf("pipeline: pp %lld x vpp %lld chunks, %s; %lld decoder layers, %lld MTP; recompute priority %s\n",

@@ -49,6 +49,17 @@ typedef struct {
 ds4_status ds4_pp_schedule_make(int64_t pp, int64_t vpp, int64_t m, int64_t rank, ds4_pp_schedule *out);
 void ds4_pp_schedule_free(ds4_pp_schedule *s);
 
+/* Where the executor over MPI lets go of what a backward sends (its input's gradient to chunk k − 1; on the
+ * last chunk with mtp, the MTP rows to rank 0: each a copy of the pass's buffer, counted as comm): at a fixed
+ * point of the schedule, not when the send happens to complete, so what a rank holds is the same in every
+ * run and in its plan. release [s->n]: for each backward of s that sends, the index of s's action before
+ * which its sends are waited for and its copies freed, s->n for the end of the step; -1 for an action that
+ * sends nothing. The point: the first action of the rank that starts, in the run of every rank's list with
+ * unit costs (forward 1, backward 2, transfers free), strictly after each receiving action started. Every
+ * wait then follows its receive's posting in that run, as every other dependency of the lists does, so the
+ * waits add no cycle: no deadlock, whatever the actions cost; with those costs none of them blocks. */
+ds4_status ds4_pp_send_release(const ds4_pp_schedule *s, bool mtp, int64_t *release);
+
 /* ------------------------------------------------------------------ one process runs every rank
  * A step's micro-batches through the schedule of every pipeline rank of the layout, in one process, on one
  * model: each chunk a stage pass (ds4_stage_forward / ds4_stage_backward_rows) of its layers, its

@@ -45,7 +45,7 @@ static ds4_status forward(eval *e, int64_t v, int64_t mb) {
     o.need_backward = false;
     ds4_pass *p = NULL;
     if (s == DS4_OK) s = ds4_stage_forward(e->m, a->ids + mb * a->B * a->T, a->B, a->T, &o, &st, X_in, &p);
-    free(X_in);
+    ds4_free(X_in);
     if (s != DS4_OK) return s;
     if (st.head) { /* the last chunk: nothing to send */
         e->loss[mb] = ds4_pass_losses(p)->loss;

@@ -17,7 +17,8 @@ ds4_stage pp_stage_of(const ds4_model *m, const ds4_pp_layout *L, int64_t k);
 ds4_status pp_check_args(const ds4_model *m, const ds4_pp_local_args *a);
 ds4_status pp_check_rank(const ds4_model *m, const ds4_comm *pipe, const ds4_pp_local_args *a, int64_t kinds);
 
-/* *buf := a new buffer of count floats (free: free()) received from rank from_rank with tag; waits. */
+/* *buf := a new buffer of count floats (comm; free: ds4_free) received from rank from_rank with tag; waits.
+ * The caller frees it once its stage pass has copied it in: a fixed point, counted alike in a plan. */
 ds4_status pp_recv_into(ds4_comm *pipe, float **buf, int64_t count, int64_t from_rank, int tag);
 
 /* The stores of a step's micro-batches under --swap-layer-input (ds4_pp_local_args.policies): one

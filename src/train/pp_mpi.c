@@ -17,9 +17,11 @@ typedef struct {
     const ds4_pp_local_args *a;
     int64_t nc, M, S, R;        /* chunks, micro-batches, floats of a stream [B·T, hc, dim], of the rows [B·T, dim] */
     ds4_pass **pass;            /* [nc, M] this rank's, freed when its backward is done */
-    float **out;                /* [nc, M, 2] a backward's sent tensors, copied out of its pass (host buffers
-                                 * outside the allocator's counts, freed once their send completes) */
+    float **out;                /* [nc, M, 2] a backward's sent tensors, copied out of its pass (comm), freed
+                                 * at the action release names */
+    int64_t *release;           /* [n] ds4_pp_send_release of the rank's schedule */
     int64_t *sending, n_sending; /* [nc·M] the backwards whose copies wait on their sends */
+    int64_t *sending_at;        /* [nc·M] the action before which each waits (release) */
     int64_t live, peak;         /* passes held now, the most at once */
     ds4_comm_req **fwd;         /* [nc, M] a forward's send of its stream */
     ds4_comm_req **bwd;         /* [nc, M, 2] a backward's sends: the stream's gradient, the MTP rows */
@@ -72,23 +74,24 @@ static ds4_status forward(run *r, const ds4_pp_action *x) {
     if (s == DS4_OK)
         s = ds4_stage_forward(r->m, a->ids + x->mb * a->B * a->T, a->B, a->T, &o, &st, X_in, &r->pass[i]);
     if (s == DS4_OK && ++r->live > r->peak) r->peak = r->live;
-    free(X_in);
+    ds4_free(X_in);
     if (s == DS4_OK && x->to_chunk >= 0)
         s = ds4_comm_isend(r->pipe, ds4_pass_stream_out(r->pass[i]), r->S, sizeof(float), (int)x->to_rank,
                            tag_of(r, TAG_STREAM, x->to_chunk, x->mb), &r->fwd[i]);
     return s;
 }
 
-/* *dst := a host copy of src [n] for a send (in a plan only the buffer: nothing is read or sent). */
+/* *dst := a host copy of src [n] for a send, counted as comm (in a plan only the count: nothing is read or
+ * sent). */
 static ds4_status copy_out(run *r, const float *src, int64_t n, float **dst) {
-    *dst = malloc((size_t)n * sizeof(float));
+    const bool plan = ds4_comm_is_plan(r->pipe);
+    *dst = ds4_alloc_for(plan, DS4_MEM_COMM, (size_t)n * sizeof(float));
     if (!*dst) return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for a send of %lld floats", (long long)n);
-    const ds4_exec *ex = ds4_model_exec(r->m);
-    if (!(ex && ex->plan)) memcpy(*dst, src, (size_t)n * sizeof(float));
+    if (!plan) memcpy(*dst, src, (size_t)n * sizeof(float));
     return DS4_OK;
 }
 
-static ds4_status backward(run *r, const ds4_pp_action *x) {
+static ds4_status backward(run *r, const ds4_pp_action *x, int64_t at) {
     const ds4_config *c = ds4_model_config(r->m);
     const int64_t k = x->chunk, mb = x->mb, i = k * r->M + mb, last = r->nc - 1;
     const ds4_stage st = stage_of(r, k);
@@ -102,8 +105,8 @@ static ds4_status backward(run *r, const ds4_pp_action *x) {
         s = recv_into(r, &rows, r->R, last % r->a->layout->pp, tag_of(r, TAG_ROWS, 0, mb));
     r->work_from = ds4_now();
     if (s == DS4_OK) s = ds4_stage_backward_rows(r->m, p, dX, rows);
-    free(dX);
-    free(rows);
+    ds4_free(dX);
+    ds4_free(rows);
     if (s != DS4_OK) return s;
     double *part = &r->parts[mb * (2 + c->n_layers)];
     for (int64_t l = st.layer_begin; l < st.layer_end; l++) part[2 + l] = ds4_pass_layer_kl(p, l);
@@ -131,29 +134,32 @@ static ds4_status backward(run *r, const ds4_pp_action *x) {
     ds4_pass_free(p);
     r->pass[i] = NULL;
     r->live--;
-    r->sending[r->n_sending++] = i;
+    if (r->release[at] >= 0) r->sending_at[r->n_sending] = r->release[at], r->sending[r->n_sending++] = i;
     return DS4_OK;
 }
 
-/* The copies of backwards whose sends (the stream's gradient, the MTP rows) have completed go, polled without
- * blocking; the others wait for a later action (or the end of the step). */
-static ds4_status free_sent(run *r) {
+/* Before action `at` (n: the end of the step): the sends of the backwards released there (the stream's
+ * gradient, the MTP rows) are waited for and their copies freed, in the order the backwards ran. The point
+ * is the schedule's (ds4_pp_send_release), so the copies a rank holds are the same in every run and in its
+ * plan; their receives are posted by then in the unit-cost run, so the wait rarely blocks. */
+static ds4_status free_sent(run *r, int64_t at) {
     int64_t kept = 0;
     ds4_status s = DS4_OK;
     for (int64_t j = 0; j < r->n_sending; j++) {
         const int64_t i = r->sending[j];
-        ds4_comm_req **q = &r->bwd[2 * i];
-        if (!ds4_comm_test(q[0]) || !ds4_comm_test(q[1])) {
+        if (r->sending_at[j] > at) {
+            r->sending_at[kept] = r->sending_at[j];
             r->sending[kept++] = i;
             continue;
         }
-        for (int t = 0; t < 2; t++) { /* complete at once: frees the requests */
-            const ds4_status w = ds4_comm_wait(q[t]);
+        ds4_comm_req **q = &r->bwd[2 * i];
+        for (int t = 0; t < 2; t++) {
+            const ds4_status w = wait_idle(r, q[t]);
             q[t] = NULL;
             if (s == DS4_OK) s = w;
         }
-        free(r->out[2 * i]);
-        free(r->out[2 * i + 1]);
+        ds4_free(r->out[2 * i]);
+        ds4_free(r->out[2 * i + 1]);
         r->out[2 * i] = r->out[2 * i + 1] = NULL;
     }
     r->n_sending = kept;
@@ -180,28 +186,32 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
     ds4_pp_schedule sch = {0};
     r.pass = calloc((size_t)(nc * M), sizeof *r.pass);
     r.sending = calloc((size_t)(nc * M), sizeof *r.sending);
+    r.sending_at = calloc((size_t)(nc * M), sizeof *r.sending_at);
+    r.release = calloc((size_t)(2 * nc * M), sizeof *r.release);
     r.out = calloc((size_t)(2 * nc * M), sizeof *r.out);
     r.fwd = calloc((size_t)(nc * M), sizeof *r.fwd);
     r.bwd = calloc((size_t)(2 * nc * M), sizeof *r.bwd);
     r.parts = calloc((size_t)np, sizeof *r.parts);
     r.loads = loads ? calloc((size_t)nl, sizeof *r.loads) : NULL;
-    ds4_status st = r.pass && r.sending && r.out && r.fwd && r.bwd && r.parts && (!loads || r.loads)
+    ds4_status st = r.pass && r.sending && r.sending_at && r.release && r.out && r.fwd && r.bwd && r.parts && (!loads || r.loads)
                         ? DS4_OK
                         : ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for %lld chunks x %lld micro-batches",
                                    (long long)nc, (long long)M);
     if (st == DS4_OK) st = ds4_pp_schedule_make(L->pp, L->vpp, M, ds4_comm_rank(pipe), &sch);
+    if (st == DS4_OK) st = ds4_pp_send_release(&sch, c->n_mtp_layers > 0, r.release);
     if (st == DS4_OK) st = pp_swaps_make(a, &r.sw);
     const double begin = ds4_now();
     for (int64_t i = 0; st == DS4_OK && i < sch.n; i++) {
         const double t0 = r.work_from = ds4_now();
-        st = sch.a[i].op == DS4_PP_FORWARD ? forward(&r, &sch.a[i]) : backward(&r, &sch.a[i]);
+        st = free_sent(&r, i);
+        if (st == DS4_OK) st = sch.a[i].op == DS4_PP_FORWARD ? forward(&r, &sch.a[i]) : backward(&r, &sch.a[i], i);
         trace_action(&sch.a[i], true, t0, r.work_from);
         trace_action(&sch.a[i], false, r.work_from, ds4_now());
-        if (st == DS4_OK) st = free_sent(&r);
     }
     if (a->passes_peak) *a->passes_peak = r.peak;
     /* every send done before its pass goes (after a failure too: nothing stays in flight on freed buffers) */
     const double sends = ds4_now();
+    if (st == DS4_OK) st = free_sent(&r, sch.n);
     for (int64_t i = 0; r.bwd && i < 2 * nc * M; i++) {
         const ds4_status w = wait_idle(&r, r.bwd[i]);
         if (st == DS4_OK) st = w;
@@ -233,9 +243,11 @@ ds4_status ds4_pp_run_rank(ds4_model *m, ds4_comm *pipe, const ds4_pp_local_args
     pp_swaps_free(&r.sw);
     ds4_pp_schedule_free(&sch);
     free(r.pass);
-    for (int64_t i = 0; r.out && i < 2 * nc * M; i++) free(r.out[i]);
+    for (int64_t i = 0; r.out && i < 2 * nc * M; i++) ds4_free(r.out[i]);
     free(r.out);
     free(r.sending);
+    free(r.sending_at);
+    free(r.release);
     free(r.fwd);
     free(r.bwd);
     free(r.parts);

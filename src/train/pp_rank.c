@@ -41,7 +41,7 @@ ds4_status pp_check_rank(const ds4_model *m, const ds4_comm *pipe, const ds4_pp_
 }
 
 ds4_status pp_recv_into(ds4_comm *pipe, float **buf, int64_t count, int64_t from_rank, int tag) {
-    *buf = malloc((size_t)count * sizeof(float));
+    *buf = ds4_alloc_for(ds4_comm_is_plan(pipe), DS4_MEM_COMM, (size_t)count * sizeof(float));
     if (!*buf) return ds4_fail(DS4_ERR_OOM, "pipeline: out of memory for a receive of %lld floats", (long long)count);
     ds4_comm_req *req = NULL;
     DS4_TRY(ds4_comm_irecv(pipe, *buf, count, sizeof(float), (int)from_rank, tag, &req));

@@ -67,6 +67,79 @@ ds4_status ds4_pp_schedule_make(int64_t pp, int64_t vpp, int64_t m, int64_t rank
     return DS4_OK;
 }
 
+/* The unit-cost run of every rank's list (ds4_pp_send_release): start [2, nc, m] of each (forward 0 /
+ * backward 1, chunk, micro-batch), each action as early as its rank's previous one and what it receives let
+ * it (the previous chunk's stream; the next chunk's gradient, on the last chunk its own forward; on chunk 0
+ * with mtp, the last chunk's rows). */
+static ds4_status unit_run(int64_t pp, int64_t vpp, int64_t m, bool mtp, int64_t *start) {
+    const int64_t nc = pp * vpp, n = 2 * vpp * m, all = 2 * nc * m;
+    ds4_pp_schedule *s = calloc((size_t)pp, sizeof *s);
+    int64_t *pos = calloc((size_t)pp, sizeof *pos), *clock = calloc((size_t)pp, sizeof *clock);
+    ds4_status st = s && pos && clock ? DS4_OK
+                                      : ds4_fail(DS4_ERR_OOM, "pipeline schedule: out of memory for %lld ranks",
+                                                 (long long)pp);
+    for (int64_t r = 0; st == DS4_OK && r < pp; r++) st = ds4_pp_schedule_make(pp, vpp, m, r, &s[r]);
+    for (int64_t i = 0; i < all; i++) start[i] = -1;
+#define AT(op, k, mb) start[((op) * nc + (k)) * m + (mb)]
+#define END(op, k, mb) (AT(op, k, mb) < 0 ? -1 : AT(op, k, mb) + ((op) ? 2 : 1))
+    for (bool moved = true; st == DS4_OK && moved;) {
+        moved = false;
+        for (int64_t r = 0; r < pp; r++)
+            while (pos[r] < n) {
+                const ds4_pp_action *x = &s[r].a[pos[r]];
+                const int64_t k = x->chunk, mb = x->mb, op = x->op == DS4_PP_BACKWARD;
+                int64_t need[2] = {0, 0}; /* ends of what it receives; -1: not yet run */
+                if (!op && k > 0) need[0] = END(0, k - 1, mb);
+                if (op) need[0] = k < nc - 1 ? END(1, k + 1, mb) : END(0, k, mb);
+                if (op && k == 0 && nc > 1 && mtp) need[1] = END(1, nc - 1, mb);
+                if (need[0] < 0 || need[1] < 0) break;
+                int64_t t = clock[r];
+                for (int j = 0; j < 2; j++) t = need[j] > t ? need[j] : t;
+                AT(op, k, mb) = t;
+                clock[r] = t + (op ? 2 : 1);
+                pos[r]++;
+                moved = true;
+            }
+    }
+    for (int64_t r = 0; st == DS4_OK && r < pp; r++)
+        if (pos[r] < n) /* the lists' own property (tests/test_pp_schedule.c): a schedule that stalls is a bug */
+            st = ds4_fail(DS4_ERR_INTERNAL, "pipeline schedule: pp %lld, vpp %lld, m %lld stalls on rank %lld",
+                          (long long)pp, (long long)vpp, (long long)m, (long long)r);
+    for (int64_t r = 0; s && r < pp; r++) ds4_pp_schedule_free(&s[r]);
+    free(s);
+    free(pos);
+    free(clock);
+    return st;
+}
+
+ds4_status ds4_pp_send_release(const ds4_pp_schedule *s, bool mtp, int64_t *release) {
+    const int64_t pp = s->pp, nc = pp * s->vpp, m = s->m;
+    int64_t *start = malloc((size_t)(2 * nc * m) * sizeof *start);
+    if (!start) return ds4_fail(DS4_ERR_OOM, "pipeline schedule: out of memory for %lld actions", (long long)(2 * nc * m));
+    const ds4_status st = unit_run(pp, s->vpp, m, mtp, start);
+    for (int64_t i = 0; st == DS4_OK && i < s->n; i++) {
+        const ds4_pp_action *x = &s->a[i];
+        const int64_t k = x->chunk, mb = x->mb;
+        int64_t recv = -1; /* when the last of its receivers started */
+        if (x->op == DS4_PP_BACKWARD && k > 0) recv = AT(1, k - 1, mb);
+        if (x->op == DS4_PP_BACKWARD && k == nc - 1 && nc > 1 && mtp && AT(1, 0, mb) > recv) recv = AT(1, 0, mb);
+        release[i] = -1;
+        if (recv < 0) continue;
+        release[i] = s->n;
+        for (int64_t j = i + 1; j < s->n; j++) {
+            const ds4_pp_action *y = &s->a[j];
+            if (AT(y->op == DS4_PP_BACKWARD, y->chunk, y->mb) > recv) {
+                release[i] = j;
+                break;
+            }
+        }
+    }
+#undef AT
+#undef END
+    free(start);
+    return st;
+}
+
 void ds4_pp_schedule_free(ds4_pp_schedule *s) {
     if (!s) return;
     free(s->a);
